@@ -1,0 +1,70 @@
+"""The contracts every runtime implements. The executor talks to devices only through these."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+  from kiln.codegen.opt import Opt
+  from kiln.codegen.spec import CompiledSpec, ProgramSpec
+  from kiln.ir.uop import UOp
+
+
+@runtime_checkable
+class Renderer(Protocol):
+  """Turns a verified kernel AST into source plus the metadata a runtime needs."""
+  device: str
+
+  def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec: ...
+
+
+@runtime_checkable
+class Compiler(Protocol):
+  """Source to loadable bytes. `cache_key` names the compiler, its version and target (part of disk-cache keys)."""
+  cache_key: str
+
+  def compile(self, spec: ProgramSpec) -> CompiledSpec: ...
+
+
+@runtime_checkable
+class BoundCall(Protocol):
+  """A program bound to fixed buffer addresses: the executor's fast path. Calling it runs the kernel."""
+
+  def __call__(self) -> None: ...
+  def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None: ...
+
+
+@runtime_checkable
+class Program(Protocol):
+  """A loaded kernel. bufs are raw device addresses in `globals` order; vals follow `var_names` (core_id excluded:
+  the runtime supplies it). Returns the kernel's time in seconds when wait=True."""
+  name: str
+
+  def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
+               local_size: Sequence[int] | None = None, wait: bool = False) -> float | None: ...
+  def bind(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
+           local_size: Sequence[int] | None = None) -> BoundCall: ...
+
+
+@runtime_checkable
+class Allocator(Protocol):
+  """Device memory. Handles are opaque; `ptr` gives the address a kernel takes."""
+
+  def alloc(self, size: int, options: Any = None) -> Any: ...
+  def free(self, handle: Any, size: int, options: Any = None) -> None: ...
+  def ptr(self, handle: Any) -> int: ...
+  def copyin(self, dest: Any, src: memoryview) -> None: ...
+  def copyout(self, dest: memoryview, src: Any) -> None: ...
+
+
+@runtime_checkable
+class Runtime(Protocol):
+  """One device: how to render, compile, load and allocate for it."""
+  device: str
+  renderer: Renderer
+  compiler: Compiler
+  allocator: Allocator
+  host_parallel_safe: bool  # may independent kernels of this device run at once on host threads?
+
+  def load(self, compiled: CompiledSpec) -> Program: ...
+  def synchronize(self) -> None: ...

@@ -1,0 +1,214 @@
+"""Boundary models (pydantic): what a renderer hands a compiler, a compiler a runtime, and a runtime the executor.
+
+Field names follow the seed runtime's ProgramSpec/CompiledSpec. Every model validates on construction and on
+assignment, and round-trips through JSON (a UOp as its JSON graph form).
+"""
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Any
+
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator,
+                      model_validator)
+
+from kiln.codegen.device import DeviceSpec
+from kiln.ir.dtype import DType, parse_dtype
+from kiln.ir.ops import Ops
+from kiln.ir.serialize import UOpGraph, from_graph, to_graph
+from kiln.ir.uop import UOp
+
+
+def _uop_in(v: Any) -> UOp:
+  if isinstance(v, UOp): return v
+  if isinstance(v, UOpGraph): return from_graph(v)
+  if isinstance(v, dict): return from_graph(UOpGraph.model_validate(v))
+  raise ValueError(f"expected a UOp or its JSON graph, got {type(v).__name__}")
+
+
+UOpField = Annotated[UOp, PlainValidator(_uop_in), PlainSerializer(lambda u: to_graph(u).model_dump(mode="json")),
+                     WithJsonSchema({"type": "object", "description": "UOp JSON graph"})]
+
+
+def _sym_in(v: Any) -> int | UOp:
+  if isinstance(v, bool): raise ValueError("a size must be an int or a UOp, not a bool")
+  if isinstance(v, int):
+    if v < 1: raise ValueError(f"sizes must be positive, got {v}")
+    return v
+  u = _uop_in(v)
+  if u.op is Ops.CONST: return _sym_in(int(u.arg))
+  if not isinstance(u.dtype, DType) or not u.dtype.is_int: raise ValueError(f"a symbolic size must be an integer UOp, got {u.dtype}")
+  return u
+
+
+SymInt = Annotated[int | UOp, PlainValidator(_sym_in),
+                   PlainSerializer(lambda v: v if isinstance(v, int) else to_graph(v).model_dump(mode="json")),
+                   WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "object"}]})]
+Bytes64 = Annotated[bytes, PlainValidator(lambda v: v if isinstance(v, bytes) else base64.b64decode(v, validate=True)),
+                    PlainSerializer(lambda b: base64.b64encode(b).decode()), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+
+
+def sym_eval(v: int | UOp, var_vals: dict[str, int]) -> int:
+  """Evaluate a symbolic size with concrete variable values (exact integer arithmetic, C division)."""
+  if isinstance(v, int): return v
+  from kiln.ir.symbolic import sym_int_eval
+  return sym_int_eval(v, var_vals)
+
+
+class _Model(BaseModel):
+  model_config = ConfigDict(validate_assignment=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class Variable(_Model):
+  """A runtime integer the kernel takes, with its DEFINE_VAR bounds."""
+  name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+  min: int
+  max: int
+
+  @model_validator(mode="after")
+  def _bounds(self) -> Variable:
+    if self.min > self.max: raise ValueError(f"variable {self.name}: min {self.min} > max {self.max}")
+    return self
+
+
+class BufferSpec(_Model):
+  """What a buffer is: element dtype, element count, device."""
+  dtype: str
+  size: int = Field(gt=0)
+  device: DeviceSpec = Field(default_factory=lambda: DeviceSpec.parse("CPU"))
+
+  @field_validator("dtype")
+  @classmethod
+  def _dtype(cls, v: str) -> str:
+    d = parse_dtype(v)
+    if not isinstance(d, DType) or d.kind == "v": raise ValueError(f"buffer dtype must be a value dtype, got {v!r}")
+    return v
+
+  @property
+  def nbytes(self) -> int: return self.size * parse_dtype(self.dtype).nbytes  # type: ignore[union-attr]
+
+
+class KernelArg(_Model):
+  """One buffer argument of a kernel: its DEFINE_GLOBAL slot, element dtype and element count (-1 unknown)."""
+  slot: int = Field(ge=0)
+  dtype: str
+  size: int
+
+  @field_validator("size")
+  @classmethod
+  def _size(cls, v: int) -> int:
+    if v < 1 and v != -1: raise ValueError(f"size must be positive or -1 (unknown), got {v}")
+    return v
+
+
+def _check_buffers(globals_: list[int], outs: list[int], ins: list[int], buf_count: int) -> None:
+  if len(set(globals_)) != len(globals_): raise ValueError(f"globals has duplicates: {globals_}")
+  for name, lst in (("outs", outs), ("ins", ins)):
+    if bad := [x for x in lst if x not in globals_]: raise ValueError(f"{name} {bad} are not in globals {globals_}")
+  if buf_count != len(globals_): raise ValueError(f"buf_count {buf_count} != number of globals {len(globals_)}")
+
+
+def _check_var_names(var_names: list[str]) -> None:
+  if len(set(var_names)) != len(var_names):
+    dup = sorted({v for v in var_names if var_names.count(v) > 1})
+    raise ValueError(f"var_names must be unique, duplicated: {dup}")
+
+
+class ProgramSpec(_Model):
+  """Source and metadata from a renderer, consumed by a compiler."""
+  name: str = Field(min_length=1)
+  src: str
+  device: DeviceSpec
+  ast: UOpField
+  global_size: tuple[SymInt, SymInt, SymInt] | None = None
+  local_size: tuple[SymInt, SymInt, SymInt] | None = None
+  vars: list[Variable] = Field(default_factory=list)
+  var_names: list[str] = Field(default_factory=list)  # positional order of vals; "core_id" last when threaded
+  globals: list[int] = Field(default_factory=list)
+  outs: list[int] = Field(default_factory=list)
+  ins: list[int] = Field(default_factory=list)
+  buf_count: int = Field(default=0, ge=0)
+  args: list[KernelArg] = Field(default_factory=list)  # per global, in globals order
+  applied_opts: list[str] = Field(default_factory=list)
+  threads: int = Field(default=1, ge=1)  # CPU thread split (global_size[0]); 1 when not threaded
+  flops: int = Field(default=0, ge=0)  # estimated, for profiles
+  mem_bytes: int = Field(default=0, ge=0)
+
+  @model_validator(mode="after")
+  def _consistent(self) -> ProgramSpec:
+    _check_buffers(self.globals, self.outs, self.ins, self.buf_count)
+    _check_var_names(self.var_names)
+    if bad := [v.name for v in self.vars if v.name not in self.var_names]: raise ValueError(f"vars {bad} are not in var_names")
+    if self.args and [a.slot for a in self.args] != self.globals: raise ValueError("args must list the globals in order")
+    return self
+
+  @classmethod
+  def new(cls, name: str, src: str, device: DeviceSpec | str, ast: UOp) -> ProgramSpec:
+    return cls(name=name, src=src, device=DeviceSpec.parse(device), ast=ast)
+
+  def add_var(self, var: Variable) -> None:
+    self.vars = [*self.vars, var]
+    if var.name not in self.var_names: self.var_names = [*self.var_names, var.name]
+
+  def set_work_sizes(self, global_size: tuple, local_size: tuple | None) -> None:
+    self.global_size, self.local_size = global_size, local_size  # type: ignore[assignment]
+
+  def set_var_names(self, var_names: list[str]) -> None: self.var_names = var_names
+
+  def set_buffer_metadata(self, globals_: list[int], outs: list[int], ins: list[int]) -> None:
+    """Set globals, outs and ins together; validated as a whole, so a bad set leaves the spec unchanged."""
+    new = ProgramSpec.model_validate({**dict(self), "globals": list(globals_), "outs": list(outs), "ins": list(ins),
+                                      "buf_count": len(globals_), "args": [a for a in self.args if a.slot in globals_]})
+    self.__dict__.update(new.__dict__)
+
+
+class CompiledSpec(_Model):
+  """A compiler's result: source (JIT backends) or bytes (object code, cubin). Carries what is needed to load and call it
+  without rendering again, so a disk-cache hit in a new process needs no codegen."""
+  name: str = Field(min_length=1)
+  src: str | None = None
+  bytes: Bytes64 = b""
+  ast: UOpField
+  var_names: list[str] = Field(default_factory=list)
+  global_size: tuple[SymInt, SymInt, SymInt] | None = None
+  local_size: tuple[SymInt, SymInt, SymInt] | None = None
+  buf_count: int = Field(default=0, ge=0)
+  # carried over from the ProgramSpec (not in the seed, which re-renders)
+  device: DeviceSpec = Field(default_factory=lambda: DeviceSpec.parse("CPU"))
+  vars: list[Variable] = Field(default_factory=list)
+  globals: list[int] = Field(default_factory=list)
+  outs: list[int] = Field(default_factory=list)
+  ins: list[int] = Field(default_factory=list)
+  args: list[KernelArg] = Field(default_factory=list)
+  applied_opts: list[str] = Field(default_factory=list)
+  threads: int = Field(default=1, ge=1)
+  flops: int = Field(default=0, ge=0)
+  mem_bytes: int = Field(default=0, ge=0)
+  compiler: str = ""
+
+  @model_validator(mode="after")
+  def _consistent(self) -> CompiledSpec:
+    if self.src is None and not self.bytes: raise ValueError("a CompiledSpec needs src or bytes")
+    _check_var_names(self.var_names)
+    if self.globals: _check_buffers(self.globals, self.outs, self.ins, self.buf_count)
+    return self
+
+  @classmethod
+  def from_source(cls, name: str, src: str, ast: UOp, buf_count: int) -> CompiledSpec:
+    return cls(name=name, src=src, ast=ast, buf_count=buf_count, globals=list(range(buf_count)) if buf_count else [])
+
+  @classmethod
+  def from_bytes(cls, name: str, data: bytes, ast: UOp) -> CompiledSpec: return cls(name=name, bytes=data, ast=ast)
+
+  @classmethod
+  def from_source_with_sizes(cls, name: str, src: str, ast: UOp, global_size: tuple | None, local_size: tuple | None,
+                             buf_count: int) -> CompiledSpec:
+    return cls(name=name, src=src, ast=ast, global_size=global_size, local_size=local_size, buf_count=buf_count,
+               globals=list(range(buf_count)) if buf_count else [])
+
+  @classmethod
+  def from_program(cls, spec: ProgramSpec, *, src: str | None = None, data: bytes = b"", compiler: str = "") -> CompiledSpec:
+    """Carry a ProgramSpec's metadata over to its compiled form."""
+    return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
+               local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
+               outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
+               flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)

@@ -1,0 +1,135 @@
+"""C semantics of every ALU op on numpy arrays: the one definition that constant folding and the reference evaluator share.
+
+Values are numpy arrays of the dtype's compute type: bfloat16 is held as float32 rounded to bfloat16 after every op.
+Defined where C leaves things undefined, so compiled code can match exactly:
+  x // 0 == x and x % 0 == 0;  MIN // -1 == MIN and MIN % -1 == 0 (wraparound);
+  shift amounts are taken modulo the bit width;  float -> int casts saturate, NaN -> 0;
+  MAX is IEEE-754-2019 maximum (NaN propagates, +0 > -0).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.dtype import DType, bf16_bits_to_f32, dtypes, f32_to_bf16_bits
+from kiln.ir.errors import IRTypeError
+from kiln.ir.ops import GroupOp, Ops
+
+
+def compute_np(dt: DType) -> np.dtype:
+  """numpy dtype that holds values of `dt` during evaluation."""
+  return np.dtype(np.float32) if dt.scalar() == dtypes.bfloat16 else dt.scalar().np
+
+
+def round_to(dt: DType, x: np.ndarray) -> np.ndarray:
+  """Round/wrap an array into the compute representation of dt (for bf16: float32 rounded to bf16)."""
+  if dt.scalar() == dtypes.bfloat16: return bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(x, np.float32)))
+  return np.asarray(x).astype(compute_np(dt), copy=False)
+
+
+def to_storage(dt: DType, x: np.ndarray) -> np.ndarray:
+  return f32_to_bf16_bits(x) if dt.scalar() == dtypes.bfloat16 else np.asarray(x, dtype=dt.scalar().np)
+
+
+def from_storage(dt: DType, x: np.ndarray) -> np.ndarray:
+  return bf16_bits_to_f32(x) if dt.scalar() == dtypes.bfloat16 else np.asarray(x)
+
+
+def _idiv_mod(a: np.ndarray, b: np.ndarray, dt: DType) -> tuple[np.ndarray, np.ndarray]:
+  if dt.is_unsigned:
+    bs = np.where(b == 0, np.ones_like(b), b)
+    q = a // bs
+    return q, (a - q * bs).astype(a.dtype)
+  bad = (b == 0) | (b == -1)
+  bs = np.where(bad, np.ones_like(b), b)
+  q = a // bs  # floor division: move toward zero when signs differ and there is a remainder
+  r = a - q * bs
+  fix = (r != 0) & ((a < 0) != (bs < 0))
+  q = np.where(fix, q + 1, q)
+  r = np.where(fix, r - bs, r)
+  q = np.where(b == -1, (np.zeros_like(a) - a), q)  # MIN // -1 wraps to MIN
+  return q.astype(a.dtype), r.astype(a.dtype)
+
+
+def _fmax(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  m = np.maximum(a, b)
+  both_zero = (a == 0) & (b == 0)
+  if np.any(both_zero): m = np.where(both_zero, np.where(np.signbit(a) & np.signbit(b), -0.0, 0.0).astype(m.dtype), m)
+  return m
+
+
+def cast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
+  """C-like cast with kiln's defined edges: float -> int saturates with NaN -> 0, int -> int wraps, -> bool is != 0."""
+  if dst.is_bool: return np.asarray(x != 0)
+  if dst.is_int and src.is_float:
+    xf = np.asarray(x, np.float64)
+    lo, hi = float(dst.min), float(dst.max)
+    out = np.trunc(np.nan_to_num(xf, nan=0.0, posinf=hi, neginf=lo))
+    res = np.where(out >= hi, 0, np.clip(out, lo, hi)).astype(dst.np)  # float(hi) may round up past max: handle apart
+    return np.where(out >= hi, np.array(dst.max, dtype=dst.np), res)
+  if dst.is_int: return np.asarray(x).astype(dst.np)  # int/bool -> int: two's complement wrap
+  if dst == dtypes.bfloat16:
+    return round_to(dst, np.asarray(x).astype(np.float64 if src == dtypes.float64 or src.itemsize == 8 else np.float32))
+  return np.asarray(x).astype(compute_np(dst))
+
+
+def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
+  if src.itemsize != dst.itemsize: raise IRTypeError(f"bitcast needs equal sizes, {src} is {src.itemsize} bytes and {dst} is {dst.itemsize}")
+  raw = np.ascontiguousarray(to_storage(src, x))
+  return from_storage(dst, raw.view(dst.np))
+
+
+def exec_alu(op: Ops, dt: DType, *srcs: Any) -> np.ndarray:
+  """Evaluate one ALU op whose result has dtype dt. Sources are compute-type arrays (or scalars)."""
+  with np.errstate(all="ignore"):
+    s = [np.asarray(x) for x in srcs]
+    if op in GroupOp.Comparison:
+      a, b = s
+      return np.asarray(a < b if op is Ops.CMPLT else (a == b if op is Ops.CMPEQ else a != b))
+    if op is Ops.WHERE: return round_to(dt, np.where(s[0], s[1], s[2]))
+    if dt.is_float: return round_to(dt, _float_op(op, dt, s))
+    return _int_op(op, dt, s).astype(compute_np(dt))
+
+
+def _float_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
+  # half ops compute in float32 and round once: exact for + - * / sqrt (float32 has > 2p+2 bits)
+  if dt.scalar() in (dtypes.float16, dtypes.bfloat16): s = [x.astype(np.float32) for x in s]
+  if op is Ops.ADD: return s[0] + s[1]
+  if op is Ops.SUB: return s[0] - s[1]
+  if op is Ops.MUL: return s[0] * s[1]
+  if op is Ops.MULACC: return s[0] * s[1] + s[2]
+  if op is Ops.FDIV: return s[0] / s[1]
+  if op is Ops.MAX: return _fmax(s[0], s[1])
+  if op is Ops.NEG: return -s[0]
+  if op is Ops.EXP2: return np.exp2(s[0])
+  if op is Ops.LOG2: return np.log2(s[0])
+  if op is Ops.SIN: return np.sin(s[0])
+  if op is Ops.SQRT: return np.sqrt(s[0])
+  if op is Ops.RECIPROCAL: return np.asarray(1, s[0].dtype) / s[0]
+  if op is Ops.TRUNC: return np.trunc(s[0])
+  raise IRTypeError(f"{op} does not take float operands ({dt})")
+
+
+def _int_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
+  if dt.is_bool:
+    if op in (Ops.AND, Ops.MUL): return s[0] & s[1]
+    if op in (Ops.OR, Ops.MAX): return s[0] | s[1]
+    if op in (Ops.XOR, Ops.ADD, Ops.SUB): return s[0] ^ s[1]
+    raise IRTypeError(f"{op} does not take bool operands")
+  if op is Ops.ADD: return s[0] + s[1]
+  if op is Ops.SUB: return s[0] - s[1]
+  if op is Ops.MUL: return s[0] * s[1]
+  if op is Ops.MULACC: return s[0] * s[1] + s[2]
+  if op is Ops.IDIV: return _idiv_mod(s[0], s[1], dt)[0]
+  if op is Ops.MOD: return _idiv_mod(s[0], s[1], dt)[1]
+  if op is Ops.MAX: return np.maximum(s[0], s[1])
+  if op is Ops.NEG: return np.zeros_like(s[0]) - s[0]
+  if op is Ops.AND: return s[0] & s[1]
+  if op is Ops.OR: return s[0] | s[1]
+  if op is Ops.XOR: return s[0] ^ s[1]
+  if op in (Ops.SHL, Ops.SHR):
+    amt = (s[1] & np.asarray(dt.bits - 1).astype(s[1].dtype)).astype(s[0].dtype)
+    return (s[0] << amt) if op is Ops.SHL else (s[0] >> amt)
+  if op is Ops.TRUNC: return s[0]
+  raise IRTypeError(f"{op} does not take integer operands ({dt})")

@@ -1,0 +1,133 @@
+"""vmin/vmax: exact for constants, variables and ranges; sound (a superset of every value) for every ALU op.
+
+Integer results are computed on Python ints; a result that could leave its dtype's range may wrap, so it widens to
+the whole dtype. Floats are bounded only where it is exact (constants, casts from ints).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiln.ir.dtype import DType
+from kiln.ir.ops import Ops
+from kiln.ir.uop import ConstLike, UOp
+
+Bounds = tuple[ConstLike, ConstLike]
+
+
+def _full(dt: object) -> Bounds:
+  if isinstance(dt, DType) and dt.kind != "v" and dt.count == 1: return dt.min, dt.max
+  if isinstance(dt, DType) and dt.count > 1: return dt.scalar().min, dt.scalar().max
+  return 0, 0
+
+
+def _tdiv(a: int, b: int) -> int:
+  q = abs(a) // abs(b)
+  return q if (a >= 0) == (b > 0) else -q
+
+
+def _idiv(a: Bounds, b: Bounds) -> list[int]:
+  (alo, ahi), (blo, bhi) = a, b
+  cands: list[int] = []
+  for lo, hi in ((max(int(blo), 1), int(bhi)), (int(blo), min(int(bhi), -1))):
+    if lo <= hi: cands += [_tdiv(x, y) for x in (alo, ahi) for y in (lo, hi)]  # type: ignore[arg-type]
+  if blo <= 0 <= bhi: cands += [int(alo), int(ahi)]  # x // 0 == x
+  return cands
+
+
+def _mod(a: Bounds, b: Bounds) -> list[int]:
+  (alo, ahi), (blo, bhi) = (int(a[0]), int(a[1])), (int(b[0]), int(b[1]))
+  if blo > 0 and 0 <= alo and ahi < blo: return [alo, ahi]
+  m = max(abs(blo), abs(bhi)) - 1
+  lo = 0 if alo >= 0 else max(alo, -m)
+  hi = 0 if ahi <= 0 else min(ahi, m)
+  return [lo, hi, 0]
+
+
+def _pow2_above(x: int) -> int: return (1 << max(int(x), 0).bit_length()) - 1
+
+
+def _bitwise(op: Ops, a: Bounds, b: Bounds, dt: DType) -> list[ConstLike] | None:
+  if dt.is_bool:
+    if op is Ops.AND: return [a[0] and b[0], a[1] and b[1]]
+    if op is Ops.OR: return [a[0] or b[0], a[1] or b[1]]
+    return None
+  if a[0] < 0 or b[0] < 0: return None
+  if op is Ops.AND: return [0, min(a[1], b[1])]
+  if op is Ops.OR: return [max(a[0], b[0]), _pow2_above(max(a[1], b[1]))]
+  return [0, _pow2_above(max(a[1], b[1]))]
+
+
+def _shift(op: Ops, a: Bounds, b: Bounds, dt: DType) -> list[ConstLike] | None:
+  if b[0] == b[1] and 0 <= b[0] < dt.bits:
+    s = int(b[0])
+    if op is Ops.SHR: return [int(a[0]) >> s, int(a[1]) >> s]
+    if a[0] >= 0: return [int(a[0]) << s, int(a[1]) << s]
+    return None
+  if op is Ops.SHR: return [min(int(a[0]), 0), max(int(a[1]), 0)]
+  return None
+
+
+def _cmp(op: Ops, a: Bounds, b: Bounds) -> Bounds:
+  if op is Ops.CMPLT:
+    if a[1] < b[0]: return True, True
+    if a[0] >= b[1]: return False, False
+  elif op in (Ops.CMPEQ, Ops.CMPNE):
+    if a[1] < b[0] or b[1] < a[0]: return (op is Ops.CMPNE,) * 2  # type: ignore[return-value]
+    if a[0] == a[1] == b[0] == b[1]: return (op is Ops.CMPEQ,) * 2  # type: ignore[return-value]
+  return False, True
+
+
+_INT_RULES: dict[Ops, Callable[[Bounds, Bounds], list]] = {
+  Ops.ADD: lambda a, b: [a[0] + b[0], a[1] + b[1]],
+  Ops.SUB: lambda a, b: [a[0] - b[1], a[1] - b[0]],
+  Ops.MUL: lambda a, b: [x * y for x in a for y in b],
+  Ops.MAX: lambda a, b: [max(a[0], b[0]), max(a[1], b[1])],
+  Ops.IDIV: _idiv,
+  Ops.MOD: _mod,
+}
+
+
+def _node_bounds(u: UOp) -> Bounds:
+  op, dt = u.op, u.dtype
+  if op is Ops.CONST: return u.arg, u.arg
+  if op is Ops.DEFINE_VAR: return u.arg[1], u.arg[2]
+  if op is Ops.BIND: return u.src[0]._vbounds()
+  if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
+  if not isinstance(dt, DType) or dt.kind == "v": return 0, 0
+  srcb = [s._bounds for s in u.src]
+  if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE): return _cmp(op, srcb[0], srcb[1])  # type: ignore[arg-type]
+  if op is Ops.WHERE:
+    c = srcb[0]
+    if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]  # type: ignore[return-value]
+    return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])  # type: ignore[index]
+  if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)  # type: ignore[arg-type]
+  if dt.count != 1 or dt.is_float: return _full(dt)
+  cands: list | None = None
+  if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])  # type: ignore[arg-type]
+  elif op is Ops.NEG: cands = [-srcb[0][1], -srcb[0][0]]  # type: ignore[index, operator]
+  elif op in (Ops.AND, Ops.OR, Ops.XOR): cands = _bitwise(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
+  elif op in (Ops.SHL, Ops.SHR): cands = _shift(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
+  elif op is Ops.REDUCE and u.arg is Ops.MAX: cands = list(srcb[0])  # type: ignore[arg-type]
+  if cands is None: return _full(dt)
+  lo, hi = min(cands), max(cands)
+  if dt.is_bool: return bool(lo), bool(hi)
+  if lo < dt.min or hi > dt.max: return _full(dt)  # may wrap
+  return lo, hi
+
+
+def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
+  if dst.count != 1: return _full(dst)
+  if dst.is_bool:
+    if b[0] == b[1]: return (b[0] != 0,) * 2  # type: ignore[return-value]
+    return (False, True) if not (b[0] > 0 or b[1] < 0) else (True, True)
+  if src.is_float: return _full(dst) if not dst.is_float else (b[0], b[1]) if b[0] == b[1] else _full(dst)
+  lo, hi = int(b[0]), int(b[1])
+  if dst.is_float: return float(lo), float(hi)
+  if dst.min <= lo and hi <= dst.max: return lo, hi
+  return _full(dst)
+
+
+def compute_bounds(root: UOp) -> None:
+  """Fill _bounds for root and every node under it that lacks them, sources first (no recursion)."""
+  for u in root.toposort():
+    if u._bounds is None: object.__setattr__(u, "_bounds", _node_bounds(u))

@@ -1,0 +1,46 @@
+"""The op vocabulary of the kernel AST and of lowered programs, with the groups the rest of kiln reasons about."""
+from __future__ import annotations
+
+from enum import Enum, IntEnum, auto
+
+
+class Ops(IntEnum):
+  # buffers, variables and structure
+  DEFINE_GLOBAL = auto(); DEFINE_VAR = auto(); BIND = auto(); CONST = auto(); SINK = auto()  # noqa: E702
+  RANGE = auto(); INDEX = auto(); LOAD = auto(); STORE = auto(); REDUCE = auto()  # noqa: E702
+  # appear only after lowering
+  SPECIAL = auto(); DEFINE_ACC = auto(); ACC_STORE = auto(); ENDRANGE = auto(); IF = auto(); ENDIF = auto()  # noqa: E702
+  VECTORIZE = auto(); GEP = auto(); VREDUCE = auto(); DEFINE_LOCAL = auto(); BARRIER = auto()  # noqa: E702
+  # unary ALU
+  NEG = auto(); EXP2 = auto(); LOG2 = auto(); SIN = auto(); SQRT = auto(); RECIPROCAL = auto(); TRUNC = auto()  # noqa: E702
+  CAST = auto(); BITCAST = auto()  # noqa: E702
+  # binary ALU
+  ADD = auto(); SUB = auto(); MUL = auto(); FDIV = auto(); IDIV = auto(); MOD = auto(); MAX = auto()  # noqa: E702
+  CMPLT = auto(); CMPEQ = auto(); CMPNE = auto(); AND = auto(); OR = auto(); XOR = auto(); SHL = auto(); SHR = auto()  # noqa: E702
+  # ternary ALU
+  WHERE = auto(); MULACC = auto()  # noqa: E702
+
+  def __repr__(self) -> str: return f"Ops.{self.name}"
+  def __str__(self) -> str: return f"Ops.{self.name}"
+
+
+class AxisType(Enum):
+  LOOP = "LOOP"  # a parallel axis of the output
+  REDUCE = "REDUCE"  # closed by a REDUCE
+  def __repr__(self) -> str: return f"AxisType.{self.name}"
+
+
+class GroupOp:
+  Unary = frozenset({Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC})
+  Binary = frozenset({Ops.ADD, Ops.SUB, Ops.MUL, Ops.FDIV, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE,
+                      Ops.AND, Ops.OR, Ops.XOR, Ops.SHL, Ops.SHR})
+  Ternary = frozenset({Ops.WHERE, Ops.MULACC})
+  ALU = Unary | Binary | Ternary
+  Comparison = frozenset({Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE})
+  Commutative = frozenset({Ops.ADD, Ops.MUL, Ops.MAX, Ops.CMPEQ, Ops.CMPNE, Ops.AND, Ops.OR, Ops.XOR})
+  Associative = frozenset({Ops.ADD, Ops.MUL, Ops.AND, Ops.OR, Ops.MAX})
+  FloatOnly = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.FDIV, Ops.TRUNC})
+  IntOnly = frozenset({Ops.IDIV, Ops.MOD, Ops.SHL, Ops.SHR})
+  Bitwise = frozenset({Ops.AND, Ops.OR, Ops.XOR})  # ints and bools
+  ReduceOps = frozenset({Ops.ADD, Ops.MUL, Ops.MAX})
+  Elementwise = ALU | {Ops.CAST, Ops.BITCAST}

@@ -1,0 +1,157 @@
+"""Pattern matching and graph rewriting: UPat, PatternMatcher, graph_rewrite (iterative, with an endless-rewrite guard)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kiln.ir.dtype import AnyDType
+from kiln.ir.errors import RewriteError
+from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
+
+_ANY = object()
+
+
+class UPat:
+  """A pattern over UOps. src as a tuple matches in order, as a list in any order (commutative ops), as one UPat every source."""
+  __slots__ = ("op", "dtype", "src", "arg", "name", "allow_any_len", "custom")
+
+  def __init__(self, op: Ops | Iterable[Ops] | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None,
+               src: UPat | tuple[UPat, ...] | list[UPat] | None = None, arg: Any = _ANY, name: str | None = None,
+               allow_any_len: bool = False, custom: Callable[[UOp], bool] | None = None):
+    self.op: frozenset[Ops] | None = None if op is None else frozenset((op,) if isinstance(op, Ops) else op)
+    self.dtype: frozenset | None = None if dtype is None else frozenset((dtype,) if not isinstance(dtype, (tuple, list, set, frozenset)) else dtype)
+    self.src, self.arg, self.name, self.allow_any_len, self.custom = src, arg, name, allow_any_len, custom
+
+  @staticmethod
+  def var(name: str | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None) -> UPat: return UPat(dtype=dtype, name=name)
+  @staticmethod
+  def cvar(name: str | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None) -> UPat: return UPat(Ops.CONST, dtype, name=name)
+  @staticmethod
+  def const(dtype: AnyDType | Iterable[AnyDType] | None, value: Any) -> UPat: return UPat(Ops.CONST, dtype, arg=value)
+
+  def __repr__(self) -> str:
+    return f"UPat({sorted(o.name for o in self.op) if self.op else None}, name={self.name!r})"
+
+  # builders so rules read like expressions: UPat.var("x") + UPat.cvar("c")
+  def _alu(self, op: Ops, *others: UPat, commutative: bool = False) -> UPat:
+    srcs = (self, *others)
+    return UPat(op, src=list(srcs) if commutative else srcs)
+  def __add__(self, o: UPat) -> UPat: return self._alu(Ops.ADD, o, commutative=True)
+  def __mul__(self, o: UPat) -> UPat: return self._alu(Ops.MUL, o, commutative=True)
+  def __sub__(self, o: UPat) -> UPat: return self._alu(Ops.SUB, o)
+  def __floordiv__(self, o: UPat) -> UPat: return self._alu(Ops.IDIV, o)
+  def __mod__(self, o: UPat) -> UPat: return self._alu(Ops.MOD, o)
+  def __lt__(self, o: UPat) -> UPat: return self._alu(Ops.CMPLT, o)
+  def alu(self, op: Ops, *o: UPat, commutative: bool = False) -> UPat: return self._alu(op, *o, commutative=commutative)
+
+  def match(self, u: UOp, store: dict[str, UOp]) -> list[dict[str, UOp]]:
+    if self.op is not None and u.op not in self.op: return []
+    if self.dtype is not None and u.dtype not in self.dtype and getattr(u.dtype, "scalar", lambda: None)() not in self.dtype: return []
+    if self.arg is not _ANY and not (u.arg is self.arg or (type(u.arg) is type(self.arg) and u.arg == self.arg)): return []
+    if self.custom is not None and not self.custom(u): return []
+    if self.name is not None:
+      if (prev := store.get(self.name)) is not None:
+        if prev is not u: return []
+      else: store = {**store, self.name: u}
+    if self.src is None: return [store]
+    if isinstance(self.src, UPat): return _match_seq([self.src] * len(u.src), u.src, store)
+    if len(self.src) != len(u.src) and not (self.allow_any_len and len(u.src) >= len(self.src)): return []
+    if isinstance(self.src, list):
+      out: list[dict[str, UOp]] = []
+      for perm in itertools.permutations(self.src): out += _match_seq(list(perm), u.src[:len(perm)], store)
+      return out
+    return _match_seq(list(self.src), u.src[:len(self.src)], store)
+
+
+def _match_seq(pats: Sequence[UPat], srcs: Sequence[UOp], store: dict[str, UOp]) -> list[dict[str, UOp]]:
+  stores = [store]
+  for p, s in zip(pats, srcs):
+    stores = [m for st in stores for m in p.match(s, st)]
+    if not stores: return []
+  return stores
+
+
+Rule = tuple[UPat, Callable[..., UOp | None]]
+
+
+class PatternMatcher:
+  """An ordered table of (pattern, function) rules, indexed by op. A function returns a replacement or None."""
+
+  def __init__(self, rules: Sequence[Rule]):
+    self.rules = list(rules)
+    self.by_op: dict[Ops, list[Rule]] = {}
+    self.wildcard: list[Rule] = []
+    for pat, fn in self.rules:
+      if pat.op is None: self.wildcard.append((pat, fn))
+      else:
+        for o in pat.op: self.by_op.setdefault(o, []).append((pat, fn))
+    if self.wildcard:  # keep table order for nodes that match both kinds
+      order = {id(r): i for i, r in enumerate(self.rules)}
+      for o in list(self.by_op): self.by_op[o] = sorted(self.by_op[o] + self.wildcard, key=lambda r: order[id(r)])
+
+  def __add__(self, other: PatternMatcher) -> PatternMatcher: return PatternMatcher(self.rules + other.rules)
+
+  def rewrite(self, u: UOp, ctx: Any = None) -> UOp | None:
+    for pat, fn in self.by_op.get(u.op, self.wildcard):
+      for m in pat.match(u, {}):
+        r = fn(ctx, **m) if ctx is not None else fn(**m)
+        if r is not None and r is not u: return r
+    return None
+
+
+def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: bool = False, max_rewrites: int | None = None) -> UOp:
+  """Rewrite every node of root's graph to a fixed point, without recursion.
+
+  Default: a node is rewritten after its sources (so rules see simplified operands). bottom_up=True: a node is rewritten
+  before its sources are visited (rules see the original operands, as a top-down pass). Either way a replacement is
+  itself processed until nothing changes; more than max_rewrites replacements raises RewriteError (an endless rewrite).
+  """
+  replace: dict[UOp, UOp] = {}
+  limit = max_rewrites if max_rewrites is not None else 100_000 + 50 * len(root.toposort())
+  rewrites = 0
+  last_rule: list[UOp] = []
+
+  def step(u: UOp) -> UOp | None:
+    nonlocal rewrites
+    r = pm.rewrite(u, ctx)
+    if r is not None:
+      rewrites += 1
+      if rewrites > limit:
+        raise RewriteError(f"graph_rewrite made more than {limit} rewrites without reaching a fixed point; the last rewrote "
+                           f"{u.op} ({u.dtype}) into {r.op} ({r.dtype}): a rule set that undoes itself?")
+      last_rule[:] = [u]
+    return r
+
+  stack: list[tuple[UOp, int, UOp]] = [(root, 0, root)]
+  while stack:
+    n, stage, cur = stack.pop()
+    if stage == 0:
+      if n in replace: continue
+      if bottom_up:
+        while (r := step(cur)) is not None: cur = r
+      stack.append((n, 1, cur))
+      stack.extend((s, 0, s) for s in reversed(cur.src) if s not in replace)
+    elif stage == 1:
+      new_src = tuple(replace[s] for s in cur.src)
+      if any(a is not b for a, b in zip(new_src, cur.src)): cur = cur.replace(src=new_src)
+      if (r := step(cur)) is not None:
+        stack.append((n, 2, r))
+        stack.append((r, 0, r))
+        continue
+      replace[n] = cur
+    else:
+      replace[n] = replace[cur]
+  return replace[root]
+
+
+def substitute(root: UOp, mapping: dict[UOp, UOp]) -> UOp:
+  """Replace nodes by identity (each mapped node and everything above it is rebuilt)."""
+  if not mapping: return root
+  replace: dict[UOp, UOp] = {}
+  for u in root.toposort():
+    if u in mapping: replace[u] = mapping[u]; continue  # noqa: E702
+    new_src = tuple(replace[s] for s in u.src)
+    replace[u] = u if all(a is b for a, b in zip(new_src, u.src)) else u.replace(src=new_src)
+  return replace[root]
