@@ -7,9 +7,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
-
 from kiln.ir.errors import DeviceError
+from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
 
 if TYPE_CHECKING:
   from kiln.codegen.protocols import Runtime
@@ -69,7 +68,7 @@ def _parse(s: str) -> dict[str, Any]:
   if kind == "GPU": kind = "CUDA"
   if kind == "DISK": return {"kind": "DISK", "path": rest}
   if kind not in ("CPU", "CUDA"): raise ValueError(f"unknown device kind {m.group('kind')!r}; expected CPU, CUDA, GPU or DISK")
-  if rest is None or rest == "": return {"kind": kind}
+  if rest is None: return {"kind": kind}
   if not rest.isdigit(): raise ValueError(f"device index must be a non-negative integer, got {rest!r}")
   return {"kind": kind, "index": int(rest)}
 

@@ -6,16 +6,18 @@ assignment, and round-trips through JSON (a UOp as its JSON graph form).
 from __future__ import annotations
 
 import base64
+import builtins
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator,
-                      model_validator)
-
+import numpy as np
 from kiln.codegen.device import DeviceSpec
+from kiln.ir.alu import cast, exec_alu
 from kiln.ir.dtype import DType, parse_dtype
-from kiln.ir.ops import Ops
+from kiln.ir.errors import CodegenError, IRTypeError, VariableBoundsError
+from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.serialize import UOpGraph, from_graph, to_graph
 from kiln.ir.uop import UOp
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
 
 
 def _uop_in(v: Any) -> UOp:
@@ -48,14 +50,47 @@ Bytes64 = Annotated[bytes, PlainValidator(lambda v: v if isinstance(v, bytes) el
 
 
 def sym_eval(v: int | UOp, var_vals: dict[str, int]) -> int:
-  """Evaluate a symbolic size with concrete variable values (exact integer arithmetic, C division)."""
+  """Evaluate a symbolic size with concrete variable values: C integer semantics (wraparound, truncating division),
+  the same ALU definitions the reference evaluator uses. An unbound variable is a VariableBoundsError naming it."""
   if isinstance(v, int): return v
-  from kiln.ir.symbolic import sym_int_eval
-  return sym_int_eval(v, var_vals)
+  topo = v.toposort()
+  var_vals = {**var_vals, **{u.src[0].arg[0]: u.src[1].arg for u in topo if u.op is Ops.BIND}}  # a bound value is fixed
+  vals: dict[UOp, Any] = {}
+  for u in topo:
+    if u.op is Ops.CONST: vals[u] = u.arg
+    elif u.op is Ops.DEFINE_VAR:
+      if u.arg[0] not in var_vals: raise VariableBoundsError(f"variable {u.arg[0]} has no value (given: {sorted(var_vals)})")
+      vals[u] = var_vals[u.arg[0]]
+    elif u.op is Ops.BIND: vals[u] = vals[u.src[1]]
+    elif u.op is Ops.CAST: vals[u] = cast(np.asarray(vals[u.src[0]]), u.src[0].dtype, u.dtype)  # type: ignore[arg-type]
+    elif u.op in GroupOp.ALU: vals[u] = exec_alu(u.op, u.dtype, *(vals[s] for s in u.src))  # type: ignore[arg-type]
+    else: raise CodegenError(f"cannot evaluate a {u.op} in a launch size")
+  return int(vals[v])
 
 
 class _Model(BaseModel):
   model_config = ConfigDict(validate_assignment=True, extra="forbid", arbitrary_types_allowed=True)
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    # pydantic runs model validators after the field is already set: restore the old state when they reject it
+    old = dict(self.__dict__)
+    try: super().__setattr__(name, value)
+    except ValidationError:
+      self.__dict__.clear()
+      self.__dict__.update(old)
+      raise
+
+  def _update(self, **changes: Any) -> None:
+    """Change several fields at once, validated as a whole: a rejected change leaves the model as it was."""
+    new = type(self).model_validate({**dict(self), **changes})
+    self.__dict__.update(new.__dict__)
+
+
+def _value_dtype(v: str) -> str:
+  try: d = parse_dtype(v)
+  except IRTypeError as e: raise ValueError(str(e)) from None  # a ValueError, so pydantic reports it against the field
+  if not isinstance(d, DType) or d.kind == "v" or d.count != 1: raise ValueError(f"must be a scalar value dtype, got {v!r}")
+  return v
 
 
 class Variable(_Model):
@@ -78,10 +113,7 @@ class BufferSpec(_Model):
 
   @field_validator("dtype")
   @classmethod
-  def _dtype(cls, v: str) -> str:
-    d = parse_dtype(v)
-    if not isinstance(d, DType) or d.kind == "v": raise ValueError(f"buffer dtype must be a value dtype, got {v!r}")
-    return v
+  def _dtype(cls, v: str) -> str: return _value_dtype(v)
 
   @property
   def nbytes(self) -> int: return self.size * parse_dtype(self.dtype).nbytes  # type: ignore[union-attr]
@@ -92,6 +124,10 @@ class KernelArg(_Model):
   slot: int = Field(ge=0)
   dtype: str
   size: int
+
+  @field_validator("dtype")
+  @classmethod
+  def _dtype(cls, v: str) -> str: return _value_dtype(v)
 
   @field_validator("size")
   @classmethod
@@ -146,19 +182,20 @@ class ProgramSpec(_Model):
     return cls(name=name, src=src, device=DeviceSpec.parse(device), ast=ast)
 
   def add_var(self, var: Variable) -> None:
-    self.vars = [*self.vars, var]
-    if var.name not in self.var_names: self.var_names = [*self.var_names, var.name]
+    """Add a variable (and its name to var_names when new); a name already in vars is an error."""
+    if any(v.name == var.name for v in self.vars): raise ValueError(f"variable {var.name} is already in vars")
+    self._update(vars=[*self.vars, var], var_names=self.var_names if var.name in self.var_names else [*self.var_names, var.name])
 
   def set_work_sizes(self, global_size: tuple, local_size: tuple | None) -> None:
-    self.global_size, self.local_size = global_size, local_size  # type: ignore[assignment]
+    self._update(global_size=global_size, local_size=local_size)
 
-  def set_var_names(self, var_names: list[str]) -> None: self.var_names = var_names
+  def set_var_names(self, var_names: list[str]) -> None: self._update(var_names=list(var_names))
 
   def set_buffer_metadata(self, globals_: list[int], outs: list[int], ins: list[int]) -> None:
     """Set globals, outs and ins together; validated as a whole, so a bad set leaves the spec unchanged."""
-    new = ProgramSpec.model_validate({**dict(self), "globals": list(globals_), "outs": list(outs), "ins": list(ins),
-                                      "buf_count": len(globals_), "args": [a for a in self.args if a.slot in globals_]})
-    self.__dict__.update(new.__dict__)
+    args = [a for a in self.args if a.slot in globals_]
+    self._update(globals=list(globals_), outs=list(outs), ins=list(ins), buf_count=len(globals_),
+                 args=args if [a.slot for a in args] == list(globals_) else [])  # args no longer describing every global are dropped
 
 
 class CompiledSpec(_Model):
@@ -197,7 +234,7 @@ class CompiledSpec(_Model):
     return cls(name=name, src=src, ast=ast, buf_count=buf_count, globals=list(range(buf_count)) if buf_count else [])
 
   @classmethod
-  def from_bytes(cls, name: str, data: bytes, ast: UOp) -> CompiledSpec: return cls(name=name, bytes=data, ast=ast)
+  def from_bytes(cls, name: str, data: builtins.bytes, ast: UOp) -> CompiledSpec: return cls(name=name, bytes=data, ast=ast)
 
   @classmethod
   def from_source_with_sizes(cls, name: str, src: str, ast: UOp, global_size: tuple | None, local_size: tuple | None,
@@ -206,7 +243,7 @@ class CompiledSpec(_Model):
                globals=list(range(buf_count)) if buf_count else [])
 
   @classmethod
-  def from_program(cls, spec: ProgramSpec, *, src: str | None = None, data: bytes = b"", compiler: str = "") -> CompiledSpec:
+  def from_program(cls, spec: ProgramSpec, *, src: str | None = None, data: builtins.bytes = b"", compiler: str = "") -> CompiledSpec:
     """Carry a ProgramSpec's metadata over to its compiled form."""
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
