@@ -5,6 +5,9 @@ Defined where C leaves things undefined, so compiled code can match exactly:
   x // 0 == x and x % 0 == 0;  MIN // -1 == MIN and MIN % -1 == 0 (wraparound);
   shift amounts are taken modulo the bit width;  float -> int casts saturate, NaN -> 0;
   MAX is IEEE-754-2019 maximum (NaN propagates, +0 > -0).
+  bool ALU is C's `(bool)(a op b)`: ADD and MAX are OR, MUL is AND, SUB is XOR (so a REDUCE ADD over bools is "any").
+  MULACC is unfused: round(round(a*b) + c) in the result dtype.
+  Every conversion to bfloat16 rounds once, to nearest even, from the exact source value (no float32 double rounding).
 """
 from __future__ import annotations
 
@@ -34,6 +37,35 @@ def to_storage(dt: DType, x: np.ndarray) -> np.ndarray:
 
 def from_storage(dt: DType, x: np.ndarray) -> np.ndarray:
   return bf16_bits_to_f32(x) if dt.scalar() == dtypes.bfloat16 else np.asarray(x)
+
+
+def _odd_f32(x: np.ndarray) -> np.ndarray:
+  """float64 -> float32 rounded to odd: a later round-to-nearest-even to bfloat16 then equals a direct one."""
+  x = np.asarray(x, np.float64)
+  with np.errstate(over="ignore", invalid="ignore"):
+    f = x.astype(np.float32)
+    f = np.where(np.abs(f.astype(np.float64)) > np.abs(x), np.nextafter(f, np.float32(0)), f).astype(np.float32)  # truncate
+    inexact = (f.astype(np.float64) != x) & ~np.isnan(x)
+  return np.where(inexact, (f.view(np.uint32) | np.uint32(1)).view(np.float32), f)
+
+
+def _odd_f64_from_int(x: np.ndarray) -> np.ndarray:
+  """64-bit int -> float64 rounded to odd (hi*2^32 + lo with Fast2Sum for the rounding error)."""
+  x = np.asarray(x)
+  hi = (x >> np.asarray(32, x.dtype)).astype(np.float64) * 4294967296.0
+  lo = (x & np.asarray(0xFFFFFFFF, x.dtype)).astype(np.float64)
+  s = hi + lo
+  err = lo - (s - hi)
+  even = (s.view(np.uint64) & np.uint64(1)) == 0
+  return np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+
+
+def _to_bf16(x: np.ndarray, src: DType) -> np.ndarray:
+  """Any source value to bfloat16 (held as float32), rounded once to nearest even."""
+  x = np.asarray(x)
+  if src.is_float and src.itemsize <= 4 or src.is_bool: return round_to(dtypes.bfloat16, x.astype(np.float32))
+  if src.is_int and src.itemsize == 8: x = _odd_f64_from_int(x)
+  return round_to(dtypes.bfloat16, _odd_f32(x.astype(np.float64)))
 
 
 def _idiv_mod(a: np.ndarray, b: np.ndarray, dt: DType) -> tuple[np.ndarray, np.ndarray]:
@@ -69,14 +101,14 @@ def cast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
     res = np.where(out >= hi, 0, np.clip(out, lo, hi)).astype(dst.np)  # float(hi) may round up past max: handle apart
     return np.where(out >= hi, np.array(dst.max, dtype=dst.np), res)
   if dst.is_int: return np.asarray(x).astype(dst.np)  # int/bool -> int: two's complement wrap
-  if dst == dtypes.bfloat16:
-    return round_to(dst, np.asarray(x).astype(np.float64 if src == dtypes.float64 or src.itemsize == 8 else np.float32))
+  if dst == dtypes.bfloat16: return _to_bf16(x, src)
   return np.asarray(x).astype(compute_np(dst))
 
 
 def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
   if src.itemsize != dst.itemsize: raise IRTypeError(f"bitcast needs equal sizes, {src} is {src.itemsize} bytes and {dst} is {dst.itemsize}")
   raw = np.ascontiguousarray(to_storage(src, x))
+  if dst.is_bool: return raw.view(np.uint8) != 0  # a byte other than 0/1 is not a valid numpy bool: normalise like C's != 0
   return from_storage(dst, raw.view(dst.np))
 
 
@@ -98,7 +130,7 @@ def _float_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
   if op is Ops.ADD: return s[0] + s[1]
   if op is Ops.SUB: return s[0] - s[1]
   if op is Ops.MUL: return s[0] * s[1]
-  if op is Ops.MULACC: return s[0] * s[1] + s[2]
+  if op is Ops.MULACC: return round_to(dt, s[0] * s[1]) + s[2]  # unfused, as MUL then ADD
   if op is Ops.FDIV: return s[0] / s[1]
   if op is Ops.MAX: return _fmax(s[0], s[1])
   if op is Ops.NEG: return -s[0]
@@ -114,8 +146,8 @@ def _float_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
 def _int_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
   if dt.is_bool:
     if op in (Ops.AND, Ops.MUL): return s[0] & s[1]
-    if op in (Ops.OR, Ops.MAX): return s[0] | s[1]
-    if op in (Ops.XOR, Ops.ADD, Ops.SUB): return s[0] ^ s[1]
+    if op in (Ops.OR, Ops.MAX, Ops.ADD): return s[0] | s[1]  # C: (bool)(a + b)
+    if op in (Ops.XOR, Ops.SUB, Ops.CMPNE): return s[0] ^ s[1]
     raise IRTypeError(f"{op} does not take bool operands")
   if op is Ops.ADD: return s[0] + s[1]
   if op is Ops.SUB: return s[0] - s[1]
