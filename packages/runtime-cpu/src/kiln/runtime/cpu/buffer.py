@@ -86,7 +86,7 @@ class RawBuffer:
       raise KilnBufferError(f"view of {count} x {dt} ({count * dt.itemsize} bytes) at offset {offset} overruns {self!r} (size {self.size} bytes)")
     return np.frombuffer(mem, dt, int(count), int(offset))
 
-  def memoryview(self) -> memoryview: return memoryview(self.mem)
+  def memoryview(self) -> memoryview: return self.mem.data
 
   def copyin(self, src: Any) -> None:
     """Copy exactly `size` bytes from a buffer-protocol object into this buffer."""
@@ -153,7 +153,7 @@ class MmapBuffer(RawBuffer):
 
   @property
   def readonly(self) -> bool: return True
-  def memoryview(self) -> memoryview: return memoryview(self.mem).toreadonly()
+  def memoryview(self) -> memoryview: return self.mem.data.toreadonly()
   def free(self) -> None:
     # the map unmaps when its last user goes: views made by as_numpy keep it alive, so close only when nothing else holds it
     self._mem, m = None, getattr(self, "_map", None)

@@ -1,7 +1,9 @@
 """The DISK:/path device: read-only maps of file regions, and the data region of a .npy file read with no copy."""
 from __future__ import annotations
 
+import ast
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,14 @@ def open_disk(path: Any, offset: int = 0, size: int | None = None) -> MmapBuffer
   return RawBuffer.Mmap(disk_path(path), offset, size)
 
 
+def _read_header_3_0(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+  # format 3.0 is 2.0 with a utf-8 header, and numpy has no public reader for it
+  (hlen,) = struct.unpack("<I", f.read(4))
+  d = ast.literal_eval(f.read(hlen).decode("utf-8"))
+  if not isinstance(d, dict) or not {"descr", "fortran_order", "shape"} <= set(d): raise ValueError(f"bad .npy 3.0 header {d!r}")
+  return tuple(d["shape"]), bool(d["fortran_order"]), npformat.descr_to_dtype(d["descr"])
+
+
 def npy_region(path: Any) -> tuple[int, int, np.dtype, tuple[int, ...]]:
   """(data offset, data nbytes, dtype, shape) of a C-order .npy file, from its header alone."""
   p = disk_path(path)
@@ -38,8 +48,8 @@ def npy_region(path: Any) -> tuple[int, int, np.dtype, tuple[int, ...]]:
       version = npformat.read_magic(f)
       if version == (1, 0): shape, fortran, dtype = npformat.read_array_header_1_0(f)
       elif version == (2, 0): shape, fortran, dtype = npformat.read_array_header_2_0(f)
-      else: shape, fortran, dtype = npformat._read_array_header(f, version)  # 3.0 (utf-8 header) has no public reader
-    except (ValueError, OSError, SyntaxError) as e: raise KilnBufferError(f"{p} is not a readable .npy file: {e}") from None
+      else: shape, fortran, dtype = _read_header_3_0(f)
+    except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e: raise KilnBufferError(f"{p} is not a readable .npy file: {e}") from None
     offset, flen = f.tell(), os.fstat(f.fileno()).st_size
   if dtype.hasobject: raise KilnBufferError(f"{p}: dtype {dtype} holds Python objects, which have no raw bytes to map")
   if fortran and len(shape) > 1:
