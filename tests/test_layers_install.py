@@ -1,0 +1,121 @@
+"""Each layer installs on its own: a clean venv gets only that layer's folder and the sibling folders it depends on
+(non-editable, built by pip), and then the layer imports while every layer above it, and the heavy dependencies
+it must not pull in, are absent.
+
+Adding a layer is one line in LAYERS. The venvs are built once per session, in parallel threads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import venv
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# always fine to find in a venv: the installer itself
+TOOLING = {"pip", "setuptools", "wheel"}
+
+
+@dataclass(frozen=True)
+class Layer:
+  name: str
+  folders: tuple[str, ...]  # under packages/, installed together (non-editable)
+  imports: tuple[str, ...]  # must import
+  absent: tuple[str, ...]  # must NOT be importable: upper layers, heavy dependencies
+  third_party: frozenset[str] = field(default_factory=frozenset)  # exact set of non-kiln direct dependencies, if given
+  check: str = ""  # extra python run in the venv after the imports (a smoke check)
+
+
+UPPER_OF_IR = ("kiln.codegen", "kiln.runtime", "kiln.runtime.cpu", "kiln.runtime.cuda", "kiln.executor", "llvmlite", "pycuda")
+UPPER_OF_CODEGEN = ("kiln.runtime", "kiln.runtime.cpu", "kiln.runtime.cuda", "kiln.executor", "llvmlite", "pycuda")
+
+LAYERS = [
+  Layer("uop-ir", ("uop-ir",), ("kiln.ir",), UPPER_OF_IR, frozenset({"numpy", "pydantic"})),
+  Layer("codegen", ("uop-ir", "codegen"), ("kiln.ir", "kiln.codegen"), UPPER_OF_CODEGEN),
+]
+
+# Runs inside the layer's venv with `python -I`; argv[1] is the Layer as JSON. Prints a JSON report.
+PROBE = r"""
+import importlib, importlib.metadata as md, json, re, sys
+layer = json.loads(sys.argv[1])
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+report = {"imported": [], "present": [], "dists": sorted(norm(d.metadata["Name"]) for d in md.distributions())}
+import kiln
+report["kiln_is_namespace"] = getattr(kiln, "__file__", None) is None
+for mod in layer["imports"]:
+  importlib.import_module(mod); report["imported"].append(mod)
+for mod in layer["absent"]:
+  try:
+    importlib.import_module(mod)
+  except ModuleNotFoundError:
+    continue
+  report["present"].append(mod)
+# every installed distribution must be needed by an installed kiln layer (transitive closure of Requires-Dist)
+def reqs(name):
+  out = []
+  for r in md.requires(name) or []:
+    if "extra ==" in r: continue
+    out.append(norm(re.match(r"[A-Za-z0-9_.\-]+", r).group(0)))
+  return out
+kiln_dists = [d for d in report["dists"] if d.startswith("kiln-")]
+report["direct"] = sorted({r for d in kiln_dists for r in reqs(d)} - set(kiln_dists))
+seen, todo = set(kiln_dists), list(kiln_dists)
+while todo:
+  for r in reqs(todo.pop()):
+    if r not in seen: seen.add(r); todo.append(r)
+report["needed"] = sorted(seen)
+exec(layer["check"])
+print(json.dumps(report))
+"""
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "HATCH_ENV"))}
+  return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)
+
+
+def _build(layer: Layer, where: Path) -> Path:
+  """A clean venv (no system site-packages) with only this layer's folders installed, built by pip."""
+  venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(where)
+  py = where / "bin" / "python"
+  p = _run([str(py), "-m", "pip", "install", "--quiet", *(str(ROOT / "packages" / f) for f in layer.folders)], cwd=where)
+  if p.returncode != 0: raise RuntimeError(f"pip install of {layer.folders} failed:\n{p.stdout}\n{p.stderr}")
+  return py
+
+
+@pytest.fixture(scope="session")
+def layer_venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Path]]:
+  base = tmp_path_factory.mktemp("layer-venvs")
+  pool = ThreadPoolExecutor(max_workers=len(LAYERS))
+  futures = {layer.name: pool.submit(_build, layer, base / layer.name) for layer in LAYERS}
+  pool.shutdown(wait=False)
+  return futures
+
+
+@pytest.mark.slow_install
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda la: la.name)
+def test_layer_installs_alone(layer: Layer, layer_venvs: dict[str, Future[Path]]) -> None:
+  py = layer_venvs[layer.name].result()
+  spec = {"imports": layer.imports, "absent": layer.absent, "check": layer.check}
+  p = _run([str(py), "-I", "-c", PROBE, json.dumps(spec)], cwd=py.parent)
+  assert p.returncode == 0, f"{layer.name}: probe failed in its own venv:\n{p.stdout}\n{p.stderr}"
+  report = json.loads(p.stdout.strip().splitlines()[-1])
+  assert report["imported"] == list(layer.imports)
+  assert report["present"] == [], f"{layer.name}: a layer above it or a heavy dependency is importable: {report['present']}"
+  assert report["kiln_is_namespace"], "kiln/ must stay a PEP 420 namespace package (no __init__.py)"
+  extra = set(report["dists"]) - set(report["needed"]) - TOOLING
+  assert not extra, f"{layer.name}: installed distributions nothing declared needs: {sorted(extra)}"
+  if layer.third_party:
+    assert set(report["direct"]) == layer.third_party, f"{layer.name}: direct third-party deps {report['direct']}"
+
+
+def test_layers_table_is_consistent() -> None:
+  """Every folder named in LAYERS is a package folder with a pyproject.toml."""
+  named = {f for layer in LAYERS for f in layer.folders}
+  for folder in named:
+    assert (ROOT / "packages" / folder / "pyproject.toml").is_file(), f"packages/{folder} has no pyproject.toml"
