@@ -1,4 +1,5 @@
 import random
+import sys
 import threading
 
 import numpy as np
@@ -158,14 +159,22 @@ def test_bad_options_and_frees():
 
 
 def test_thread_safety_16_threads():
+  old = sys.getswitchinterval()  # switch threads as often as possible so races in the cache bookkeeping show
+  sys.setswitchinterval(1e-6)
+  try:
+    for _ in range(3): _hammer()  # each round catches an unlocked cache about half the time
+  finally: sys.setswitchinterval(old)
+
+
+def _hammer():
   a = CPUAllocator(lru_per_key=4, lru_max_bytes=64 << 10)
   live: set[int] = set()
   live_lock, errors = threading.Lock(), []
   def work(tid: int):
     rng = random.Random(tid)
     try:
-      for _ in range(300):
-        size = rng.choice([64, 256, 1000, 4096, 8192])
+      for _ in range(600):
+        size = rng.choice([64, 256, 4096])
         b = a.alloc(size, BufferOptions(zero=rng.random() < 0.5, nolru=rng.random() < 0.1))
         with live_lock:
           assert b.ptr not in live, "the same buffer was handed to two owners"
