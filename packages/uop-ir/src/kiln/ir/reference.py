@@ -172,15 +172,15 @@ class _Evaluator:
     for a in axes: out_shape[a] = 1
     ident = np.asarray(identity(op, dt), dtype=compute_np(dt))
     if op is Ops.MAX or not dt.is_float:
-      if dt.is_bool: r = (np.logical_and if op is Ops.MUL else np.logical_or).reduce(x, axis=tuple(axes), keepdims=True)
+      if dt.is_bool: res = (np.logical_and if op is Ops.MUL else np.logical_or).reduce(x, axis=tuple(axes), keepdims=True)
       else:
         with np.errstate(all="ignore"):
           uf = {Ops.ADD: np.add, Ops.MUL: np.multiply, Ops.MAX: np.maximum}[op]
-          r = uf.reduce(x, axis=tuple(axes), keepdims=True, dtype=x.dtype) if x.size else np.broadcast_to(ident, out_shape)
+          res = uf.reduce(x, axis=tuple(axes), keepdims=True, dtype=x.dtype) if x.size else np.broadcast_to(ident, out_shape)
         if op is Ops.MAX and dt.is_float and x.size:  # IEEE maximum: +0 beats -0 (np.maximum keeps either)
           pos0 = np.any((x == 0) & ~np.signbit(x), axis=tuple(axes), keepdims=True)
-          r = np.where((r == 0) & pos0, np.zeros((), r.dtype), r)
-      return exec_alu(op, dt, ident, r)
+          res = np.where((res == 0) & pos0, np.zeros((), res.dtype), res)
+      return exec_alu(op, dt, ident, res)
     # float ADD/MUL: sequential, first range outermost, rounding at every step
     seq = np.moveaxis(x, axes, list(range(self.nd - len(axes), self.nd)))
     seq = seq.reshape(seq.shape[:self.nd - len(axes)] + (-1,))

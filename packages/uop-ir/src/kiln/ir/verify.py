@@ -143,11 +143,11 @@ def _check_node(c: _Ctx, u: UOp, slots: dict[int, UOp], vnames: dict[str, UOp], 
       if r.op is not Ops.RANGE: c.fail(u, f"REDUCE sources after the value must be RANGEs; src[{i}] is {r.op.name}")
     if _sdt(u.src[0]) is None or dt != u.src[0].dtype: c.fail(u, f"a REDUCE has its value's dtype ({u.src[0].dtype})")
   elif op is Ops.CAST:
-    if len(u.src) != 1 or (s := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a CAST converts one value to a value dtype")
-    elif s.count != d.count: c.fail(u, f"a CAST may not change the vector width ({s} -> {d})")
+    if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a CAST converts one value to a value dtype")
+    elif sd.count != d.count: c.fail(u, f"a CAST may not change the vector width ({sd} -> {d})")
   elif op is Ops.BITCAST:
-    if len(u.src) != 1 or (s := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a BITCAST reinterprets one value")
-    elif s.nbytes != d.nbytes: c.fail(u, f"a BITCAST needs equal sizes ({s}: {s.nbytes} bytes, {d}: {d.nbytes} bytes)")
+    if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a BITCAST reinterprets one value")
+    elif sd.nbytes != d.nbytes: c.fail(u, f"a BITCAST needs equal sizes ({sd}: {sd.nbytes} bytes, {d}: {d.nbytes} bytes)")
   elif op in GroupOp.ALU: _check_alu(c, u)
   elif op in LOWERED_OPS:
     if not allow_lowered: c.fail(u, f"{op.name} appears only after lowering, not in a kernel AST")
