@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from kiln.codegen.protocols import Allocator
 from kiln.ir import KilnBufferError
 from kiln.runtime.cpu.allocator import BufferOptions, CPUAllocator

@@ -4,6 +4,7 @@ import weakref
 
 import numpy as np
 import pytest
+
 from kiln.ir import KilnBufferError, dtypes
 from kiln.runtime.cpu.buffer import ALIGN, CpuBuffer, MmapBuffer, RawBuffer
 

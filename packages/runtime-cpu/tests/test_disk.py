@@ -3,6 +3,7 @@ import os
 
 import numpy as np
 import pytest
+
 from kiln.codegen.device import DeviceSpec
 from kiln.codegen.protocols import Allocator
 from kiln.ir import KilnBufferError

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from kiln.ir.errors import KilnBufferError
 from kiln.runtime.cpu.buffer import CpuBuffer, OutOfMemoryError, RawBuffer, check_size
 

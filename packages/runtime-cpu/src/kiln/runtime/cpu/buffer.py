@@ -8,6 +8,7 @@ import os
 from typing import Any, ClassVar
 
 import numpy as np
+
 from kiln.ir.errors import KilnBufferError
 
 ALIGN = 64  # cache line and AVX-512 vector width: every Cpu buffer starts on this boundary

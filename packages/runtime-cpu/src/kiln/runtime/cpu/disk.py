@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import numpy.lib.format as npformat
+
 from kiln.ir.errors import KilnBufferError
 from kiln.runtime.cpu.buffer import MmapBuffer, RawBuffer, check_size
 
