@@ -13,8 +13,6 @@ import numpy.lib.format as npformat
 from kiln.ir.errors import KilnBufferError
 from kiln.runtime.cpu.buffer import MmapBuffer, RawBuffer, check_size
 
-PathLike = str | os.PathLike[str]
-
 
 def disk_path(path: Any) -> str:
   """A file path from a path, a "DISK:/path" device string, or a DeviceSpec-like object with a `.path`."""
