@@ -1,0 +1,241 @@
+"""The kernel cache: in memory (each kernel compiled exactly once per process, shared by every caller) and on disk
+(CompiledSpec JSON in KILN_CACHE_DIR, so a new process loads object code without rendering or compiling)."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kiln.codegen.device import DeviceSpec, get_runtime
+from kiln.codegen.protocols import Program, Runtime
+from kiln.codegen.spec import CompiledSpec, KernelArg, Variable
+from kiln.executor import debug
+from kiln.ir.errors import CacheError
+from kiln.ir.uop import UOp
+
+Origin = Literal["memory", "disk", "compiled"]
+CORE_ID = "core_id"
+
+
+@dataclass(eq=False)
+class CachedKernel:
+  """A loaded program with everything needed to dispatch it. Shared (never copied) by every plan that uses it."""
+  program: Program
+  device: str
+  code: str  # generated source, for debugging and profiles
+  entry_point: str
+  var_names: list[str]  # positional order of vals (core_id excluded: the runtime supplies it)
+  globals: list[int]  # buffer slots in argument order
+  outs: list[int]
+  ins: list[int]
+  host_parallel_safe: bool
+  global_size: tuple[int | UOp, int | UOp, int | UOp] | None
+  local_size: tuple[int | UOp, int | UOp, int | UOp] | None
+  vars: list[Variable] = field(default_factory=list)
+  args: list[KernelArg] = field(default_factory=list)
+  flops: int = 0
+  mem_bytes: int = 0
+  threads: int = 1
+  applied_opts: list[str] = field(default_factory=list)
+  ast: UOp | None = None
+  compiled: CompiledSpec | None = None
+  key: str = ""
+  origin: Origin = "compiled"  # how this process got it: compiled here, or loaded from the disk cache
+
+  @property
+  def name(self) -> str: return self.entry_point
+
+  @classmethod
+  def from_compiled(cls, compiled: CompiledSpec, program: Program, runtime: Runtime, key: str = "", origin: Origin = "compiled") -> CachedKernel:
+    threaded = compiled.threads > 1 or CORE_ID in compiled.var_names
+    return cls(program=program, device=str(compiled.device), code=compiled.src or "", entry_point=compiled.name,
+               var_names=[v for v in compiled.var_names if v != CORE_ID], globals=list(compiled.globals), outs=list(compiled.outs),
+               ins=list(compiled.ins), host_parallel_safe=bool(runtime.host_parallel_safe) and not threaded,
+               global_size=compiled.global_size, local_size=compiled.local_size, vars=[v for v in compiled.vars if v.name != CORE_ID],
+               args=list(compiled.args), flops=compiled.flops, mem_bytes=compiled.mem_bytes, threads=compiled.threads,
+               applied_opts=list(compiled.applied_opts), ast=compiled.ast, compiled=compiled, key=key, origin=origin)
+
+
+# ---- memory cache: exactly one compile per (key, device) under any concurrency ----
+_kernels: dict[tuple[str, str], CachedKernel] = {}
+_inflight: dict[tuple[str, str], Future[CachedKernel]] = {}
+_lock = threading.Lock()
+_stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0}
+
+
+@functools.lru_cache(maxsize=256)
+def _dev(device: str) -> str: return str(DeviceSpec.parse(device))
+
+
+def get_or_compile_kernel(key: str, device: str | DeviceSpec, compile_fn: Callable[[], CachedKernel]) -> CachedKernel:
+  """The CachedKernel for (key, device), running compile_fn at most once at a time; every caller gets the same object.
+  A compile that raises is not cached: its waiters see the error, the next call compiles again."""
+  k = (key, _dev(device) if isinstance(device, str) else str(device))
+  if (hit := _kernels.get(k)) is not None: return hit  # lock-free fast path (dict reads are atomic)
+  with _lock:
+    if (hit := _kernels.get(k)) is not None: return hit
+    fut = _inflight.get(k)
+    owner = fut is None
+    if fut is None: fut = _inflight[k] = Future()
+  if not owner: return fut.result()
+  try:
+    ck = compile_fn()
+    if not isinstance(ck, CachedKernel): raise CacheError(f"compile_fn for kernel {key[:16]} returned {type(ck).__name__}, not a CachedKernel")
+  except BaseException as e:
+    with _lock: del _inflight[k]
+    fut.set_exception(e)
+    raise
+  with _lock:
+    _kernels[k] = ck
+    del _inflight[k]
+  fut.set_result(ck)
+  return ck
+
+
+def clear_memory_cache() -> None:
+  with _lock: _kernels.clear()
+
+
+def cache_stats() -> dict[str, int]: return dict(_stats)
+
+
+# ---- disk cache ----
+def disk_cache_enabled() -> bool: return os.environ.get("KILN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln").expanduser()
+
+
+def disk_cache_info() -> tuple[Path, int, int]:
+  """(directory, number of kernel entries, total bytes)."""
+  d = cache_dir() / "kernels"
+  files = list(d.glob("*.json")) if d.is_dir() else []
+  return cache_dir(), len(files), sum(f.stat().st_size for f in files if f.exists())
+
+
+@functools.lru_cache(maxsize=1)
+def kiln_versions() -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  out = []
+  for d in ("kiln-uop-ir", "kiln-codegen", "kiln-executor", "kiln-runtime-cpu", "kiln-runtime-cuda"):
+    try: out.append(f"{d}={version(d)}")
+    except PackageNotFoundError: pass
+  return ",".join(out)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_fingerprint() -> str:
+  """CPU model and feature flags (object code compiled for this CPU must not load on a CPU missing its features)."""
+  try:
+    model, flags = "", ""
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        k, _, v = line.partition(":")
+        if k.strip() == "model name" and not model: model = v.strip()
+        elif k.strip() in ("flags", "Features") and not flags: flags = " ".join(sorted(v.split()))
+        if model and flags: break
+    if model or flags: return f"{model}|{flags}"
+  except OSError: pass
+  return f"{platform.machine()}|{platform.processor()}"
+
+
+def cpu_name() -> str:
+  fp = cpu_fingerprint().split("|")[0]
+  return fp or platform.processor() or platform.machine()
+
+
+def disk_key(ast_key: str, device: str, rt: Runtime, opts: str = "") -> str:
+  fp = getattr(rt, "fingerprint", None) or getattr(rt.compiler, "fingerprint", None) or cpu_fingerprint()
+  return "|".join((ast_key, device, str(getattr(rt.compiler, "cache_key", "")), kiln_versions(), str(fp), opts))
+
+
+def _path(dkey: str) -> Path: return cache_dir() / "kernels" / (hashlib.sha256(dkey.encode()).hexdigest() + ".json")
+
+
+def disk_load(dkey: str) -> CompiledSpec | None:
+  """The cached CompiledSpec, or None. A missing, truncated, corrupt or mismatched entry is never fatal."""
+  p = _path(dkey)
+  try: text = p.read_text()
+  except (OSError, UnicodeDecodeError): return None
+  try:
+    env = json.loads(text)
+    if env.get("format") != 1 or env.get("key") != dkey: raise ValueError("key mismatch")
+    if hashlib.sha256(env["spec"].encode()).hexdigest() != env["sha256"]: raise ValueError("checksum mismatch")
+    return CompiledSpec.model_validate_json(env["spec"])
+  except Exception as e:
+    _stats["disk_errors"] += 1
+    if debug.DEBUG >= 1: debug.emit(f"kiln: corrupt kernel cache entry {p.name} ({type(e).__name__}: {str(e)[:80]}); recompiling")
+    try: p.unlink()
+    except OSError: pass
+    return None
+
+
+def disk_store(dkey: str, compiled: CompiledSpec) -> None:
+  """Write atomically (temp file + os.replace): readers see the old entry or the whole new one, never a torn one."""
+  p = _path(dkey)
+  try:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    spec = compiled.model_dump_json()
+    data = json.dumps({"format": 1, "key": dkey, "sha256": hashlib.sha256(spec.encode()).hexdigest(), "spec": spec})
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
+    try:
+      with os.fdopen(fd, "w") as f: f.write(data)
+      os.replace(tmp, p)
+    except BaseException:
+      try: os.unlink(tmp)
+      except OSError: pass
+      raise
+  except OSError as e:
+    if debug.DEBUG >= 1: debug.emit(f"kiln: cannot write the kernel cache at {p.parent}: {e}")
+
+
+# ---- the high-level entry point ----
+def _opts_key(opts: Sequence[Any] | None) -> str: return "" if opts is None else "opts:" + repr(list(opts))
+
+
+def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> tuple[CachedKernel, Origin]:
+  """Memory cache -> disk cache -> render + compile. Returns the kernel and where it came from."""
+  dev = _dev(device) if isinstance(device, str) else str(device)
+  key = ast.key + _opts_key(opts)
+  if (hit := _kernels.get((key, dev))) is not None:
+    _stats["memory_hits"] += 1
+    return hit, "memory"
+
+  def build() -> CachedKernel:
+    rt = get_runtime(dev)
+    use_disk = disk_cache_enabled()
+    dkey = disk_key(ast.key, dev, rt, _opts_key(opts)) if use_disk else ""
+    if use_disk and (compiled := disk_load(dkey)) is not None:
+      try:
+        ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "disk")
+        _stats["disk_hits"] += 1
+        debug.on_compiled(ck, "disk cache")
+        return ck
+      except Exception as e:  # bytes that no longer load (e.g. a different LLVM): compile afresh
+        _stats["disk_errors"] += 1
+        if debug.DEBUG >= 1: debug.emit(f"kiln: cached kernel {compiled.name} failed to load ({e}); recompiling")
+    spec = rt.renderer.render(ast) if opts is None else rt.renderer.render(ast, opts)
+    compiled = rt.compiler.compile(spec)
+    ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "compiled")
+    _stats["compiles"] += 1
+    if use_disk: disk_store(dkey, compiled)
+    debug.on_compiled(ck, "compiled")
+    return ck
+
+  ck = get_or_compile_kernel(key, dev, build)
+  return ck, ck.origin
+
+
+def compile_kernel(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> CachedKernel:
+  """The shared CachedKernel for a kernel AST on a device (memory cache, then disk cache, then render + compile)."""
+  return compile_kernel_with_origin(ast, device, opts)[0]

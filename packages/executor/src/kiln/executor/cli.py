@@ -1,0 +1,73 @@
+"""The `kiln` command: `kiln info`, `kiln demo`, `kiln bench`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit in ("B", "KB", "MB", "GB"):
+    if n < 1024 or unit == "GB": return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+    n /= 1024  # type: ignore[assignment]
+  return f"{n} B"
+
+
+def info() -> int:
+  from kiln.codegen.device import available_devices, get_runtime
+  from kiln.executor import cache
+  from kiln.executor.version import __version__
+  print(f"kiln {__version__}  (python {sys.version.split()[0]})")
+  print(f"  versions:   {cache.kiln_versions() or 'unknown'}")
+  devs = available_devices()
+  print(f"  devices:    {', '.join(devs) or 'none (install kiln-runtime-cpu)'}")
+  for d in devs:
+    if d == "DISK": continue
+    try:
+      rt = get_runtime(d)
+      print(f"    {d:<6} ok: compiler {getattr(rt.compiler, 'cache_key', '?')}, host_parallel_safe={rt.host_parallel_safe}")
+    except Exception as e:  # a device whose runtime is installed but cannot start (no GPU, no driver) is still listed
+      print(f"    {d:<6} unavailable: {str(e).splitlines()[0][:120]}")
+  try:
+    import llvmlite.binding as llvm
+    print(f"  LLVM:       {'.'.join(map(str, llvm.llvm_version_info))} (llvmlite {importlib.import_module('llvmlite').__version__})")
+    try: print(f"  LLVM host:  {llvm.get_process_triple()}, cpu {llvm.get_host_cpu_name()}")
+    except Exception: pass  # noqa: S110
+  except ImportError: print("  LLVM:       llvmlite not installed")
+  print(f"  CPU:        {cache.cpu_name()}")
+  flags = cache.cpu_fingerprint().partition("|")[2].split()
+  simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "neon", "asimd", "f16c", "amx"))]
+  print(f"  features:   {' '.join(simd) if simd else '-'}  ({len(flags)} flags)")
+  threads = os.environ.get("KILN_THREADS")
+  print(f"  threads:    {threads or os.cpu_count()} ({'KILN_THREADS' if threads else 'default: core count'})")
+  cdir, n, size = cache.disk_cache_info()
+  print(f"  cache:      {cdir}  ({n} kernels, {_fmt_bytes(size)}){'' if cache.disk_cache_enabled() else '  [disabled: KILN_CACHE=0]'}")
+  return 0
+
+
+def _dispatch(module: str, argv: Sequence[str]) -> int:
+  name = f"kiln.executor.{module}"
+  if importlib.util.find_spec(name) is None:
+    print(f"kiln {module}: {name} is not installed in this version of kiln-executor", file=sys.stderr)
+    return 2
+  ret = importlib.import_module(name).main(list(argv))
+  return int(ret or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime")
+  sub = ap.add_subparsers(dest="cmd")
+  sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache")
+  sub.add_parser("demo", help="run the MLP inference demo", add_help=False)
+  sub.add_parser("bench", help="run the benchmarks", add_help=False)
+  args, rest = ap.parse_known_args(argv)
+  if args.cmd in (None, "info"):
+    if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    return info()
+  return _dispatch(args.cmd, rest)
+
+
+if __name__ == "__main__": sys.exit(main())

@@ -1,0 +1,114 @@
+"""Scheduling a plan: hazard dependencies on storage byte ranges, dependency levels with cycle detection, and reuse of
+intermediate buffers' memory between ops whose lifetimes do not overlap. Pure functions over op indices."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.ir.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Access:
+  """One op touching bytes [start, end) of a storage, reading or writing."""
+  storage: int
+  start: int
+  end: int
+  write: bool
+
+
+def hazard_deps(accesses: Sequence[Sequence[Access]]) -> list[set[int]]:
+  """For ops in program order, the earlier ops each must wait for: read after write, write after read, write after write,
+  on overlapping byte ranges of the same storage (so views of one buffer conflict only where they overlap)."""
+  seen: dict[int, list[tuple[int, Access]]] = {}
+  deps: list[set[int]] = []
+  for i, accs in enumerate(accesses):
+    d: set[int] = set()
+    for a in accs:
+      for j, b in seen.get(a.storage, ()):
+        if j != i and (a.write or b.write) and a.start < b.end and b.start < a.end: d.add(j)
+    for a in accs: seen.setdefault(a.storage, []).append((i, a))
+    deps.append(d)
+  return deps
+
+
+def conflict(a: Sequence[Access], b: Sequence[Access]) -> bool:
+  return any(x.storage == y.storage and (x.write or y.write) and x.start < y.end and y.start < x.end for x in a for y in b)
+
+
+def levels(deps: Sequence[set[int]], names: Sequence[str]) -> list[list[int]]:
+  """Ops grouped by dependency depth (level k waits only on levels < k). A cycle is a PlanError naming its ops."""
+  n = len(deps)
+  indeg = [len(d) for d in deps]
+  users: list[list[int]] = [[] for _ in range(n)]
+  for i, d in enumerate(deps):
+    for j in d: users[j].append(i)
+  lvl = [0] * n
+  ready = [i for i in range(n) if indeg[i] == 0]
+  done = 0
+  while ready:
+    nxt: list[int] = []
+    for i in ready:
+      done += 1
+      for u in users[i]:
+        lvl[u] = max(lvl[u], lvl[i] + 1)
+        indeg[u] -= 1
+        if indeg[u] == 0: nxt.append(u)
+    ready = nxt
+  if done != n: raise PlanError(f"dependency cycle: {' -> '.join(names[i] for i in find_cycle(deps, [i for i in range(n) if indeg[i] > 0]))}")
+  out: list[list[int]] = [[] for _ in range(max(lvl, default=-1) + 1)]
+  for i in range(n): out[lvl[i]].append(i)
+  return out
+
+
+def find_cycle(deps: Sequence[set[int]], candidates: Sequence[int]) -> list[int]:
+  """One cycle among the candidates (ops left over by the topological sort), first op repeated at the end."""
+  cand = set(candidates)
+  color: dict[int, int] = {}
+  for start in candidates:
+    if start in color: continue
+    stack: list[tuple[int, list[int]]] = [(start, sorted(d for d in deps[start] if d in cand))]
+    path, color[start] = [start], 1
+    while stack:
+      node, todo = stack[-1]
+      if not todo:
+        stack.pop(); path.pop(); color[node] = 2
+        continue
+      nxt = todo.pop()
+      if color.get(nxt) == 1:  # back edge: the cycle is path[nxt..]; deps point backwards in time, so reverse it
+        cyc = path[path.index(nxt):]
+        return [*reversed(cyc), cyc[-1]]
+      if nxt not in color:
+        color[nxt] = 1; path.append(nxt)
+        stack.append((nxt, sorted(d for d in deps[nxt] if d in cand)))
+  return list(candidates)
+
+
+@dataclass(frozen=True)
+class Lifetime:
+  """An intermediate buffer that lives from level `first` to level `last` (inclusive) and needs `nbytes`."""
+  key: int
+  nbytes: int
+  first: int
+  last: int
+
+
+def plan_reuse(lifetimes: Sequence[Lifetime], align: int = 64) -> tuple[dict[int, int], list[int]]:
+  """Greedy best-fit: map each lifetime to a slot; two lifetimes share a slot only if one ends at a level strictly before
+  the other begins (execution is level by level, so that is safe even with ops of one level running concurrently).
+  Returns (key -> slot, slot sizes in bytes)."""
+  slots: list[int] = []  # size
+  free_after: list[int] = []  # last level the slot is busy
+  assign: dict[int, int] = {}
+  for lt in sorted(lifetimes, key=lambda x: (x.first, -x.nbytes)):
+    need = (lt.nbytes + align - 1) // align * align
+    free = [s for s in range(len(slots)) if free_after[s] < lt.first]
+    fits = [s for s in free if slots[s] >= need]
+    s = min(fits, key=lambda s: slots[s]) if fits else (max(free, key=lambda s: slots[s]) if free else -1)
+    if s < 0:
+      slots.append(need); free_after.append(lt.last)
+      s = len(slots) - 1
+    else:
+      slots[s], free_after[s] = max(slots[s], need), lt.last
+    assign[lt.key] = s
+  return assign, slots

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kiln_executor_testrt as testrt  # noqa: E402
+
+from kiln.codegen.device import _registered, register_runtime, unregister_runtime  # noqa: E402
+from kiln.executor import cache, debug  # noqa: E402
+
+
+@pytest.fixture
+def rt(tmp_path, monkeypatch):
+  """The numpy test runtime registered as "CPU", a fresh memory cache and a private disk cache, for one test."""
+  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv("KILN_CACHE", raising=False)
+  prev = _registered.get("CPU")
+  testrt.reset()
+  testrt.install()
+  cache.clear_memory_cache()
+  level = debug.DEBUG
+  debug.set_level(0)
+  yield testrt
+  debug.set_level(level)
+  cache.clear_memory_cache()
+  if prev is not None: register_runtime("CPU", prev)
+  else: unregister_runtime("CPU")
