@@ -54,8 +54,8 @@ class TestRenderer:
     gs0 = rng[0].src[0] if rng and rng[0].src[0].op is not Ops.CONST else (int(rng[0].src[0].arg) if rng else 1)
     spec = ProgramSpec.new(ast.arg or "kernel", f"; test kernel {ast.arg}\n; {ast.key}", "CPU", ast)
     for name, lo, hi in dvars: spec.add_var(Variable(name=name, min=lo, max=hi))
-    spec.args = [KernelArg(slot=s, dtype=str(gl[s].dtype.base), size=gl[s].dtype.size) for s in sorted(gl)]
     spec.set_buffer_metadata(sorted(gl), outs, ins)
+    spec.args = [KernelArg(slot=s, dtype=str(gl[s].dtype.base), size=gl[s].dtype.size) for s in sorted(gl)]
     spec.set_work_sizes((gs0, 1, 1), None)
     spec.flops, spec.mem_bytes = 1 << 12, 1 << 14
     return spec
