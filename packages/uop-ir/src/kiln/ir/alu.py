@@ -102,7 +102,7 @@ def cast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
     return np.where(out >= hi, np.array(dst.max, dtype=dst.np), res)
   if dst.is_int: return np.asarray(x).astype(dst.np)  # int/bool -> int: two's complement wrap
   if dst == dtypes.bfloat16: return _to_bf16(x, src)
-  return np.asarray(x).astype(compute_np(dst))
+  with np.errstate(over="ignore"): return np.asarray(x).astype(compute_np(dst))  # overflow to inf is the IEEE result
 
 
 def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
