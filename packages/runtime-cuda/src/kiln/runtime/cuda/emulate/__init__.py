@@ -1,0 +1,174 @@
+"""CPU emulation of rendered CUDA C kernels: proof of correctness without a GPU.
+
+The kernel is built by the host C++ compiler under a shim (include/kiln_cuda_shim.h: blockIdx/threadIdx per host thread,
+__syncthreads as a barrier, __shared__ per block, half/bfloat16 with round-to-nearest-even conversions), loaded with ctypes and
+run over a grid on numpy arrays. Every CUDA thread of a block that uses __syncthreads has its own host stack, so the barrier and
+shared memory behave: mode "fibers" (the default on x86-64: the block's threads are switched at each __syncthreads on one host
+thread, blocks spread over host threads, fast) or mode "threads" (one OS thread per CUDA thread, a real barrier, blocks in
+turn: slower, but real concurrency inside a block, so it can expose a missing __syncthreads differently). Kernels without
+__syncthreads run each block's threads one after another on a pool of host threads. Built libraries are cached by source hash.
+
+It checks what a kernel computes, not how a GPU schedules it: warps, memory coalescing, FMA contraction (nvcc fuses a*b+c by
+default, the emulator does not) and out-of-bounds accesses (a crash here, not an error) are outside what it shows.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval
+from kiln.ir.errors import CompileError, RuntimeLaunchError
+from kiln.runtime.cuda.compiler import source_excerpt
+
+INCLUDE_DIR = Path(__file__).parent / "include"
+MAX_BLOCK_THREADS = 1024
+_GXX_ERR = re.compile(r"\.cu:(\d+):\d+:\s*(?:fatal )?error")
+_lock = threading.Lock()
+_loaded: dict[str, EmulatedKernel] = {}
+
+
+def _shim_hash() -> str:
+  h = hashlib.sha256()
+  for p in sorted(INCLUDE_DIR.iterdir()): h.update(p.name.encode() + p.read_bytes())
+  return h.hexdigest()
+
+
+def _cache_dir() -> Path:
+  if os.environ.get("KILN_CACHE", "1") == "0": return Path(tempfile.gettempdir()) / f"kiln-cuda-emu-{os.getpid()}"
+  return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln") / "cuda-emu"
+
+
+def _cxx() -> str:
+  for c in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+    if c and shutil.which(c): return c
+  raise CompileError("the CUDA emulation harness needs a host C++ compiler (g++ or clang++; set CXX)")
+
+
+CXXFLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-w")
+
+
+MODES = ("fibers", "threads")
+
+
+def default_mode() -> str:
+  m = os.environ.get("KILN_EMU_MODE") or ("fibers" if platform.machine().lower() in ("x86_64", "amd64") else "threads")
+  if m not in MODES: raise CompileError(f"KILN_EMU_MODE must be one of {MODES}, got {m!r}")
+  return m
+
+
+class EmulatedKernel:
+  """One CUDA C kernel built for the host. Call with numpy arrays (or raw host addresses) in globals order and int vals."""
+
+  def __init__(self, src: str, name: str, lib_path: str, mode: str):
+    self.src, self.name, self.lib_path, self.mode = src, name, lib_path, mode
+    self.lib = ctypes.CDLL(lib_path)
+    self._fn = self.lib.kiln_emu_launch
+    self._fn.argtypes = [ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int] * 9]
+    self._fn.restype = ctypes.c_int
+    self.concurrent = "__syncthreads" in src  # without a barrier a block's threads cannot wait for each other: run them in turn
+
+  def __call__(self, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
+               local_size: Sequence[int] | None = (1, 1, 1), workers: int | None = None) -> float:
+    """Run the grid; arrays are written in place. Returns the wall time in seconds."""
+    gs, ls = _dims(global_size, "global_size"), _dims(local_size or (1, 1, 1), "local_size")
+    if (nt := ls[0] * ls[1] * ls[2]) > MAX_BLOCK_THREADS:
+      raise RuntimeLaunchError(f"kernel {self.name}: block of {nt} threads exceeds {MAX_BLOCK_THREADS}")
+    ptrs: list[int] = []
+    for i, b in enumerate(bufs):
+      if isinstance(b, np.ndarray):
+        if not b.flags.c_contiguous: raise RuntimeLaunchError(f"kernel {self.name}: buffer {i} is not C-contiguous")
+        ptrs.append(b.ctypes.data)
+      else: ptrs.append(int(b))
+    for v in vals:
+      if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: value {v} does not fit the kernel's int32 argument")
+    argv = (ctypes.c_int64 * max(1, len(ptrs) + len(vals)))(*ptrs, *[int(v) for v in vals])
+    w = workers or int(os.environ.get("KILN_THREADS") or os.cpu_count() or 1)
+    st = time.perf_counter()
+    rc = self._fn(argv, len(ptrs) + len(vals), *gs, *ls, int(self.concurrent), w)  # ctypes releases the GIL here
+    et = time.perf_counter() - st
+    if rc == -2: raise RuntimeLaunchError(f"kernel {self.name}: given {len(ptrs)} buffers and {len(vals)} vals, which is not its parameter count")
+    if rc == -3: raise RuntimeLaunchError(f"kernel {self.name}: out of memory for {nt} fiber stacks (KILN_EMU_STACK_KB)")
+    if rc != 0: raise RuntimeLaunchError(f"kernel {self.name}: could not start {nt} host threads for a block (rc {rc})")
+    return et
+
+
+def _dims(s: Sequence[int], what: str) -> tuple[int, int, int]:
+  d = tuple(int(x) for x in s) + (1,) * (3 - len(s))
+  if len(d) != 3 or any(x < 1 for x in d): raise RuntimeLaunchError(f"{what} must be 1 to 3 positive ints, got {tuple(s)}")
+  return d  # type: ignore[return-value]
+
+
+def compile_emulator(src: str, name: str, mode: str | None = None) -> EmulatedKernel:
+  """Build (or fetch from the cache) the host library for kernel `name` of CUDA C `src` (mode: "fibers" or "threads")."""
+  if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name): raise CompileError(f"kernel name {name!r} is not a C identifier")
+  mode = mode or default_mode()
+  if mode not in MODES: raise CompileError(f"emulation mode must be one of {MODES}, got {mode!r}")
+  flags = (*CXXFLAGS, *(["-DKILN_EMU_OS_THREADS"] if mode == "threads" else []))
+  key = hashlib.sha256(f"{_shim_hash()}|{flags}|{name}|{src}".encode()).hexdigest()[:32]
+  with _lock:
+    if (k := _loaded.get(key)) is not None: return k
+    d = _cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    so = d / f"{name}-{key}.so"
+    if not so.exists():
+      with tempfile.TemporaryDirectory(prefix="kiln-emu-") as tmp:
+        cu = Path(tmp) / f"{name}.cu"
+        cu.write_text(f'#line 1 "{name}.cu"\n{src}\n#define KILN_EMU_KERNEL {name}\n#include "kiln_cuda_launch.h"\n')
+        out = Path(tmp) / "k.so"
+        cmd = [_cxx(), *flags, "-I", str(INCLUDE_DIR), "-include", "kiln_cuda_shim.h", "-x", "c++", str(cu), "-o", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+          log = r.stderr.replace(tmp + os.sep, "").strip()
+          raise CompileError(f"the host C++ compiler failed to build CUDA kernel {name} for emulation", log,
+                             source_excerpt(src, log, pattern=_GXX_ERR))
+        os.replace(out, str(so) + f".{os.getpid()}.tmp")  # atomic publish: a concurrent builder never sees half a file
+        os.replace(str(so) + f".{os.getpid()}.tmp", so)
+    k = _loaded[key] = EmulatedKernel(src, name, str(so), mode)
+    return k
+
+
+def emulate(src: str, name: str, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
+            local_size: Sequence[int] | None = (1, 1, 1), mode: str | None = None) -> float:
+  """Run CUDA C kernel `name` of `src` on the CPU over the grid: `global_size` blocks of `local_size` threads (as CUDA's grid and
+  block). bufs are C-contiguous numpy arrays (bfloat16 as uint16 bits) in globals order, written in place; vals are the int32
+  variables in var_names order. Returns the wall time in seconds."""
+  return compile_emulator(src, name, mode)(bufs, vals, global_size, local_size)
+
+
+class EmulatedProgram:
+  """A rendered CUDA kernel as a kiln Program over host memory: bufs are host addresses, vals follow var_names. Without explicit
+  sizes the spec's (symbolic) global/local sizes are evaluated with the vals."""
+
+  def __init__(self, spec: CompiledSpec | ProgramSpec, mode: str | None = None):
+    if not spec.src: raise CompileError(f"kernel {spec.name}: emulation needs the CUDA C source (CompiledSpec.src)")
+    self.spec, self.name = spec, spec.name
+    self.kernel = compile_emulator(spec.src, spec.name, mode)
+
+  def sizes(self, vals: Sequence[int], global_size: Sequence[Any] | None = None,
+            local_size: Sequence[Any] | None = None) -> tuple[list[int], list[int]]:
+    var_vals = dict(zip(self.spec.var_names, vals))
+    gs = global_size if global_size is not None else (self.spec.global_size or (1, 1, 1))
+    ls = local_size if local_size is not None else (self.spec.local_size or (1, 1, 1))
+    return [sym_eval(x, var_vals) for x in gs], [sym_eval(x, var_vals) for x in ls]
+
+  def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] | None = None,
+               local_size: Sequence[int] | None = None, wait: bool = False) -> float | None:
+    gs, ls = self.sizes(vals, global_size, local_size)
+    t = self.kernel(bufs, vals, gs, ls)
+    return t if wait else None
+
+
+__all__ = ["EmulatedKernel", "EmulatedProgram", "compile_emulator", "emulate", "default_mode", "INCLUDE_DIR", "MODES"]

@@ -1,0 +1,3 @@
+// kiln CUDA emulation: stands in for the toolkit's cuda_runtime.h (the types live in the shim)
+#pragma once
+#include "kiln_cuda_shim.h"
