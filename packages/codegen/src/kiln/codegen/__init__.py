@@ -1,0 +1,10 @@
+"""kiln.codegen: lowering, optimiser, renderers, boundary models and device protocols."""
+from kiln.codegen.device import DeviceSpec, available_devices, get_runtime, register_runtime, unregister_runtime
+from kiln.codegen.opt import Opt, OptOps, Target
+from kiln.codegen.protocols import Allocator, BoundCall, Compiler, Program, Renderer, Runtime
+from kiln.codegen.spec import BufferSpec, CompiledSpec, KernelArg, ProgramSpec, Variable, sym_eval
+from kiln.codegen.version import __version__
+
+__all__ = ["DeviceSpec", "available_devices", "get_runtime", "register_runtime", "unregister_runtime", "Opt", "OptOps", "Target",
+           "Allocator", "BoundCall", "Compiler", "Program", "Renderer", "Runtime", "BufferSpec", "CompiledSpec", "KernelArg",
+           "ProgramSpec", "Variable", "sym_eval", "__version__"]

@@ -1,0 +1,448 @@
+"""Lowering: a kernel AST plus optimisation options to a linear program a renderer can walk.
+
+Every user RANGE becomes a loop (or, on GPUs, a thread index) over units of `factor` elements, plus an expand variable
+for the elements inside a unit: the vector lanes of an UPCAST axis, or the copies of an UNROLL axis. REDUCEs become
+accumulators (DEFINE_ACC, ACC_STORE, reads as LOAD(acc)); unrolled copies share one loop, so register tiling keeps all
+its accumulators live in one reduce loop. The Linearizer places each value in the outermost scope its sources allow.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from kiln.codegen.linearize import Linearizer, Scope
+from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, axis_size, heuristic_opts
+from kiln.ir.dtype import DType, PtrDType, dtypes
+from kiln.ir.errors import CodegenError
+from kiln.ir.ops import AxisType, GroupOp, Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.uop import UOp
+
+
+@dataclass
+class LoweredKernel:
+  name: str
+  uops: list[UOp]
+  globals: list[UOp]  # DEFINE_GLOBALs by slot
+  vars: list[UOp]  # DEFINE_VARs by name
+  opts: list[Opt]
+  threads: int = 1
+  global_size: tuple[int | UOp, int | UOp, int | UOp] | None = None
+  local_size: tuple[int | UOp, int | UOp, int | UOp] | None = None
+  outs: list[int] = field(default_factory=list)
+  ins: list[int] = field(default_factory=list)
+  min_elements: dict[int, int] = field(default_factory=dict)  # slot -> elements the kernel may touch
+  flops: int = 0
+  mem_bytes: int = 0
+
+
+def free_ranges(u: UOp) -> set[UOp]:
+  """RANGEs u uses that no REDUCE inside u closes."""
+  free: dict[UOp, frozenset[UOp]] = {}
+  for n in u.toposort():
+    if n.op is Ops.RANGE: free[n] = frozenset({n}) | free[n.src[0]]
+    elif n.op is Ops.REDUCE: free[n] = free[n.src[0]] - frozenset(n.src[1:])
+    else: free[n] = frozenset().union(*(free[s] for s in n.src)) if n.src else frozenset()
+  return set(free[u])
+
+
+def identity(op: Ops, dt: DType) -> int | float | bool:
+  if op is Ops.ADD: return False if dt.is_bool else 0
+  if op is Ops.MUL: return True if dt.is_bool else 1
+  return dt.scalar().min  # MAX
+
+
+def _simplify(u: UOp) -> UOp:
+  try:
+    from kiln.ir.symbolic import simplify
+  except ImportError: return u
+  return simplify(u)
+
+
+def _expand_var(axis_id: int, kind: str, amount: int) -> UOp:
+  # not an identifier, so it can never clash with a user variable
+  return UOp(Ops.DEFINE_VAR, dtypes.index, (), (f"{kind}.{axis_id}", 0, amount - 1))
+
+
+@dataclass
+class AxisPlan:
+  rng: UOp
+  factor: int = 1  # elements per unit: the UPCAST width or UNROLL count
+  kind: str = ""  # "vec", "unroll" or ""
+  threads: int = 1
+  local: int = 0  # GPU threads per block along this axis
+  group: int = 0  # GPU threads sharing this reduce axis
+  ev: UOp | None = None  # the expand variable (lane or unroll copy)
+
+
+class Lowerer:
+  def __init__(self, ast: UOp, target: Target, opts: list[Opt]):
+    self.ast, self.target, self.opts = ast, target, opts
+    self.lin = Linearizer()
+    self.plans: dict[UOp, AxisPlan] = {}
+    self.vec: tuple[UOp, int] | None = None  # (lane variable, width)
+    self.acc_count = itertools.count()
+    self.loop_count = itertools.count()
+    self.core_id: UOp | None = None
+    self.specials: dict[str, UOp] = {}
+    self.grid: list[int | UOp] = [1, 1, 1]
+    self.block: list[int] = [1, 1, 1]
+    self.red_results: dict[tuple[UOp, tuple], UOp] = {}
+    self.placeholders: dict[UOp, UOp] = {}  # placeholder -> REDUCE
+    self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
+
+  # ---- planning ----
+  def plan_axes(self, ranges: list[UOp]) -> None:
+    by_id = {r.arg[0]: r for r in ranges}
+    for r in ranges: self.plans[r] = AxisPlan(r)
+    for o in self.opts:
+      if o.axis not in by_id: raise CodegenError(f"{o} names axis {o.axis}, but the kernel's axes are {sorted(by_id)}")
+      p = self.plans[by_id[o.axis]]
+      size = axis_size(p.rng)
+      if o.op in (OptOps.UPCAST, OptOps.UNROLL):
+        if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
+        if size is None or size % o.amount: raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
+        if o.op is OptOps.UPCAST:
+          if self.vec is not None: raise CodegenError(f"{o}: only one axis can be vectorised")
+          if self.target.vector_bytes == 0: raise CodegenError(f"{o}: {self.target.device} takes no UPCAST (no explicit vectors)")
+        p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
+        p.ev = _expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount)
+        if p.kind == "vec": self.vec = (p.ev, o.amount)
+      elif o.op is OptOps.THREAD:
+        if self.target.vector_bytes == 0: raise CodegenError(f"{o}: THREAD is a CPU option")
+        if p.rng.arg[1] is AxisType.REDUCE: raise CodegenError(f"{o}: only output (LOOP) axes can be split over threads")
+        p.threads = o.amount
+      elif o.op is OptOps.LOCAL:
+        if self.target.vector_bytes != 0: raise CodegenError(f"{o}: LOCAL is a GPU option")
+        if o.amount > self.target.max_local: raise CodegenError(f"{o}: at most {self.target.max_local} threads per block")
+        p.local = o.amount
+      elif o.op is OptOps.GROUP:
+        if self.target.vector_bytes != 0: raise CodegenError(f"{o}: GROUP is a GPU option")
+        if o.amount > self.target.max_local or o.amount & (o.amount - 1): raise CodegenError(f"{o}: needs a power of two <= {self.target.max_local}")
+        p.group = o.amount
+    if sum(p.threads > 1 for p in self.plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+
+  # ---- loops ----
+  def open_axis(self, scope: Scope, r: UOp, subst: dict[UOp, UOp]) -> tuple[Scope, UOp]:
+    """Open the loop for range r inside scope; returns the new scope and the expression that replaces r."""
+    p = self.plans[r]
+    end = substitute(r.src[0], subst)
+    units = end // p.factor if p.factor > 1 else end
+    if p.threads > 1:
+      if self.core_id is None: self.core_id = UOp(Ops.SPECIAL, dtypes.index, (UOp.const(dtypes.index, p.threads),), "core_id")
+      chunk = (units + (p.threads - 1)) // p.threads
+      start = self.core_id * chunk
+      stop = (start + chunk < units).where(start + chunk, units)
+    else: start, stop = UOp.const(dtypes.index, 0), units
+    lv = UOp(Ops.RANGE, dtypes.index, (_simplify(start), _simplify(stop)), (next(self.loop_count), r.arg[1]))
+    inner = self.lin.open(scope, lv)
+    expr = lv * p.factor + p.ev if p.ev is not None else lv
+    return inner, expr
+
+  def gpu_axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> tuple[list[UOp], UOp | None]:
+    """Map up to three output axes to the grid (the innermost with its LOCAL threads); returns the axes left as loops
+    and the gate (index < size) the body needs when a size does not divide evenly."""
+    gate: UOp | None = None
+    loops = list(out)
+    for dim in range(3):
+      if not loops: break
+      r = loops[-1]
+      p = self.plans[r]
+      end = substitute(r.src[0], subst)
+      size = axis_size(r)
+      if dim > 0 and (size is None or size > self.target.max_grid[dim]): break
+      loops.pop()
+      if p.local:
+        lid = self._special(f"lidx{dim}", p.local)
+        nblocks = (end + (p.local - 1)) // p.local
+        gid = self._special(f"gidx{dim}", nblocks)
+        expr = gid * p.local + lid
+        self.block[dim] = p.local
+        if size is None or size % p.local: gate = (expr < end) if gate is None else gate & (expr < end)
+      else:
+        gid = self._special(f"gidx{dim}", end)
+        expr = gid
+        nblocks = end
+      self.grid[dim] = _simplify(nblocks) if isinstance(nblocks, UOp) and nblocks.op is not Ops.CONST else int(nblocks.arg)
+      subst[r] = expr
+    return loops, gate
+
+  def _special(self, name: str, size: int | UOp) -> UOp:
+    s = size if isinstance(size, UOp) else UOp.const(dtypes.index, size)
+    return self.specials.setdefault(name, UOp(Ops.SPECIAL, dtypes.index, (_simplify(s),), name))
+
+  # ---- expressions ----
+  def hide_reduces(self, u: UOp) -> UOp:
+    """Replace the outermost REDUCEs in u by placeholders (their values come from accumulators)."""
+    mapping: dict[UOp, UOp] = {}
+    stack = [u]
+    seen: set[UOp] = set()
+    while stack:
+      n = stack.pop()
+      if n in seen: continue
+      seen.add(n)
+      if n.op is Ops.REDUCE:
+        ph = UOp(Ops.SPECIAL, n.dtype, (), f"reduce.{n.key[:16]}")
+        self.placeholders[ph] = n
+        mapping[n] = ph
+        continue
+      stack.extend(n.src)
+    return substitute(u, mapping)
+
+  def expand_vars(self, u: UOp) -> list[UOp]:
+    """The unroll variables u depends on, its reduces' results included (vector lanes are vectorize's, not copies)."""
+    out: list[UOp] = []
+    for n in u.toposort():
+      found = [n] if n.op is Ops.DEFINE_VAR and n.arg[0].startswith("unroll.") else self.red_vars.get(n, [])
+      out += [v for v in found if v not in out]
+    return sorted(out, key=lambda v: v.arg[0])
+
+  def instantiate(self, u: UOp, combo: dict[UOp, int]) -> UOp:
+    """One unrolled copy of u: unroll variables to constants, placeholders to that copy's reduce results, then vectorise."""
+    m: dict[UOp, UOp] = {v: UOp.const(dtypes.index, c) for v, c in combo.items()}
+    out = _simplify(substitute(u, m)) if m else u
+    phs = {n: self.red_results[(n, tuple(combo[v] for v in self.red_vars[n]))] for n in out.toposort() if n in self.placeholders}
+    if phs: out = substitute(out, phs)
+    return self.vectorize(out) if self.vec is not None else out
+
+  def vectorize(self, u: UOp) -> UOp:
+    """Turn the scalar graph u (in terms of the lane variable) into vector ops over the lanes."""
+    assert self.vec is not None
+    lane, w = self.vec
+    vdep: set[UOp] = set()
+    out: dict[UOp, UOp] = {}
+    for n in u.toposort():
+      if n is lane:
+        out[n] = UOp(Ops.VECTORIZE, dtypes.index.vec(w), tuple(UOp.const(dtypes.index, i) for i in range(w)))
+        vdep.add(n)
+        continue
+      if not any(s in vdep for s in n.src) or n.op is Ops.GEP:  # already scalar, or already a vector (accumulator reads)
+        out[n] = n
+        if isinstance(n.dtype, DType) and n.dtype.count > 1: vdep.add(n)
+        continue
+      vdep.add(n)
+      if n.op is Ops.INDEX: out[n] = n; continue  # noqa: E702  (rewritten by its LOAD/STORE)
+      if n.op is Ops.LOAD: out[n] = self._vload(n, lane, w); continue  # noqa: E702
+      if n.op is Ops.STORE: out[n] = self._vstore(n, out[n.src[1]], lane, w); continue  # noqa: E702
+      if n.op in GroupOp.ALU or n.op in (Ops.CAST, Ops.BITCAST):
+        srcs = tuple(_bcast(out[s], w) for s in n.src)
+        dt = n.dtype.vec(w) if isinstance(n.dtype, DType) and n.dtype.count == 1 else n.dtype
+        out[n] = UOp(n.op, dt, srcs, n.arg)
+        continue
+      raise CodegenError(f"cannot vectorise {n.op}")
+    return out[u]
+
+  def _lanes(self, idx: UOp, lane: UOp, w: int) -> list[UOp]:
+    return [_simplify(substitute(idx, {lane: UOp.const(dtypes.index, i)})) for i in range(w)]
+
+  def _vload(self, ld: UOp, lane: UOp, w: int) -> UOp:
+    buf, idx, *gate = ld.src[0].src
+    dt = ld.dtype
+    if not gate and affine_coeff(idx, lane) == 1:
+      return UOp(Ops.LOAD, dt.vec(w), (buf.index(_simplify(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))),))  # type: ignore[union-attr]
+    idxs = self._lanes(idx, lane, w)
+    gates = self._lanes(gate[0], lane, w) if gate else [None] * w
+    return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))  # type: ignore[union-attr]
+
+  def _vstore(self, st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
+    buf, idx, *gate = st.src[0].src
+    val = _bcast(val, w)
+    if not gate and affine_coeff(idx, lane) == 1:
+      return UOp(Ops.STORE, dtypes.void, (buf.index(_simplify(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))), val))
+    idxs = self._lanes(idx, lane, w)
+    gates = self._lanes(gate[0], lane, w) if gate else [None] * w
+    return UOp(Ops.SINK, dtypes.void, tuple(UOp(Ops.STORE, dtypes.void, (buf.index(i, g), UOp(Ops.GEP, val.dtype.scalar(), (val,), l)))  # type: ignore[union-attr]
+                                            for l, (i, g) in enumerate(zip(idxs, gates))))
+
+  # ---- reduces ----
+  def emit_reduces(self, u: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
+    """Emit every placeholder's REDUCE found in u, each in the outermost scope its free ranges allow."""
+    for ph in [n for n in u.toposort() if n in self.placeholders]:
+      if ph in self.red_vars: continue
+      red = self.placeholders[ph]
+      deps = [loop_scopes[r] for r in free_ranges(red) if r in loop_scopes]
+      target = max(deps, key=lambda s: s.depth, default=self.lin.root)
+      if target.depth > scope.depth: target = scope
+      self.emit_reduce(ph, red, target, subst, loop_scopes)
+
+  def emit_reduce(self, ph: UOp, red: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
+    op, ranges = red.arg, list(red.src[1:])
+    dt = red.dtype
+    assert isinstance(dt, DType)
+    value = self.hide_reduces(red.src[0])
+    value = substitute(value, {r: e for r, e in subst.items()})
+    value = _simplify(value)
+    out_vars = [v for v in self.expand_vars(value) if v not in {self.plans[r].ev for r in ranges}]
+    red_vec = any(self.plans[r].kind == "vec" for r in ranges)
+    lane_dep = self.vec is not None and self.vec[0] in value.toposort() and not red_vec
+    acc_dt = dt.vec(self.vec[1]) if self.vec is not None and (lane_dep or red_vec) else dt
+    group = next((self.plans[r].group for r in ranges if self.plans[r].group), 0)
+    combos = _combos(out_vars)
+    accs = {}
+    for c in combos:
+      accs[c] = UOp(Ops.DEFINE_ACC, acc_dt, (UOp.const(acc_dt, identity(op, dt)),), next(self.acc_count))
+      self.lin.emit(scope, accs[c])
+    # loops over the reduce axes, innermost last
+    inner, rsubst, lscopes = scope, dict(subst), dict(loop_scopes)
+    gate: UOp | None = None
+    for r in ranges:
+      p = self.plans[r]
+      if p.group:
+        lid = self._special("lidx0", p.group)
+        end = substitute(r.src[0], rsubst)
+        trips = (end + (p.group - 1)) // p.group
+        lv = UOp(Ops.RANGE, dtypes.index, (UOp.const(dtypes.index, 0), _simplify(trips)), (next(self.loop_count), AxisType.REDUCE))
+        inner = self.lin.open(inner, lv)
+        rsubst[r] = lv * p.group + lid
+        gate = rsubst[r] < end
+        self.block[0] = p.group
+      else:
+        inner, rsubst[r] = self.open_axis(inner, r, rsubst)
+      lscopes[r] = inner
+    body = _simplify(substitute(self.hide_reduces(red.src[0]), rsubst))
+    if gate is not None: body = _gate_loads(body, gate)
+    self.emit_reduces(body, inner, rsubst, lscopes)
+    red_vars = [self.plans[r].ev for r in ranges if self.plans[r].kind == "unroll"]
+    for rc in _combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
+      for c in combos:
+        v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))})
+        if gate is not None: v = gate.where(v, UOp.const(dt, identity(op, dt))) if v.dtype == dt else v
+        cur = self.lin.acc_read(accs[c], next(self.acc_count))
+        v = _bcast(v, acc_dt.count) if acc_dt.count > 1 else v
+        self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], _combine(op, cur, v))))
+    for r in reversed(ranges): self.lin.close(lscopes[r])
+    for c in combos:
+      res = self.lin.acc_read(accs[c], next(self.acc_count))
+      if red_vec:  # fold the lanes in order
+        lanes = [UOp(Ops.GEP, dt, (res,), i) for i in range(acc_dt.count)]
+        res = lanes[0]
+        for x in lanes[1:]: res = _combine(op, res, x)
+      if group: res = self.group_combine(scope, res, op, dt)
+      self.red_results[(ph, c)] = res
+    self.red_vars[ph] = out_vars
+
+  def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
+    """GPU: the block's threads leave partials in shared memory; thread 0 folds them in order."""
+    n = self.block[0]
+    lid = self.specials["lidx0"]
+    smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(n), (), f"red{next(self.acc_count)}")
+    self.lin.emit(scope, UOp(Ops.STORE, dtypes.void, (smem.index(lid), partial)))
+    self.lin.emit(scope, UOp(Ops.BARRIER, dtypes.void, (smem,)))
+    acc = UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), next(self.acc_count))
+    self.lin.emit(scope, acc)
+    lv = UOp(Ops.RANGE, dtypes.index, (UOp.const(dtypes.index, 0), UOp.const(dtypes.index, n)), (next(self.loop_count), AxisType.REDUCE))
+    inner = self.lin.open(scope, lv)
+    cur = self.lin.acc_read(acc, next(self.acc_count))
+    self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, _combine(op, cur, smem.index(lv).load()))))
+    self.lin.close(inner)
+    return self.lin.acc_read(acc, next(self.acc_count))
+
+  # ---- stores ----
+  def lower_group(self, stores: list[UOp], axes: list[UOp]) -> None:
+    subst: dict[UOp, UOp] = {}
+    scope = self.lin.root
+    loop_scopes: dict[UOp, Scope] = {}
+    gate: UOp | None = None
+    loops = axes
+    if self.target.vector_bytes == 0: loops, gate = self.gpu_axes(axes, subst)
+    for r in loops:
+      scope, subst[r] = self.open_axis(scope, r, subst)
+      loop_scopes[r] = scope
+    body_scope = scope
+    if gate is not None: body_scope = self.lin.open_if(scope, _simplify(gate))
+    if (g := max((p.group for p in self.plans.values()), default=0)):  # only thread 0 of a block writes a group reduction
+      body_scope = self.lin.open_if(body_scope, self._special("lidx0", g).eq(0))
+    for st in stores:
+      s = _simplify(substitute(self.hide_reduces(st), subst))
+      self.emit_reduces(s, scope, subst, loop_scopes)
+      for c in _combos(self.expand_vars(s)):
+        out = self.instantiate(s, dict(zip(self.expand_vars(s), c)))
+        for one in (out.src if out.op is Ops.SINK else (out,)): self.lin.emit(body_scope, one)
+    self.lin.close_to(self.lin.root)
+
+  def lower(self) -> LoweredKernel:
+    ast = self.ast
+    stores = [s for s in ast.src if s.op is Ops.STORE]
+    all_ranges = sorted({n for n in ast.toposort() if n.op is Ops.RANGE}, key=lambda r: r.arg[0])
+    self.plan_axes(all_ranges)
+    groups: dict[tuple[UOp, ...], list[UOp]] = {}
+    for st in stores: groups.setdefault(tuple(sorted(free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
+    threaded = [p for p in self.plans.values() if p.threads > 1]
+    if threaded and len(groups) > 1: raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
+    for axes, sts in groups.items(): self.lower_group(sts, list(axes))
+    uops = self.lin.program()
+    globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
+    vars_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_VAR}, key=lambda v: v.arg[0])
+    outs = sorted({st.src[0].src[0].arg for st in stores})
+    ins = sorted({n.src[0].src[0].arg for n in ast.toposort() if n.op is Ops.LOAD and n.src[0].op is Ops.INDEX})
+    threads = threaded[0].threads if threaded else 1
+    lk = LoweredKernel(name=ast.arg if isinstance(ast.arg, str) else "kernel", uops=uops, globals=globals_, vars=vars_, opts=self.opts,
+                       threads=threads, outs=outs, ins=ins)
+    if self.target.vector_bytes == 0:
+      lk.global_size, lk.local_size = tuple(self.grid), tuple(self.block)  # type: ignore[assignment]
+    elif threads > 1: lk.global_size = (threads, 1, 1)
+    lk.min_elements = _min_elements(ast)
+    lk.flops, lk.mem_bytes = _estimate(ast)
+    return lk
+
+
+
+def _bcast(u: UOp, w: int) -> UOp:
+  if not isinstance(u.dtype, DType) or u.dtype.count == w or w == 1: return u
+  return UOp(Ops.VECTORIZE, u.dtype.vec(w), (u,) * w)
+
+
+def _combine(op: Ops, a: UOp, b: UOp) -> UOp:
+  return UOp(Ops.MAX if op is Ops.MAX else op, a.dtype, (a, b)) if a.dtype == b.dtype else UOp(op, a.dtype, (a, _bcast(b, a.dtype.count)))  # type: ignore[union-attr]
+
+
+def _combos(vars_: list[UOp]) -> list[tuple[int, ...]]:
+  return list(itertools.product(*(range(v.arg[2] + 1) for v in vars_)))
+
+
+def _gate_loads(u: UOp, gate: UOp) -> UOp:
+  """Add `gate` to every INDEX under u, so lanes past the end of a group-strided loop read nothing."""
+  m = {n: UOp(Ops.INDEX, n.dtype, (n.src[0], n.src[1], gate if len(n.src) == 2 else n.src[2] & gate)) for n in u.toposort()
+       if n.op is Ops.INDEX and n.src[0].op is Ops.DEFINE_GLOBAL}
+  return substitute(u, m)
+
+
+def _min_elements(ast: UOp) -> dict[int, int]:
+  """Per slot, how many elements the kernel may touch (index vmax + 1) over all variable values."""
+  need: dict[int, int] = {}
+  for n in ast.toposort():
+    if n.op is Ops.INDEX and n.src[0].op is Ops.DEFINE_GLOBAL:
+      hi = n.src[1].vmax
+      need[n.src[0].arg] = max(need.get(n.src[0].arg, 1), int(hi) + 1 if isinstance(hi, int) else 1)
+  return need
+
+
+def _estimate(ast: UOp) -> tuple[int, int]:
+  """Flops and bytes moved at the variables' upper bounds (a rough figure for profiles)."""
+  trips: dict[UOp, int] = {}
+  for n in ast.toposort():
+    if n.op is Ops.RANGE: trips[n] = max(int(n.src[0].vmax), 0)
+  def iters(u: UOp) -> int:
+    rs = [r for r in u.toposort() if r.op is Ops.RANGE]
+    return math.prod(trips[r] for r in rs) if rs else 1
+  flops = sum(iters(n) for n in ast.toposort() if n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float)
+  flops += sum(iters(n) for n in ast.toposort() if n.op is Ops.REDUCE)
+  mem = 0
+  for g in {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}:
+    assert isinstance(g.dtype, PtrDType)
+    touched = _min_elements(ast).get(g.arg, 1)
+    mem += touched * g.dtype.base.itemsize
+  return flops, mem
+
+
+def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKernel:
+  """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program."""
+  if ast.op is not Ops.SINK: raise CodegenError(f"a kernel is a SINK of STOREs, got {ast.op}")
+  try:
+    from kiln.ir.verify import verify
+    verify(ast)
+  except ImportError: pass
+  ast = _simplify(ast)
+  chosen = heuristic_opts(ast, target) if opts is None else list(opts)
+  return Lowerer(ast, target, chosen).lower()

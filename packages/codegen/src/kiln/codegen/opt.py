@@ -1,0 +1,129 @@
+"""Optimisation options and the deterministic heuristic that picks them. An explicit list overrides the heuristic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kiln.ir.dtype import DType
+from kiln.ir.errors import CodegenError
+from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
+
+
+class OptOps(Enum):
+  UPCAST = "UPCAST"  # vectorise an axis: its `amount` consecutive values become the lanes of one vector
+  UNROLL = "UNROLL"  # unroll an axis by `amount` (output axes: register tiling; reduce axes: a longer loop body)
+  THREAD = "THREAD"  # CPU: split an output axis (or a full reduction) over `amount` threads (core_id)
+  LOCAL = "LOCAL"  # GPU: `amount` threads of a block along an output axis (the rest goes to the grid)
+  GROUP = "GROUP"  # GPU: `amount` threads of a block share a reduction through shared memory
+
+
+@dataclass(frozen=True, order=True)
+class Opt:
+  op: OptOps
+  axis: int  # the axis_id of a user RANGE
+  amount: int
+
+  def __post_init__(self) -> None:
+    if not isinstance(self.op, OptOps): raise CodegenError(f"Opt.op must be an OptOps, got {self.op!r}")
+    if not isinstance(self.amount, int) or self.amount < 1: raise CodegenError(f"{self.op.name} amount must be a positive int, got {self.amount!r}")
+  def __str__(self) -> str: return f"{self.op.name}(axis={self.axis}, {self.amount})"
+
+
+@dataclass(frozen=True)
+class Target:
+  """What the optimiser may assume about the device."""
+  device: str = "CPU"
+  vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
+  threads: int = 1  # CPU worker threads a kernel may be split over
+  min_work_per_thread: int = 1 << 16  # below this many element-ops a kernel stays on one thread
+  max_local: int = 1024  # GPU: threads per block
+  local_size: int = 256  # GPU: default block size
+  max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+
+
+def axis_size(r: UOp) -> int | None:
+  """A range's trip count when it is a constant."""
+  e = r.src[0]
+  return int(e.arg) if e.op is Ops.CONST else None
+
+
+def affine_coeff(idx: UOp, var: UOp) -> int | None:
+  """The constant a with idx == a*var + (terms without var), or None when idx is not affine in var."""
+  memo: dict[UOp, int | None] = {}
+  for u in idx.toposort():
+    if u is var: memo[u] = 1; continue  # noqa: E702
+    if not any(memo.get(s) != 0 for s in u.src) or not u.src: memo[u] = 0; continue  # noqa: E702
+    c = [memo[s] for s in u.src]
+    if u.op is Ops.ADD: memo[u] = None if None in c else c[0] + c[1]  # type: ignore[operator]
+    elif u.op is Ops.SUB: memo[u] = None if None in c else c[0] - c[1]  # type: ignore[operator]
+    elif u.op is Ops.NEG: memo[u] = None if c[0] is None else -c[0]
+    elif u.op is Ops.MUL and u.src[1].op is Ops.CONST and c[1] == 0: memo[u] = None if c[0] is None else c[0] * int(u.src[1].arg)
+    elif u.op is Ops.MUL and u.src[0].op is Ops.CONST and c[0] == 0: memo[u] = None if c[1] is None else c[1] * int(u.src[0].arg)
+    elif u.op is Ops.CAST and isinstance(u.dtype, DType) and u.dtype.is_int and u.dtype.itemsize >= 4: memo[u] = c[0]
+    else: memo[u] = None
+  return memo[idx]
+
+
+def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]
+
+
+def _pick_width(size: int | None, lanes: int) -> int:
+  if size is None: return 1
+  w = lanes
+  while w > 1 and size % w: w //= 2
+  return w
+
+
+def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
+  """Deterministic choices: vector width on the contiguous axis, register tiling for matmul-like kernels, a thread split
+  where each thread gets enough work. Kernels with several stores of different loops keep it simple."""
+  stores = [s for s in ast.src if s.op is Ops.STORE]
+  if len(stores) != 1: return []
+  st = stores[0]
+  from kiln.codegen.lower import free_ranges
+  out_axes = sorted(free_ranges(st), key=lambda r: r.arg[0])
+  reduces = [u for u in st.toposort() if u.op is Ops.REDUCE]
+  red_axes = sorted({r for red in reduces for r in red.src[1:]}, key=lambda r: r.arg[0])
+  if target.vector_bytes == 0: return _gpu_opts(st, out_axes, red_axes, reduces, target)
+  opts: list[Opt] = []
+  dt = st.src[1].dtype
+  lanes = max(1, target.vector_bytes // dt.itemsize) if isinstance(dt, DType) else 1
+  idx = st.src[0].src[1]
+  inner = out_axes[-1] if out_axes else None
+  vec_axis: UOp | None = None
+  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _pick_width(axis_size(inner), lanes)) > 1:
+    opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
+    vec_axis = inner
+  # matmul-like: one reduce of a product of two loads, an output axis the first load ignores and one the second ignores
+  if vec_axis is not None and len(out_axes) >= 2 and len(reduces) == 1 and reduces[0].arg is Ops.ADD and len(red_axes) == 1:
+    outer = out_axes[-2]
+    lds = _loads(reduces[0].src[0])
+    if any(outer not in ld.toposort() for ld in lds) and any(vec_axis not in ld.toposort() for ld in lds):
+      if (u := _pick_width(axis_size(outer), 4)) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
+      if (k := _pick_width(axis_size(red_axes[0]), 4)) > 1: opts.append(Opt(OptOps.UNROLL, red_axes[0].arg[0], k))
+  if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
+    r = red_axes[0]
+    if all(affine_coeff(ld.src[0].src[1], r) == 1 for ld in _loads(reduces[0].src[0])) and (w := _pick_width(axis_size(r), lanes)) > 1:
+      opts.append(Opt(OptOps.UPCAST, r.arg[0], w))
+  # threads: split the outermost output axis when the whole kernel is big enough
+  if target.threads > 1 and out_axes:
+    work = 1
+    for r in out_axes + red_axes: work *= axis_size(r) or 1024
+    first = out_axes[0]
+    per = {o.axis: o.amount for o in opts if o.axis == first.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)}
+    units = (axis_size(first) or 0) // max(per.values(), default=1) if axis_size(first) else None
+    if work >= target.min_work_per_thread * 2 and (units is None or units >= target.threads):
+      opts.append(Opt(OptOps.THREAD, first.arg[0], target.threads))
+  return opts
+
+
+def _gpu_opts(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp], target: Target) -> list[Opt]:
+  if out_axes:
+    inner = out_axes[-1]
+    size = axis_size(inner)
+    loc = min(target.local_size, size) if size is not None else target.local_size
+    return [Opt(OptOps.LOCAL, inner.arg[0], max(loc, 1))]
+  if len(red_axes) == 1 and len(reduces) == 1 and (axis_size(red_axes[0]) or 1 << 20) >= 64:
+    return [Opt(OptOps.GROUP, red_axes[0].arg[0], target.local_size)]
+  return []

@@ -1,0 +1,96 @@
+"""LLVMCompiler: LLVM IR text to host object code with llvmlite (O3, loop and SLP vectorisation, host CPU features)."""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from functools import cache
+
+import llvmlite
+import llvmlite.binding as llvm
+
+from kiln.codegen.spec import CompiledSpec, ProgramSpec
+from kiln.ir.errors import CompileError
+
+_lock = threading.Lock()  # LLVM's global context is not thread-safe
+
+
+@cache
+def init_llvm() -> None:
+  # initialize() is deprecated in llvmlite; the native target and printer are all we need
+  llvm.initialize_native_target()
+  llvm.initialize_native_asmprinter()
+  llvm.initialize_native_asmparser()
+
+
+@cache
+def host_cpu() -> tuple[str, str]:
+  """(cpu name, feature string) of this machine, as LLVM sees it."""
+  init_llvm()
+  return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+
+
+def host_vector_bytes() -> int:
+  feats = host_cpu()[1].split(",")
+  if "+avx512f" in feats: return 64
+  if "+avx2" in feats or "+avx" in feats: return 32
+  return 16
+
+
+def _error_lines(src: str, message: str) -> str:
+  """The source lines an LLVM diagnostic points at (`<string>:LINE:COL: error: ...`), with a little context."""
+  lines = src.splitlines()
+  out = []
+  for m in re.finditer(r":(\d+):(\d+):", message):
+    ln = int(m.group(1))
+    for i in range(max(ln - 2, 1), min(ln + 1, len(lines)) + 1): out.append(f"{i:5d}{'>' if i == ln else ' '} {lines[i - 1]}")
+  return "\n".join(dict.fromkeys(out))
+
+
+class LLVMCompiler:
+  """Compiles a ProgramSpec's LLVM IR to object code for this host."""
+
+  def __init__(self, opt_level: int = 3):
+    init_llvm()
+    cpu, features = host_cpu()
+    self.cpu, self.features, self.opt_level = cpu, features, opt_level
+    target = llvm.Target.from_default_triple()
+    self.triple = target.triple
+    self.tm = target.create_target_machine(cpu=cpu, features=features, opt=opt_level, reloc="pic", codemodel="default")
+    ver = ".".join(map(str, llvm.llvm_version_info))
+    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{cpu}|{hashlib.sha256(features.encode()).hexdigest()[:16]}|O{opt_level}"
+
+  def optimize(self, mod: llvm.ModuleRef) -> None:
+    pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)
+    pto.loop_vectorization = True
+    pto.slp_vectorization = True
+    pto.loop_unrolling = True
+    pb = llvm.create_pass_builder(self.tm, pto)
+    pm = pb.getModulePassManager()
+    pm.run(mod, pb)
+
+  def to_module(self, src: str) -> llvm.ModuleRef:
+    try:
+      mod = llvm.parse_assembly(src)
+      mod.verify()
+    except RuntimeError as e:
+      raise CompileError("LLVM rejected the generated IR", log=str(e).strip(), source_lines=_error_lines(src, str(e))) from None
+    mod.triple = self.triple
+    mod.data_layout = str(self.tm.target_data)
+    return mod
+
+  def compile_module(self, src: str) -> bytes:
+    with _lock:
+      mod = self.to_module(src)
+      self.optimize(mod)
+      return bytes(self.tm.emit_object(mod))
+
+  def assembly(self, src: str) -> str:
+    """The optimised machine code as text (KILN_DEBUG and benchmarks look at it)."""
+    with _lock:
+      mod = self.to_module(src)
+      self.optimize(mod)
+      return str(self.tm.emit_assembly(mod))
+
+  def compile(self, spec: ProgramSpec) -> CompiledSpec:
+    return CompiledSpec.from_program(spec, src=spec.src, data=self.compile_module(spec.src), compiler=self.cache_key)

@@ -1,0 +1,104 @@
+"""CPUProgram: loads object code in-process and calls it through ctypes (the GIL is released during the call)."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+from collections.abc import Sequence
+from functools import cache
+
+import llvmlite.binding as llvm
+
+from kiln.codegen.spec import CompiledSpec
+from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
+from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.threads import get_pool
+
+# math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
+_LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt", "truncf", "trunc", "fmaxf", "fmax")
+_LIBGCC_SYMBOLS = ("__truncsfhf2", "__extendhfsf2", "__truncdfhf2", "__truncsfbf2", "__truncdfbf2")
+
+
+@cache
+def _register_symbols() -> None:
+  init_llvm()
+  for libname, names in (("m", _LIBM_SYMBOLS), ("gcc_s", _LIBGCC_SYMBOLS)):
+    path = ctypes.util.find_library(libname)
+    if path is None: continue
+    lib = ctypes.CDLL(path)
+    for n in names:
+      try: llvm.add_symbol(n, ctypes.cast(getattr(lib, n), ctypes.c_void_p).value)
+      except AttributeError: pass  # this libm/libgcc lacks it; LLVM only asks for what the code uses
+
+
+_engine_lock = threading.Lock()
+
+
+class CPUProgram:
+  """One compiled kernel. Thread-safe: concurrent calls share only immutable state."""
+
+  def __init__(self, compiled: CompiledSpec):
+    if not compiled.bytes: raise CompileError(f"kernel {compiled.name}: no object code to load (was it compiled for the CPU?)")
+    self.name, self.spec = compiled.name, compiled
+    self.threads = compiled.threads
+    self.user_vars = [v for v in compiled.var_names if v != "core_id"]
+    if self.threads > 1 and "core_id" not in compiled.var_names:
+      raise RuntimeLaunchError(f"kernel {self.name} is split over {self.threads} threads but takes no core_id variable")
+    self.bounds = {v.name: (v.min, v.max) for v in compiled.vars}
+    _register_symbols()
+    with _engine_lock:
+      backing = llvm.parse_assembly("")
+      tm = llvm.Target.from_default_triple().create_target_machine()
+      self._engine = llvm.create_mcjit_compiler(backing, tm)
+      self._engine.add_object_file(llvm.ObjectFileRef.from_data(compiled.bytes))
+      self._engine.finalize_object()
+      addr = self._engine.get_function_address(self.name)
+    if not addr: raise CompileError(f"kernel {self.name}: symbol not found in its object code")
+    argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * (len(self.user_vars) + (self.threads > 1))
+    self.fn = ctypes.CFUNCTYPE(None, *argtypes)(addr)
+
+  def check(self, bufs: Sequence[int], vals: Sequence[int]) -> None:
+    if len(bufs) != self.spec.buf_count:
+      raise RuntimeLaunchError(f"kernel {self.name} takes {self.spec.buf_count} buffers (slots {self.spec.globals}), got {len(bufs)}")
+    for slot, p in zip(self.spec.globals, bufs):
+      if not isinstance(p, int) or p == 0: raise RuntimeLaunchError(f"kernel {self.name}: buffer for slot {slot} is not a valid address ({p!r})")
+    if len(vals) != len(self.user_vars):
+      raise RuntimeLaunchError(f"kernel {self.name} takes {len(self.user_vars)} variable values {self.user_vars}, got {len(vals)}")
+    for n, v in zip(self.user_vars, vals):
+      lo, hi = self.bounds.get(n, (-(2**31), 2**31 - 1))
+      if not isinstance(v, int) or not lo <= v <= hi: raise VariableBoundsError(f"variable {n}={v} is outside bounds [{lo}, {hi}]")
+
+  def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
+               local_size: Sequence[int] | None = None, wait: bool = False) -> float | None:
+    call = self.bind(bufs, vals)
+    st = time.perf_counter()
+    call()
+    return time.perf_counter() - st if wait else None
+
+  def bind(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] | None = None,
+           local_size: Sequence[int] | None = None) -> CPUBoundCall:
+    self.check(bufs, vals)
+    return CPUBoundCall(self, list(bufs), list(vals))
+
+
+class CPUBoundCall:
+  """The fast path: argument tuples built once; calling runs the kernel (over the pool when threaded)."""
+  __slots__ = ("prog", "bufs", "args", "threaded")
+
+  def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
+    self.prog, self.bufs = prog, bufs
+    self.threaded = prog.threads > 1
+    self._build(vals)
+
+  def _build(self, vals: list[int]) -> None:
+    base = (*self.bufs, *vals)
+    self.args: tuple | list[tuple] = [(*base, c) for c in range(self.prog.threads)] if self.threaded else base
+
+  def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
+    self.prog.check(self.bufs, vals)
+    self._build(list(vals))
+
+  def __call__(self) -> None:
+    if self.threaded: get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
+    else: self.prog.fn(*self.args)

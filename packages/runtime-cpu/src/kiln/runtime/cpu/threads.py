@@ -1,0 +1,70 @@
+"""A persistent worker pool: a threaded kernel's N calls (core_id 0..N-1) run over it with the GIL released."""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from functools import cache
+
+
+def thread_count() -> int:
+  """KILN_THREADS, else the number of cores this process may use."""
+  env = os.environ.get("KILN_THREADS")
+  if env:
+    try: n = int(env)
+    except ValueError: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}") from None
+    if n < 1: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}")
+    return n
+  try: return len(os.sched_getaffinity(0))
+  except AttributeError: return os.cpu_count() or 1
+
+
+class _Batch:
+  __slots__ = ("fn", "args", "next", "left", "lock", "done", "error")
+
+  def __init__(self, fn: Callable[..., object], args: Sequence[tuple]):
+    self.fn, self.args, self.next, self.left = fn, args, 0, len(args)
+    self.lock, self.done, self.error = threading.Lock(), threading.Event(), None
+
+  def work(self) -> None:
+    """Take calls from the batch until none is left; whoever finishes the last one wakes the caller."""
+    while True:
+      with self.lock:
+        if self.next >= len(self.args): return
+        i = self.next
+        self.next += 1
+      try: self.fn(*self.args[i])
+      except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+        self.error = e
+      with self.lock:
+        self.left -= 1
+        if self.left == 0: self.done.set()
+
+
+class WorkerPool:
+  """`size - 1` daemon workers; the calling thread works too, so a pool of 1 runs everything in place."""
+
+  def __init__(self, size: int):
+    self.size = size
+    self.q: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+    self.workers = [threading.Thread(target=self._loop, name=f"kiln-cpu-{i}", daemon=True) for i in range(size - 1)]
+    for w in self.workers: w.start()
+
+  def _loop(self) -> None:
+    while True: self.q.get().work()
+
+  def run(self, fn: Callable[..., object], args: Sequence[tuple]) -> None:
+    """Call fn(*a) for every a in args, spread over the pool; returns when all are done; re-raises a call's error."""
+    if len(args) == 1 or self.size == 1:
+      for a in args: fn(*a)
+      return
+    b = _Batch(fn, args)
+    for _ in range(min(self.size - 1, len(args) - 1)): self.q.put(b)
+    b.work()
+    b.done.wait()
+    if b.error is not None: raise b.error
+
+
+@cache
+def get_pool() -> WorkerPool: return WorkerPool(thread_count())
