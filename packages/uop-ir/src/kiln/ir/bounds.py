@@ -5,8 +5,13 @@ the whole dtype. Floats are bounded only where it is exact (constants, casts fro
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import numpy as np
+
+from kiln.ir.alu import cast as alu_cast
+from kiln.ir.alu import compute_np
 from kiln.ir.dtype import DType
 from kiln.ir.ops import Ops
 from kiln.ir.uop import ConstLike, UOp
@@ -92,6 +97,7 @@ def _node_bounds(u: UOp) -> Bounds:
   if op is Ops.CONST: return u.arg, u.arg
   if op is Ops.DEFINE_VAR: return u.arg[1], u.arg[2]
   if op is Ops.BIND: return u.src[0]._vbounds()
+  if op is Ops.RANGE and len(u.src) == 2: return int(u.src[0].vmin), max(int(u.src[1].vmax) - 1, int(u.src[0].vmin))  # lowered loop [start, end)
   if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
   if not isinstance(dt, DType) or dt.kind == "v": return 0, 0
   srcb = [s._bounds for s in u.src]
@@ -99,6 +105,7 @@ def _node_bounds(u: UOp) -> Bounds:
   if op is Ops.WHERE:
     c = srcb[0]
     if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]  # type: ignore[return-value]
+    if any(isinstance(v, float) and math.isnan(v) for v in (*srcb[1], *srcb[2])): return _full(dt)  # min(1.0, nan) would drop the NaN
     return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])  # type: ignore[index]
   if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)  # type: ignore[arg-type]
   if dt.count != 1 or dt.is_float: return _full(dt)
@@ -120,11 +127,14 @@ def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
   if dst.is_bool:
     if b[0] == b[1]: return (b[0] != 0,) * 2  # type: ignore[return-value]
     return (False, True) if not (b[0] > 0 or b[1] < 0) else (True, True)
-  if src.is_float: return _full(dst) if not dst.is_float else (b[0], b[1]) if b[0] == b[1] else _full(dst)
-  lo, hi = int(b[0]), int(b[1])
-  if dst.is_float: return float(lo), float(hi)
-  if dst.min <= lo and hi <= dst.max: return lo, hi
-  return _full(dst)
+  if any(isinstance(v, float) and math.isnan(v) for v in b): return _full(dst)
+  if src.is_float and dst.is_int and b[0] != b[1]: return _full(dst)  # a non-constant float may be NaN (-> 0)
+  if not src.is_float and dst.is_int:
+    lo, hi = int(b[0]), int(b[1])
+    return (lo, hi) if dst.min <= lo and hi <= dst.max else _full(dst)
+  # int->float, float->float and constant float->int casts are monotone: cast the ends with the evaluator's own rounding
+  ends = alu_cast(np.asarray(b, dtype=np.float64 if src.is_float else object).astype(compute_np(src)), src, dst)
+  return (float(ends[0]), float(ends[1])) if dst.is_float else (int(ends[0]), int(ends[1]))
 
 
 def compute_bounds(root: UOp) -> None:
