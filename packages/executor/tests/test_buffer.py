@@ -89,3 +89,11 @@ def test_dlpack_torch(rt):
 def test_errors(rt):
   with pytest.raises(KilnBufferError): Buffer("CPU", 0, dtypes.float32)
   with pytest.raises(KilnBufferError): Buffer("CPU", 4, dtypes.float32.vec(4))
+
+
+def test_from_npy_is_a_lazy_readonly_disk_buffer(rt, tmp_path):
+  a = np.arange(10, dtype=np.float32)
+  np.save(tmp_path / "w.npy", a)
+  b = Buffer.from_npy(tmp_path / "w.npy")
+  assert b.device.startswith("DISK:") and b.size == 10 and b.dtype == dtypes.float32 and b.readonly and not b.is_allocated
+  assert b.storage.options["offset"] == (tmp_path / "w.npy").stat().st_size - a.nbytes

@@ -7,6 +7,7 @@ shares its base's storage (and `storage_id`); hazard tracking works on storage b
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -40,7 +41,8 @@ class Storage:
     self.id, self.device, self.nbytes, self.options = _next_id(), device, nbytes, options
     self.handle: Any = None
     self.allocator: Any = None
-    self.external, self.readonly = external, readonly  # external: a 1-d uint8 host array we keep alive
+    self.external = external  # a 1-d uint8 host array we keep alive
+    self.readonly = readonly or device.startswith("DISK")  # DISK is a read-only file mapping
     self._lock = threading.Lock()
     self._host: np.ndarray | None | bool = False  # False: not asked yet
 
@@ -208,6 +210,19 @@ class Buffer:
       raw = a.reshape(-1).view(np.uint8)
       return Buffer(dev, n, dt, _storage=Storage(dev, raw.nbytes, external=raw, readonly=not a.flags.writeable))
     return Buffer(dev, n, dt).copyin(np.ascontiguousarray(a))
+
+  @staticmethod
+  def from_npy(path: str | os.PathLike) -> Buffer:
+    """The array in a .npy file as a read-only DISK buffer (mmap, no read until used); add_copy it to the CPU to compute on it."""
+    p = os.fspath(path)
+    with open(p, "rb") as f:
+      version = np.lib.format.read_magic(f)
+      read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+      shape, fortran, dt = read(f, max_header_size=1 << 20)
+      offset = f.tell()
+    if fortran and len(shape) > 1: raise KilnBufferError(f"{p}: Fortran-ordered arrays are not supported; save it C-ordered")
+    n = int(np.prod(shape)) if shape else 1
+    return Buffer(f"DISK:{os.path.abspath(p)}", n, dtypes.from_numpy(dt), options={"offset": offset})
 
   @staticmethod
   def from_dlpack(x: Any, device: str | DeviceSpec = "CPU") -> Buffer:

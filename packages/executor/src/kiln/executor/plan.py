@@ -61,6 +61,7 @@ class PreparedKernel:
   origin: Origin = "compiled"
   bound: BoundCall | None = None
   symbolic_sizes: bool = False
+  _sizes: dict[tuple[int, ...], tuple] = field(default_factory=dict, repr=False)
 
   @property
   def name(self) -> str: return self.kernel.entry_point
@@ -68,11 +69,14 @@ class PreparedKernel:
   def var_vals(self) -> dict[str, int]: return {**dict(zip(self.kernel.var_names, self.vals)), **self.fixedvars}
 
   def resize(self) -> None:
-    """Re-evaluate symbolic launch sizes with the current vals."""
-    vv = self.var_vals()
-    gs, ls = self.kernel.global_size, self.kernel.local_size
-    self.global_size = tuple(sym_eval(x, vv) for x in gs) if gs is not None else (1, 1, 1)  # type: ignore[assignment]
-    self.local_size = tuple(sym_eval(x, vv) for x in ls) if ls is not None else None  # type: ignore[assignment]
+    """Re-evaluate symbolic launch sizes with the current vals (memoised: replaying a few sizes costs a dict lookup)."""
+    k = tuple(self.vals)
+    if (hit := self._sizes.get(k)) is None:
+      vv = self.var_vals()
+      gs, ls = self.kernel.global_size, self.kernel.local_size
+      hit = (tuple(sym_eval(x, vv) for x in gs) if gs is not None else (1, 1, 1), tuple(sym_eval(x, vv) for x in ls) if ls is not None else None)
+      if len(self._sizes) < 4096: self._sizes[k] = hit  # type: ignore[assignment]
+    self.global_size, self.local_size = hit  # type: ignore[assignment]
 
 
 @dataclass(eq=False)
