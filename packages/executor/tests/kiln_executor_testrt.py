@@ -20,8 +20,10 @@ from kiln.ir.dtype import DType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
-try: from kiln.ir.reference import evaluate
-except ImportError: evaluate = None  # type: ignore[assignment]
+try:
+  from kiln.ir.reference import evaluate
+except ImportError:
+  evaluate = None  # type: ignore[assignment]
 
 BEHAVIOR: dict[str, dict[str, Any]] = {}  # kernel name -> {"sleep": s, "fail": bool, "compile_sleep": s, "compile_fail": n}
 EVENTS: list[tuple[str, float, float, tuple[int, ...], tuple[int, ...]]] = []
