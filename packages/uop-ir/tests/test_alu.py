@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from kiln.ir import Ops, UOp, dtypes
+from kiln.ir import IRTypeError, Ops, UOp, dtypes
 from kiln.ir.alu import bitcast, cast, exec_alu, from_storage, round_to, to_storage
 
 
@@ -98,7 +98,7 @@ def test_bitcast():
   assert bitcast(a(1.0, -0.0, dt=np.float32), dtypes.float32, dtypes.uint32).tolist() == [0x3F800000, 0x80000000]
   assert bitcast(a(0x3F80, dt=np.uint16), dtypes.uint16, dtypes.bfloat16).tolist() == [1.0]
   assert bitcast(a(0, 1, 2, dt=np.uint8), dtypes.uint8, dtypes.bool).tolist() == [False, True, True]
-  with pytest.raises(Exception): bitcast(a(1), dtypes.int32, dtypes.int16)
+  with pytest.raises(IRTypeError, match="equal sizes"): bitcast(a(1), dtypes.int32, dtypes.int16)
 
 
 def test_folding_uses_the_same_semantics():
