@@ -217,7 +217,8 @@ class Lowerer:
         out[n] = UOp(Ops.VECTORIZE, dtypes.index.vec(w), tuple(UOp.const(dtypes.index, i) for i in range(w)))
         vdep.add(n)
         continue
-      if not any(s in vdep for s in n.src) or n.op is Ops.GEP:  # already scalar, or already a vector (accumulator reads)
+      if not any(s in vdep for s in n.src) or n.op in (Ops.GEP, Ops.DEFINE_ACC) or (n.op is Ops.LOAD and n.src[0].op is Ops.DEFINE_ACC):
+        # scalar, or a vector already (accumulators and their reads)
         out[n] = n
         if isinstance(n.dtype, DType) and n.dtype.count > 1: vdep.add(n)
         continue
