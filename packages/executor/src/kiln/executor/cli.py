@@ -57,7 +57,7 @@ def _dispatch(module: str, argv: Sequence[str]) -> int:
   return int(ret or 0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime")
   sub = ap.add_subparsers(dest="cmd")
   sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache")
@@ -68,6 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return info()
   return _dispatch(args.cmd, rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  try: return _main(argv)
+  except BrokenPipeError:  # `kiln info | head`: a closed pipe is not an error
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 if __name__ == "__main__": sys.exit(main())
