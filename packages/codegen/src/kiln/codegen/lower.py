@@ -33,6 +33,7 @@ class LoweredKernel:
   outs: list[int] = field(default_factory=list)
   ins: list[int] = field(default_factory=list)
   min_elements: dict[int, int] = field(default_factory=dict)  # slot -> elements the kernel may touch
+  scratch: UOp | None = None  # CPU threaded reduction: per-thread partials, a hidden last argument
   flops: int = 0
   mem_bytes: int = 0
 
@@ -90,6 +91,8 @@ class Lowerer:
     self.block: list[int] = [1, 1, 1]
     self.red_results: dict[tuple[UOp, tuple], UOp] = {}
     self.placeholders: dict[UOp, UOp] = {}  # placeholder -> REDUCE
+    self.scratch: UOp | None = None
+    self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
 
   # ---- planning ----
@@ -111,7 +114,6 @@ class Lowerer:
         if p.kind == "vec": self.vec = (p.ev, o.amount)
       elif o.op is OptOps.THREAD:
         if self.target.vector_bytes == 0: raise CodegenError(f"{o}: THREAD is a CPU option")
-        if p.rng.arg[1] is AxisType.REDUCE: raise CodegenError(f"{o}: only output (LOOP) axes can be split over threads")
         p.threads = o.amount
       elif o.op is OptOps.LOCAL:
         if self.target.vector_bytes != 0: raise CodegenError(f"{o}: LOCAL is a GPU option")
@@ -130,7 +132,7 @@ class Lowerer:
     end = substitute(r.src[0], subst)
     units = end // p.factor if p.factor > 1 else end
     if p.threads > 1:
-      if self.core_id is None: self.core_id = UOp(Ops.SPECIAL, dtypes.index, (UOp.const(dtypes.index, p.threads),), "core_id")
+      if self.core_id is None: self.core_id = self._core(p.threads, finish=False)
       chunk = (units + (p.threads - 1)) // p.threads
       start = self.core_id * chunk
       stop = (start + chunk < units).where(start + chunk, units)
@@ -167,6 +169,11 @@ class Lowerer:
       self.grid[dim] = _simplify(nblocks) if isinstance(nblocks, UOp) and nblocks.op is not Ops.CONST else int(nblocks.arg)
       subst[r] = expr
     return loops, gate
+
+  def _core(self, threads: int, finish: bool) -> UOp:
+    # a threaded reduction adds a finishing call with core_id == threads, so the id's bound says so
+    self.core_id = UOp(Ops.SPECIAL, dtypes.index, (UOp.const(dtypes.index, threads + finish),), "core_id")
+    return self.core_id
 
   def _special(self, name: str, size: int | UOp) -> UOp:
     s = size if isinstance(size, UOp) else UOp.const(dtypes.index, size)
@@ -279,13 +286,18 @@ class Lowerer:
     lane_dep = self.vec is not None and self.vec[0] in value.toposort() and not red_vec
     acc_dt = dt.vec(self.vec[1]) if self.vec is not None and (lane_dep or red_vec) else dt
     group = next((self.plans[r].group for r in ranges if self.plans[r].group), 0)
+    tp = next((self.plans[r] for r in ranges if self.plans[r].threads > 1), None)
     combos = _combos(out_vars)
+    work = scope
+    if tp is not None:  # calls 0..T-1 each reduce a chunk; the finishing call (core_id == T) folds their partials
+      if scope is not self.lin.root or self.finish_scope is not None: raise CodegenError("only one full reduction per kernel can be split over threads")
+      work = self.lin.open_if(scope, self._core(tp.threads, finish=True) < tp.threads)
     accs = {}
     for c in combos:
       accs[c] = UOp(Ops.DEFINE_ACC, acc_dt, (UOp.const(acc_dt, identity(op, dt)),), next(self.acc_count))
-      self.lin.emit(scope, accs[c])
+      self.lin.emit(work, accs[c])
     # loops over the reduce axes, innermost last
-    inner, rsubst, lscopes = scope, dict(subst), dict(loop_scopes)
+    inner, rsubst, lscopes = work, dict(subst), dict(loop_scopes)
     gate: UOp | None = None
     for r in ranges:
       p = self.plans[r]
@@ -313,6 +325,7 @@ class Lowerer:
         v = _bcast(v, acc_dt.count) if acc_dt.count > 1 else v
         self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], _combine(op, cur, v))))
     for r in reversed(ranges): self.lin.close(lscopes[r])
+    if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
     for c in combos:
       res = self.lin.acc_read(accs[c], next(self.acc_count))
       if red_vec:  # fold the lanes in order
@@ -322,6 +335,29 @@ class Lowerer:
       if group: res = self.group_combine(scope, res, op, dt)
       self.red_results[(ph, c)] = res
     self.red_vars[ph] = out_vars
+
+  def thread_combine(self, work: Scope, scope: Scope, accs: dict, acc_dt: DType, op: Ops, threads: int) -> tuple[Scope, dict]:
+    """CPU: each call leaves its partials in scratch; the finishing call folds them in core_id order (deterministic)."""
+    assert self.core_id is not None
+    w, n = acc_dt.count, len(accs)
+    self.scratch = UOp(Ops.DEFINE_GLOBAL, acc_dt.scalar().ptr(threads * w * n), (), -1)
+    for ci, acc in enumerate(accs.values()):
+      part = self.lin.acc_read(acc, next(self.acc_count))
+      self.lin.emit(work, UOp(Ops.STORE, dtypes.void, (self.scratch.index((self.core_id + ci * threads) * w), part)))
+    self.lin.close(work)
+    fin = self.lin.open_if(scope, self.core_id.eq(threads))
+    out = {}
+    for ci, (c, acc) in enumerate(accs.items()):
+      acc2 = UOp(Ops.DEFINE_ACC, acc_dt, acc.src, next(self.acc_count))
+      self.lin.emit(fin, acc2)
+      lv = UOp(Ops.RANGE, dtypes.index, (UOp.const(dtypes.index, 0), UOp.const(dtypes.index, threads)), (next(self.loop_count), AxisType.REDUCE))
+      inner = self.lin.open(fin, lv)
+      part = UOp(Ops.LOAD, acc_dt, (self.scratch.index((lv + ci * threads) * w),))
+      self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc2, _combine(op, self.lin.acc_read(acc2, next(self.acc_count)), part))))
+      self.lin.close(inner)
+      out[c] = acc2
+    self.finish_scope = fin
+    return fin, out
 
   def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
     """GPU: the block's threads leave partials in shared memory; thread 0 folds them in order."""
@@ -357,9 +393,10 @@ class Lowerer:
     for st in stores:
       s = _simplify(substitute(self.hide_reduces(st), subst))
       self.emit_reduces(s, scope, subst, loop_scopes)
+      target = self.finish_scope if self.finish_scope is not None else body_scope
       for c in _combos(self.expand_vars(s)):
         out = self.instantiate(s, dict(zip(self.expand_vars(s), c)))
-        for one in (out.src if out.op is Ops.SINK else (out,)): self.lin.emit(body_scope, one)
+        for one in (out.src if out.op is Ops.SINK else (out,)): self.lin.emit(target, one)
     self.lin.close_to(self.lin.root)
 
   def lower(self) -> LoweredKernel:
@@ -371,6 +408,8 @@ class Lowerer:
     for st in stores: groups.setdefault(tuple(sorted(free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
     threaded = [p for p in self.plans.values() if p.threads > 1]
     if threaded and len(groups) > 1: raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
+    if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
+      raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
     uops = self.lin.program()
     globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
@@ -384,6 +423,7 @@ class Lowerer:
       lk.global_size, lk.local_size = tuple(self.grid), tuple(self.block)  # type: ignore[assignment]
     elif threads > 1: lk.global_size = (threads, 1, 1)
     lk.min_elements = _min_elements(ast)
+    lk.scratch = self.scratch
     lk.flops, lk.mem_bytes = _estimate(ast)
     return lk
 

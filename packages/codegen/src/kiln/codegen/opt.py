@@ -104,8 +104,12 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
       if (k := _pick_width(axis_size(red_axes[0]), 4)) > 1: opts.append(Opt(OptOps.UNROLL, red_axes[0].arg[0], k))
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
     r = red_axes[0]
+    w = 1
     if all(affine_coeff(ld.src[0].src[1], r) == 1 for ld in _loads(reduces[0].src[0])) and (w := _pick_width(axis_size(r), lanes)) > 1:
       opts.append(Opt(OptOps.UPCAST, r.arg[0], w))
+    size = axis_size(r)
+    if target.threads > 1 and size is not None and size >= target.min_work_per_thread * 2 and size // w >= target.threads:
+      opts.append(Opt(OptOps.THREAD, r.arg[0], target.threads))
   # threads: split the outermost output axis when the whole kernel is big enough
   if target.threads > 1 and out_axes:
     work = 1

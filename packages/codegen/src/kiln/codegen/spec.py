@@ -166,6 +166,7 @@ class ProgramSpec(_Model):
   args: list[KernelArg] = Field(default_factory=list)  # per global, in globals order
   applied_opts: list[str] = Field(default_factory=list)
   threads: int = Field(default=1, ge=1)  # CPU thread split (global_size[0]); 1 when not threaded
+  scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch for a threaded reduction; >0 adds a finishing call (core_id = threads)
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
 
@@ -218,6 +219,7 @@ class CompiledSpec(_Model):
   args: list[KernelArg] = Field(default_factory=list)
   applied_opts: list[str] = Field(default_factory=list)
   threads: int = Field(default=1, ge=1)
+  scratch_bytes: int = Field(default=0, ge=0)
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
   compiler: str = ""
@@ -247,5 +249,5 @@ class CompiledSpec(_Model):
     """Carry a ProgramSpec's metadata over to its compiled form."""
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
-               outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
+               outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads, scratch_bytes=spec.scratch_bytes,
                flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)

@@ -79,7 +79,9 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramS
   return ProgramSpec(name=lk.name, src=src, device=device, ast=ast, global_size=lk.global_size, local_size=lk.local_size,  # type: ignore[arg-type]
                      vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in lk.vars], var_names=var_names,
                      globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
-                     applied_opts=[str(o) for o in lk.opts], threads=lk.threads, flops=lk.flops, mem_bytes=lk.mem_bytes)
+                     applied_opts=[str(o) for o in lk.opts], threads=lk.threads,
+                     scratch_bytes=lk.scratch.dtype.nbytes if lk.scratch is not None else 0,  # type: ignore[union-attr]
+                     flops=lk.flops, mem_bytes=lk.mem_bytes)
 
 
 class LLVMPrinter:
@@ -133,10 +135,12 @@ class LLVMPrinter:
     for v in lk.vars:
       params.append(f"i32 %{v.arg[0]}")
       self.names[v] = f"%{v.arg[0]}"
+    if lk.scratch is not None: self.names[lk.scratch] = "%scratch"
     body_start = len(self.lines)
     for u in lk.uops: self.render(u)
     body = self.lines[body_start:]
     if lk.threads > 1: params.append("i32 %core_id")
+    if lk.scratch is not None: params.append("ptr noalias %scratch")
     vb = self.target.vector_bytes * 8
     head = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:"] + ["  " + a for a in self.allocas]
     attrs = f'attributes #0 = {{ nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}" }}'

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from functools import cache
 
 import llvmlite.binding as llvm
+import numpy as np
 
 from kiln.codegen.spec import CompiledSpec
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
@@ -55,7 +56,9 @@ class CPUProgram:
       self._engine.finalize_object()
       addr = self._engine.get_function_address(self.name)
     if not addr: raise CompileError(f"kernel {self.name}: symbol not found in its object code")
+    self.scratch_bytes = compiled.scratch_bytes  # a threaded reduction's partials, and then a finishing call
     argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * (len(self.user_vars) + (self.threads > 1))
+    if self.scratch_bytes: argtypes.append(ctypes.c_void_p)
     self.fn = ctypes.CFUNCTYPE(None, *argtypes)(addr)
 
   def check(self, bufs: Sequence[int], vals: Sequence[int]) -> None:
@@ -83,17 +86,22 @@ class CPUProgram:
 
 
 class CPUBoundCall:
-  """The fast path: argument tuples built once; calling runs the kernel (over the pool when threaded)."""
-  __slots__ = ("prog", "bufs", "args", "threaded")
+  """The fast path: argument tuples built once; calling runs the kernel (over the pool when threaded).
+  A bound call owns its scratch, so two bound calls of one program may run at once; one bound call may not."""
+  __slots__ = ("prog", "bufs", "args", "threaded", "scratch", "finish")
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs = prog, bufs
     self.threaded = prog.threads > 1
+    self.scratch = np.zeros(prog.scratch_bytes + 64, np.uint8) if prog.scratch_bytes else None
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
     base = (*self.bufs, *vals)
-    self.args: tuple | list[tuple] = [(*base, c) for c in range(self.prog.threads)] if self.threaded else base
+    extra: tuple = ()
+    if self.scratch is not None: extra = ((self.scratch.ctypes.data + 63) // 64 * 64,)
+    self.args: tuple | list[tuple] = [(*base, c, *extra) for c in range(self.prog.threads)] if self.threaded else base
+    self.finish = (*base, self.prog.threads, *extra) if self.scratch is not None else None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
     self.prog.check(self.bufs, vals)
@@ -102,3 +110,4 @@ class CPUBoundCall:
   def __call__(self) -> None:
     if self.threaded: get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
     else: self.prog.fn(*self.args)
+    if self.finish is not None: self.prog.fn(*self.finish)
