@@ -56,7 +56,8 @@ GROUP_SUM = """extern "C" __global__ void __launch_bounds__(256) group_sum(float
 }"""
 
 # 2-d grid and block, symbolic size: out[r, c] = a[r, c] * var_k + c, for r < var_rows, c < 48
-SYMBOLIC = """extern "C" __global__ void __launch_bounds__(128) sym2d(int* __restrict__ data0, const int* __restrict__ data1, int var_k, int var_rows) {
+SYMBOLIC = """extern "C" __global__ void __launch_bounds__(128) sym2d(int* __restrict__ data0, const int* __restrict__ data1,
+    int var_k, int var_rows) {
   int c = blockIdx.x * 16 + threadIdx.x;
   int r = blockIdx.y * 8 + threadIdx.y;
   if (r < var_rows) data0[r * 48 + c] = data1[r * 48 + c] * var_k + c;
