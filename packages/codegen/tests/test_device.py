@@ -1,9 +1,10 @@
 """DeviceSpec parsing and canonical strings, and the runtime registry."""
 import pytest
+from pydantic import BaseModel, ValidationError
+
 from kiln.codegen import device as devmod
 from kiln.codegen.device import DeviceSpec, available_devices, get_runtime, register_runtime, unregister_runtime
 from kiln.ir.errors import DeviceError, KilnError
-from pydantic import BaseModel, ValidationError
 
 
 @pytest.mark.parametrize("s,kind,index,path,canon", [

@@ -3,12 +3,13 @@ import base64
 import json
 
 import pytest
+from pydantic import ValidationError
+
 from kiln.codegen.device import DeviceSpec
 from kiln.codegen.spec import BufferSpec, CompiledSpec, KernelArg, ProgramSpec, Variable, sym_eval
 from kiln.ir import UOp, dtypes
 from kiln.ir.errors import VariableBoundsError
 from kiln.ir.serialize import to_graph
-from pydantic import ValidationError
 
 N = UOp.variable("n", 1, 4096)
 

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Literal
 
-from kiln.ir.errors import DeviceError
 from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
+
+from kiln.ir.errors import DeviceError
 
 if TYPE_CHECKING:
   from kiln.codegen.protocols import Runtime

@@ -10,6 +10,8 @@ import builtins
 from typing import Annotated, Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
+
 from kiln.codegen.device import DeviceSpec
 from kiln.ir.alu import cast, exec_alu
 from kiln.ir.dtype import DType, parse_dtype
@@ -17,7 +19,6 @@ from kiln.ir.errors import CodegenError, IRTypeError, VariableBoundsError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.serialize import UOpGraph, from_graph, to_graph
 from kiln.ir.uop import UOp
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
 
 
 def _uop_in(v: Any) -> UOp:
