@@ -464,11 +464,10 @@ def _estimate(ast: UOp) -> tuple[int, int]:
   trips: dict[UOp, int] = {}
   for n in ast.toposort():
     if n.op is Ops.RANGE: trips[n] = max(int(n.src[0].vmax), 0)
-  def iters(u: UOp) -> int:
-    rs = [r for r in u.toposort() if r.op is Ops.RANGE]
+  def iters(u: UOp) -> int:  # a REDUCE runs over its own ranges too; anything else over its free ranges
+    rs = free_ranges(u) | (set(u.src[1:]) if u.op is Ops.REDUCE else set())
     return math.prod(trips[r] for r in rs) if rs else 1
-  flops = sum(iters(n) for n in ast.toposort() if n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float)
-  flops += sum(iters(n) for n in ast.toposort() if n.op is Ops.REDUCE)
+  flops = sum(iters(n) for n in ast.toposort() if (n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float) or n.op is Ops.REDUCE)
   mem = 0
   for g in {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}:
     assert isinstance(g.dtype, PtrDType)
