@@ -21,7 +21,7 @@ find_hatch() {
   HATCH="$ROOT/.bootstrap/bin/hatch"
   if hatch_ok "$HATCH"; then return; fi
   command -v "$PYTHON" >/dev/null 2>&1 || { say "no '$PYTHON' on PATH: install Python 3.11+ or set PYTHON=/path/to/python3"; exit 1; }
-  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { say "$PYTHON is $("$PYTHON" --version 2>&1); kiln needs Python 3.11+ (set PYTHON=...)"; exit 1; }
+  [[ "$("$PYTHON" -c 'import sys; print(sys.version_info >= (3, 11))' 2>/dev/null)" == True ]] || { say "$PYTHON is $("$PYTHON" --version 2>&1); kiln needs Python 3.11+ (set PYTHON=...)"; exit 1; }
   say "hatch not found: installing hatch>=$HATCH_MIN into .bootstrap/ with $PYTHON"
   rm -rf .bootstrap
   "$PYTHON" -m venv .bootstrap
