@@ -20,7 +20,7 @@ class Scope:
   def __init__(self, parent: Scope | None, opener: UOp | None):
     self.parent, self.opener = parent, opener
     self.items: list[UOp] = []
-    self.depth = parent.depth + 1 if parent is not None else 0
+    self.depth: int = parent.depth + 1 if parent is not None else 0
     self.children: list[Scope] = []
     self.closed = False
 

@@ -105,7 +105,8 @@ class Lowerer:
       size = axis_size(p.rng)
       if o.op in (OptOps.UPCAST, OptOps.UNROLL):
         if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
-        if size is None or size % o.amount: raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
+        if size is None or size % o.amount:
+          raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
         if o.op is OptOps.UPCAST:
           if self.vec is not None: raise CodegenError(f"{o}: only one axis can be vectorised")
           if self.target.vector_bytes == 0: raise CodegenError(f"{o}: {self.target.device} takes no UPCAST (no explicit vectors)")
@@ -290,7 +291,8 @@ class Lowerer:
     combos = _combos(out_vars)
     work = scope
     if tp is not None:  # calls 0..T-1 each reduce a chunk; the finishing call (core_id == T) folds their partials
-      if scope is not self.lin.root or self.finish_scope is not None: raise CodegenError("only one full reduction per kernel can be split over threads")
+      if scope is not self.lin.root or self.finish_scope is not None:
+        raise CodegenError("only one full reduction per kernel can be split over threads")
       work = self.lin.open_if(scope, self._core(tp.threads, finish=True) < tp.threads)
     accs = {}
     for c in combos:
@@ -316,7 +318,7 @@ class Lowerer:
     body = _simplify(substitute(self.hide_reduces(red.src[0]), rsubst))
     if gate is not None: body = _gate_loads(body, gate)
     self.emit_reduces(body, inner, rsubst, lscopes)
-    red_vars = [self.plans[r].ev for r in ranges if self.plans[r].kind == "unroll"]
+    red_vars = [ev for r in ranges if self.plans[r].kind == "unroll" and (ev := self.plans[r].ev) is not None]
     for rc in _combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
       for c in combos:
         v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))})

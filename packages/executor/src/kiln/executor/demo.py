@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     wdir.mkdir(parents=True, exist_ok=True)
     wfile = wdir / "mlp_weights.npy"
     np.save(wfile, np.concatenate([w.ravel() for w in ws]))
-    print(f"kiln demo: MLP {'-'.join(map(str, sizes))}, batch {args.batch}; weights in {wfile} ({wfile.stat().st_size / 1e6:.2f} MB, read through DISK)")
+    mb = wfile.stat().st_size / 1e6
+    print(f"kiln demo: MLP {'-'.join(map(str, sizes))}, batch {args.batch}; weights in {wfile} ({mb:.2f} MB, read through DISK)")
     t0 = time.perf_counter()
     plan, out = build(x, wfile, ws, sizes)
     print(f"plan built in {(time.perf_counter() - t0) * 1e3:.1f} ms\n")

@@ -58,7 +58,8 @@ class LLVMCompiler:
     self.triple = target.triple
     self.tm = target.create_target_machine(cpu=cpu, features=features, opt=opt_level, reloc="pic", codemodel="default")
     ver = ".".join(map(str, llvm.llvm_version_info))
-    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{cpu}|{hashlib.sha256(features.encode()).hexdigest()[:16]}|O{opt_level}"
+    feat = hashlib.sha256(features.encode()).hexdigest()[:16]
+    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{cpu}|{feat}|O{opt_level}"
 
   def optimize(self, mod: llvm.ModuleRef) -> None:
     pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)

@@ -25,7 +25,8 @@ class _Batch:
 
   def __init__(self, fn: Callable[..., object], args: Sequence[tuple]):
     self.fn, self.args, self.next, self.left = fn, args, 0, len(args)
-    self.lock, self.done, self.error = threading.Lock(), threading.Event(), None
+    self.lock, self.done = threading.Lock(), threading.Event()
+    self.error: BaseException | None = None
 
   def work(self) -> None:
     """Take calls from the batch until none is left; whoever finishes the last one wakes the caller."""
