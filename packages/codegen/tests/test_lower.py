@@ -1,0 +1,184 @@
+"""Lowering, the optimiser's choices and option checks, and the shape of the linear program."""
+from __future__ import annotations
+
+import pytest
+
+from kiln.codegen.lower import free_ranges, lower
+from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts
+from kiln.codegen.render.llvm import LLVMRenderer
+from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes
+
+F32 = dtypes.float32
+CPU = Target(device="CPU", vector_bytes=64, threads=2, min_work_per_thread=1 << 12)
+
+
+def add_kernel(n: int) -> UOp:
+  o, a, b = (UOp.define_global(i, F32.ptr(n)) for i in range(3))
+  i = UOp.range(n, 0)
+  return UOp.sink(o.index(i).store(a.index(i).load() + b.index(i).load()), name="add")
+
+
+def matmul(m: int, n: int, k: int) -> UOp:
+  c, a, b = UOp.define_global(0, F32.ptr(m * n)), UOp.define_global(1, F32.ptr(m * k)), UOp.define_global(2, F32.ptr(k * n))
+  i, j, r = UOp.range(m, 0), UOp.range(n, 1), UOp.range(k, 2, AxisType.REDUCE)
+  return UOp.sink(c.index(i * n + j).store((a.index(i * k + r).load() * b.index(r * n + j).load()).reduce(Ops.ADD, r)), name="matmul")
+
+
+def full_sum(n: int) -> UOp:
+  o, x = UOp.define_global(0, F32.ptr(1)), UOp.define_global(1, F32.ptr(n))
+  r = UOp.range(n, 0, AxisType.REDUCE)
+  return UOp.sink(o.index(0).store(x.index(r).load().reduce(Ops.ADD, r)), name="sum")
+
+
+def centered(m: int, n: int) -> UOp:
+  """out[i, j] = x[i, j] - max_k x[i, k]: the max depends on i only, so it belongs outside the j loop."""
+  o, x = UOp.define_global(0, F32.ptr(m * n)), UOp.define_global(1, F32.ptr(m * n))
+  i, j, k = UOp.range(m, 0), UOp.range(n, 1), UOp.range(n, 2, AxisType.REDUCE)
+  return UOp.sink(o.index(i * n + j).store(x.index(i * n + j).load() - x.index(i * n + k).load().reduce(Ops.MAX, k)), name="centered")
+
+
+def symbolic_scale() -> UOp:
+  n = UOp.variable("n", 1, 4096)
+  o, x = UOp.define_global(0, F32.ptr(4096)), UOp.define_global(1, F32.ptr(4096))
+  i = UOp.range(n, 0)
+  return UOp.sink(o.index(i).store(x.index(i).load() * 2.0), name="scale")
+
+
+def check_linear(uops: list[UOp]) -> None:
+  """Every value is defined before use, loops and ifs nest properly, accumulators exist before they are touched."""
+  defined: set[UOp] = set()
+  open_: list[UOp] = []
+  for u in uops:
+    for s in u.src:
+      if s.op is not Ops.CONST and not (s.op is Ops.VECTORIZE and all(x.op is Ops.CONST for x in s.src)):
+        assert s in defined, f"{u.op} uses {s.op} before it is defined"
+    if u.op in (Ops.RANGE, Ops.IF): open_.append(u)
+    if u.op in (Ops.ENDRANGE, Ops.ENDIF): assert open_.pop() is u.src[0], "scopes close out of order"
+    defined.add(u)
+  assert not open_, "a scope was never closed"
+
+
+# ---- the heuristic ----
+def test_elementwise_is_vectorised_and_threaded():
+  opts = heuristic_opts(add_kernel(1 << 16), CPU)
+  assert Opt(OptOps.UPCAST, 0, 16) in opts and Opt(OptOps.THREAD, 0, 2) in opts
+
+
+def test_small_kernels_stay_on_one_thread():
+  assert all(o.op is not OptOps.THREAD for o in heuristic_opts(add_kernel(256), CPU))
+
+
+def test_avx2_width_is_eight_floats():
+  assert Opt(OptOps.UPCAST, 0, 8) in heuristic_opts(add_kernel(1 << 16), Target(vector_bytes=32, threads=1))
+
+
+def test_matmul_gets_register_tiling():
+  opts = heuristic_opts(matmul(256, 256, 256), CPU)
+  assert Opt(OptOps.UPCAST, 1, 16) in opts  # the contiguous output axis in vector lanes
+  assert Opt(OptOps.UNROLL, 0, 4) in opts and Opt(OptOps.UNROLL, 2, 4) in opts  # rows and the reduce unrolled
+  assert any(o.op is OptOps.THREAD for o in opts)
+
+
+def test_full_reduction_splits_its_reduce_axis():
+  opts = heuristic_opts(full_sum(1 << 20), CPU)
+  assert Opt(OptOps.UPCAST, 0, 16) in opts and Opt(OptOps.THREAD, 0, 2) in opts
+  spec = LLVMRenderer(CPU).render(full_sum(1 << 20))
+  assert spec.threads == 2 and spec.scratch_bytes == 2 * 16 * 4 and spec.var_names == ["core_id"]
+
+
+def test_symbolic_sizes_are_not_upcast():
+  assert all(o.op is not OptOps.UPCAST for o in heuristic_opts(symbolic_scale(), CPU))
+
+
+def test_gpu_target_maps_axes_to_threads():
+  gpu = Target(device="CUDA", vector_bytes=0)
+  assert heuristic_opts(add_kernel(1 << 16), gpu) == [Opt(OptOps.LOCAL, 0, 256)]
+  assert heuristic_opts(full_sum(1 << 16), gpu) == [Opt(OptOps.GROUP, 0, 256)]
+
+
+def test_heuristic_is_deterministic():
+  assert LLVMRenderer(CPU).render(matmul(64, 64, 64)).src == LLVMRenderer(CPU).render(matmul(64, 64, 64)).src
+
+
+# ---- explicit options are checked ----
+@pytest.mark.parametrize("opts, msg", [
+  ([Opt(OptOps.UPCAST, 7, 4)], "axis 7"),
+  ([Opt(OptOps.UPCAST, 0, 3)], "must divide"),
+  ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UPCAST, 1, 2)], "only one axis can be vectorised"),
+  ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UNROLL, 0, 2)], "already split"),
+  ([Opt(OptOps.THREAD, 2, 2)], "full reduction"),
+  ([Opt(OptOps.LOCAL, 0, 32)], "GPU option"),
+])
+def test_bad_options_are_named(opts: list[Opt], msg: str):
+  with pytest.raises(CodegenError, match=msg): lower(matmul(16, 16, 16), CPU, opts)
+
+
+def test_opt_amount_must_be_positive():
+  with pytest.raises(CodegenError, match="positive"): Opt(OptOps.UNROLL, 0, 0)
+
+
+def test_a_kernel_is_a_sink():
+  with pytest.raises(CodegenError, match="SINK"): lower(UOp.const(F32, 1.0), CPU)
+
+
+# ---- the linear program ----
+@pytest.mark.parametrize("ast", [add_kernel(1024), matmul(32, 48, 20), full_sum(4096), centered(8, 24), symbolic_scale()], ids=lambda a: a.arg)
+@pytest.mark.parametrize("heuristic", [True, False])
+def test_linear_program_is_well_formed(ast: UOp, heuristic: bool):
+  check_linear(lower(ast, CPU, None if heuristic else []).uops)
+
+
+def test_reduce_is_hoisted_out_of_the_loop_it_does_not_use():
+  uops = lower(centered(8, 24), CPU, []).uops
+  loops = [u for u in uops if u.op is Ops.RANGE]
+  assert [lp.arg[1] for lp in loops] == [AxisType.LOOP, AxisType.REDUCE, AxisType.LOOP]  # i, then max over k, then j
+  assert uops.index(loops[1]) < uops.index(loops[2])
+
+
+def test_register_tiles_share_one_reduce_loop():
+  lk = lower(matmul(64, 64, 64), CPU, [Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.UNROLL, 0, 4), Opt(OptOps.UNROLL, 2, 4)])
+  assert sum(u.op is Ops.RANGE and u.arg[1] is AxisType.REDUCE for u in lk.uops) == 1
+  accs = [u for u in lk.uops if u.op is Ops.DEFINE_ACC]
+  assert len(accs) == 4 and all(a.dtype == F32.vec(16) for a in accs)
+  assert sum(u.op is Ops.ACC_STORE for u in lk.uops) == 16  # 4 accumulators x 4 unrolled reduce steps
+
+
+def test_contiguous_lanes_load_as_vectors_and_strided_ones_gather():
+  lk = lower(matmul(16, 16, 16), CPU, [Opt(OptOps.UPCAST, 1, 16)])
+  vec_loads = [u for u in lk.uops if u.op is Ops.LOAD and u.dtype == F32.vec(16) and u.src[0].op is Ops.INDEX]
+  assert len(vec_loads) == 1 and vec_loads[0].src[0].src[0].arg == 2  # b[k, j:j+16] is contiguous; a[i, k] is broadcast
+  lk = lower(matmul(16, 16, 16), CPU, [Opt(OptOps.UPCAST, 0, 4)])  # rows in lanes: a[i*16+k] is strided
+  assert any(u.op is Ops.VECTORIZE and all(s.op is Ops.LOAD for s in u.src) for u in lk.uops)
+
+
+def test_metadata():
+  spec = LLVMRenderer(CPU).render(symbolic_scale())
+  assert spec.var_names == ["n"] and [(v.name, v.min, v.max) for v in spec.vars] == [("n", 1, 4096)]
+  assert spec.globals == [0, 1] and spec.outs == [0] and spec.ins == [1] and spec.buf_count == 2
+  assert [(a.slot, a.dtype, a.size) for a in spec.args] == [(0, "float32", 4096), (1, "float32", 4096)]
+  spec = LLVMRenderer(CPU).render(matmul(128, 128, 128))
+  assert spec.var_names == ["core_id"] and spec.global_size == (2, 1, 1) and spec.applied_opts
+  assert spec.flops == 2 * 128 ** 3
+
+
+def test_free_ranges():
+  i, k = UOp.range(4, 0), UOp.range(4, 1, AxisType.REDUCE)
+  x = UOp.define_global(0, F32.ptr(16))
+  red = x.index(i * 4 + k).load().reduce(Ops.ADD, k)
+  assert free_ranges(red) == {i} and free_ranges(red + x.index(k).load()) == {i, k}
+
+
+def test_affine_coeff():
+  i, j = UOp.range(8, 0), UOp.range(8, 1)
+  assert affine_coeff(i * 8 + j, j) == 1 and affine_coeff(i * 8 + j, i) == 8 and affine_coeff((i * 8 + j) // 2, j) is None
+
+
+# ---- LLVM IR parses and verifies ----
+def test_llvm_ir_verifies_with_llvmlite():
+  llvm = pytest.importorskip("llvmlite.binding")
+  llvm.initialize_native_target()
+  llvm.initialize_native_asmprinter()
+  for ast in (add_kernel(1024), matmul(32, 48, 20), full_sum(4096), centered(8, 24), symbolic_scale()):
+    for opts in (None, []):
+      src = LLVMRenderer(CPU).render(ast, opts).src
+      llvm.parse_assembly(src).verify()
