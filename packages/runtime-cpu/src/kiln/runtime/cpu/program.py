@@ -21,13 +21,20 @@ _LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt
 _LIBGCC_SYMBOLS = ("__truncsfhf2", "__extendhfsf2", "__truncdfhf2", "__truncsfbf2", "__truncdfbf2")
 
 
+def _open_lib(soname: str, short: str) -> ctypes.CDLL | None:
+  # the usual soname first: find_library runs ldconfig in a subprocess, which costs milliseconds per new process
+  try: return ctypes.CDLL(soname)
+  except OSError: pass
+  if (path := ctypes.util.find_library(short)) is None: return None
+  try: return ctypes.CDLL(path)
+  except OSError: return None
+
+
 @cache
 def _register_symbols() -> None:
   init_llvm()
-  for libname, names in (("m", _LIBM_SYMBOLS), ("gcc_s", _LIBGCC_SYMBOLS)):
-    path = ctypes.util.find_library(libname)
-    if path is None: continue
-    lib = ctypes.CDLL(path)
+  for soname, short, names in (("libm.so.6", "m", _LIBM_SYMBOLS), ("libgcc_s.so.1", "gcc_s", _LIBGCC_SYMBOLS)):
+    if (lib := _open_lib(soname, short)) is None: continue
     for n in names:
       try: llvm.add_symbol(n, ctypes.cast(getattr(lib, n), ctypes.c_void_p).value)
       except AttributeError: pass  # this libm/libgcc lacks it; LLVM only asks for what the code uses
@@ -49,9 +56,8 @@ class CPUProgram:
     self.bounds = {v.name: (v.min, v.max) for v in compiled.vars}
     _register_symbols()
     with _engine_lock:
-      backing = llvm.parse_assembly("")
-      tm = llvm.Target.from_default_triple().create_target_machine()
-      self._engine = llvm.create_mcjit_compiler(backing, tm)
+      # the engine owns its target machine (llvmlite frees it with the engine), so each program makes its own
+      self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), llvm.Target.from_default_triple().create_target_machine())
       self._engine.add_object_file(llvm.ObjectFileRef.from_data(compiled.bytes))
       self._engine.finalize_object()
       addr = self._engine.get_function_address(self.name)
