@@ -53,7 +53,7 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   if dt.is_int: return str(int(v))
   f = float(v)
   if math.isnan(f): return "0x7FF8000000000000"
-  return "0x%016X" % struct.unpack("<Q", struct.pack("<d", f))[0]
+  return f"0x{struct.unpack('<Q', struct.pack('<d', f))[0]:016X}"
 
 
 class LLVMRenderer:
@@ -456,19 +456,75 @@ class LLVMPrinter:
       self.emit(f"{r} = {'trunc' if d.bits < s.bits else ('zext' if s.is_unsigned else 'sext')} {st} {v} to {dt_}")
       return r
     if s.is_int and d.is_float:
+      if d.name == "bfloat16" and s.bits >= 32: return self.bf16_round(self.int_to_odd_float(v, s, n), n)  # int -> float32 would round twice
       self.emit(f"{r} = {'uitofp' if s.is_unsigned else 'sitofp'} {st} {v} to {dt_}")
       return self.bf16_round(r, n) if d.name == "bfloat16" else r
     if s.is_float and d.is_int:
       if s.name == "float16": v, st = self.fpext(v, src), _vt("float", n)
-      fn = self.intrinsic(f"llvm.fpto{'u' if d.is_unsigned else 's'}i.sat.{_suffix(dst)}.{_suffix(src if s.name != 'float16' else dtypes.float32.vec(n) if n > 1 else dtypes.float32)}", dt_, [st])
+      wide = src if s.name != "float16" else dtypes.float32.vec(n) if n > 1 else dtypes.float32
+      fn = self.intrinsic(f"llvm.fpto{'u' if d.is_unsigned else 's'}i.sat.{_suffix(dst)}.{_suffix(wide)}", dt_, [st])
       self.emit(f"{r} = call {dt_} {fn}({st} {v})")
       return r
     # float -> float: registers hold bfloat16 as float
     sw, dw = scalar_type(s), scalar_type(d)
     if sw == dw: return self.bf16_round(v, n) if d.name == "bfloat16" and s.name != "bfloat16" else v
+    if sw == "double" and d.name == "bfloat16": return self.bf16_round(self.f64_to_odd_float(v, n), n)  # via float32 would round twice
     order = {"half": 0, "float": 1, "double": 2}
     self.emit(f"{r} = {'fpext' if order[dw] > order[sw] else 'fptrunc'} {st} {v} to {_vt(dw, n)}")
     return self.bf16_round(r, n) if d.name == "bfloat16" else r
+
+  def int_to_odd_float(self, v: str, s: DType, n: int) -> str:
+    """A 32/64-bit integer to float32 rounded to odd (truncate to 24 significant bits, then set the last one if any bit was
+    dropped): rounding that to bfloat16 equals rounding the exact integer once, as kiln's casts define."""
+    i64, sp = _vt("i64", n), lambda c: self.splat("i64", c, n)
+    x = v
+    if s.bits < 64:
+      x = self.tmp()
+      self.emit(f"{x} = {'zext' if s.is_unsigned else 'sext'} {_vt(scalar_type(s), n)} {v} to {i64}")
+    neg, m = "", x
+    if not s.is_unsigned:  # magnitude as an unsigned number (|MIN| = 2^63 fits)
+      neg, nx, m = self.tmp(), self.tmp(), self.tmp()
+      self.emit(f"{neg} = icmp slt {i64} {x}, {sp('0')}")
+      self.emit(f"{nx} = sub {i64} {sp('0')}, {x}")
+      self.emit(f"{m} = select {_vt('i1', n)} {neg}, {i64} {nx}, {i64} {x}")
+    ctlz = self.intrinsic(f"llvm.ctlz.{f'v{n}i64' if n > 1 else 'i64'}", i64, [i64, "i1"])
+    lz, sh0, pos, sh, one, mask, low, sticky, kept, stb, odd, f = (self.tmp() for _ in range(12))
+    self.emit(f"{lz} = call {i64} {ctlz}({i64} {m}, i1 false)")
+    self.emit(f"{sh0} = sub {i64} {sp('40')}, {lz}")  # bits below the top 24
+    self.emit(f"{pos} = icmp sgt {i64} {sh0}, {sp('0')}")
+    self.emit(f"{sh} = select {_vt('i1', n)} {pos}, {i64} {sh0}, {i64} {sp('0')}")
+    self.emit(f"{one} = shl {i64} {sp('1')}, {sh}")
+    self.emit(f"{mask} = sub {i64} {one}, {sp('1')}")
+    self.emit(f"{low} = and {i64} {m}, {mask}")
+    self.emit(f"{sticky} = icmp ne {i64} {low}, {sp('0')}")
+    self.emit(f"{kept} = sub {i64} {m}, {low}")
+    self.emit(f"{stb} = select {_vt('i1', n)} {sticky}, {i64} {one}, {i64} {sp('0')}")
+    self.emit(f"{odd} = or {i64} {kept}, {stb}")
+    self.emit(f"{f} = uitofp {i64} {odd} to {_vt('float', n)}")  # exact: at most 24 significant bits
+    if s.is_unsigned: return f
+    nf, r = self.tmp(), self.tmp()
+    self.emit(f"{nf} = fneg {_vt('float', n)} {f}")
+    self.emit(f"{r} = select {_vt('i1', n)} {neg}, {_vt('float', n)} {nf}, {_vt('float', n)} {f}")
+    return r
+
+  def f64_to_odd_float(self, v: str, n: int) -> str:
+    """double to float32 rounded to odd (toward zero, last bit set when inexact; NaN and inf kept), for a single bfloat16 rounding."""
+    d, f, i32, i1 = _vt("double", n), _vt("float", n), _vt("i32", n), _vt("i1", n)
+    fabs = self.intrinsic(f"llvm.fabs.{f'v{n}f64' if n > 1 else 'f64'}", d, [d])
+    r, back, ax, ab, away, fi, fm, adj, inexact, lsb, q, out = (self.tmp() for _ in range(12))
+    self.emit(f"{r} = fptrunc {d} {v} to {f}")
+    self.emit(f"{back} = fpext {f} {r} to {d}")
+    self.emit(f"{ax} = call {d} {fabs}({d} {v})")
+    self.emit(f"{ab} = call {d} {fabs}({d} {back})")
+    self.emit(f"{away} = fcmp ogt {d} {ab}, {ax}")  # rounded away from zero: step back one ulp (inf -> FLT_MAX)
+    self.emit(f"{fi} = bitcast {f} {r} to {i32}")
+    self.emit(f"{fm} = sub {i32} {fi}, {self.splat('i32', '1', n)}")
+    self.emit(f"{adj} = select {i1} {away}, {i32} {fm}, {i32} {fi}")
+    self.emit(f"{inexact} = fcmp one {d} {back}, {v}")
+    self.emit(f"{lsb} = zext {i1} {inexact} to {i32}")
+    self.emit(f"{q} = or {i32} {adj}, {lsb}")
+    self.emit(f"{out} = bitcast {i32} {q} to {f}")
+    return out
 
   def bitcast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
