@@ -16,10 +16,12 @@ in the last place of the result dtype:
   |------|---------|----------|---------|---------|-----------------------------------------------|
   | EXP2 | 1       | 1        | 1       | 1       | all inputs                                    |
   | LOG2 | 1       | 1        | 1       | 1       | all inputs                                    |
-  | SIN  | 1       | 1        | 2       | 2       | all inputs (huge arguments included)          |
+  | SIN  | 1       | 1        | 2       | 1       | all inputs (huge arguments included)          |
 
 float16/bfloat16 results are float32 libm values rounded once, so they can be one half-precision ulp off only when the float32
-values differ across a rounding boundary. The same table is in packages/runtime-cpu/README.md ("Accuracy").
+values differ across a rounding boundary. Measured on an x86-64 host (glibc libm, numpy 2): at most 1 ulp everywhere, 0 for
+float16/bfloat16; SIN float32 allows 2 because numpy's own float32 sin is not correctly rounded on every CPU.
+The same table is in packages/runtime-cpu/README.md ("Accuracy"); a test checks that they agree.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
 TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN)
 ULP_TOL = {Ops.EXP2: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1}, Ops.LOG2: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1},
-           Ops.SIN: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 2}}
+           Ops.SIN: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 1}}
 PAD = 64  # every array length is a multiple of the widest vector (64 x 1 byte), so the heuristic can always UPCAST
 
 
@@ -256,3 +258,12 @@ def test_int_ops_with_constant_operand(dt: DType) -> None:
 def _upcast(dt: DType):
   from kiln.codegen.opt import Opt, OptOps
   return Opt(OptOps.UPCAST, 0, max(64 // dt.itemsize, 2) if RT.target.vector_bytes >= 64 else 8)
+
+
+def test_readme_accuracy_table_matches() -> None:
+  import pathlib
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  assert "## Accuracy" in readme
+  for op, tol in ULP_TOL.items():
+    row = next(line for line in readme.splitlines() if line.startswith(f"| {op.name} "))
+    assert [int(c) for c in row.split("|")[2:6]] == [tol[d.name] for d in FLOATS], (op.name, row)
