@@ -65,6 +65,8 @@ class LLVMRenderer:
 
   def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec:
     lk = lower(ast, self.target, list(opts) if opts is not None else None)
+    if any(v.arg[0] == "core_id" for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
+      raise CodegenError("variable name core_id is reserved for the CPU thread index; rename the DEFINE_VAR")
     src = LLVMPrinter(lk, self.target).print()
     return program_spec(lk, src, "CPU", ast)
 
@@ -133,8 +135,8 @@ class LLVMPrinter:
       params.append(f"ptr noalias align {max(g.dtype.base.itemsize, 1)} %data{g.arg}")
       self.names[g] = f"%data{g.arg}"
     for v in lk.vars:
-      params.append(f"i32 %{v.arg[0]}")
-      self.names[v] = f"%{v.arg[0]}"
+      params.append(f"i32 %var.{v.arg[0]}")  # own prefix: a variable named t1 or data0 must not clash with generated values
+      self.names[v] = f"%var.{v.arg[0]}"
     if lk.scratch is not None: self.names[lk.scratch] = "%scratch"
     body_start = len(self.lines)
     for u in lk.uops: self.render(u)
