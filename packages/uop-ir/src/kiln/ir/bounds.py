@@ -48,7 +48,7 @@ def _mod(a: Bounds, b: Bounds) -> list[int]:
   return [lo, hi, 0]
 
 
-def _pow2_above(x: int) -> int: return (1 << max(int(x), 0).bit_length()) - 1
+def _pow2_above(x: ConstLike) -> int: return (1 << max(int(x), 0).bit_length()) - 1
 
 
 def _bitwise(op: Ops, a: Bounds, b: Bounds, dt: DType) -> list[ConstLike] | None:
@@ -100,7 +100,7 @@ def _node_bounds(u: UOp) -> Bounds:
   if op is Ops.RANGE and len(u.src) == 2: return int(u.src[0].vmin), max(int(u.src[1].vmax) - 1, int(u.src[0].vmin))  # lowered loop [start, end)
   if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
   if not isinstance(dt, DType) or dt.kind == "v": return 0, 0
-  srcb = [s._bounds for s in u.src]
+  srcb = [s._vbounds() for s in u.src]  # already filled (sources come first)
   if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE): return _cmp(op, srcb[0], srcb[1])  # type: ignore[arg-type]
   if op is Ops.WHERE:
     c = srcb[0]
@@ -139,5 +139,5 @@ def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
 
 def compute_bounds(root: UOp) -> None:
   """Fill _bounds for root and every node under it that lacks them, sources first (no recursion)."""
-  for u in root.toposort():
-    if u._bounds is None: object.__setattr__(u, "_bounds", _node_bounds(u))
+  for u in root.toposort(lambda x: x._bounds is None):  # stop at nodes that have bounds: O(new nodes), not O(graph)
+    object.__setattr__(u, "_bounds", _node_bounds(u))

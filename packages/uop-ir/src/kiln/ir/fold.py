@@ -45,7 +45,8 @@ def fold_alu(op: Ops, out_dt: DType, srcs: tuple[UOp, ...]) -> UOp | None:
     if op in (Ops.MAX, Ops.AND, Ops.OR) and a is b: return a
     if op is Ops.SUB and a is b: return UOp.const(out_dt, 0)
     if op is Ops.XOR and a is b: return UOp.const(out_dt, 0)
-  if op is Ops.CMPNE and a is b and exact: return UOp.const(dtypes.bool, False)
+  # x<x, x==x, x!=x: decide on the operand dtype (out_dt is bool), since a float x may be NaN
+  if a is b and op in GroupOp.Comparison and isinstance(a.dtype, DType) and not a.dtype.is_float: return UOp.const(dtypes.bool, op is Ops.CMPEQ)
   return None
 
 

@@ -48,28 +48,32 @@ class UPat:
 
   def match(self, u: UOp, store: dict[str, UOp]) -> list[dict[str, UOp]]:
     if self.op is not None and u.op not in self.op: return []
-    if self.dtype is not None and u.dtype not in self.dtype and getattr(u.dtype, "scalar", lambda: None)() not in self.dtype: return []
     if self.arg is not _ANY and not (u.arg is self.arg or (type(u.arg) is type(self.arg) and u.arg == self.arg)): return []
+    if self.dtype is not None and u.dtype not in self.dtype and u.dtype.scalar() not in self.dtype: return []
+    src = self.src
+    if src is not None and not isinstance(src, UPat):
+      if len(src) != len(u.src) and not (self.allow_any_len and len(u.src) >= len(src)): return []
+      if isinstance(src, tuple) and any(p.op is not None and s.op not in p.op for p, s in zip(src, u.src)): return []  # cheap reject
     if self.custom is not None and not self.custom(u): return []
     if self.name is not None:
       if (prev := store.get(self.name)) is not None:
         if prev is not u: return []
       else: store = {**store, self.name: u}
-    if self.src is None: return [store]
-    if isinstance(self.src, UPat): return _match_seq([self.src] * len(u.src), u.src, store)
-    if len(self.src) != len(u.src) and not (self.allow_any_len and len(u.src) >= len(self.src)): return []
-    if isinstance(self.src, list):
+    if src is None: return [store]
+    if isinstance(src, UPat): return _match_seq([src] * len(u.src), u.src, store)
+    if isinstance(src, list):
+      if len(src) == 2: return _match_seq(src, u.src, store) + _match_seq((src[1], src[0]), u.src, store)
       out: list[dict[str, UOp]] = []
-      for perm in itertools.permutations(self.src): out += _match_seq(list(perm), u.src[:len(perm)], store)
+      for perm in itertools.permutations(src): out += _match_seq(perm, u.src[:len(perm)], store)
       return out
-    return _match_seq(list(self.src), u.src[:len(self.src)], store)
+    return _match_seq(src, u.src, store)
 
 
 def _match_seq(pats: Sequence[UPat], srcs: Sequence[UOp], store: dict[str, UOp]) -> list[dict[str, UOp]]:
   stores = [store]
   for p, s in zip(pats, srcs):
-    stores = [m for st in stores for m in p.match(s, st)]
-    if not stores: return []
+    stores = p.match(s, stores[0]) if len(stores) == 1 else [m for st in stores for m in p.match(s, st)]
+    if not stores: return stores
   return stores
 
 
@@ -106,12 +110,13 @@ def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: boo
 
   Default: a node is rewritten after its sources (so rules see simplified operands). bottom_up=True: a node is rewritten
   before its sources are visited (rules see the original operands, as a top-down pass). Either way a replacement is
-  itself processed until nothing changes; more than max_rewrites replacements raises RewriteError (an endless rewrite).
+  itself processed until nothing changes. A rewrite that comes back to a node still being rewritten (a -> b -> a) raises
+  RewriteError at once; more than max_rewrites replacements (a rule set that grows the graph forever) raises it too.
   """
   replace: dict[UOp, UOp] = {}
+  active: set[UOp] = set()  # nodes whose result is being computed: meeting one again means its result depends on itself
   limit = max_rewrites if max_rewrites is not None else 100_000 + 50 * len(root.toposort())
   rewrites = 0
-  last_rule: list[UOp] = []
 
   def step(u: UOp) -> UOp | None:
     nonlocal rewrites
@@ -120,29 +125,43 @@ def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: boo
       rewrites += 1
       if rewrites > limit:
         raise RewriteError(f"graph_rewrite made more than {limit} rewrites without reaching a fixed point; the last rewrote "
-                           f"{u.op} ({u.dtype}) into {r.op} ({r.dtype}): a rule set that undoes itself?")
-      last_rule[:] = [u]
+                           f"{u.op} ({u.dtype}) into {r.op} ({r.dtype}): a rule set that keeps growing the graph?")
     return r
+
+  def cycle(u: UOp) -> RewriteError:
+    return RewriteError(f"graph_rewrite found an endless rewrite: {u!r} is rewritten, through its own replacements, back into itself "
+                        "(a rule set that undoes itself?)")
 
   stack: list[tuple[UOp, int, UOp]] = [(root, 0, root)]
   while stack:
     n, stage, cur = stack.pop()
     if stage == 0:
       if n in replace: continue
+      if n in active: raise cycle(n)
+      active.add(n)
       if bottom_up:
-        while (r := step(cur)) is not None: cur = r
+        seen = {cur}
+        while (r := step(cur)) is not None:
+          if r in seen: raise cycle(r)
+          seen.add(cur := r)
       stack.append((n, 1, cur))
       stack.extend((s, 0, s) for s in reversed(cur.src) if s not in replace)
     elif stage == 1:
       new_src = tuple(replace[s] for s in cur.src)
       if any(a is not b for a, b in zip(new_src, cur.src)): cur = cur.replace(src=new_src)
+      if cur is not n and cur in replace:  # rebuilt into a node already done: reuse its result
+        replace[n] = replace[cur]
+        active.discard(n)
+        continue
       if (r := step(cur)) is not None:
         stack.append((n, 2, r))
         stack.append((r, 0, r))
         continue
       replace[n] = cur
+      active.discard(n)
     else:
       replace[n] = replace[cur]
+      active.discard(n)
   return replace[root]
 
 

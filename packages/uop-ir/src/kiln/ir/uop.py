@@ -64,6 +64,8 @@ class UOp(metaclass=UOpMetaClass):
   dtype: AnyDType
   src: tuple[UOp, ...]
   arg: Any
+  _key: str | None
+  _bounds: tuple[ConstLike, ConstLike] | None
 
   def __init__(self, op: Ops, dtype: AnyDType = dtypes.void, src: tuple[UOp, ...] = (), arg: Any = None):
     object.__setattr__(self, "op", op)
@@ -88,8 +90,8 @@ class UOp(metaclass=UOpMetaClass):
     return f"UOp({self.op}, {self.dtype!r}, arg={self.arg!r}, src=<{len(self.src)}>)"
 
   # ---- traversal (never recursive, so 100k-deep chains are fine) ----
-  def toposort(self) -> list[UOp]:
-    """Every node reachable from self, each after all its sources."""
+  def toposort(self, gate: Callable[[UOp], bool] | None = None) -> list[UOp]:
+    """Every node reachable from self, each after all its sources. A node failing gate is left out and not entered."""
     out: list[UOp] = []
     seen: set[int] = set()
     stack: list[tuple[UOp, bool]] = [(self, False)]
@@ -98,7 +100,7 @@ class UOp(metaclass=UOpMetaClass):
       if expanded:
         out.append(u)
         continue
-      if id(u) in seen: continue
+      if id(u) in seen or (gate is not None and not gate(u)): continue
       seen.add(id(u))
       stack.append((u, True))
       for s in reversed(u.src):
@@ -111,12 +113,12 @@ class UOp(metaclass=UOpMetaClass):
   def key(self) -> str:
     """Content hash, the same in every process: sha256 over op, dtype, arg and the sources' keys."""
     if self._key is None:
-      for u in self.toposort():
-        if u._key is None:
-          h = hashlib.sha256(f"{u.op.name}|{u.dtype}|{arg_repr(u.arg)}|".encode())
-          for s in u.src: h.update(s._key.encode())  # type: ignore[union-attr]
-          object.__setattr__(u, "_key", h.hexdigest())
-    return self._key  # type: ignore[return-value]
+      for u in self.toposort(lambda x: x._key is None):  # stop at nodes already hashed: a rebuilt root costs O(new nodes)
+        h = hashlib.sha256(f"{u.op.name}|{u.dtype}|{arg_repr(u.arg)}|".encode())
+        for s in u.src: h.update(s._key.encode())  # type: ignore[union-attr]  # sources come first in toposort
+        object.__setattr__(u, "_key", h.hexdigest())
+    assert self._key is not None
+    return self._key
 
   # ---- bounds ----
   @property
@@ -127,7 +129,8 @@ class UOp(metaclass=UOpMetaClass):
     if self._bounds is None:
       from kiln.ir.bounds import compute_bounds
       compute_bounds(self)
-    return self._bounds  # type: ignore[return-value]
+    assert self._bounds is not None
+    return self._bounds
 
   # ---- constructors ----
   @staticmethod
@@ -177,7 +180,7 @@ class UOp(metaclass=UOpMetaClass):
     if self.op is not Ops.DEFINE_VAR: raise IRError(f"only a variable can be bound, not {self.op}")
     name, lo, hi = self.arg
     if not isinstance(value, int) or not lo <= value <= hi: raise IRError(f"variable {name}={value} is outside bounds [{lo}, {hi}]")
-    return UOp(Ops.BIND, self.dtype, (self, UOp.const(self.dtype, value)))
+    return UOp(Ops.BIND, self.dtype, (self, UOp.const(self.dtype, value)))  # type: ignore[arg-type]
 
   # ---- memory ----
   def index(self, idx: UOp | int, gate: UOp | None = None) -> UOp:
@@ -212,7 +215,7 @@ class UOp(metaclass=UOpMetaClass):
     from kiln.ir.fold import fold_alu
     allsrc = (self, *srcs)
     out_dt = dtypes.bool if op in GroupOp.Comparison else (allsrc[1].dtype if op is Ops.WHERE else self.dtype)
-    if (folded := fold_alu(op, out_dt, allsrc)) is not None: return folded
+    if (folded := fold_alu(op, out_dt, allsrc)) is not None: return folded  # type: ignore[arg-type]
     return UOp(op, out_dt, allsrc)
 
   def _binop(self, op: Ops, other: UOp | ConstLike, reverse: bool = False) -> UOp:
@@ -287,7 +290,7 @@ class UOp(metaclass=UOpMetaClass):
     if self.dtype != dtypes.bool: raise IRTypeError(f"where() condition must be bool, got {self.dtype}")
     if isinstance(x, UOp): a, b = x._promote(y)
     elif isinstance(y, UOp): b, a = y._promote(x)
-    else: a, b = UOp.const(dtypes.from_py(x), x), UOp.const(dtypes.from_py(x), y)
+    else: a, b = UOp.const(dt := least_upper_dtype(dtypes.from_py(x), dtypes.from_py(y)), x), UOp.const(dt, y)  # where(c, 1, 2.5) is float
     return self.alu(Ops.WHERE, a, b)
   def _float_unary(self, op: Ops) -> UOp:
     if not isinstance(self.dtype, DType) or not self.dtype.is_float: raise IRTypeError(f"{op.name.lower()} needs a float, got {self.dtype}")
@@ -335,8 +338,9 @@ class UOp(metaclass=UOpMetaClass):
 
 
 def _cast_const(v: ConstLike, src: AnyDType, dst: DType) -> ConstLike:
-  from kiln.ir.alu import cast
   import numpy as np
+
+  from kiln.ir.alu import cast
   out = cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)  # type: ignore[arg-type]
   return out.item() if dst.is_float else int(out) if dst.is_int else bool(out)
 

@@ -1,0 +1,268 @@
+"""The index-arithmetic simplifier: tinygrad-style rule tables over UPat, exact under C semantics.
+
+Integers wrap (two's complement) and `//`, `%` truncate toward zero. Ring identities (+, -, *, reassociation,
+combining terms) hold modulo 2**bits, so they are exact with wraparound. Everything else (division, modulo,
+comparisons, max) is rewritten only when vmin/vmax prove the operands never wrap and the identity holds under
+truncation. When a rule cannot prove that, it does not fire.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.alu import bitcast as alu_bitcast
+from kiln.ir.alu import cast as alu_cast
+from kiln.ir.alu import compute_np, exec_alu
+from kiln.ir.dtype import DType, dtypes
+from kiln.ir.errors import IRError, IRTypeError, VariableBoundsError
+from kiln.ir.fold import fold_alu
+from kiln.ir.ops import GroupOp, Ops
+from kiln.ir.rewrite import PatternMatcher, UPat, graph_rewrite
+from kiln.ir.uop import UOp
+
+# ---- predicates and helpers ----
+
+def _sint(u: UOp) -> bool: return isinstance(u.dtype, DType) and u.dtype.count == 1 and u.dtype.kind == "i"
+def _int(u: UOp) -> bool: return isinstance(u.dtype, DType) and u.dtype.count == 1 and u.dtype.kind in "iu"
+def _intb(u: UOp) -> bool: return isinstance(u.dtype, DType) and u.dtype.count == 1 and u.dtype.kind in "iub"
+def _fits(dt: DType, lo: int, hi: int) -> bool: return dt.min <= lo and hi <= dt.max  # type: ignore[operator]
+def _c(u: UOp, v: int) -> UOp: return UOp.const(u.dtype, v)  # type: ignore[arg-type]
+
+MAX_TERMS = 32  # flattening stops here, so long chains cost O(n), not O(n^2)
+
+
+def _terms(u: UOp) -> tuple[list[tuple[UOp, int]], int] | None:
+  """u as sum(coef * base) + const over Z (the value mod 2**bits), merging like bases in first-seen order; None if too long.
+
+  Descends through ADD, SUB, NEG and MUL by a constant, so a base is never one of those (nor a constant).
+  """
+  coefs: dict[UOp, int] = {}
+  const, seen, stack = 0, 0, [(u, 1)]
+  while stack:
+    x, k = stack.pop()
+    if (seen := seen + 1) > MAX_TERMS: return None
+    if x.op is Ops.ADD: stack += [(x.src[1], k), (x.src[0], k)]
+    elif x.op is Ops.SUB: stack += [(x.src[1], -k), (x.src[0], k)]
+    elif x.op is Ops.NEG: stack.append((x.src[0], -k))
+    elif x.op is Ops.MUL and x.src[1].op is Ops.CONST: stack.append((x.src[0], k * x.src[1].arg))
+    elif x.op is Ops.MUL and x.src[0].op is Ops.CONST: stack.append((x.src[1], k * x.src[0].arg))
+    elif x.op is Ops.CONST: const += k * x.arg
+    else: coefs[x] = coefs.get(x, 0) + k
+  return list(coefs.items()), const
+
+
+def _wrap(dt: DType, v: int) -> int:
+  m = v & ((1 << dt.bits) - 1)
+  return m - (1 << dt.bits) if dt.kind == "i" and m >= 1 << (dt.bits - 1) else m
+
+
+def _build(dt: DType, terms: list[tuple[UOp, int]], const: int) -> UOp:
+  """Canonical sum: terms in order (coefficients wrapped into dt, zeros dropped), the constant last."""
+  out: UOp | None = None
+  for b, k in terms:
+    if (k := _wrap(dt, k)) == 0: continue
+    t = b if k == 1 else b * UOp.const(dt, k)
+    out = t if out is None else out + t
+  const = _wrap(dt, const)
+  if out is None: return UOp.const(dt, const)
+  return out + UOp.const(dt, const) if const else out
+
+
+def _term_range(b: UOp, k: int) -> tuple[int, int]:
+  lo, hi = int(b.vmin) * k, int(b.vmax) * k
+  return min(lo, hi), max(lo, hi)
+
+
+def _sum_range(terms: list[tuple[UOp, int]], const: int) -> tuple[int, int]:
+  """The range of the sum over Z (no wrap), from each base's bounds."""
+  rs = [_term_range(b, k) for b, k in terms]
+  return sum(r[0] for r in rs) + const, sum(r[1] for r in rs) + const
+
+
+# ---- rule functions ----
+
+def fold_node(x: UOp) -> UOp | None:
+  """Construction-time folding, for nodes built raw (UOp(...), JSON) or rebuilt by a rewrite."""
+  if x.op is Ops.CAST: return x.src[0].cast(x.dtype) if x.src[0].op is Ops.CONST else None  # type: ignore[arg-type]
+  return fold_alu(x.op, x.dtype, x.src)  # type: ignore[arg-type]
+
+
+def fold_bounds(x: UOp) -> UOp | None:
+  """An integer or bool node whose vmin == vmax is that constant (vmin/vmax are sound, so that is its only value)."""
+  if not _intb(x): return None
+  lo, hi = x.vmin, x.vmax
+  return UOp.const(x.dtype, lo) if lo == hi else None  # type: ignore[arg-type]
+
+
+def combine_terms(x: UOp) -> UOp | None:
+  """Canonicalise a signed-int ADD chain: like terms merged (constant factors distributed), one constant, last.
+
+  Ring arithmetic, so exact with wraparound. The canonical form rebuilds to itself, so this reaches a fixed point.
+  """
+  if not _sint(x) or (t := _terms(x)) is None: return None
+  return _build(x.dtype, *t)  # type: ignore[arg-type]
+
+
+def _same_sign(xlo: int, xhi: int, rlo: int, rhi: int) -> bool:
+  """trunc((c*S + R) / c) == S + trunc(R / c) at every point when R is 0 or R has the sign of the whole numerator."""
+  return (rlo == rhi == 0) or (xlo >= 0 and rlo >= 0) or (xhi <= 0 and rhi <= 0)
+
+
+def divmod_fold(x: UOp, c: UOp, mod: bool) -> UOp | None:
+  """(c*S + R) // c -> S + R // c and (c*S + R) % c -> R % c, when the numerator cannot wrap and R keeps its sign."""
+  if not _sint(x) or (cv := c.arg) <= 1 or (t := _terms(x)) is None: return None
+  terms, const = t
+  dt: DType = x.dtype  # type: ignore[assignment]
+  xlo, xhi = _sum_range(terms, const)
+  if not _fits(dt, xlo, xhi): return None  # the built numerator may wrap: its value is not the sum over Z
+  # gcd: (g*y) // (g*d) == y // d and (g*y) % (g*d) == g*(y % d) exactly, for truncation too
+  if (g := math.gcd(cv, const, *(k for _, k in terms))) > 1:
+    y = _build(dt, [(b, k // g) for b, k in terms], const // g)
+    return (y % (cv // g)) * g if mod else y // (cv // g)
+  quot = [(b, k // cv) for b, k in terms if k % cv == 0]
+  rem = [(b, k) for b, k in terms if k % cv != 0]
+  qconst, rconst = (const // cv, 0) if const % cv == 0 else (0, const)
+  if not quot and qconst == 0: return None
+  rlo, rhi = _sum_range(rem, rconst)
+  if not _same_sign(xlo, xhi, rlo, rhi): return None
+  r = _build(dt, rem, rconst)
+  return r % c if mod else _build(dt, quot, qconst) + r // c
+
+
+def mod_self(x: UOp, y: UOp) -> UOp | None:
+  """x % y -> x when |x| < |y| everywhere (truncating mod keeps the dividend then)."""
+  if not _int(x): return None
+  xm = max(abs(int(x.vmin)), abs(int(x.vmax)))
+  if int(y.vmin) > 0 and xm < int(y.vmin): return x
+  if int(y.vmax) < 0 and xm < -int(y.vmax): return x
+  return None
+
+
+def cmp_add(x: UOp, c1: UOp, c2: UOp) -> UOp | None:
+  """x + c1 < c2 -> x < c2 - c1, when x + c1 cannot wrap and c2 - c1 fits."""
+  if not _int(x): return None
+  dt: DType = x.dtype  # type: ignore[assignment]
+  if not _fits(dt, int(x.vmin) + c1.arg, int(x.vmax) + c1.arg) or not _fits(dt, c2.arg - c1.arg, c2.arg - c1.arg): return None
+  return x < UOp.const(dt, c2.arg - c1.arg)
+
+
+def cmp_mul(x: UOp, c1: UOp, c2: UOp) -> UOp | None:
+  """x * c1 < c2 -> x < ceil(c2 / c1) for c1 > 0, when x * c1 cannot wrap."""
+  if not _int(x) or c1.arg <= 0: return None
+  dt: DType = x.dtype  # type: ignore[assignment]
+  if not _fits(dt, int(x.vmin) * c1.arg, int(x.vmax) * c1.arg): return None
+  return x < UOp.const(dt, -((-c2.arg) // c1.arg))
+
+
+def cast_cast(o: UOp, i: UOp, x: UOp) -> UOp | None:
+  """cast(cast(x, A), B) -> cast(x, B) when the inner cast keeps every value of x exactly."""
+  sd, ad = x.dtype, i.dtype
+  if not isinstance(sd, DType) or not isinstance(ad, DType) or sd.count != 1: return None
+  keeps = (sd.is_bool and not ad.is_bool) or (sd.is_int and ad.is_int and _fits(ad, int(x.vmin), int(x.vmax))) or \
+    (sd.is_float and ad.is_float and ad.itemsize > sd.itemsize)  # f16/bf16 -> f32/f64, f32 -> f64
+  return x.cast(o.dtype) if keeps else None  # type: ignore[arg-type]
+
+
+def _uses(x: UOp) -> bool: return x.op is not Ops.CONST
+
+
+# ---- the tables ----
+
+C = UPat.cvar
+V = UPat.var
+
+# ring identities: exact for signed ints with wraparound
+ring = PatternMatcher([
+  # constants to the right of commutative ops
+  (UPat(GroupOp.Commutative, src=(UPat(Ops.CONST, name="c"), UPat(name="x", custom=_uses)), name="n"),
+   lambda n, c, x: x.alu(n.op, c) if _intb(n) or n.op in GroupOp.Comparison else None),
+  # x - y -> x + y*-1, -x -> x*-1: one canonical form, so like terms meet
+  (UPat(Ops.SUB, name="n", src=(V("x"), V("y"))), lambda n, x, y: x + y * -1 if _sint(n) else None),
+  (UPat(Ops.NEG, name="n", src=(V("x"),)), lambda n, x: x * -1 if _sint(n) else None),
+  # x + x, x*c1 + x*c2, x*c + x
+  (V("x") + V("x"), lambda x: x * 2 if _sint(x) else None),
+  (V("x") * C("c1") + V("x") * C("c2"), lambda x, c1, c2: x * (c1.arg + c2.arg) if _sint(x) else None),
+  (V("x") * C("c") + V("x"), lambda x, c: x * (c.arg + 1) if _sint(x) else None),
+  # (x op c1) op c2 -> x op (c1 op c2) for associative, commutative ops (ints: ring and bitwise; bools: logic)
+  (UPat((Ops.ADD, Ops.MUL, Ops.AND, Ops.OR, Ops.XOR, Ops.MAX), name="n", src=(UPat(name="i", src=(V("x"), C("c1"))), C("c2"))),
+   lambda n, i, x, c1, c2: x.alu(n.op, c1.alu(n.op, c2)) if i.op is n.op and _intb(n) else None),
+  # (x + c) + y -> (x + y) + c: constants bubble out of ADD chains
+  (UPat(Ops.ADD, src=(V("x") + C("c"), UPat(name="y", custom=_uses))), lambda x, c, y: (x + y) + c if _int(x) else None),
+  # all the above across a whole chain: like terms merged, one constant last
+  (UPat(Ops.ADD, name="x"), combine_terms),
+  # x << c -> x * 2**c (the same bits mod 2**n)
+  (UPat(Ops.SHL, src=(V("x"), C("c"))), lambda x, c: x * (1 << c.arg) if _int(x) and 0 <= c.arg < x.dtype.bits - 1 else None),
+])
+
+# rules that need bounds
+bounded = PatternMatcher([
+  # x // c and x % c by splitting off the multiples of c; x // y -> 0 and x % y -> x when |x| < |y|
+  (UPat(Ops.IDIV, src=(V("x"), C("c"))), lambda x, c: divmod_fold(x, c, False)),
+  (UPat(Ops.MOD, src=(V("x"), C("c"))), lambda x, c: divmod_fold(x, c, True)),
+  (UPat(Ops.MOD, src=(V("x"), V("y"))), mod_self),
+  # (x // c1) // c2 -> x // (c1*c2), (x % c1) % c2 -> x % c2 when c2 divides c1 (c1, c2 > 0)
+  (UPat(Ops.IDIV, src=(UPat(Ops.IDIV, src=(V("x"), C("c1"))), C("c2"))),
+   lambda x, c1, c2: x // (c1.arg * c2.arg) if c1.arg > 0 and c2.arg > 0 and c1.arg * c2.arg <= x.dtype.max else None),
+  (UPat(Ops.MOD, src=(UPat(Ops.MOD, src=(V("x"), C("c1"))), C("c2"))),
+   lambda x, c1, c2: x % c2 if c1.arg > 0 and c2.arg > 0 and c1.arg % c2.arg == 0 else None),
+  # (x // c) * c + x % c -> x (C's a == a/b*b + a%b, b != 0, holds with wraparound too)
+  ((V("x") // C("c")) * C("c") + V("x") % C("c"), lambda x, c: x if _int(x) and c.arg != 0 else None),
+  # x >> c -> x // 2**c when x >= 0 (the shift floors, truncation agrees on non-negatives)
+  (UPat(Ops.SHR, src=(V("x"), C("c"))), lambda x, c: x // (1 << c.arg) if _int(x) and x.vmin >= 0 and 0 <= c.arg < x.dtype.bits - 1 else None),
+  # max decided by bounds
+  (UPat(Ops.MAX, src=(V("x"), V("y"))),
+   lambda x, y: (x if x.vmin >= y.vmax else y if y.vmin >= x.vmax else None) if _int(x) else None),
+  # comparisons: x < x, x + c1 < c2, x * c1 < c2
+  (V("x") < V("x"), lambda x: UOp.const(dtypes.bool, False) if _intb(x) else None),
+  ((V("x") + C("c1")) < C("c2"), cmp_add),
+  ((V("x") * C("c1")) < C("c2"), cmp_mul),
+])
+
+logic = PatternMatcher([
+  # where: bool branches, negated condition, repeated condition
+  (UPat(Ops.WHERE, src=(V("c"), UPat.const(dtypes.bool, True), UPat.const(dtypes.bool, False))), lambda c: c),
+  (UPat(Ops.WHERE, src=(V("c"), UPat.const(dtypes.bool, False), UPat.const(dtypes.bool, True))), lambda c: c.logical_not()),
+  (UPat(Ops.WHERE, src=(UPat(Ops.XOR, src=(V("c"), UPat.const(dtypes.bool, True))), V("a"), V("b"))), lambda c, a, b: c.alu(Ops.WHERE, b, a)),
+  (UPat(Ops.WHERE, src=(V("c"), UPat(Ops.WHERE, src=(V("c"), V("a"), UPat())), V("b"))), lambda c, a, b: c.alu(Ops.WHERE, a, b)),
+  (UPat(Ops.WHERE, src=(V("c"), V("a"), UPat(Ops.WHERE, src=(V("c"), UPat(), V("b"))))), lambda c, a, b: c.alu(Ops.WHERE, a, b)),
+  # casts: drop an inner cast that keeps every value
+  (UPat(Ops.CAST, name="o", src=(UPat(Ops.CAST, name="i", src=(V("x"),)),)), cast_cast),
+])
+
+symbolic = PatternMatcher([
+  (UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_node),
+  (UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_bounds),
+]) + ring + bounded + logic
+
+
+def simplify(u: UOp) -> UOp:
+  """u rewritten by the `symbolic` table to a fixed point; the value is unchanged at every point within the variables' bounds."""
+  return graph_rewrite(u, symbolic)
+
+
+def sym_int_eval(u: UOp, var_vals: dict[str, int]) -> int:
+  """The exact value of an integer (or bool) expression graph under kiln's C semantics (the evaluator's own exec_alu)."""
+  if not isinstance(u.dtype, DType) or u.dtype.count != 1 or u.dtype.is_float:
+    raise IRTypeError(f"sym_int_eval needs a scalar integer or bool expression, got {u.dtype}")
+  vals: dict[UOp, Any] = {}
+  for x in u.toposort():
+    dt = x.dtype
+    if not isinstance(dt, DType) or dt.count != 1: raise IRError(f"sym_int_eval cannot evaluate {x!r} (dtype {dt})")
+    if x.op is Ops.CONST: v = np.asarray(x.arg, dtype=compute_np(dt))
+    elif x.op is Ops.DEFINE_VAR:
+      name, lo, hi = x.arg
+      if name not in var_vals: raise VariableBoundsError(f"variable {name} has no value (bounds [{lo}, {hi}]); pass it in var_vals")
+      if not lo <= (val := var_vals[name]) <= hi: raise VariableBoundsError(f"variable {name}={val} is outside bounds [{lo}, {hi}]")
+      v = np.asarray(val, dtype=compute_np(dt))
+    elif x.op is Ops.BIND: v = vals[x.src[1]]
+    elif x.op is Ops.CAST: v = alu_cast(vals[x.src[0]], x.src[0].dtype, dt)  # type: ignore[arg-type]
+    elif x.op is Ops.BITCAST: v = alu_bitcast(vals[x.src[0]], x.src[0].dtype, dt)  # type: ignore[arg-type]
+    elif x.op in GroupOp.ALU: v = exec_alu(x.op, dt, *(vals[s] for s in x.src))
+    else: raise IRError(f"sym_int_eval cannot evaluate {x!r}: only constants, variables and ALU ops have a value")
+    vals[x] = v
+  return int(vals[u])
+
+
+__all__ = ["symbolic", "simplify", "sym_int_eval", "ring", "bounded", "logic"]
