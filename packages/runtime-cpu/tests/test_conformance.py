@@ -267,3 +267,35 @@ def test_readme_accuracy_table_matches() -> None:
   for op, tol in ULP_TOL.items():
     row = next(line for line in readme.splitlines() if line.startswith(f"| {op.name} "))
     assert [int(c) for c in row.split("|")[2:6]] == [tol[d.name] for d in FLOATS], (op.name, row)
+
+
+# ---- reductions and gated memory access, every dtype ----
+RED_CASES = [(op, d) for d in ALL_DTYPES for op in (Ops.ADD, Ops.MUL, Ops.MAX)]
+
+
+@pytest.mark.parametrize("op,dt", RED_CASES, ids=[f"{op.name}-{d}" for op, d in RED_CASES])
+def test_reduce(op: Ops, dt: DType) -> None:
+  """Row reductions (kept axis vectorised: same order as the reference, so exact for floats too) and full reductions
+  (reduce axis vectorised by the heuristic: exact for ints, bools and MAX; float ADD/MUL change order, so scalar only)."""
+  from kiln.ir import kernels
+  e = edges(dt)
+  x = _pad([np.resize(e, 64 * 37 - PAD)], dt, 19)[0][: 64 * 37]
+  rows = kernels.reduce(op, (64, 37), dt, axes=1, name=f"rows_{op.name}_{dt}")
+  check(rows, [x], dt, f"row REDUCE {op.name} {dt}")
+  full = kernels.reduce(op, (len(x),), dt, name=f"full_{op.name}_{dt}")
+  check(full, [x], dt, f"full REDUCE {op.name} {dt}", vector=not (dt.is_float and op is not Ops.MAX))
+
+
+@pytest.mark.parametrize("dt", ALL_DTYPES, ids=str)
+def test_gated_load_and_store(dt: DType) -> None:
+  """out[i] = i % 3 != 0 ? a[(i * 7) % n] : 0 (gated load), stored only where i % 5 != 0 (gated store); vector lanes take the same gates."""
+  (a,) = operands(dt, 1, seed=23)
+  n = len(a)
+  i = UOp.range(n, 0)
+  src = UOp.define_global(1, dt.ptr(n)).index((i * 7) % n, (i % 3).ne(0)).load()
+  ast = UOp.sink(UOp.define_global(0, dt.ptr(n)).index(i, (i % 5).ne(0)).store(src), name=f"gated_{dt}")
+  out = _rand(dt, n, 29)
+  want = reference.run(ast, out, a)[0]
+  for opts in ([], [_upcast(dt)]):
+    got = run_cpu(ast, [out, a], opts)[0][0]
+    assert not len(bad := mismatches(got, want, dt)), f"gated {dt} opts={opts}: {len(bad)} differ, first at {bad[0]}"
