@@ -80,8 +80,6 @@ def test_val_that_is_not_an_int_is_rejected(axpy, v) -> None:
   with pytest.raises(VariableBoundsError, match="variable n"): prog(ptrs(bufs()), [v])
 
 
-@pytest.mark.xfail(strict=True, reason="program.py: CPUProgram.check takes only Python ints, so numpy integers (what shape arithmetic "
-                   "usually yields) are rejected as 'outside bounds' although they are in bounds")
 def test_numpy_integer_vals_are_accepted(axpy) -> None:
   ast, prog = axpy
   bs = bufs(3)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import operator
 import threading
 import time
 from collections.abc import Sequence
@@ -67,16 +68,21 @@ class CPUProgram:
     if self.scratch_bytes: argtypes.append(ctypes.c_void_p)
     self.fn = ctypes.CFUNCTYPE(None, *argtypes)(addr)
 
-  def check(self, bufs: Sequence[int], vals: Sequence[int]) -> None:
+  def check(self, bufs: Sequence[int], vals: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Validate addresses and values; returns them as Python ints (numpy integers are welcome)."""
     if len(bufs) != self.spec.buf_count:
       raise RuntimeLaunchError(f"kernel {self.name} takes {self.spec.buf_count} buffers (slots {self.spec.globals}), got {len(bufs)}")
-    for slot, p in zip(self.spec.globals, bufs):
-      if not isinstance(p, int) or p == 0: raise RuntimeLaunchError(f"kernel {self.name}: buffer for slot {slot} is not a valid address ({p!r})")
+    ptrs = [_as_int(p) for p in bufs]
+    for slot, p, raw in zip(self.spec.globals, ptrs, bufs):
+      if p is None or p <= 0: raise RuntimeLaunchError(f"kernel {self.name}: buffer for slot {slot} is not a valid address ({raw!r})")
     if len(vals) != len(self.user_vars):
       raise RuntimeLaunchError(f"kernel {self.name} takes {len(self.user_vars)} variable values {self.user_vars}, got {len(vals)}")
-    for n, v in zip(self.user_vars, vals):
+    ivals = [_as_int(v) for v in vals]
+    for n, v, raw in zip(self.user_vars, ivals, vals):
       lo, hi = self.bounds.get(n, (-(2**31), 2**31 - 1))
-      if not isinstance(v, int) or not lo <= v <= hi: raise VariableBoundsError(f"variable {n}={v} is outside bounds [{lo}, {hi}]")
+      if v is None: raise VariableBoundsError(f"variable {n} must be an integer, got {raw!r}")
+      if not lo <= v <= hi: raise VariableBoundsError(f"variable {n}={v} is outside bounds [{lo}, {hi}]")
+    return ptrs, ivals  # type: ignore[return-value]
 
   def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
                local_size: Sequence[int] | None = None, wait: bool = False) -> float | None:
@@ -87,8 +93,14 @@ class CPUProgram:
 
   def bind(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] | None = None,
            local_size: Sequence[int] | None = None) -> CPUBoundCall:
-    self.check(bufs, vals)
-    return CPUBoundCall(self, list(bufs), list(vals))
+    ptrs, ivals = self.check(bufs, vals)
+    return CPUBoundCall(self, ptrs, ivals)
+
+
+def _as_int(x: object) -> int | None:
+  if isinstance(x, bool): return None
+  try: return operator.index(x)  # type: ignore[arg-type]
+  except TypeError: return None
 
 
 class CPUBoundCall:
@@ -110,8 +122,7 @@ class CPUBoundCall:
     self.finish = (*base, self.prog.threads, *extra) if self.scratch is not None else None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
-    self.prog.check(self.bufs, vals)
-    self._build(list(vals))
+    self._build(self.prog.check(self.bufs, vals)[1])
 
   def __call__(self) -> None:
     if self.threaded: get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
