@@ -94,6 +94,8 @@ class Lowerer:
     self.scratch: UOp | None = None
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
+    self.grid_blocks: dict[int, UOp] = {}  # GPU grid dim -> blocks, when several store groups share the grid
+    self.floor: Scope | None = None  # GPU: a gated store's reduces go inside its gate, so threads past the end load nothing
 
   # ---- planning ----
   def plan_axes(self, ranges: list[UOp]) -> None:
@@ -143,33 +145,35 @@ class Lowerer:
     expr = lv * p.factor + p.ev if p.ev is not None else lv
     return inner, expr
 
-  def gpu_axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> tuple[list[UOp], UOp | None]:
-    """Map up to three output axes to the grid (the innermost with its LOCAL threads); returns the axes left as loops
-    and the gate (index < size) the body needs when a size does not divide evenly."""
-    gate: UOp | None = None
-    loops = list(out)
-    for dim in range(3):
-      if not loops: break
-      r = loops[-1]
-      p = self.plans[r]
-      end = substitute(r.src[0], subst)
+  def _grid_axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> list[tuple[int, UOp, UOp, UOp]]:
+    """(dim, range, end, blocks) for the output axes that go to the grid: up to three, innermost first."""
+    res: list[tuple[int, UOp, UOp, UOp]] = []
+    for dim, r in enumerate(reversed(out[-3:])):
       size = axis_size(r)
       if dim > 0 and (size is None or size > self.target.max_grid[dim]): break
-      loops.pop()
+      end, p = substitute(r.src[0], subst), self.plans[r]
+      res.append((dim, r, end, (end + (p.local - 1)) // p.local if p.local else end))
+    return res
+
+  def gpu_axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> tuple[list[UOp], UOp | None]:
+    """Map up to three output axes to the grid (the innermost with its LOCAL threads); returns the axes left as loops
+    and the gate (index < size) the body needs when a size does not divide evenly or the grid is larger (several stores)."""
+    gate: UOp | None = None
+    mapped = self._grid_axes(out, subst)
+    for dim, r, end, nblocks in mapped:
+      p, size = self.plans[r], axis_size(r)
+      blocks = self.grid_blocks.get(dim, nblocks)  # store groups of different sizes share one grid: it spans the largest
+      gid = self._special(f"gidx{dim}", blocks)
       if p.local:
-        lid = self._special(f"lidx{dim}", p.local)
-        nblocks = (end + (p.local - 1)) // p.local
-        gid = self._special(f"gidx{dim}", nblocks)
-        expr = gid * p.local + lid
+        expr = gid * p.local + self._special(f"lidx{dim}", p.local)
         self.block[dim] = p.local
-        if size is None or size % p.local: gate = (expr < end) if gate is None else gate & (expr < end)
+        if size is None or size % p.local or blocks is not nblocks: gate = (expr < end) if gate is None else gate & (expr < end)
       else:
-        gid = self._special(f"gidx{dim}", end)
         expr = gid
-        nblocks = end
-      self.grid[dim] = _simplify(nblocks) if isinstance(nblocks, UOp) and nblocks.op is not Ops.CONST else int(nblocks.arg)
+        if blocks is not nblocks: gate = (expr < end) if gate is None else gate & (expr < end)
+      self.grid[dim] = _simplify(blocks) if blocks.op is not Ops.CONST else int(blocks.arg)
       subst[r] = expr
-    return loops, gate
+    return out[:len(out) - len(mapped)], gate
 
   def _core(self, threads: int, finish: bool) -> UOp:
     # a threaded reduction adds a finishing call with core_id == threads, so the id's bound says so
@@ -270,7 +274,7 @@ class Lowerer:
     for ph in [n for n in u.toposort() if n in self.placeholders]:
       if ph in self.red_vars: continue
       red = self.placeholders[ph]
-      deps = [loop_scopes[r] for r in free_ranges(red) if r in loop_scopes]
+      deps = [loop_scopes[r] for r in free_ranges(red) if r in loop_scopes] + ([self.floor] if self.floor is not None else [])
       target = max(deps, key=lambda s: s.depth, default=self.lin.root)
       if target.depth > scope.depth: target = scope
       self.emit_reduce(ph, red, target, subst, loop_scopes)
@@ -389,16 +393,19 @@ class Lowerer:
       scope, subst[r] = self.open_axis(scope, r, subst)
       loop_scopes[r] = scope
     body_scope = scope
-    if gate is not None: body_scope = self.lin.open_if(scope, _simplify(gate))
+    if gate is not None: body_scope = self.floor = self.lin.open_if(scope, _simplify(gate))
+    red_scope = body_scope
     if (g := max((p.group for p in self.plans.values()), default=0)):  # only thread 0 of a block writes a group reduction
       body_scope = self.lin.open_if(body_scope, self._special("lidx0", g).eq(0))
     for st in stores:
+      if gate is not None: st = st.replace(src=(st.src[0], _gate_loads(st.src[1], gate)))  # loads hoisted out of the gate read nothing
       s = _simplify(substitute(self.hide_reduces(st), subst))
-      self.emit_reduces(s, scope, subst, loop_scopes)
+      self.emit_reduces(s, red_scope, subst, loop_scopes)
       target = self.finish_scope if self.finish_scope is not None else body_scope
       for c in _combos(self.expand_vars(s)):
         out = self.instantiate(s, dict(zip(self.expand_vars(s), c)))
         for one in (out.src if out.op is Ops.SINK else (out,)): self.lin.emit(target, one)
+    self.floor = None
     self.lin.close_to(self.lin.root)
 
   def lower(self) -> LoweredKernel:
@@ -412,6 +419,11 @@ class Lowerer:
     if threaded and len(groups) > 1: raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
     if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
       raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
+    if self.target.vector_bytes == 0 and len(groups) > 1:  # GPU: size the shared grid for the largest store group
+      for axes in groups:
+        for dim, _, _, nb in self._grid_axes(list(axes), {}):
+          cur = self.grid_blocks.get(dim)
+          self.grid_blocks[dim] = nb if cur is None or cur is nb else _simplify(cur.maximum(nb))
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
     uops = self.lin.program()
     globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)

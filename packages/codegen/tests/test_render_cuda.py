@@ -1,0 +1,111 @@
+"""CUDA C renderer: the conformance set renders (every op of the kernel AST), the ABI and ProgramSpec metadata, and where nvcc
+is installed the CUDA C compiles to PTX for sm_90 (in two batched nvcc runs, one per core)."""
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kiln.codegen import Opt, OptOps, ProgramSpec
+from kiln.codegen.conformance import cases
+from kiln.codegen.render import CUDARenderer
+from kiln.ir import UOp, dtypes, kernels
+from kiln.ir.errors import CodegenError
+from kiln.ir.ops import Ops
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.access("/usr/local/bin/nvcc", os.X_OK) else None)
+CASES = cases()
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, ProgramSpec]:
+  r = CUDARenderer()
+  return {c.name: r.render(c.ast, c.opts) for c in CASES}
+
+
+def test_every_op_renders(rendered):
+  seen = {u.op for c in CASES for u in c.ast.toposort()}
+  assert seen >= {Ops.CAST, Ops.BITCAST, Ops.WHERE, Ops.MULACC, Ops.REDUCE, Ops.DEFINE_VAR, Ops.INDEX} | set(Ops.__members__[o] for o in (
+    "NEG", "EXP2", "LOG2", "SIN", "SQRT", "RECIPROCAL", "TRUNC", "ADD", "SUB", "MUL", "FDIV", "IDIV", "MOD", "MAX", "CMPLT", "CMPEQ", "CMPNE",
+    "AND", "OR", "XOR", "SHL", "SHR"))
+  for name, spec in rendered.items():
+    assert 'extern "C" __global__ void __launch_bounds__(' in spec.src, name
+    assert "CUDA" in str(spec.device), name
+
+
+def test_abi_and_spec():
+  n = UOp.variable("n", 1, 300)
+  spec = CUDARenderer().render(kernels.reduce_sum((n, 7), dtypes.float32, 1))
+  assert re.search(r'extern "C" __global__ void __launch_bounds__\(256\) sum\(float\* __restrict__ data0, const float\* __restrict__ data1, int n\)',
+                   spec.src), spec.src
+  assert "blockIdx.x" in spec.src and "threadIdx.x" in spec.src and "cuda_fp16" not in spec.src and "cuda_bf16" not in spec.src
+  assert spec.var_names == ["n"] and spec.globals == [0, 1] and spec.outs == [0] and spec.ins == [1]
+  assert spec.local_size == (256, 1, 1) and isinstance(spec.global_size[0], UOp)
+  from kiln.codegen import sym_eval
+  assert sym_eval(spec.global_size[0], {"n": 257}) == 2 and sym_eval(spec.global_size[0], {"n": 256}) == 1
+  assert spec.applied_opts == ["LOCAL(axis=0, 256)"]
+  assert ProgramSpec.model_validate_json(spec.model_dump_json()).src == spec.src
+
+
+def test_half_bf16_headers_only_when_used():
+  h = CUDARenderer().render(kernels.elementwise(lambda a: a * a, dtypes.float16, ((8,), dtypes.float16))).src
+  b = CUDARenderer().render(kernels.elementwise(lambda a: a * a, dtypes.bfloat16, ((8,), dtypes.bfloat16))).src
+  assert "#include <cuda_fp16.h>" in h and "cuda_bf16" not in h and "half* __restrict__ data0" in h
+  assert "#include <cuda_bf16.h>" in b and "cuda_fp16" not in b and "__nv_bfloat16* __restrict__ data0" in b
+
+
+def test_group_reduction_uses_shared_memory():
+  spec = CUDARenderer().render(kernels.reduce_sum((1000,), dtypes.float32))
+  assert "__shared__ float" in spec.src and "__syncthreads();" in spec.src and spec.local_size == (256, 1, 1) and spec.global_size == (1, 1, 1)
+  assert spec.applied_opts == ["GROUP(axis=0, 256)"]
+
+
+def test_gated_grid_reads_nothing_past_the_end():
+  # a block past the end of a LOCAL axis must not load: every global load is predicated on the grid gate
+  src = CUDARenderer().render(kernels.elementwise(lambda a: a + 1.0, dtypes.float32, ((300,), dtypes.float32))).src
+  assert re.search(r"= v\d+ \? data1\[", src), src
+
+
+def test_stores_of_different_sizes_share_the_grid():
+  a, b, x = UOp.define_global(0, dtypes.float32.ptr(10)), UOp.define_global(1, dtypes.float32.ptr(20)), UOp.define_global(2, dtypes.float32.ptr(20))
+  i, j = UOp.range(10, 0), UOp.range(20, 1)
+  spec = CUDARenderer().render(UOp.sink(a.index(i).store(x.index(i).load()), b.index(j).store(x.index(j).load())))
+  assert spec.global_size == (20, 1, 1) and "< 10" in spec.src
+
+
+def test_names_and_rejections():
+  spec = CUDARenderer().render(kernels.reduce_max((4, 8), dtypes.float32, 1))  # "max" would clash with CUDA's max()
+  assert spec.name == "k_max" and " k_max(" in spec.src
+  with pytest.raises(CodegenError): CUDARenderer().render(kernels.reduce_sum((64,), dtypes.float32), [Opt(OptOps.UPCAST, 0, 4)])
+  with pytest.raises(CodegenError): CUDARenderer().render(kernels.reduce_sum((64,), dtypes.float32), [Opt(OptOps.THREAD, 0, 4)])
+
+
+def _batch(specs: list[ProgramSpec]) -> str:
+  """Many kernels in one translation unit: each in its own namespace (helpers repeat), kernels renamed apart, headers once."""
+  incs, parts = set(), []
+  for i, s in enumerate(specs):
+    lines = s.src.splitlines()
+    incs |= {ln for ln in lines if ln.startswith("#include")}
+    body = "\n".join(ln for ln in lines if not ln.startswith("#include")).replace(f" {s.name}(", f" {s.name}_{i}(")
+    parts.append(f"namespace t{i} {{\n{body}\n}}")
+  return "\n".join([*sorted(incs), *parts, ""])
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) is not installed")
+def test_nvcc_ptx_sm90(rendered):
+  specs = list(rendered.values())
+  halves = [specs[0::2], specs[1::2]]
+  with tempfile.TemporaryDirectory() as d:
+    def build(k: int) -> tuple[int, subprocess.CompletedProcess]:
+      cu = os.path.join(d, f"batch{k}.cu")
+      with open(cu, "w") as f: f.write(_batch(halves[k]))
+      cmd = [NVCC, "-arch=sm_90", "--ptx", "-o", os.path.join(d, f"batch{k}.ptx"), cu]
+      return k, subprocess.run(cmd, capture_output=True, text=True, check=False)
+    with ThreadPoolExecutor(2) as ex: results = list(ex.map(build, range(2)))
+    for k, r in results:
+      assert r.returncode == 0, f"nvcc failed on batch {k}:\n{r.stderr[-4000:]}"
+      with open(os.path.join(d, f"batch{k}.ptx")) as f: ptx = f.read()
+      for i, s in enumerate(halves[k]): assert f".entry {s.name}_{i}(" in ptx, s.name
