@@ -182,3 +182,28 @@ def test_llvm_ir_verifies_with_llvmlite():
     for opts in (None, []):
       src = LLVMRenderer(CPU).render(ast, opts).src
       llvm.parse_assembly(src).verify()
+
+
+@pytest.mark.parametrize("opts, msg", [
+  ([Opt(OptOps.GROUP, 0, 64)], "output axis"),
+  ([Opt(OptOps.GROUP, 2, 48)], "power of two"),
+])
+def test_bad_gpu_options_are_named(opts: list[Opt], msg: str):
+  with pytest.raises(CodegenError, match=msg): lower(matmul(16, 16, 16), Target(device="CUDA", vector_bytes=0), opts)
+
+
+def test_group_with_local_is_refused():
+  o, x = UOp.define_global(0, F32.ptr(4)), UOp.define_global(1, F32.ptr(4 * 64))
+  i, r = UOp.range(4, 0), UOp.range(64, 1, AxisType.REDUCE)
+  ast = UOp.sink(o.index(i).store(x.index(i * 64 + r).load().reduce(Ops.ADD, r)), name="rows")
+  with pytest.raises(CodegenError, match="LOCAL"): lower(ast, Target(device="CUDA", vector_bytes=0), [Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.GROUP, 1, 64)])
+
+
+def test_group_needs_every_output_axis_on_the_grid():
+  o, x = UOp.define_global(0, F32.ptr(16)), UOp.define_global(1, F32.ptr(16 * 64))
+  a, b, c, d = (UOp.range(2, i) for i in range(4))
+  r = UOp.range(64, 4, AxisType.REDUCE)
+  out = ((a * 2 + b) * 2 + c) * 2 + d
+  ast = UOp.sink(o.index(out).store(x.index(out * 64 + r).load().reduce(Ops.ADD, r)), name="four_axes")
+  with pytest.raises(CodegenError, match="grid"): lower(ast, Target(device="CUDA", vector_bytes=0), [Opt(OptOps.GROUP, 4, 64)])
+  lower(ast, Target(device="CUDA", vector_bytes=0), [])  # the four axes without a GROUP are fine

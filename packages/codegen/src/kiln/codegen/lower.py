@@ -7,6 +7,7 @@ its accumulators live in one reduce loop. The Linearizer places each value in th
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ def identity(op: Ops, dt: DType) -> int | float | bool:
   return dt.scalar().min  # MAX
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def _simplify(u: UOp) -> UOp:
+  # lowering simplifies the same small index graphs again and again (per lane, per unrolled copy): UOps are interned, so memoise
   try:
     from kiln.ir.symbolic import simplify
   except ImportError: return u
@@ -125,8 +128,13 @@ class Lowerer:
       elif o.op is OptOps.GROUP:
         if self.target.vector_bytes != 0: raise CodegenError(f"{o}: GROUP is a GPU option")
         if o.amount > self.target.max_local or o.amount & (o.amount - 1): raise CodegenError(f"{o}: needs a power of two <= {self.target.max_local}")
+        if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: GROUP shares a reduce axis; axis {o.axis} is an output axis")
         p.group = o.amount
     if sum(p.threads > 1 for p in self.plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+    groups = [p for p in self.plans.values() if p.group]
+    if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
+    # a GROUP's barrier needs every thread of the block, and its shared array one reduction per block
+    if groups and any(p.local for p in self.plans.values()): raise CodegenError("GROUP cannot be combined with LOCAL (a block does one group reduction)")
 
   # ---- loops ----
   def open_axis(self, scope: Scope, r: UOp, subst: dict[UOp, UOp]) -> tuple[Scope, UOp]:
@@ -388,7 +396,10 @@ class Lowerer:
     loop_scopes: dict[UOp, Scope] = {}
     gate: UOp | None = None
     loops = axes
-    if self.target.vector_bytes == 0: loops, gate = self.gpu_axes(axes, subst)
+    if self.target.vector_bytes == 0:
+      loops, gate = self.gpu_axes(axes, subst)
+      if loops and any(p.group for p in self.plans.values()):  # its shared array would be reused across iterations without a barrier
+        raise CodegenError(f"GROUP needs every output axis on the grid, but axes {[r.arg[0] for r in loops]} would be loops inside a block")
     for r in loops:
       scope, subst[r] = self.open_axis(scope, r, subst)
       loop_scopes[r] = scope
