@@ -196,7 +196,8 @@ def test_group_with_local_is_refused():
   o, x = UOp.define_global(0, F32.ptr(4)), UOp.define_global(1, F32.ptr(4 * 64))
   i, r = UOp.range(4, 0), UOp.range(64, 1, AxisType.REDUCE)
   ast = UOp.sink(o.index(i).store(x.index(i * 64 + r).load().reduce(Ops.ADD, r)), name="rows")
-  with pytest.raises(CodegenError, match="LOCAL"): lower(ast, Target(device="CUDA", vector_bytes=0), [Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.GROUP, 1, 64)])
+  with pytest.raises(CodegenError, match="LOCAL"):
+    lower(ast, Target(device="CUDA", vector_bytes=0), [Opt(OptOps.LOCAL, 0, 4), Opt(OptOps.GROUP, 1, 64)])
 
 
 def test_group_needs_every_output_axis_on_the_grid():

@@ -134,7 +134,8 @@ class Lowerer:
     groups = [p for p in self.plans.values() if p.group]
     if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
     # a GROUP's barrier needs every thread of the block, and its shared array one reduction per block
-    if groups and any(p.local for p in self.plans.values()): raise CodegenError("GROUP cannot be combined with LOCAL (a block does one group reduction)")
+    if groups and any(p.local for p in self.plans.values()):
+      raise CodegenError("GROUP cannot be combined with LOCAL (a block does one group reduction)")
 
   # ---- loops ----
   def open_axis(self, scope: Scope, r: UOp, subst: dict[UOp, UOp]) -> tuple[Scope, UOp]:
