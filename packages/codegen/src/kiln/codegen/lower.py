@@ -222,7 +222,7 @@ class Lowerer:
   def instantiate(self, u: UOp, combo: dict[UOp, int]) -> UOp:
     """One unrolled copy of u: unroll variables to constants, placeholders to that copy's reduce results, then vectorise."""
     m: dict[UOp, UOp] = {v: UOp.const(dtypes.index, c) for v, c in combo.items()}
-    out = _simplify(substitute(u, m)) if m else u
+    out = _simplify_indices(substitute(u, m)) if m else u
     phs = {n: self.red_results[(n, tuple(combo[v] for v in self.red_vars[n]))] for n in out.toposort() if n in self.placeholders}
     if phs: out = substitute(out, phs)
     return self.vectorize(out) if self.vec is not None else out
@@ -453,6 +453,13 @@ class Lowerer:
     lk.flops, lk.mem_bytes = _estimate(ast)
     return lk
 
+
+
+def _simplify_indices(u: UOp) -> UOp:
+  """Simplify only the index and gate of every INDEX: what contiguity checks and bounds need. The values themselves are
+  left to LLVM/nvcc, which fold constants too, so each unrolled copy does not pay for a whole-graph rewrite."""
+  m = {n: UOp(Ops.INDEX, n.dtype, (n.src[0], *(_simplify(s) for s in n.src[1:]))) for n in u.toposort() if n.op is Ops.INDEX}
+  return substitute(u, {k: v for k, v in m.items() if v is not k})
 
 
 def _bcast(u: UOp, w: int) -> UOp:
