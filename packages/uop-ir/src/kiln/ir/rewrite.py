@@ -53,7 +53,8 @@ class UPat:
     src = self.src
     if src is not None and not isinstance(src, UPat):
       if len(src) != len(u.src) and not (self.allow_any_len and len(u.src) >= len(src)): return []
-      if isinstance(src, tuple) and any(p.op is not None and s.op not in p.op for p, s in zip(src, u.src)): return []  # cheap reject
+      if isinstance(src, tuple) and not _ops_ok(src, u.src): return []  # cheap reject before any binding
+      if isinstance(src, list) and len(src) == 2 and not (_ops_ok(src, u.src) or _ops_ok((src[1], src[0]), u.src)): return []
     if self.custom is not None and not self.custom(u): return []
     if self.name is not None:
       if (prev := store.get(self.name)) is not None:
@@ -62,11 +63,19 @@ class UPat:
     if src is None: return [store]
     if isinstance(src, UPat): return _match_seq([src] * len(u.src), u.src, store)
     if isinstance(src, list):
-      if len(src) == 2: return _match_seq(src, u.src, store) + _match_seq((src[1], src[0]), u.src, store)
+      if len(src) == 2:
+        return (_match_seq(src, u.src, store) if _ops_ok(src, u.src) else []) + \
+          (_match_seq((src[1], src[0]), u.src, store) if _ops_ok((src[1], src[0]), u.src) else [])
       out: list[dict[str, UOp]] = []
       for perm in itertools.permutations(src): out += _match_seq(perm, u.src[:len(perm)], store)
       return out
     return _match_seq(src, u.src, store)
+
+
+def _ops_ok(pats: Sequence[UPat], srcs: Sequence[UOp]) -> bool:
+  for p, s in zip(pats, srcs):
+    if p.op is not None and s.op not in p.op: return False
+  return True
 
 
 def _match_seq(pats: Sequence[UPat], srcs: Sequence[UOp], store: dict[str, UOp]) -> list[dict[str, UOp]]:

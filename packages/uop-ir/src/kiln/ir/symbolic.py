@@ -86,6 +86,8 @@ def _sum_range(terms: list[tuple[UOp, int]], const: int) -> tuple[int, int]:
 def fold_node(x: UOp) -> UOp | None:
   """Construction-time folding, for nodes built raw (UOp(...), JSON) or rebuilt by a rewrite."""
   if x.op is Ops.CAST: return x.src[0].cast(x.dtype) if x.src[0].op is Ops.CONST else None  # type: ignore[arg-type]
+  # every fold needs a constant operand or a repeated one: skip the rest cheaply
+  if x.op is not Ops.WHERE and not any(s.op is Ops.CONST for s in x.src) and len(set(x.src)) == len(x.src): return None
   return fold_alu(x.op, x.dtype, x.src)  # type: ignore[arg-type]
 
 
@@ -246,15 +248,19 @@ def sym_int_eval(u: UOp, var_vals: dict[str, int]) -> int:
   """The exact value of an integer (or bool) expression graph under kiln's C semantics (the evaluator's own exec_alu)."""
   if not isinstance(u.dtype, DType) or u.dtype.count != 1 or u.dtype.is_float:
     raise IRTypeError(f"sym_int_eval needs a scalar integer or bool expression, got {u.dtype}")
+  topo = u.toposort()
+  bound = {x.src[0].arg[0]: x.src[1].arg for x in topo if x.op is Ops.BIND}  # a BIND fixes its variable; var_vals never overrides it
   vals: dict[UOp, Any] = {}
-  for x in u.toposort():
+  for x in topo:
     dt = x.dtype
     if not isinstance(dt, DType) or dt.count != 1: raise IRError(f"sym_int_eval cannot evaluate {x!r} (dtype {dt})")
     if x.op is Ops.CONST: v = np.asarray(x.arg, dtype=compute_np(dt))
     elif x.op is Ops.DEFINE_VAR:
       name, lo, hi = x.arg
-      if name not in var_vals: raise VariableBoundsError(f"variable {name} has no value (bounds [{lo}, {hi}]); pass it in var_vals")
-      if not lo <= (val := var_vals[name]) <= hi: raise VariableBoundsError(f"variable {name}={val} is outside bounds [{lo}, {hi}]")
+      if name in bound: val = bound[name]
+      elif name not in var_vals: raise VariableBoundsError(f"variable {name} has no value (bounds [{lo}, {hi}]); pass it in var_vals")
+      else: val = var_vals[name]
+      if not lo <= val <= hi: raise VariableBoundsError(f"variable {name}={val} is outside bounds [{lo}, {hi}]")
       v = np.asarray(val, dtype=compute_np(dt))
     elif x.op is Ops.BIND: v = vals[x.src[1]]
     elif x.op is Ops.CAST: v = alu_cast(vals[x.src[0]], x.src[0].dtype, dt)  # type: ignore[arg-type]

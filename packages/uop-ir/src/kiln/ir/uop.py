@@ -52,9 +52,10 @@ class UOpMetaClass(type):
 
 
 def _make_evict(k: tuple) -> Callable[[weakref.ReferenceType], None]:
-  def evict(r: weakref.ReferenceType) -> None:
-    with UOpMetaClass._lock:
-      if UOpMetaClass._cache.get(k) is r: del UOpMetaClass._cache[k]
+  # bind the cache and lock now: at interpreter exit module globals may already be None when the last nodes die
+  def evict(r: weakref.ReferenceType, cache: dict = UOpMetaClass._cache, lock: threading.RLock = UOpMetaClass._lock) -> None:
+    with lock:
+      if cache.get(k) is r: del cache[k]
   return evict
 
 
