@@ -107,9 +107,10 @@ def cast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
 
 def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
   if src.itemsize != dst.itemsize: raise IRTypeError(f"bitcast needs equal sizes, {src} is {src.itemsize} bytes and {dst} is {dst.itemsize}")
-  raw = np.ascontiguousarray(to_storage(src, x))
+  shape = np.shape(x)
+  raw = np.ascontiguousarray(to_storage(src, x)).reshape(shape)  # ascontiguousarray makes a 0-d value 1-d: keep the shape
   if dst.is_bool: return raw.view(np.uint8) != 0  # a byte other than 0/1 is not a valid numpy bool: normalise like C's != 0
-  return from_storage(dst, raw.view(dst.np))
+  return from_storage(dst, raw.view(dst.np)).reshape(shape)
 
 
 def exec_alu(op: Ops, dt: DType, *srcs: Any) -> np.ndarray:
