@@ -113,8 +113,8 @@ def launch_dims(spec: CompiledSpec, vals: Sequence[int], global_size: Sequence[A
   gs = global_size if global_size is not None else (spec.global_size or (1, 1, 1))
   ls = local_size if local_size is not None else (spec.local_size or (1, 1, 1))
   grid, block = (tuple(sym_eval(x, var_vals) for x in s) + (1,) * (3 - len(s)) for s in (gs, ls))
-  if len(grid) != 3 or len(block) != 3 or min(*grid, *block) < 1:
-    raise RuntimeLaunchError(f"kernel {spec.name}: launch sizes must be 3 positive ints, got grid {grid} block {block}")
+  if len(grid) != 3 or len(block) != 3 or min(grid) < 0 or min(block) < 1:  # a grid dim of 0 (a symbolic size bound to 0): nothing runs
+    raise RuntimeLaunchError(f"kernel {spec.name}: launch sizes must be 3 ints, the grid's >= 0 and the block's >= 1, got grid {grid} block {block}")
   if block[0] * block[1] * block[2] > MAX_BLOCK_THREADS:
     raise RuntimeLaunchError(f"kernel {spec.name}: block {block} has more than {MAX_BLOCK_THREADS} threads")
   return grid, block  # type: ignore[return-value]
@@ -132,7 +132,8 @@ class CUDABoundCall:
     self.args = self.prog.args(self.bufs, vals)
     self.grid, self.block = launch_dims(self.prog.spec, vals, global_size, local_size)
 
-  def __call__(self) -> None: self.prog.fn.prepared_call(self.grid, self.block, *self.args)
+  def __call__(self) -> None:
+    if 0 not in self.grid: self.prog.fn.prepared_call(self.grid, self.block, *self.args)
 
 
 class CUDAProgram:
@@ -160,6 +161,7 @@ class CUDAProgram:
     seconds (CUDA events)."""
     args = self.args(bufs, vals)
     grid, block = launch_dims(self.spec, vals, global_size, local_size)
+    if 0 in grid: return 0.0 if wait else None  # an empty grid: nothing to run (CUDA rejects a launch of 0 blocks)
     self.runtime.make_current()
     if not wait:
       self.fn.prepared_call(grid, block, *args)

@@ -83,7 +83,8 @@ class EmulatedKernel:
   def __call__(self, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
                local_size: Sequence[int] | None = (1, 1, 1), workers: int | None = None) -> float:
     """Run the grid; arrays are written in place. Returns the wall time in seconds."""
-    gs, ls = _dims(global_size, "global_size"), _dims(local_size or (1, 1, 1), "local_size")
+    gs, ls = _dims(global_size, "global_size", 0), _dims(local_size or (1, 1, 1), "local_size")
+    if 0 in gs: return 0.0  # an empty grid (a symbolic size bound to 0): nothing runs
     if (nt := ls[0] * ls[1] * ls[2]) > MAX_BLOCK_THREADS:
       raise RuntimeLaunchError(f"kernel {self.name}: block of {nt} threads exceeds {MAX_BLOCK_THREADS}")
     ptrs: list[int] = []
@@ -105,9 +106,9 @@ class EmulatedKernel:
     return et
 
 
-def _dims(s: Sequence[int], what: str) -> tuple[int, int, int]:
+def _dims(s: Sequence[int], what: str, least: int = 1) -> tuple[int, int, int]:
   d = tuple(int(x) for x in s) + (1,) * (3 - len(s))
-  if len(d) != 3 or any(x < 1 for x in d): raise RuntimeLaunchError(f"{what} must be 1 to 3 positive ints, got {tuple(s)}")
+  if len(d) != 3 or any(x < least for x in d): raise RuntimeLaunchError(f"{what} must be 1 to 3 ints >= {least}, got {tuple(s)}")
   return d  # type: ignore[return-value]
 
 
