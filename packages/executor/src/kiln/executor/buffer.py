@@ -87,9 +87,17 @@ class _KeepAlive:
     self.__array_interface__, self._arr, self._owner = arr.__array_interface__, arr, owner
 
 
-def _bytes_of(data: Any) -> np.ndarray:
-  if isinstance(data, np.ndarray): return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-  return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+def _bytes_of(data: Any, dtype: DType | None = None, what: str = "copyin") -> np.ndarray:
+  """The raw bytes of host data. A numpy array must hold `dtype`'s storage type (or be raw uint8 bytes): a float64 array copied
+  into a float32 buffer of the same byte size is a mistake, not a bit pattern to keep."""
+  if isinstance(data, np.ndarray):
+    if dtype is not None and data.dtype not in (np.dtype(np.uint8), dtype.np):
+      raise KilnBufferError(f"{what} of a numpy {data.dtype} array into a {dtype.name} buffer (storage {dtype.np}): convert it first "
+                            f"(arr.astype(np.{dtype.np})) or pass raw bytes (arr.view(np.uint8))")
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+  try: return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+  except (TypeError, ValueError) as e:
+    raise KilnBufferError(f"{what} needs a numpy array or a bytes-like object, got {type(data).__name__} ({e})") from None
 
 
 def _mv(a: np.ndarray) -> memoryview: return memoryview(a)  # type: ignore[arg-type]
@@ -165,7 +173,7 @@ class Buffer:
   def copyin(self, data: Any) -> Buffer:
     """Copy host data (numpy array, bytes, memoryview) in; it must be exactly `nbytes` bytes."""
     if self.readonly: raise KilnBufferError(f"buffer {self.id} is read-only (it wraps read-only memory)")
-    src = _bytes_of(data)
+    src = _bytes_of(data, self.dtype)
     if src.nbytes != self.nbytes:
       raise KilnBufferError(f"copyin of {src.nbytes} bytes into buffer {self.id} of {self.nbytes} bytes ({self.size} x {self.dtype.name})")
     if (raw := self._host_bytes()) is not None: np.copyto(raw, src)
@@ -206,10 +214,10 @@ class Buffer:
     n = a.size
     if n == 0: raise KilnBufferError("cannot make a buffer from an empty array")
     dev = str(DeviceSpec.parse(device))
-    if dev == "CPU" and a.flags.c_contiguous:
+    if dev == "CPU" and a.flags.c_contiguous and a.ctypes.data % dt.itemsize == 0:  # kernels assume element-aligned buffers
       raw = a.reshape(-1).view(np.uint8)
       return Buffer(dev, n, dt, _storage=Storage(dev, raw.nbytes, external=raw, readonly=not a.flags.writeable))
-    return Buffer(dev, n, dt).copyin(np.ascontiguousarray(a))
+    return Buffer(dev, n, dt).copyin(np.ascontiguousarray(a).reshape(-1).view(np.uint8))  # a misaligned array is copied into aligned memory
 
   @staticmethod
   def from_npy(path: str | os.PathLike) -> Buffer:
