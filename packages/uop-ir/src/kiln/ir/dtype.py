@@ -205,7 +205,7 @@ def f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
   """float32 array to bfloat16 bit patterns (uint16), round to nearest even, NaN kept quiet."""
   u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
   r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-  return np.where(np.isnan(a), np.uint16(0x7FC0), r).astype(np.uint16)
+  return np.where(np.isnan(a), np.uint16(0x7FC0), r).astype(np.uint16).reshape(np.shape(a))  # a 0-d value stays 0-d
 
 
 def bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
