@@ -74,9 +74,18 @@ def test_avx2_width_is_eight_floats():
 
 def test_matmul_gets_register_tiling():
   opts = heuristic_opts(matmul(256, 256, 256), CPU)
-  assert Opt(OptOps.UPCAST, 1, 16) in opts  # the contiguous output axis in vector lanes
-  assert Opt(OptOps.UNROLL, 0, 4) in opts and Opt(OptOps.UNROLL, 2, 4) in opts  # rows and the reduce unrolled
-  assert any(o.op is OptOps.THREAD for o in opts)
+  assert Opt(OptOps.UPCAST, 1, 32) in opts  # the contiguous output axis in two vectors of lanes
+  assert Opt(OptOps.UNROLL, 0, 8) in opts and Opt(OptOps.UNROLL, 2, 2) in opts  # rows and the reduce unrolled
+  assert {Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.FMA, 2, 1), Opt(OptOps.THREAD, 1, 2)} <= set(opts)
+
+
+def test_packed_matmul_reads_its_panel_from_scratch():
+  spec = LLVMRenderer(CPU).render(matmul(64, 64, 48))
+  assert spec.scratch_bytes == 2 * 48 * 32 * 4 and not spec.finish  # one K x 32 panel per thread
+  lk = lower(matmul(64, 64, 48), CPU)
+  b_loads = [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 2]
+  assert b_loads and all(u.dtype == F32.vec(32) for u in b_loads)  # b is only read to pack it
+  assert any(u.op is Ops.FMA for u in lk.uops)
 
 
 def test_full_reduction_splits_its_reduce_axis():
@@ -208,3 +217,10 @@ def test_group_needs_every_output_axis_on_the_grid():
   ast = UOp.sink(o.index(out).store(x.index(out * 64 + r).load().reduce(Ops.ADD, r)), name="four_axes")
   with pytest.raises(CodegenError, match="grid"): lower(ast, Target(device="CUDA", vector_bytes=0), [Opt(OptOps.GROUP, 4, 64)])
   lower(ast, Target(device="CUDA", vector_bytes=0), [])  # the four axes without a GROUP are fine
+
+
+def test_each_thread_packs_into_its_own_panel_even_when_an_inner_axis_is_split():
+  opts = [Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.THREAD, 0, 2)]
+  lk = lower(matmul(64, 64, 32), CPU, opts)
+  packs = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == -1]
+  assert packs and all(any(x.op is Ops.SPECIAL and x.arg == "core_id" for x in p.src[0].toposort()) for p in packs)

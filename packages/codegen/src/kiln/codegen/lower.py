@@ -34,7 +34,9 @@ class LoweredKernel:
   outs: list[int] = field(default_factory=list)
   ins: list[int] = field(default_factory=list)
   min_elements: dict[int, int] = field(default_factory=dict)  # slot -> elements the kernel may touch
-  scratch: UOp | None = None  # CPU threaded reduction: per-thread partials, a hidden last argument
+  scratch: UOp | None = None  # CPU: per-call scratch (a threaded reduction's partials, packed panels), a hidden last argument
+  finish: bool = False  # CPU: a finishing call (core_id == threads) folds a threaded reduction's partials
+  scratch_bytes: int = 0
   flops: int = 0
   mem_bytes: int = 0
 
@@ -77,6 +79,9 @@ class AxisPlan:
   threads: int = 1
   local: int = 0  # GPU threads per block along this axis
   group: int = 0  # GPU threads sharing this reduce axis
+  outer: bool = False  # CPU: opened before the other output loops
+  pack: bool = False  # CPU: loads of this reduce axis that skip the innermost output loop read a packed copy
+  fma: bool = False  # a sum of products over this axis accumulates with fused multiply-adds
   ev: UOp | None = None  # the expand variable (lane or unroll copy)
 
 
@@ -95,6 +100,9 @@ class Lowerer:
     self.red_results: dict[tuple[UOp, tuple], UOp] = {}
     self.placeholders: dict[UOp, UOp] = {}  # placeholder -> REDUCE
     self.scratch: UOp | None = None
+    self.packed: dict[UOp, tuple[UOp, UOp, int]] = {}  # packed load -> (its reduce range, its scratch base, lanes)
+    self.scratch_used = 0  # elements of packed panels per thread
+    self.pack_threads = 1
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
     self.grid_blocks: dict[int, UOp] = {}  # GPU grid dim -> blocks, when several store groups share the grid
@@ -130,6 +138,17 @@ class Lowerer:
         if o.amount > self.target.max_local or o.amount & (o.amount - 1): raise CodegenError(f"{o}: needs a power of two <= {self.target.max_local}")
         if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: GROUP shares a reduce axis; axis {o.axis} is an output axis")
         p.group = o.amount
+      elif o.op is OptOps.FMA:
+        if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: FMA applies to a reduce axis")
+        p.fma = True
+      elif o.op in (OptOps.OUTER, OptOps.PACK):
+        if self.target.vector_bytes == 0: raise CodegenError(f"{o}: {o.op.name} is a CPU option")
+        if o.op is OptOps.OUTER:
+          if p.rng.arg[1] is AxisType.REDUCE: raise CodegenError(f"{o}: only output axes can be made outermost")
+          p.outer = True
+        else:
+          if p.rng.arg[1] is not AxisType.REDUCE or size is None: raise CodegenError(f"{o}: PACK needs a reduce axis of constant size")
+          p.pack = True
     if sum(p.threads > 1 for p in self.plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
     groups = [p for p in self.plans.values() if p.group]
     if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
@@ -328,17 +347,20 @@ class Lowerer:
       else:
         inner, rsubst[r] = self.open_axis(inner, r, rsubst)
       lscopes[r] = inner
-    body = _simplify(substitute(self.hide_reduces(red.src[0]), rsubst))
+    body = _simplify(self.unpack(substitute(self.hide_reduces(red.src[0]), rsubst), rsubst))
     if gate is not None: body = _gate_loads(body, gate)
     self.emit_reduces(body, inner, rsubst, lscopes)
+    fuse = op is Ops.ADD and dt.is_float and dt.itemsize >= 4 and any(self.plans[r].fma for r in ranges)
     red_vars = [ev for r in ranges if self.plans[r].kind == "unroll" and (ev := self.plans[r].ev) is not None]
     for rc in _combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
       for c in combos:
         v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))})
         if gate is not None: v = gate.where(v, UOp.const(dt, identity(op, dt))) if v.dtype == dt else v
         cur = self.lin.acc_read(accs[c], next(self.acc_count))
-        v = _bcast(v, acc_dt.count) if acc_dt.count > 1 else v
-        self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], _combine(op, cur, v))))
+        if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
+          new = UOp(Ops.FMA, acc_dt, (_bcast(v.src[0], acc_dt.count), _bcast(v.src[1], acc_dt.count), cur))
+        else: new = _combine(op, cur, _bcast(v, acc_dt.count) if acc_dt.count > 1 else v)
+        self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], new)))
     for r in reversed(ranges): self.lin.close(lscopes[r])
     if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
     for c in combos:
@@ -374,6 +396,56 @@ class Lowerer:
     self.finish_scope = fin
     return fin, out
 
+  # ---- packing ----
+  def pack_loads(self, stores: list[UOp], loops: list[UOp]) -> dict[UOp, set[UOp]]:
+    """The loads to pack: under a PACK reduce axis, using the vector axis but not the innermost output loop (so the
+    packed panel is reused by every iteration of that loop). Returns each with the output loops it needs open."""
+    out: dict[UOp, set[UOp]] = {}
+    if not loops or self.vec is None: return out
+    inner = loops[-1]
+    for red in (u for st in stores for u in st.toposort() if u.op is Ops.REDUCE):
+      kr = [r for r in red.src[1:] if self.plans[r].pack]
+      if len(kr) != 1 or len(red.src) != 2: continue
+      for ld in (u for u in red.src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and len(u.src[0].src) == 2):
+        rs = free_ranges(ld)
+        vec_r = next(p.rng for p in self.plans.values() if p.kind == "vec")
+        if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops): out[ld] = rs - {kr[0]}
+    return out
+
+  def emit_pack(self, scope: Scope, ld: UOp, subst: dict[UOp, UOp]) -> None:
+    """Copy the panel ld reads for the current outer tile into this thread's scratch: panel[k, lane] at (k*W + lane)."""
+    assert self.vec is not None
+    lane, w = self.vec
+    k = next(r for r in free_ranges(ld) if self.plans[r].pack)
+    size = axis_size(k)
+    assert size is not None and isinstance(ld.dtype, DType)
+    threads = max(p.threads for p in self.plans.values())
+    if threads > 1 and self.core_id is None: self._core(threads, finish=False)  # the split loop may open later, inside this one
+    base = (self.core_id * (size * w) if self.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)) + self.scratch_used
+    self.scratch_used += size * w
+    lv = UOp(Ops.RANGE, dtypes.index, (UOp.const(dtypes.index, 0), UOp.const(dtypes.index, size)), (next(self.loop_count), AxisType.REDUCE))
+    inner = self.lin.open(scope, lv)
+    src = _simplify_indices(substitute(ld, {**subst, k: lv}))
+    self.packed[ld] = (k, base, w)
+    self.pack_threads = threads
+    st = self.vectorize(UOp(Ops.STORE, dtypes.void, (self._scratch_ptr(ld.dtype).index(_simplify(base + lv * w + lane)), src)))
+    for one in (st.src if st.op is Ops.SINK else (st,)): self.lin.emit(inner, one)
+    self.lin.close(inner)
+
+  def _scratch_ptr(self, dt: DType) -> UOp:
+    # sized when lowering ends (every pack's share is known by then); one pointer per dtype is all a kernel needs
+    return UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)
+
+  def unpack(self, body: UOp, rsubst: dict[UOp, UOp]) -> UOp:
+    """Loads that were packed read the packed panel instead: (k*W + lane) in this thread's scratch."""
+    if not self.packed: return body
+    assert self.vec is not None
+    m = {}
+    for ld, (k, base, w) in self.packed.items():
+      assert isinstance(ld.dtype, DType)
+      m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (self._scratch_ptr(ld.dtype).index(_simplify(base + rsubst[k] * w + self.vec[0])),))
+    return substitute(body, m) if m else body
+
   def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
     """GPU: the block's threads leave partials in shared memory; thread 0 folds them in order."""
     n = self.block[0]
@@ -401,9 +473,15 @@ class Lowerer:
       loops, gate = self.gpu_axes(axes, subst)
       if loops and any(p.group for p in self.plans.values()):  # its shared array would be reused across iterations without a barrier
         raise CodegenError(f"GROUP needs every output axis on the grid, but axes {[r.arg[0] for r in loops]} would be loops inside a block")
+    loops = sorted(loops, key=lambda r: not self.plans[r].outer)
+    packs = self.pack_loads(stores, loops)
     for r in loops:
       scope, subst[r] = self.open_axis(scope, r, subst)
       loop_scopes[r] = scope
+      opened = set(loops[:loops.index(r) + 1])
+      for ld in [ld for ld, needs in packs.items() if needs <= opened]:  # a panel is packed once its outer loops are open
+        self.emit_pack(scope, ld, subst)
+        del packs[ld]
     body_scope = scope
     if gate is not None: body_scope = self.floor = self.lin.open_if(scope, _simplify(gate))
     red_scope = body_scope
@@ -449,7 +527,14 @@ class Lowerer:
       lk.global_size, lk.local_size = tuple(self.grid), tuple(self.block)  # type: ignore[assignment]
     elif threads > 1: lk.global_size = (threads, 1, 1)
     lk.min_elements = _min_elements(ast)
-    lk.scratch = self.scratch
+    if self.packed:
+      if self.scratch is not None: raise CodegenError("PACK cannot be combined with a threaded full reduction")
+      dt = next(iter(self.packed)).dtype
+      assert isinstance(dt, DType)
+      self.scratch = UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)  # the renderer sizes it below, via scratch_bytes
+    lk.scratch, lk.finish = self.scratch, self.finish_scope is not None
+    lk.scratch_bytes = self.scratch.dtype.nbytes if self.scratch is not None and self.scratch.dtype.size > 0 else \
+      self.scratch_used * self.pack_threads * (self.scratch.dtype.itemsize if self.scratch is not None else 0)  # type: ignore[union-attr]
     lk.flops, lk.mem_bytes = _estimate(ast)
     return lk
 

@@ -16,6 +16,9 @@ class OptOps(Enum):
   THREAD = "THREAD"  # CPU: split an output axis (or a full reduction) over `amount` threads (core_id)
   LOCAL = "LOCAL"  # GPU: `amount` threads of a block along an output axis (the rest goes to the grid)
   GROUP = "GROUP"  # GPU: `amount` threads of a block share a reduction through shared memory
+  OUTER = "OUTER"  # CPU: make this output axis the outermost loop (amount 1)
+  PACK = "PACK"  # CPU: copy the panel a reduce axis reads, per outer tile, into contiguous per-thread scratch (amount 1)
+  FMA = "FMA"  # a float sum of products over this reduce axis accumulates with fused multiply-adds (one rounding; amount 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -92,16 +95,21 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   idx = st.src[0].src[1]
   inner = out_axes[-1] if out_axes else None
   vec_axis: UOp | None = None
-  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _pick_width(axis_size(inner), lanes)) > 1:
-    opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
+  mm = _matmul_like(st, out_axes, red_axes, reduces)
+  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _pick_width(axis_size(inner), lanes * (2 if mm else 1))) > 1:
+    opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))  # a register tile is two vectors wide
     vec_axis = inner
-  # matmul-like: one reduce of a product of two loads, an output axis the first load ignores and one the second ignores
-  if vec_axis is not None and len(out_axes) >= 2 and len(reduces) == 1 and reduces[0].arg is Ops.ADD and len(red_axes) == 1:
-    outer = out_axes[-2]
-    lds = _loads(reduces[0].src[0])
-    if any(outer not in ld.toposort() for ld in lds) and any(vec_axis not in ld.toposort() for ld in lds):
-      if (u := _pick_width(axis_size(outer), 4)) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
-      if (k := _pick_width(axis_size(red_axes[0]), 4)) > 1: opts.append(Opt(OptOps.UNROLL, red_axes[0].arg[0], k))
+  if vec_axis is not None and mm:
+    # register tile of rows x two vectors, the B panel packed per column tile (no cache-set conflicts on power-of-two
+    # strides), columns outermost so each thread packs its own panels, fused multiply-adds
+    outer, k = out_axes[-2], red_axes[0]
+    if (u := _pick_width(axis_size(outer), 8)) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
+    if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
+    opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
+    ksize = axis_size(k)
+    if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))  # type: ignore[union-attr]
+    if isinstance(dt, DType) and dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
+    out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
     r = red_axes[0]
     w = 1
@@ -120,6 +128,15 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if work >= target.min_work_per_thread * 2 and (units is None or units >= target.threads):
       opts.append(Opt(OptOps.THREAD, first.arg[0], target.threads))
   return opts
+
+
+def _matmul_like(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp]) -> bool:
+  """One ADD reduce over one axis of a product of two loads, with an output axis each load ignores."""
+  if len(out_axes) < 2 or len(reduces) != 1 or reduces[0].arg is not Ops.ADD or len(red_axes) != 1: return False
+  v = reduces[0].src[0]
+  if v.op is not Ops.MUL or not all(s.op is Ops.LOAD for s in v.src): return False
+  a, b = (set(s.toposort()) for s in v.src)
+  return (out_axes[-1] not in a) != (out_axes[-1] not in b) and (out_axes[-2] not in a) != (out_axes[-2] not in b)
 
 
 def _gpu_opts(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp], target: Target) -> list[Opt]:

@@ -167,7 +167,8 @@ class ProgramSpec(_Model):
   args: list[KernelArg] = Field(default_factory=list)  # per global, in globals order
   applied_opts: list[str] = Field(default_factory=list)
   threads: int = Field(default=1, ge=1)  # CPU thread split (global_size[0]); 1 when not threaded
-  scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch for a threaded reduction; >0 adds a finishing call (core_id = threads)
+  scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch (threaded reduction partials, packed panels)
+  finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
 
@@ -221,6 +222,7 @@ class CompiledSpec(_Model):
   applied_opts: list[str] = Field(default_factory=list)
   threads: int = Field(default=1, ge=1)
   scratch_bytes: int = Field(default=0, ge=0)
+  finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
   compiler: str = ""
@@ -250,5 +252,6 @@ class CompiledSpec(_Model):
     """Carry a ProgramSpec's metadata over to its compiled form."""
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
-               outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads, scratch_bytes=spec.scratch_bytes,
+               outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
+               scratch_bytes=spec.scratch_bytes, finish=spec.finish,
                flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)

@@ -233,6 +233,8 @@ class CUDAPrinter:
     if op is Ops.CAST: return self.assign(u, self.cast(u))
     if op is Ops.BITCAST: return self.assign(u, self.bitcast(u))
     if op in GroupOp.ALU: return self.assign(u, self.alu(u))
+    if op is Ops.FMA:  # fused, one rounding (the lowering makes it for float32/float64 sums of products only)
+      return self.assign(u, f"{'fma' if u.dtype == dtypes.float64 else 'fmaf'}({self.val(u.src[0])}, {self.val(u.src[1])}, {self.val(u.src[2])})")
     raise CodegenError(f"the CUDA renderer cannot render {op} (no vectors on CUDA)")
 
   def size_text(self, s: UOp) -> str: return str(s.arg) if s.op is Ops.CONST else "symbolic"

@@ -82,7 +82,7 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramS
                      vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in lk.vars], var_names=var_names,
                      globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
                      applied_opts=[str(o) for o in lk.opts], threads=lk.threads,
-                     scratch_bytes=lk.scratch.dtype.nbytes if lk.scratch is not None else 0,  # type: ignore[union-attr]
+                     scratch_bytes=lk.scratch_bytes, finish=lk.finish,
                      flops=lk.flops, mem_bytes=lk.mem_bytes)
 
 
@@ -210,6 +210,12 @@ class LLVMPrinter:
       return
     if op in GroupOp.ALU:
       self.names[u] = self.alu(u)
+      return
+    if op is Ops.FMA:  # the lowering makes it for float32/float64 sums of products only
+      t = ltype(u.dtype)  # type: ignore[arg-type]
+      fn, r = self.intrinsic(f"llvm.fma.{_suffix(u.dtype)}", t, [t, t, t]), self.tmp()  # type: ignore[arg-type]
+      self.emit(f"{r} = call {t} {fn}({self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])})")
+      self.names[u] = r
       return
     raise CodegenError(f"the LLVM renderer cannot render {op}")
 

@@ -63,7 +63,8 @@ class CPUProgram:
       self._engine.finalize_object()
       addr = self._engine.get_function_address(self.name)
     if not addr: raise CompileError(f"kernel {self.name}: symbol not found in its object code")
-    self.scratch_bytes = compiled.scratch_bytes  # a threaded reduction's partials, and then a finishing call
+    self.scratch_bytes = compiled.scratch_bytes  # per-call scratch: a threaded reduction's partials, packed panels
+    self.finish_call = compiled.finish  # a threaded reduction's finishing call (core_id == threads)
     argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * (len(self.user_vars) + (self.threads > 1))
     if self.scratch_bytes: argtypes.append(ctypes.c_void_p)
     self.fn = ctypes.CFUNCTYPE(None, *argtypes)(addr)
@@ -118,8 +119,8 @@ class CPUBoundCall:
     base = (*self.bufs, *vals)
     extra: tuple = ()
     if self.scratch is not None: extra = ((self.scratch.ctypes.data + 63) // 64 * 64,)
-    self.args: tuple | list[tuple] = [(*base, c, *extra) for c in range(self.prog.threads)] if self.threaded else base
-    self.finish = (*base, self.prog.threads, *extra) if self.scratch is not None else None
+    self.args: tuple | list[tuple] = [(*base, c, *extra) for c in range(self.prog.threads)] if self.threaded else (*base, *extra)
+    self.finish = (*base, self.prog.threads, *extra) if self.prog.finish_call else None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
     self._build(self.prog.check(self.bufs, vals)[1])
