@@ -4,11 +4,10 @@ import math
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kiln_ir_testgen import INT_DTYPES, NAMES, bounded_vars, consts, points
 
 from kiln.ir import AxisType, Ops, UOp, dtypes
 from kiln.ir.alu import bitcast, cast, compute_np, exec_alu
-
-from ._gen import INT_DTYPES, NAMES, bounded_vars, consts, points
 
 
 def test_exact_for_consts_vars_ranges():
