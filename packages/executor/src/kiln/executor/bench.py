@@ -169,9 +169,10 @@ def numba_fn(numba: Any, name: str) -> Any:
 
 # ---- the machine's limits ----
 def thread_count() -> int:
+  """The CPU runtime's thread count, asked through the device registry (the executor never imports a runtime)."""
   try:
-    from kiln.runtime.cpu.threads import thread_count as tc
-    return tc()
+    from kiln.codegen.device import get_runtime
+    return int(get_runtime("CPU").target.threads)  # type: ignore[attr-defined]
   except Exception: return os.cpu_count() or 1
 
 
