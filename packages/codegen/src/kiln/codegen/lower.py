@@ -105,6 +105,7 @@ class Lowerer:
     self.pack_threads = 1
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
+    self.store_loops: dict[UOp, set[UOp]] = {}  # store -> its loops, taken before simplification could drop one
     self.grid_blocks: dict[int, UOp] = {}  # GPU grid dim -> blocks, when several store groups share the grid
     self.floor: Scope | None = None  # GPU: a gated store's reduces go inside its gate, so threads past the end load nothing
 
@@ -501,10 +502,11 @@ class Lowerer:
   def lower(self) -> LoweredKernel:
     ast = self.ast
     stores = [s for s in ast.src if s.op is Ops.STORE]
-    all_ranges = sorted({n for n in ast.toposort() if n.op is Ops.RANGE}, key=lambda r: r.arg[0])
+    loops_of = self.store_loops or {st: free_ranges(st) for st in stores}
+    all_ranges = sorted({n for n in ast.toposort() if n.op is Ops.RANGE} | {r for rs in loops_of.values() for r in rs}, key=lambda r: r.arg[0])
     self.plan_axes(all_ranges)
     groups: dict[tuple[UOp, ...], list[UOp]] = {}
-    for st in stores: groups.setdefault(tuple(sorted(free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
+    for st in stores: groups.setdefault(tuple(sorted(loops_of[st] | free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
     threaded = [p for p in self.plans.values() if p.threads > 1]
     if threaded and len(groups) > 1: raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
     if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
@@ -517,7 +519,8 @@ class Lowerer:
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
     uops = self.lin.program()
     globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
-    vars_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_VAR}, key=lambda v: v.arg[0])
+    # a loop kept for its trip count may use a variable the simplified stores no longer mention
+    vars_ = sorted({n for n in UOp.sink(ast, *all_ranges).toposort() if n.op is Ops.DEFINE_VAR}, key=lambda v: v.arg[0])
     outs = sorted({st.src[0].src[0].arg for st in stores})
     ins = sorted({n.src[0].src[0].arg for n in ast.toposort() if n.op is Ops.LOAD and n.src[0].op is Ops.INDEX})
     threads = threaded[0].threads if threaded else 1
@@ -601,6 +604,13 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
     from kiln.ir.verify import verify
     verify(ast)
   except ImportError: pass
-  ast = _simplify(ast)
+  # a store's loops come from the ranges it used before simplifying: bounds may fold an index that uses a possibly empty
+  # range to a constant, but the store must still run once per iteration (zero times when the range is empty)
+  orig = [s for s in ast.src if s.op is Ops.STORE]
+  simp = [_simplify(s) for s in orig]
+  loops = {s: {_simplify(r) for r in free_ranges(o)} for s, o in zip(simp, orig)}
+  ast = UOp.sink(*simp, *(s for s in ast.src if s.op is not Ops.STORE), name=ast.arg)
   chosen = heuristic_opts(ast, target) if opts is None else list(opts)
-  return Lowerer(ast, target, chosen).lower()
+  lw = Lowerer(ast, target, chosen)
+  lw.store_loops = loops
+  return lw.lower()
