@@ -144,11 +144,16 @@ def kiln_versions() -> str:
 def _source_stamp(root: Path) -> str:
   """Sizes and mtimes of a layer's .py files: a changed codegen (an editable install between versions) must not load
   object code an older codegen made. stat only, no reads: about 0.1 ms a layer."""
-  h = hashlib.sha256()
-  for p in sorted(root.rglob("*.py")):
-    st = p.stat()
-    h.update(f"{p.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
-  return h.hexdigest()[:12]
+  parts: list[str] = []
+  stack = [str(root)]
+  while stack:
+    with os.scandir(stack.pop()) as it:
+      for e in it:
+        if e.is_dir(follow_symlinks=False) and e.name != "__pycache__": stack.append(e.path)
+        elif e.name.endswith(".py"):
+          st = e.stat()
+          parts.append(f"{e.path}:{st.st_size}:{st.st_mtime_ns}")
+  return hashlib.sha256(";".join(sorted(parts)).encode()).hexdigest()[:12]
 
 
 @functools.lru_cache(maxsize=1)
