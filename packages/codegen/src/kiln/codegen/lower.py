@@ -534,10 +534,11 @@ class Lowerer:
       if self.scratch is not None: raise CodegenError("PACK cannot be combined with a threaded full reduction")
       dt = next(iter(self.packed)).dtype
       assert isinstance(dt, DType)
-      self.scratch = UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)  # the renderer sizes it below, via scratch_bytes
+      self.scratch = UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)
     lk.scratch, lk.finish = self.scratch, self.finish_scope is not None
-    lk.scratch_bytes = self.scratch.dtype.nbytes if self.scratch is not None and self.scratch.dtype.size > 0 else \
-      self.scratch_used * self.pack_threads * (self.scratch.dtype.itemsize if self.scratch is not None else 0)  # type: ignore[union-attr]
+    if isinstance(sp := self.scratch.dtype if self.scratch is not None else None, PtrDType):
+      # a threaded reduction's scratch has its size in its pointer; packed panels add up per thread
+      lk.scratch_bytes = sp.nbytes if sp.size > 0 else self.scratch_used * self.pack_threads * sp.itemsize
     lk.flops, lk.mem_bytes = _estimate(ast)
     return lk
 
