@@ -98,6 +98,7 @@ def _node_bounds(u: UOp) -> Bounds:
   if op is Ops.DEFINE_VAR: return u.arg[1], u.arg[2]
   if op is Ops.BIND: return u.src[0]._vbounds()
   if op is Ops.RANGE and len(u.src) == 2: return int(u.src[0].vmin), max(int(u.src[1].vmax) - 1, int(u.src[0].vmin))  # lowered loop [start, end)
+  if op is Ops.SPECIAL and not u.src: return _full(dt)  # a stand-in with no size (lowering's reduce placeholder): any value
   if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
   if not isinstance(dt, DType) or dt.kind == "v": return 0, 0
   srcb = [s._vbounds() for s in u.src]  # already filled (sources come first)
