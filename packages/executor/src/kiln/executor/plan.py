@@ -458,7 +458,8 @@ class _Builder:
 
 # ---- the plan ----
 class ExecutionPlan:
-  """A built plan. Not re-entrant: run it from one thread at a time."""
+  """A built plan. Safe to share between threads: execute(), set_vars() and execute_with_vars() on one plan are serialised
+  (a plan's buffers, bound calls and threaded-reduction scratch are single-use), so each run is whole and consistent."""
 
   def __init__(self, buffers: list[Buffer], ops: list[PreparedOp], op_levels: list[list[int]], outputs: list[int],
                steps: list[Callable[[], Any]], memory_without_reuse: int):
@@ -468,6 +469,7 @@ class ExecutionPlan:
     self._order: list[PreparedKernel | PreparedCopy | PreparedCustomFunction] = [by_id[i] for g in op_levels for i in g]  # type: ignore[misc]
     self.kernels: list[PreparedKernel] = [p for p in self._order if isinstance(p, PreparedKernel)]
     self._poisoned: BaseException | None = None
+    self._lock = threading.RLock()  # one run (or variable change) at a time; re-entrant so execute_with_vars holds it across both
     # runtime variables: where each lands, and its bounds (intersected over the kernels that take it)
     self._var_sites: dict[str, list[tuple[PreparedKernel, int]]] = {}
     self._var_bounds: dict[str, tuple[int, int]] = {}
@@ -493,7 +495,10 @@ class ExecutionPlan:
       raise VariableBoundsError(f"variables {sorted(self._unbound)} are unbound: pass them to execute_with_vars({{...}})")
 
   def execute(self) -> None:
-    """Run every op once, level by level."""
+    """Run every op once, level by level (concurrent calls on one plan run one after another)."""
+    with self._lock: self._execute()
+
+  def _execute(self) -> None:
     if self._poisoned is not None or self._unbound: self._check()
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
@@ -507,6 +512,9 @@ class ExecutionPlan:
   def set_vars(self, var_vals: Mapping[str, int]) -> None:
     """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed
     variables and core_id are ignored."""
+    with self._lock: self._set_vars(var_vals)
+
+  def _set_vars(self, var_vals: Mapping[str, int]) -> None:
     if self._poisoned is not None: self._check()
     new: dict[str, int] = {}
     for n, v in var_vals.items():
@@ -533,13 +541,15 @@ class ExecutionPlan:
       raise
 
   def execute_with_vars(self, var_vals: Mapping[str, int]) -> None:
-    self.set_vars(var_vals)
-    self.execute()
+    with self._lock:  # another thread's variables cannot slip in between
+      self._set_vars(var_vals)
+      self._execute()
 
   def execute_profiled(self, trace_path: str | os.PathLike | None = None) -> Profile:
     """Run once, op by op, timing each kernel (waiting for it). One record per kernel, in execution order."""
-    self._check()
-    prof = self._run_profiled(print_lines=debug.DEBUG >= 1)
+    with self._lock:
+      self._check()
+      prof = self._run_profiled(print_lines=debug.DEBUG >= 1)
     if trace_path is not None: prof.write_chrome_trace(trace_path)
     return prof
 
