@@ -1,0 +1,22 @@
+"""Repository-wide pytest hooks: the reliability counts (bad-input catalogue, fuzz cases) printed at the end of the run."""
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def kiln_counts(request: pytest.FixtureRequest) -> dict[str, int]:
+  """Counters a test adds to (the fuzzer's cases); printed by pytest_terminal_summary."""
+  return request.config.__dict__.setdefault("_kiln_counts", {})
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+  reports = [r for k in ("passed", "failed") for r in terminalreporter.stats.get(k, []) if getattr(r, "when", "") == "call"]
+  cat = [r for r in reports if "test_bad_input.py::" in r.nodeid]
+  c = config.__dict__.get("_kiln_counts", {})
+  if not cat and not c: return
+  terminalreporter.section("kiln reliability")
+  if cat: terminalreporter.write_line(f"bad-input catalogue: {len(cat)} malformed inputs checked ({sum(r.passed for r in cat)} passed)")
+  if c:
+    terminalreporter.write_line(f"differential fuzzer: {c.get('kernel_cases', 0)} kernel cases ({c.get('cpu_runs', 0)} CPU runs, "
+                                f"{c.get('cuda_runs', 0)} CUDA emulation runs), {c.get('index_cases', 0)} index expressions")
