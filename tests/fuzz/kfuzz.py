@@ -53,12 +53,12 @@ from kiln.ir.uop import UOp
 
 INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
-SIZES = [0, 1, 1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 64]
+SIZES = [0, 1, 1, 2, 3, 4, 5, 7, 8, 8, 13, 16, 16, 17, 31, 32, 32, 64, 64]
 TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN)
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 TINY = {"float16": 2.0 ** -14, "bfloat16": 2.0 ** -126, "float32": 2.0 ** -126, "float64": 2.0 ** -1022}
 MAX_RANGES = 5
-AVOID = set(filter(None, os.environ.get("KILN_FUZZ_AVOID", "").split(",")))  # steer around known bugs while hunting others: "empty", "upcast3"
+AVOID = set(filter(None, os.environ.get("KILN_FUZZ_AVOID", "").split(",")))  # known bugs to steer around: empty,upcast3,nested
 
 
 # ---- the case ----
@@ -90,8 +90,9 @@ class _Gen:
     self.slots: list[UOp] = []
     self.nranges = 0
     self.var: UOp | None = None
+    self.in_reduce = 0
 
-  def b(self, p: float = 0.5) -> bool: return self.draw(st.integers(0, 999)) < p * 1000
+  def b(self, p: float = 0.5) -> bool: return self.draw(st.integers(0, 999)) >= 1000 - p * 1000  # 0 (what shrinking aims at) is False
   def pick(self, xs: list) -> Any: return xs[self.draw(st.integers(0, len(xs) - 1))]
 
   def new_range(self, size: int | UOp, kind: AxisType) -> UOp:
@@ -154,9 +155,10 @@ class _Gen:
   # ---- trees ----
   def value(self, dt: DType, scope: list[UOp], depth: int, exact: bool) -> tuple[UOp, bool]:
     """A value of dtype dt over the ranges in scope; returns (node, approx). exact=True forbids approximate values."""
-    if depth <= 0 or self.b(0.25): return self.leaf(dt, scope), False
+    if depth <= 0 or self.draw(st.integers(0, 3)) == 0: return self.leaf(dt, scope), False
     k = self.draw(st.integers(0, 11))
-    if k == 0 and self.nranges < MAX_RANGES and not (exact and dt.is_float): return self.reduce(dt, scope, depth)
+    if (k == 0 or self.b(0.15)) and self.nranges < MAX_RANGES and not (exact and dt.is_float) and not (self.in_reduce and "nested" in AVOID):
+      return self.reduce(dt, scope, depth)
     if k == 1:  # cast from another dtype
       src = self.pick(list(ALL_DTYPES))
       v, a = self.value(src, scope, depth - 1, exact or not (src.is_float and dt.is_float))
@@ -195,7 +197,7 @@ class _Gen:
 
   def float_op(self, dt: DType, scope: list[UOp], depth: int, exact: bool) -> tuple[UOp, bool]:
     ops = [Ops.ADD, Ops.SUB, Ops.MUL, Ops.FDIV, Ops.MAX, Ops.NEG, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.MULACC]
-    op = self.pick(ops + ([] if exact else list(TRANSCENDENTAL)))
+    op = self.pick(ops + ([] if exact else list(TRANSCENDENTAL) * 2))
     if op in TRANSCENDENTAL or op is Ops.TRUNC:  # discontinuous or badly conditioned on approximate input
       x, _ = self.value(dt, scope, depth - 1, True)
       return x.alu(op), op in TRANSCENDENTAL
@@ -212,7 +214,9 @@ class _Gen:
     cap = 16 if dt.itemsize <= 2 and dt.is_float else 8 if op is Ops.MUL and dt.is_float else 64
     n = self.draw(st.integers(1, 2)) if self.nranges + 2 <= MAX_RANGES else 1
     rs = [self.new_range(self.pick([s for s in SIZES if s <= cap]), AxisType.REDUCE) for _ in range(n)]
+    self.in_reduce += 1
     body, a = self.value(dt, scope + rs, depth - 1, False)
+    self.in_reduce -= 1
     if op is Ops.MUL and dt.is_float: body = body.maximum(-2.0).minimum(2.0)  # products stay inside the dtype's range
     listed = list(self.draw(st.permutations(rs)))  # the first listed range is the outer loop, whatever its axis id
     return body.reduce(op, *listed), a or (dt.is_float and op is not Ops.MAX)

@@ -202,3 +202,24 @@ def test_regression_upcast_by_three_reduction_compiles(dt):
   x, got = np.arange(1, 7).astype(dt.np), np.zeros(1, dt.np)
   prog([got.ctypes.data, x.ctypes.data])
   assert got[0] == 21
+
+
+@pytest.mark.xfail(strict=True, reason="codegen lower.py: a REDUCE over another REDUCE of a vectorised value (UPCAST on the output axis, "
+                   "the heuristic's default here) gives the outer accumulator a scalar type and the inner a vector: LLVM rejects "
+                   "`or i1 %a, <2 x i1> %b` / `fadd float %a, <8 x float> %b`; lower.py is being edited")
+@pytest.mark.parametrize("dt", [dtypes.float32, dtypes.int32, dtypes.bool])
+@pytest.mark.parametrize("opts", ["heuristic", "upcast2"])
+def test_regression_nested_reduce_of_a_vectorised_value(dt, opts):
+  from kiln.codegen.device import get_runtime
+  from kiln.codegen.opt import Opt, OptOps
+  from kiln.ir import AxisType, Ops
+  rt = get_runtime("CPU")
+  a, out = UOp.define_global(1, dt.ptr(8)), UOp.define_global(0, dt.ptr(8))
+  i, r1, r2 = UOp.range(8, 0), UOp.range(3, 1, AxisType.REDUCE), UOp.range(2, 2, AxisType.REDUCE)
+  ast = UOp.sink(out.index(i).store(a.index(i).load().reduce(Ops.ADD, r2).reduce(Ops.ADD, r1)), name=f"nested_{dt.name}")
+  prog = rt.load(rt.compiler.compile(rt.renderer.render(ast, None if opts == "heuristic" else [Opt(OptOps.UPCAST, 0, 2)])))
+  x = np.arange(8).astype(dt.np)
+  got, want = np.zeros(8, dt.np), [np.zeros(8, dt.np), x.copy()]
+  prog([got.ctypes.data, x.ctypes.data])
+  evaluate(ast, want)
+  np.testing.assert_array_equal(got, want[0])
