@@ -173,7 +173,7 @@ class LLVMPrinter:
     if op is Ops.DEFINE_ACC:
       assert isinstance(u.dtype, DType)
       name = f"%acc{u.arg}"
-      self.allocas.append(f"{name} = alloca {ltype(u.dtype)}, align {max(u.dtype.nbytes, 1)}")
+      self.allocas.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
       self.emit(f"store {self.tv(u.src[0])}, ptr {name}")
       self.names[u] = name
       return
