@@ -317,7 +317,8 @@ class Lowerer:
     value = _simplify(value)
     out_vars = [v for v in self.expand_vars(value) if v not in {self.plans[r].ev for r in ranges}]
     red_vec = any(self.plans[r].kind == "vec" for r in ranges)
-    lane_dep = self.vec is not None and self.vec[0] in value.toposort() and not red_vec
+    # lane-dependent through its own body or a nested reduce's (hidden behind a placeholder in `value`): look at the whole body
+    lane_dep = self.vec is not None and not red_vec and self.vec[0] in substitute(red.src[0], subst).toposort()
     acc_dt = dt.vec(self.vec[1]) if self.vec is not None and (lane_dep or red_vec) else dt
     group = next((self.plans[r].group for r in ranges if self.plans[r].group), 0)
     tp = next((self.plans[r] for r in ranges if self.plans[r].threads > 1), None)
