@@ -192,14 +192,15 @@ class Lowerer:
     for dim, r, end, nblocks in mapped:
       p, size = self.plans[r], axis_size(r)
       blocks = self.grid_blocks.get(dim, nblocks)  # store groups of different sizes share one grid: it spans the largest
+      if (empty := blocks.op is Ops.CONST and blocks.arg < 1): blocks = UOp.const(dtypes.index, 1)  # an empty axis: one block, gated off
       gid = self._special(f"gidx{dim}", blocks)
       if p.local:
         expr = gid * p.local + self._special(f"lidx{dim}", p.local)
         self.block[dim] = p.local
-        if size is None or size % p.local or blocks is not nblocks: gate = (expr < end) if gate is None else gate & (expr < end)
+        if size is None or size % p.local or blocks is not nblocks or empty: gate = (expr < end) if gate is None else gate & (expr < end)
       else:
         expr = gid
-        if blocks is not nblocks: gate = (expr < end) if gate is None else gate & (expr < end)
+        if blocks is not nblocks or empty: gate = (expr < end) if gate is None else gate & (expr < end)
       self.grid[dim] = _simplify(blocks) if blocks.op is not Ops.CONST else int(blocks.arg)
       subst[r] = expr
     return out[:len(out) - len(mapped)], gate
