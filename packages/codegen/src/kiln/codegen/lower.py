@@ -586,17 +586,22 @@ def _min_elements(ast: UOp) -> dict[int, int]:
 def _estimate(ast: UOp) -> tuple[int, int]:
   """Flops and bytes moved at the variables' upper bounds (a rough figure for profiles)."""
   trips: dict[UOp, int] = {}
-  for n in ast.toposort():
+  free: dict[UOp, frozenset[UOp]] = {}  # every node's free ranges in one pass (free_ranges() per node was quadratic in depth)
+  nodes = ast.toposort()
+  for n in nodes:
     if n.op is Ops.RANGE: trips[n] = max(int(n.src[0].vmax), 0)
+    if n.op is Ops.RANGE: free[n] = frozenset({n}) | free[n.src[0]]
+    elif n.op is Ops.REDUCE: free[n] = free[n.src[0]] - frozenset(n.src[1:])
+    else: free[n] = frozenset().union(*(free[s] for s in n.src)) if n.src else frozenset()
   def iters(u: UOp) -> int:  # a REDUCE runs over its own ranges too; anything else over its free ranges
-    rs = free_ranges(u) | (set(u.src[1:]) if u.op is Ops.REDUCE else set())
+    rs = free[u] | (set(u.src[1:]) if u.op is Ops.REDUCE else set())
     return math.prod(trips[r] for r in rs) if rs else 1
-  flops = sum(iters(n) for n in ast.toposort() if (n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float) or n.op is Ops.REDUCE)
+  flops = sum(iters(n) for n in nodes if (n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float) or n.op is Ops.REDUCE)
   mem = 0
-  for g in {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}:
+  touched = _min_elements(ast)
+  for g in {n for n in nodes if n.op is Ops.DEFINE_GLOBAL}:
     assert isinstance(g.dtype, PtrDType)
-    touched = _min_elements(ast).get(g.arg, 1)
-    mem += touched * g.dtype.base.itemsize
+    mem += touched.get(g.arg, 1) * g.dtype.base.itemsize
   return flops, mem
 
 
