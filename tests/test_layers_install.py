@@ -2,7 +2,10 @@
 (non-editable, built by pip), and then the layer imports while every layer above it, and the heavy dependencies
 it must not pull in, are absent.
 
-Adding a layer is one line in LAYERS. The venvs are built once per session, in parallel threads."""
+Adding a layer is one line in LAYERS. Each layer also runs a smoke check of what it can do alone: codegen renders a
+matmul to LLVM IR and CUDA C with neither llvmlite nor pycuda; runtime-cpu compiles and runs it; runtime-cuda without
+its driver extra says what to install; the executor without a runtime says which one is missing.
+The venvs are built once per session, in parallel threads."""
 from __future__ import annotations
 
 import json
@@ -33,9 +36,58 @@ class Layer:
 UPPER_OF_IR = ("kiln.codegen", "kiln.runtime", "kiln.runtime.cpu", "kiln.runtime.cuda", "kiln.executor", "llvmlite", "pycuda")
 UPPER_OF_CODEGEN = ("kiln.runtime", "kiln.runtime.cpu", "kiln.runtime.cuda", "kiln.executor", "llvmlite", "pycuda")
 
+MATMUL = """
+from kiln.ir import UOp, Ops, AxisType, dtypes
+M = N = K = 64
+c, a = UOp.define_global(0, dtypes.float32.ptr(M * N)), UOp.define_global(1, dtypes.float32.ptr(M * K))
+b = UOp.define_global(2, dtypes.float32.ptr(K * N))
+i, j, k = UOp.range(M, 0), UOp.range(N, 1), UOp.range(K, 2, AxisType.REDUCE)
+matmul = UOp.sink(c.index(i * N + j).store((a.index(i * K + k).load() * b.index(k * N + j).load()).reduce(Ops.ADD, k)), name="matmul")
+"""
+CHECK_CODEGEN = MATMUL + """
+from kiln.codegen.render.llvm import LLVMRenderer
+from kiln.codegen.render.cuda import CUDARenderer
+ll, cu = LLVMRenderer().render(matmul).src, CUDARenderer().render(matmul).src
+assert "define void @matmul" in ll and '__global__' in cu and 'matmul' in cu, (ll[:200], cu[:200])
+report["rendered"] = [len(ll.splitlines()), len(cu.splitlines())]
+"""
+CHECK_CPU = MATMUL + """
+import numpy as np
+from kiln.codegen.device import get_runtime
+rt = get_runtime("CPU")
+prog = rt.load(rt.compiler.compile(rt.renderer.render(matmul)))
+A, B, C = np.random.rand(M, K).astype(np.float32), np.random.rand(K, N).astype(np.float32), np.zeros(M * N, np.float32)
+prog([C.ctypes.data, A.ctypes.data, B.ctypes.data])
+assert np.allclose(C.reshape(M, N), A @ B, rtol=1e-4)
+report["ran"] = True
+"""
+CHECK_CUDA = MATMUL + """
+from kiln.codegen.device import get_runtime
+from kiln.ir.errors import DeviceError
+try: get_runtime("CUDA"); raise AssertionError("a CUDA runtime without pycuda")
+except DeviceError as e: assert "kiln-runtime-cuda[driver]" in str(e), str(e)
+report["driver_error"] = True
+"""
+CHECK_EXECUTOR = MATMUL + """
+from kiln.executor import Buffer, ExecutionPlanBuilder
+from kiln.ir.errors import DeviceError
+b = ExecutionPlanBuilder("CPU")
+try:
+  b.add_kernel(matmul, [b.add_buffer(Buffer("CPU", M * N, dtypes.float32)) for _ in range(3)]); b.set_outputs([0]); b.build()
+  raise AssertionError("built a CPU plan with no CPU runtime installed")
+except DeviceError as e: assert "kiln-runtime-cpu" in str(e), str(e)
+report["no_runtime_error"] = True
+"""
+
 LAYERS = [
   Layer("uop-ir", ("uop-ir",), ("kiln.ir",), UPPER_OF_IR, frozenset({"numpy", "pydantic"})),
-  Layer("codegen", ("uop-ir", "codegen"), ("kiln.ir", "kiln.codegen"), UPPER_OF_CODEGEN),
+  Layer("codegen", ("uop-ir", "codegen"), ("kiln.ir", "kiln.codegen"), UPPER_OF_CODEGEN, check=CHECK_CODEGEN),
+  Layer("runtime-cpu", ("uop-ir", "codegen", "runtime-cpu"), ("kiln.runtime.cpu",), ("kiln.executor", "kiln.runtime.cuda", "pycuda"),
+        check=CHECK_CPU),
+  Layer("runtime-cuda", ("uop-ir", "codegen", "runtime-cuda"), ("kiln.runtime.cuda",), ("kiln.executor", "kiln.runtime.cpu", "llvmlite", "pycuda"),
+        check=CHECK_CUDA),
+  Layer("executor", ("uop-ir", "codegen", "executor"), ("kiln.executor",), ("kiln.runtime.cpu", "kiln.runtime.cuda", "llvmlite", "pycuda"),
+        check=CHECK_EXECUTOR),
 ]
 
 # Runs inside the layer's venv with `python -I`; argv[1] is the Layer as JSON. Prints a JSON report.
