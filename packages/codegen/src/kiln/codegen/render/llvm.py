@@ -333,15 +333,22 @@ class LLVMPrinter:
       r = self.tmp()
       self.emit(f"{r} = select {self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])}")
       return r
-    if s.is_float and s.name in ("float16", "bfloat16"):  # compute in float, round once
-      if s.name == "float16" and op is not Ops.NEG:
-        wide = [self.fpext(self.val(x), x.dtype) for x in u.src]  # type: ignore[arg-type]
-        fdt = dtypes.float32.vec(dt.count) if dt.count > 1 else dtypes.float32
-        r = self.alu_text(op, fdt if not dt.is_bool else dt, dtypes.float32.vec(src_dt.count) if src_dt.count > 1 else dtypes.float32, wide)
-        return r if dt.is_bool else self.fptrunc(r, dt)
-      r = self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src])
-      return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool and op not in (Ops.NEG, Ops.MAX, Ops.TRUNC) else r
+    if s.is_float and s.name in ("float16", "bfloat16"):  # compute in float, round once per op
+      vals = [self.val(x) for x in u.src]
+      if op is Ops.MULACC:  # unfused, as alu.py defines it: the product rounds to the half type before the add
+        return self.half_alu(Ops.ADD, dt, src_dt, [self.half_alu(Ops.MUL, dt, src_dt, vals[:2]), vals[2]])
+      return self.half_alu(op, dt, src_dt, vals)
     return self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src])
+
+  def half_alu(self, op: Ops, dt: DType, src_dt: DType, vals: list[str]) -> str:
+    s = src_dt.scalar()
+    if s.name == "float16" and op is not Ops.NEG:
+      wide = [self.fpext(v, src_dt) for v in vals]
+      fdt = dtypes.float32.vec(dt.count) if dt.count > 1 else dtypes.float32
+      r = self.alu_text(op, fdt if not dt.is_bool else dt, dtypes.float32.vec(src_dt.count) if src_dt.count > 1 else dtypes.float32, wide)
+      return r if dt.is_bool else self.fptrunc(r, dt)
+    r = self.alu_text(op, dt, src_dt, vals)
+    return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool and op not in (Ops.NEG, Ops.MAX, Ops.TRUNC) else r
 
   def fpext(self, v: str, dt: DType) -> str:
     r = self.tmp()
