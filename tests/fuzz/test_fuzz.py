@@ -241,3 +241,26 @@ def test_regression_cuda_constant_empty_axis_renders_and_runs_nothing():
     x, o = np.arange(4, dtype=np.float32), np.full(4, 7, np.float32)
     prog([o.ctypes.data, x.ctypes.data], [])
     assert (o == 7).all()
+
+
+@pytest.mark.parametrize("dt", [dtypes.float16, dtypes.bfloat16])
+def test_regression_half_mulacc_rounds_the_product(dt):
+  """MULACC is unfused (alu.py): round(round(a*b) + c) in the half type. The LLVM renderer widened a, b, c to float, computed
+  a*b+c there and rounded once: 3.6035156 * -0.609375 + 0.390625 gave -1.8056641 in float16 instead of -1.8046875."""
+  from kiln.codegen.device import get_runtime
+  from kiln.ir import Ops
+  from kiln.ir.alu import round_to, to_storage
+  rt = get_runtime("CPU")
+  gs = [UOp.define_global(k, dt.ptr(64)) for k in range(4)]
+  i = UOp.range(64, 0)
+  ast = UOp.sink(gs[0].index(i).store(gs[1].index(i).load().alu(Ops.MULACC, gs[2].index(i).load(), gs[3].index(i).load())), name=f"mulacc_{dt.name}")
+  rng = np.random.default_rng(0)
+  ins = [to_storage(dt, round_to(dt, rng.uniform(-4, 4, 64).astype(np.float32))) for _ in range(3)]
+  ins[0][0], ins[1][0], ins[2][0] = to_storage(dt, round_to(dt, np.array([3.603515625, -0.609375, 0.390625], np.float32)))
+  want = [np.zeros(64, dt.np), *[x.copy() for x in ins]]
+  evaluate(ast, want)
+  for opts in (None, []):
+    prog = rt.load(rt.compiler.compile(rt.renderer.render(ast, opts)))
+    got = [np.zeros(64, dt.np), *[x.copy() for x in ins]]
+    prog([b.ctypes.data for b in got])
+    np.testing.assert_array_equal(got[0], want[0])
