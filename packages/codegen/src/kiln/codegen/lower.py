@@ -316,10 +316,12 @@ class Lowerer:
     value = self.hide_reduces(red.src[0])
     value = substitute(value, {r: e for r, e in subst.items()})
     value = _simplify(value)
-    out_vars = [v for v in self.expand_vars(value) if v not in {self.plans[r].ev for r in ranges}]
+    # the whole body, nested reduces included: their placeholders in `value` say nothing yet (they are emitted after this one)
+    whole = substitute(red.src[0], subst)
+    own = {self.plans[r].ev for r in ranges}
+    out_vars = sorted({v for v in (*self.expand_vars(value), *self.expand_vars(whole)) if v not in own}, key=lambda v: v.arg[0])
     red_vec = any(self.plans[r].kind == "vec" for r in ranges)
-    # lane-dependent through its own body or a nested reduce's (hidden behind a placeholder in `value`): look at the whole body
-    lane_dep = self.vec is not None and not red_vec and self.vec[0] in substitute(red.src[0], subst).toposort()
+    lane_dep = self.vec is not None and not red_vec and self.vec[0] in whole.toposort()
     acc_dt = dt.vec(self.vec[1]) if self.vec is not None and (lane_dep or red_vec) else dt
     group = next((self.plans[r].group for r in ranges if self.plans[r].group), 0)
     tp = next((self.plans[r] for r in ranges if self.plans[r].threads > 1), None)
