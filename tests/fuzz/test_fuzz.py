@@ -264,3 +264,25 @@ def test_regression_half_mulacc_rounds_the_product(dt):
     got = [np.zeros(64, dt.np), *[x.copy() for x in ins]]
     prog([b.ctypes.data for b in got])
     np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("opts", [[("UNROLL", 0, 2)], [("UNROLL", 0, 2), ("UNROLL", 2, 2)], [("UPCAST", 0, 4), ("UNROLL", 1, 3)]])
+def test_regression_nested_reduce_with_unrolled_output_axis(opts):
+  """A REDUCE over a REDUCE with the output axis UNROLLed: the outer reduce took its unroll copies from the inner one's
+  placeholder, whose copies were not known yet, and render() raised KeyError: UOp.variable('unroll.0', 0, 1)."""
+  from kiln.codegen.device import get_runtime
+  from kiln.codegen.opt import Opt, OptOps
+  from kiln.ir import AxisType, Ops
+  rt = get_runtime("CPU")
+  for dt in (dtypes.float32, dtypes.int32, dtypes.bool):
+    a, out = UOp.define_global(1, dt.ptr(8)), UOp.define_global(0, dt.ptr(8))
+    i, r1, r2 = UOp.range(8, 0), UOp.range(3, 1, AxisType.REDUCE), UOp.range(2, 2, AxisType.REDUCE)
+    x = a.index(i).load()
+    inner = (x * (r2.cast(dt) + 1) if not dt.is_bool else x ^ (r2 < 1)).reduce(Ops.ADD, r2)
+    ast = UOp.sink(out.index(i).store(inner.reduce(Ops.MAX, r1) + x), name=f"nested_unroll_{dt.name}")
+    prog = rt.load(rt.compiler.compile(rt.renderer.render(ast, [Opt(OptOps(o), ax, n) for o, ax, n in opts])))
+    xs = (np.arange(8) % 3).astype(dt.np)
+    got, want = np.zeros(8, dt.np), [np.zeros(8, dt.np), xs.copy()]
+    prog([got.ctypes.data, xs.ctypes.data])
+    evaluate(ast, want)
+    np.testing.assert_array_equal(got, want[0], err_msg=f"{dt} {opts}")
