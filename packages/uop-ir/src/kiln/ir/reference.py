@@ -183,7 +183,7 @@ class _Evaluator:
       return exec_alu(op, dt, ident, res)
     # float ADD/MUL: sequential, first range outermost, rounding at every step
     seq = np.moveaxis(x, axes, list(range(self.nd - len(axes), self.nd)))
-    seq = seq.reshape(seq.shape[:self.nd - len(axes)] + (-1,))
+    seq = seq.reshape(seq.shape[:self.nd - len(axes)] + (int(np.prod(seq.shape[self.nd - len(axes):], dtype=np.int64)),))  # not -1: sizes may be 0
     seq = np.concatenate([np.broadcast_to(ident, seq.shape[:-1] + (1,)), seq], axis=-1)
     with np.errstate(all="ignore"):
       if dt.scalar() == dtypes.bfloat16:  # no numpy bf16: a loop that rounds after each step
