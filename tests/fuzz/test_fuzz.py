@@ -286,3 +286,16 @@ def test_regression_nested_reduce_with_unrolled_output_axis(opts):
     prog([got.ctypes.data, xs.ctypes.data])
     evaluate(ast, want)
     np.testing.assert_array_equal(got, want[0], err_msg=f"{dt} {opts}")
+
+
+def test_regression_reference_float_sum_with_an_empty_output_axis():
+  """A float ADD reduce under an output axis of size 0 (and an empty reduce axis): the reference reshaped a size-0 array with
+  -1 and numpy raised 'cannot reshape array of size 0 into shape (0,newaxis)'."""
+  from kiln.ir import AxisType, Ops
+  a, out = UOp.define_global(1, dtypes.float16.ptr(4)), UOp.define_global(0, dtypes.float16.ptr(4))
+  for n_out, n_red in ((0, 0), (0, 3), (2, 0)):
+    i, r = UOp.range(n_out, 0), UOp.range(n_red, 1, AxisType.REDUCE)
+    ast = UOp.sink(out.index(i).store(a.index(r).load().reduce(Ops.ADD, r)))
+    bufs = [np.full(4, 7, np.float16), np.ones(4, np.float16)]
+    evaluate(ast, bufs)
+    assert bufs[0].tolist() == [0.0] * n_out + [7.0] * (4 - n_out)
