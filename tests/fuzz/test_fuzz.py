@@ -1,4 +1,5 @@
-"""CI size of the differential fuzzer (tests/fuzz/kfuzz.py; `scripts/fuzz N` runs more) and regression tests for the bugs it found."""
+"""CI size of the differential fuzzer (tests/fuzz/kfuzz.py; `scripts/fuzz N` runs more; KILN_FUZZ_CPU/CUDA/INDEX override the counts)
+and regression tests for the bugs it found."""
 import json
 import os
 from pathlib import Path
@@ -11,9 +12,9 @@ from kiln.ir.reference import evaluate
 
 from . import kfuzz
 
-CPU_CASES = int(os.environ.get("KILN_FUZZ_CPU", "120"))
-CUDA_CASES = int(os.environ.get("KILN_FUZZ_CUDA", "8"))
-INDEX_CASES = int(os.environ.get("KILN_FUZZ_INDEX", "600"))
+CPU_CASES = int(os.environ.get("KILN_FUZZ_CPU", "400"))
+CUDA_CASES = int(os.environ.get("KILN_FUZZ_CUDA", "16"))
+INDEX_CASES = int(os.environ.get("KILN_FUZZ_INDEX", "1000"))
 requires_cxx = pytest.mark.skipif(not kfuzz.cuda_available(), reason="no host C++ compiler for the CUDA emulation harness")
 
 
