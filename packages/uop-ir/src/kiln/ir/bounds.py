@@ -115,7 +115,8 @@ def _node_bounds(u: UOp) -> Bounds:
   elif op is Ops.NEG: cands = [-srcb[0][1], -srcb[0][0]]  # type: ignore[index, operator]
   elif op in (Ops.AND, Ops.OR, Ops.XOR): cands = _bitwise(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
   elif op in (Ops.SHL, Ops.SHR): cands = _shift(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
-  elif op is Ops.REDUCE and u.arg is Ops.MAX: cands = list(srcb[0])  # type: ignore[arg-type]
+  elif op is Ops.REDUCE and u.arg is Ops.MAX:  # over a possibly empty range it is the identity, the dtype's min
+    cands = list(srcb[0]) + ([dt.min] if any(int(r.src[0].vmin) < 1 for r in u.src[1:]) else [])  # type: ignore[arg-type]
   if cands is None: return _full(dt)
   lo, hi = min(cands), max(cands)
   if dt.is_bool: return bool(lo), bool(hi)
