@@ -300,3 +300,30 @@ def test_regression_reference_float_sum_with_an_empty_output_axis():
     bufs = [np.full(4, 7, np.float16), np.ones(4, np.float16)]
     evaluate(ast, bufs)
     assert bufs[0].tolist() == [0.0] * n_out + [7.0] * (4 - n_out)
+
+
+def test_regression_max_reduce_over_a_possibly_empty_range():
+  """vmin/vmax of a MAX REDUCE ignored that an empty range gives the identity (the dtype's min): MAX of the constant 1 over a
+  RANGE(0) had bounds [1, 1], so simplification folded cast(reduce, bool) to True where the reduce is 0 (CUDA stored True)."""
+  from kiln.codegen.device import get_runtime
+  from kiln.codegen.render.cuda import CUDARenderer
+  from kiln.ir import AxisType, Ops
+  n = UOp.variable("n", 0, 4)
+  for end, vv in ((0, {}), (n, {"n": 0}), (n, {"n": 3})):
+    red = UOp.const(dtypes.uint8, 1).reduce(Ops.MAX, UOp.range(end, 0, AxisType.REDUCE))
+    assert red.vmin <= (1 if vv.get("n", 0) else 0) <= red.vmax
+    out = UOp.define_global(0, dtypes.bool.ptr(1))
+    ast = UOp.sink(out.index(0).store(red.cast(dtypes.bool)), name="maxempty")
+    want = [np.zeros(1, bool)]
+    evaluate(ast, want, vv)
+    rt = get_runtime("CPU")
+    prog = rt.load(rt.compiler.compile(rt.renderer.render(ast)))
+    got = np.zeros(1, bool)
+    prog([got.ctypes.data], [vv[v] for v in prog.spec.var_names if v != "core_id"])
+    assert got[0] == want[0][0]
+    if kfuzz.cuda_available():
+      from kiln.runtime.cuda.emulate import EmulatedProgram
+      spec = CUDARenderer().render(ast)
+      got = np.zeros(1, bool)
+      EmulatedProgram(spec)([got.ctypes.data], [vv[v] for v in spec.var_names])
+      assert got[0] == want[0][0]
