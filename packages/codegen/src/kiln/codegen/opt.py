@@ -113,7 +113,8 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
     r = red_axes[0]
     w = 1
-    if all(affine_coeff(ld.src[0].src[1], r) == 1 for ld in _loads(reduces[0].src[0])) and (w := _pick_width(axis_size(r), lanes)) > 1:
+    # four vectors of lanes: four independent accumulators keep enough loads in flight to stream from memory
+    if all(affine_coeff(ld.src[0].src[1], r) == 1 for ld in _loads(reduces[0].src[0])) and (w := _pick_width(axis_size(r), lanes * 4)) > 1:
       opts.append(Opt(OptOps.UPCAST, r.arg[0], w))
     size = axis_size(r)
     if target.threads > 1 and size is not None and size >= target.min_work_per_thread * 2 and size // w >= target.threads:
