@@ -108,6 +108,7 @@ class Lowerer:
     self.store_loops: dict[UOp, set[UOp]] = {}  # store -> its loops, taken before simplification could drop one
     self.grid_blocks: dict[int, UOp] = {}  # GPU grid dim -> blocks, when several store groups share the grid
     self.floor: Scope | None = None  # GPU: a gated store's reduces go inside its gate, so threads past the end load nothing
+    self.nesting = 0  # how many REDUCEs enclose the one being emitted
 
   # ---- planning ----
   def plan_axes(self, ranges: list[UOp]) -> None:
@@ -328,6 +329,8 @@ class Lowerer:
     combos = _combos(out_vars)
     work = scope
     if tp is not None:  # calls 0..T-1 each reduce a chunk; the finishing call (core_id == T) folds their partials
+      if self.nesting:  # its result would exist only in the finishing call, but the enclosing reduce's loops are outside it
+        raise CodegenError(f"THREAD on reduce axis {tp.rng.arg[0]}: its REDUCE is nested inside another REDUCE; split an output axis instead")
       if scope is not self.lin.root or self.finish_scope is not None:
         raise CodegenError("only one full reduction per kernel can be split over threads")
       work = self.lin.open_if(scope, self._core(tp.threads, finish=True) < tp.threads)
@@ -354,7 +357,9 @@ class Lowerer:
       lscopes[r] = inner
     body = _simplify(self.unpack(substitute(self.hide_reduces(red.src[0]), rsubst), rsubst))
     if gate is not None: body = _gate_loads(body, gate)
-    self.emit_reduces(body, inner, rsubst, lscopes)
+    self.nesting += 1
+    try: self.emit_reduces(body, inner, rsubst, lscopes)
+    finally: self.nesting -= 1
     fuse = op is Ops.ADD and dt.is_float and dt.itemsize >= 4 and any(self.plans[r].fma for r in ranges)
     red_vars = [ev for r in ranges if self.plans[r].kind == "unroll" and (ev := self.plans[r].ev) is not None]
     for rc in _combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
