@@ -327,3 +327,27 @@ def test_regression_max_reduce_over_a_possibly_empty_range():
       got = np.zeros(1, bool)
       EmulatedProgram(spec)([got.ctypes.data], [vv[v] for v in spec.var_names])
       assert got[0] == want[0][0]
+
+
+def test_regression_thread_split_of_a_nested_reduce_is_refused():
+  """THREAD on the axis of a REDUCE nested in another: the threaded result exists only in the finishing call, outside the
+  outer reduce's loops, and LLVM rejected the IR ('multiple definition of local value'). Now a CodegenError says so; THREAD on
+  the outer reduce's axis still works."""
+  from kiln.codegen.device import get_runtime
+  from kiln.codegen.opt import Opt, OptOps
+  from kiln.ir import AxisType, Ops
+  from kiln.ir.errors import CodegenError
+  rt = get_runtime("CPU")
+  a, out = UOp.define_global(1, dtypes.int32.ptr(8)), UOp.define_global(0, dtypes.int32.ptr(1))
+  r0, r1 = UOp.range(8, 0, AxisType.REDUCE), UOp.range(4, 1, AxisType.REDUCE)
+  ast = UOp.sink(out.index(0).store(a.index(r1).load().reduce(Ops.ADD, r1).reduce(Ops.ADD, r0) + a.index(r0).load().reduce(Ops.MAX, r0)),
+                 name="thread_nested")
+  with pytest.raises(CodegenError, match="nested inside another REDUCE"): rt.renderer.render(ast, [Opt(OptOps.THREAD, 1, 2)])
+  want = [np.zeros(1, np.int32), np.arange(8, dtype=np.int32)]
+  evaluate(ast, want)
+  for opts in (None, [], [Opt(OptOps.THREAD, 0, 2)]):
+    try: prog = rt.load(rt.compiler.compile(rt.renderer.render(ast, opts)))
+    except CodegenError: continue  # a refusal is fine; a wrong answer or a crash is not
+    got = [np.zeros(1, np.int32), np.arange(8, dtype=np.int32)]
+    prog([g.ctypes.data for g in got])
+    assert got[0][0] == want[0][0], opts
