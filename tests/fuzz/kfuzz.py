@@ -13,8 +13,8 @@ THREAD; a list the lowering rejects with CodegenError is counted, not failed), a
 
 Comparison (`compare`): integers and bools exactly; floats bit for bit with NaN == NaN, except a store whose value holds a
 transcendental (EXP2/LOG2/SIN: libm or the device library vs numpy) or a float ADD/MUL reduction the backend sums in
-another order (UPCAST or THREAD on its axis on the CPU, GROUP on CUDA). Those compare NaN/inf positions exactly and
-finite values within TOL: |got - want| <= rtol * (|want| + max|want| over the store's finite values) + tiny, with
+another order (UPCAST or THREAD on its axis on the CPU, GROUP on CUDA) or with fused multiply-adds (FMA). Those compare
+NaN/inf positions exactly and finite values within TOL: |got - want| <= rtol * (|want| + max|want| over the store's finite values) + tiny, with
 rtol = eps(dtype) * (16 + 4 * reduced elements). To keep that well conditioned the generator never feeds an approximate
 value into a discontinuous op (compare, cast to int or bool, bitcast, trunc, integer ops) or into a transcendental, clamps
 MUL-reduce bodies to [-2, 2] and keeps half-precision reductions short.
@@ -315,9 +315,11 @@ def make_inputs(case: Case) -> list[np.ndarray]:
   return bufs
 
 
-def _reordered_axes(applied: list[str], device: str) -> set[int]:
+def _reordered_axes(applied: list[str], device: str) -> set[int] | None:
+  """Reduce axes a backend sums in another order than the reference; None: every float sum (FMA rounds a*b+c once)."""
   out = set()
   for s in applied:
+    if s.startswith("FMA"): return None
     if (m := re.match(r"(\w+)\(axis=(\d+), (\d+)\)", s)) and m.group(1) in (("GROUP",) if device == "CUDA" else ("UPCAST", "THREAD")):
       out.add(int(m.group(2)))
   return out
@@ -335,7 +337,7 @@ def tolerances(case: Case, applied: list[str], device: str) -> dict[int, float]:
     for u in nodes:
       if u.op is Ops.REDUCE and u.dtype.is_float and u.arg is not Ops.MAX:
         n_red *= max(1, math.prod(_Gen.extent(r) for r in u.src[1:]))
-        if any(r.arg[0] in reordered for r in u.src[1:]): approx = True
+        if reordered is None or any(r.arg[0] in reordered for r in u.src[1:]): approx = True
     if approx and isinstance(dt, DType) and dt.is_float: tol[slot] = max(tol.get(slot, 0.0), EPS[dt.name] * (16 + 4 * n_red))
   return tol
 
