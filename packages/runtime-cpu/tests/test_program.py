@@ -154,3 +154,25 @@ def test_many_programs_loaded_side_by_side() -> None:
     out = np.zeros(64, np.float32)
     p([out.ctypes.data, x.ctypes.data])
     assert (out == x + c).all(), c
+
+
+def test_kernels_of_one_name_with_different_code_both_load_and_run() -> None:
+  # the shared JIT engine keys symbols by name plus a hash of the code; a taken symbol asked for with other bytes is
+  # refused (that program then gets an engine of its own)
+  from kiln.codegen.device import get_runtime
+  from kiln.ir import UOp, dtypes
+  from kiln.runtime.cpu.program import shared_engine
+  rt = get_runtime("CPU")
+  def scale(c: float) -> UOp:
+    o, x = UOp.define_global(0, dtypes.float32.ptr(64)), UOp.define_global(1, dtypes.float32.ptr(64))
+    i = UOp.range(64, 0)
+    return UOp.sink(o.index(i).store(x.index(i).load() * c), name="same_name")
+  specs = [rt.compiler.compile(rt.renderer.render(scale(c))) for c in (2.0, 3.0)]
+  assert specs[0].entry_point != specs[1].entry_point and specs[0].name == specs[1].name == "same_name"
+  progs = [rt.load(s) for s in specs]
+  assert shared_engine().load(specs[0].entry_point, specs[1].bytes) is None
+  x = np.arange(64, dtype=np.float32)
+  for prog, c in zip(progs, (2.0, 3.0)):
+    out = np.zeros(64, np.float32)
+    prog([out.ctypes.data, x.ctypes.data])
+    assert np.array_equal(out, x * np.float32(c)), prog.entry

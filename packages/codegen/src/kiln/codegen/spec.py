@@ -169,6 +169,7 @@ class ProgramSpec(_Model):
   threads: int = Field(default=1, ge=1)  # CPU thread split (global_size[0]); 1 when not threaded
   scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch (threaded reduction partials, packed panels)
   finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
+  entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
 
@@ -223,6 +224,7 @@ class CompiledSpec(_Model):
   threads: int = Field(default=1, ge=1)
   scratch_bytes: int = Field(default=0, ge=0)
   finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
+  entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
   compiler: str = ""
@@ -253,5 +255,5 @@ class CompiledSpec(_Model):
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
                outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
-               scratch_bytes=spec.scratch_bytes, finish=spec.finish,
+               scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
                flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)

@@ -228,7 +228,7 @@ def fma_peak(threads: int, t: Timing, iters: int = 1 << 18) -> tuple[float, str]
   n = 1 << 20  # big enough that the renderer splits the template kernel over every thread: we reuse its signature
   spec = rt.renderer.render(kernels.elementwise(lambda x: x * 2.0, F32, ((n,), F32), name="kiln_fma_peak"))
   if spec.threads != threads: raise RuntimeError(f"template kernel runs on {spec.threads} threads, not {threads}")
-  spec = spec.model_copy(update={"src": src, "name": "kiln_fma_peak"})
+  spec = spec.model_copy(update={"src": src, "name": "kiln_fma_peak", "entry_point": "kiln_fma_peak"})
   prog = rt.load(rt.compiler.compile(spec))
   out, inp = np.zeros(n, np.float32), np.full(n, 0.5, np.float32)
   inp[lanes:2 * lanes] = 0.25  # x' = 0.25 x + 0.5 converges to 2/3: no overflow, no denormals

@@ -8,6 +8,7 @@ except transcendental functions (libm) and reductions that UPCAST their reduce a
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from collections.abc import Sequence
@@ -68,7 +69,11 @@ class LLVMRenderer:
     if any(v.arg[0] == "core_id" for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
       raise CodegenError("variable name core_id is reserved for the CPU thread index; rename the DEFINE_VAR")
     src = LLVMPrinter(lk, self.target).print()
-    return program_spec(lk, src, "CPU", ast)
+    # the symbol carries a hash of the code, so kernels of one name but different code can share a JIT engine
+    entry = f"{lk.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
+    spec = program_spec(lk, src.replace(f"define void @{lk.name}(", f"define void @{entry}(", 1), "CPU", ast)
+    spec.entry_point = entry
+    return spec
 
 
 def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramSpec:

@@ -11,7 +11,7 @@ from kiln.ir.errors import DeviceError
 from kiln.runtime.cpu.allocator import CPUAllocator
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_vector_bytes
 from kiln.runtime.cpu.disk import DiskAllocator
-from kiln.runtime.cpu.program import CPUProgram
+from kiln.runtime.cpu.program import CPUProgram, shared_engine
 from kiln.runtime.cpu.threads import thread_count
 
 
@@ -31,6 +31,7 @@ class CPURuntime:
     self.compiler = LLVMCompiler()
     self.compiler.cache_key += f"|vec{self.target.vector_bytes}|threads{self.target.threads}"  # the render choices live in the code too
     self.allocator = CPUAllocator()
+    shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 
   def load(self, compiled: CompiledSpec) -> CPUProgram: return CPUProgram(compiled)
   def synchronize(self) -> None: pass
