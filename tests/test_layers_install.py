@@ -67,6 +67,13 @@ from kiln.ir.errors import DeviceError
 try: get_runtime("CUDA"); raise AssertionError("a CUDA runtime without pycuda")
 except DeviceError as e: assert "kiln-runtime-cuda[driver]" in str(e), str(e)
 report["driver_error"] = True
+import shutil
+if shutil.which("nvcc"):  # compiles with no driver and no pycuda
+  from kiln.codegen.render.cuda import CUDARenderer
+  from kiln.runtime.cuda.compiler import CUDACompiler
+  cs = CUDACompiler().compile(CUDARenderer().render(matmul))
+  assert cs.bytes and ".entry" in CUDACompiler().compile_ptx(cs.src, cs.name), "no cubin/PTX"
+  report["compiled"] = len(cs.bytes)
 """
 CHECK_EXECUTOR = MATMUL + """
 from kiln.executor import Buffer, ExecutionPlanBuilder
