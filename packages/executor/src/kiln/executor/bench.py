@@ -44,17 +44,21 @@ class Timing:
 
 
 def medians(fns: list[Callable[[], Any]], t: Timing) -> list[float]:
-  """Median wall time of each fn, timed round-robin so every fn sees the same machine load."""
+  """Median wall time of each fn, each timed in its own block after a pause. Not round-robin: OpenBLAS's and numba's
+  worker threads keep spinning for a while after a call, and on 2 cores they took one from whichever ran next
+  (kiln's threaded matmul measured 150 GFLOP/s round-robin, 280-290 on its own)."""
+  out = []
   for f in fns:
+    time.sleep(0.3)  # let the previous library's spinning workers go to sleep
     for _ in range(t.warmups): f()
-  ts: list[list[float]] = [[] for _ in fns]
-  end = time.perf_counter() + t.budget
-  while len(ts[0]) < t.runs and (len(ts[0]) < 3 or time.perf_counter() < end):
-    for f, acc in zip(fns, ts):
+    ts: list[float] = []
+    end = time.perf_counter() + t.budget
+    while len(ts) < t.runs and (len(ts) < 3 or time.perf_counter() < end):
       st = time.perf_counter()
       f()
-      acc.append(time.perf_counter() - st)
-  return [statistics.median(x) for x in ts]
+      ts.append(time.perf_counter() - st)
+    out.append(statistics.median(ts))
+  return out
 
 
 def per_call(fn: Callable[[], Any], calls: int, batches: int) -> float:
