@@ -224,3 +224,11 @@ def test_each_thread_packs_into_its_own_panel_even_when_an_inner_axis_is_split()
   lk = lower(matmul(64, 64, 32), CPU, opts)
   packs = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == -1]
   assert packs and all(any(x.op is Ops.SPECIAL and x.arg == "core_id" for x in p.src[0].toposort()) for p in packs)
+
+
+def test_a_one_element_output_axis_is_still_a_full_reduction():
+  o, x = UOp.define_global(0, F32.ptr(1)), UOp.define_global(1, F32.ptr(1 << 20))
+  i, r = UOp.range(1, 0), UOp.range(1 << 20, 1, AxisType.REDUCE)
+  ast = UOp.sink(o.index(i).store(x.index(i * 0 + r).load().reduce(Ops.ADD, r)), name="sum_keepdims")
+  spec = LLVMRenderer(CPU).render(ast)
+  assert spec.threads == 2 and spec.finish and any(o.startswith("THREAD(axis=1") for o in spec.applied_opts)

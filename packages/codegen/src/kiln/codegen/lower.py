@@ -621,6 +621,12 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
   except ImportError: pass
   # a store's loops come from the ranges it used before simplifying: bounds may fold an index that uses a possibly empty
   # range to a constant, but the store must still run once per iteration (zero times when the range is empty)
+  # an output axis of one element is the constant 0 (so a sum kept as shape (1,) is a full reduction the optimiser can
+  # split over threads); ranges a REDUCE closes stay as they are
+  reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
+  ones = {r: UOp.const(dtypes.index, 0) for s in ast.src if s.op is Ops.STORE for r in free_ranges(s)
+          if r.src[0].op is Ops.CONST and r.src[0].arg == 1 and r not in reduced}
+  if ones: ast = substitute(ast, ones)
   orig = [s for s in ast.src if s.op is Ops.STORE]
   simp = [_simplify(s) for s in orig]
   loops = {s: {_simplify(r) for r in free_ranges(o)} for s, o in zip(simp, orig)}
