@@ -71,6 +71,7 @@ class _SharedEngine:
 @cache
 def shared_engine() -> _SharedEngine:
   init_llvm()
+  _register_symbols()  # libm/libgcc addresses, once, before any object needs them
   return _SharedEngine()
 
 
