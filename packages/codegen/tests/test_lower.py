@@ -112,7 +112,7 @@ def test_heuristic_is_deterministic():
 # ---- explicit options are checked ----
 @pytest.mark.parametrize("opts, msg", [
   ([Opt(OptOps.UPCAST, 7, 4)], "axis 7"),
-  ([Opt(OptOps.UPCAST, 0, 3)], "must divide"),
+  ([Opt(OptOps.UNROLL, 0, 3)], "must divide"),
   ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UPCAST, 1, 2)], "only one axis can be vectorised"),
   ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UNROLL, 0, 2)], "already split"),
   ([Opt(OptOps.THREAD, 2, 2)], "full reduction"),
@@ -232,3 +232,14 @@ def test_a_one_element_output_axis_is_still_a_full_reduction():
   ast = UOp.sink(o.index(i).store(x.index(i * 0 + r).load().reduce(Ops.ADD, r)), name="sum_keepdims")
   spec = LLVMRenderer(CPU).render(ast)
   assert spec.threads == 2 and spec.finish and any(o.startswith("THREAD(axis=1") for o in spec.applied_opts)
+
+
+def test_a_vector_axis_the_width_does_not_divide_is_peeled_into_a_scalar_tail():
+  opts = heuristic_opts(matmul(1000, 1000, 64), CPU)
+  assert Opt(OptOps.UPCAST, 1, 32) in opts  # the full width, though 32 does not divide 1000
+  lk = lower(matmul(1000, 1000, 64), CPU)
+  stores = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == 0]
+  assert any(s.src[1].dtype == F32.vec(32) for s in stores) and any(s.src[1].dtype == F32 for s in stores)  # main and tail
+  # THREAD splits the column axis, which the tail does not have: the tail runs once, in the call with core_id 0
+  ifs = [u for u in lk.uops if u.op is Ops.IF]
+  assert len(ifs) == 1 and ifs[0].src[0].op is Ops.CMPEQ and ifs[0].src[0].src[0].arg == "core_id"

@@ -239,3 +239,18 @@ def test_threaded_kernel_without_core_id_is_an_error() -> None:
   assert compiled.threads == 2 and compiled.var_names[-1] == "core_id"
   broken = compiled.model_copy(update={"var_names": []})
   with pytest.raises(RuntimeLaunchError, match="core_id"): RT.load(broken)
+
+
+@pytest.mark.parametrize("mnk", [(1000, 1000, 40), (64, 101, 33)])
+def test_peeled_tail_with_the_heuristic_thread_split(mnk: tuple[int, int, int]) -> None:
+  # the column axis is split over threads and vectorised 32 wide; the columns past the last full vector are a scalar
+  # tail that only the call with core_id 0 runs: every pool size gives the same bits, close to the reference
+  m, n, k = mnk
+  ast = kernels.matmul(m, n, k, dtypes.float32)
+  opts = lower(ast, RT.target, None).opts
+  assert any(o.op is OptOps.UPCAST and n % o.amount for o in opts) and any(o.op is OptOps.THREAD for o in opts)
+  bufs = [np.zeros(m * n, np.float32), rnd(dtypes.float32, m * k, 11), rnd(dtypes.float32, k * n, 12)]
+  want = reference.run(ast, *bufs)[0]
+  got = [run(ast, bufs, opts, pool=p)[0] for p in (1, 2, 3)]
+  assert all(same_bits(g, got[0]) for g in got)
+  np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)

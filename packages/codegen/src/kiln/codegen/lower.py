@@ -106,6 +106,7 @@ class Lowerer:
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on
     self.store_loops: dict[UOp, set[UOp]] = {}  # store -> its loops, taken before simplification could drop one
+    self.tails: set[UOp] = set()  # stores that are the scalar tail of a peeled vector axis (core 0 runs them)
     self.grid_blocks: dict[int, UOp] = {}  # GPU grid dim -> blocks, when several store groups share the grid
     self.floor: Scope | None = None  # GPU: a gated store's reduces go inside its gate, so threads past the end load nothing
     self.nesting = 0  # how many REDUCEs enclose the one being emitted
@@ -476,6 +477,12 @@ class Lowerer:
   def lower_group(self, stores: list[UOp], axes: list[UOp]) -> None:
     subst: dict[UOp, UOp] = {}
     scope = self.lin.root
+    threads = max((p.threads for p in self.plans.values()), default=1)
+    if threads > 1 and set(stores) <= self.tails and not any(self.plans[r].threads > 1 for r in axes):
+      # a peeled tail that no split axis shares runs once, on the first thread
+      if self.core_id is None: self._core(threads, finish=False)
+      assert self.core_id is not None
+      scope = self.lin.open_if(scope, self.core_id.eq(0))
     loop_scopes: dict[UOp, Scope] = {}
     gate: UOp | None = None
     loops = axes
@@ -517,7 +524,8 @@ class Lowerer:
     groups: dict[tuple[UOp, ...], list[UOp]] = {}
     for st in stores: groups.setdefault(tuple(sorted(loops_of[st] | free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
     threaded = [p for p in self.plans.values() if p.threads > 1]
-    if threaded and len(groups) > 1: raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
+    if threaded and len([g for g, sts in groups.items() if not set(sts) <= self.tails]) > 1:
+      raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
     if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
       raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
     if self.target.vector_bytes == 0 and len(groups) > 1:  # GPU: size the shared grid for the largest store group
@@ -619,10 +627,22 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
     from kiln.ir.verify import verify
     verify(ast)
   except ImportError: pass
-  # a store's loops come from the ranges it used before simplifying: bounds may fold an index that uses a possibly empty
-  # range to a constant, but the store must still run once per iteration (zero times when the range is empty)
-  # an output axis of one element is the constant 0 (so a sum kept as shape (1,) is a full reduction the optimiser can
-  # split over threads); ranges a REDUCE closes stay as they are
+  prepared, loops = _prepare(ast)
+  chosen = heuristic_opts(prepared, target) if opts is None else list(opts)
+  tails: set[UOp] = set()
+  if target.vector_bytes and (peeled := _peel(ast, chosen)) is not None:
+    ast, n_main = peeled
+    prepared, loops = _prepare(ast)
+    tails = set([s for s in prepared.src if s.op is Ops.STORE][n_main:])
+  lw = Lowerer(prepared, target, chosen)
+  lw.store_loops, lw.tails = loops, tails
+  return lw.lower()
+
+
+def _prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
+  """Simplify each store, keeping the loops it had: bounds may fold an index that uses a possibly empty range to a
+  constant, but the store must still run once per iteration (zero times when the range is empty). An output axis of
+  one element becomes the constant 0 (so a sum kept as shape (1,) is a full reduction the optimiser can split)."""
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
   ones = {r: UOp.const(dtypes.index, 0) for s in ast.src if s.op is Ops.STORE for r in free_ranges(s)
           if r.src[0].op is Ops.CONST and r.src[0].arg == 1 and r not in reduced}
@@ -630,8 +650,24 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
   orig = [s for s in ast.src if s.op is Ops.STORE]
   simp = [_simplify(s) for s in orig]
   loops = {s: {_simplify(r) for r in free_ranges(o)} for s, o in zip(simp, orig)}
-  ast = UOp.sink(*simp, *(s for s in ast.src if s.op is not Ops.STORE), name=ast.arg)
-  chosen = heuristic_opts(ast, target) if opts is None else list(opts)
-  lw = Lowerer(ast, target, chosen)
-  lw.store_loops = loops
-  return lw.lower()
+  return UOp.sink(*simp, *(s for s in ast.src if s.op is not Ops.STORE), name=ast.arg), loops
+
+
+def _peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
+  """CPU: an output axis whose UPCAST does not divide it is split into a main range the vector width divides and a
+  scalar tail range (a new axis), each store copied for the tail. Returns the new kernel and how many stores are main."""
+  ranges = {r.arg[0]: r for r in ast.toposort() if r.op is Ops.RANGE}
+  reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
+  split = [(ranges[o.axis], o.amount) for o in opts if o.op is OptOps.UPCAST and o.axis in ranges and ranges[o.axis] not in reduced
+           and (n := axis_size(ranges[o.axis])) is not None and n > o.amount and n % o.amount]
+  if not split: return None
+  r, w = split[0]
+  size = axis_size(r)
+  assert size is not None
+  main_n = size - size % w
+  main = UOp.range(main_n, r.arg[0], r.arg[1])
+  tail = UOp.range(size - main_n, max(ranges) + 1, r.arg[1])
+  stores = [s for s in ast.src if s.op is Ops.STORE]
+  mains = [substitute(s, {r: main}) for s in stores]
+  tails = [substitute(s, {r: tail + main_n}) for s in stores if r in free_ranges(s)]
+  return UOp.sink(*mains, *tails, *(s for s in ast.src if s.op is not Ops.STORE), name=ast.arg), len(mains)

@@ -71,6 +71,13 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
 def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]
 
 
+def _out_width(size: int | None, want: int) -> int:
+  """An output axis may take the full width even when it does not divide the size: the lowering peels the rest into a
+  scalar tail. Small axes keep a width that divides them."""
+  if size is not None and size >= 2 * want: return want
+  return _pick_width(size, want)
+
+
 def _pick_width(size: int | None, lanes: int) -> int:
   if size is None: return 1
   w = lanes
@@ -96,7 +103,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   inner = out_axes[-1] if out_axes else None
   vec_axis: UOp | None = None
   mm = _matmul_like(st, out_axes, red_axes, reduces)
-  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _pick_width(axis_size(inner), lanes * (2 if mm else 1))) > 1:
+  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * (2 if mm else 1))) > 1:
     opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))  # a register tile is two vectors wide
     vec_axis = inner
   if vec_axis is not None and mm:
