@@ -10,7 +10,6 @@ from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
-_STATEMENTS = frozenset({Ops.STORE, Ops.ACC_STORE, Ops.DEFINE_ACC, Ops.BARRIER})
 _ARGS = frozenset({Ops.DEFINE_GLOBAL, Ops.DEFINE_VAR, Ops.SPECIAL, Ops.DEFINE_LOCAL})
 
 

@@ -316,7 +316,7 @@ class Lowerer:
     dt = red.dtype
     assert isinstance(dt, DType)
     value = self.hide_reduces(red.src[0])
-    value = substitute(value, {r: e for r, e in subst.items()})
+    value = substitute(value, subst)
     value = _simplify(value)
     # the whole body, nested reduces included: their placeholders in `value` say nothing yet (they are emitted after this one)
     whole = substitute(red.src[0], subst)
@@ -370,7 +370,7 @@ class Lowerer:
         cur = self.lin.acc_read(accs[c], next(self.acc_count))
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
           new = UOp(Ops.FMA, acc_dt, (_bcast(v.src[0], acc_dt.count), _bcast(v.src[1], acc_dt.count), cur))
-        else: new = _combine(op, cur, _bcast(v, acc_dt.count) if acc_dt.count > 1 else v)
+        else: new = _combine(op, cur, v)
         self.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], new)))
     for r in reversed(ranges): self.lin.close(lscopes[r])
     if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
@@ -573,8 +573,7 @@ def _bcast(u: UOp, w: int) -> UOp:
   return UOp(Ops.VECTORIZE, u.dtype.vec(w), (u,) * w)
 
 
-def _combine(op: Ops, a: UOp, b: UOp) -> UOp:
-  return UOp(Ops.MAX if op is Ops.MAX else op, a.dtype, (a, b)) if a.dtype == b.dtype else UOp(op, a.dtype, (a, _bcast(b, a.dtype.count)))  # type: ignore[union-attr]
+def _combine(op: Ops, a: UOp, b: UOp) -> UOp: return UOp(op, a.dtype, (a, _bcast(b, a.dtype.count)))  # type: ignore[union-attr]
 
 
 def _combos(vars_: list[UOp]) -> list[tuple[int, ...]]:

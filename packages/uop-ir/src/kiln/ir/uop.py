@@ -10,8 +10,8 @@ import math
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, Final
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from kiln.ir.dtype import AnyDType, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
 from kiln.ir.errors import IRError, IRTypeError
@@ -107,8 +107,6 @@ class UOp(metaclass=UOpMetaClass):
       for s in reversed(u.src):
         if id(s) not in seen: stack.append((s, False))
     return out
-
-  def sparents(self) -> Iterator[UOp]: return iter(self.toposort())
 
   @property
   def key(self) -> str:
@@ -344,10 +342,3 @@ def _cast_const(v: ConstLike, src: AnyDType, dst: DType) -> ConstLike:
   from kiln.ir.alu import cast
   out = cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)  # type: ignore[arg-type]
   return out.item() if dst.is_float else int(out) if dst.is_int else bool(out)
-
-
-def const_value(u: UOp) -> ConstLike | None:
-  return u.arg if u.op is Ops.CONST else None
-
-
-AXIS_NAMES: Final = {AxisType.LOOP: "L", AxisType.REDUCE: "R"}

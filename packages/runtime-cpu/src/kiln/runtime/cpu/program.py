@@ -45,14 +45,18 @@ def _register_symbols() -> None:
 _engine_lock = threading.Lock()
 
 
+def _new_engine() -> llvm.ExecutionEngine:
+  # the engine owns its target machine (llvmlite frees it with the engine), so each engine gets its own
+  return llvm.create_mcjit_compiler(llvm.parse_assembly(""), llvm.Target.from_default_triple().create_target_machine())
+
+
 class _SharedEngine:
   """One MCJIT engine for every program of the process: adding an object to a warm engine costs ~0.05 ms, a new
   engine ~1 ms. Code stays loaded for the life of the process (kernels are few and small). A symbol already taken by
   other code (same name, different bytes) is refused; that program gets an engine of its own."""
 
   def __init__(self) -> None:
-    # the engine owns its target machine (llvmlite frees it with the engine)
-    self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), llvm.Target.from_default_triple().create_target_machine())
+    self.engine = _new_engine()
     self.symbols: dict[str, tuple[bytes, int]] = {}
     self.added: set[bytes] = set()  # digests of the objects in the engine: the same code is never added twice
 
@@ -92,7 +96,7 @@ class CPUProgram:
     with _engine_lock:
       addr = shared_engine().load(self.entry, compiled.bytes)
       if addr is None:  # its symbol is taken by other code: an engine of its own
-        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), llvm.Target.from_default_triple().create_target_machine())
+        self._engine = _new_engine()
         self._engine.add_object_file(llvm.ObjectFileRef.from_data(compiled.bytes))
         self._engine.finalize_object()
         addr = self._engine.get_function_address(self.entry)
