@@ -132,3 +132,28 @@ def test_debug_levels_on_compile(rt, capsys, level):
   assert f"dbg{level}" in err and "opts:" in err
   assert ("; test kernel" in err) == (level >= 3)
   assert ("DEFINE_GLOBAL" in err) == (level >= 4)
+
+
+def test_source_stamp_follows_edits(tmp_path):
+  (tmp_path / "sub").mkdir()
+  f = tmp_path / "sub" / "mod.py"
+  f.write_text("x = 1\n")
+  (tmp_path / "notes.txt").write_text("not code")
+  before = cache._source_stamp(tmp_path)
+  (tmp_path / "notes.txt").write_text("still not code, longer")
+  assert cache._source_stamp(tmp_path) == before  # only .py files count
+  f.write_text("x = 22\n")
+  assert cache._source_stamp(tmp_path) != before
+
+
+def test_versions_stamp_the_code_shaping_layers():
+  v = dict(part.split("=", 1) for part in cache.kiln_versions("kiln.runtime.cpu.device").split(","))
+  assert {"kiln-uop-ir", "kiln-codegen", "kiln-executor", "kiln-runtime-cpu"} <= v.keys()
+  stamped = {d for d, ver in v.items() if "+" in ver}
+  assert stamped == {"kiln-uop-ir", "kiln-codegen", "kiln-runtime-cpu"}  # the executor and CUDA do not shape CPU code
+
+
+def test_cpu_disk_key_uses_llvm_host_fingerprint():
+  from kiln.codegen.device import get_runtime
+  rt = get_runtime("CPU")
+  assert rt.compiler.fingerprint in cache.disk_key("abc", "CPU", rt)

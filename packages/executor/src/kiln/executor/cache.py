@@ -123,22 +123,36 @@ def disk_cache_info() -> tuple[Path, int, int]:
   return cache_dir(), len(files), sum(f.stat().st_size for f in files if f.exists())
 
 
-@functools.lru_cache(maxsize=1)
-def kiln_versions() -> str:
-  """The installed kiln layers' versions (their version modules, the source hatch reads: importlib.metadata costs ~10 ms)."""
+_LAYERS = (("kiln-uop-ir", "kiln.ir"), ("kiln-codegen", "kiln.codegen"), ("kiln-executor", "kiln.executor"),
+           ("kiln-runtime-cpu", "kiln.runtime.cpu"), ("kiln-runtime-cuda", "kiln.runtime.cuda"))
+_CODE_SHAPING = ("kiln.ir", "kiln.codegen")  # layers whose source decides the generated code, with the device's runtime
+
+
+@functools.lru_cache(maxsize=8)
+def kiln_versions(runtime_module: str = "") -> str:
+  """The installed kiln layers' versions, read from their version.py without importing them (importlib.metadata costs
+  ~10 ms, a runtime's __init__ can be slow). The layers that shape object code (IR, codegen and the runtime named by
+  `runtime_module`, e.g. "kiln.runtime.cpu.device") also carry a source stamp."""
   import importlib.util
-  import re
   out = []
-  for d, mod in (("kiln-uop-ir", "kiln.ir"), ("kiln-codegen", "kiln.codegen"), ("kiln-executor", "kiln.executor"),
-                 ("kiln-runtime-cpu", "kiln.runtime.cpu"), ("kiln-runtime-cuda", "kiln.runtime.cuda")):
-    try:  # read version.py without importing the package (a runtime's __init__ can be slow)
+  for dist, mod in _LAYERS:
+    try:
       spec = importlib.util.find_spec(mod)
       for loc in (spec.submodule_search_locations or []) if spec else []:
-        if (m := re.search(r"__version__\s*=\s*[\"']([^\"']+)", (Path(loc) / "version.py").read_text())):
-          out.append(f"{d}={m.group(1)}+{_source_stamp(Path(loc))}")
-          break
+        if (ver := _read_version(Path(loc) / "version.py")) is None: continue
+        stamped = mod in _CODE_SHAPING or runtime_module == mod or runtime_module.startswith(mod + ".")
+        out.append(f"{dist}={ver}" + (f"+{_source_stamp(Path(loc))}" if stamped else ""))
+        break
     except (ImportError, OSError, ValueError): pass
   return ",".join(out)
+
+
+def _read_version(path: Path) -> str | None:
+  with open(path) as f:
+    for line in f:
+      name, eq, value = line.partition("=")
+      if eq and name.strip() == "__version__": return value.strip().strip("\"'")
+  return None
 
 
 def _source_stamp(root: Path) -> str:
@@ -179,7 +193,8 @@ def cpu_name() -> str:
 
 def disk_key(ast_key: str, device: str, rt: Runtime, opts: str = "") -> str:
   fp = getattr(rt, "fingerprint", None) or getattr(rt.compiler, "fingerprint", None) or cpu_fingerprint()
-  return "|".join((ast_key, device, str(getattr(rt.compiler, "cache_key", "")), kiln_versions(), str(fp), opts))
+  versions = kiln_versions(type(rt).__module__)
+  return "|".join((ast_key, device, str(getattr(rt.compiler, "cache_key", "")), versions, str(fp), opts))
 
 
 def _path(dkey: str) -> Path: return cache_dir() / "kernels" / (hashlib.sha256(dkey.encode()).hexdigest() + ".json")

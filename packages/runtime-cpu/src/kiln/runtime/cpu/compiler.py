@@ -60,6 +60,7 @@ class LLVMCompiler:
     ver = ".".join(map(str, llvm.llvm_version_info))
     feat = hashlib.sha256(features.encode()).hexdigest()[:16]
     self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{cpu}|{feat}|O{opt_level}"
+    self.fingerprint = f"{cpu}|{feat}"  # the host CPU as LLVM targets it: the disk cache needs no /proc/cpuinfo read
 
   def optimize(self, mod: llvm.ModuleRef) -> None:
     pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)
