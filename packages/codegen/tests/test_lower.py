@@ -79,10 +79,22 @@ def test_matmul_gets_register_tiling():
   assert {Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.FMA, 2, 1), Opt(OptOps.THREAD, 1, 2)} <= set(opts)
 
 
+def test_small_matmul_stays_on_one_thread():
+  opts = heuristic_opts(matmul(64, 64, 48), CPU)  # 196K multiply-adds: waking a worker costs more than it saves
+  assert not any(o.op is OptOps.THREAD for o in opts) and Opt(OptOps.UPCAST, 1, 32) in opts
+
+
+def test_narrow_matmul_output_is_one_vector_of_its_width():
+  opts = heuristic_opts(matmul(256, 10, 512), CPU)  # an MLP's last layer: 10 columns are one 10-lane vector
+  assert Opt(OptOps.UPCAST, 1, 10) in opts
+  assert Opt(OptOps.UPCAST, 1, 8) in heuristic_opts(matmul(256, 8, 512), CPU)  # a power of two stays as it is
+  assert Opt(OptOps.UPCAST, 1, 4) in heuristic_opts(matmul(256, 20, 512), CPU)  # past one vector: a width that divides
+
+
 def test_packed_matmul_reads_its_panel_from_scratch():
-  spec = LLVMRenderer(CPU).render(matmul(64, 64, 48))
-  assert spec.scratch_bytes == 2 * 48 * 32 * 4 and not spec.finish  # one K x 32 panel per thread
-  lk = lower(matmul(64, 64, 48), CPU)
+  spec = LLVMRenderer(CPU).render(matmul(256, 64, 256))
+  assert spec.threads == 2 and spec.scratch_bytes == 2 * 256 * 32 * 4 and not spec.finish  # one K x 32 panel per thread
+  lk = lower(matmul(256, 64, 256), CPU)
   b_loads = [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 2]
   assert b_loads and all(u.dtype == F32.vec(32) for u in b_loads)  # b is only read to pack it
   assert any(u.op is Ops.FMA for u in lk.uops)
@@ -243,3 +255,27 @@ def test_a_vector_axis_the_width_does_not_divide_is_peeled_into_a_scalar_tail():
   # THREAD splits the column axis, which the tail does not have: the tail runs once, in the call with core_id 0
   ifs = [u for u in lk.uops if u.op is Ops.IF]
   assert len(ifs) == 1 and ifs[0].src[0].op is Ops.CMPEQ and ifs[0].src[0].src[0].arg == "core_id"
+
+
+# ---- streaming stores (CPU: outputs past the caches) ----
+STREAM = Target(device="CPU", vector_bytes=64, threads=2, min_work_per_thread=1 << 12, stream_store_bytes=1 << 20)
+
+
+def test_big_output_streams_behind_an_alignment_check():
+  src = LLVMRenderer(STREAM).render(add_kernel(1 << 18)).src  # 1 MiB out
+  assert "!nontemporal" in src and "align 64, !nontemporal" in src
+  assert "and i64 %stream0.a64.p, 63" in src  # the base is checked once; an unaligned one takes the plain store
+  assert src.count("store <16 x float>") == 2 and "call void @llvm.x86.sse.sfence()" in src
+
+
+def test_small_or_unaligned_outputs_use_plain_stores():
+  assert "nontemporal" not in LLVMRenderer(STREAM).render(add_kernel(1 << 17)).src  # 512 KiB: stays in the caches
+  assert "nontemporal" not in LLVMRenderer(CPU).render(add_kernel(1 << 18)).src  # streaming off
+  # rows of 1000: a 16-lane store at i*1000 + j*16 is not always on a 64-byte boundary, so it never streams
+  o, a = UOp.define_global(0, F32.ptr(1000 * 1000)), UOp.define_global(1, F32.ptr(1000 * 1000))
+  i, j = UOp.range(1000, 0), UOp.range(1000, 1)
+  rows = UOp.sink(o.index(i * 1000 + j).store(a.index(i * 1000 + j).load() * 2.0), name="rows")
+  spec = LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 16)])
+  assert "nontemporal" not in spec.src and "store <16 x float>" in spec.src
+  spec = LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 8)])  # 8 lanes: 1000 is a multiple, 32-byte aligned
+  assert "store <8 x float>" in spec.src and "align 32, !nontemporal" in spec.src

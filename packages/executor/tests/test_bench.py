@@ -37,7 +37,7 @@ def test_bench_runs_and_prints_every_row(cachedir, capsys):
   for col in bench.COLS: assert col in out
   for row in ROWS: assert row in out, f"row {row!r} missing:\n{out}"
   assert out.count("matmul ") >= 4  # 256, 1000, 1024 and 2048, scaled
-  for word in ("limit, memory:", "limit, compute:", "numba:", "tinygrad:", "BLAS:"): assert word in out
+  for word in ("limit, memory read:", "limit, memory add:", "limit, compute:", "numba:", "tinygrad:", "BLAS:"): assert word in out
   data = json.loads(out_json.read_text())
   assert len(data["rows"]) == len(ROWS) + 3
   for r in data["rows"]:

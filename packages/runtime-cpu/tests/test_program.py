@@ -1,6 +1,7 @@
 """CPUProgram: argument checks with typed errors naming the culprit, the bind()/set_vals() fast path, concurrent calls."""
 from __future__ import annotations
 
+import platform
 import threading
 
 import numpy as np
@@ -176,3 +177,19 @@ def test_kernels_of_one_name_with_different_code_both_load_and_run() -> None:
     out = np.zeros(64, np.float32)
     prog([out.ctypes.data, x.ctypes.data])
     assert np.array_equal(out, x * np.float32(c)), prog.entry
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_streaming_stores_right_at_any_alignment(offset: int) -> None:
+  """An output past the streaming threshold: a 64-byte-aligned one takes non-temporal stores, a shifted one the plain
+  path; both equal numpy, and nothing past the output is written."""
+  from kiln.runtime.cpu.device import STREAM_STORE_BYTES
+  n = STREAM_STORE_BYTES // 4
+  prog = load(kernels.elementwise(lambda a, b: a + b, dtypes.float32, ((n,), dtypes.float32), ((n,), dtypes.float32), name="stream_add"))
+  a, b = np.arange(n, dtype=np.float32), np.full(n, 0.5, np.float32)
+  raw = np.full(n + 32, -7.0, np.float32)
+  start = (-raw.ctypes.data % 64) // 4 + offset
+  out = raw[start:start + n]
+  prog([out.ctypes.data, a.ctypes.data, b.ctypes.data])
+  assert np.array_equal(out, a + b) and (raw[:start] == -7.0).all() and (raw[start + n:] == -7.0).all()
+  assert ("nontemporal" in prog.spec.src) == (platform.machine().lower() in ("x86_64", "amd64"))

@@ -103,3 +103,12 @@ def test_index_expressions_simplify_exactly(data):
   s = simplify(e)
   assert simplify(s) is s  # a fixed point
   for env in data.draw(points(bounds, 4)): assert sym_int_eval(s, env) == sym_int_eval(e, env)
+
+
+def test_is_multiple_proves_only_what_holds():
+  from kiln.ir.symbolic import is_multiple
+  r, s = UOp.range(100, 0), UOp.range(7, 1)
+  assert is_multiple(r * 16, 16) and is_multiple(s * 512 + r * 16 + 32, 16) and is_multiple(r * 16, 8)
+  assert not is_multiple(r * 16 + 4, 16) and not is_multiple(s * 1000 + r * 16, 16) and not is_multiple(r, 2)
+  assert not is_multiple(r * 12, 12)  # not a power of two: wraparound could break it, so unproven
+  assert is_multiple(r * 3, 1) and is_multiple(UOp.const(dtypes.int32, 64), 64)

@@ -40,6 +40,7 @@ class Target:
   vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
   threads: int = 1  # CPU worker threads a kernel may be split over
   min_work_per_thread: int = 1 << 16  # below this many element-ops a kernel stays on one thread
+  stream_store_bytes: int = 0  # CPU: vector stores to an output at least this large bypass the caches (0: never)
   max_local: int = 1024  # GPU: threads per block
   local_size: int = 256  # GPU: default block size
   max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
@@ -71,10 +72,13 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
 def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]
 
 
-def _out_width(size: int | None, want: int) -> int:
+def _out_width(size: int | None, want: int, lanes: int) -> int:
   """An output axis may take the full width even when it does not divide the size: the lowering peels the rest into a
-  scalar tail. Small axes keep a width that divides them."""
+  scalar tail. An axis of at most one vector is one vector of its own size (a 256x512 @ 512x10 product: 130 us with
+  2-lane pieces, 30 us as one 10-lane vector; past one vector, LLVM's odd-sized vectors got slower, not faster). Other
+  small axes keep a width that divides them."""
   if size is not None and size >= 2 * want: return want
+  if size is not None and 2 < size <= lanes and _pick_width(size, want) < size: return size
   return _pick_width(size, want)
 
 
@@ -103,7 +107,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   inner = out_axes[-1] if out_axes else None
   vec_axis: UOp | None = None
   mm = _matmul_like(st, out_axes, red_axes, reduces)
-  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * (2 if mm else 1))) > 1:
+  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * (2 if mm else 1), lanes if mm else 0)) > 1:
     opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))  # a register tile is two vectors wide
     vec_axis = inner
   if vec_axis is not None and mm:
@@ -133,7 +137,10 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     first = out_axes[0]
     per = {o.axis: o.amount for o in opts if o.axis == first.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)}
     units = (axis_size(first) or 0) // max(per.values(), default=1) if axis_size(first) else None
-    if work >= target.min_work_per_thread * 2 and (units is None or units >= target.threads):
+    # a register-tiled product does a multiply-add in a fraction of a nanosecond: it needs far more of them per thread
+    # to pay for waking the workers (~30 us here; 256x512 @ 512x10 took 30 us on one thread, 64 us on two)
+    per_thread = target.min_work_per_thread * (32 if vec_axis is not None and mm else 1)
+    if work >= per_thread * target.threads and (units is None or units >= target.threads):
       opts.append(Opt(OptOps.THREAD, first.arg[0], target.threads))
   return opts
 

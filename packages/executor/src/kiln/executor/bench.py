@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -41,16 +42,20 @@ class Timing:
   warmups: int = 2
   runs: int = 15  # per function; fewer when budget (seconds) runs out first, but never fewer than 3
   budget: float = 2.0
+  warm_seconds: float = 0.3  # each function runs at least this long (and t.warmups calls) before it is timed
 
 
 def medians(fns: list[Callable[[], Any]], t: Timing) -> list[float]:
-  """Median wall time of each fn, each timed in its own block after a pause. Not round-robin: OpenBLAS's and numba's
-  worker threads keep spinning for a while after a call, and on 2 cores they took one from whichever ran next
-  (kiln's threaded matmul measured 150 GFLOP/s round-robin, 280-290 on its own)."""
+  """Median wall time of each fn, each timed in its own block after a busy warm-up. Not round-robin: OpenBLAS's and
+  numba's worker threads keep spinning for a while after a call, and on 2 cores they took one from whichever ran next
+  (kiln's threaded matmul measured 150 GFLOP/s round-robin, 280-290 on its own). Not after a pause either: an idle
+  spell puts this VM's vCPUs to sleep, and a 16M sum on 2 threads then took 2.4 ms a run instead of 1.3 for a while."""
   out = []
   for f in fns:
-    time.sleep(0.3)  # let the previous library's spinning workers go to sleep
-    for _ in range(t.warmups): f()
+    warm_until = time.perf_counter() + t.warm_seconds  # the previous library's workers settle while f warms the cores
+    for i in itertools.count():
+      f()
+      if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
     ts: list[float] = []
     end = time.perf_counter() + t.budget
     while len(ts) < t.runs and (len(ts) < 3 or time.perf_counter() < end):
@@ -78,6 +83,14 @@ def kiln_call(ast: UOp, bufs: list[np.ndarray]) -> Callable[[], None]:
   from kiln.executor import compile_kernel
   ck = compile_kernel(ast, "CPU")
   return ck.program.bind([b.ctypes.data for b in bufs], [], *_sizes(ck))
+
+
+def aligned_empty(n: int, dtype: Any = np.float32, align: int = 64) -> np.ndarray:
+  """An uninitialised 1-D array whose data starts on an `align`-byte boundary (kiln's CPU allocator's guarantee)."""
+  itemsize = np.dtype(dtype).itemsize
+  raw = np.empty(n + align // itemsize, dtype)
+  off = (-raw.ctypes.data % align) // itemsize
+  return raw[off:off + n]
 
 
 def _sizes(k: Any) -> tuple[Any, Any]:
@@ -210,10 +223,34 @@ def _vector_lanes() -> tuple[int, str]:
   return 4, "128-bit SIMD"
 
 
+def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, threads: int, inputs: int = 1) -> Any:
+  """Compile a hand-written LLVM IR kernel (data0 out, data1.. in, core_id) with kiln's CPU runtime, reusing the signature
+  and thread split of a template elementwise kernel of n elements. The bench's machine limits are measured this way."""
+  from kiln.codegen.device import get_runtime
+  params = ", ".join(f"ptr noalias align 4 %data{i}" for i in range(inputs + 1))
+  src = (f"{decls}\n\ndefine void @{name}({params}, i32 %core_id) #0 {{\n"
+         + "\n".join(body) + f'\n}}\nattributes #0 = {{ nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}" }}\n')
+  rt = get_runtime("CPU")
+  fn = (lambda x: x * 2.0) if inputs == 1 else (lambda x, y: x + y)
+  spec = rt.renderer.render(kernels.elementwise(fn, F32, *[((n,), F32)] * inputs, name=name))
+  if spec.threads != threads: raise RuntimeError(f"template kernel runs on {spec.threads} threads, not {threads}")
+  return rt.load(rt.compiler.compile(spec.model_copy(update={"src": src, "name": name, "entry_point": name})))
+
+
+def _best(call: Callable[[], Any], t: Timing) -> float:
+  """The best time of a few runs, like STREAM: a limit, not a typical time."""
+  for _ in range(t.warmups): call()
+  ts = []
+  for _ in range(max(5, t.runs // 2)):
+    st = time.perf_counter()
+    call()
+    ts.append(time.perf_counter() - st)
+  return min(ts)
+
+
 def fma_peak(threads: int, t: Timing, iters: int = 1 << 18) -> tuple[float, str]:
   """Peak float32 FMA rate, measured: a hand-written kernel of independent vector FMA chains (no memory traffic) compiled
   and run by kiln's CPU runtime on its threads, one chunk per core_id. Returns (flop/s, how)."""
-  from kiln.codegen.device import get_runtime
   lanes, isa = _vector_lanes()
   chains = 16 if lanes == 16 else 12  # enough in flight to cover FMA latency x 2 ports, few enough to stay in registers
   vt = f"<{lanes} x float>"
@@ -225,28 +262,63 @@ def fma_peak(threads: int, t: Timing, iters: int = 1 << 18) -> tuple[float, str]
   lines += [f"  %s0 = fadd {vt} %y0, %y1"] + [f"  %s{c - 1} = fadd {vt} %s{c - 2}, %y{c}" for c in range(2, chains)]
   lines += [f"  %o = mul i32 %core_id, {lanes}", "  %op = getelementptr inbounds float, ptr %data0, i32 %o",
             f"  store {vt} %s{chains - 2}, ptr %op, align 4", "  ret void"]
-  src = (f"declare {vt} @llvm.fma.v{lanes}f32({vt}, {vt}, {vt})\n\n"
-         f"define void @kiln_fma_peak(ptr noalias align 4 %data0, ptr noalias align 4 %data1, i32 %core_id) #0 {{\n" + "\n".join(lines) +
-         f'\n}}\nattributes #0 = {{ nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}" }}\n')
-  rt = get_runtime("CPU")
-  n = 1 << 20  # big enough that the renderer splits the template kernel over every thread: we reuse its signature
-  spec = rt.renderer.render(kernels.elementwise(lambda x: x * 2.0, F32, ((n,), F32), name="kiln_fma_peak"))
-  if spec.threads != threads: raise RuntimeError(f"template kernel runs on {spec.threads} threads, not {threads}")
-  spec = spec.model_copy(update={"src": src, "name": "kiln_fma_peak", "entry_point": "kiln_fma_peak"})
-  prog = rt.load(rt.compiler.compile(spec))
+  n = 1 << 20  # big enough that the template kernel is split over every thread
+  prog = _handwritten("kiln_fma_peak", lines, f"declare {vt} @llvm.fma.v{lanes}f32({vt}, {vt}, {vt})", lanes, n, threads)
   out, inp = np.zeros(n, np.float32), np.full(n, 0.5, np.float32)
   inp[lanes:2 * lanes] = 0.25  # x' = 0.25 x + 0.5 converges to 2/3: no overflow, no denormals
-  call = prog.bind([out.ctypes.data, inp.ctypes.data], [], *_sizes(spec))
-  for _ in range(t.warmups): call()
-  ts = []
-  for _ in range(max(5, t.runs // 2)):
-    st = time.perf_counter()
-    call()
-    ts.append(time.perf_counter() - st)
-  dt = min(ts)  # the best run, like STREAM: a limit, not a typical time
+  dt = _best(prog.bind([out.ctypes.data, inp.ctypes.data], [], *_sizes(prog.spec)), t)
   if not np.allclose(out[:lanes * threads], (chains * 2 / 3), rtol=1e-3): raise RuntimeError(f"FMA kernel computed {out[:4]}")
   flops = 2 * lanes * chains * iters * threads
   return flops / dt, f"{isa} FMA kernel ({chains} chains of {lanes} lanes) run by kiln on {threads} threads"
+
+
+def add_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
+  """STREAM add (c = a + b, counting 12 bytes an element), measured: a hand-written kernel of aligned vector loads and
+  streaming stores (no read-for-ownership of c), run by kiln's CPU runtime on its threads. Returns (bytes/s, how)."""
+  lanes, isa = _vector_lanes()
+  vt = f"<{lanes} x float>"
+  n = max(1, n // (threads * lanes)) * threads * lanes
+  per = n // threads // lanes
+  lines = ["entry:", f"  %start = mul i32 %core_id, {per}", f"  %end = add i32 %start, {per}", "  br label %loop", "loop:",
+           "  %i = phi i32 [%start, %entry], [%i.next, %loop]", f"  %o = mul i32 %i, {lanes}",
+           "  %pa = getelementptr inbounds float, ptr %data1, i32 %o", f"  %va = load {vt}, ptr %pa, align 64",
+           "  %pb = getelementptr inbounds float, ptr %data2, i32 %o", f"  %vb = load {vt}, ptr %pb, align 64",
+           f"  %vc = fadd {vt} %va, %vb", "  %pc = getelementptr inbounds float, ptr %data0, i32 %o",
+           f"  store {vt} %vc, ptr %pc, align 64, !nontemporal !{{i32 1}}",
+           "  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %end", "  br i1 %go, label %loop, label %exit", "exit:",
+           "  call void @llvm.x86.sse.sfence()", "  ret void"]
+  prog = _handwritten("kiln_add_bw", lines, "declare void @llvm.x86.sse.sfence()", lanes, n, threads, inputs=2)
+  c, a, b = aligned_empty(n), aligned_empty(n), aligned_empty(n)
+  a[:], b[:] = 1.0, 2.0
+  dt = _best(prog.bind([c.ctypes.data, a.ctypes.data, b.ctypes.data], [], *_sizes(prog.spec)), t)
+  if not (c == 3.0).all(): raise RuntimeError("the STREAM add kernel computed a wrong result")
+  return 12 * n / dt, f"STREAM add with streaming stores of {4 * n / MB:.0f} MB arrays run by kiln on {threads} threads"
+
+
+def read_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
+  """Read bandwidth, measured: a hand-written kernel summing its core's share of n float32 into 8 independent vector
+  accumulators (no stores in the loop), run by kiln's CPU runtime on its threads. Returns (bytes/s, how)."""
+  lanes, isa = _vector_lanes()
+  accs, vt = 8, f"<{lanes} x float>"
+  step = accs * lanes
+  n = max(1, n // (threads * step)) * threads * step  # whole steps on every thread
+  per = n // threads // step
+  lines = ["entry:", f"  %start = mul i32 %core_id, {per}", f"  %end = add i32 %start, {per}", "  br label %loop", "loop:",
+           "  %i = phi i32 [%start, %entry], [%i.next, %loop]"]
+  lines += [f"  %a{c} = phi {vt} [zeroinitializer, %entry], [%b{c}, %loop]" for c in range(accs)]
+  lines += [f"  %base = mul i32 %i, {step}"]
+  for c in range(accs):
+    lines += [f"  %o{c} = add i32 %base, {c * lanes}", f"  %p{c} = getelementptr inbounds float, ptr %data1, i32 %o{c}",
+              f"  %v{c} = load {vt}, ptr %p{c}, align 4", f"  %b{c} = fadd {vt} %a{c}, %v{c}"]
+  lines += ["  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %end", "  br i1 %go, label %loop, label %exit", "exit:"]
+  lines += [f"  %s0 = fadd {vt} %b0, %b1"] + [f"  %s{c - 1} = fadd {vt} %s{c - 2}, %b{c}" for c in range(2, accs)]
+  lines += [f"  %o = mul i32 %core_id, {lanes}", "  %op = getelementptr inbounds float, ptr %data0, i32 %o",
+            f"  store {vt} %s{accs - 2}, ptr %op, align 4", "  ret void"]
+  prog = _handwritten("kiln_read_bw", lines, "", lanes, n, threads)
+  out, inp = np.zeros(n, np.float32), np.ones(n, np.float32)
+  dt = _best(prog.bind([out.ctypes.data, inp.ctypes.data], [], *_sizes(prog.spec)), t)
+  if not np.allclose(out[:lanes * threads].sum(), n): raise RuntimeError(f"read kernel summed {out[:lanes * threads].sum()}, not {n}")
+  return 4 * n / dt, f"read: {isa} {accs}-accumulator sum of {4 * n / MB:.0f} MB run by kiln on {threads} threads"
 
 
 def ctypes_call_time() -> float:
@@ -312,8 +384,8 @@ def check(name: str, got: Any, want: Any, rtol: float = 0.0, atol: float = 0.0) 
 class Bench:
   def __init__(self, args: argparse.Namespace):
     self.args, self.scale = args, args.sizes_scale
-    self.t = Timing(1, 3, 0.3) if args.quick else Timing(2, 15, 2.0)
-    self.tp = Timing(1, 3, 0.3) if args.quick else Timing(1, 7, 1.5)  # peers: fewer runs (tinygrad's matmul takes seconds)
+    self.t = Timing(1, 3, 0.3, 0.15) if args.quick else Timing(2, 15, 2.0)
+    self.tp = Timing(1, 3, 0.3, 0.15) if args.quick else Timing(1, 7, 1.5)  # peers: fewer runs (tinygrad's matmul takes seconds)
     self.rows: list[Row] = []
     self.info: dict[str, Any] = {}
     self.peers = load_peers()
@@ -344,7 +416,16 @@ class Bench:
   def limits(self) -> None:
     n = self.size(1 << 24, 1 << 16)
     self.bw, how = memory_bandwidth(n, self.threads, self.t)
+    try:  # numpy's threaded read (a sum) is bound by its own arithmetic, not by memory: a plain read kernel says more
+      read, read_how = read_bandwidth(n, self.threads, self.t)
+      how += f"; {read_how}: {read / GB:.1f} GB/s"
+      self.bw = max(self.bw, read)
+    except Exception as e: how += f"; read kernel not measured ({type(e).__name__}: {e})"
     self.info["memory_bandwidth"] = {"bytes_per_s": self.bw, "how": how}
+    try:  # the limit for c = a + b: reads and streamed writes overlap, so it can pass the read-only rate
+      self.bw_add, how = add_bandwidth(n, self.threads, self.t)
+    except Exception as e: self.bw_add, how = self.bw, f"not measured ({type(e).__name__}: {e}); the read limit stands in"
+    self.info["add_bandwidth"] = {"bytes_per_s": self.bw_add, "how": how}
     try:
       self.peak, how = fma_peak(self.threads, self.t, iters=1 << (14 if self.scale < 0.2 else 18))
       self.info["fma_peak"] = {"flops_per_s": self.peak, "how": how}
@@ -358,25 +439,28 @@ class Bench:
   # -- elementwise and reductions --
   def add(self, r: Row) -> None:
     n = self.size(1 << 24, 1 << 10)
-    a, b = self.rng.random(n, dtype=np.float32), self.rng.random(n, dtype=np.float32)
-    c, cn = np.empty_like(a), np.empty_like(a)
+    # every library gets 64-byte-aligned arrays, as kiln's allocator makes them (numpy's own big arrays are often only
+    # 16-byte aligned, and kiln's streaming stores need an aligned output: an unaligned one takes ordinary stores)
+    a, b, c, cn = (aligned_empty(n) for _ in range(4))
+    a[:], b[:] = self.rng.random(n, dtype=np.float32), self.rng.random(n, dtype=np.float32)
     k = kiln_call(kernels.elementwise(lambda x, y: x + y, F32, ((n,), F32), ((n,), F32), name="bench_add"), [c, a, b])
     want = a + b
     k()
     check("add", c, want)
     r.kiln, r.numpy = medians([k, lambda: np.add(a, b, out=cn)], self.t)
     if self.peers.numba is not None:
-      f, o = numba_fn(self.peers.numba, "add"), np.empty_like(a)
+      f, o = numba_fn(self.peers.numba, "add"), aligned_empty(n)
       self.peer_time(r, "numba", lambda: f(a, b, o), lambda _: check("numba add", o, want))
     if self.peers.tinygrad is not None:
       T, D, dev = self.peers.tinygrad
       ta, tb = T(a, device=dev).realize(), T(b, device=dev).realize()
       self.peer_time(r, "tinygrad", lambda: self._tg((ta + tb).realize()), lambda out: check("tinygrad add", out.numpy(), want))
-    self._bw_row(r, 12 * n, f"{n / (1 << 20):g}M float32 add", 3.0)
+    self._bw_row(r, 12 * n, f"{n / (1 << 20):g}M float32 add", 3.0, self.bw_add, "add")
 
   def sum(self, r: Row) -> None:
     n = self.size(1 << 24, 1 << 10)
-    a = self.rng.random(n, dtype=np.float32)
+    a = aligned_empty(n)
+    a[:] = self.rng.random(n, dtype=np.float32)
     out = np.zeros(1, np.float32)
     k = kiln_call(kernels.reduce_sum((n,), F32), [out, a])
     want = a.sum(dtype=np.float64)
@@ -390,18 +474,18 @@ class Bench:
       T, D, dev = self.peers.tinygrad
       ta = T(a, device=dev).realize()
       self.peer_time(r, "tinygrad", lambda: self._tg(ta.sum().realize()), lambda s: check("tinygrad sum", s.numpy(), want, rtol=1e-4))
-    self._bw_row(r, 4 * n, f"{n / (1 << 20):g}M float32 sum", 4.0)
+    self._bw_row(r, 4 * n, f"{n / (1 << 20):g}M float32 sum", 4.0, self.bw, "read")
 
   def _tg(self, t: Any) -> Any:
     T, D, dev = self.peers.tinygrad
     D[dev].synchronize()
     return t
 
-  def _bw_row(self, r: Row, nbytes: int, work: str, target: float) -> None:
+  def _bw_row(self, r: Row, nbytes: int, work: str, target: float, limit: float, what: str) -> None:
     r.work = work
     r.ratio = r.numpy / r.kiln  # type: ignore[operator]
-    r.achieved = _rate(nbytes / r.kiln, "GB/s", self.bw)  # type: ignore[operator]
-    r.limit = f"{self.bw / GB:.1f} GB/s mem"
+    r.achieved = _rate(nbytes / r.kiln, "GB/s", limit)  # type: ignore[operator]
+    r.limit = f"{limit / GB:.1f} GB/s {what}"
     r.target, r.target_kind, r.target_value = f">= {target:g}x numpy", "ratio", target
 
   def matmul(self, r: Row, n0: int, gated: bool) -> None:
@@ -664,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  WARNING: load average {load:.1f} on {os.cpu_count()} cores: other work shares the CPU, so multi-threaded times (numpy's "
           "OpenBLAS, numba, kiln's threads) are unreliable; rerun on a quiet machine for numbers to quote")
   for k in ("numba", "tinygrad"): print(f"  {k}: {b.peers.notes.get(k, '?')}")
-  print(f"  limit, memory: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
+  print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
+  print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
   print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")
   print("  times are medians of warm runs; kiln/numpy = numpy's time / kiln's (throughput ratio, >1 is kiln faster)\n")
   print(table(b.rows))

@@ -244,6 +244,15 @@ def simplify(u: UOp) -> UOp:
   return graph_rewrite(u, symbolic)
 
 
+def is_multiple(u: UOp, k: int) -> bool:
+  """True when the integer expression u is provably a multiple of the power of two k for every value of its variables:
+  every term's coefficient and the constant are (2**bits is a multiple of k, so wraparound keeps it). False when unsure."""
+  if k < 1 or k & (k - 1): return False
+  if not _int(u) or (terms := _terms(u)) is None: return False
+  lin, const = terms
+  return const % k == 0 and all(c % k == 0 for _, c in lin)
+
+
 def sym_int_eval(u: UOp, var_vals: dict[str, int]) -> int:
   """The exact value of an integer (or bool) expression graph under kiln's C semantics (the evaluator's own exec_alu)."""
   if not isinstance(u.dtype, DType) or u.dtype.count != 1 or u.dtype.is_float:

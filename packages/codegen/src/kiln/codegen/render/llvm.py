@@ -20,6 +20,7 @@ from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.uop import UOp
+from kiln.ir.symbolic import is_multiple
 
 _INT_BIN = {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}
 _FLT_BIN = {Ops.ADD: "fadd", Ops.SUB: "fsub", Ops.MUL: "fmul", Ops.FDIV: "fdiv"}
@@ -102,6 +103,7 @@ class LLVMPrinter:
     self.n = 0
     self.block = "entry"
     self.loops: dict[UOp, tuple[str, str]] = {}
+    self.stream_flags: set[str] = set()  # per (buffer, alignment): is its base aligned for streaming stores
 
   def tmp(self) -> str:
     self.n += 1
@@ -151,6 +153,8 @@ class LLVMPrinter:
     vb = self.target.vector_bytes * 8
     head = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:"] + ["  " + a for a in self.allocas]
     attrs = f'attributes #0 = {{ nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}" }}'
+    if self.stream_flags:  # streaming stores are weakly ordered: fence them before the caller (or another thread) reads
+      body.append(f"  call void {self.intrinsic('llvm.x86.sse.sfence', 'void', [])}()")
     return "\n".join([*sorted(self.decls), *self.helpers.values(), *head, *body, "  ret void", "}", attrs, ""])
 
   # ---- one uop ----
@@ -305,10 +309,43 @@ class LLVMPrinter:
       self.emit(f"br i1 {self.val(idx.src[2])}, label %{then}, label %{cont}")
       self.label(then)
     v = self.to_mem(self.val(val), dt)
-    self.emit(f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}")
+    plain = f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}"
+    if not gated and (stream := self.stream_flag(idx, dt)) is not None:
+      flag, align = stream
+      nt, pl, done = f"stnt{self.n}", f"stpl{self.n}", f"stdone{self.n}"
+      self.n += 1
+      self.emit(f"br i1 {flag}, label %{nt}, label %{pl}")  # loop-invariant: LLVM unswitches it out of the loop
+      self.label(nt)
+      self.emit(f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {align}, !nontemporal !{{i32 1}}")
+      self.emit(f"br label %{done}")
+      self.label(pl)
+      self.emit(plain)
+      self.emit(f"br label %{done}")
+      self.label(done)
+      return
+    self.emit(plain)
     if gated:
       self.emit(f"br label %{cont}")
       self.label(cont)
+
+  def stream_flag(self, idx: UOp, dt: DType) -> tuple[str, int] | None:
+    """A vector store to a large output streams past the caches (non-temporal: no read-for-ownership, no eviction of
+    what the caches hold). x86 needs the address aligned to the vector, so the store must land at a provable multiple
+    of its width from the buffer's start, and the buffer's own alignment is checked once on entry: the flag this
+    returns picks the streaming or the ordinary store. None: an ordinary store."""
+    buf = idx.src[0]
+    if not self.target.stream_store_bytes or dt.count == 1 or buf.op is not Ops.DEFINE_GLOBAL: return None
+    assert isinstance(buf.dtype, PtrDType)
+    width = buf.dtype.base.itemsize * dt.count
+    if buf.dtype.size <= 0 or buf.dtype.size * buf.dtype.base.itemsize < self.target.stream_store_bytes: return None
+    if width < 16 or width & (width - 1) or not is_multiple(idx.src[1], dt.count): return None
+    align = min(width, 64)
+    flag = f"%stream{buf.arg}.a{align}"
+    if flag not in self.stream_flags:
+      self.stream_flags.add(flag)
+      self.allocas += [f"{flag}.p = ptrtoint ptr %data{buf.arg} to i64", f"{flag}.m = and i64 {flag}.p, {align - 1}",
+                       f"{flag} = icmp eq i64 {flag}.m, 0"]
+    return flag, align
 
   def vectorize(self, u: UOp) -> None:
     dt = u.dtype
