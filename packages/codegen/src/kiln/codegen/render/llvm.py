@@ -19,8 +19,8 @@ from kiln.codegen.spec import KernelArg, ProgramSpec, Variable
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
-from kiln.ir.uop import UOp
 from kiln.ir.symbolic import is_multiple
+from kiln.ir.uop import UOp
 
 _INT_BIN = {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}
 _FLT_BIN = {Ops.ADD: "fadd", Ops.SUB: "fsub", Ops.MUL: "fmul", Ops.FDIV: "fdiv"}

@@ -15,7 +15,6 @@ from kiln.runtime.cpu.disk import DiskAllocator
 from kiln.runtime.cpu.program import CPUProgram, shared_engine
 from kiln.runtime.cpu.threads import thread_count
 
-
 # outputs from this size up are written with streaming (non-temporal) stores on x86: far past the L2 (2 MiB a core
 # here), they would only evict what the caches hold and cost a read-for-ownership each line (16M float32 add: 7.8 -> 5.2 ms)
 STREAM_STORE_BYTES = 8 << 20
@@ -36,7 +35,8 @@ class CPURuntime:
     self.target = cpu_target()
     self.renderer = LLVMRenderer(self.target)
     self.compiler = LLVMCompiler()
-    self.compiler.cache_key += f"|vec{self.target.vector_bytes}|threads{self.target.threads}|stream{self.target.stream_store_bytes}"  # the render choices live in the code too
+    t = self.target  # the render choices live in the code too
+    self.compiler.cache_key += f"|vec{t.vector_bytes}|threads{t.threads}|stream{t.stream_store_bytes}"
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 
