@@ -15,7 +15,7 @@ from kiln.codegen.spec import BufferSpec, CompiledSpec, ProgramSpec, Variable
 from kiln.executor import cache
 from kiln.executor.buffer import Buffer, copy_buffer
 from kiln.executor.plan import ExecutionPlanBuilder
-from kiln.ir import Ops, UOp, dtypes
+from kiln.ir import Ops, UOp, dtypes, kernels
 from kiln.ir.errors import (
   CodegenError,
   CompileError,
@@ -149,6 +149,8 @@ CASES = [
    lambda: RT.renderer.render(scale(), [Opt(OptOps.UNROLL, 5, 2)])),
   ("opt-symbolic-axis", CodegenError, r"symbolic", lambda: RT.renderer.render(sym_kernel(), [Opt(OptOps.UPCAST, 0, 2)])),
   ("opt-gpu-on-cpu", CodegenError, r"LOCAL is a GPU option", lambda: RT.renderer.render(scale(), [Opt(OptOps.LOCAL, 0, 4)])),
+  ("opt-pack-the-upcast-reduce", CodegenError, r"PACK packs panels across the vectorised output axis",  # was a "linearizer bug"
+   lambda: RT.renderer.render(kernels.matmul(8, 8, 32), [Opt(OptOps.UPCAST, 2, 16), Opt(OptOps.PACK, 2, 1)])),
   ("render-not-a-sink", CodegenError, r"a kernel is a SINK of STOREs, got Ops.STORE", lambda: RT.renderer.render(scale().src[0])),
   ("spec-duplicate-var-names", ValidationError, r"var_names must be unique, duplicated: \['n'\]",
    lambda: ProgramSpec(name="k", src="", device="CPU", ast=scale(), var_names=["n", "n"])),

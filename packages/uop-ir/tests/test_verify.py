@@ -132,6 +132,10 @@ def test_lowered_ops_are_rejected_unless_allowed():
   ast = UOp.sink(buf(0).index(s).store(UOp.const(F32, 1.0)))
   bad(ast, "SPECIAL", "after lowering")
   verify(ast, allow_lowered=True)
+  i = UOp.range(16, 0)
+  x = buf(1).index(i).load()
+  fused = UOp(Ops.FMA, F32, (x, x, x))  # the lowering's fused multiply-add is not a user op either
+  bad(UOp.sink(buf(0).index(i).store(fused)), "FMA", "after lowering")
 
 
 # ---- the static bounds proof ----

@@ -153,6 +153,8 @@ class Lowerer:
           if p.rng.arg[1] is not AxisType.REDUCE or size is None: raise CodegenError(f"{o}: PACK needs a reduce axis of constant size")
           p.pack = True
     if sum(p.threads > 1 for p in self.plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+    if any(p.pack and p.kind == "vec" for p in self.plans.values()):  # a panel is k x lanes of an output axis
+      raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")
     groups = [p for p in self.plans.values() if p.group]
     if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
     # a GROUP's barrier needs every thread of the block, and its shared array one reduction per block

@@ -203,13 +203,7 @@ def memory_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
     for name, op, nbytes in (("copy", lambda s: np.copyto(c[s], a[s]), 8 * n), ("add", lambda s: np.add(a[s], b[s], out=c[s]), 12 * n),
                              ("read", lambda s: np.add.reduce(a[s]), 4 * n)):
       def run(op=op) -> None: list(ex.map(op, parts))
-      for _ in range(t.warmups): run()
-      ts = []
-      for _ in range(max(5, t.runs // 2)):
-        st = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - st)
-      best[name] = nbytes / min(ts)
+      best[name] = nbytes / _best(run, t)
   k = max(best, key=lambda x: best[x])
   each = ", ".join(f"{x} {v / GB:.1f}" for x, v in best.items())
   return best[k], f"STREAM-like {k} of {n * 4 / MB:.0f} MB arrays on {threads} threads, best of runs ({each} GB/s)"
@@ -238,8 +232,11 @@ def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, thr
 
 
 def _best(call: Callable[[], Any], t: Timing) -> float:
-  """The best time of a few runs, like STREAM: a limit, not a typical time."""
-  for _ in range(t.warmups): call()
+  """The best time of a few runs, like STREAM: a limit, not a typical time. Warmed like medians() (busy, not paused)."""
+  warm_until = time.perf_counter() + t.warm_seconds
+  for i in itertools.count():
+    call()
+    if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
   ts = []
   for _ in range(max(5, t.runs // 2)):
     st = time.perf_counter()

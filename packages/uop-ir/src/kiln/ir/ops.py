@@ -10,7 +10,7 @@ class Ops(IntEnum):
   RANGE = auto(); INDEX = auto(); LOAD = auto(); STORE = auto(); REDUCE = auto()  # noqa: E702
   # appear only after lowering
   SPECIAL = auto(); DEFINE_ACC = auto(); ACC_STORE = auto(); ENDRANGE = auto(); IF = auto(); ENDIF = auto()  # noqa: E702
-  VECTORIZE = auto(); GEP = auto(); VREDUCE = auto(); DEFINE_LOCAL = auto(); BARRIER = auto()  # noqa: E702
+  VECTORIZE = auto(); GEP = auto(); DEFINE_LOCAL = auto(); BARRIER = auto()  # noqa: E702
   FMA = auto()  # fused a*b+c, one rounding: only the lowering makes it (OptOps.FMA), never a user kernel  # noqa: E702
   # unary ALU
   NEG = auto(); EXP2 = auto(); LOG2 = auto(); SIN = auto(); SQRT = auto(); RECIPROCAL = auto(); TRUNC = auto()  # noqa: E702

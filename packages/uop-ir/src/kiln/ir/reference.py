@@ -19,7 +19,7 @@ from kiln.ir.errors import EvalError, VariableBoundsError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.uop import UOp
 
-_LOWERED = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.VREDUCE,
+_LOWERED = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.FMA,
                       Ops.DEFINE_LOCAL, Ops.BARRIER})
 
 

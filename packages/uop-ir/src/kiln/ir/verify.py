@@ -12,7 +12,7 @@ from kiln.ir.errors import IRVerifyError
 from kiln.ir.ops import AxisType, GroupOp, Ops
 from kiln.ir.uop import UOp
 
-LOWERED_OPS = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.VREDUCE,
+LOWERED_OPS = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.FMA,
                          Ops.DEFINE_LOCAL, Ops.BARRIER})
 
 
