@@ -214,6 +214,8 @@ CASES = [
    lambda: plan_with(scale(), [cb(8)]).build()),
   ("plan-buffer-too-small", PlanError, r"slot 1 reads/writes 8 x float32, buffer 1 has only 4",
    lambda: plan_with(scale(), [cb(8), cb(4)]).build()),
+  ("plan-kernel-aliases-its-output", PlanError, r"slot 0 \(buffer 0\) is written and overlaps slot 1 \(buffer 0\)",
+   lambda: plan_with(scale(), [cb(8)], slots=[0, 0]).build()),
   ("plan-buffer-wrong-dtype", PlanError, r"slot 1 wants float32, buffer 1 is int32",
    lambda: plan_with(scale(), [cb(8), cb(8, "int32")]).build()),
   ("plan-buffer-index-out-of-range", PlanError, r"buffer index 7 is out of range \(the plan has 2 buffers\)",

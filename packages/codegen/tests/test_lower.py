@@ -249,7 +249,13 @@ def test_a_one_element_output_axis_is_still_a_full_reduction():
 def test_a_vector_axis_the_width_does_not_divide_is_peeled_into_a_scalar_tail():
   opts = heuristic_opts(matmul(1000, 1000, 64), CPU)
   assert Opt(OptOps.UPCAST, 1, 32) in opts  # the full width, though 32 does not divide 1000
-  lk = lower(matmul(1000, 1000, 64), CPU)
+  lk = lower(matmul(1000, 1000, 64), CPU)  # C is not read: whole tiles, the last one overlapping
+  assert all(u.src[1].dtype == F32.vec(32) for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == 0)
+  # C += A @ B reads C: a scalar tail instead
+  c, a, b = UOp.define_global(0, F32.ptr(1000 * 1000)), UOp.define_global(1, F32.ptr(1000 * 64)), UOp.define_global(2, F32.ptr(64 * 1000))
+  i, j, r = UOp.range(1000, 0), UOp.range(1000, 1), UOp.range(64, 2, AxisType.REDUCE)
+  prod = (a.index(i * 64 + r).load() * b.index(r * 1000 + j).load()).reduce(Ops.ADD, r)
+  lk = lower(UOp.sink(c.index(i * 1000 + j).store(c.index(i * 1000 + j).load() + prod), name="matmul_acc"), CPU, opts)
   stores = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == 0]
   assert any(s.src[1].dtype == F32.vec(32) for s in stores) and any(s.src[1].dtype == F32 for s in stores)  # main and tail
   # THREAD splits the column axis, which the tail does not have: the tail runs once, in the call with core_id 0
@@ -279,3 +285,14 @@ def test_small_or_unaligned_outputs_use_plain_stores():
   assert "nontemporal" not in spec.src and "store <16 x float>" in spec.src
   spec = LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 8)])  # 8 lanes: 1000 is a multiple, 32-byte aligned
   assert "store <8 x float>" in spec.src and "align 32, !nontemporal" in spec.src
+
+
+def test_peeled_axis_overlaps_its_last_tile_unless_the_output_is_read():
+  lk = lower(matmul(64, 100, 48), CPU, [Opt(OptOps.UPCAST, 1, 32), Opt(OptOps.UNROLL, 0, 8)])
+  stores = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == 0]
+  assert stores and all(u.src[1].dtype == F32.vec(32) for u in stores)  # 4 whole tiles, the last shifted back: no scalar tail
+  x = UOp.define_global(0, F32.ptr(100))
+  i = UOp.range(100, 0)
+  inplace = UOp.sink(x.index(i).store(x.index(i).load() * 2.0), name="double")  # reads what it writes: a scalar tail
+  stores = [u for u in lower(inplace, CPU, [Opt(OptOps.UPCAST, 0, 16)]).uops if u.op is Ops.STORE]
+  assert {u.src[1].dtype.count for u in stores} == {16, 1}

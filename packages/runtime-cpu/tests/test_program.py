@@ -193,3 +193,20 @@ def test_streaming_stores_right_at_any_alignment(offset: int) -> None:
   prog([out.ctypes.data, a.ctypes.data, b.ctypes.data])
   assert np.array_equal(out, a + b) and (raw[:start] == -7.0).all() and (raw[start + n:] == -7.0).all()
   assert ("nontemporal" in prog.spec.src) == (platform.machine().lower() in ("x86_64", "amd64"))
+
+
+@pytest.mark.parametrize("n", [17, 100, 1000])
+def test_overlapped_last_tile_and_in_place_tail(n: int) -> None:
+  """A 16-lane axis of n elements: out = a * 3 overlaps its last tile, x = x * 3 (reads what it writes) keeps a scalar
+  tail; both equal numpy exactly, and nothing past n is written."""
+  opts = [Opt(OptOps.UPCAST, 0, 16)]
+  a = np.arange(n, dtype=np.float32) - 7
+  out = np.full(n + 16, -1.0, np.float32)
+  load(kernels.elementwise(lambda v: v * 3.0, dtypes.float32, ((n,), dtypes.float32), name="tile3"), opts)([out.ctypes.data, a.ctypes.data])
+  assert np.array_equal(out[:n], a * np.float32(3)) and (out[n:] == -1.0).all()
+  x = UOp.define_global(0, dtypes.float32.ptr(n))
+  i = UOp.range(n, 0)
+  prog = load(UOp.sink(x.index(i).store(x.index(i).load() * 3.0), name="inplace3"), opts)
+  buf = np.concatenate([a, np.full(16, -1.0, np.float32)])
+  prog([buf.ctypes.data])
+  assert np.array_equal(buf[:n], a * np.float32(3)) and (buf[n:] == -1.0).all()

@@ -268,6 +268,20 @@ def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
   if d.readonly: raise KilnBufferError(f"copy into read-only buffer {di}")
 
 
+def _check_no_alias(label: str, bufs: list[int], slots: list[int], outs: list[int], buffers: list[Buffer]) -> None:
+  """A kernel's code assumes its buffers do not overlap (noalias pointers; a peeled vector tile recomputes a few outputs
+  from its inputs), so a slot it writes may share no byte with another slot."""
+  for o in outs:
+    ob = buffers[bufs[o]]
+    for s in slots:
+      if s == o: continue
+      sb = buffers[bufs[s]]
+      (a0, a1), (b0, b1) = ob.byte_range, sb.byte_range
+      if ob.storage_id == sb.storage_id and a0 < b1 and b0 < a1:
+        raise PlanError(f"{label}: slot {o} (buffer {bufs[o]}) is written and overlaps slot {s} (buffer {bufs[s]}) in memory; "
+                        "a kernel's buffers must not alias: write to another buffer and copy back")
+
+
 class _Builder:
   """One build(): validation, compiling, scheduling, memory planning, binding."""
 
@@ -350,6 +364,7 @@ class _Builder:
       if want[1] > 0 and buf.size < want[1]:
         raise PlanError(f"{label} slot {slot} reads/writes {want[1]} x {want[0]}, buffer {op.buffers[slot]} has only {buf.size}")
       if slot in kernel.outs and buf.readonly: raise PlanError(f"{label} slot {slot} writes buffer {op.buffers[slot]}, which is read-only")
+    _check_no_alias(label, op.buffers, kernel.globals, kernel.outs, self.buffers)
     # variables: bounds from the compiled kernel, else the AST's DEFINE_VARs
     bounds = {v.arg[0]: RuntimeVar(v.arg[0], v.arg[1], v.arg[2]) for v in nodes if v.op is Ops.DEFINE_VAR}
     bounds.update({v.name: RuntimeVar(v.name, v.min, v.max) for v in kernel.vars})
