@@ -673,7 +673,7 @@ class Bench:
     flops = sum(2 * batch * a * b for a, b in zip(sizes, sizes[1:]))
     r.achieved, r.limit = _rate(flops / r.kiln, "GFLOP/s", self.peak or None), f"{self.peak / GB:.0f} GFLOP/s FMA" if self.peak else "-"
     r.target, r.target_kind, r.target_value = "<= numpy's time", "ratio", 1.0
-    r.note = "scripts/demo's forward plan (6 kernels)"
+    r.note = f"scripts/demo's forward plan ({len(plan.kernels)} kernels)"
     mem.work, mem.kiln = "MLP plan peak buffer memory", float(plan.memory_bytes)
     mem.achieved, mem.limit, mem.target = f"{plan.memory_bytes_without_reuse / MB:.2f} MB w/o reuse", "-", "(report)"
     mem.numpy = float(sum(w.nbytes for w in ws) + x.nbytes + 2 * batch * sizes[-1] * 4 + sum(batch * s * 4 for s in sizes[1:]))
