@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kiln.codegen.device import DeviceSpec
 from kiln.codegen.spec import CompiledSpec, KernelArg, ProgramSpec, Variable
@@ -159,3 +160,15 @@ class TestRuntime:
 def install() -> None:
   from kiln.codegen.device import register_runtime
   register_runtime("CPU", TestRuntime)
+
+
+
+def requires_cpu_runtime() -> pytest.MarkDecorator:
+  """A skip mark for test modules that need the real CPU runtime (kiln-runtime-cpu). Call it at a module's import, before
+  any test registers this module's stand-in as "CPU"."""
+  from kiln.codegen.device import get_runtime
+  try:
+    get_runtime("CPU")
+    have = True
+  except Exception: have = False
+  return pytest.mark.skipif(not have, reason="kiln-runtime-cpu is not installed")

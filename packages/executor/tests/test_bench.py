@@ -5,15 +5,9 @@ import json
 
 import numpy as np
 import pytest
+from kiln_executor_testrt import requires_cpu_runtime
 
-from kiln.codegen.device import get_runtime
-
-try:
-  get_runtime("CPU")
-  HAVE_CPU = True
-except Exception:
-  HAVE_CPU = False
-pytestmark = pytest.mark.skipif(not HAVE_CPU, reason="kiln-runtime-cpu is not installed")
+pytestmark = requires_cpu_runtime()
 
 from kiln.executor import bench, cli  # noqa: E402
 

@@ -8,20 +8,15 @@ import time
 
 import numpy as np
 import pytest
+from kiln_executor_testrt import requires_cpu_runtime
 
-from kiln.codegen.device import get_runtime
 from kiln.executor import Buffer, ExecutionPlanBuilder, cache, compile_kernel, compile_kernel_with_origin
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import VariableBoundsError
 from kiln.ir.uop import UOp
 
-try:
-  get_runtime("CPU")
-  HAVE_CPU = True
-except Exception:
-  HAVE_CPU = False
-pytestmark = pytest.mark.skipif(not HAVE_CPU, reason="kiln-runtime-cpu is not installed")
+pytestmark = requires_cpu_runtime()
 
 
 @pytest.fixture

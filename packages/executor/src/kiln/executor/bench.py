@@ -45,6 +45,14 @@ class Timing:
   warm_seconds: float = 0.3  # each function runs at least this long (and t.warmups calls) before it is timed
 
 
+def _warm(f: Callable[[], Any], t: Timing) -> None:
+  """Run f busily for t.warm_seconds, and at least t.warmups times."""
+  warm_until = time.perf_counter() + t.warm_seconds
+  for i in itertools.count():
+    f()
+    if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
+
+
 def medians(fns: list[Callable[[], Any]], t: Timing) -> list[float]:
   """Median wall time of each fn, each timed in its own block after a busy warm-up. Not round-robin: OpenBLAS's and
   numba's worker threads keep spinning for a while after a call, and on 2 cores they took one from whichever ran next
@@ -52,10 +60,7 @@ def medians(fns: list[Callable[[], Any]], t: Timing) -> list[float]:
   spell puts this VM's vCPUs to sleep, and a 16M sum on 2 threads then took 2.4 ms a run instead of 1.3 for a while."""
   out = []
   for f in fns:
-    warm_until = time.perf_counter() + t.warm_seconds  # the previous library's workers settle while f warms the cores
-    for i in itertools.count():
-      f()
-      if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
+    _warm(f, t)  # the previous library's workers settle while f warms the cores
     ts: list[float] = []
     end = time.perf_counter() + t.budget
     while len(ts) < t.runs and (len(ts) < 3 or time.perf_counter() < end):
@@ -231,12 +236,23 @@ def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, thr
   return rt.load(rt.compiler.compile(spec.model_copy(update={"src": src, "name": name, "entry_point": name})))
 
 
+def _chunk_loop(per: int, phis: list[str], body: list[str]) -> list[str]:
+  """IR for a loop of %i over this core's `per` steps (core_id * per onwards): the entry block to the exit label."""
+  return (["entry:", f"  %start = mul i32 %core_id, {per}", f"  %end = add i32 %start, {per}", "  br label %loop", "loop:",
+           "  %i = phi i32 [%start, %entry], [%i.next, %loop]", *phis, *body,
+           "  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %end", "  br i1 %go, label %loop, label %exit", "exit:"])
+
+
+def _fold_store(vt: str, lanes: int, names: list[str]) -> list[str]:
+  """IR adding the vectors `names` in order and storing the sum at data0[core_id * lanes], then returning."""
+  lines = [f"  %s0 = fadd {vt} %{names[0]}, %{names[1]}"] + [f"  %s{c - 1} = fadd {vt} %s{c - 2}, %{names[c]}" for c in range(2, len(names))]
+  return lines + [f"  %o = mul i32 %core_id, {lanes}", "  %op = getelementptr inbounds float, ptr %data0, i32 %o",
+                  f"  store {vt} %s{len(names) - 2}, ptr %op, align 4", "  ret void"]
+
+
 def _best(call: Callable[[], Any], t: Timing) -> float:
   """The best time of a few runs, like STREAM: a limit, not a typical time. Warmed like medians() (busy, not paused)."""
-  warm_until = time.perf_counter() + t.warm_seconds
-  for i in itertools.count():
-    call()
-    if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
+  _warm(call, t)
   ts = []
   for _ in range(max(5, t.runs // 2)):
     st = time.perf_counter()
@@ -256,9 +272,7 @@ def fma_peak(threads: int, t: Timing, iters: int = 1 << 18) -> tuple[float, str]
   lines += [f"  %x{c} = phi {vt} [%a, %entry], [%y{c}, %loop]" for c in range(chains)]
   lines += [f"  %y{c} = call {vt} @llvm.fma.v{lanes}f32({vt} %x{c}, {vt} %b, {vt} %a)" for c in range(chains)]
   lines += ["  %i.next = add nsw i32 %i, 1", f"  %go = icmp slt i32 %i.next, {iters}", "  br i1 %go, label %loop, label %exit", "exit:"]
-  lines += [f"  %s0 = fadd {vt} %y0, %y1"] + [f"  %s{c - 1} = fadd {vt} %s{c - 2}, %y{c}" for c in range(2, chains)]
-  lines += [f"  %o = mul i32 %core_id, {lanes}", "  %op = getelementptr inbounds float, ptr %data0, i32 %o",
-            f"  store {vt} %s{chains - 2}, ptr %op, align 4", "  ret void"]
+  lines += _fold_store(vt, lanes, [f"y{c}" for c in range(chains)])
   n = 1 << 20  # big enough that the template kernel is split over every thread
   prog = _handwritten("kiln_fma_peak", lines, f"declare {vt} @llvm.fma.v{lanes}f32({vt}, {vt}, {vt})", lanes, n, threads)
   out, inp = np.zeros(n, np.float32), np.full(n, 0.5, np.float32)
@@ -276,14 +290,12 @@ def add_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
   vt = f"<{lanes} x float>"
   n = max(1, n // (threads * lanes)) * threads * lanes
   per = n // threads // lanes
-  lines = ["entry:", f"  %start = mul i32 %core_id, {per}", f"  %end = add i32 %start, {per}", "  br label %loop", "loop:",
-           "  %i = phi i32 [%start, %entry], [%i.next, %loop]", f"  %o = mul i32 %i, {lanes}",
-           "  %pa = getelementptr inbounds float, ptr %data1, i32 %o", f"  %va = load {vt}, ptr %pa, align 64",
-           "  %pb = getelementptr inbounds float, ptr %data2, i32 %o", f"  %vb = load {vt}, ptr %pb, align 64",
-           f"  %vc = fadd {vt} %va, %vb", "  %pc = getelementptr inbounds float, ptr %data0, i32 %o",
-           f"  store {vt} %vc, ptr %pc, align 64, !nontemporal !{{i32 1}}",
-           "  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %end", "  br i1 %go, label %loop, label %exit", "exit:",
-           "  call void @llvm.x86.sse.sfence()", "  ret void"]
+  lines = _chunk_loop(per, [], [f"  %o = mul i32 %i, {lanes}",
+                               "  %pa = getelementptr inbounds float, ptr %data1, i32 %o", f"  %va = load {vt}, ptr %pa, align 64",
+                               "  %pb = getelementptr inbounds float, ptr %data2, i32 %o", f"  %vb = load {vt}, ptr %pb, align 64",
+                               f"  %vc = fadd {vt} %va, %vb", "  %pc = getelementptr inbounds float, ptr %data0, i32 %o",
+                               f"  store {vt} %vc, ptr %pc, align 64, !nontemporal !{{i32 1}}"])
+  lines += ["  call void @llvm.x86.sse.sfence()", "  ret void"]
   prog = _handwritten("kiln_add_bw", lines, "declare void @llvm.x86.sse.sfence()", lanes, n, threads, inputs=2)
   c, a, b = aligned_empty(n), aligned_empty(n), aligned_empty(n)
   a[:], b[:] = 1.0, 2.0
@@ -300,17 +312,12 @@ def read_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
   step = accs * lanes
   n = max(1, n // (threads * step)) * threads * step  # whole steps on every thread
   per = n // threads // step
-  lines = ["entry:", f"  %start = mul i32 %core_id, {per}", f"  %end = add i32 %start, {per}", "  br label %loop", "loop:",
-           "  %i = phi i32 [%start, %entry], [%i.next, %loop]"]
-  lines += [f"  %a{c} = phi {vt} [zeroinitializer, %entry], [%b{c}, %loop]" for c in range(accs)]
-  lines += [f"  %base = mul i32 %i, {step}"]
+  body = [f"  %base = mul i32 %i, {step}"]
   for c in range(accs):
-    lines += [f"  %o{c} = add i32 %base, {c * lanes}", f"  %p{c} = getelementptr inbounds float, ptr %data1, i32 %o{c}",
-              f"  %v{c} = load {vt}, ptr %p{c}, align 4", f"  %b{c} = fadd {vt} %a{c}, %v{c}"]
-  lines += ["  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %end", "  br i1 %go, label %loop, label %exit", "exit:"]
-  lines += [f"  %s0 = fadd {vt} %b0, %b1"] + [f"  %s{c - 1} = fadd {vt} %s{c - 2}, %b{c}" for c in range(2, accs)]
-  lines += [f"  %o = mul i32 %core_id, {lanes}", "  %op = getelementptr inbounds float, ptr %data0, i32 %o",
-            f"  store {vt} %s{accs - 2}, ptr %op, align 4", "  ret void"]
+    body += [f"  %o{c} = add i32 %base, {c * lanes}", f"  %p{c} = getelementptr inbounds float, ptr %data1, i32 %o{c}",
+             f"  %v{c} = load {vt}, ptr %p{c}, align 4", f"  %b{c} = fadd {vt} %a{c}, %v{c}"]
+  lines = _chunk_loop(per, [f"  %a{c} = phi {vt} [zeroinitializer, %entry], [%b{c}, %loop]" for c in range(accs)], body)
+  lines += _fold_store(vt, lanes, [f"b{c}" for c in range(accs)])
   prog = _handwritten("kiln_read_bw", lines, "", lanes, n, threads)
   out, inp = np.zeros(n, np.float32), np.ones(n, np.float32)
   dt = _best(prog.bind([out.ctypes.data, inp.ctypes.data], [], *_sizes(prog.spec)), t)

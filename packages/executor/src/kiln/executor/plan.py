@@ -24,7 +24,7 @@ from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import CachedKernel, Origin, compile_kernel_with_origin
 from kiln.executor.profile import Profile, ProfileRecord
-from kiln.executor.schedule import Access, Lifetime, hazard_deps, levels, plan_reuse
+from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
 from kiln.ir.errors import KilnBufferError, PlanError, PlanPoisoned, VariableBoundsError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -271,13 +271,10 @@ def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
 def _check_no_alias(label: str, bufs: list[int], slots: list[int], outs: list[int], buffers: list[Buffer]) -> None:
   """A kernel's code assumes its buffers do not overlap (noalias pointers; a peeled vector tile recomputes a few outputs
   from its inputs), so a slot it writes may share no byte with another slot."""
+  span = {s: Access(buffers[bufs[s]].storage_id, *buffers[bufs[s]].byte_range, s in outs) for s in slots}
   for o in outs:
-    ob = buffers[bufs[o]]
     for s in slots:
-      if s == o: continue
-      sb = buffers[bufs[s]]
-      (a0, a1), (b0, b1) = ob.byte_range, sb.byte_range
-      if ob.storage_id == sb.storage_id and a0 < b1 and b0 < a1:
+      if s != o and conflict([span[o]], [span[s]]):
         raise PlanError(f"{label}: slot {o} (buffer {bufs[o]}) is written and overlaps slot {s} (buffer {bufs[s]}) in memory; "
                         "a kernel's buffers must not alias: write to another buffer and copy back")
 

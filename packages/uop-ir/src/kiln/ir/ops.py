@@ -45,3 +45,5 @@ class GroupOp:
   Bitwise = frozenset({Ops.AND, Ops.OR, Ops.XOR})  # ints and bools
   ReduceOps = frozenset({Ops.ADD, Ops.MUL, Ops.MAX})
   Elementwise = ALU | {Ops.CAST, Ops.BITCAST}
+  Lowered = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.FMA,
+                       Ops.DEFINE_LOCAL, Ops.BARRIER})  # only the lowering makes these: never in a kernel AST

@@ -19,9 +19,6 @@ from kiln.ir.errors import EvalError, VariableBoundsError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.uop import UOp
 
-_LOWERED = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.FMA,
-                      Ops.DEFINE_LOCAL, Ops.BARRIER})
-
 
 def _nodes(root: UOp) -> list[UOp]:
   """Toposort of root that does not enter a BIND's variable (a bound variable needs no var_vals entry)."""
@@ -142,7 +139,7 @@ class _Evaluator:
     if op is Ops.CAST: return cast(vals[u.src[0]], u.src[0].dtype, dt)  # type: ignore[arg-type]
     if op is Ops.BITCAST: return bitcast(vals[u.src[0]], u.src[0].dtype, dt)  # type: ignore[arg-type]
     if op in GroupOp.ALU: return exec_alu(op, dt, *(vals[s] for s in u.src))  # type: ignore[arg-type]
-    if op in _LOWERED: raise EvalError(f"{_desc(u)} appears only after lowering; the reference evaluator runs kernel ASTs")
+    if op in GroupOp.Lowered: raise EvalError(f"{_desc(u)} appears only after lowering; the reference evaluator runs kernel ASTs")
     raise EvalError(f"{_desc(u)} cannot be evaluated here (STORE and SINK belong at the top of a kernel)")
 
   def _load(self, u: UOp, ix: tuple[UOp, np.ndarray, np.ndarray | None]) -> np.ndarray:

@@ -12,9 +12,6 @@ from kiln.ir.errors import IRVerifyError
 from kiln.ir.ops import AxisType, GroupOp, Ops
 from kiln.ir.uop import UOp
 
-LOWERED_OPS = frozenset({Ops.SPECIAL, Ops.DEFINE_ACC, Ops.ACC_STORE, Ops.ENDRANGE, Ops.IF, Ops.ENDIF, Ops.VECTORIZE, Ops.GEP, Ops.FMA,
-                         Ops.DEFINE_LOCAL, Ops.BARRIER})
-
 
 class _Ctx:
   def __init__(self, root: UOp):
@@ -149,7 +146,7 @@ def _check_node(c: _Ctx, u: UOp, slots: dict[int, UOp], vnames: dict[str, UOp], 
     if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a BITCAST reinterprets one value")
     elif sd.nbytes != d.nbytes: c.fail(u, f"a BITCAST needs equal sizes ({sd}: {sd.nbytes} bytes, {d}: {d.nbytes} bytes)")
   elif op in GroupOp.ALU: _check_alu(c, u)
-  elif op in LOWERED_OPS:
+  elif op in GroupOp.Lowered:
     if not allow_lowered: c.fail(u, f"{op.name} appears only after lowering, not in a kernel AST")
   else: c.fail(u, f"unknown op {op!r}")
   if op is not Ops.SINK and any(s.op is Ops.STORE for s in u.src): c.fail(u, "a STORE may only be a source of the SINK")

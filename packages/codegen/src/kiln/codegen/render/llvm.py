@@ -97,7 +97,7 @@ class LLVMPrinter:
     self.lk, self.target = lk, target
     self.names: dict[UOp, str] = {}
     self.lines: list[str] = []
-    self.allocas: list[str] = []
+    self.entry: list[str] = []  # the entry block's head: allocas, streaming-store alignment flags
     self.decls: set[str] = set()
     self.helpers: dict[str, str] = {}
     self.n = 0
@@ -151,7 +151,7 @@ class LLVMPrinter:
     if lk.threads > 1: params.append("i32 %core_id")
     if lk.scratch is not None: params.append("ptr noalias %scratch")
     vb = self.target.vector_bytes * 8
-    head = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:"] + ["  " + a for a in self.allocas]
+    head = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:"] + ["  " + a for a in self.entry]
     attrs = f'attributes #0 = {{ nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}" }}'
     if self.stream_flags:  # streaming stores are weakly ordered: fence them before the caller (or another thread) reads
       body.append(f"  call void {self.intrinsic('llvm.x86.sse.sfence', 'void', [])}()")
@@ -182,7 +182,7 @@ class LLVMPrinter:
     if op is Ops.DEFINE_ACC:
       assert isinstance(u.dtype, DType)
       name = f"%acc{u.arg}"
-      self.allocas.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
+      self.entry.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
       self.emit(f"store {self.tv(u.src[0])}, ptr {name}")
       self.names[u] = name
       return
@@ -309,14 +309,15 @@ class LLVMPrinter:
       self.emit(f"br i1 {self.val(idx.src[2])}, label %{then}, label %{cont}")
       self.label(then)
     v = self.to_mem(self.val(val), dt)
-    plain = f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}"
+    store = f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align "
+    plain = store + str(max(dt.itemsize, 1))
     if not gated and (stream := self.stream_flag(idx, dt)) is not None:
       flag, align = stream
       nt, pl, done = f"stnt{self.n}", f"stpl{self.n}", f"stdone{self.n}"
       self.n += 1
       self.emit(f"br i1 {flag}, label %{nt}, label %{pl}")  # loop-invariant: LLVM unswitches it out of the loop
       self.label(nt)
-      self.emit(f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {align}, !nontemporal !{{i32 1}}")
+      self.emit(store + f"{align}, !nontemporal !{{i32 1}}")
       self.emit(f"br label %{done}")
       self.label(pl)
       self.emit(plain)
@@ -343,7 +344,7 @@ class LLVMPrinter:
     flag = f"%stream{buf.arg}.a{align}"
     if flag not in self.stream_flags:
       self.stream_flags.add(flag)
-      self.allocas += [f"{flag}.p = ptrtoint ptr %data{buf.arg} to i64", f"{flag}.m = and i64 {flag}.p, {align - 1}",
+      self.entry += [f"{flag}.p = ptrtoint ptr %data{buf.arg} to i64", f"{flag}.m = and i64 {flag}.p, {align - 1}",
                        f"{flag} = icmp eq i64 {flag}.m, 0"]
     return flag, align
 
