@@ -486,7 +486,7 @@ def index_exprs(draw: Callable[[Any], Any]) -> IndexCase:
 
 
 def check_index(ic: IndexCase) -> str:
-  from kiln.ir.symbolic import sym_int_eval
+  from kiln.ir.analysis import sym_int_eval
   s = ic.expr.simplify()
   for p in ic.points:
     a = sym_int_eval(ic.expr, p)

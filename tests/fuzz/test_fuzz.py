@@ -351,3 +351,17 @@ def test_regression_thread_split_of_a_nested_reduce_is_refused():
     got = [np.zeros(1, np.int32), np.arange(8, dtype=np.int32)]
     prog([g.ctypes.data for g in got])
     assert got[0][0] == want[0][0], opts
+
+
+# ---- fuzz finds: failing cases found on main outside CI (../shared/fuzz-finds), kept as they were written ----
+FINDS = sorted((Path(__file__).parent / "finds").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", FINDS, ids=[p.stem for p in FINDS])
+def test_regression_fuzz_find_replays_clean(path):
+  """fuzz-6fa98230f91d-cuda-emu: two store groups share a CUDA grid sized by a symbolic n; with n = 0 the grid had no block,
+  so the store outside the range (data2[0] = n != 0) never ran. The shared grid now launches at least one block, gated."""
+  d = json.loads(path.read_text())
+  if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
+  res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")
+  assert res and all(r.ok for r in res), [r.msg for r in res if not r.ok]

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.codegen.lower import free_ranges, lower
+from kiln.codegen.lower import lower
 from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes
+from kiln.ir.analysis import free_ranges
 
 F32 = dtypes.float32
 CPU = Target(device="CPU", vector_bytes=64, threads=2, min_work_per_thread=1 << 12)

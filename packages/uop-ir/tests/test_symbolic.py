@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 from kiln_ir_testgen import INT_DTYPES, bounded_vars, int_expr, points
 
 from kiln.ir import IRTypeError, Ops, UOp, VariableBoundsError, dtypes
-from kiln.ir.symbolic import simplify, sym_int_eval, symbolic
+from kiln.ir.analysis import sym_int_eval
+from kiln.ir.symbolic import simplify, symbolic
 
 i, j = UOp.variable("i", 0, 15), UOp.variable("j", 0, 3)
 n = UOp.variable("n", -5, 5)

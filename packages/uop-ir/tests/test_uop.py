@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from kiln.ir import IRError, IRTypeError, Ops, UOp, dtypes
-from kiln.ir.symbolic import simplify, sym_int_eval
+from kiln.ir.analysis import sym_int_eval
+from kiln.ir.symbolic import simplify
 
 BUILD = """
 from kiln.ir import UOp, Ops, AxisType, dtypes

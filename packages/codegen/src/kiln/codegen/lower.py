@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 
 from kiln.codegen.linearize import Linearizer, Scope
 from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, axis_size, heuristic_opts
+from kiln.codegen.threads import CORE_ID
+from kiln.ir.analysis import free_ranges, free_ranges_of, identity
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, GroupOp, Ops
 from kiln.ir.rewrite import substitute
+from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
+from kiln.ir.verify import verify
 
 
 @dataclass
@@ -41,28 +45,9 @@ class LoweredKernel:
   mem_bytes: int = 0
 
 
-def free_ranges(u: UOp) -> set[UOp]:
-  """RANGEs u uses that no REDUCE inside u closes."""
-  free: dict[UOp, frozenset[UOp]] = {}
-  for n in u.toposort():
-    if n.op is Ops.RANGE: free[n] = frozenset({n}) | free[n.src[0]]
-    elif n.op is Ops.REDUCE: free[n] = free[n.src[0]] - frozenset(n.src[1:])
-    else: free[n] = frozenset().union(*(free[s] for s in n.src)) if n.src else frozenset()
-  return set(free[u])
-
-
-def identity(op: Ops, dt: DType) -> int | float | bool:
-  if op is Ops.ADD: return False if dt.is_bool else 0
-  if op is Ops.MUL: return True if dt.is_bool else 1
-  return dt.scalar().min  # MAX
-
-
 @functools.lru_cache(maxsize=1 << 14)
 def _simplify(u: UOp) -> UOp:
   # lowering simplifies the same small index graphs again and again (per lane, per unrolled copy): UOps are interned, so memoise
-  try:
-    from kiln.ir.symbolic import simplify
-  except ImportError: return u
   return simplify(u)
 
 
@@ -211,7 +196,7 @@ class Lowerer:
 
   def _core(self, threads: int, finish: bool) -> UOp:
     # a threaded reduction adds a finishing call with core_id == threads, so the id's bound says so
-    self.core_id = UOp(Ops.SPECIAL, dtypes.index, (UOp.const(dtypes.index, threads + finish),), "core_id")
+    self.core_id = UOp(Ops.SPECIAL, dtypes.index, (UOp.const(dtypes.index, threads + finish),), CORE_ID)
     return self.core_id
 
   def _special(self, name: str, size: int | UOp) -> UOp:
@@ -535,6 +520,8 @@ class Lowerer:
         for dim, _, _, nb in self._grid_axes(list(axes), {}):
           cur = self.grid_blocks.get(dim)
           self.grid_blocks[dim] = nb if cur is None or cur is nb else _simplify(cur.maximum(nb))
+      for dim, nb in self.grid_blocks.items():  # a symbolic size bound to 0 must still launch the block the other groups run in
+        if nb.op is not Ops.CONST and nb.vmin < 1: self.grid_blocks[dim] = _simplify(nb.maximum(1))
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
     uops = self.lin.program()
     globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
@@ -602,13 +589,10 @@ def _min_elements(ast: UOp) -> dict[int, int]:
 def _estimate(ast: UOp) -> tuple[int, int]:
   """Flops and bytes moved at the variables' upper bounds (a rough figure for profiles)."""
   trips: dict[UOp, int] = {}
-  free: dict[UOp, frozenset[UOp]] = {}  # every node's free ranges in one pass (free_ranges() per node was quadratic in depth)
   nodes = ast.toposort()
+  free = free_ranges_of(nodes)  # every node's free ranges in one pass (free_ranges() per node was quadratic in depth)
   for n in nodes:
     if n.op is Ops.RANGE: trips[n] = max(int(n.src[0].vmax), 0)
-    if n.op is Ops.RANGE: free[n] = frozenset({n}) | free[n.src[0]]
-    elif n.op is Ops.REDUCE: free[n] = free[n.src[0]] - frozenset(n.src[1:])
-    else: free[n] = frozenset().union(*(free[s] for s in n.src)) if n.src else frozenset()
   def iters(u: UOp) -> int:  # a REDUCE runs over its own ranges too; anything else over its free ranges
     rs = free[u] | (set(u.src[1:]) if u.op is Ops.REDUCE else set())
     return math.prod(trips[r] for r in rs) if rs else 1
@@ -624,10 +608,7 @@ def _estimate(ast: UOp) -> tuple[int, int]:
 def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKernel:
   """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program."""
   if ast.op is not Ops.SINK: raise CodegenError(f"a kernel is a SINK of STOREs, got {ast.op}")
-  try:
-    from kiln.ir.verify import verify
-    verify(ast)
-  except ImportError: pass
+  verify(ast)
   prepared, loops = _prepare(ast)
   chosen = heuristic_opts(prepared, target) if opts is None else list(opts)
   tails: set[UOp] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import Ops
@@ -95,7 +96,6 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   stores = [s for s in ast.src if s.op is Ops.STORE]
   if len(stores) != 1: return []
   st = stores[0]
-  from kiln.codegen.lower import free_ranges
   out_axes = sorted(free_ranges(st), key=lambda r: r.arg[0])
   reduces = [u for u in st.toposort() if u.op is Ops.REDUCE]
   red_axes = sorted({r for red in reduces for r in red.src[1:]}, key=lambda r: r.arg[0])

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import base64
 import builtins
+from collections.abc import Mapping
 from typing import Annotated, Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from kiln.codegen.device import DeviceSpec
-from kiln.ir.alu import cast, exec_alu
+from kiln.ir.analysis import sym_int_eval
 from kiln.ir.dtype import DType, parse_dtype
-from kiln.ir.errors import CodegenError, IRTypeError, VariableBoundsError
-from kiln.ir.ops import GroupOp, Ops
+from kiln.ir.errors import IRTypeError
+from kiln.ir.ops import Ops
 from kiln.ir.serialize import UOpGraph, from_graph, to_graph
 from kiln.ir.uop import UOp
 
@@ -50,23 +50,10 @@ Bytes64 = Annotated[bytes, PlainValidator(lambda v: v if isinstance(v, bytes) el
                     PlainSerializer(lambda b: base64.b64encode(b).decode()), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
 
 
-def sym_eval(v: int | UOp, var_vals: dict[str, int]) -> int:
-  """Evaluate a symbolic size with concrete variable values: C integer semantics (wraparound, truncating division),
-  the same ALU definitions the reference evaluator uses. An unbound variable is a VariableBoundsError naming it."""
-  if isinstance(v, int): return v
-  topo = v.toposort()
-  var_vals = {**var_vals, **{u.src[0].arg[0]: u.src[1].arg for u in topo if u.op is Ops.BIND}}  # a bound value is fixed
-  vals: dict[UOp, Any] = {}
-  for u in topo:
-    if u.op is Ops.CONST: vals[u] = u.arg
-    elif u.op is Ops.DEFINE_VAR:
-      if u.arg[0] not in var_vals: raise VariableBoundsError(f"variable {u.arg[0]} has no value (given: {sorted(var_vals)})")
-      vals[u] = var_vals[u.arg[0]]
-    elif u.op is Ops.BIND: vals[u] = vals[u.src[1]]
-    elif u.op is Ops.CAST: vals[u] = cast(np.asarray(vals[u.src[0]]), u.src[0].dtype, u.dtype)  # type: ignore[arg-type]
-    elif u.op in GroupOp.ALU: vals[u] = exec_alu(u.op, u.dtype, *(vals[s] for s in u.src))  # type: ignore[arg-type]
-    else: raise CodegenError(f"cannot evaluate a {u.op} in a launch size")
-  return int(vals[v])
+def sym_eval(v: int | UOp, var_vals: Mapping[str, int]) -> int:
+  """A symbolic launch or buffer size with concrete variable values (kiln.ir.analysis.sym_int_eval: C integer semantics).
+  Values are not checked against the variables' bounds here: the plan and the runtimes check them where they bind them."""
+  return sym_int_eval(v, var_vals, check_bounds=False)
 
 
 class _Model(BaseModel):

@@ -18,12 +18,12 @@ from typing import Any, Literal
 from kiln.codegen.device import DeviceSpec, get_runtime
 from kiln.codegen.protocols import Program, Runtime
 from kiln.codegen.spec import CompiledSpec, KernelArg, Variable
+from kiln.codegen.threads import CORE_ID
 from kiln.executor import debug
 from kiln.ir.errors import CacheError
 from kiln.ir.uop import UOp
 
 Origin = Literal["memory", "disk", "compiled"]
-CORE_ID = "core_id"
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ def _fmt_bytes(n: int) -> str:
 
 def info() -> int:
   from kiln.codegen.device import available_devices, get_runtime
+  from kiln.codegen.threads import thread_count
   from kiln.executor import cache
   from kiln.executor.version import __version__
   print(f"kiln {__version__}  (python {sys.version.split()[0]})")
@@ -41,8 +42,7 @@ def info() -> int:
   flags = cache.cpu_fingerprint().partition("|")[2].split()
   simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "neon", "asimd", "f16c", "amx"))]
   print(f"  features:   {' '.join(simd) if simd else '-'}  ({len(flags)} flags)")
-  threads = os.environ.get("KILN_THREADS")
-  print(f"  threads:    {threads or os.cpu_count()} ({'KILN_THREADS' if threads else 'default: core count'})")
+  print(f"  threads:    {thread_count()} ({'KILN_THREADS' if os.environ.get('KILN_THREADS') else 'default: cores this process may use'})")
   cdir, n, size = cache.disk_cache_info()
   print(f"  cache:      {cdir}  ({n} kernels, {_fmt_bytes(size)}){'' if cache.disk_cache_enabled() else '  [disabled: KILN_CACHE=0]'}")
   return 0

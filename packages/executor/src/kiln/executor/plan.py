@@ -20,6 +20,8 @@ import numpy as np
 
 from kiln.codegen.device import DeviceSpec
 from kiln.codegen.protocols import BoundCall
+from kiln.codegen.spec import sym_eval
+from kiln.codegen.threads import CORE_ID, thread_count
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import CachedKernel, Origin, compile_kernel_with_origin
@@ -29,7 +31,6 @@ from kiln.ir.errors import KilnBufferError, PlanError, PlanPoisoned, VariableBou
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
-CORE_ID = "core_id"
 PARALLEL_MIN_COST = 1 << 20  # bytes + flops under which overlapping kernels on threads costs more than it saves
 
 
@@ -126,41 +127,6 @@ class PreparedCustomFunction:
 PreparedOp = PreparedKernel | PreparedCopy | PreparedBufferView | PreparedCustomFunction
 
 
-# ---- symbolic sizes ----
-def sym_eval(v: int | UOp, var_vals: Mapping[str, int]) -> int:
-  if isinstance(v, int): return v
-  try:
-    from kiln.codegen.spec import sym_eval as codegen_sym_eval
-    return codegen_sym_eval(v, dict(var_vals))
-  except ImportError: return _sym_eval_local(v, var_vals)
-
-
-def _tdiv(a: int, b: int) -> int:
-  q = abs(a) // abs(b)
-  return q if (a >= 0) == (b > 0) else -q
-
-
-_INT_OPS: dict[Ops, Callable[..., int]] = {
-  Ops.ADD: operator.add, Ops.SUB: operator.sub, Ops.MUL: operator.mul, Ops.IDIV: _tdiv, Ops.MOD: lambda a, b: a - _tdiv(a, b) * b,
-  Ops.MAX: max, Ops.NEG: operator.neg, Ops.CMPLT: lambda a, b: int(a < b), Ops.CMPEQ: lambda a, b: int(a == b),
-  Ops.CMPNE: lambda a, b: int(a != b), Ops.AND: operator.and_, Ops.OR: operator.or_, Ops.XOR: operator.xor, Ops.SHL: operator.lshift,
-  Ops.SHR: operator.rshift, Ops.WHERE: lambda c, a, b: a if c else b, Ops.CAST: lambda a: a}
-
-
-def _sym_eval_local(root: UOp, var_vals: Mapping[str, int]) -> int:
-  """Fallback for sizes while kiln.ir.symbolic is not installed: exact integer arithmetic with C division."""
-  val: dict[UOp, int] = {}
-  for u in root.toposort():
-    if u.op is Ops.CONST: val[u] = int(u.arg)
-    elif u.op is Ops.DEFINE_VAR:
-      if u.arg[0] not in var_vals: raise VariableBoundsError(f"variable {u.arg[0]} is unbound")
-      val[u] = int(var_vals[u.arg[0]])
-    elif u.op is Ops.BIND: val[u] = val[u.src[1]]
-    elif u.op in _INT_OPS: val[u] = _INT_OPS[u.op](*(val[s] for s in u.src))
-    else: raise PlanError(f"cannot evaluate {u.op} in a symbolic launch size")
-  return val[root]
-
-
 # ---- thread pool for overlapping independent kernels ----
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -171,7 +137,7 @@ def _get_pool() -> ThreadPoolExecutor:
   if _pool is None:
     with _pool_lock:
       if _pool is None:
-        n = int(os.environ.get("KILN_THREADS", "0") or 0) or os.cpu_count() or 2
+        n = thread_count()
         _pool = ThreadPoolExecutor(max_workers=max(2, n), thread_name_prefix="kiln-plan")
   return _pool
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kiln.ir.alu import bitcast, cast, compute_np, exec_alu, from_storage, round_to, to_storage
+from kiln.ir.analysis import free_ranges_of, identity
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import EvalError, VariableBoundsError
 from kiln.ir.ops import GroupOp, Ops
@@ -39,11 +40,6 @@ def _nodes(root: UOp) -> list[UOp]:
 def _desc(u: UOp) -> str: return f"{u.op.name} ({u.dtype}{'' if u.arg is None else f', arg={u.arg!r}'})"
 
 
-def identity(op: Ops, dt: DType) -> Any:
-  """The value a REDUCE starts from: 0 for ADD, 1 for MUL, -inf (floats) or the dtype's min for MAX."""
-  return {Ops.ADD: 0, Ops.MUL: 1, Ops.MAX: dt.min}[op]
-
-
 class _Evaluator:
   def __init__(self, ast: UOp, bufs: Sequence[np.ndarray], var_vals: dict[str, int]):
     self.bufs, self.var_vals = bufs, var_vals
@@ -55,19 +51,9 @@ class _Evaluator:
     self.nd = len(ranges)
     self.size: dict[UOp, int] = {}
     for r in ranges: self.size[r] = self._range_end(r)
-    self.free = self._free_ranges(nodes)
+    self.free = free_ranges_of(nodes)
 
   # ---- setup ----
-  def _free_ranges(self, nodes: list[UOp]) -> dict[UOp, frozenset[UOp]]:
-    """The ranges each node's value varies over (those no REDUCE below it closes)."""
-    free: dict[UOp, frozenset[UOp]] = {}
-    for u in nodes:
-      f = frozenset().union(*(free[s] for s in u.src if s in free))
-      if u.op is Ops.RANGE: f = f | {u}
-      elif u.op is Ops.REDUCE: f = f - frozenset(u.src[1:])
-      free[u] = f
-    return free
-
   def _range_end(self, r: UOp) -> int:
     end_nodes = _nodes(r.src[0])
     if any(n.op is Ops.RANGE for n in end_nodes): raise EvalError(f"{_desc(r)}: a range end that depends on another range is not supported")

@@ -8,15 +8,8 @@ truncation. When a rule cannot prove that, it does not fire.
 from __future__ import annotations
 
 import math
-from typing import Any
 
-import numpy as np
-
-from kiln.ir.alu import bitcast as alu_bitcast
-from kiln.ir.alu import cast as alu_cast
-from kiln.ir.alu import compute_np, exec_alu
 from kiln.ir.dtype import DType, dtypes
-from kiln.ir.errors import IRError, IRTypeError, VariableBoundsError
 from kiln.ir.fold import fold_alu
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import PatternMatcher, UPat, graph_rewrite
@@ -253,31 +246,4 @@ def is_multiple(u: UOp, k: int) -> bool:
   return const % k == 0 and all(c % k == 0 for _, c in lin)
 
 
-def sym_int_eval(u: UOp, var_vals: dict[str, int]) -> int:
-  """The exact value of an integer (or bool) expression graph under kiln's C semantics (the evaluator's own exec_alu)."""
-  if not isinstance(u.dtype, DType) or u.dtype.count != 1 or u.dtype.is_float:
-    raise IRTypeError(f"sym_int_eval needs a scalar integer or bool expression, got {u.dtype}")
-  topo = u.toposort()
-  bound = {x.src[0].arg[0]: x.src[1].arg for x in topo if x.op is Ops.BIND}  # a BIND fixes its variable; var_vals never overrides it
-  vals: dict[UOp, Any] = {}
-  for x in topo:
-    dt = x.dtype
-    if not isinstance(dt, DType) or dt.count != 1: raise IRError(f"sym_int_eval cannot evaluate {x!r} (dtype {dt})")
-    if x.op is Ops.CONST: v = np.asarray(x.arg, dtype=compute_np(dt))
-    elif x.op is Ops.DEFINE_VAR:
-      name, lo, hi = x.arg
-      if name in bound: val = bound[name]
-      elif name not in var_vals: raise VariableBoundsError(f"variable {name} has no value (bounds [{lo}, {hi}]); pass it in var_vals")
-      else: val = var_vals[name]
-      if not lo <= val <= hi: raise VariableBoundsError(f"variable {name}={val} is outside bounds [{lo}, {hi}]")
-      v = np.asarray(val, dtype=compute_np(dt))
-    elif x.op is Ops.BIND: v = vals[x.src[1]]
-    elif x.op is Ops.CAST: v = alu_cast(vals[x.src[0]], x.src[0].dtype, dt)  # type: ignore[arg-type]
-    elif x.op is Ops.BITCAST: v = alu_bitcast(vals[x.src[0]], x.src[0].dtype, dt)  # type: ignore[arg-type]
-    elif x.op in GroupOp.ALU: v = exec_alu(x.op, dt, *(vals[s] for s in x.src))
-    else: raise IRError(f"sym_int_eval cannot evaluate {x!r}: only constants, variables and ALU ops have a value")
-    vals[x] = v
-  return int(vals[u])
-
-
-__all__ = ["symbolic", "simplify", "sym_int_eval", "ring", "bounded", "logic"]
+__all__ = ["symbolic", "simplify", "is_multiple", "ring", "bounded", "logic"]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
 from kiln.codegen.spec import KernelArg, ProgramSpec, Variable
+from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
@@ -67,7 +68,7 @@ class LLVMRenderer:
 
   def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec:
     lk = lower(ast, self.target, list(opts) if opts is not None else None)
-    if any(v.arg[0] == "core_id" for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
+    if any(v.arg[0] == CORE_ID for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
       raise CodegenError("variable name core_id is reserved for the CPU thread index; rename the DEFINE_VAR")
     src = LLVMPrinter(lk, self.target).print()
     # the symbol carries a hash of the code, so kernels of one name but different code can share a JIT engine
@@ -79,7 +80,7 @@ class LLVMRenderer:
 
 def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramSpec:
   """The ProgramSpec for a lowered kernel: buffer and variable metadata from the lowering."""
-  var_names = [v.arg[0] for v in lk.vars] + (["core_id"] if lk.threads > 1 else [])
+  var_names = [v.arg[0] for v in lk.vars] + ([CORE_ID] if lk.threads > 1 else [])
   args = []
   for g in lk.globals:
     assert isinstance(g.dtype, PtrDType)
@@ -162,7 +163,7 @@ class LLVMPrinter:
     op = u.op
     if op in (Ops.DEFINE_GLOBAL, Ops.DEFINE_VAR): return
     if op is Ops.SPECIAL:
-      if u.arg != "core_id": raise CodegenError(f"the CPU renderer has no {u.arg} (a GPU index)")
+      if u.arg != CORE_ID: raise CodegenError(f"the CPU renderer has no {u.arg} (a GPU index)")
       self.names[u] = "%core_id"
       return
     if op is Ops.RANGE: return self.range(u)

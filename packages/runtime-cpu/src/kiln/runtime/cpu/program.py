@@ -14,6 +14,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from kiln.codegen.spec import CompiledSpec
+from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu.compiler import init_llvm
 from kiln.runtime.cpu.threads import get_pool
@@ -91,8 +92,8 @@ class CPUProgram:
     if not compiled.bytes: raise CompileError(f"kernel {compiled.name}: no object code to load (was it compiled for the CPU?)")
     self.name, self.spec = compiled.name, compiled
     self.threads = compiled.threads
-    self.user_vars = [v for v in compiled.var_names if v != "core_id"]
-    if self.threads > 1 and "core_id" not in compiled.var_names:
+    self.user_vars = [v for v in compiled.var_names if v != CORE_ID]
+    if self.threads > 1 and CORE_ID not in compiled.var_names:
       raise RuntimeLaunchError(f"kernel {self.name} is split over {self.threads} threads but takes no core_id variable")
     self.bounds = {v.name: (v.min, v.max) for v in compiled.vars}
     _register_symbols()

@@ -1,23 +1,12 @@
 """A persistent worker pool: a threaded kernel's N calls (core_id 0..N-1) run over it with the GIL released."""
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 
-
-def thread_count() -> int:
-  """KILN_THREADS, else the number of cores this process may use."""
-  env = os.environ.get("KILN_THREADS")
-  if env:
-    try: n = int(env)
-    except ValueError: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}") from None
-    if n < 1: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}")
-    return n
-  try: return len(os.sched_getaffinity(0))
-  except AttributeError: return os.cpu_count() or 1
+from kiln.codegen.threads import thread_count
 
 
 class _Batch:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval
+from kiln.codegen.threads import thread_count
 from kiln.ir.errors import CompileError, RuntimeLaunchError
 from kiln.runtime.cuda.compiler import source_excerpt
 
@@ -96,7 +97,7 @@ class EmulatedKernel:
     for v in vals:
       if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: value {v} does not fit the kernel's int32 argument")
     argv = (ctypes.c_int64 * max(1, len(ptrs) + len(vals)))(*ptrs, *[int(v) for v in vals])
-    w = workers or int(os.environ.get("KILN_THREADS") or os.cpu_count() or 1)
+    w = workers or thread_count()
     st = time.perf_counter()
     rc = self._fn(argv, len(ptrs) + len(vals), *gs, *ls, int(self.concurrent), w)  # ctypes releases the GIL here
     et = time.perf_counter() - st
