@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from kiln.codegen.device import DeviceSpec, get_runtime
 from kiln.codegen.opt import Opt, OptOps
-from kiln.codegen.spec import BufferSpec, CompiledSpec, ProgramSpec, Variable
+from kiln.codegen.registry import get_runtime
+from kiln.codegen.spec import BufferSpec, CompiledSpec, DeviceSpec, ProgramSpec, Variable
 from kiln.executor import cache
 from kiln.executor.buffer import Buffer, copy_buffer
 from kiln.executor.plan import ExecutionPlanBuilder
@@ -377,7 +377,7 @@ def test_ten_thousand_nested_ops_in_the_ir():
 _DEEP_CPU = """
 import sys, numpy as np
 sys.setrecursionlimit(1000)
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir.reference import evaluate
 sys.path.insert(0, {here!r})
 from test_bad_input import _deep

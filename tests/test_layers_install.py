@@ -53,7 +53,7 @@ report["rendered"] = [len(ll.splitlines()), len(cu.splitlines())]
 """
 CHECK_CPU = MATMUL + """
 import numpy as np
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 rt = get_runtime("CPU")
 prog = rt.load(rt.compiler.compile(rt.renderer.render(matmul)))
 A, B, C = np.random.rand(M, K).astype(np.float32), np.random.rand(K, N).astype(np.float32), np.zeros(M * N, np.float32)
@@ -62,7 +62,7 @@ assert np.allclose(C.reshape(M, N), A @ B, rtol=1e-4)
 report["ran"] = True
 """
 CHECK_CUDA = MATMUL + """
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir.errors import DeviceError
 try: get_runtime("CUDA"); raise AssertionError("a CUDA runtime without pycuda")
 except DeviceError as e: assert "kiln-runtime-cuda[driver]" in str(e), str(e)

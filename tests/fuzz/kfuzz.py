@@ -382,7 +382,7 @@ class Result:
 
 
 def run_cpu(case: Case, opts: list[Opt] | None, label: str) -> Result:
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   rt = get_runtime("CPU")
   try: spec = rt.renderer.render(case.ast) if opts is None else rt.renderer.render(case.ast, opts)
   except CodegenError as e:

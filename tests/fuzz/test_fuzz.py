@@ -150,7 +150,7 @@ def _empty_loop_kernel() -> UOp:
 
 
 def test_regression_cpu_store_inside_an_empty_loop_runs_nothing():
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   rt = get_runtime("CPU")
   ast = _empty_loop_kernel()
   for opts in (None, []):
@@ -176,7 +176,7 @@ def test_regression_cuda_store_inside_an_empty_loop_runs_nothing():
 def test_regression_integer_reduce_compared_or_cast_renders(use):
   """An integer REDUCE compared or cast to bool: lowering replaces the reduce by a SPECIAL placeholder with no sources, and
   computing its vmin/vmax (bounds.py reads a SPECIAL's size from src[0]) raised IndexError out of render()."""
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
   a, out = UOp.define_global(0, dtypes.int8.ptr(4)), UOp.define_global(1, dtypes.bool.ptr(1))
@@ -195,8 +195,8 @@ def test_regression_integer_reduce_compared_or_cast_renders(use):
 @pytest.mark.parametrize("dt", [dtypes.int8, dtypes.float32])
 def test_regression_upcast_by_three_reduction_compiles(dt):
   """UPCAST by 3 of a reduce axis: the accumulator `alloca <3 x i8>` was given `align 3` and LLVM rejected the IR."""
-  from kiln.codegen.device import get_runtime
   from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
   a, out = UOp.define_global(1, dt.ptr(6)), UOp.define_global(0, dt.ptr(1))
@@ -213,8 +213,8 @@ def test_regression_upcast_by_three_reduction_compiles(dt):
 def test_regression_nested_reduce_of_a_vectorised_value(dt, opts):
   """A REDUCE over a REDUCE of a vectorised value (UPCAST on the output axis, the heuristic's choice here): the outer
   accumulator was scalar and the inner a vector, and LLVM rejected `fadd float %a, <8 x float> %b`."""
-  from kiln.codegen.device import get_runtime
   from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
   a, out = UOp.define_global(1, dt.ptr(8)), UOp.define_global(0, dt.ptr(8))
@@ -248,7 +248,7 @@ def test_regression_cuda_constant_empty_axis_renders_and_runs_nothing():
 def test_regression_half_mulacc_rounds_the_product(dt):
   """MULACC is unfused (alu.py): round(round(a*b) + c) in the half type. The LLVM renderer widened a, b, c to float, computed
   a*b+c there and rounded once: 3.6035156 * -0.609375 + 0.390625 gave -1.8056641 in float16 instead of -1.8046875."""
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import Ops
   from kiln.ir.alu import round_to, to_storage
   rt = get_runtime("CPU")
@@ -271,8 +271,8 @@ def test_regression_half_mulacc_rounds_the_product(dt):
 def test_regression_nested_reduce_with_unrolled_output_axis(opts):
   """A REDUCE over a REDUCE with the output axis UNROLLed: the outer reduce took its unroll copies from the inner one's
   placeholder, whose copies were not known yet, and render() raised KeyError: UOp.variable('unroll.0', 0, 1)."""
-  from kiln.codegen.device import get_runtime
   from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
   for dt in (dtypes.float32, dtypes.int32, dtypes.bool):
@@ -305,7 +305,7 @@ def test_regression_reference_float_sum_with_an_empty_output_axis():
 def test_regression_max_reduce_over_a_possibly_empty_range():
   """vmin/vmax of a MAX REDUCE ignored that an empty range gives the identity (the dtype's min): MAX of the constant 1 over a
   RANGE(0) had bounds [1, 1], so simplification folded cast(reduce, bool) to True where the reduce is 0 (CUDA stored True)."""
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   from kiln.codegen.render.cuda import CUDARenderer
   from kiln.ir import AxisType, Ops
   n = UOp.variable("n", 0, 4)
@@ -333,8 +333,8 @@ def test_regression_thread_split_of_a_nested_reduce_is_refused():
   """THREAD on the axis of a REDUCE nested in another: the threaded result exists only in the finishing call, outside the
   outer reduce's loops, and LLVM rejected the IR ('multiple definition of local value'). Now a CodegenError says so; THREAD on
   the outer reduce's axis still works."""
-  from kiln.codegen.device import get_runtime
   from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   from kiln.ir.errors import CodegenError
   rt = get_runtime("CPU")

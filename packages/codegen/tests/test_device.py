@@ -2,8 +2,9 @@
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from kiln.codegen import device as devmod
-from kiln.codegen.device import DeviceSpec, available_devices, get_runtime, register_runtime, unregister_runtime
+from kiln.codegen import registry as devmod
+from kiln.codegen.registry import available_devices, get_runtime, register_runtime, unregister_runtime
+from kiln.codegen.spec import DeviceSpec
 from kiln.ir.errors import DeviceError, KilnError
 
 

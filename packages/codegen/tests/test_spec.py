@@ -5,8 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kiln.codegen.device import DeviceSpec
-from kiln.codegen.spec import BufferSpec, CompiledSpec, KernelArg, ProgramSpec, Variable, sym_eval
+from kiln.codegen.spec import BufferSpec, CompiledSpec, DeviceSpec, KernelArg, ProgramSpec, Variable, sym_eval
 from kiln.ir import UOp, dtypes
 from kiln.ir.errors import VariableBoundsError
 from kiln.ir.serialize import to_graph

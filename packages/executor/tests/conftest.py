@@ -8,7 +8,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import kiln_executor_testrt as testrt  # noqa: E402
 
-from kiln.codegen.device import _registered, register_runtime, unregister_runtime  # noqa: E402
+from kiln.codegen.registry import _registered, register_runtime, unregister_runtime  # noqa: E402
 from kiln.executor import cache, debug  # noqa: E402
 
 

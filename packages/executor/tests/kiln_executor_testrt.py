@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.codegen.device import DeviceSpec
-from kiln.codegen.spec import CompiledSpec, KernelArg, ProgramSpec, Variable
+from kiln.codegen.spec import CompiledSpec, DeviceSpec, KernelArg, ProgramSpec, Variable
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -158,7 +157,7 @@ class TestRuntime:
 
 
 def install() -> None:
-  from kiln.codegen.device import register_runtime
+  from kiln.codegen.registry import register_runtime
   register_runtime("CPU", TestRuntime)
 
 
@@ -166,7 +165,7 @@ def install() -> None:
 def requires_cpu_runtime() -> pytest.MarkDecorator:
   """A skip mark for test modules that need the real CPU runtime (kiln-runtime-cpu). Call it at a module's import, before
   any test registers this module's stand-in as "CPU"."""
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   try:
     get_runtime("CPU")
     have = True

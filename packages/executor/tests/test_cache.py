@@ -110,7 +110,7 @@ def test_disk_cache_new_process_and_corruption(tmp_path):
 
 
 def test_disk_key_parts(rt):
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   k = cache.disk_key("abc", "CPU", get_runtime("CPU"))
   assert "abc" in k and "testcc-1" in k and "kiln-executor=" in k and cache.cpu_fingerprint() in k
 
@@ -154,6 +154,6 @@ def test_versions_stamp_the_code_shaping_layers():
 
 
 def test_cpu_disk_key_uses_llvm_host_fingerprint():
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   rt = get_runtime("CPU")
   assert rt.compiler.fingerprint in cache.disk_key("abc", "CPU", rt)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kiln.runtime.cpu.compiler as compiler_mod
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec
 from kiln.ir import CodegenError, CompileError, UOp, dtypes, kernels, reference
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu, host_vector_bytes
@@ -81,7 +81,7 @@ def test_compiled_spec_round_trips_through_json_and_runs() -> None:
 def test_compiled_in_another_process_loads_here(tmp_path) -> None:
   path = tmp_path / "k.json"
   code = f"""
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir import dtypes, kernels
 rt = get_runtime("CPU")
 ast = kernels.elementwise(lambda a: a * a - 1.0, dtypes.float64, ((777,), dtypes.float64), name="sq")

@@ -30,7 +30,7 @@ import math
 import numpy as np
 import pytest
 
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import ALL_DTYPES, DType, f32_to_bf16_bits
 from kiln.ir.ops import GroupOp, Ops

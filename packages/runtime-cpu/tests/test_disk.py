@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from kiln.codegen.device import DeviceSpec
 from kiln.codegen.protocols import Allocator
+from kiln.codegen.spec import DeviceSpec
 from kiln.ir import KilnBufferError
 from kiln.runtime.cpu.allocator import CPUAllocator
 from kiln.runtime.cpu.buffer import RawBuffer

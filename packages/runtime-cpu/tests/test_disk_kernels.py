@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir import DeviceError, KilnBufferError, dtypes, kernels, reference
 from kiln.ir.dtype import DType, f32_to_bf16_bits
 from kiln.runtime.cpu.allocator import CPUAllocator

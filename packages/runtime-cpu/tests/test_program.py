@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from kiln.codegen.device import get_runtime
 from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.registry import get_runtime
 from kiln.ir import RuntimeLaunchError, UOp, VariableBoundsError, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram
 
@@ -160,7 +160,7 @@ def test_many_programs_loaded_side_by_side() -> None:
 def test_kernels_of_one_name_with_different_code_both_load_and_run() -> None:
   # the shared JIT engine keys symbols by name plus a hash of the code; a taken symbol asked for with other bytes is
   # refused (that program then gets an engine of its own)
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   from kiln.ir import UOp, dtypes
   from kiln.runtime.cpu.program import shared_engine
   rt = get_runtime("CPU")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import kiln.runtime.cpu.program as program_mod
-from kiln.codegen.device import get_runtime
 from kiln.codegen.lower import lower
 from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, RuntimeLaunchError, UOp, dtypes, kernels, reference
 from kiln.ir.dtype import DType
 from kiln.runtime.cpu.program import CPUProgram
@@ -113,7 +113,7 @@ def test_kiln_threads_sets_the_split_and_the_pool() -> None:
   # a fresh process: the pool and the target's thread count are fixed at first use
   code = """
 import numpy as np
-from kiln.codegen.device import get_runtime
+from kiln.codegen.registry import get_runtime
 from kiln.ir import dtypes, kernels, reference
 from kiln.runtime.cpu.threads import get_pool
 rt = get_runtime("CPU")

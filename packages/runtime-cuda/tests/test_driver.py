@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 
-from kiln.codegen import device as devmod
+from kiln.codegen import registry as devmod
 from kiln.codegen.spec import CompiledSpec, Variable
 from kiln.ir import UOp, dtypes
 from kiln.ir.errors import DeviceError, RuntimeLaunchError

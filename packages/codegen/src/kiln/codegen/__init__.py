@@ -1,8 +1,8 @@
 """kiln.codegen: lowering, optimiser, renderers, boundary models and device protocols."""
-from kiln.codegen.device import DeviceSpec, available_devices, get_runtime, register_runtime, unregister_runtime
 from kiln.codegen.opt import Opt, OptOps, Target
 from kiln.codegen.protocols import Allocator, BoundCall, Compiler, Program, Renderer, Runtime
-from kiln.codegen.spec import BufferSpec, CompiledSpec, KernelArg, ProgramSpec, Variable, sym_eval
+from kiln.codegen.registry import available_devices, get_runtime, register_runtime, unregister_runtime
+from kiln.codegen.spec import BufferSpec, CompiledSpec, DeviceSpec, KernelArg, ProgramSpec, Variable, sym_eval
 from kiln.codegen.version import __version__
 
 __all__ = ["DeviceSpec", "available_devices", "get_runtime", "register_runtime", "unregister_runtime", "Opt", "OptOps", "Target",

@@ -7,20 +7,92 @@ from __future__ import annotations
 
 import base64
 import builtins
+import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+  BaseModel,
+  ConfigDict,
+  Field,
+  PlainSerializer,
+  PlainValidator,
+  ValidationError,
+  WithJsonSchema,
+  field_validator,
+  model_serializer,
+  model_validator,
+)
 
-from kiln.codegen.device import DeviceSpec
 from kiln.ir.analysis import sym_int_eval
 from kiln.ir.dtype import DType, parse_dtype
-from kiln.ir.errors import IRTypeError
+from kiln.ir.errors import DeviceError, IRTypeError
 from kiln.ir.ops import Ops
 from kiln.ir.serialize import UOpGraph, from_graph, to_graph
 from kiln.ir.uop import UOp
 
+# ---- devices ----
+_DEVICE_RE = re.compile(r"^(?P<kind>[A-Za-z]+)(?::(?P<rest>.*))?$")
 
+
+class DeviceSpec(BaseModel):
+  """A parsed device: CPU, CUDA:<n> (GPU is an alias of CUDA), DISK:<path> (the path keeps its case)."""
+  model_config = ConfigDict(frozen=True, extra="forbid")
+  kind: Literal["CPU", "CUDA", "DISK"]
+  index: int = 0
+  path: str | None = None
+
+  @model_validator(mode="before")
+  @classmethod
+  def _from_str(cls, v: Any) -> Any:
+    if isinstance(v, DeviceSpec): return {"kind": v.kind, "index": v.index, "path": v.path}
+    if not isinstance(v, str): return v
+    return _parse(v)
+
+  @model_validator(mode="after")
+  def _check(self) -> DeviceSpec:
+    if self.kind == "DISK" and not self.path: raise ValueError("DISK device needs a path: DISK:/some/file")
+    if self.kind != "DISK" and self.path is not None: raise ValueError(f"{self.kind} device takes no path")
+    if self.index < 0: raise ValueError(f"device index must be >= 0, got {self.index}")
+    if self.kind == "CPU" and self.index != 0: raise ValueError("CPU has a single device (index 0)")
+    return self
+
+  @model_serializer
+  def _ser(self) -> str: return str(self)
+
+  @classmethod
+  def parse(cls, s: str | DeviceSpec) -> DeviceSpec:
+    if isinstance(s, DeviceSpec): return s
+    try: return cls.model_validate(s)
+    except ValueError as e: raise DeviceError(f"invalid device {s!r}: {_first_error(e)}") from None
+
+  def __str__(self) -> str:
+    if self.kind == "CPU": return "CPU"
+    if self.kind == "DISK": return f"DISK:{self.path}"
+    return f"CUDA:{self.index}"
+
+
+def _first_error(e: Exception) -> str:
+  errs = getattr(e, "errors", None)
+  if callable(errs):
+    try: return "; ".join(str(x.get("msg", x)) for x in errs())
+    except Exception: pass  # noqa: S110
+  return str(e)
+
+
+def _parse(s: str) -> dict[str, Any]:
+  m = _DEVICE_RE.match(s.strip())
+  if m is None: raise ValueError(f"cannot parse device {s!r}; expected CPU, CUDA, CUDA:<n>, GPU or DISK:<path>")
+  kind, rest = m.group("kind").upper(), m.group("rest")
+  if kind == "GPU": kind = "CUDA"
+  if kind == "DISK": return {"kind": "DISK", "path": rest}
+  if kind not in ("CPU", "CUDA"): raise ValueError(f"unknown device kind {m.group('kind')!r}; expected CPU, CUDA, GPU or DISK")
+  if rest is None: return {"kind": kind}
+  if not rest.isdigit(): raise ValueError(f"device index must be a non-negative integer, got {rest!r}")
+  return {"kind": kind, "index": int(rest)}
+
+
+# ---- symbolic sizes and bytes ----
 def _uop_in(v: Any) -> UOp:
   if isinstance(v, UOp): return v
   if isinstance(v, UOpGraph): return from_graph(v)

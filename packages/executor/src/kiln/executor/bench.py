@@ -193,7 +193,7 @@ def numba_fn(numba: Any, name: str) -> Any:
 def thread_count() -> int:
   """The CPU runtime's thread count, asked through the device registry (the executor never imports a runtime)."""
   try:
-    from kiln.codegen.device import get_runtime
+    from kiln.codegen.registry import get_runtime
     return int(get_runtime("CPU").target.threads)  # type: ignore[attr-defined]
   except Exception: return os.cpu_count() or 1
 
@@ -225,7 +225,7 @@ def _vector_lanes() -> tuple[int, str]:
 def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, threads: int, inputs: int = 1) -> Any:
   """Compile a hand-written LLVM IR kernel (data0 out, data1.. in, core_id) with kiln's CPU runtime, reusing the signature
   and thread split of a template elementwise kernel of n elements. The bench's machine limits are measured this way."""
-  from kiln.codegen.device import get_runtime
+  from kiln.codegen.registry import get_runtime
   params = ", ".join(f"ptr noalias align 4 %data{i}" for i in range(inputs + 1))
   src = (f"{decls}\n\ndefine void @{name}({params}, i32 %core_id) #0 {{\n"
          + "\n".join(body) + f'\n}}\nattributes #0 = {{ nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}" }}\n')
@@ -622,7 +622,7 @@ class Bench:
       import json, time
       t0 = time.perf_counter()
       import numpy as np
-      from kiln.codegen.device import get_runtime
+      from kiln.codegen.registry import get_runtime
       from kiln.executor import compile_kernel_with_origin
       from kiln.executor.bench import _sizes, conformance_kernel
       get_runtime("CPU")

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.codegen.device import DeviceSpec, get_runtime
+from kiln.codegen.registry import get_runtime
+from kiln.codegen.spec import DeviceSpec
 from kiln.ir.dtype import DType, dtypes, parse_dtype
 from kiln.ir.errors import KilnBufferError
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kiln.codegen.device import DeviceSpec, get_runtime
 from kiln.codegen.protocols import Program, Runtime
-from kiln.codegen.spec import CompiledSpec, KernelArg, Variable
+from kiln.codegen.registry import get_runtime
+from kiln.codegen.spec import CompiledSpec, DeviceSpec, KernelArg, Variable
 from kiln.codegen.threads import CORE_ID
 from kiln.executor import debug
 from kiln.ir.errors import CacheError

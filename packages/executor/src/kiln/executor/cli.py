@@ -17,7 +17,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def info() -> int:
-  from kiln.codegen.device import available_devices, get_runtime
+  from kiln.codegen.registry import available_devices, get_runtime
   from kiln.codegen.threads import thread_count
   from kiln.executor import cache
   from kiln.executor.version import __version__

@@ -18,9 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kiln.codegen.device import DeviceSpec
 from kiln.codegen.protocols import BoundCall
-from kiln.codegen.spec import sym_eval
+from kiln.codegen.spec import DeviceSpec, sym_eval
 from kiln.codegen.threads import CORE_ID, thread_count
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage

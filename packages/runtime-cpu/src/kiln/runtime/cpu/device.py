@@ -4,10 +4,9 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from kiln.codegen.device import DeviceSpec
 from kiln.codegen.opt import Target
 from kiln.codegen.render.llvm import LLVMRenderer
-from kiln.codegen.spec import CompiledSpec
+from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.ir.errors import DeviceError
 from kiln.runtime.cpu.allocator import CPUAllocator
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_vector_bytes

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.codegen.device import DeviceSpec
-from kiln.codegen.spec import CompiledSpec, sym_eval
+from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
 from kiln.ir.errors import CodegenError, DeviceError, RuntimeLaunchError
 from kiln.runtime.cuda.compiler import CUDACompiler
 
