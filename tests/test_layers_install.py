@@ -139,7 +139,9 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
 
 def _build(layer: Layer, where: Path) -> Path:
   """A clean venv (no system site-packages) with only this layer's folders installed, built by pip."""
-  venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(where)
+  # symlinks, not copies: a thread copying the interpreter while another forks lets the child hold the copy open for
+  # writing, and running it then fails with ETXTBSY ("Text file busy"), as seen once in CI-like runs
+  venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True, symlinks=True).create(where)
   py = where / "bin" / "python"
   p = _run([str(py), "-m", "pip", "install", "--quiet", *(str(ROOT / "packages" / f) for f in layer.folders)], cwd=where)
   if p.returncode != 0: raise RuntimeError(f"pip install of {layer.folders} failed:\n{p.stdout}\n{p.stderr}")
