@@ -41,7 +41,7 @@ def build(tag: str, symbolic: bool = False):
 def test_ten_thousand_executions_keep_memory_flat():
   plan = build(uuid.uuid4().hex[:8])
   symb = build(uuid.uuid4().hex[:8], symbolic=True)
-  for _ in range(500): plan.execute(); symb.execute_with_vars({"n": 7})  # warm up: pools, caches, allocator  # noqa: E702
+  for _ in range(500): plan.execute(); symb.execute_with_vars({"n": 7})  # warm up: pools, caches, allocator
   gc.collect()
   base = rss()
   for r in range(10_000):

@@ -138,7 +138,7 @@ def test_eight_threads_call_one_program_at_once(axpy, threaded: bool) -> None:
         call = prog.bind(ptrs(bs), [n]) if it % 2 else None
         call() if call is not None else prog(ptrs(bs), [n])
         if bs[0].tobytes() != want(ast, bs, n).tobytes(): errors.append(f"thread {t} iteration {it} n={n}: wrong result")
-    except Exception as e:  # noqa: BLE001 - reported below
+    except Exception as e:  # reported below
       errors.append(f"thread {t}: {e!r}")
 
   ts = [threading.Thread(target=worker, args=(t,)) for t in range(8)]

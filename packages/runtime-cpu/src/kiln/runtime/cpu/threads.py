@@ -25,7 +25,7 @@ class _Batch:
         i = self.next
         self.next += 1
       try: self.fn(*self.args[i])
-      except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+      except BaseException as e:  # handed to the caller, who raises it
         self.error = e
       with self.lock:
         self.left -= 1
