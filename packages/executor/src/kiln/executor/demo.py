@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.executor.buffer import Buffer
-from kiln.executor.plan import ExecutionPlan, ExecutionPlanBuilder
+from kiln.executor.builder import ExecutionPlanBuilder
+from kiln.executor.execution import ExecutionPlan
 from kiln.ir import AxisType, Ops, UOp, dtypes
 
 F32 = dtypes.float32

@@ -1,0 +1,302 @@
+"""Building an execution plan: `ExecutionPlanBuilder` collects buffers and ops; `build()` compiles every kernel through the
+kernel cache, derives dependencies from buffer hazards, groups ops into levels, plans intermediate memory, allocates,
+and binds each kernel to its buffer addresses, giving an ExecutionPlan."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kiln.codegen.spec import DeviceSpec
+from kiln.executor.buffer import Buffer, Storage
+from kiln.executor.cache import compile_kernel_with_origin
+from kiln.executor.execution import ExecutionPlan
+from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
+from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
+from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
+from kiln.ir.errors import KilnBufferError, PlanError, VariableBoundsError
+from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
+
+
+# ---- op records (what add_* collected; build() prepares them) ----
+@dataclass
+class _KernelOp:
+  id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str  # noqa: E702
+
+@dataclass
+class _CopyOp:
+  id: int; dst: int; src: int; deps: list[int]  # noqa: E702
+
+@dataclass
+class _ViewOp:
+  id: int; out: int; base: int; byte_offset: int; byte_size: int  # noqa: E702
+
+@dataclass
+class _CustomOp:
+  id: int; fn: Callable[..., Any]; buffers: list[int]; outputs: list[int] | None; deps: list[int]  # noqa: E702
+
+
+def _op_label(op: Any) -> str:
+  if isinstance(op, _KernelOp): return f"kernel {op.id} '{op.name}'"
+  if isinstance(op, _CopyOp): return f"copy {op.id}"
+  if isinstance(op, _CustomOp): return f"custom {op.id} '{getattr(op.fn, '__name__', 'fn')}'"
+  return f"view {op.id}"
+
+
+class ExecutionPlanBuilder:
+  """Collects buffers and ops for an ExecutionPlan. Indices and op ids are plain ints, in the order things were added."""
+
+  def __init__(self, device: str | DeviceSpec = "CPU", *, parallel: bool | None = None, reuse_memory: bool = True):
+    self.device = str(DeviceSpec.parse(device))
+    self.parallel, self.reuse_memory = parallel, reuse_memory  # parallel None: overlap only kernels big enough to gain
+    self.buffers: list[Buffer] = []
+    self.ops: list[_KernelOp | _CopyOp | _ViewOp | _CustomOp] = []
+    self.outputs: list[int] = []
+
+  def add_buffer(self, buf: Buffer) -> int:
+    if not isinstance(buf, Buffer): raise PlanError(f"add_buffer takes a kiln Buffer, got {type(buf).__name__}")
+    for i, b in enumerate(self.buffers):
+      if b is buf: return i
+    self.buffers.append(buf)
+    return len(self.buffers) - 1
+
+  def add_kernel(self, ast: UOp, buffers: Sequence[int], fixedvars: Mapping[str, int] | None = None, deps: Sequence[int] | None = None) -> int:
+    """Slot i of the AST binds plan buffer buffers[i]. Returns the op id."""
+    if not isinstance(ast, UOp): raise PlanError(f"add_kernel takes a kernel AST (UOp), got {type(ast).__name__}")
+    name = ast.arg if ast.op is Ops.SINK and isinstance(ast.arg, str) else f"kernel{len(self.ops)}"
+    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name))
+    return len(self.ops) - 1
+
+  def add_copy(self, dst: int, src: int, deps: Sequence[int] | None = None) -> int:
+    if self._in_range(dst) and self._in_range(src) and not self._is_view_target(dst) and not self._is_view_target(src):
+      _check_copy(self.buffers[dst], self.buffers[src], dst, src)
+    self.ops.append(_CopyOp(len(self.ops), dst, src, list(deps or [])))
+    return len(self.ops) - 1
+
+  def add_view(self, out: int, base: int, byte_offset: int, byte_size: int) -> int:
+    """Plan buffer `out` becomes a view of plan buffer `base`: byte_size bytes from byte_offset, in out's dtype."""
+    self.ops.append(_ViewOp(len(self.ops), out, base, byte_offset, byte_size))
+    return len(self.ops) - 1
+
+  def add_custom(self, fn: Callable[..., Any], buffers: Sequence[int], outputs: Sequence[int] | None = None,
+                 deps: Sequence[int] | None = None) -> int:
+    """fn(*plan_buffers) runs on the host in its turn. `outputs` (positions in buffers) are the ones it writes; default all."""
+    self.ops.append(_CustomOp(len(self.ops), fn, [int(b) for b in buffers], None if outputs is None else list(outputs), list(deps or [])))
+    return len(self.ops) - 1
+
+  def set_outputs(self, outputs: Sequence[int]) -> None: self.outputs = [int(o) for o in outputs]
+
+  def _in_range(self, i: int) -> bool: return isinstance(i, int) and 0 <= i < len(self.buffers)
+  def _is_view_target(self, i: int) -> bool: return any(isinstance(o, _ViewOp) and o.out == i for o in self.ops)
+
+  def build(self) -> ExecutionPlan: return _Builder(self).build()
+
+
+def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
+  if d.nbytes != s.nbytes:
+    raise KilnBufferError(f"copy between buffers of different sizes: dst buffer {di} has {d.nbytes} bytes ({d.size} x {d.dtype.name}), "
+                          f"src buffer {si} has {s.nbytes} bytes ({s.size} x {s.dtype.name})")
+  if d.readonly: raise KilnBufferError(f"copy into read-only buffer {di}")
+
+
+def _check_no_alias(label: str, bufs: list[int], slots: list[int], outs: list[int], buffers: list[Buffer]) -> None:
+  """A kernel's code assumes its buffers do not overlap (noalias pointers; a peeled vector tile recomputes a few outputs
+  from its inputs), so a slot it writes may share no byte with another slot."""
+  span = {s: Access(buffers[bufs[s]].storage_id, *buffers[bufs[s]].byte_range, s in outs) for s in slots}
+  for o in outs:
+    for s in slots:
+      if s != o and conflict([span[o]], [span[s]]):
+        raise PlanError(f"{label}: slot {o} (buffer {bufs[o]}) is written and overlaps slot {s} (buffer {bufs[s]}) in memory; "
+                        "a kernel's buffers must not alias: write to another buffer and copy back")
+
+
+class _Builder:
+  """One build(): validation, compiling, scheduling, memory planning, binding."""
+
+  def __init__(self, b: ExecutionPlanBuilder):
+    self.b, self.buffers = b, list(b.buffers)
+
+  def _idx(self, i: Any, what: str) -> int:
+    if not isinstance(i, int) or not 0 <= i < len(self.buffers):
+      raise PlanError(f"{what}: buffer index {i!r} is out of range (the plan has {len(self.buffers)} buffers)")
+    return i
+
+  def build(self) -> ExecutionPlan:
+    b, ops = self.b, self.b.ops
+    if not b.outputs: raise PlanError("the plan has no outputs: call set_outputs([...]) with the buffers to read back")
+    for o in b.outputs: self._idx(o, "set_outputs")
+    ids = {op.id for op in ops}
+    for op in ops:
+      for d in getattr(op, "deps", []):
+        if d not in ids: raise PlanError(f"{_op_label(op)} depends on unknown op {d!r} (ops are 0..{len(ops) - 1})")
+    # views first: they change what later ops touch
+    views: list[PreparedBufferView] = []
+    for op in ops:
+      if not isinstance(op, _ViewOp): continue
+      out, base = self._idx(op.out, f"view {op.id} out"), self._idx(op.base, f"view {op.id} base")
+      ob = self.buffers[out]
+      if op.byte_size % ob.dtype.itemsize: raise PlanError(f"view {op.id}: byte_size {op.byte_size} is not a multiple of {ob.dtype.name}'s size")
+      if ob.is_allocated: raise PlanError(f"view {op.id}: buffer {out} is already allocated; a view target must be a fresh buffer")
+      self.buffers[out] = self.buffers[base].view(op.byte_offset, op.byte_size // ob.dtype.itemsize, ob.dtype)
+      views.append(PreparedBufferView(op.id, out, base, op.byte_offset, op.byte_size))
+    exec_ops = [op for op in ops if not isinstance(op, _ViewOp)]
+    # compile and validate kernels
+    prepared: dict[int, PreparedKernel | PreparedCopy | PreparedCustomFunction] = {}
+    accesses: list[list[Access]] = []
+    for op in exec_ops:
+      pk: PreparedKernel | PreparedCopy | PreparedCustomFunction
+      if isinstance(op, _KernelOp): pk, acc = self._kernel(op)
+      elif isinstance(op, _CopyOp): pk, acc = self._copy(op)
+      else: pk, acc = self._custom(op)
+      prepared[op.id] = pk
+      accesses.append(acc)
+    # dependencies: hazards on storage byte ranges, plus explicit ones (onto views: nothing to wait for)
+    pos = {op.id: i for i, op in enumerate(exec_ops)}
+    deps = hazard_deps(accesses)
+    for i, op in enumerate(exec_ops): deps[i] |= {pos[d] for d in op.deps if d in pos}
+    lv = levels(deps, [_op_label(op) for op in exec_ops])
+    for li, group in enumerate(lv):
+      for i in group:
+        p = prepared[exec_ops[i].id]
+        p.level, p.dependencies = li, sorted(exec_ops[j].id for j in deps[i])
+    op_levels = [[exec_ops[i].id for i in g] for g in lv]
+    naive = self._plan_memory(exec_ops, accesses, lv)
+    for buf in self.buffers: buf.ensure_allocated()
+    self._bind(prepared)
+    all_ops: list[PreparedOp] = sorted([*prepared.values(), *views], key=lambda p: p.id)
+    return ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
+
+  def _kernel(self, op: _KernelOp) -> tuple[PreparedKernel, list[Access]]:
+    label = _op_label(op)
+    for i, bi in enumerate(op.buffers): self._idx(bi, f"{label} slot {i}")
+    nodes = op.ast.toposort()
+    slots = {u.arg: u for u in nodes if u.op is Ops.DEFINE_GLOBAL}
+    nslots = max(slots, default=-1) + 1
+    if len(op.buffers) != nslots:
+      raise PlanError(f"{label} takes {nslots} buffers (DEFINE_GLOBAL slots 0..{nslots - 1}), got {len(op.buffers)}")
+    if not any(u.op is Ops.STORE for u in nodes): raise PlanError(f"{label} has no outputs (it stores to no buffer)")
+    binds = {u.src[0].arg[0]: int(u.src[1].arg) for u in nodes if u.op is Ops.BIND}
+    for i, bi in enumerate(op.buffers):
+      buf = self.buffers[bi]
+      if buf.device != self.b.device:
+        raise PlanError(f"{label} slot {i}: buffer {bi} is on {buf.device}, the plan's kernels run on {self.b.device}; add_copy it first")
+    kernel, origin = compile_kernel_with_origin(op.ast, self.b.device)
+    if not kernel.outs: raise PlanError(f"{label} has no outputs (the compiled kernel writes no buffer)")
+    # buffers must fit the kernel's arguments
+    args = {a.slot: (a.dtype, a.size) for a in kernel.args}
+    for slot in kernel.globals:
+      want = args.get(slot) or ((str(slots[slot].dtype.base), slots[slot].dtype.size) if slot in slots else None)  # type: ignore[union-attr]
+      if want is None: continue
+      buf = self.buffers[op.buffers[slot]]
+      if buf.dtype.name != want[0]: raise PlanError(f"{label} slot {slot} wants {want[0]}, buffer {op.buffers[slot]} is {buf.dtype.name}")
+      if want[1] > 0 and buf.size < want[1]:
+        raise PlanError(f"{label} slot {slot} reads/writes {want[1]} x {want[0]}, buffer {op.buffers[slot]} has only {buf.size}")
+      if slot in kernel.outs and buf.readonly: raise PlanError(f"{label} slot {slot} writes buffer {op.buffers[slot]}, which is read-only")
+    _check_no_alias(label, op.buffers, kernel.globals, kernel.outs, self.buffers)
+    # variables: bounds from the compiled kernel, else the AST's DEFINE_VARs
+    bounds = {v.arg[0]: RuntimeVar(v.arg[0], v.arg[1], v.arg[2]) for v in nodes if v.op is Ops.DEFINE_VAR}
+    bounds.update({v.name: RuntimeVar(v.name, v.min, v.max) for v in kernel.vars})
+    fixed = {**binds, **op.fixedvars}
+    for n, v in fixed.items():
+      if (rv := bounds.get(n)) is not None and not rv.min <= v <= rv.max:
+        raise VariableBoundsError(f"{label}: fixed variable {n}={v} is outside bounds [{rv.min}, {rv.max}]")
+    fixed = {n: v for n, v in fixed.items() if n in kernel.var_names}
+    vals = [fixed[n] if n in fixed else (bounds[n].min if n in bounds else 0) for n in kernel.var_names]
+    pk = PreparedKernel(id=op.id, ast=op.ast, kernel=kernel, device=DeviceSpec.parse(self.b.device),
+                        buffer_indices=[op.buffers[s] for s in kernel.globals],
+                        output_indices=[i for i, s in enumerate(kernel.globals) if s in kernel.outs], vals=vals, fixedvars=fixed,
+                        dependencies=[], buffer_ptrs=[], buffer_ids=[], runtime_vars=[bounds[n] for n in kernel.var_names if n in bounds],
+                        origin=origin)
+    pk.symbolic_sizes = any(isinstance(x, UOp) for x in (*(kernel.global_size or ()), *(kernel.local_size or ())))
+    acc = []
+    for s in kernel.globals:
+      buf = self.buffers[op.buffers[s]]
+      w, r = s in kernel.outs, s in kernel.ins or s not in kernel.outs
+      if w: acc.append(Access(buf.storage_id, *buf.byte_range, True))
+      if r: acc.append(Access(buf.storage_id, *buf.byte_range, False))
+    return pk, acc
+
+  def _copy(self, op: _CopyOp) -> tuple[PreparedCopy, list[Access]]:
+    d, s = self._idx(op.dst, f"copy {op.id} dst"), self._idx(op.src, f"copy {op.id} src")
+    db, sb = self.buffers[d], self.buffers[s]
+    _check_copy(db, sb, d, s)
+    return PreparedCopy(op.id, d, s, db.nbytes, []), [Access(db.storage_id, *db.byte_range, True), Access(sb.storage_id, *sb.byte_range, False)]
+
+  def _custom(self, op: _CustomOp) -> tuple[PreparedCustomFunction, list[Access]]:
+    for i, bi in enumerate(op.buffers): self._idx(bi, f"{_op_label(op)} buffer {i}")
+    outs = list(range(len(op.buffers))) if op.outputs is None else op.outputs
+    if bad := [o for o in outs if not 0 <= o < len(op.buffers)]: raise PlanError(f"{_op_label(op)}: output positions {bad} are out of range")
+    acc = []
+    for i, bi in enumerate(op.buffers):
+      buf = self.buffers[bi]
+      acc.append(Access(buf.storage_id, *buf.byte_range, i in outs))
+    return PreparedCustomFunction(op.id, op.fn, list(op.buffers), outs, []), acc
+
+  def _plan_memory(self, exec_ops: list, accesses: list[list[Access]], lv: list[list[int]]) -> int:
+    """Let intermediates (not outputs, not yet allocated, not shared with another plan buffer, written before read) share
+    memory when their level ranges do not overlap. Returns the bytes the plan would take without reuse."""
+    storages: dict[int, Storage] = {}
+    for buf in self.buffers: storages.setdefault(buf.storage_id, buf.storage)
+    naive = sum(s.nbytes for s in storages.values())
+    if not self.b.reuse_memory: return naive
+    level_of = {i: li for li, g in enumerate(lv) for i in g}
+    users: dict[int, int] = {}
+    for buf in self.buffers: users[buf.storage_id] = users.get(buf.storage_id, 0) + 1
+    outs = {self.buffers[o].storage_id for o in self.b.outputs}
+    span: dict[int, list[int]] = {}
+    first_write: dict[int, bool] = {}
+    for i in sorted(range(len(exec_ops)), key=lambda i: (level_of[i], i)):
+      for a in accesses[i]:
+        if a.storage not in span:
+          span[a.storage] = [level_of[i], level_of[i]]
+          first_write[a.storage] = a.write and not any(x.storage == a.storage and not x.write for x in accesses[i])
+        span[a.storage][1] = max(span[a.storage][1], level_of[i])
+    cands = [sid for sid, st in storages.items() if sid in span and sid not in outs and users[sid] == 1 and not st.allocated
+             and st.external is None and first_write[sid]]
+    if len(cands) < 2: return naive
+    by_dev: dict[str, list[Lifetime]] = {}
+    for sid in cands: by_dev.setdefault(storages[sid].device, []).append(Lifetime(sid, storages[sid].nbytes, *span[sid]))
+    for dev, lts in by_dev.items():
+      assign, sizes = plan_reuse(lts)
+      slots = [Storage(dev, n) for n in sizes]
+      for buf in self.buffers:
+        if buf.storage_id in assign: buf._rebind(slots[assign[buf.storage_id]], 0)
+    return naive
+
+  def _bind(self, prepared: Mapping[int, Any]) -> None:
+    for p in prepared.values():
+      if isinstance(p, PreparedKernel):
+        bufs = [self.buffers[i] for i in p.buffer_indices]
+        p.buffer_ptrs, p.buffer_ids = [b.ptr for b in bufs], [b.id for b in bufs]
+        p.resize()
+        p.bound = p.kernel.program.bind(p.buffer_ptrs, p.vals, p.global_size, p.local_size)
+      elif isinstance(p, PreparedCopy): p.run = self._copy_fn(self.buffers[p.dst], self.buffers[p.src])
+      else:
+        args = [self.buffers[i] for i in p.buffer_indices]
+        p.run = lambda fn=p.fn, args=args: fn(*args)
+
+  @staticmethod
+  def _copy_fn(dst: Buffer, src: Buffer) -> Callable[[], Any]:
+    d, s = dst._host_bytes(), src._host_bytes()
+    if d is not None and s is not None: return lambda: np.copyto(d, s)
+    tmp = np.empty(src.nbytes, np.uint8)  # staging allocated once, here, not on the fast path
+    if s is not None: return lambda: dst.copyin(s)
+    if d is not None: return lambda: src.copyout(d)
+    return lambda: (src.copyout(tmp), dst.copyin(tmp))
+
+  def _steps(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> list[Callable[[], Any]]:
+    """The fast path: one callable per op (or per group of kernels overlapped on threads), in level order."""
+    steps: list[Callable[[], Any]] = []
+    for group in op_levels:
+      ps = [prepared[i] for i in group]
+      safe = [p for p in ps if isinstance(p, PreparedKernel) and p.kernel.host_parallel_safe and
+              (self.b.parallel or (self.b.parallel is None and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
+      if self.b.parallel is False or len(safe) < 2: safe = []
+      if safe: steps.append(parallel([p.bound for p in safe if p.bound is not None]))
+      for p in ps:
+        if p in safe: continue
+        steps.append(p.bound if isinstance(p, PreparedKernel) and p.bound is not None else p.run)
+    return steps

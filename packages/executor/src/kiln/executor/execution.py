@@ -1,0 +1,162 @@
+"""The built plan: `ExecutionPlan.execute()` is a loop over prepared calls; runtime variables are set without recompiling,
+one run at a time per plan; profiling and describe() read it."""
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kiln.codegen.threads import CORE_ID
+from kiln.executor import debug
+from kiln.executor.buffer import Buffer
+from kiln.executor.prepared import PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp
+from kiln.executor.profile import Profile, ProfileRecord
+from kiln.ir.errors import PlanError, PlanPoisoned, VariableBoundsError
+
+
+class ExecutionPlan:
+  """A built plan. Safe to share between threads: execute(), set_vars() and execute_with_vars() on one plan are serialised
+  (a plan's buffers, bound calls and threaded-reduction scratch are single-use), so each run is whole and consistent."""
+
+  def __init__(self, buffers: list[Buffer], ops: list[PreparedOp], op_levels: list[list[int]], outputs: list[int],
+               steps: list[Callable[[], Any]], memory_without_reuse: int):
+    self.buffers, self.prepared_ops, self.op_levels, self.outputs = buffers, ops, op_levels, outputs
+    self._steps = steps
+    by_id = {p.id: p for p in ops}
+    self._order: list[PreparedKernel | PreparedCopy | PreparedCustomFunction] = [by_id[i] for g in op_levels for i in g]  # type: ignore[misc]
+    self.kernels: list[PreparedKernel] = [p for p in self._order if isinstance(p, PreparedKernel)]
+    self._poisoned: BaseException | None = None
+    self._lock = threading.RLock()  # one run (or variable change) at a time; re-entrant so execute_with_vars holds it across both
+    # runtime variables: where each lands, and its bounds (intersected over the kernels that take it)
+    self._var_sites: dict[str, list[tuple[PreparedKernel, int]]] = {}
+    self._var_bounds: dict[str, tuple[int, int]] = {}
+    for pk in self.kernels:
+      rv = {r.name: r for r in pk.runtime_vars}
+      for pos, n in enumerate(pk.kernel.var_names):
+        if n in pk.fixedvars or n == CORE_ID: continue
+        self._var_sites.setdefault(n, []).append((pk, pos))
+        lo, hi = (rv[n].min, rv[n].max) if n in rv else (-(1 << 31), (1 << 31) - 1)
+        plo, phi = self._var_bounds.get(n, (lo, hi))
+        self._var_bounds[n] = (max(lo, plo), min(hi, phi))
+    self._unbound = set(self._var_sites)
+    self._current: dict[str, int] = {}
+    storages = {b.storage_id: b.storage for b in buffers}
+    self.memory_bytes = sum(s.nbytes for s in storages.values())  # the plan's peak buffer memory (all of it lives as long as the plan)
+    self.memory_bytes_without_reuse = memory_without_reuse
+
+  # ---- running ----
+  def _check(self) -> None:
+    if self._poisoned is not None:
+      raise PlanPoisoned(f"this plan failed earlier ({type(self._poisoned).__name__}: {self._poisoned}); rebuild it to run again")
+    if self._unbound:
+      raise VariableBoundsError(f"variables {sorted(self._unbound)} are unbound: pass them to execute_with_vars({{...}})")
+
+  def execute(self) -> None:
+    """Run every op once, level by level (concurrent calls on one plan run one after another)."""
+    with self._lock: self._execute()
+
+  def _execute(self) -> None:
+    if self._poisoned is not None or self._unbound: self._check()
+    if debug.DEBUG:
+      self._run_profiled(print_lines=True)
+      return
+    try:
+      for s in self._steps: s()
+    except BaseException as e:
+      self._poisoned = e
+      raise
+
+  def set_vars(self, var_vals: Mapping[str, int]) -> None:
+    """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed
+    variables and core_id are ignored."""
+    with self._lock: self._set_vars(var_vals)
+
+  def _set_vars(self, var_vals: Mapping[str, int]) -> None:
+    if self._poisoned is not None: self._check()
+    new: dict[str, int] = {}
+    for n, v in var_vals.items():
+      if (b := self._var_bounds.get(n)) is None: continue
+      if isinstance(v, bool) or not hasattr(v, "__index__"): raise VariableBoundsError(f"variable {n} must be an int, got {v!r}")
+      v = operator.index(v)
+      if not b[0] <= v <= b[1]: raise VariableBoundsError(f"variable {n}={v} is outside bounds [{b[0]}, {b[1]}]")
+      if self._current.get(n) != v: new[n] = v
+    if not new: return
+    try:
+      touched: dict[int, PreparedKernel] = {}
+      for n, v in new.items():
+        for pk, pos in self._var_sites[n]:
+          pk.vals[pos] = v
+          touched[pk.id] = pk
+      for pk in touched.values():
+        if pk.symbolic_sizes: pk.resize()
+        assert pk.bound is not None
+        pk.bound.set_vals(pk.vals, pk.global_size, pk.local_size)
+      self._current.update(new)
+      self._unbound.difference_update(new)
+    except BaseException as e:
+      self._poisoned = e
+      raise
+
+  def execute_with_vars(self, var_vals: Mapping[str, int]) -> None:
+    with self._lock:  # another thread's variables cannot slip in between
+      self._set_vars(var_vals)
+      self._execute()
+
+  def execute_profiled(self, trace_path: str | os.PathLike | None = None) -> Profile:
+    """Run once, op by op, timing each kernel (waiting for it). One record per kernel, in execution order."""
+    with self._lock:
+      self._check()
+      prof = self._run_profiled(print_lines=debug.DEBUG >= 1)
+    if trace_path is not None: prof.write_chrome_trace(trace_path)
+    return prof
+
+  def _run_profiled(self, print_lines: bool) -> Profile:
+    prof = Profile()
+    t_start = time.perf_counter()
+    try:
+      for p in self._order:
+        if not isinstance(p, PreparedKernel):
+          p.run()
+          continue
+        t0 = time.perf_counter()
+        t = p.kernel.program(p.buffer_ptrs, p.vals, p.global_size, p.local_size, wait=True)
+        t1 = time.perf_counter()
+        k = p.kernel
+        rec = ProfileRecord(p.id, k.entry_point, k.device, t if t is not None else t1 - t0, k.mem_bytes, k.flops, t0 - t_start, p.level)
+        prof.append(rec)
+        if print_lines: debug.emit(debug.kernel_line(rec.name, rec.device, rec.time, rec.bytes, rec.flops, f"op {p.id} level {p.level}"))
+    except BaseException as e:
+      self._poisoned = e
+      raise
+    return prof
+
+  # ---- reading ----
+  @property
+  def poisoned(self) -> bool: return self._poisoned is not None
+
+  def output_buffer(self, i: int) -> Buffer:
+    if not 0 <= i < len(self.outputs): raise PlanError(f"output {i} is out of range (the plan has {len(self.outputs)} outputs)")
+    return self.buffers[self.outputs[i]]
+
+  @property
+  def var_bounds(self) -> dict[str, tuple[int, int]]: return dict(self._var_bounds)
+
+  def describe(self) -> str:
+    """The plan as text: buffers, then ops by level."""
+    lines = [f"ExecutionPlan: {len(self.buffers)} buffers ({self.memory_bytes / 1e6:.3f} MB; {self.memory_bytes_without_reuse / 1e6:.3f} MB "
+             f"without reuse), {len(self.kernels)} kernels, {len(self.op_levels)} levels"]
+    outs = set(self.outputs)
+    for i, b in enumerate(self.buffers):
+      lines.append(f"  buf {i:3d} {b.device:<6} {b.dtype.name:>8}[{b.size}] storage {b.storage_id}+{b.offset}{'  output' if i in outs else ''}")
+    by_id = {p.id: p for p in self.prepared_ops}
+    for li, g in enumerate(self.op_levels):
+      for i in g:
+        p = by_id[i]
+        if isinstance(p, PreparedKernel):
+          lines.append(f"  L{li} op {i:3d} {p.name:<28} bufs {p.buffer_indices} outs {[p.buffer_indices[j] for j in p.output_indices]} "
+                       f"gs {p.global_size} {'(' + p.origin + ')'}{' vars ' + str(p.kernel.var_names) if p.kernel.var_names else ''}")
+        else: lines.append(f"  L{li} op {i:3d} {p.name}")
+    return "\n".join(lines)
