@@ -9,7 +9,9 @@ from kiln_executor_testrt import requires_cpu_runtime
 
 pytestmark = requires_cpu_runtime()
 
-from kiln.executor import bench, cli  # noqa: E402
+from kiln_bench import rows as bench  # noqa: E402
+
+from kiln.executor import cli  # noqa: E402
 
 ROWS = ("float32 add", "float32 sum", "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
         "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory")

@@ -1,0 +1,78 @@
+"""kiln's benchmark: kiln beside numpy (and numba parallel and tinygrad CPU where importable) in ONE run, against the
+performance targets of issue 7 and this machine's measured limits (memory bandwidth and FMA peak on the kiln threads).
+
+Every kiln result is checked against numpy before it is timed: a wrong answer is a failure, never a fast number.
+Times are medians of warm runs; kiln and numpy are timed interleaved (shared machines drift), so read the ratios.
+Exit code: 1 when a result is wrong, or a target is missed by more than 20% (unless --no-fail); else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from kiln_bench.harness import GB
+from kiln_bench.limits import vector_lanes
+from kiln_bench.rows import SLACK, Bench, table
+
+
+def blas_info() -> str:
+  env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
+  envs = ", ".join(f"{k}={v}" for k, v in env.items())
+  warn = f"  WARNING: {envs} is set: numpy's OpenBLAS may run a slower kernel (scripts/bench unsets it)" if env else ""
+  try:
+    from threadpoolctl import threadpool_info
+    libs = [f"{i.get('internal_api')} {i.get('version')} kernel {i.get('architecture') or '?'}, {i.get('num_threads')} threads"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    return (f"numpy {np.__version__}, BLAS: {'; '.join(libs) or 'none found'}" + ("" if env else " (OPENBLAS_CORETYPE/L2_SIZE unset)")) + warn
+  except ImportError: return f"numpy {np.__version__}, BLAS: unknown (threadpoolctl not installed)" + warn
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="a short run: fewer repetitions (noisier medians)")
+  ap.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
+  ap.add_argument("--no-fail", action="store_true", help="exit 0 even when a target is missed (wrong results still fail)")
+  ap.add_argument("--sizes-scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests: tiny sizes
+  args = ap.parse_args(argv)
+  if args.sizes_scale <= 0: ap.error("--sizes-scale must be positive")
+  from kiln.executor.cache import cpu_name
+  b = Bench(args)
+  t0, load0 = time.perf_counter(), os.getloadavg()[0]
+  b.run()
+  lanes, isa = vector_lanes()
+  print(f"kiln bench{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
+        f"{cpu_name()}, {os.cpu_count()} cores, {isa}; kiln on {b.threads} threads (KILN_THREADS)")
+  print(f"  {blas_info()}")
+  load = max(load0, os.getloadavg()[0])
+  if load > (os.cpu_count() or 1) * 0.75:
+    print(f"  WARNING: load average {load:.1f} on {os.cpu_count()} cores: other work shares the CPU, so multi-threaded times (numpy's "
+          "OpenBLAS, numba, kiln's threads) are unreliable; rerun on a quiet machine for numbers to quote")
+  for k in ("numba", "tinygrad"): print(f"  {k}: {b.peers.notes.get(k, '?')}")
+  print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
+  print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
+  print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")
+  print("  times are medians of warm runs; kiln/numpy = numpy's time / kiln's (throughput ratio, >1 is kiln faster)\n")
+  print(table(b.rows))
+  notes = [(r.work, r.note) for r in b.rows if r.note]
+  if notes:
+    print("\nnotes:")
+    for w, n in notes: print(f"  {w}: {n}")
+  wrong = [r for r in b.rows if r.status in ("WRONG", "ERROR")]
+  missed = [r for r in b.rows if r.status == "MISS"]
+  near = [r for r in b.rows if r.status == "NEAR"]
+  passed = [r for r in b.rows if r.status == "PASS"]
+  print(f"\n{len(passed)} targets passed, {len(near)} missed by <= {SLACK:.0%} (NEAR), {len(missed)} missed by more (MISS), "
+        f"{len(wrong)} wrong or failed; {time.perf_counter() - t0:.0f} s")
+  rc = 1 if wrong or (missed and not args.no_fail) else 0
+  if args.json:
+    Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "threads": b.threads, "quick": args.quick, "sizes_scale": args.sizes_scale,
+                                           "blas": blas_info(), "peers": b.peers.notes, "limits": b.info,
+                                           "rows": [asdict(r) for r in b.rows], "exit_code": rc}, indent=1))
+  return rc
+
