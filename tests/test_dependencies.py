@@ -7,7 +7,7 @@ name) is mapped to the distribution that provides it. Then, per package:
 - an import of another distribution must be declared in `[project].dependencies` (the standard library is free);
 - a distribution declared only in an extra (pycuda, the `driver` extra) may be imported only lazily (inside a function)
   or guarded (inside `try: ... except ImportError`), never at module level; the same holds for the few optional probes
-  listed in OPTIONAL_PROBES with their reasons (`kiln info` reporting llvmlite's version, `kiln bench`'s peers);
+  listed in OPTIONAL_PROBES with their reasons (`kiln info` reporting llvmlite's version; the benchmark's peers live outside src/, in packages/executor/benchmarks);
 - every declared dependency, and every extra's, must be imported somewhere (no dead requirements);
 - a kiln layer imports only the layers below it (docs/architecture.md): kiln.ir nothing, kiln.codegen only kiln.ir, a
   runtime kiln.ir and kiln.codegen (never another runtime or the executor), the executor kiln.ir and kiln.codegen
@@ -61,10 +61,6 @@ EXTRA_ONLY = {"pycuda": (CUDA, "driver")}
 # anything else undeclared fails
 OPTIONAL_PROBES = {
   (EXECUTOR, "llvmlite"): "`kiln info` prints the LLVM version when kiln-runtime-cpu (and so llvmlite) is installed, inside try/except ImportError",
-  # `kiln bench` compares kiln with these peers where importable (the hatch env `bench` installs them) and skips them otherwise
-  (EXECUTOR, "numba"): "benchmark peer, skipped when absent",
-  (EXECUTOR, "tinygrad"): "benchmark peer, skipped when absent",
-  (EXECUTOR, "threadpoolctl"): "the benchmark reports numpy's BLAS threads when it is importable",
 }
 IMPORT_FUNCS = {"import_module", "__import__"}
 
