@@ -11,13 +11,15 @@ Defined where C leaves things undefined, so compiled code can match exactly:
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kiln.ir.dtype import DType, bf16_bits_to_f32, dtypes, f32_to_bf16_bits
 from kiln.ir.errors import IRTypeError
-from kiln.ir.ops import GroupOp, Ops
+from kiln.ir.ops import Ops
 
 
 def compute_np(dt: DType) -> np.dtype:
@@ -113,13 +115,47 @@ def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
   return from_storage(dst, raw.view(dst.np)).reshape(shape)
 
 
+# op -> f(sources, result dtype); an op missing from a table does not take that kind of operand
+OpFn = Callable[[list[np.ndarray], DType], np.ndarray]
+
+
+def _un(f: Callable[[np.ndarray], np.ndarray]) -> OpFn: return lambda s, dt: f(s[0])
+def _bin(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> OpFn: return lambda s, dt: f(s[0], s[1])
+def _shift(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> OpFn:  # the amount is taken modulo the bit width
+  return lambda s, dt: f(s[0], (s[1] & np.asarray(dt.bits - 1).astype(s[1].dtype)).astype(s[0].dtype))
+
+
+_CMP_OPS: dict[Ops, Callable[[np.ndarray, np.ndarray], Any]] = {Ops.CMPLT: operator.lt, Ops.CMPEQ: operator.eq, Ops.CMPNE: operator.ne}
+
+_FLOAT_OPS: dict[Ops, OpFn] = {
+  Ops.ADD: _bin(operator.add), Ops.SUB: _bin(operator.sub), Ops.MUL: _bin(operator.mul), Ops.FDIV: _bin(operator.truediv),
+  Ops.MULACC: lambda s, dt: round_to(dt, s[0] * s[1]) + s[2],  # unfused, as MUL then ADD
+  Ops.MAX: _bin(_fmax), Ops.NEG: _un(operator.neg), Ops.EXP2: _un(np.exp2), Ops.LOG2: _un(np.log2), Ops.SIN: _un(np.sin),
+  Ops.SQRT: _un(np.sqrt), Ops.RECIPROCAL: _un(lambda x: np.asarray(1, x.dtype) / x), Ops.TRUNC: _un(np.trunc),
+}
+
+# bool ALU is C's (bool)(a op b): + and max are |, * is &, - is ^
+_BOOL_OPS: dict[Ops, OpFn] = {
+  **dict.fromkeys((Ops.AND, Ops.MUL), _bin(operator.and_)), **dict.fromkeys((Ops.OR, Ops.MAX, Ops.ADD), _bin(operator.or_)),
+  **dict.fromkeys((Ops.XOR, Ops.SUB, Ops.CMPNE), _bin(operator.xor)),
+}
+
+_INT_OPS: dict[Ops, OpFn] = {
+  Ops.ADD: _bin(operator.add), Ops.SUB: _bin(operator.sub), Ops.MUL: _bin(operator.mul), Ops.MULACC: lambda s, dt: s[0] * s[1] + s[2],
+  Ops.IDIV: lambda s, dt: _idiv_mod(s[0], s[1], dt)[0], Ops.MOD: lambda s, dt: _idiv_mod(s[0], s[1], dt)[1],
+  Ops.MAX: _bin(np.maximum), Ops.NEG: _un(lambda x: np.zeros_like(x) - x),
+  Ops.AND: _bin(operator.and_), Ops.OR: _bin(operator.or_), Ops.XOR: _bin(operator.xor),
+  Ops.SHL: _shift(operator.lshift), Ops.SHR: _shift(operator.rshift), Ops.TRUNC: lambda s, dt: s[0],
+}
+
+
 def exec_alu(op: Ops, dt: DType, *srcs: Any) -> np.ndarray:
   """Evaluate one ALU op whose result has dtype dt. Sources are compute-type arrays (or scalars)."""
   with np.errstate(all="ignore"):
     s = [np.asarray(x) for x in srcs]
-    if op in GroupOp.Comparison:
+    if (cmp := _CMP_OPS.get(op)) is not None:
       a, b = s
-      return np.asarray(a < b if op is Ops.CMPLT else (a == b if op is Ops.CMPEQ else a != b))
+      return np.asarray(cmp(a, b))
     if op is Ops.WHERE: return round_to(dt, np.where(s[0], s[1], s[2]))
     if dt.is_float: return round_to(dt, _float_op(op, dt, s))
     return _int_op(op, dt, s).astype(compute_np(dt))
@@ -128,41 +164,12 @@ def exec_alu(op: Ops, dt: DType, *srcs: Any) -> np.ndarray:
 def _float_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
   # half ops compute in float32 and round once: exact for + - * / sqrt (float32 has > 2p+2 bits)
   if dt.scalar() in (dtypes.float16, dtypes.bfloat16): s = [x.astype(np.float32) for x in s]
-  if op is Ops.ADD: return s[0] + s[1]
-  if op is Ops.SUB: return s[0] - s[1]
-  if op is Ops.MUL: return s[0] * s[1]
-  if op is Ops.MULACC: return round_to(dt, s[0] * s[1]) + s[2]  # unfused, as MUL then ADD
-  if op is Ops.FDIV: return s[0] / s[1]
-  if op is Ops.MAX: return _fmax(s[0], s[1])
-  if op is Ops.NEG: return -s[0]
-  if op is Ops.EXP2: return np.exp2(s[0])
-  if op is Ops.LOG2: return np.log2(s[0])
-  if op is Ops.SIN: return np.sin(s[0])
-  if op is Ops.SQRT: return np.sqrt(s[0])
-  if op is Ops.RECIPROCAL: return np.asarray(1, s[0].dtype) / s[0]
-  if op is Ops.TRUNC: return np.trunc(s[0])
-  raise IRTypeError(f"{op} does not take float operands ({dt})")
+  if (fn := _FLOAT_OPS.get(op)) is None: raise IRTypeError(f"{op} does not take float operands ({dt})")
+  return fn(s, dt)
 
 
 def _int_op(op: Ops, dt: DType, s: list[np.ndarray]) -> np.ndarray:
   if dt.is_bool:
-    if op in (Ops.AND, Ops.MUL): return s[0] & s[1]
-    if op in (Ops.OR, Ops.MAX, Ops.ADD): return s[0] | s[1]  # C: (bool)(a + b)
-    if op in (Ops.XOR, Ops.SUB, Ops.CMPNE): return s[0] ^ s[1]
-    raise IRTypeError(f"{op} does not take bool operands")
-  if op is Ops.ADD: return s[0] + s[1]
-  if op is Ops.SUB: return s[0] - s[1]
-  if op is Ops.MUL: return s[0] * s[1]
-  if op is Ops.MULACC: return s[0] * s[1] + s[2]
-  if op is Ops.IDIV: return _idiv_mod(s[0], s[1], dt)[0]
-  if op is Ops.MOD: return _idiv_mod(s[0], s[1], dt)[1]
-  if op is Ops.MAX: return np.maximum(s[0], s[1])
-  if op is Ops.NEG: return np.zeros_like(s[0]) - s[0]
-  if op is Ops.AND: return s[0] & s[1]
-  if op is Ops.OR: return s[0] | s[1]
-  if op is Ops.XOR: return s[0] ^ s[1]
-  if op in (Ops.SHL, Ops.SHR):
-    amt = (s[1] & np.asarray(dt.bits - 1).astype(s[1].dtype)).astype(s[0].dtype)
-    return (s[0] << amt) if op is Ops.SHL else (s[0] >> amt)
-  if op is Ops.TRUNC: return s[0]
-  raise IRTypeError(f"{op} does not take integer operands ({dt})")
+    if (fn := _BOOL_OPS.get(op)) is None: raise IRTypeError(f"{op} does not take bool operands")
+  elif (fn := _INT_OPS.get(op)) is None: raise IRTypeError(f"{op} does not take integer operands ({dt})")
+  return fn(s, dt)

@@ -2,19 +2,23 @@
 
 Integer results are computed on Python ints; a result that could leave its dtype's range may wrap, so it widens to
 the whole dtype. Floats are bounded only where it is exact (constants, casts from ints).
+A leaf under uop.py: it reads nodes and fills their _bounds slot, and never builds one.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln.ir.alu import cast as alu_cast
 from kiln.ir.alu import compute_np
-from kiln.ir.dtype import DType
+from kiln.ir.dtype import ConstLike, DType
 from kiln.ir.ops import Ops
-from kiln.ir.uop import ConstLike, UOp
+
+if TYPE_CHECKING:
+  from kiln.ir.uop import UOp  # typing only: uop.py imports this module
 
 Bounds = tuple[ConstLike, ConstLike]
 

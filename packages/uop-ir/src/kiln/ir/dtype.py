@@ -94,6 +94,7 @@ class PtrDType:
 
 
 AnyDType = DType | PtrDType
+ConstLike = int | float | bool  # a constant's Python value (a CONST's arg)
 
 _NP_STORAGE: Final[dict[str, str]] = {
   "bool": "bool", "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
@@ -213,7 +214,7 @@ def bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
   return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def truncate_value(dt: DType, x: object) -> int | float | bool:
+def truncate_value(dt: DType, x: object) -> ConstLike:
   """Coerce a Python number into what `dt` can hold: ints wrap, floats round to the dtype's precision."""
   s = dt.scalar()
   if s.is_bool: return bool(x)

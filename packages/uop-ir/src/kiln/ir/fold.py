@@ -1,5 +1,11 @@
-"""Folding done as graphs are built: constant operands compute at once, with the same C semantics as compiled code."""
+"""Folding done as graphs are built: constant operands compute at once, with the same C semantics as compiled code.
+
+A leaf under uop.py (UOp is imported for typing only): new constants are built through an operand's own `const`.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -7,7 +13,12 @@ from kiln.ir.alu import compute_np, exec_alu
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import IRTypeError
 from kiln.ir.ops import GroupOp, Ops
-from kiln.ir.uop import UOp
+
+if TYPE_CHECKING:
+  from kiln.ir.uop import UOp
+
+# an identity rule: (a, b, a's constant or None, b's constant or None, result dtype) -> the replacement, or None
+Rule = Callable[["UOp", "UOp", Any, Any, DType], "UOp | None"]
 
 
 def const_array(u: UOp) -> np.ndarray:
@@ -15,12 +26,48 @@ def const_array(u: UOp) -> np.ndarray:
   return np.asarray(u.arg, dtype=compute_np(u.dtype))
 
 
+def _zero(a: UOp, dt: DType) -> UOp: return a.const(dt, 0)
+
+
+def _and(a: UOp, b: UOp, ac: Any, bc: Any, dt: DType) -> UOp | None:
+  if dt.is_bool and bc is True: return a
+  if dt.is_bool and ac is True: return b
+  if bc == 0: return _zero(a, dt)
+  return a if a is b else None
+
+
+def _same_cmp(op: Ops) -> Rule:
+  # x<x, x==x, x!=x: decide on the operand dtype (the result is bool), since a float x may be NaN
+  return lambda a, b, ac, bc, dt: a.const(dtypes.bool, op is Ops.CMPEQ) if a is b and isinstance(a.dtype, DType) and not a.dtype.is_float else None
+
+
+# binary identities exact for every dtype, floats included (x*1 is x even for NaN and -0.0)
+_ANY_DTYPE: dict[Ops, Rule] = {
+  Ops.MUL: lambda a, b, ac, bc, dt: None if dt.is_bool else a if bc == 1 else b if ac == 1 else None,
+  **{op: _same_cmp(op) for op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE)},
+}
+# binary identities exact for ints and bools only (x+0 is not x for x=-0.0); tried after _ANY_DTYPE
+_INT_ONLY: dict[Ops, Rule] = {
+  Ops.ADD: lambda a, b, ac, bc, dt: a if bc == 0 else b if ac == 0 else None,
+  Ops.SUB: lambda a, b, ac, bc, dt: a if bc == 0 else _zero(a, dt) if a is b else None,
+  Ops.OR: lambda a, b, ac, bc, dt: a if bc == 0 else b if ac == 0 else a if a is b else None,
+  Ops.XOR: lambda a, b, ac, bc, dt: a if bc == 0 else b if ac == 0 else _zero(a, dt) if a is b else None,
+  Ops.SHL: lambda a, b, ac, bc, dt: a if bc == 0 else None,
+  Ops.SHR: lambda a, b, ac, bc, dt: a if bc == 0 else None,
+  Ops.MUL: lambda a, b, ac, bc, dt: _zero(a, dt) if bc == 0 or ac == 0 else None,
+  Ops.IDIV: lambda a, b, ac, bc, dt: a if bc == 1 else None,
+  Ops.MOD: lambda a, b, ac, bc, dt: _zero(a, dt) if bc == 1 else None,
+  Ops.AND: _and,
+  Ops.MAX: lambda a, b, ac, bc, dt: a if a is b else None,
+}
+
+
 def fold_alu(op: Ops, out_dt: DType, srcs: tuple[UOp, ...]) -> UOp | None:
   """A folded replacement for op(*srcs), or None to build the node as it is."""
   _check_operands(op, srcs)
   if all(s.op is Ops.CONST for s in srcs):
     v = exec_alu(op, out_dt, *(const_array(s) for s in srcs))
-    return UOp.const(out_dt, v.item())
+    return srcs[0].const(out_dt, v.item())
   if op is Ops.WHERE:
     c, a, b = srcs
     if c.op is Ops.CONST: return a if c.arg else b
@@ -28,25 +75,10 @@ def fold_alu(op: Ops, out_dt: DType, srcs: tuple[UOp, ...]) -> UOp | None:
     return None
   if len(srcs) != 2: return None
   a, b = srcs
-  bc = b.arg if b.op is Ops.CONST else None
   ac = a.arg if a.op is Ops.CONST else None
-  exact = not out_dt.is_float  # identities below are exact for ints and bools only (x+0 is not x for x=-0.0)
-  if op is Ops.MUL and bc is not None and bc == 1 and not out_dt.is_bool: return a  # x*1 is exact for floats too
-  if op is Ops.MUL and ac is not None and ac == 1 and not out_dt.is_bool: return b
-  if exact:
-    if op in (Ops.ADD, Ops.OR, Ops.XOR, Ops.SUB, Ops.SHL, Ops.SHR) and bc is not None and bc == 0: return a
-    if op in (Ops.ADD, Ops.OR, Ops.XOR) and ac is not None and ac == 0: return b
-    if op is Ops.MUL and ((bc is not None and bc == 0) or (ac is not None and ac == 0)): return UOp.const(out_dt, 0)
-    if op is Ops.IDIV and bc == 1: return a
-    if op is Ops.MOD and bc == 1: return UOp.const(out_dt, 0)
-    if op is Ops.AND and out_dt.is_bool and bc is True: return a
-    if op is Ops.AND and out_dt.is_bool and ac is True: return b
-    if op is Ops.AND and bc is not None and bc == 0: return UOp.const(out_dt, 0)
-    if op in (Ops.MAX, Ops.AND, Ops.OR) and a is b: return a
-    if op is Ops.SUB and a is b: return UOp.const(out_dt, 0)
-    if op is Ops.XOR and a is b: return UOp.const(out_dt, 0)
-  # x<x, x==x, x!=x: decide on the operand dtype (out_dt is bool), since a float x may be NaN
-  if a is b and op in GroupOp.Comparison and isinstance(a.dtype, DType) and not a.dtype.is_float: return UOp.const(dtypes.bool, op is Ops.CMPEQ)
+  bc = b.arg if b.op is Ops.CONST else None
+  if (rule := _ANY_DTYPE.get(op)) is not None and (r := rule(a, b, ac, bc, out_dt)) is not None: return r
+  if not out_dt.is_float and (rule := _INT_ONLY.get(op)) is not None: return rule(a, b, ac, bc, out_dt)
   return None
 
 

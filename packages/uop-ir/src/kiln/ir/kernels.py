@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from kiln.ir.dtype import DType, dtypes
+from kiln.ir.dtype import ConstLike, DType, dtypes
 from kiln.ir.errors import IRError
 from kiln.ir.ops import AxisType, Ops
-from kiln.ir.uop import ConstLike, UOp
+from kiln.ir.uop import UOp
 
 Dim = int | UOp
 Shape = tuple[Dim, ...]

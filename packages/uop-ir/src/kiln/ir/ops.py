@@ -6,20 +6,20 @@ from enum import Enum, IntEnum, auto
 
 class Ops(IntEnum):
   # buffers, variables and structure
-  DEFINE_GLOBAL = auto(); DEFINE_VAR = auto(); BIND = auto(); CONST = auto(); SINK = auto()  # noqa: E702
-  RANGE = auto(); INDEX = auto(); LOAD = auto(); STORE = auto(); REDUCE = auto()  # noqa: E702
+  DEFINE_GLOBAL = auto(); DEFINE_VAR = auto(); BIND = auto(); CONST = auto(); SINK = auto()
+  RANGE = auto(); INDEX = auto(); LOAD = auto(); STORE = auto(); REDUCE = auto()
   # appear only after lowering
-  SPECIAL = auto(); DEFINE_ACC = auto(); ACC_STORE = auto(); ENDRANGE = auto(); IF = auto(); ENDIF = auto()  # noqa: E702
-  VECTORIZE = auto(); GEP = auto(); DEFINE_LOCAL = auto(); BARRIER = auto()  # noqa: E702
-  FMA = auto()  # fused a*b+c, one rounding: only the lowering makes it (OptOps.FMA), never a user kernel  # noqa: E702
+  SPECIAL = auto(); DEFINE_ACC = auto(); ACC_STORE = auto(); ENDRANGE = auto(); IF = auto(); ENDIF = auto()
+  VECTORIZE = auto(); GEP = auto(); DEFINE_LOCAL = auto(); BARRIER = auto()
+  FMA = auto()  # fused a*b+c, one rounding: only the lowering makes it (OptOps.FMA), never a user kernel
   # unary ALU
-  NEG = auto(); EXP2 = auto(); LOG2 = auto(); SIN = auto(); SQRT = auto(); RECIPROCAL = auto(); TRUNC = auto()  # noqa: E702
-  CAST = auto(); BITCAST = auto()  # noqa: E702
+  NEG = auto(); EXP2 = auto(); LOG2 = auto(); SIN = auto(); SQRT = auto(); RECIPROCAL = auto(); TRUNC = auto()
+  CAST = auto(); BITCAST = auto()
   # binary ALU
-  ADD = auto(); SUB = auto(); MUL = auto(); FDIV = auto(); IDIV = auto(); MOD = auto(); MAX = auto()  # noqa: E702
-  CMPLT = auto(); CMPEQ = auto(); CMPNE = auto(); AND = auto(); OR = auto(); XOR = auto(); SHL = auto(); SHR = auto()  # noqa: E702
+  ADD = auto(); SUB = auto(); MUL = auto(); FDIV = auto(); IDIV = auto(); MOD = auto(); MAX = auto()
+  CMPLT = auto(); CMPEQ = auto(); CMPNE = auto(); AND = auto(); OR = auto(); XOR = auto(); SHL = auto(); SHR = auto()
   # ternary ALU
-  WHERE = auto(); MULACC = auto()  # noqa: E702
+  WHERE = auto(); MULACC = auto()
 
   def __repr__(self) -> str: return f"Ops.{self.name}"
   def __str__(self) -> str: return f"Ops.{self.name}"

@@ -28,7 +28,7 @@ def _nodes(root: UOp) -> list[UOp]:
   stack: list[tuple[UOp, bool]] = [(root, False)]
   while stack:
     u, done = stack.pop()
-    if done: out.append(u); continue  # noqa: E702
+    if done: out.append(u); continue
     if id(u) in seen: continue
     seen.add(id(u))
     stack.append((u, True))

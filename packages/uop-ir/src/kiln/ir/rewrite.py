@@ -179,7 +179,7 @@ def substitute(root: UOp, mapping: dict[UOp, UOp]) -> UOp:
   if not mapping: return root
   replace: dict[UOp, UOp] = {}
   for u in root.toposort():
-    if u in mapping: replace[u] = mapping[u]; continue  # noqa: E702
+    if u in mapping: replace[u] = mapping[u]; continue
     new_src = tuple(replace[s] for s in u.src)
     replace[u] = u if all(a is b for a, b in zip(new_src, u.src)) else u.replace(src=new_src)
   return replace[root]

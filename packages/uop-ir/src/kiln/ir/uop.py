@@ -2,6 +2,7 @@
 
 Equal (op, dtype, src, arg) is the same object, on any thread, so `is` and `==` are structural equality and UOps
 live in sets and dicts. Comparisons that build graph nodes are `<`, `>`, `<=`, `>=`, `.eq()` and `.ne()`.
+ConstLike, defined in dtype.py, stays importable from here.
 """
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from kiln.ir.dtype import AnyDType, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
-from kiln.ir.errors import IRError, IRTypeError
-from kiln.ir.ops import AxisType, GroupOp, Ops
+import numpy as np
 
-ConstLike = int | float | bool
+from kiln.ir.alu import cast as alu_cast
+from kiln.ir.bounds import compute_bounds
+from kiln.ir.dtype import AnyDType, ConstLike, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
+from kiln.ir.errors import IRError, IRTypeError
+from kiln.ir.fold import fold_alu
+from kiln.ir.ops import AxisType, GroupOp, Ops
 
 
 def _argkey(arg: Any) -> Any:
@@ -125,9 +129,7 @@ class UOp(metaclass=UOpMetaClass):
   @property
   def vmax(self) -> ConstLike: return self._vbounds()[1]
   def _vbounds(self) -> tuple[ConstLike, ConstLike]:
-    if self._bounds is None:
-      from kiln.ir.bounds import compute_bounds
-      compute_bounds(self)
+    if self._bounds is None: compute_bounds(self)
     assert self._bounds is not None
     return self._bounds
 
@@ -211,7 +213,6 @@ class UOp(metaclass=UOpMetaClass):
 
   # ---- ALU ----
   def alu(self, op: Ops, *srcs: UOp) -> UOp:
-    from kiln.ir.fold import fold_alu
     allsrc = (self, *srcs)
     out_dt = dtypes.bool if op in GroupOp.Comparison else (allsrc[1].dtype if op is Ops.WHERE else self.dtype)
     if (folded := fold_alu(op, out_dt, allsrc)) is not None: return folded  # type: ignore[arg-type]
@@ -322,10 +323,10 @@ class UOp(metaclass=UOpMetaClass):
   def replace(self, **kw: Any) -> UOp:
     return UOp(kw.get("op", self.op), kw.get("dtype", self.dtype), kw.get("src", self.src), kw.get("arg", self.arg))
   def substitute(self, mapping: dict[UOp, UOp]) -> UOp:
-    from kiln.ir.rewrite import substitute
+    from kiln.ir.rewrite import substitute  # lazy: rewrite.py imports uop.py at module level
     return substitute(self, mapping)
   def simplify(self) -> UOp:
-    from kiln.ir.symbolic import simplify
+    from kiln.ir.symbolic import simplify  # lazy: symbolic.py imports uop.py at module level
     return simplify(self)
   @property
   def is_const(self) -> bool: return self.op is Ops.CONST
@@ -337,8 +338,5 @@ class UOp(metaclass=UOpMetaClass):
 
 
 def _cast_const(v: ConstLike, src: AnyDType, dst: DType) -> ConstLike:
-  import numpy as np
-
-  from kiln.ir.alu import cast
-  out = cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)  # type: ignore[arg-type]
+  out = alu_cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)  # type: ignore[arg-type]
   return out.item() if dst.is_float else int(out) if dst.is_int else bool(out)

@@ -5,22 +5,27 @@ from the SINK (`SINK.src[0] STORE .src[0] INDEX`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import IRVerifyError
 from kiln.ir.ops import AxisType, GroupOp, Ops
+from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 
 
 class _Ctx:
-  def __init__(self, root: UOp):
-    self.root = root
+  def __init__(self, root: UOp, allow_lowered: bool):
+    self.root, self.allow_lowered = root, allow_lowered
+    self.slots: dict[int, UOp] = {}  # what was defined so far, to reject a second definition
+    self.vnames: dict[str, UOp] = {}
+    self.axes: dict[Any, UOp] = {}
     self.parent: dict[UOp, tuple[UOp, int]] = {}  # first parent found breadth-first: a shortest path for messages
     q, seen = [root], {root}
     for u in q:
       for i, s in enumerate(u.src):
-        if s not in seen: seen.add(s); self.parent[s] = (u, i); q.append(s)  # noqa: E702
+        if s not in seen: seen.add(s); self.parent[s] = (u, i); q.append(s)
 
   def path(self, u: UOp, depth: int = 5) -> str:
     steps: list[str] = []
@@ -85,79 +90,101 @@ def _check_index(c: _Ctx, u: UOp) -> None:
   if size < 0: return
   lo, hi = idx.vmin, idx.vmax
   if lo >= 0 and hi < size: return
-  try:  # vmin/vmax of the raw graph can be loose; a simplified index (same value) may prove more
-    from kiln.ir.symbolic import simplify
-    s = simplify(idx)
-    if s.vmin >= 0 and s.vmax < size: return
-  except ImportError: pass
+  s = simplify(idx)  # vmin/vmax of the raw graph can be loose; a simplified index (same value) may prove more
+  if s.vmin >= 0 and s.vmax < size: return
   c.fail(u, f"index into slot {buf.arg} is proven only in [{lo}, {hi}] but the buffer has {size} elements (valid: [0, {size - 1}]); "
             "fix the index or gate the access")
 
 
-def _check_node(c: _Ctx, u: UOp, slots: dict[int, UOp], vnames: dict[str, UOp], axes: dict[Any, UOp], allow_lowered: bool) -> None:
-  op, dt = u.op, u.dtype
-  if op is Ops.SINK:
-    if u is not c.root: c.fail(u, "a SINK may only be the root of a kernel")
-    if dt != dtypes.void: c.fail(u, "a SINK has dtype void")
-    for i, s in enumerate(u.src):
-      if s.op is not Ops.STORE: c.fail(u, f"a SINK holds STOREs only; src[{i}] is {s.op.name} ({s.dtype})")
-  elif op is Ops.DEFINE_GLOBAL:
-    if not isinstance(dt, PtrDType) or u.src: c.fail(u, "a DEFINE_GLOBAL has a pointer dtype and no sources")
-    if isinstance(u.arg, bool) or not isinstance(u.arg, int) or u.arg < 0: c.fail(u, "the slot must be an int >= 0")
-    if (o := slots.setdefault(u.arg, u)) is not u: c.fail(u, f"slot {u.arg} is also defined as {o.dtype}: one DEFINE_GLOBAL per slot")
-  elif op is Ops.DEFINE_VAR:
-    if not (isinstance(u.arg, tuple) and len(u.arg) == 3 and isinstance(u.arg[0], str)): c.fail(u, "a DEFINE_VAR arg is (name, min, max)")
-    if (d := _sdt(u)) is None or not d.is_int or u.src: c.fail(u, "a DEFINE_VAR is an integer with no sources")
-    name, lo, hi = u.arg
-    if not (isinstance(lo, int) and isinstance(hi, int) and lo <= hi): c.fail(u, f"variable {name} needs int bounds min <= max")
-    if (o := vnames.setdefault(name, u)) is not u: c.fail(u, f"variable {name} is also defined as [{o.arg[1]}, {o.arg[2]}] ({o.dtype})")
-  elif op is Ops.BIND:
-    if len(u.src) != 2 or u.src[0].op is not Ops.DEFINE_VAR or u.src[1].op is not Ops.CONST: c.fail(u, "a BIND is (DEFINE_VAR, CONST)")
-    v, k = u.src
-    if not (dt == v.dtype == k.dtype): c.fail(u, f"BIND dtypes differ: {dt}, variable {v.dtype}, value {k.dtype}")
-    if not v.arg[1] <= k.arg <= v.arg[2]: c.fail(u, f"variable {v.arg[0]}={k.arg} is outside bounds [{v.arg[1]}, {v.arg[2]}]")
-  elif op is Ops.CONST: _check_const(c, u)
-  elif op is Ops.RANGE:
-    if len(u.src) != 1 or (d := _sdt(u.src[0])) is None or not d.is_int: c.fail(u, "a RANGE has one integer end")
-    if (d := _sdt(u)) is None or not d.is_int: c.fail(u, "a RANGE has an integer dtype")
-    if not (isinstance(u.arg, tuple) and len(u.arg) == 2 and isinstance(u.arg[1], AxisType)): c.fail(u, "a RANGE arg is (axis_id, AxisType)")
-    if any(n.op is Ops.RANGE for n in u.src[0].toposort()): c.fail(u, "a RANGE end may not depend on another RANGE")
-    if (o := axes.setdefault(u.arg[0], u)) is not u:
-      c.fail(u, f"axis id {u.arg[0]} is also used by a RANGE with end {o.src[0]!r} ({o.arg[1]}): one range per axis id")
-  elif op is Ops.INDEX: _check_index(c, u)
-  elif op is Ops.LOAD:
-    if len(u.src) != 1 or u.src[0].op is not Ops.INDEX: c.fail(u, "a LOAD loads one INDEX")
-    if dt != u.src[0].dtype.base: c.fail(u, f"a LOAD from a {u.src[0].dtype} buffer has dtype {u.src[0].dtype.base}")  # type: ignore[union-attr]
-  elif op is Ops.STORE:
-    if len(u.src) != 2 or u.src[0].op is not Ops.INDEX: c.fail(u, "a STORE is (INDEX, value)")
-    if dt != dtypes.void: c.fail(u, "a STORE has dtype void")
-    base = u.src[0].dtype.base  # type: ignore[union-attr]
-    if u.src[1].dtype != base: c.fail(u, f"stores a {u.src[1].dtype} value into a {base} buffer (slot {u.src[0].src[0].arg}); cast it")
-  elif op is Ops.REDUCE:
-    if u.arg not in GroupOp.ReduceOps: c.fail(u, f"the reduce op must be ADD, MUL or MAX, got {u.arg!r}")
-    if len(u.src) < 2: c.fail(u, "a REDUCE closes at least one RANGE")
-    for i, r in enumerate(u.src[1:], 1):
-      if r.op is not Ops.RANGE: c.fail(u, f"REDUCE sources after the value must be RANGEs; src[{i}] is {r.op.name}")
-    if _sdt(u.src[0]) is None or dt != u.src[0].dtype: c.fail(u, f"a REDUCE has its value's dtype ({u.src[0].dtype})")
-  elif op is Ops.CAST:
-    if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a CAST converts one value to a value dtype")
-    elif sd.count != d.count: c.fail(u, f"a CAST may not change the vector width ({sd} -> {d})")
-  elif op is Ops.BITCAST:
-    if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a BITCAST reinterprets one value")
-    elif sd.nbytes != d.nbytes: c.fail(u, f"a BITCAST needs equal sizes ({sd}: {sd.nbytes} bytes, {d}: {d.nbytes} bytes)")
-  elif op in GroupOp.ALU: _check_alu(c, u)
-  elif op in GroupOp.Lowered:
-    if not allow_lowered: c.fail(u, f"{op.name} appears only after lowering, not in a kernel AST")
-  else: c.fail(u, f"unknown op {op!r}")
-  if op is not Ops.SINK and any(s.op is Ops.STORE for s in u.src): c.fail(u, "a STORE may only be a source of the SINK")
+def _check_sink(c: _Ctx, u: UOp) -> None:
+  if u is not c.root: c.fail(u, "a SINK may only be the root of a kernel")
+  if u.dtype != dtypes.void: c.fail(u, "a SINK has dtype void")
+  for i, s in enumerate(u.src):
+    if s.op is not Ops.STORE: c.fail(u, f"a SINK holds STOREs only; src[{i}] is {s.op.name} ({s.dtype})")
+
+
+def _check_define_global(c: _Ctx, u: UOp) -> None:
+  if not isinstance(u.dtype, PtrDType) or u.src: c.fail(u, "a DEFINE_GLOBAL has a pointer dtype and no sources")
+  if isinstance(u.arg, bool) or not isinstance(u.arg, int) or u.arg < 0: c.fail(u, "the slot must be an int >= 0")
+  if (o := c.slots.setdefault(u.arg, u)) is not u: c.fail(u, f"slot {u.arg} is also defined as {o.dtype}: one DEFINE_GLOBAL per slot")
+
+
+def _check_define_var(c: _Ctx, u: UOp) -> None:
+  if not (isinstance(u.arg, tuple) and len(u.arg) == 3 and isinstance(u.arg[0], str)): c.fail(u, "a DEFINE_VAR arg is (name, min, max)")
+  if (d := _sdt(u)) is None or not d.is_int or u.src: c.fail(u, "a DEFINE_VAR is an integer with no sources")
+  name, lo, hi = u.arg
+  if not (isinstance(lo, int) and isinstance(hi, int) and lo <= hi): c.fail(u, f"variable {name} needs int bounds min <= max")
+  if (o := c.vnames.setdefault(name, u)) is not u: c.fail(u, f"variable {name} is also defined as [{o.arg[1]}, {o.arg[2]}] ({o.dtype})")
+
+
+def _check_bind(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 2 or u.src[0].op is not Ops.DEFINE_VAR or u.src[1].op is not Ops.CONST: c.fail(u, "a BIND is (DEFINE_VAR, CONST)")
+  v, k = u.src
+  if not (u.dtype == v.dtype == k.dtype): c.fail(u, f"BIND dtypes differ: {u.dtype}, variable {v.dtype}, value {k.dtype}")
+  if not v.arg[1] <= k.arg <= v.arg[2]: c.fail(u, f"variable {v.arg[0]}={k.arg} is outside bounds [{v.arg[1]}, {v.arg[2]}]")
+
+
+def _check_range(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 1 or (d := _sdt(u.src[0])) is None or not d.is_int: c.fail(u, "a RANGE has one integer end")
+  if (d := _sdt(u)) is None or not d.is_int: c.fail(u, "a RANGE has an integer dtype")
+  if not (isinstance(u.arg, tuple) and len(u.arg) == 2 and isinstance(u.arg[1], AxisType)): c.fail(u, "a RANGE arg is (axis_id, AxisType)")
+  if any(n.op is Ops.RANGE for n in u.src[0].toposort()): c.fail(u, "a RANGE end may not depend on another RANGE")
+  if (o := c.axes.setdefault(u.arg[0], u)) is not u:
+    c.fail(u, f"axis id {u.arg[0]} is also used by a RANGE with end {o.src[0]!r} ({o.arg[1]}): one range per axis id")
+
+
+def _check_load(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 1 or u.src[0].op is not Ops.INDEX: c.fail(u, "a LOAD loads one INDEX")
+  if u.dtype != u.src[0].dtype.base: c.fail(u, f"a LOAD from a {u.src[0].dtype} buffer has dtype {u.src[0].dtype.base}")  # type: ignore[union-attr]
+
+
+def _check_store(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 2 or u.src[0].op is not Ops.INDEX: c.fail(u, "a STORE is (INDEX, value)")
+  if u.dtype != dtypes.void: c.fail(u, "a STORE has dtype void")
+  base = u.src[0].dtype.base  # type: ignore[union-attr]
+  if u.src[1].dtype != base: c.fail(u, f"stores a {u.src[1].dtype} value into a {base} buffer (slot {u.src[0].src[0].arg}); cast it")
+
+
+def _check_reduce(c: _Ctx, u: UOp) -> None:
+  if u.arg not in GroupOp.ReduceOps: c.fail(u, f"the reduce op must be ADD, MUL or MAX, got {u.arg!r}")
+  if len(u.src) < 2: c.fail(u, "a REDUCE closes at least one RANGE")
+  for i, r in enumerate(u.src[1:], 1):
+    if r.op is not Ops.RANGE: c.fail(u, f"REDUCE sources after the value must be RANGEs; src[{i}] is {r.op.name}")
+  if _sdt(u.src[0]) is None or u.dtype != u.src[0].dtype: c.fail(u, f"a REDUCE has its value's dtype ({u.src[0].dtype})")
+
+
+def _check_cast(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a CAST converts one value to a value dtype")
+  elif sd.count != d.count: c.fail(u, f"a CAST may not change the vector width ({sd} -> {d})")
+
+
+def _check_bitcast(c: _Ctx, u: UOp) -> None:
+  if len(u.src) != 1 or (sd := _sdt(u.src[0])) is None or (d := _sdt(u)) is None: c.fail(u, "a BITCAST reinterprets one value")
+  elif sd.nbytes != d.nbytes: c.fail(u, f"a BITCAST needs equal sizes ({sd}: {sd.nbytes} bytes, {d}: {d.nbytes} bytes)")
+
+
+def _check_lowered(c: _Ctx, u: UOp) -> None:
+  if not c.allow_lowered: c.fail(u, f"{u.op.name} appears only after lowering, not in a kernel AST")
+
+
+# op -> the rule its nodes must satisfy; an op with no rule is unknown to kernel ASTs
+_RULES: dict[Ops, Callable[[_Ctx, UOp], None]] = {
+  Ops.SINK: _check_sink, Ops.DEFINE_GLOBAL: _check_define_global, Ops.DEFINE_VAR: _check_define_var, Ops.BIND: _check_bind,
+  Ops.CONST: _check_const, Ops.RANGE: _check_range, Ops.INDEX: _check_index, Ops.LOAD: _check_load, Ops.STORE: _check_store,
+  Ops.REDUCE: _check_reduce, Ops.CAST: _check_cast, Ops.BITCAST: _check_bitcast,
+  **dict.fromkeys(GroupOp.ALU, _check_alu), **dict.fromkeys(GroupOp.Lowered, _check_lowered),
+}
+
+
+def _check_node(c: _Ctx, u: UOp) -> None:
+  if (rule := _RULES.get(u.op)) is None: c.fail(u, f"unknown op {u.op!r}")
+  else: rule(c, u)
+  if u.op is not Ops.SINK and any(s.op is Ops.STORE for s in u.src): c.fail(u, "a STORE may only be a source of the SINK")
 
 
 def verify(ast: UOp, allow_lowered: bool = False) -> None:
   """Check a kernel AST (a SINK of STOREs); raise IRVerifyError naming the first offending node. allow_lowered admits SPECIAL & co."""
   if not isinstance(ast, UOp): raise IRVerifyError(f"verify() needs a UOp, got {type(ast).__name__}")
-  c = _Ctx(ast)
+  c = _Ctx(ast, allow_lowered)
   if ast.op is not Ops.SINK: c.fail(ast, "a kernel's root must be a SINK of STOREs")
-  slots: dict[int, UOp] = {}
-  vnames: dict[str, UOp] = {}
-  axes: dict[Any, UOp] = {}
-  for u in ast.toposort(): _check_node(c, u, slots, vnames, axes, allow_lowered)
+  for u in ast.toposort(): _check_node(c, u)
