@@ -1,13 +1,15 @@
-"""Optimisation options and the deterministic heuristic that picks them. An explicit list overrides the heuristic."""
+"""Optimisation options, the rules that check them against a kernel's axes and the target (giving each axis its plan),
+and the deterministic heuristic that picks them. An explicit list overrides the heuristic."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
 from kiln.ir.analysis import free_ranges
-from kiln.ir.dtype import DType
+from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError
-from kiln.ir.ops import Ops
+from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
 
@@ -68,6 +70,102 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
     elif u.op is Ops.CAST and isinstance(u.dtype, DType) and u.dtype.is_int and u.dtype.itemsize >= 4: memo[u] = c[0]
     else: memo[u] = None
   return memo[idx]
+
+
+@dataclass
+class AxisPlan:
+  """What lowering does with one axis, as the options say."""
+  rng: UOp
+  factor: int = 1  # elements per unit: the UPCAST width or UNROLL count
+  kind: str = ""  # "vec", "unroll" or ""
+  threads: int = 1
+  local: int = 0  # GPU threads per block along this axis
+  group: int = 0  # GPU threads sharing this reduce axis
+  outer: bool = False  # CPU: opened before the other output loops
+  pack: bool = False  # CPU: loads of this reduce axis that skip the innermost output loop read a packed copy
+  fma: bool = False  # a sum of products over this axis accumulates with fused multiply-adds
+  ev: UOp | None = None  # the expand variable (lane or unroll copy)
+
+
+def expand_var(axis_id: int, kind: str, amount: int) -> UOp:
+  # not an identifier, so it can never clash with a user variable
+  return UOp(Ops.DEFINE_VAR, dtypes.index, (), (f"{kind}.{axis_id}", 0, amount - 1))
+
+
+# one rule per option: check it against its axis's plan and the target, then record it in the plan (vec_taken: an
+# UPCAST axis exists already)
+def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  size = axis_size(p.rng)
+  if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
+  if size is None or size % o.amount: raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
+  if o.op is OptOps.UPCAST:
+    if vec_taken: raise CodegenError(f"{o}: only one axis can be vectorised")
+    if t.vector_bytes == 0: raise CodegenError(f"{o}: {t.device} takes no UPCAST (no explicit vectors)")
+  p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
+  p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount)
+
+
+def _thread(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes == 0: raise CodegenError(f"{o}: THREAD is a CPU option")
+  p.threads = o.amount
+
+
+def _local(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes != 0: raise CodegenError(f"{o}: LOCAL is a GPU option")
+  if o.amount > t.max_local: raise CodegenError(f"{o}: at most {t.max_local} threads per block")
+  p.local = o.amount
+
+
+def _group(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes != 0: raise CodegenError(f"{o}: GROUP is a GPU option")
+  if o.amount > t.max_local or o.amount & (o.amount - 1): raise CodegenError(f"{o}: needs a power of two <= {t.max_local}")
+  if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: GROUP shares a reduce axis; axis {o.axis} is an output axis")
+  p.group = o.amount
+
+
+def _fma(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: FMA applies to a reduce axis")
+  p.fma = True
+
+
+def _outer(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes == 0: raise CodegenError(f"{o}: {o.op.name} is a CPU option")
+  if p.rng.arg[1] is AxisType.REDUCE: raise CodegenError(f"{o}: only output axes can be made outermost")
+  p.outer = True
+
+
+def _pack(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes == 0: raise CodegenError(f"{o}: {o.op.name} is a CPU option")
+  if p.rng.arg[1] is not AxisType.REDUCE or axis_size(p.rng) is None: raise CodegenError(f"{o}: PACK needs a reduce axis of constant size")
+  p.pack = True
+
+
+_RULES: dict[OptOps, Callable[[Opt, AxisPlan, Target, bool], None]] = {
+  OptOps.UPCAST: _split, OptOps.UNROLL: _split, OptOps.THREAD: _thread, OptOps.LOCAL: _local, OptOps.GROUP: _group,
+  OptOps.FMA: _fma, OptOps.OUTER: _outer, OptOps.PACK: _pack}
+
+
+def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[UOp, AxisPlan], tuple[UOp, int] | None]:
+  """Check each option against the kernel's axes and the target. Returns each axis's plan and the vector axis's
+  (lane variable, width), None without an UPCAST."""
+  by_id = {r.arg[0]: r for r in ranges}
+  plans = {r: AxisPlan(r) for r in ranges}
+  vec: tuple[UOp, int] | None = None
+  for o in opts:
+    if o.axis not in by_id: raise CodegenError(f"{o} names axis {o.axis}, but the kernel's axes are {sorted(by_id)}")
+    p = plans[by_id[o.axis]]
+    _RULES[o.op](o, p, target, vec is not None)
+    if o.op is OptOps.UPCAST and p.ev is not None: vec = (p.ev, o.amount)
+  # rules across axes
+  if sum(p.threads > 1 for p in plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+  if any(p.pack and p.kind == "vec" for p in plans.values()):  # a panel is k x lanes of an output axis
+    raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")
+  groups = [p for p in plans.values() if p.group]
+  if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
+  # a GROUP's barrier needs every thread of the block, and its shared array one reduction per block
+  if groups and any(p.local for p in plans.values()):
+    raise CodegenError("GROUP cannot be combined with LOCAL (a block does one group reduction)")
+  return plans, vec
 
 
 def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]

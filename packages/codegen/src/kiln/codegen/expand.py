@@ -1,0 +1,116 @@
+"""Expansion, the expression work of lowering: memoised simplification, the unroll variables a value depends on, one
+unrolled copy of a value, and vectorising a scalar graph over the lanes of the UPCAST axis."""
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Mapping
+
+from kiln.codegen.opt import affine_coeff
+from kiln.ir.dtype import DType, dtypes
+from kiln.ir.errors import CodegenError
+from kiln.ir.ops import GroupOp, Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.symbolic import simplify
+from kiln.ir.uop import UOp
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def simp(u: UOp) -> UOp:
+  # lowering simplifies the same small index graphs again and again (per lane, per unrolled copy): UOps are interned, so memoise
+  return simplify(u)
+
+
+def simplify_indices(u: UOp) -> UOp:
+  """Simplify only the index and gate of every INDEX: what contiguity checks and bounds need. The values themselves are
+  left to LLVM/nvcc, which fold constants too, so each unrolled copy does not pay for a whole-graph rewrite."""
+  m = {n: UOp(Ops.INDEX, n.dtype, (n.src[0], *(simp(s) for s in n.src[1:]))) for n in u.toposort() if n.op is Ops.INDEX}
+  return substitute(u, {k: v for k, v in m.items() if v is not k})
+
+
+def bcast(u: UOp, w: int) -> UOp:
+  if not isinstance(u.dtype, DType) or u.dtype.count == w or w == 1: return u
+  return UOp(Ops.VECTORIZE, u.dtype.vec(w), (u,) * w)
+
+
+def combine(op: Ops, a: UOp, b: UOp) -> UOp: return UOp(op, a.dtype, (a, bcast(b, a.dtype.count)))  # type: ignore[union-attr]
+
+
+def combos(vars_: list[UOp]) -> list[tuple[int, ...]]:
+  return list(itertools.product(*(range(v.arg[2] + 1) for v in vars_)))
+
+
+def gate_loads(u: UOp, gate: UOp) -> UOp:
+  """Add `gate` to every INDEX under u, so lanes past the end of a group-strided loop read nothing."""
+  m = {n: UOp(Ops.INDEX, n.dtype, (n.src[0], n.src[1], gate if len(n.src) == 2 else n.src[2] & gate)) for n in u.toposort()
+       if n.op is Ops.INDEX and n.src[0].op is Ops.DEFINE_GLOBAL}
+  return substitute(u, m)
+
+
+def unroll_vars(u: UOp, red_vars: Mapping[UOp, list[UOp]]) -> list[UOp]:
+  """The unroll variables u depends on, those of its reduces' results (red_vars: placeholder -> variables) included.
+  Vector lanes are vectorize's, not copies."""
+  out: list[UOp] = []
+  for n in u.toposort():
+    found = [n] if n.op is Ops.DEFINE_VAR and n.arg[0].startswith("unroll.") else red_vars.get(n, [])
+    out += [v for v in found if v not in out]
+  return sorted(out, key=lambda v: v.arg[0])
+
+
+def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
+  """One unrolled copy of u: its unroll variables become this copy's constants."""
+  m: dict[UOp, UOp] = {v: UOp.const(dtypes.index, c) for v, c in combo.items()}
+  return simplify_indices(substitute(u, m)) if m else u
+
+
+def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
+  """Turn the scalar graph u (in terms of the lane variable) into vector ops over the lanes; vec is (lane variable, width)."""
+  lane, w = vec
+  vdep: set[UOp] = set()
+  out: dict[UOp, UOp] = {}
+  for n in u.toposort():
+    if n is lane:
+      out[n] = UOp(Ops.VECTORIZE, dtypes.index.vec(w), tuple(UOp.const(dtypes.index, i) for i in range(w)))
+      vdep.add(n)
+      continue
+    if not any(s in vdep for s in n.src) or n.op in (Ops.GEP, Ops.DEFINE_ACC) or (n.op is Ops.LOAD and n.src[0].op is Ops.DEFINE_ACC):
+      # scalar, or a vector already (accumulators and their reads)
+      out[n] = n
+      if isinstance(n.dtype, DType) and n.dtype.count > 1: vdep.add(n)
+      continue
+    vdep.add(n)
+    if n.op is Ops.INDEX: out[n] = n; continue  # (rewritten by its LOAD/STORE)
+    if n.op is Ops.LOAD: out[n] = _vload(n, lane, w); continue
+    if n.op is Ops.STORE: out[n] = _vstore(n, out[n.src[1]], lane, w); continue
+    if n.op in GroupOp.ALU or n.op in (Ops.CAST, Ops.BITCAST):
+      srcs = tuple(bcast(out[s], w) for s in n.src)
+      dt = n.dtype.vec(w) if isinstance(n.dtype, DType) and n.dtype.count == 1 else n.dtype
+      out[n] = UOp(n.op, dt, srcs, n.arg)
+      continue
+    raise CodegenError(f"cannot vectorise {n.op}")
+  return out[u]
+
+
+def _lanes(idx: UOp, lane: UOp, w: int) -> list[UOp]:
+  return [simp(substitute(idx, {lane: UOp.const(dtypes.index, i)})) for i in range(w)]
+
+
+def _vload(ld: UOp, lane: UOp, w: int) -> UOp:
+  buf, idx, *gate = ld.src[0].src
+  dt = ld.dtype
+  if not gate and affine_coeff(idx, lane) == 1:
+    return UOp(Ops.LOAD, dt.vec(w), (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))),))  # type: ignore[union-attr]
+  idxs = _lanes(idx, lane, w)
+  gates = _lanes(gate[0], lane, w) if gate else [None] * w
+  return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))  # type: ignore[union-attr]
+
+
+def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
+  buf, idx, *gate = st.src[0].src
+  val = bcast(val, w)
+  if not gate and affine_coeff(idx, lane) == 1:
+    return UOp(Ops.STORE, dtypes.void, (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))), val))
+  idxs = _lanes(idx, lane, w)
+  gates = _lanes(gate[0], lane, w) if gate else [None] * w
+  return UOp(Ops.SINK, dtypes.void, tuple(UOp(Ops.STORE, dtypes.void, (buf.index(i, g), UOp(Ops.GEP, val.dtype.scalar(), (val,), l)))  # type: ignore[union-attr]
+                                          for l, (i, g) in enumerate(zip(idxs, gates))))

@@ -1,0 +1,79 @@
+"""GPU grid mapping: up to three output axes become block and thread indices (SPECIALs), gated where the grid is larger
+than an axis; store groups of different sizes share one grid sized for the largest."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kiln.codegen.expand import simp
+from kiln.codegen.linearize import Scope
+from kiln.codegen.loops import LowerCtx
+from kiln.codegen.opt import axis_size
+from kiln.ir.dtype import dtypes
+from kiln.ir.ops import Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.uop import UOp
+
+
+class GpuGrid:
+  def __init__(self, ctx: LowerCtx):
+    self.ctx = ctx
+    self.specials: dict[str, UOp] = {}  # name -> SPECIAL (gidx0, lidx0, ...)
+    self.grid: list[int | UOp] = [1, 1, 1]
+    self.block: list[int] = [1, 1, 1]
+    self.blocks: dict[int, UOp] = {}  # grid dim -> blocks, when several store groups share the grid
+    self.floor: Scope | None = None  # a gated store's reduces go inside its gate, so threads past the end load nothing
+
+  def special(self, name: str, size: int | UOp) -> UOp:
+    s = size if isinstance(size, UOp) else UOp.const(dtypes.index, size)
+    return self.specials.setdefault(name, UOp(Ops.SPECIAL, dtypes.index, (simp(s),), name))
+
+  def group_lane(self, n: int) -> UOp:
+    """GROUP: n threads of the block share a reduce axis; returns this thread's lane among them."""
+    self.block[0] = n
+    return self.special("lidx0", n)
+
+  def axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> list[tuple[int, UOp, UOp, UOp]]:
+    """(dim, range, end, blocks) for the output axes that go to the grid: up to three, innermost first."""
+    res: list[tuple[int, UOp, UOp, UOp]] = []
+    for dim, r in enumerate(reversed(out[-3:])):
+      size = axis_size(r)
+      if dim > 0 and (size is None or size > self.ctx.target.max_grid[dim]): break
+      end, p = substitute(r.src[0], subst), self.ctx.plans[r]
+      res.append((dim, r, end, (end + (p.local - 1)) // p.local if p.local else end))
+    return res
+
+  def share(self, groups: Iterable[tuple[UOp, ...]]) -> None:
+    """Size the grid the store groups (their output axes) share for the largest of them."""
+    for axes in groups:
+      for dim, _, _, nb in self.axes(list(axes), {}):
+        cur = self.blocks.get(dim)
+        self.blocks[dim] = nb if cur is None or cur is nb else simp(cur.maximum(nb))
+    for dim, nb in self.blocks.items():  # a symbolic size bound to 0 must still launch the block the other groups run in
+      if nb.op is not Ops.CONST and nb.vmin < 1: self.blocks[dim] = simp(nb.maximum(1))
+
+  def map(self, out: list[UOp], subst: dict[UOp, UOp]) -> tuple[list[UOp], UOp | None]:
+    """Map up to three output axes to the grid (the innermost with its LOCAL threads); returns the axes left as loops
+    and the gate (index < size) the body needs when a size does not divide evenly or the grid is larger (several stores)."""
+    gate: UOp | None = None
+    mapped = self.axes(out, subst)
+    for dim, r, end, nblocks in mapped:
+      p, size = self.ctx.plans[r], axis_size(r)
+      blocks = self.blocks.get(dim, nblocks)  # store groups of different sizes share one grid: it spans the largest
+      if (empty := blocks.op is Ops.CONST and blocks.arg < 1): blocks = UOp.const(dtypes.index, 1)  # an empty axis: one block, gated off
+      gid = self.special(f"gidx{dim}", blocks)
+      if p.local:
+        expr = gid * p.local + self.special(f"lidx{dim}", p.local)
+        self.block[dim] = p.local
+        if size is None or size % p.local or blocks is not nblocks or empty: gate = (expr < end) if gate is None else gate & (expr < end)
+      else:
+        expr = gid
+        if blocks is not nblocks or empty: gate = (expr < end) if gate is None else gate & (expr < end)
+      self.grid[dim] = simp(blocks) if blocks.op is not Ops.CONST else int(blocks.arg)
+      subst[r] = expr
+    return out[:len(out) - len(mapped)], gate
+
+  def open_gate(self, scope: Scope, gate: UOp) -> Scope:
+    self.floor = self.ctx.lin.open_if(scope, gate)
+    return self.floor
+
+  def close_gate(self) -> None: self.floor = None

@@ -1,0 +1,73 @@
+"""PACK (CPU): the panel a reduce axis reads, per outer tile, copied into contiguous per-thread scratch, and the loads
+that then read the packed copy."""
+from __future__ import annotations
+
+from kiln.codegen.expand import simp, simplify_indices, vectorize
+from kiln.codegen.linearize import Scope
+from kiln.codegen.loops import LowerCtx
+from kiln.codegen.opt import axis_size
+from kiln.ir.analysis import free_ranges
+from kiln.ir.dtype import DType, dtypes
+from kiln.ir.ops import Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.uop import UOp
+
+
+def scratch_ptr(dt: DType) -> UOp:
+  # sized when lowering ends (every pack's share is known by then); one pointer per dtype is all a kernel needs
+  return UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)
+
+
+class Packer:
+  def __init__(self, ctx: LowerCtx):
+    self.ctx = ctx
+    self.packed: dict[UOp, tuple[UOp, UOp, int]] = {}  # packed load -> (its reduce range, its scratch base, lanes)
+    self.used = 0  # elements of packed panels per thread
+    self.threads = 1  # threads with a panel each
+
+  def loads(self, stores: list[UOp], loops: list[UOp]) -> dict[UOp, set[UOp]]:
+    """The loads to pack: under a PACK reduce axis, using the vector axis but not the innermost output loop (so the
+    packed panel is reused by every iteration of that loop). Returns each with the output loops it needs open."""
+    out: dict[UOp, set[UOp]] = {}
+    plans = self.ctx.plans
+    if not loops or self.ctx.vec is None: return out
+    inner = loops[-1]
+    for red in (u for st in stores for u in st.toposort() if u.op is Ops.REDUCE):
+      kr = [r for r in red.src[1:] if plans[r].pack]
+      if len(kr) != 1 or len(red.src) != 2: continue
+      for ld in (u for u in red.src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and len(u.src[0].src) == 2):
+        rs = free_ranges(ld)
+        vec_r = next(p.rng for p in plans.values() if p.kind == "vec")
+        if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops): out[ld] = rs - {kr[0]}
+    return out
+
+  def emit(self, scope: Scope, ld: UOp, subst: dict[UOp, UOp]) -> None:
+    """Copy the panel ld reads for the current outer tile into this thread's scratch: panel[k, lane] at (k*W + lane)."""
+    ctx = self.ctx
+    assert ctx.vec is not None
+    lane, w = ctx.vec
+    k = next(r for r in free_ranges(ld) if ctx.plans[r].pack)
+    size = axis_size(k)
+    assert size is not None and isinstance(ld.dtype, DType)
+    threads = ctx.threads
+    if threads > 1 and ctx.core_id is None: ctx.core(threads, finish=False)  # the split loop may open later, inside this one
+    base = (ctx.core_id * (size * w) if ctx.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)) + self.used
+    self.used += size * w
+    lv = ctx.count_loop(size)
+    inner = ctx.lin.open(scope, lv)
+    src = simplify_indices(substitute(ld, {**subst, k: lv}))
+    self.packed[ld] = (k, base, w)
+    self.threads = threads
+    st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + lane)), src)), ctx.vec)
+    for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
+    ctx.lin.close(inner)
+
+  def unpack(self, body: UOp, rsubst: dict[UOp, UOp]) -> UOp:
+    """Loads that were packed read the packed panel instead: (k*W + lane) in this thread's scratch."""
+    if not self.packed: return body
+    assert self.ctx.vec is not None
+    m = {}
+    for ld, (k, base, w) in self.packed.items():
+      assert isinstance(ld.dtype, DType)
+      m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (scratch_ptr(ld.dtype).index(simp(base + rsubst[k] * w + self.ctx.vec[0])),))
+    return substitute(body, m) if m else body

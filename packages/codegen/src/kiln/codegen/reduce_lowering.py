@@ -1,0 +1,177 @@
+"""Reductions: each REDUCE becomes accumulators (DEFINE_ACC, ACC_STORE, reads as LOAD(acc)) in the outermost scope its
+free ranges allow; values read its results through placeholders until they exist. A THREAD split reduces a chunk per
+call and folds the partials in a finishing call; a GPU GROUP folds a block's partials through shared memory."""
+from __future__ import annotations
+
+from kiln.codegen.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
+from kiln.codegen.gpu_grid import GpuGrid
+from kiln.codegen.linearize import Scope
+from kiln.codegen.loops import LowerCtx
+from kiln.codegen.pack import Packer
+from kiln.ir.analysis import free_ranges, identity
+from kiln.ir.dtype import DType, dtypes
+from kiln.ir.errors import CodegenError
+from kiln.ir.ops import Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.uop import UOp
+
+
+class Reductions:
+  def __init__(self, ctx: LowerCtx, grid: GpuGrid, pack: Packer):
+    self.ctx, self.grid, self.pack = ctx, grid, pack
+    self.placeholders: dict[UOp, UOp] = {}  # placeholder -> REDUCE
+    self.results: dict[tuple[UOp, tuple], UOp] = {}  # (placeholder, unrolled copy) -> its result
+    self.red_vars: dict[UOp, list[UOp]] = {}  # placeholder -> the unroll variables its result depends on (set once emitted)
+    self.nesting = 0  # how many REDUCEs enclose the one being emitted
+    self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
+    self.scratch: UOp | None = None  # a threaded reduction's partials
+
+  # ---- expressions ----
+  def hide(self, u: UOp) -> UOp:
+    """Replace the outermost REDUCEs in u by placeholders (their values come from accumulators)."""
+    mapping: dict[UOp, UOp] = {}
+    stack = [u]
+    seen: set[UOp] = set()
+    while stack:
+      n = stack.pop()
+      if n in seen: continue
+      seen.add(n)
+      if n.op is Ops.REDUCE:
+        ph = UOp(Ops.SPECIAL, n.dtype, (), f"reduce.{n.key[:16]}")
+        self.placeholders[ph] = n
+        mapping[n] = ph
+        continue
+      stack.extend(n.src)
+    return substitute(u, mapping)
+
+  def expand_vars(self, u: UOp) -> list[UOp]: return unroll_vars(u, self.red_vars)
+
+  def instantiate(self, u: UOp, combo: dict[UOp, int]) -> UOp:
+    """One unrolled copy of u: unroll variables to constants, placeholders to that copy's reduce results, then vectorise."""
+    out = unrolled(u, combo)
+    phs = {n: self.results[(n, tuple(combo[v] for v in self.red_vars[n]))] for n in out.toposort() if n in self.placeholders}
+    if phs: out = substitute(out, phs)
+    return vectorize(out, self.ctx.vec) if self.ctx.vec is not None else out
+
+  # ---- accumulators ----
+  def emit_all(self, u: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
+    """Emit every placeholder's REDUCE found in u, each in the outermost scope its free ranges allow."""
+    for ph in [n for n in u.toposort() if n in self.placeholders]:
+      if ph in self.red_vars: continue
+      red = self.placeholders[ph]
+      deps = [loop_scopes[r] for r in free_ranges(red) if r in loop_scopes] + ([self.grid.floor] if self.grid.floor is not None else [])
+      target = max(deps, key=lambda s: s.depth, default=self.ctx.lin.root)
+      if target.depth > scope.depth: target = scope
+      self.emit(ph, red, target, subst, loop_scopes)
+
+  def emit(self, ph: UOp, red: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
+    ctx, plans, lin = self.ctx, self.ctx.plans, self.ctx.lin
+    op, ranges = red.arg, list(red.src[1:])
+    dt = red.dtype
+    assert isinstance(dt, DType)
+    value = self.hide(red.src[0])
+    value = substitute(value, subst)
+    value = simp(value)
+    # the whole body, nested reduces included: their placeholders in `value` say nothing yet (they are emitted after this one)
+    whole = substitute(red.src[0], subst)
+    own = {plans[r].ev for r in ranges}
+    out_vars = sorted({v for v in (*self.expand_vars(value), *self.expand_vars(whole)) if v not in own}, key=lambda v: v.arg[0])
+    red_vec = any(plans[r].kind == "vec" for r in ranges)
+    lane_dep = ctx.vec is not None and not red_vec and ctx.vec[0] in whole.toposort()
+    acc_dt = dt.vec(ctx.vec[1]) if ctx.vec is not None and (lane_dep or red_vec) else dt
+    group = next((plans[r].group for r in ranges if plans[r].group), 0)
+    tp = next((plans[r] for r in ranges if plans[r].threads > 1), None)
+    copies = combos(out_vars)
+    work = scope
+    if tp is not None:  # calls 0..T-1 each reduce a chunk; the finishing call (core_id == T) folds their partials
+      if self.nesting:  # its result would exist only in the finishing call, but the enclosing reduce's loops are outside it
+        raise CodegenError(f"THREAD on reduce axis {tp.rng.arg[0]}: its REDUCE is nested inside another REDUCE; split an output axis instead")
+      if scope is not lin.root or self.finish_scope is not None:
+        raise CodegenError("only one full reduction per kernel can be split over threads")
+      work = lin.open_if(scope, ctx.core(tp.threads, finish=True) < tp.threads)
+    accs = {}
+    for c in copies:
+      accs[c] = UOp(Ops.DEFINE_ACC, acc_dt, (UOp.const(acc_dt, identity(op, dt)),), ctx.acc_id())
+      lin.emit(work, accs[c])
+    # loops over the reduce axes, innermost last
+    inner, rsubst, lscopes = work, dict(subst), dict(loop_scopes)
+    gate: UOp | None = None
+    for r in ranges:
+      p = plans[r]
+      if p.group:
+        lid = self.grid.group_lane(p.group)
+        end = substitute(r.src[0], rsubst)
+        trips = (end + (p.group - 1)) // p.group
+        inner = lin.open(inner, lv := ctx.count_loop(simp(trips)))
+        rsubst[r] = lv * p.group + lid
+        gate = rsubst[r] < end
+      else:
+        inner, rsubst[r] = ctx.open_axis(inner, r, rsubst)
+      lscopes[r] = inner
+    body = simp(self.pack.unpack(substitute(self.hide(red.src[0]), rsubst), rsubst))
+    if gate is not None: body = gate_loads(body, gate)
+    self.nesting += 1
+    try: self.emit_all(body, inner, rsubst, lscopes)
+    finally: self.nesting -= 1
+    fuse = op is Ops.ADD and dt.is_float and dt.itemsize >= 4 and any(plans[r].fma for r in ranges)
+    red_vars = [ev for r in ranges if plans[r].kind == "unroll" and (ev := plans[r].ev) is not None]
+    for rc in combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
+      for c in copies:
+        v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))})
+        if gate is not None: v = gate.where(v, UOp.const(dt, identity(op, dt))) if v.dtype == dt else v
+        cur = lin.acc_read(accs[c], ctx.acc_id())
+        if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
+          new = UOp(Ops.FMA, acc_dt, (bcast(v.src[0], acc_dt.count), bcast(v.src[1], acc_dt.count), cur))
+        else: new = combine(op, cur, v)
+        lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], new)))
+    for r in reversed(ranges): lin.close(lscopes[r])
+    if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
+    for c in copies:
+      res = lin.acc_read(accs[c], ctx.acc_id())
+      if red_vec:  # fold the lanes in order
+        lanes = [UOp(Ops.GEP, dt, (res,), i) for i in range(acc_dt.count)]
+        res = lanes[0]
+        for x in lanes[1:]: res = combine(op, res, x)
+      if group: res = self.group_combine(scope, res, op, dt)
+      self.results[(ph, c)] = res
+    self.red_vars[ph] = out_vars
+
+  # ---- folding partials ----
+  def thread_combine(self, work: Scope, scope: Scope, accs: dict, acc_dt: DType, op: Ops, threads: int) -> tuple[Scope, dict]:
+    """CPU: each call leaves its partials in scratch; the finishing call folds them in core_id order (deterministic)."""
+    ctx, lin, core_id = self.ctx, self.ctx.lin, self.ctx.core_id
+    assert core_id is not None
+    w, n = acc_dt.count, len(accs)
+    self.scratch = scratch = UOp(Ops.DEFINE_GLOBAL, acc_dt.scalar().ptr(threads * w * n), (), -1)
+    for ci, acc in enumerate(accs.values()):
+      part = lin.acc_read(acc, ctx.acc_id())
+      lin.emit(work, UOp(Ops.STORE, dtypes.void, (scratch.index((core_id + ci * threads) * w), part)))
+    lin.close(work)
+    fin = lin.open_if(scope, core_id.eq(threads))
+    out = {}
+    for ci, (c, acc) in enumerate(accs.items()):
+      acc2 = UOp(Ops.DEFINE_ACC, acc_dt, acc.src, ctx.acc_id())
+      lin.emit(fin, acc2)
+      inner = lin.open(fin, lv := ctx.count_loop(threads))
+      part = UOp(Ops.LOAD, acc_dt, (scratch.index((lv + ci * threads) * w),))
+      lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc2, combine(op, lin.acc_read(acc2, ctx.acc_id()), part))))
+      lin.close(inner)
+      out[c] = acc2
+    self.finish_scope = fin
+    return fin, out
+
+  def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
+    """GPU: the block's threads leave partials in shared memory; thread 0 folds them in order."""
+    ctx, lin = self.ctx, self.ctx.lin
+    n = self.grid.block[0]
+    lid = self.grid.specials["lidx0"]
+    smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(n), (), f"red{ctx.acc_id()}")
+    lin.emit(scope, UOp(Ops.STORE, dtypes.void, (smem.index(lid), partial)))
+    lin.emit(scope, UOp(Ops.BARRIER, dtypes.void, (smem,)))
+    acc = UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id())
+    lin.emit(scope, acc)
+    inner = lin.open(scope, lv := ctx.count_loop(n))
+    cur = lin.acc_read(acc, ctx.acc_id())
+    lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, combine(op, cur, smem.index(lv).load()))))
+    lin.close(inner)
+    return lin.acc_read(acc, ctx.acc_id())
