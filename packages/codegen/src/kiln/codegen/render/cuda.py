@@ -15,11 +15,26 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
-from kiln.codegen.render.llvm import program_spec
+from kiln.codegen.render.base import (
+  DIV_EDGES,
+  EXACT_FLOAT_OPS,
+  Handler,
+  Printer,
+  Template,
+  cast_kind,
+  div_edges,
+  div_guarded,
+  odd_rounding,
+  operand_dtype,
+  program_spec,
+  sat_bounds,
+  shift_mask,
+  skip,
+)
 from kiln.codegen.spec import ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
@@ -32,10 +47,31 @@ _CTYPE = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int1
 _MTYPE = {**_CTYPE, "float16": "half", "bfloat16": "__nv_bfloat16"}
 _SPECIAL = {"gidx0": "blockIdx.x", "gidx1": "blockIdx.y", "gidx2": "blockIdx.z",
             "lidx0": "threadIdx.x", "lidx1": "threadIdx.y", "lidx2": "threadIdx.z"}
-_FUNC = {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt", Ops.TRUNC: "trunc"}
 _CMP = {Ops.CMPLT: "<", Ops.CMPEQ: "==", Ops.CMPNE: "!="}
-_BIT = {Ops.AND: "&", Ops.OR: "|", Ops.XOR: "^"}
-_BOOL = {Ops.ADD: "||", Ops.OR: "||", Ops.MAX: "||", Ops.MUL: "&&", Ops.AND: "&&", Ops.XOR: "!=", Ops.SUB: "!=", Ops.CMPNE: "!="}
+_BIN, _BIN_T, _BIN_U = "{a0} %s {a1}", "({t})({a0} %s {a1})", "({t})(({u}){a0} %s ({u}){a1})"  # templates of the tables' binary ops
+# bool ALU is C's (bool)(a op b) (alu.py)
+_BOOL = {**{op: _BIN % c for op, c in {Ops.ADD: "||", Ops.OR: "||", Ops.MAX: "||", Ops.MUL: "&&", Ops.AND: "&&", Ops.XOR: "!=",
+                                                  Ops.SUB: "!=", Ops.CMPNE: "!=", Ops.CMPEQ: "=="}.items()}, Ops.CMPLT: "!{a0} && {a1}"}
+# float op -> C on operands {a0} {a1} in float or double ({f}: the float functions' suffix); (helper, text) calls kiln's helper as {fn}
+_FLT: dict[Ops, Template] = {
+  Ops.NEG: "-{a0}", Ops.MAX: ("kiln_max", "{fn}({a0}, {a1})"), Ops.TRUNC: "trunc{f}({a0})",  # exact: base.EXACT_FLOAT_OPS
+  Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: ("kiln_mul", "{fn}({a0}, {a1})"), Ops.FDIV: "{a0} / {a1}", Ops.RECIPROCAL: "{one} / {a0}",
+  **{op: f"{fn}{{f}}({{a0}})" for op, fn in {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt"}.items()},
+}
+# integer op -> C of type {t}: signed arithmetic goes through the unsigned {u} so it wraps instead of being undefined
+_INT = {
+  **{op: _BIN_T % c for op, c in {Ops.AND: "&", Ops.OR: "|", Ops.XOR: "^"}.items()}, Ops.MAX: "{a0} > {a1} ? {a0} : {a1}",
+  Ops.SHL: "({t})(({u}){a0} << {amt})", Ops.SHR: "({t})({a0} >> {amt})",  # unsigned: a signed << may overflow
+  Ops.NEG: "({t})(({u})0 - ({u}){a0})", **{op: _BIN_U % c for op, c in {Ops.ADD: "+", Ops.SUB: "-", Ops.MUL: "*"}.items()},
+  Ops.MULACC: "({t})(({u}){a0} * ({u}){a1} + ({u}){a2})",
+}
+_INT_NO_WRAP = {Ops.NEG: "({t})(-{a0})", Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: "{a0} * {a1}"}  # where bounds prove no overflow
+# bitcast: a value to its raw bits (an integer: "({u}){v}") and raw bits to a value (an integer: "({t})({bits})")
+_TO_BITS = {"float32": "__float_as_uint({v})", "float64": "(unsigned long long)__double_as_longlong({v})",
+            "float16": "__half_as_ushort(__float2half_rn({v}))", "bfloat16": "(unsigned short)(__float_as_uint({v}) >> 16)"}
+_FROM_BITS = {"bool": "(unsigned char)({bits}) != 0", "float32": "__uint_as_float((unsigned int)({bits}))",
+              "float64": "__longlong_as_double((long long)({bits}))", "float16": "__half2float(__ushort_as_half((unsigned short)({bits})))",
+              "bfloat16": "__uint_as_float((unsigned int)(unsigned short)({bits}) << 16)"}
 _RESERVED = re.compile(r"^(data|gidx|lidx|ridx|acc|v|red)\d+$|^kiln_|^__")
 _KEYWORDS = frozenset("""auto bool break case char const continue default do double else enum extern float for goto if inline int long register
   restrict return short signed sizeof static struct switch typedef union unsigned void volatile while class new delete this template typename
@@ -74,44 +110,53 @@ def _fmul(t: str, intr: str) -> str:
           f"#endif\n}}")
 
 
+_HELPERS = {
+  "kiln_rh": "__device__ __forceinline__ float kiln_rh(float x) { return __half2float(__float2half_rn(x)); }",
+  # round to nearest even bfloat16, NaN to the quiet NaN 0x7FC0 (as the reference)
+  "kiln_rbf": ("__device__ __forceinline__ float kiln_rbf(float x) {\n  unsigned int b = __float_as_uint(x);\n"
+               "  return x != x ? __uint_as_float(0x7fc00000u) : __uint_as_float((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);\n}"),
+  "kiln_tobf16": ("__device__ __forceinline__ __nv_bfloat16 kiln_tobf16(float x) {\n"
+                  "  return __ushort_as_bfloat16(x != x ? (unsigned short)0x7fc0 : (unsigned short)(__float_as_uint(x) >> 16));\n}"),
+  "kiln_mul_float": _fmul("float", "__fmul_rn"), "kiln_mul_double": _fmul("double", "__dmul_rn"),
+  "kiln_max_float": ("__device__ __forceinline__ float kiln_max_float(float a, float b) {\n"
+                     "  return (a != a || b != b) ? a + b : a == b ? ((__float_as_uint(a) >> 31) ? b : a) : (a > b ? a : b);\n}"),
+  "kiln_max_double": ("__device__ __forceinline__ double kiln_max_double(double a, double b) {\n"
+                      "  return (a != a || b != b) ? a + b : a == b ? (__double_as_longlong(a) < 0 ? b : a) : (a > b ? a : b);\n}"),
+  # double -> float rounded to odd: a later round to nearest of a narrower type then rounds once
+  "kiln_odd_f32": ("__device__ __forceinline__ float kiln_odd_f32(double d) {\n  float f = (float)d;\n  if (d != d || (double)f == d) return f;\n"
+                   "  unsigned int b = __float_as_uint(f);\n  if (fabs((double)f) > fabs(d)) b -= 1;\n  return __uint_as_float(b | 1u);\n}"),
+  # an integer magnitude rounded once to bfloat16 (8 significant bits, ties to even)
+  "kiln_u64_bf16": ("__device__ __forceinline__ float kiln_u64_bf16(unsigned long long u) {\n  if (u < 256ULL) return (float)u;\n  int l = 63;\n"
+                    "  while (!(u >> l)) l--;\n  unsigned long long m = u >> (l - 7), rem = u & ((1ULL << (l - 7)) - 1), half = 1ULL << (l - 8);\n"
+                    "  if (rem > half || (rem == half && (m & 1ULL))) m++;\n  return ldexpf((float)m, l - 7);\n}"),
+}
+_EDGE_C = {"a": "a", "0": "(T)0", "-a": "(T)((U)0 - (U)a)"}  # base.DIV_EDGES results in C (T the type, U its unsigned twin)
+
+
+def _div_helper(name: str, op: Ops, dt: DType) -> str:
+  """kiln_idiv_T / kiln_mod_T: C division with base.DIV_EDGES printed as conditions, edges of one result merged."""
+  groups: list[tuple[list[int], str]] = []
+  for d, res in div_edges(op, dt).items():
+    if groups and groups[-1][1] == res: groups[-1][0].append(d)
+    else: groups.append(([d], res))
+  conds = [f"b == {ds[0]}" if len(ds) == 1 else "(" + " || ".join(f"b == {d}" for d in ds) + ")" for ds, _ in groups]
+  body = "".join(f"{c} ? {_EDGE_C[res]} : " for c, (_, res) in zip(conds, groups)) + f"(T)(a {'/' if op is Ops.IDIV else '%'} b)"
+  t = ctype(dt)
+  return f"__device__ __forceinline__ {t} {name}({t} a, {t} b) {{ return {body.replace('(T)', f'({t})').replace('(U)', f'({_utype(dt)})')}; }}"
+
+
+def _sat_helper(name: str, dt: DType) -> str:
+  """float -> int: truncate, saturate, NaN -> 0 (C leaves it undefined)."""
+  t, (lo, hi) = ctype(dt), sat_bounds(dt)
+  return (f"__device__ __forceinline__ {t} {name}(double x) {{\n  return x != x ? ({t})0 : x <= {lo}.0 ? {const_text(dt, dt.min)} : "
+          f"x >= {hi}.0 ? {const_text(dt, dt.max)} : ({t})x;\n}}")
+
+
 def _helper(name: str) -> str:
-  if name == "kiln_rh": return "__device__ __forceinline__ float kiln_rh(float x) { return __half2float(__float2half_rn(x)); }"
-  if name == "kiln_rbf":  # round to nearest even bfloat16, NaN to the quiet NaN 0x7FC0 (as the reference)
-    return ("__device__ __forceinline__ float kiln_rbf(float x) {\n  unsigned int b = __float_as_uint(x);\n"
-            "  return x != x ? __uint_as_float(0x7fc00000u) : __uint_as_float((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);\n}")
-  if name == "kiln_tobf16":
-    return ("__device__ __forceinline__ __nv_bfloat16 kiln_tobf16(float x) {\n"
-            "  return __ushort_as_bfloat16(x != x ? (unsigned short)0x7fc0 : (unsigned short)(__float_as_uint(x) >> 16));\n}")
-  if name == "kiln_mul_float": return _fmul("float", "__fmul_rn")
-  if name == "kiln_mul_double": return _fmul("double", "__dmul_rn")
-  if name == "kiln_max_float":
-    return ("__device__ __forceinline__ float kiln_max_float(float a, float b) {\n"
-            "  return (a != a || b != b) ? a + b : a == b ? ((__float_as_uint(a) >> 31) ? b : a) : (a > b ? a : b);\n}")
-  if name == "kiln_max_double":
-    return ("__device__ __forceinline__ double kiln_max_double(double a, double b) {\n"
-            "  return (a != a || b != b) ? a + b : a == b ? (__double_as_longlong(a) < 0 ? b : a) : (a > b ? a : b);\n}")
-  if name == "kiln_odd_f32":  # double -> float rounded to odd: a later round to nearest of a narrower type then rounds once
-    return ("__device__ __forceinline__ float kiln_odd_f32(double d) {\n  float f = (float)d;\n  if (d != d || (double)f == d) return f;\n"
-            "  unsigned int b = __float_as_uint(f);\n  if (fabs((double)f) > fabs(d)) b -= 1;\n  return __uint_as_float(b | 1u);\n}")
-  if name == "kiln_u64_bf16":  # an integer magnitude rounded once to bfloat16 (8 significant bits, ties to even)
-    return ("__device__ __forceinline__ float kiln_u64_bf16(unsigned long long u) {\n  if (u < 256ULL) return (float)u;\n  int l = 63;\n"
-            "  while (!(u >> l)) l--;\n  unsigned long long m = u >> (l - 7), rem = u & ((1ULL << (l - 7)) - 1), half = 1ULL << (l - 8);\n"
-            "  if (rem > half || (rem == half && (m & 1ULL))) m++;\n  return ldexpf((float)m, l - 7);\n}")
+  if name in _HELPERS: return _HELPERS[name]
   if (m := re.fullmatch(r"kiln_(idiv|mod|sat)_(\w+)", name)) is None: raise CodegenError(f"unknown CUDA helper {name}")
-  kind, dt = m.group(1), getattr(dtypes, m.group(2))
-  t, u = ctype(dt), _utype(dt)
-  if kind in ("idiv", "mod"):
-    if dt.is_unsigned:
-      body = "b == 0 ? a : (T)(a / b)" if kind == "idiv" else "b == 0 ? (T)0 : (T)(a % b)"
-    else:
-      body = f"b == 0 ? a : b == -1 ? (T)(({u})0 - ({u})a) : (T)(a / b)" if kind == "idiv" else "(b == 0 || b == -1) ? (T)0 : (T)(a % b)"
-    return f"__device__ __forceinline__ {t} {name}({t} a, {t} b) {{ return {body.replace('(T)', f'({t})')}; }}"
-  # sat: float -> int: truncate, saturate, NaN -> 0 (C leaves it undefined)
-  lo, hi = {8: ("-9223372036854775808.0", "9223372036854775808.0")}.get(dt.itemsize, (f"{dt.min}.0", f"{dt.max}.0"))
-  if dt.is_unsigned: lo = "0.0"
-  if dt.is_unsigned and dt.itemsize == 8: hi = "18446744073709551616.0"
-  return (f"__device__ __forceinline__ {t} {name}(double x) {{\n  return x != x ? ({t})0 : x <= {lo} ? {const_text(dt, dt.min)} : "
-          f"x >= {hi} ? {const_text(dt, dt.max)} : ({t})x;\n}}")
+  dt = getattr(dtypes, m.group(2))
+  return _sat_helper(name, dt) if m.group(1) == "sat" else _div_helper(name, Ops.IDIV if m.group(1) == "idiv" else Ops.MOD, dt)
 
 
 # device functions and types a kernel of the same name would clash with (an extern "C" kernel cannot overload them)
@@ -138,16 +183,15 @@ class CUDARenderer:
     return program_spec(lk, CUDAPrinter(lk).print(), "CUDA", ast)
 
 
-class CUDAPrinter:
+class CUDAPrinter(Printer):
+  lang, missing_hint = "CUDA", " (no vectors on CUDA)"
+
   def __init__(self, lk: LoweredKernel):
-    self.lk = lk
-    self.names: dict[UOp, str] = {}
-    self.lines: list[str] = []
-    self.helpers: dict[str, str] = {}
+    super().__init__(lk)
     self.depth = 1
-    self.n = 0
     names = {(u.dtype.base if isinstance(u.dtype, PtrDType) else u.dtype).name for u in lk.uops}
     self.uses_half, self.uses_bf16 = "float16" in names, "bfloat16" in names  # the CUDA headers only when used
+    self.written = {u.src[0].src[0] for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].op is Ops.DEFINE_GLOBAL}  # the rest are const
 
   def emit(self, s: str) -> None: self.lines.append("  " * self.depth + s)
 
@@ -155,12 +199,8 @@ class CUDAPrinter:
     if name not in self.helpers: self.helpers[name] = _helper(name)
     return name
 
-  def val(self, u: UOp) -> str:
-    if u.op is Ops.CONST:
-      assert isinstance(u.dtype, DType)
-      return const_text(u.dtype, u.arg)
-    if u not in self.names: raise CodegenError(f"{u.op} used before it is defined (linearizer bug)")
-    return self.names[u]
+  def callee(self, stem: str, fields: dict[str, str]) -> str: return self.helper(f"{stem}_{fields['ft']}")
+  def const(self, dt: DType, v: int | float | bool) -> str: return const_text(dt, v)
 
   def assign(self, u: UOp, expr: str, prefix: str = "v") -> None:
     assert isinstance(u.dtype, DType)
@@ -169,73 +209,49 @@ class CUDAPrinter:
     self.emit(f"{ctype(u.dtype)} {name} = {expr};")
     self.names[u] = name
 
-  def print(self) -> str:
-    lk = self.lk
-    written = {u.src[0].src[0] for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].op is Ops.DEFINE_GLOBAL}
-    params = []
-    for g in lk.globals:
-      assert isinstance(g.dtype, PtrDType)
-      base = g.dtype.base
-      params.append(f"{'' if g in written else 'const '}{_MTYPE[base.name]}* __restrict__ data{g.arg}")
-      self.names[g] = f"data{g.arg}"
-    for v in lk.vars:
-      params.append(f"int {_c_name(v.arg[0])}")  # variables travel as 32-bit ints
-      self.names[v] = _c_name(v.arg[0]) if v.dtype == dtypes.int32 else f"(({ctype(v.dtype)}){_c_name(v.arg[0])})"  # type: ignore[arg-type]
-    for u in lk.uops: self.render(u)
-    ls = lk.local_size or (1, 1, 1)
+  def buffer_param(self, g: UOp) -> str:
+    assert isinstance(g.dtype, PtrDType)
+    self.names[g] = f"data{g.arg}"
+    return f"{'' if g in self.written else 'const '}{_MTYPE[g.dtype.base.name]}* __restrict__ data{g.arg}"
+
+  def var_param(self, v: UOp) -> str:
+    self.names[v] = _c_name(v.arg[0]) if v.dtype == dtypes.int32 else f"(({ctype(v.dtype)}){_c_name(v.arg[0])})"  # type: ignore[arg-type]
+    return f"int {_c_name(v.arg[0])}"  # variables travel as 32-bit ints
+
+  def assemble(self, params: list[str]) -> str:
+    ls = self.lk.local_size or (1, 1, 1)
     threads = math.prod(int(x) if isinstance(x, int) else 1 for x in ls)
     head = [*(["#include <cuda_fp16.h>"] if self.uses_half else []), *(["#include <cuda_bf16.h>"] if self.uses_bf16 else []),
             *self.helpers.values(),
-            f'extern "C" __global__ void __launch_bounds__({threads}) {lk.name}({", ".join(params)}) {{']
+            f'extern "C" __global__ void __launch_bounds__({threads}) {self.lk.name}({", ".join(params)}) {{']
     return "\n".join([*head, *self.lines, "}", ""])
 
-  # ---- one uop ----
-  def render(self, u: UOp) -> None:
-    op = u.op
-    if op in (Ops.DEFINE_GLOBAL, Ops.DEFINE_VAR): return
-    if op is Ops.SPECIAL:
-      if u.arg not in _SPECIAL: raise CodegenError(f"the CUDA renderer has no {u.arg} (core_id is a CPU thread index)")
-      self.emit(f"int {u.arg} = {_SPECIAL[u.arg]}; /* {self.size_text(u.src[0])} */")
-      self.names[u] = u.arg
-      return
-    if op is Ops.DEFINE_LOCAL:
-      assert isinstance(u.dtype, PtrDType)
-      name = f"red{self.n}"
-      self.n += 1
-      self.emit(f"__shared__ {ctype(u.dtype.base)} {name}[{u.dtype.size}];")
-      self.names[u] = name
-      return
-    if op is Ops.BARRIER: return self.emit("__syncthreads();")
-    if op is Ops.BIND:
-      self.names[u] = self.val(u.src[1])  # a bound variable is its value
-      return
-    if op is Ops.RANGE:
-      name = f"ridx{u.arg[0]}"
-      self.emit(f"for (int {name} = {self.val(u.src[0])}; {name} < {self.val(u.src[1])}; {name}++) {{")
-      self.names[u] = name
-      self.depth += 1
-      return
-    if op is Ops.IF:
-      self.emit(f"if ({self.val(u.src[0])}) {{")
-      self.depth += 1
-      return
-    if op in (Ops.ENDRANGE, Ops.ENDIF):
-      self.depth -= 1
-      return self.emit("}")
-    if op is Ops.DEFINE_ACC: return self.assign(u, self.val(u.src[0]), "acc")
-    if op is Ops.ACC_STORE: return self.emit(f"{self.val(u.src[0])} = {self.val(u.src[1])};")
-    if op is Ops.LOAD and u.src[0].op is Ops.DEFINE_ACC: return self.assign(u, self.val(u.src[0]))
-    if op is Ops.INDEX:
-      self.names[u] = f"{self.val(u.src[0])}[{self.val(u.src[1])}]"
-      return
-    if op is Ops.LOAD: return self.load(u)
-    if op is Ops.STORE: return self.store(u)
-    if op is Ops.CAST: return self.assign(u, self.cast(u))
-    if op is Ops.BITCAST: return self.assign(u, self.bitcast(u))
-    if op in GroupOp.ALU: return self.assign(u, self.alu(u))
-    if op is Ops.FMA:  # fused, one rounding (the lowering makes it for float32/float64 sums of products only)
-      return self.assign(u, f"{'fma' if u.dtype == dtypes.float64 else 'fmaf'}({self.val(u.src[0])}, {self.val(u.src[1])}, {self.val(u.src[2])})")
-    raise CodegenError(f"the CUDA renderer cannot render {op} (no vectors on CUDA)")
+  # ---- control flow and registers ----
+  def special(self, u: UOp) -> str:
+    if u.arg not in _SPECIAL: raise CodegenError(f"the CUDA renderer has no {u.arg} (core_id is a CPU thread index)")
+    self.emit(f"int {u.arg} = {_SPECIAL[u.arg]}; /* {self.size_text(u.src[0])} */")
+    return str(u.arg)
+
+  def define_local(self, u: UOp) -> str:
+    assert isinstance(u.dtype, PtrDType)
+    name = f"red{self.n}"
+    self.n += 1
+    self.emit(f"__shared__ {ctype(u.dtype.base)} {name}[{u.dtype.size}];")
+    return name
+
+  def range(self, u: UOp) -> str:
+    name = f"ridx{u.arg[0]}"
+    self.emit(f"for (int {name} = {self.val(u.src[0])}; {name} < {self.val(u.src[1])}; {name}++) {{")
+    self.depth += 1
+    return name
+
+  def if_(self, u: UOp) -> None:
+    self.emit(f"if ({self.val(u.src[0])}) {{")
+    self.depth += 1
+
+  def close(self, u: UOp) -> None:
+    self.depth -= 1
+    self.emit("}")
 
   def size_text(self, s: UOp) -> str: return str(s.arg) if s.op is Ops.CONST else "symbolic"
 
@@ -245,6 +261,7 @@ class CUDAPrinter:
     dt = u.dtype
     assert isinstance(dt, DType)
     v = self.val(idx)
+    if idx.op is Ops.DEFINE_ACC: return self.assign(u, v)
     if idx.src[0].op is Ops.DEFINE_GLOBAL:
       if dt.name == "float16": v = f"__half2float({v})"
       elif dt.name == "bfloat16": v = f"__bfloat162float({v})"
@@ -270,55 +287,34 @@ class CUDAPrinter:
     return expr
 
   def alu(self, u: UOp) -> str:
-    op, dt = u.op, u.dtype
+    op, dt, src_dt = u.op, u.dtype, operand_dtype(u)
     assert isinstance(dt, DType)
-    src_dt = u.src[0].dtype if op is not Ops.WHERE else u.src[1].dtype
-    assert isinstance(src_dt, DType)
     a = [self.val(x) for x in u.src]
     if op is Ops.WHERE: return f"{a[0]} ? {a[1]} : {a[2]}"
     if op in _CMP and not src_dt.is_bool: return f"{a[0]} {_CMP[op]} {a[1]}"
     if src_dt.is_bool:
-      if op in _BOOL: return f"{a[0]} {_BOOL[op]} {a[1]}"
-      if op is Ops.CMPLT: return f"!{a[0]} && {a[1]}"
-      if op is Ops.CMPEQ: return f"{a[0]} == {a[1]}"
-      raise CodegenError(f"{op} does not take bool operands")
+      if (b := _BOOL.get(op)) is None: raise CodegenError(f"{op} does not take bool operands")
+      return b.format(a0=a[0], a1=a[1])
     if src_dt.is_float: return self.float_alu(op, dt, a)
     return self.int_alu(u, op, dt, a)
 
   def float_alu(self, op: Ops, dt: DType, a: list[str]) -> str:
     t = "double" if dt.name == "float64" else "float"
-    f = "" if t == "double" else "f"
-    if op is Ops.NEG: return f"-{a[0]}"  # exact in every float type
-    if op is Ops.MAX: return f"{self.helper(f'kiln_max_{t}')}({a[0]}, {a[1]})"  # returns an operand: no rounding needed
-    if op is Ops.TRUNC: return f"trunc{f}({a[0]})"
-    mul = f"kiln_mul_{t}"
-    if op in (Ops.MUL, Ops.MULACC): self.helper(mul)
-    if op is Ops.ADD: e = f"{a[0]} + {a[1]}"
-    elif op is Ops.SUB: e = f"{a[0]} - {a[1]}"
-    elif op is Ops.MUL: e = f"{mul}({a[0]}, {a[1]})"
-    elif op is Ops.FDIV: e = f"{a[0]} / {a[1]}"
-    elif op is Ops.RECIPROCAL: e = f"{const_text(dtypes.float64 if t == 'double' else dtypes.float32, 1.0)} / {a[0]}"
-    elif op is Ops.MULACC: e = f"{self.round(f'{mul}({a[0]}, {a[1]})', dt)} + {a[2]}"  # unfused: round the product first
-    elif op in _FUNC: e = f"{_FUNC[op]}{f}({a[0]})"
-    else: raise CodegenError(f"{op} does not take {dt}")
-    return self.round(e, dt)
+    fields = {"ft": t, "f": "" if t == "double" else "f", "one": const_text(dtypes.float64 if t == "double" else dtypes.float32, 1.0),
+              **{f"a{i}": x for i, x in enumerate(a)}}
+    if op is Ops.MULACC:  # unfused: round the product first
+      return self.round(f"{self.round(self.fill(_FLT[Ops.MUL], fields), dt)} + {a[2]}", dt)
+    if (entry := _FLT.get(op)) is None: raise CodegenError(f"{op} does not take {dt}")
+    e = self.fill(entry, fields)
+    return e if op in EXACT_FLOAT_OPS else self.round(e, dt)
 
   def int_alu(self, u: UOp, op: Ops, dt: DType, a: list[str]) -> str:
-    t, ut = ctype(dt), _utype(dt)
-    if op in _BIT: return f"({t})({a[0]} {_BIT[op]} {a[1]})"
-    if op is Ops.MAX: return f"{a[0]} > {a[1]} ? {a[0]} : {a[1]}"
-    if op in (Ops.SHL, Ops.SHR):
-      amt = f"({a[1]} & {dt.bits - 1})"
-      return f"({t})(({ut}){a[0]} << {amt})" if op is Ops.SHL else f"({t})({a[0]} >> {amt})"  # unsigned: a signed << may overflow
-    if op in (Ops.IDIV, Ops.MOD):
-      c = u.src[1]
-      if c.op is Ops.CONST and c.arg not in (0, -1): return f"({t})({a[0]} {'/' if op is Ops.IDIV else '%'} {a[1]})"
+    if op in DIV_EDGES:
+      if not div_guarded(u.src[1]): return f"({ctype(dt)})({a[0]} {'/' if op is Ops.IDIV else '%'} {a[1]})"
       return f"{self.helper(f'kiln_{op.name.lower()}_{_sfx(dt)}')}({a[0]}, {a[1]})"
-    sym = {Ops.ADD: "+", Ops.SUB: "-", Ops.MUL: "*"}.get(op)
-    if op is Ops.NEG: return f"({t})(-{a[0]})" if self.no_wrap(u) else f"({t})(({ut})0 - ({ut}){a[0]})"
-    if sym is not None: return f"{a[0]} {sym} {a[1]}" if self.no_wrap(u) else f"({t})(({ut}){a[0]} {sym} ({ut}){a[1]})"
-    if op is Ops.MULACC: return f"({t})(({ut}){a[0]} * ({ut}){a[1]} + ({ut}){a[2]})"
-    raise CodegenError(f"{op} does not take {dt}")
+    table = _INT_NO_WRAP if op in _INT_NO_WRAP and self.no_wrap(u) else _INT
+    if (entry := table.get(op)) is None: raise CodegenError(f"{op} does not take {dt}")
+    return entry.format(t=ctype(dt), u=_utype(dt), amt=f"({a[1]} & {shift_mask(dt)})" if len(a) > 1 else "", **{f"a{i}": x for i, x in enumerate(a)})
 
   def no_wrap(self, u: UOp) -> bool:
     """True when u's bounds prove C's arithmetic on it cannot overflow (signed overflow is undefined; kiln wraps)."""
@@ -333,21 +329,19 @@ class CUDAPrinter:
   def cast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
     assert isinstance(src, DType) and isinstance(dst, DType)
-    v = self.val(u.src[0])
-    if dst.is_bool: return f"{v} != {const_text(src, 0)}" if not src.is_bool else v
-    if dst.is_int:
-      if src.is_float: return f"{self.helper(f'kiln_sat_{_sfx(dst)}')}((double){v})"
-      return f"({ctype(dst)}){v}"  # int/bool -> int: two's complement wrap
-    # -> float
+    return _CASTS[cast_kind(src, dst)](self, self.val(u.src[0]), src, dst)
+
+  def cast_to_float(self, v: str, src: DType, dst: DType) -> str:
     if dst.name == "float64": return f"(double){v}"
-    if src.is_bool or (src.is_int and src.itemsize <= 2): return self.round(f"(float){v}", dst)  # exact in float: one rounding
-    if src.is_int:
-      if dst.name == "bfloat16":  # round once from the exact integer (a float in between would round twice)
-        if src.is_unsigned: return f"{self.helper('kiln_u64_bf16')}({v})"
-        m = f"({v} < 0 ? 0ULL - (unsigned long long){v} : (unsigned long long){v})"
-        return f"({v} < 0 ? -{self.helper('kiln_u64_bf16')}({m}) : {self.helper('kiln_u64_bf16')}({m}))"
-      return self.round(f"(float){v}", dst)  # float16: a 32/64-bit int past 65519 is inf either way
-    if src.name == "float64" and dst.name != "float32": return self.round(f"{self.helper('kiln_odd_f32')}({v})", dst)
+    if odd_rounding(src, dst):  # round once from the exact integer (a float in between would round twice)
+      if src.is_unsigned: return f"{self.helper('kiln_u64_bf16')}({v})"
+      m = f"({v} < 0 ? 0ULL - (unsigned long long){v} : (unsigned long long){v})"
+      return f"({v} < 0 ? -{self.helper('kiln_u64_bf16')}({m}) : {self.helper('kiln_u64_bf16')}({m}))"
+    return self.round(f"(float){v}", dst)  # exact in float, one rounding; float16: a 32/64-bit int past 65519 is inf either way
+
+  def cast_float(self, v: str, src: DType, dst: DType) -> str:
+    if dst.name == "float64": return f"(double){v}"
+    if odd_rounding(src, dst) or src.name == "float64" and dst.name == "float16": return self.round(f"{self.helper('kiln_odd_f32')}({v})", dst)
     if src.name == "float64": return f"(float){v}"
     return self.round(v, dst) if dst.name in ("float16", "bfloat16") else v  # float32/float16/bfloat16 registers are floats
 
@@ -355,16 +349,29 @@ class CUDAPrinter:
     src, dst = u.src[0].dtype, u.dtype
     assert isinstance(src, DType) and isinstance(dst, DType)
     v = self.val(u.src[0])
-    # to raw bits
-    if src.name == "float32": bits = f"__float_as_uint({v})"
-    elif src.name == "float64": bits = f"(unsigned long long)__double_as_longlong({v})"
-    elif src.name == "float16": bits = f"__half_as_ushort(__float2half_rn({v}))"
-    elif src.name == "bfloat16": bits = f"(unsigned short)(__float_as_uint({v}) >> 16)"
-    else: bits = f"({_utype(src) if src.itemsize >= 4 else 'unsigned int'}){v}"
-    # from raw bits
-    if dst.is_bool: return f"(unsigned char)({bits}) != 0"
-    if dst.is_int: return f"({ctype(dst)})({bits})"
-    if dst.name == "float32": return f"__uint_as_float((unsigned int)({bits}))"
-    if dst.name == "float64": return f"__longlong_as_double((long long)({bits}))"
-    if dst.name == "float16": return f"__half2float(__ushort_as_half((unsigned short)({bits})))"
-    return f"__uint_as_float((unsigned int)(unsigned short)({bits}) << 16)"
+    bits = _TO_BITS.get(src.name, "({u}){v}").format(v=v, u=_utype(src) if src.itemsize >= 4 else "unsigned int")
+    return _FROM_BITS.get(dst.name, "({t})({bits})").format(bits=bits, t=ctype(dst))
+
+
+def _assigned(f: Callable[[CUDAPrinter, UOp], str], prefix: str = "v") -> Handler:
+  """A handler that declares the value f prints as a new variable."""
+  return lambda p, u: p.assign(u, f(p, u), prefix)
+
+
+# uop -> its printer; the loads and stores of accumulators take the same ops as those of buffers
+CUDAPrinter.OPS = {
+  Ops.DEFINE_GLOBAL: skip, Ops.DEFINE_VAR: skip, Ops.SPECIAL: CUDAPrinter.special, Ops.DEFINE_LOCAL: CUDAPrinter.define_local,
+  Ops.BARRIER: lambda p, u: p.emit("__syncthreads();"), Ops.BIND: lambda p, u: p.val(u.src[1]),  # a bound variable is its value
+  Ops.RANGE: CUDAPrinter.range, Ops.IF: CUDAPrinter.if_, Ops.ENDRANGE: CUDAPrinter.close, Ops.ENDIF: CUDAPrinter.close,
+  Ops.DEFINE_ACC: _assigned(lambda p, u: p.val(u.src[0]), "acc"), Ops.ACC_STORE: lambda p, u: p.emit(f"{p.val(u.src[0])} = {p.val(u.src[1])};"),
+  Ops.INDEX: lambda p, u: f"{p.val(u.src[0])}[{p.val(u.src[1])}]", Ops.LOAD: CUDAPrinter.load, Ops.STORE: CUDAPrinter.store,
+  Ops.CAST: _assigned(CUDAPrinter.cast), Ops.BITCAST: _assigned(CUDAPrinter.bitcast), **dict.fromkeys(GroupOp.ALU, _assigned(CUDAPrinter.alu)),
+  # fused, one rounding (the lowering makes it for float32/float64 sums of products only)
+  Ops.FMA: _assigned(lambda p, u: f"{'fma' if u.dtype == dtypes.float64 else 'fmaf'}({p.val(u.src[0])}, {p.val(u.src[1])}, {p.val(u.src[2])})"),
+}
+_CASTS: dict[str, Callable[[CUDAPrinter, str, DType, DType], str]] = {
+  "to_bool": lambda p, v, src, dst: v if src.is_bool else f"{v} != {const_text(src, 0)}",
+  "wrap": lambda p, v, src, dst: f"({ctype(dst)}){v}",  # int/bool -> int: two's complement wrap
+  "sat": lambda p, v, src, dst: f"{p.helper(f'kiln_sat_{_sfx(dst)}')}((double){v})",
+  "to_float": CUDAPrinter.cast_to_float, "float": CUDAPrinter.cast_float,
+}

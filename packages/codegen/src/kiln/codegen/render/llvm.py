@@ -11,11 +11,26 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
-from kiln.codegen.spec import KernelArg, ProgramSpec, Variable
+from kiln.codegen.render.base import (
+  DIV_EDGES,
+  EXACT_FLOAT_OPS,
+  Printer,
+  Template,
+  cast_kind,
+  div_edges,
+  div_guarded,
+  odd_rounding,
+  operand_dtype,
+  program_spec,
+  shift_mask,
+  skip,
+)
+from kiln.codegen.spec import ProgramSpec
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
@@ -23,10 +38,44 @@ from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.symbolic import is_multiple
 from kiln.ir.uop import UOp
 
-_INT_BIN = {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}
-_FLT_BIN = {Ops.ADD: "fadd", Ops.SUB: "fsub", Ops.MUL: "fmul", Ops.FDIV: "fdiv"}
-_BOOL_BIN = {Ops.ADD: "or", Ops.MUL: "and", Ops.MAX: "or", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}
-_FLT_UNARY = {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt", Ops.TRUNC: "trunc"}
+__all__ = ["LLVMPrinter", "LLVMRenderer", "program_spec"]  # program_spec lives in base; importable from here as before
+
+
+def _divmod(p: LLVMPrinter, *args: Any) -> str: return p.divmod(*args)
+
+
+# op -> the instruction(s) of a result {r}: operands {a0} {a1} {a2} of type {t}; a second line computes into the temporary {m};
+# (intrinsic, text): the text calls llvm's `intrinsic.<type suffix>` as {fn}
+_BIN = "{r} = %s {t} {a0}, {a1}"
+_FLT_OPS: dict[Ops, Template | Callable[..., str]] = {
+  **{op: _BIN % ins for op, ins in {Ops.ADD: "fadd", Ops.SUB: "fsub", Ops.MUL: "fmul", Ops.FDIV: "fdiv", Ops.CMPLT: "fcmp olt",
+                                     Ops.CMPEQ: "fcmp oeq", Ops.CMPNE: "fcmp une"}.items()},
+  Ops.NEG: "{r} = fneg {t} {a0}", Ops.RECIPROCAL: "{r} = fdiv {t} {one}, {a0}", Ops.MAX: ("llvm.maximum", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
+  **{op: (f"llvm.{f}", "{r} = call {t} {fn}({t} {a0})") for op, f in {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt",
+                                                                      Ops.TRUNC: "trunc"}.items()},
+  Ops.MULACC: "{m} = fmul {t} {a0}, {a1}\n{r} = fadd {t} {m}, {a2}",
+}
+_INT_OPS: dict[Ops, Template | Callable[..., str]] = {
+  **{op: _BIN % ins for op, ins in {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor",
+                                     Ops.CMPLT: "icmp {lt}", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}.items()},
+  Ops.NEG: "{r} = sub {t} {zero}, {a0}", Ops.MAX: ("llvm.{sign}max", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
+  Ops.SHL: "{m} = and {t} {a1}, {mask}\n{r} = shl {t} {a0}, {m}", Ops.SHR: "{m} = and {t} {a1}, {mask}\n{r} = {shr} {t} {a0}, {m}",
+  Ops.IDIV: _divmod, Ops.MOD: _divmod, Ops.MULACC: "{m} = mul {t} {a0}, {a1}\n{r} = add {t} {m}, {a2}",
+}
+# bool ALU is C's (bool)(a op b) (alu.py); the ops missing here take the integer instructions on i1
+_BOOL_OPS: dict[Ops, Template | Callable[..., str]] = {
+  op: _BIN % ins for op, ins in {Ops.ADD: "or", Ops.MUL: "and", Ops.MAX: "or", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}.items()}
+_BY_ONE = {Ops.IDIV: "a", Ops.MOD: "0"}  # what an edge divisor replaced by 1 yields
+_EDGE_VALUE = {"-a": "sub {t} {zero}, {a0}"}  # the other edge results, computed apart
+
+
+class _Cast(NamedTuple):
+  v: str  # the value
+  src: DType
+  dst: DType
+  st: str  # their register types
+  dt: str
+  r: str  # the result's temporary
 
 
 def scalar_type(dt: DType) -> str:
@@ -78,33 +127,18 @@ class LLVMRenderer:
     return spec
 
 
-def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramSpec:
-  """The ProgramSpec for a lowered kernel: buffer and variable metadata from the lowering."""
-  var_names = [v.arg[0] for v in lk.vars] + ([CORE_ID] if lk.threads > 1 else [])
-  args = []
-  for g in lk.globals:
-    assert isinstance(g.dtype, PtrDType)
-    args.append(KernelArg(slot=g.arg, dtype=str(g.dtype.base), size=g.dtype.size if g.dtype.size > 0 else -1))
-  return ProgramSpec(name=lk.name, src=src, device=device, ast=ast, global_size=lk.global_size, local_size=lk.local_size,  # type: ignore[arg-type]
-                     vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in lk.vars], var_names=var_names,
-                     globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
-                     applied_opts=[str(o) for o in lk.opts], threads=lk.threads,
-                     scratch_bytes=lk.scratch_bytes, finish=lk.finish,
-                     flops=lk.flops, mem_bytes=lk.mem_bytes)
+class LLVMPrinter(Printer):
+  lang = "LLVM"
 
-
-class LLVMPrinter:
   def __init__(self, lk: LoweredKernel, target: Target):
-    self.lk, self.target = lk, target
-    self.names: dict[UOp, str] = {}
-    self.lines: list[str] = []
+    super().__init__(lk)
+    self.target = target
     self.entry: list[str] = []  # the entry block's head: allocas, streaming-store alignment flags
     self.decls: set[str] = set()
-    self.helpers: dict[str, str] = {}
-    self.n = 0
     self.block = "entry"
     self.loops: dict[UOp, tuple[str, str]] = {}
     self.stream_flags: set[str] = set()  # per (buffer, alignment): is its base aligned for streaming stores
+    if lk.scratch is not None: self.names[lk.scratch] = "%scratch"
 
   def tmp(self) -> str:
     self.n += 1
@@ -116,16 +150,14 @@ class LLVMPrinter:
     self.lines.append(f"{name}:")
     self.block = name
 
+  def const(self, dt: DType, v: int | float | bool) -> str: return const_text(dt, v)
+
   def val(self, u: UOp) -> str:
-    if u.op is Ops.CONST:
-      assert isinstance(u.dtype, DType)
-      return const_text(u.dtype, u.arg)
     if u.op is Ops.VECTORIZE and all(s.op is Ops.CONST for s in u.src):
       assert isinstance(u.dtype, DType)
       t = scalar_type(u.dtype.scalar())
       return "<" + ", ".join(f"{t} {const_text(u.dtype.scalar(), s.arg)}" for s in u.src) + ">"
-    if u not in self.names: raise CodegenError(f"{u.op} used before it is defined (linearizer bug)")
-    return self.names[u]
+    return super().val(u)
 
   def tv(self, u: UOp) -> str:
     assert isinstance(u.dtype, DType)
@@ -135,20 +167,20 @@ class LLVMPrinter:
     self.decls.add(f"declare {ret} @{name}({', '.join(args)})")
     return f"@{name}"
 
-  def print(self) -> str:
-    lk = self.lk
-    params = []
-    for g in lk.globals:
-      assert isinstance(g.dtype, PtrDType)
-      params.append(f"ptr noalias align {max(g.dtype.base.itemsize, 1)} %data{g.arg}")
-      self.names[g] = f"%data{g.arg}"
-    for v in lk.vars:
-      params.append(f"i32 %var.{v.arg[0]}")  # own prefix: a variable named t1 or data0 must not clash with generated values
-      self.names[v] = f"%var.{v.arg[0]}"
-    if lk.scratch is not None: self.names[lk.scratch] = "%scratch"
-    body_start = len(self.lines)
-    for u in lk.uops: self.render(u)
-    body = self.lines[body_start:]
+  def callee(self, stem: str, fields: dict[str, str]) -> str:
+    return self.intrinsic(f"{stem}.{fields['sfx']}", fields["t"], [fields["t"]] * int(fields["arity"]))
+
+  def buffer_param(self, g: UOp) -> str:
+    assert isinstance(g.dtype, PtrDType)
+    self.names[g] = f"%data{g.arg}"
+    return f"ptr noalias align {max(g.dtype.base.itemsize, 1)} %data{g.arg}"
+
+  def var_param(self, v: UOp) -> str:
+    self.names[v] = f"%var.{v.arg[0]}"  # own prefix: a variable named t1 or data0 must not clash with generated values
+    return f"i32 %var.{v.arg[0]}"
+
+  def assemble(self, params: list[str]) -> str:
+    lk, body = self.lk, self.lines
     if lk.threads > 1: params.append("i32 %core_id")
     if lk.scratch is not None: params.append("ptr noalias %scratch")
     vb = self.target.vector_bytes * 8
@@ -158,78 +190,56 @@ class LLVMPrinter:
       body.append(f"  call void {self.intrinsic('llvm.x86.sse.sfence', 'void', [])}()")
     return "\n".join([*sorted(self.decls), *self.helpers.values(), *head, *body, "  ret void", "}", attrs, ""])
 
-  # ---- one uop ----
-  def render(self, u: UOp) -> None:
-    op = u.op
-    if op in (Ops.DEFINE_GLOBAL, Ops.DEFINE_VAR): return
-    if op is Ops.SPECIAL:
-      if u.arg != CORE_ID: raise CodegenError(f"the CPU renderer has no {u.arg} (a GPU index)")
-      self.names[u] = "%core_id"
-      return
-    if op is Ops.RANGE: return self.range(u)
-    if op is Ops.ENDRANGE: return self.endrange(u)
-    if op is Ops.IF:
-      then, end = f"if{self.n}_{id(u) % 100000}", f"endif{self.n}_{id(u) % 100000}"
-      self.n += 1
-      self.emit(f"br i1 {self.val(u.src[0])}, label %{then}, label %{end}")
-      self.loops[u] = (then, end)
-      self.label(then)
-      return
-    if op is Ops.ENDIF:
-      _, end = self.loops[u.src[0]]
-      self.emit(f"br label %{end}")
-      self.label(end)
-      return
-    if op is Ops.DEFINE_ACC:
-      assert isinstance(u.dtype, DType)
-      name = f"%acc{u.arg}"
-      self.entry.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
-      self.emit(f"store {self.tv(u.src[0])}, ptr {name}")
-      self.names[u] = name
-      return
-    if op is Ops.ACC_STORE:
-      self.emit(f"store {self.tv(u.src[1])}, ptr {self.val(u.src[0])}")
-      return
-    if op is Ops.STORE: return self.store(u)
-    if op is Ops.LOAD and u.src[0].op is Ops.DEFINE_ACC:
-      r = self.tmp()
-      self.emit(f"{r} = load {ltype(u.dtype)}, ptr {self.val(u.src[0])}")  # type: ignore[arg-type]
-      self.names[u] = r
-      return
-    if op is Ops.INDEX:
-      buf, idx = u.src[0], u.src[1]
-      assert isinstance(buf.dtype, PtrDType)
-      if len(u.src) == 3:  # a gated access reads element 0 when the gate is off, so it never leaves the buffer
-        safe = self.tmp()
-        self.emit(f"{safe} = select i1 {self.val(u.src[2])}, i32 {self.val(idx)}, i32 0")
-        idxv = safe
-      else: idxv = self.val(idx)
-      r = self.tmp()
-      self.emit(f"{r} = getelementptr inbounds {mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, i32 {idxv}")
-      self.names[u] = r
-      return
-    if op is Ops.LOAD: return self.load(u)
-    if op is Ops.VECTORIZE: return self.vectorize(u)
-    if op is Ops.GEP:
-      r = self.tmp()
-      self.emit(f"{r} = extractelement {self.tv(u.src[0])}, i32 {u.arg}")
-      self.names[u] = r
-      return
-    if op in (Ops.CAST, Ops.BITCAST):
-      self.names[u] = self.cast(u) if op is Ops.CAST else self.bitcast(u)
-      return
-    if op in GroupOp.ALU:
-      self.names[u] = self.alu(u)
-      return
-    if op is Ops.FMA:  # the lowering makes it for float32/float64 sums of products only
-      t = ltype(u.dtype)  # type: ignore[arg-type]
-      fn, r = self.intrinsic(f"llvm.fma.{_suffix(u.dtype)}", t, [t, t, t]), self.tmp()  # type: ignore[arg-type]
-      self.emit(f"{r} = call {t} {fn}({self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])})")
-      self.names[u] = r
-      return
-    raise CodegenError(f"the LLVM renderer cannot render {op}")
+  # ---- control flow and registers ----
+  def special(self, u: UOp) -> str:
+    if u.arg != CORE_ID: raise CodegenError(f"the CPU renderer has no {u.arg} (a GPU index)")
+    return "%core_id"
 
-  def range(self, u: UOp) -> None:
+  def if_(self, u: UOp) -> None:
+    then, end = f"if{self.n}_{id(u) % 100000}", f"endif{self.n}_{id(u) % 100000}"
+    self.n += 1
+    self.emit(f"br i1 {self.val(u.src[0])}, label %{then}, label %{end}")
+    self.loops[u] = (then, end)
+    self.label(then)
+
+  def endif(self, u: UOp) -> None:
+    _, end = self.loops[u.src[0]]
+    self.emit(f"br label %{end}")
+    self.label(end)
+
+  def define_acc(self, u: UOp) -> str:
+    assert isinstance(u.dtype, DType)
+    name = f"%acc{u.arg}"
+    self.entry.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
+    self.emit(f"store {self.tv(u.src[0])}, ptr {name}")
+    return name
+
+  def acc_store(self, u: UOp) -> None: self.emit(f"store {self.tv(u.src[1])}, ptr {self.val(u.src[0])}")
+
+  def index(self, u: UOp) -> str:
+    buf, idx = u.src[0], u.src[1]
+    assert isinstance(buf.dtype, PtrDType)
+    if len(u.src) == 3:  # a gated access reads element 0 when the gate is off, so it never leaves the buffer
+      safe = self.tmp()
+      self.emit(f"{safe} = select i1 {self.val(u.src[2])}, i32 {self.val(idx)}, i32 0")
+      idxv = safe
+    else: idxv = self.val(idx)
+    r = self.tmp()
+    self.emit(f"{r} = getelementptr inbounds {mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, i32 {idxv}")
+    return r
+
+  def gep(self, u: UOp) -> str:
+    r = self.tmp()
+    self.emit(f"{r} = extractelement {self.tv(u.src[0])}, i32 {u.arg}")
+    return r
+
+  def fma(self, u: UOp) -> str:  # the lowering makes it for float32/float64 sums of products only
+    t = ltype(u.dtype)  # type: ignore[arg-type]
+    fn, r = self.intrinsic(f"llvm.fma.{_suffix(u.dtype)}", t, [t, t, t]), self.tmp()  # type: ignore[arg-type]
+    self.emit(f"{r} = call {t} {fn}({self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])})")
+    return r
+
+  def range(self, u: UOp) -> str:
     i = u.arg[0]
     head, body, latch, exit_ = f"loop{i}", f"body{i}", f"latch{i}", f"exit{i}"
     start, end = self.val(u.src[0]), self.val(u.src[1])
@@ -241,8 +251,8 @@ class LLVMPrinter:
     self.emit(f"{name}.go = icmp slt i32 {name}, {end}")
     self.emit(f"br i1 {name}.go, label %{body}, label %{exit_}")
     self.label(body)
-    self.names[u] = name
     self.loops[u] = (latch, exit_)
+    return name
 
   def endrange(self, u: UOp) -> None:
     rng = u.src[0]
@@ -255,11 +265,14 @@ class LLVMPrinter:
     self.label(exit_)
 
   # ---- memory ----
-  def load(self, u: UOp) -> None:
+  def load(self, u: UOp) -> str:
     idx = u.src[0]
     dt = u.dtype
     assert isinstance(dt, DType)
     r = self.tmp()
+    if idx.op is Ops.DEFINE_ACC:
+      self.emit(f"{r} = load {ltype(dt)}, ptr {self.val(idx)}")
+      return r
     self.emit(f"{r} = load {mtype(dt)}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}")
     v = self.from_mem(r, dt)
     if len(idx.src) == 3:  # gated: zero where the gate is off
@@ -267,7 +280,7 @@ class LLVMPrinter:
       zero = "zeroinitializer" if dt.count > 1 else const_text(dt, 0)
       self.emit(f"{g} = select i1 {self.val(idx.src[2])}, {ltype(dt)} {v}, {ltype(dt)} {zero}")
       v = g
-    self.names[u] = v
+    return v
 
   def from_mem(self, r: str, dt: DType) -> str:
     n = dt.count
@@ -349,7 +362,7 @@ class LLVMPrinter:
                        f"{flag} = icmp eq i64 {flag}.m, 0"]
     return flag, align
 
-  def vectorize(self, u: UOp) -> None:
+  def vectorize(self, u: UOp) -> str:
     dt = u.dtype
     assert isinstance(dt, DType)
     t = ltype(dt)
@@ -357,21 +370,18 @@ class LLVMPrinter:
       a, b = self.tmp(), self.tmp()
       self.emit(f"{a} = insertelement {t} poison, {self.tv(u.src[0])}, i32 0")
       self.emit(f"{b} = shufflevector {t} {a}, {t} poison, <{dt.count} x i32> zeroinitializer")
-      self.names[u] = b
-      return
+      return b
     cur = "poison"
     for i, s in enumerate(u.src):
       r = self.tmp()
       self.emit(f"{r} = insertelement {t} {cur}, {self.tv(s)}, i32 {i}")
       cur = r
-    self.names[u] = cur
+    return cur
 
   # ---- arithmetic ----
   def alu(self, u: UOp) -> str:
-    op, dt = u.op, u.dtype
+    op, dt, src_dt = u.op, u.dtype, operand_dtype(u)
     assert isinstance(dt, DType)
-    src_dt = u.src[0].dtype if op is not Ops.WHERE else u.src[1].dtype
-    assert isinstance(src_dt, DType)
     s = src_dt.scalar()
     if op is Ops.WHERE:
       r = self.tmp()
@@ -382,17 +392,17 @@ class LLVMPrinter:
       if op is Ops.MULACC:  # unfused, as alu.py defines it: the product rounds to the half type before the add
         return self.half_alu(Ops.ADD, dt, src_dt, [self.half_alu(Ops.MUL, dt, src_dt, vals[:2]), vals[2]])
       return self.half_alu(op, dt, src_dt, vals)
-    return self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src])
+    return self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src], guard=op not in DIV_EDGES or div_guarded(u.src[1]))
 
   def half_alu(self, op: Ops, dt: DType, src_dt: DType, vals: list[str]) -> str:
     s = src_dt.scalar()
-    if s.name == "float16" and op is not Ops.NEG:
+    if s.name == "float16" and op is not Ops.NEG:  # fneg is exact on half itself
       wide = [self.fpext(v, src_dt) for v in vals]
       fdt = dtypes.float32.vec(dt.count) if dt.count > 1 else dtypes.float32
       r = self.alu_text(op, fdt if not dt.is_bool else dt, dtypes.float32.vec(src_dt.count) if src_dt.count > 1 else dtypes.float32, wide)
       return r if dt.is_bool else self.fptrunc(r, dt)
     r = self.alu_text(op, dt, src_dt, vals)
-    return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool and op not in (Ops.NEG, Ops.MAX, Ops.TRUNC) else r
+    return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool and op not in EXACT_FLOAT_OPS else r
 
   def fpext(self, v: str, dt: DType) -> str:
     r = self.tmp()
@@ -420,117 +430,90 @@ class LLVMPrinter:
     self.emit(f"{r} = call {_vt('float', n)} @{name}({_vt('float', n)} {v})")
     return r
 
-  def alu_text(self, op: Ops, dt: DType, src_dt: DType, a: list[str]) -> str:
+  def alu_text(self, op: Ops, dt: DType, src_dt: DType, a: list[str], guard: bool = True) -> str:
     s = src_dt.scalar()
     t = ltype(src_dt)
     r = self.tmp()
     n = src_dt.count
-    if s.is_bool and op in _BOOL_BIN:
-      self.emit(f"{r} = {_BOOL_BIN[op]} {t} {a[0]}, {a[1]}")
-      return r
-    if op in GroupOp.Comparison:
-      if s.is_float: cmp = {Ops.CMPLT: "fcmp olt", Ops.CMPEQ: "fcmp oeq", Ops.CMPNE: "fcmp une"}[op]
-      else: cmp = {Ops.CMPLT: "icmp ult" if s.is_unsigned or s.is_bool else "icmp slt", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}[op]
-      self.emit(f"{r} = {cmp} {t} {a[0]}, {a[1]}")
-      return r
-    if s.is_float:
-      if op in _FLT_BIN: self.emit(f"{r} = {_FLT_BIN[op]} {t} {a[0]}, {a[1]}")
-      elif op is Ops.NEG: self.emit(f"{r} = fneg {t} {a[0]}")
-      elif op is Ops.RECIPROCAL: self.emit(f"{r} = fdiv {t} {self.splat(scalar_type(s), const_text(s, 1.0), n)}, {a[0]}")
-      elif op is Ops.MAX:
-        fn = self.intrinsic(f"llvm.maximum.{_suffix(src_dt)}", t, [t, t])
-        self.emit(f"{r} = call {t} {fn}({t} {a[0]}, {t} {a[1]})")
-      elif op in _FLT_UNARY:
-        fn = self.intrinsic(f"llvm.{_FLT_UNARY[op]}.{_suffix(src_dt)}", t, [t])
-        self.emit(f"{r} = call {t} {fn}({t} {a[0]})")
-      elif op is Ops.MULACC:
-        m = self.tmp()
-        self.emit(f"{m} = fmul {t} {a[0]}, {a[1]}")
-        self.emit(f"{r} = fadd {t} {m}, {a[2]}")
-      else: raise CodegenError(f"{op} does not take {src_dt}")
-      return r
-    sign = "u" if s.is_unsigned else "s"
-    if op in _INT_BIN: self.emit(f"{r} = {_INT_BIN[op]} {t} {a[0]}, {a[1]}")
-    elif op is Ops.NEG: self.emit(f"{r} = sub {t} {self.splat(scalar_type(s), '0', n)}, {a[0]}")
-    elif op is Ops.MAX:
-      fn = self.intrinsic(f"llvm.{sign}max.{_suffix(src_dt)}", t, [t, t])
-      self.emit(f"{r} = call {t} {fn}({t} {a[0]}, {t} {a[1]})")
-    elif op in (Ops.SHL, Ops.SHR):
-      m = self.tmp()
-      self.emit(f"{m} = and {t} {a[1]}, {self.splat(scalar_type(s), str(s.bits - 1), n)}")
-      self.emit(f"{r} = {'shl' if op is Ops.SHL else ('lshr' if s.is_unsigned else 'ashr')} {t} {a[0]}, {m}")
-    elif op in (Ops.IDIV, Ops.MOD): return self.divmod(op, s, t, n, a)
-    elif op is Ops.MULACC:
-      m = self.tmp()
-      self.emit(f"{m} = mul {t} {a[0]}, {a[1]}")
-      self.emit(f"{r} = add {t} {m}, {a[2]}")
-    else: raise CodegenError(f"{op} does not take {src_dt}")
+    table = _BOOL_OPS if s.is_bool and op in _BOOL_OPS else _FLT_OPS if s.is_float else _INT_OPS
+    if (entry := table.get(op)) is None: raise CodegenError(f"{op} does not take {src_dt}")
+    if callable(entry): return entry(self, op, s, t, n, a, guard)
+    sc = scalar_type(s)
+    fields = {"r": r, "t": t, "sfx": _suffix(src_dt), "arity": str(len(a)), **{f"a{i}": x for i, x in enumerate(a)},
+              "lt": "ult" if s.is_unsigned or s.is_bool else "slt", "sign": "u" if s.is_unsigned else "s", "shr": "lshr" if s.is_unsigned else "ashr",
+              "zero": self.splat(sc, "0", n), "one": self.splat(sc, const_text(s, 1.0), n), "mask": self.splat(sc, str(shift_mask(s)), n)}
+    if "{m}" in (entry if isinstance(entry, str) else entry[1]): fields["m"] = self.tmp()  # a second temporary, numbered after r
+    for line in self.fill(entry, fields).split("\n"): self.emit(line)
     return r
 
-  def divmod(self, op: Ops, s: DType, t: str, n: int, a: list[str]) -> str:
-    """C division with kiln's defined edges (x//0 == x, x%0 == 0, MIN//-1 == MIN): never traps."""
+  def divmod(self, op: Ops, s: DType, t: str, n: int, a: list[str], guard: bool) -> str:
+    """C division with kiln's defined edges (base.DIV_EDGES): never traps. Edge divisors become 1, then the edges 1 does not
+    give are selected apart."""
     sp = lambda c: self.splat(scalar_type(s), c, n)  # noqa: E731
     it = _vt("i1", n)
-    const_ok = a[1].lstrip("-").isdigit() and int(a[1]) not in (0, -1)
-    sign = "u" if s.is_unsigned else "s"
-    name = ("div" if op is Ops.IDIV else "rem")
-    if const_ok:
+    ins = ("u" if s.is_unsigned else "s") + ("div" if op is Ops.IDIV else "rem")
+    if not guard:
       r = self.tmp()
-      self.emit(f"{r} = {sign}{name} {t} {a[0]}, {a[1]}")
+      self.emit(f"{r} = {ins} {t} {a[0]}, {a[1]}")
       return r
-    z = self.tmp()
-    self.emit(f"{z} = icmp eq {t} {a[1]}, {sp('0')}")
-    bad = z
-    if not s.is_unsigned:
-      m1, bad = self.tmp(), self.tmp()
-      self.emit(f"{m1} = icmp eq {t} {a[1]}, {sp('-1')}")
-      self.emit(f"{bad} = or {it} {z}, {m1}")
+    edges, hit, bad = div_edges(op, s), {}, ""
+    for d in edges:
+      hit[d] = self.tmp()
+      either = self.tmp() if bad else ""
+      self.emit(f"{hit[d]} = icmp eq {t} {a[1]}, {sp(str(d))}")
+      if either: self.emit(f"{either} = or {it} {bad}, {hit[d]}")
+      bad = either or hit[d]
     safe, r = self.tmp(), self.tmp()
     self.emit(f"{safe} = select {it} {bad}, {t} {sp('1')}, {t} {a[1]}")
-    self.emit(f"{r} = {sign}{name} {t} {a[0]}, {safe}")
-    if op is Ops.IDIV and not s.is_unsigned:
-      ng, out = self.tmp(), self.tmp()
-      self.emit(f"{ng} = sub {t} {sp('0')}, {a[0]}")
-      self.emit(f"{out} = select {it} {m1}, {t} {ng}, {t} {r}")
-      return out
+    self.emit(f"{r} = {ins} {t} {a[0]}, {safe}")
+    for d, res in edges.items():
+      if res == _BY_ONE[op]: continue  # dividing by the stand-in 1 gives it already
+      v, out = self.tmp(), self.tmp()
+      self.emit(f"{v} = " + _EDGE_VALUE[res].format(t=t, zero=sp("0"), a0=a[0]))
+      self.emit(f"{out} = select {it} {hit[d]}, {t} {v}, {t} {r}")
+      r = out
     return r
 
   def cast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
     assert isinstance(src, DType) and isinstance(dst, DType)
     v = self.val(u.src[0])
-    n = dst.count
-    s, d = src.scalar(), dst.scalar()
-    st, dt_ = ltype(src), ltype(dst)
-    r = self.tmp()
-    if d.is_bool:
-      if s.is_float: self.emit(f"{r} = fcmp une {st} {v}, {self.splat(scalar_type(s), const_text(s, 0.0), n)}")
-      else: self.emit(f"{r} = icmp ne {st} {v}, {self.splat(scalar_type(s), '0', n)}")
-      return r
-    if s.is_bool:
-      self.emit(f"{r} = {'uitofp' if d.is_float else 'zext'} {st} {v} to {dt_}")
-      return self.bf16_round(r, n) if d.name == "bfloat16" else r
-    if s.is_int and d.is_int:
-      if s.bits == d.bits: return v
-      self.emit(f"{r} = {'trunc' if d.bits < s.bits else ('zext' if s.is_unsigned else 'sext')} {st} {v} to {dt_}")
-      return r
-    if s.is_int and d.is_float:
-      if d.name == "bfloat16" and s.bits >= 32: return self.bf16_round(self.int_to_odd_float(v, s, n), n)  # int -> float32 would round twice
-      self.emit(f"{r} = {'uitofp' if s.is_unsigned else 'sitofp'} {st} {v} to {dt_}")
-      return self.bf16_round(r, n) if d.name == "bfloat16" else r
-    if s.is_float and d.is_int:
-      if s.name == "float16": v, st = self.fpext(v, src), _vt("float", n)
-      wide = src if s.name != "float16" else dtypes.float32.vec(n) if n > 1 else dtypes.float32
-      fn = self.intrinsic(f"llvm.fpto{'u' if d.is_unsigned else 's'}i.sat.{_suffix(dst)}.{_suffix(wide)}", dt_, [st])
-      self.emit(f"{r} = call {dt_} {fn}({st} {v})")
-      return r
-    # float -> float: registers hold bfloat16 as float
+    return _CASTS[cast_kind(src, dst)](self, _Cast(v, src, dst, ltype(src), ltype(dst), self.tmp()))
+
+  def cast_to_bool(self, c: _Cast) -> str:
+    s, n = c.src.scalar(), c.dst.count
+    if s.is_float: self.emit(f"{c.r} = fcmp une {c.st} {c.v}, {self.splat(scalar_type(s), const_text(s, 0.0), n)}")
+    else: self.emit(f"{c.r} = icmp ne {c.st} {c.v}, {self.splat(scalar_type(s), '0', n)}")
+    return c.r
+
+  def cast_wrap(self, c: _Cast) -> str:
+    s, d = c.src.scalar(), c.dst.scalar()
+    if s.is_bool: self.emit(f"{c.r} = zext {c.st} {c.v} to {c.dt}")
+    elif s.bits == d.bits: return c.v
+    else: self.emit(f"{c.r} = {'trunc' if d.bits < s.bits else ('zext' if s.is_unsigned else 'sext')} {c.st} {c.v} to {c.dt}")
+    return c.r
+
+  def cast_to_float(self, c: _Cast) -> str:
+    s, n, bf16 = c.src.scalar(), c.dst.count, c.dst.scalar().name == "bfloat16"
+    if odd_rounding(c.src, c.dst): return self.bf16_round(self.int_to_odd_float(c.v, s, n), n)
+    self.emit(f"{c.r} = {'sitofp' if s.is_int and not s.is_unsigned else 'uitofp'} {c.st} {c.v} to {c.dt}")
+    return self.bf16_round(c.r, n) if bf16 else c.r
+
+  def cast_sat(self, c: _Cast) -> str:  # llvm's saturating conversion: NaN -> 0 as kiln defines
+    v, st, n, wide = c.v, c.st, c.dst.count, c.src
+    if c.src.scalar().name == "float16": v, st, wide = self.fpext(v, c.src), _vt("float", n), dtypes.float32.vec(n) if n > 1 else dtypes.float32
+    fn = self.intrinsic(f"llvm.fpto{'u' if c.dst.is_unsigned else 's'}i.sat.{_suffix(c.dst)}.{_suffix(wide)}", c.dt, [st])
+    self.emit(f"{c.r} = call {c.dt} {fn}({st} {v})")
+    return c.r
+
+  def cast_float(self, c: _Cast) -> str:  # registers hold bfloat16 as float
+    s, d, n, v = c.src.scalar(), c.dst.scalar(), c.dst.count, c.v
     sw, dw = scalar_type(s), scalar_type(d)
     if sw == dw: return self.bf16_round(v, n) if d.name == "bfloat16" and s.name != "bfloat16" else v
-    if sw == "double" and d.name == "bfloat16": return self.bf16_round(self.f64_to_odd_float(v, n), n)  # via float32 would round twice
+    if odd_rounding(c.src, c.dst): return self.bf16_round(self.f64_to_odd_float(v, n), n)
     order = {"half": 0, "float": 1, "double": 2}
-    self.emit(f"{r} = {'fpext' if order[dw] > order[sw] else 'fptrunc'} {st} {v} to {_vt(dw, n)}")
-    return self.bf16_round(r, n) if d.name == "bfloat16" else r
+    self.emit(f"{c.r} = {'fpext' if order[dw] > order[sw] else 'fptrunc'} {c.st} {v} to {_vt(dw, n)}")
+    return self.bf16_round(c.r, n) if d.name == "bfloat16" else c.r
 
   def int_to_odd_float(self, v: str, s: DType, n: int) -> str:
     """A 32/64-bit integer to float32 rounded to odd (truncate to 24 significant bits, then set the last one if any bit was
@@ -593,3 +576,16 @@ class LLVMPrinter:
     if mtype(src) == mtype(dst): r = v
     else: self.emit(f"{r} = bitcast {mtype(src)} {v} to {mtype(dst)}")
     return self.from_mem(r, dst)
+
+
+# uop -> its printer; the loads and stores of accumulators take the same ops as those of buffers
+LLVMPrinter.OPS = {
+  Ops.DEFINE_GLOBAL: skip, Ops.DEFINE_VAR: skip, Ops.SPECIAL: LLVMPrinter.special, Ops.RANGE: LLVMPrinter.range, Ops.ENDRANGE: LLVMPrinter.endrange,
+  Ops.IF: LLVMPrinter.if_, Ops.ENDIF: LLVMPrinter.endif, Ops.DEFINE_ACC: LLVMPrinter.define_acc, Ops.ACC_STORE: LLVMPrinter.acc_store,
+  Ops.STORE: LLVMPrinter.store, Ops.LOAD: LLVMPrinter.load, Ops.INDEX: LLVMPrinter.index, Ops.VECTORIZE: LLVMPrinter.vectorize,
+  Ops.GEP: LLVMPrinter.gep, Ops.CAST: LLVMPrinter.cast, Ops.BITCAST: LLVMPrinter.bitcast, Ops.FMA: LLVMPrinter.fma,
+  **dict.fromkeys(GroupOp.ALU, LLVMPrinter.alu),
+}
+_CASTS: dict[str, Callable[[LLVMPrinter, _Cast], str]] = {
+  "to_bool": LLVMPrinter.cast_to_bool, "wrap": LLVMPrinter.cast_wrap, "sat": LLVMPrinter.cast_sat, "to_float": LLVMPrinter.cast_to_float,
+  "float": LLVMPrinter.cast_float}
