@@ -322,7 +322,7 @@ class CUDAPrinter(Printer):
     assert isinstance(dt, DType)
     if dt.is_unsigned and dt.itemsize >= 4: return True  # unsigned int arithmetic wraps by definition
     try: lo, hi = u.vmin, u.vmax
-    except Exception: return False  # noqa: BLE001  (no bounds: be safe)
+    except Exception: return False  # no bounds: be safe
     if (lo, hi) == (dt.min, dt.max): return False  # the bounds say it may wrap
     return all(isinstance(x.vmin, int) and -(2**31) <= int(x.vmin) and int(x.vmax) < 2**31 for x in (u, *u.src)) if dt.itemsize < 8 else True
 
