@@ -194,7 +194,7 @@ class LLVMPrinter(Printer):
     return "%core_id"
 
   def if_(self, u: UOp) -> None:
-    then, end = f"if{self.n}_{id(u) % 100000}", f"endif{self.n}_{id(u) % 100000}"
+    then, end = f"if{self.n}", f"endif{self.n}"  # numbered, never by address: the same kernel renders the same text in every process
     self.n += 1
     self.emit(f"br i1 {self.val(u.src[0])}, label %{then}, label %{end}")
     self.loops[u] = (then, end)
