@@ -4,6 +4,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kiln_bench lives here, not in an installed package
-from kiln_bench.report import main  # noqa: E402
+from kiln_bench.report import main
 
 if __name__ == "__main__": sys.exit(main())

@@ -7,10 +7,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))  # kiln_bench: beside src/, not installed
-import kiln_executor_testrt as testrt  # noqa: E402
+import kiln_executor_testrt as testrt
 
-from kiln.codegen.registry import _registered, register_runtime, unregister_runtime  # noqa: E402
-from kiln.executor import cache, debug  # noqa: E402
+from kiln.codegen.registry import _registered, register_runtime, unregister_runtime
+from kiln.executor import cache, debug
 
 
 @pytest.fixture

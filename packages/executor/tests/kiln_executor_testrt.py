@@ -32,7 +32,7 @@ _lock = threading.Lock()
 
 
 def reset() -> None:
-  BEHAVIOR.clear(); EVENTS.clear()  # noqa: E702
+  BEHAVIOR.clear(); EVENTS.clear()
   for k in STATS: STATS[k] = 0
 
 

@@ -38,7 +38,7 @@ def test_get_or_compile_kernel_raw(rt):
   sentinel = compile_kernel(rt.elementwise("raw", 0, [], 4), "CPU")
 
   def fn():
-    calls.append(1); time.sleep(0.05)  # noqa: E702
+    calls.append(1); time.sleep(0.05)
     return sentinel
   out, errs = _run_threads(16, lambda: get_or_compile_kernel("some-key", "CPU", fn))
   assert not errs and len(calls) == 1 and all(k is sentinel for k in out)

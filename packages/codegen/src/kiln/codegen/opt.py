@@ -59,8 +59,8 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
   """The constant a with idx == a*var + (terms without var), or None when idx is not affine in var."""
   memo: dict[UOp, int | None] = {}
   for u in idx.toposort():
-    if u is var: memo[u] = 1; continue  # noqa: E702
-    if not any(memo.get(s) != 0 for s in u.src) or not u.src: memo[u] = 0; continue  # noqa: E702
+    if u is var: memo[u] = 1; continue
+    if not any(memo.get(s) != 0 for s in u.src) or not u.src: memo[u] = 0; continue
     c = [memo[s] for s in u.src]
     if u.op is Ops.ADD: memo[u] = None if None in c else c[0] + c[1]  # type: ignore[operator]
     elif u.op is Ops.SUB: memo[u] = None if None in c else c[0] - c[1]  # type: ignore[operator]

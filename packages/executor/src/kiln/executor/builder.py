@@ -24,19 +24,19 @@ from kiln.ir.uop import UOp
 # ---- op records (what add_* collected; build() prepares them) ----
 @dataclass
 class _KernelOp:
-  id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str  # noqa: E702
+  id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str
 
 @dataclass
 class _CopyOp:
-  id: int; dst: int; src: int; deps: list[int]  # noqa: E702
+  id: int; dst: int; src: int; deps: list[int]
 
 @dataclass
 class _ViewOp:
-  id: int; out: int; base: int; byte_offset: int; byte_size: int  # noqa: E702
+  id: int; out: int; base: int; byte_offset: int; byte_size: int
 
 @dataclass
 class _CustomOp:
-  id: int; fn: Callable[..., Any]; buffers: list[int]; outputs: list[int] | None; deps: list[int]  # noqa: E702
+  id: int; fn: Callable[..., Any]; buffers: list[int]; outputs: list[int] | None; deps: list[int]
 
 
 def _op_label(op: Any) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
-from kiln.ir.errors import CodegenError, DeviceError, RuntimeLaunchError
+from kiln.ir.errors import DeviceError, RuntimeLaunchError
 from kiln.runtime.cuda.compiler import CUDACompiler
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
@@ -199,9 +199,8 @@ class CUDARuntime:
   @property
   def renderer(self) -> Any:
     if self._renderer is None:
-      try: mod = importlib.import_module("kiln.codegen.render.cuda")  # written apart from this package: import when first needed
-      except ImportError as e: raise CodegenError(f"the CUDA C renderer (kiln.codegen.render.cuda) is not available: {e}") from e
-      self._renderer = mod.CUDARenderer()
+      # imported when first needed (a runtime that only runs compiled specs never renders); kiln-codegen is a hard dependency
+      self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer()
     return self._renderer
 
   def make_current(self) -> None:
