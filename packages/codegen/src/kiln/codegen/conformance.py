@@ -124,8 +124,8 @@ def elementwise_case(dt: DType) -> Case:
   for op, d in casts:
     labels[len(vals)] = f"{op.name}({dt} -> {d})"
     vals.append(a.cast(d) if op is Ops.CAST else a.bitcast(d))
-  stores = [UOp.define_global(s, v.dtype.ptr(n)).index(i).store(v) for s, v in enumerate(vals)]  # type: ignore[union-attr]
-  bufs = [_fill(v.dtype, n) for v in vals]  # type: ignore[arg-type]
+  stores = [UOp.define_global(s, v.dtype.ptr(n)).index(i).store(v) for s, v in enumerate(vals)]
+  bufs = [_fill(v.dtype, n) for v in vals]
   bufs += [_storage(dt, a_vals), _storage(dt, b_vals), _storage(dtypes.bool, list(rng.integers(0, 2, n).astype(bool)))]
   if c_: bufs.append(_storage(dt, c_vals))
   return Case(f"ew_{dt.name}", UOp.sink(*stores, name=f"ew_{dt.name}"), bufs, tol=tol, labels=labels)
@@ -155,7 +155,7 @@ def _reduce_case(name: str, ast: UOp, rng: np.random.Generator, opts: list[Opt] 
   bufs = []
   outs = {st.src[0].src[0].arg for st in ast.src}
   for g in sorted({u for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg):
-    dt, size = g.dtype.base, g.dtype.size  # type: ignore[union-attr]
+    dt, size = g.dtype.base, g.dtype.size  # type: ignore[attr-defined]
     bufs.append(_fill(dt, size) if g.arg in outs else _rand(dt, size, rng, lo, hi))
   return Case(name, ast, bufs, var_vals or {}, opts, {0: tol} if tol else {})
 
@@ -219,7 +219,7 @@ def _as_float(dt: DType, a: np.ndarray) -> np.ndarray: return bf16_bits_to_f32(a
 def mismatches(case: Case, got: list[np.ndarray], want: list[np.ndarray] | None = None) -> list[str]:
   """What differs between a runtime's buffers and the reference's (empty when they agree)."""
   want = want if want is not None else case.expected()
-  globals_ = {u.arg: u.dtype.base for u in case.ast.toposort() if u.op is Ops.DEFINE_GLOBAL}  # type: ignore[union-attr]
+  globals_ = {u.arg: u.dtype.base for u in case.ast.toposort() if u.op is Ops.DEFINE_GLOBAL}  # type: ignore[attr-defined]
   errs = []
   for slot, (g, w) in enumerate(zip(got, want)):
     dt = globals_[slot]

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping
 
 from kiln.codegen.opt import affine_coeff
-from kiln.ir.dtype import DType, dtypes
+from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import substitute
@@ -29,7 +29,7 @@ def simplify_indices(u: UOp) -> UOp:
 
 
 def bcast(u: UOp, w: int) -> UOp:
-  if not isinstance(u.dtype, DType) or u.dtype.count == w or w == 1: return u
+  if u.dtype.kind == "p" or u.dtype.count == w or w == 1: return u
   return UOp(Ops.VECTORIZE, u.dtype.vec(w), (u,) * w)
 
 
@@ -76,7 +76,7 @@ def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
     if not any(s in vdep for s in n.src) or n.op in (Ops.GEP, Ops.DEFINE_ACC) or (n.op is Ops.LOAD and n.src[0].op is Ops.DEFINE_ACC):
       # scalar, or a vector already (accumulators and their reads)
       out[n] = n
-      if isinstance(n.dtype, DType) and n.dtype.count > 1: vdep.add(n)
+      if n.dtype.count > 1: vdep.add(n)
       continue
     vdep.add(n)
     if n.op is Ops.INDEX: out[n] = n; continue  # (rewritten by its LOAD/STORE)
@@ -84,7 +84,7 @@ def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
     if n.op is Ops.STORE: out[n] = _vstore(n, out[n.src[1]], lane, w); continue
     if n.op in GroupOp.ALU or n.op in (Ops.CAST, Ops.BITCAST):
       srcs = tuple(bcast(out[s], w) for s in n.src)
-      dt = n.dtype.vec(w) if isinstance(n.dtype, DType) and n.dtype.count == 1 else n.dtype
+      dt = n.dtype.vec(w) if n.dtype.kind != "p" and n.dtype.count == 1 else n.dtype
       out[n] = UOp(n.op, dt, srcs, n.arg)
       continue
     raise CodegenError(f"cannot vectorise {n.op}")
@@ -99,10 +99,10 @@ def _vload(ld: UOp, lane: UOp, w: int) -> UOp:
   buf, idx, *gate = ld.src[0].src
   dt = ld.dtype
   if not gate and affine_coeff(idx, lane) == 1:
-    return UOp(Ops.LOAD, dt.vec(w), (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))),))  # type: ignore[union-attr]
+    return UOp(Ops.LOAD, dt.vec(w), (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))),))
   idxs = _lanes(idx, lane, w)
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
-  return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))  # type: ignore[union-attr]
+  return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
 
 
 def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:

@@ -22,7 +22,7 @@ from kiln.codegen.pack import Packer
 from kiln.codegen.prepare import estimate, min_elements, peel, prepare
 from kiln.codegen.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
-from kiln.ir.dtype import DType, PtrDType
+from kiln.ir.dtype import PtrDType
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
@@ -134,7 +134,6 @@ class Lowerer:
     if self.pack.packed:
       if scratch is not None: raise CodegenError("PACK cannot be combined with a threaded full reduction")
       dt = next(iter(self.pack.packed)).dtype
-      assert isinstance(dt, DType)
       scratch = UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)
     lk.scratch, lk.finish = scratch, self.red.finish_scope is not None
     if isinstance(sp := scratch.dtype if scratch is not None else None, PtrDType):

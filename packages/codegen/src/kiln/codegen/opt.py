@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kiln.ir.analysis import free_ranges
-from kiln.ir.dtype import DType, dtypes
+from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -67,7 +67,7 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
     elif u.op is Ops.NEG: memo[u] = None if c[0] is None else -c[0]
     elif u.op is Ops.MUL and u.src[1].op is Ops.CONST and c[1] == 0: memo[u] = None if c[0] is None else c[0] * int(u.src[1].arg)
     elif u.op is Ops.MUL and u.src[0].op is Ops.CONST and c[0] == 0: memo[u] = None if c[1] is None else c[1] * int(u.src[0].arg)
-    elif u.op is Ops.CAST and isinstance(u.dtype, DType) and u.dtype.is_int and u.dtype.itemsize >= 4: memo[u] = c[0]
+    elif u.op is Ops.CAST and u.dtype.is_int and u.dtype.itemsize >= 4: memo[u] = c[0]
     else: memo[u] = None
   return memo[idx]
 
@@ -200,7 +200,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   if target.vector_bytes == 0: return _gpu_opts(st, out_axes, red_axes, reduces, target)
   opts: list[Opt] = []
   dt = st.src[1].dtype
-  lanes = max(1, target.vector_bytes // dt.itemsize) if isinstance(dt, DType) else 1
+  lanes = max(1, target.vector_bytes // dt.itemsize) if dt.kind != "p" else 1
   idx = st.src[0].src[1]
   inner = out_axes[-1] if out_axes else None
   vec_axis: UOp | None = None
@@ -217,7 +217,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
     ksize = axis_size(k)
     if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))  # type: ignore[union-attr]
-    if isinstance(dt, DType) and dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
+    if dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
     out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
     r = red_axes[0]

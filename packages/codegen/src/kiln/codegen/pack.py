@@ -48,7 +48,7 @@ class Packer:
     lane, w = ctx.vec
     k = next(r for r in free_ranges(ld) if ctx.plans[r].pack)
     size = axis_size(k)
-    assert size is not None and isinstance(ld.dtype, DType)
+    assert size is not None
     threads = ctx.threads
     if threads > 1 and ctx.core_id is None: ctx.core(threads, finish=False)  # the split loop may open later, inside this one
     base = (ctx.core_id * (size * w) if ctx.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)) + self.used
@@ -68,6 +68,5 @@ class Packer:
     assert self.ctx.vec is not None
     m = {}
     for ld, (k, base, w) in self.packed.items():
-      assert isinstance(ld.dtype, DType)
       m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (scratch_ptr(ld.dtype).index(simp(base + rsubst[k] * w + self.ctx.vec[0])),))
     return substitute(body, m) if m else body

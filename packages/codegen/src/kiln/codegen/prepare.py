@@ -7,7 +7,7 @@ import math
 from kiln.codegen.expand import simp
 from kiln.codegen.opt import Opt, OptOps, axis_size
 from kiln.ir.analysis import free_ranges, free_ranges_of
-from kiln.ir.dtype import DType, PtrDType, dtypes
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
@@ -78,7 +78,7 @@ def estimate(ast: UOp) -> tuple[int, int]:
   def iters(u: UOp) -> int:  # a REDUCE runs over its own ranges too; anything else over its free ranges
     rs = free[u] | (set(u.src[1:]) if u.op is Ops.REDUCE else set())
     return math.prod(trips[r] for r in rs) if rs else 1
-  flops = sum(iters(n) for n in nodes if (n.op in GroupOp.ALU and isinstance(n.dtype, DType) and n.dtype.is_float) or n.op is Ops.REDUCE)
+  flops = sum(iters(n) for n in nodes if (n.op in GroupOp.ALU and n.dtype.is_float) or n.op is Ops.REDUCE)
   mem = 0
   touched = min_elements(ast)
   for g in {n for n in nodes if n.op is Ops.DEFINE_GLOBAL}:

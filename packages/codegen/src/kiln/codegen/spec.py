@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from kiln.ir.analysis import sym_int_eval
-from kiln.ir.dtype import DType, parse_dtype
+from kiln.ir.dtype import parse_dtype
 from kiln.ir.errors import DeviceError, IRTypeError
 from kiln.ir.ops import Ops
 from kiln.ir.serialize import UOpGraph, from_graph, to_graph
@@ -111,7 +111,7 @@ def _sym_in(v: Any) -> int | UOp:
     return v
   u = _uop_in(v)
   if u.op is Ops.CONST: return _sym_in(int(u.arg))
-  if not isinstance(u.dtype, DType) or not u.dtype.is_int: raise ValueError(f"a symbolic size must be an integer UOp, got {u.dtype}")
+  if not u.dtype.is_int: raise ValueError(f"a symbolic size must be an integer UOp, got {u.dtype}")
   return u
 
 
@@ -149,7 +149,7 @@ class _Model(BaseModel):
 def _value_dtype(v: str) -> str:
   try: d = parse_dtype(v)
   except IRTypeError as e: raise ValueError(str(e)) from None  # a ValueError, so pydantic reports it against the field
-  if not isinstance(d, DType) or d.kind == "v" or d.count != 1: raise ValueError(f"must be a scalar value dtype, got {v!r}")
+  if d.kind in "vp" or d.count != 1: raise ValueError(f"must be a scalar value dtype, got {v!r}")
   return v
 
 

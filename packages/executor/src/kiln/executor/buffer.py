@@ -28,9 +28,9 @@ def _next_id() -> int:
 
 def to_dtype(dt: DType | str | Any) -> DType:
   if isinstance(dt, DType): d = dt
-  elif isinstance(dt, str): d = parse_dtype(dt)  # type: ignore[assignment]
+  elif isinstance(dt, str): d = parse_dtype(dt)
   else: d = dtypes.from_numpy(dt)
-  if not isinstance(d, DType) or d.kind == "v" or d.count != 1: raise KilnBufferError(f"a buffer needs a scalar value dtype, got {dt!r}")
+  if d.kind in "vp" or d.count != 1: raise KilnBufferError(f"a buffer needs a scalar value dtype, got {dt!r}")
   return d
 
 

@@ -188,7 +188,7 @@ class _Builder:
     # buffers must fit the kernel's arguments
     args = {a.slot: (a.dtype, a.size) for a in kernel.args}
     for slot in kernel.globals:
-      want = args.get(slot) or ((str(slots[slot].dtype.base), slots[slot].dtype.size) if slot in slots else None)  # type: ignore[union-attr]
+      want = args.get(slot) or ((str(slots[slot].dtype.base), slots[slot].dtype.size) if slot in slots else None)  # type: ignore[attr-defined]
       if want is None: continue
       buf = self.buffers[op.buffers[slot]]
       if buf.dtype.name != want[0]: raise PlanError(f"{label} slot {slot} wants {want[0]}, buffer {op.buffers[slot]} is {buf.dtype.name}")

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 Bounds = tuple[ConstLike, ConstLike]
 
 
-def _full(dt: object) -> Bounds:
-  if isinstance(dt, DType) and dt.kind != "v" and dt.count == 1: return dt.min, dt.max
-  if isinstance(dt, DType) and dt.count > 1: return dt.scalar().min, dt.scalar().max
+def _full(dt: DType) -> Bounds:
+  if dt.kind not in "vp" and dt.count == 1: return dt.min, dt.max
+  if dt.count > 1: return dt.scalar().min, dt.scalar().max
   return 0, 0
 
 
@@ -104,7 +104,7 @@ def _node_bounds(u: UOp) -> Bounds:
   if op is Ops.RANGE and len(u.src) == 2: return int(u.src[0].vmin), max(int(u.src[1].vmax) - 1, int(u.src[0].vmin))  # lowered loop [start, end)
   if op is Ops.SPECIAL and not u.src: return _full(dt)  # a stand-in with no size (lowering's reduce placeholder): any value
   if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
-  if not isinstance(dt, DType) or dt.kind == "v": return 0, 0
+  if dt.kind in "vp": return 0, 0
   srcb = [s._vbounds() for s in u.src]  # already filled (sources come first)
   if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE): return _cmp(op, srcb[0], srcb[1])  # type: ignore[arg-type]
   if op is Ops.WHERE:
@@ -112,7 +112,7 @@ def _node_bounds(u: UOp) -> Bounds:
     if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]  # type: ignore[return-value]
     if any(isinstance(v, float) and math.isnan(v) for v in (*srcb[1], *srcb[2])): return _full(dt)  # min(1.0, nan) would drop the NaN
     return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])  # type: ignore[index]
-  if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)  # type: ignore[arg-type]
+  if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)
   if dt.count != 1 or dt.is_float: return _full(dt)
   cands: list | None = None
   if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])  # type: ignore[arg-type]

@@ -13,10 +13,11 @@ from kiln.ir.errors import IRTypeError
 
 @dataclass(frozen=True, eq=True)
 class DType:
-  """A scalar (count == 1) or vector (count > 1) value type. Immutable; equal dtypes compare equal."""
+  """A scalar (count == 1) or vector (count > 1) value type, or (the subclass PtrDType, kind 'p') a pointer. Immutable; equal dtypes
+  compare equal."""
   name: str
   itemsize: int  # bytes of one scalar lane
-  kind: str  # 'v' void, 'b' bool, 'i' signed int, 'u' unsigned int, 'f' float
+  kind: str  # 'v' void, 'b' bool, 'i' signed int, 'u' unsigned int, 'f' float, 'p' pointer (a PtrDType)
   priority: int
   count: int = 1
 
@@ -73,27 +74,33 @@ class DType:
   def __str__(self) -> str: return self.name + (f"x{self.count}" if self.count > 1 else "")
 
 
-@dataclass(frozen=True, eq=True)
-class PtrDType:
-  """A pointer to a buffer of `size` elements of `base` (-1: unknown size)."""
+# init=False: the DType fields follow from (base, size); kw_only only lets base and size follow count's default
+@dataclass(frozen=True, eq=True, init=False, repr=False, kw_only=True)
+class PtrDType(DType):
+  """A pointer to a buffer of `size` elements of `base` (-1: unknown size). A DType, so UOp.dtype needs no union, but never a
+  value type: kind is 'p' (test `dt.kind == "p"` or isinstance(dt, PtrDType) to tell a pointer), name is its printed form
+  ('float32*1024', equal to no value dtype's name), itemsize is the base's, count 1; vec, ptr, np, min and max raise."""
   base: DType
-  size: int = -1
-  @property
-  def itemsize(self) -> int: return self.base.itemsize
-  @property
-  def kind(self) -> str: return "p"
-  @property
-  def count(self) -> int: return 1
+  size: int
+
+  def __init__(self, base: DType, size: int = -1):
+    super().__init__(f"{base}*" + ("" if size < 0 else str(size)), base.itemsize, "p", -1)
+    object.__setattr__(self, "base", base)
+    object.__setattr__(self, "size", size)
+
+  def vec(self, n: int) -> DType: raise IRTypeError(f"cannot make a vector of the pointer dtype {self}")
+  def ptr(self, size: int = -1) -> PtrDType: raise IRTypeError(f"cannot point to the pointer dtype {self}")
+  def scalar(self) -> PtrDType: return self
   @property
   def nbytes(self) -> int:
     if self.size < 0: raise IRTypeError(f"{self!r} has an unknown size")
     return self.size * self.base.nbytes
-  def scalar(self) -> PtrDType: return self
+  @property
+  def np(self) -> np.dtype: raise IRTypeError(f"the pointer dtype {self} has no numpy dtype")
   def __repr__(self) -> str: return f"{self.base!r}.ptr({self.size})"
-  def __str__(self) -> str: return f"{self.base}*" + ("" if self.size < 0 else str(self.size))
+  def __str__(self) -> str: return self.name
 
 
-AnyDType = DType | PtrDType
 ConstLike = int | float | bool  # a constant's Python value (a CONST's arg)
 
 _NP_STORAGE: Final[dict[str, str]] = {
@@ -129,7 +136,7 @@ class dtypes:
   @staticmethod
   def all() -> tuple[DType, ...]: return ALL_DTYPES
   @staticmethod
-  def from_name(name: str) -> AnyDType: return parse_dtype(name)
+  def from_name(name: str) -> DType: return parse_dtype(name)
   @staticmethod
   def from_numpy(dt: np.dtype | type) -> DType:
     d = np.dtype(dt)
@@ -152,14 +159,12 @@ FLOAT_DTYPES: Final = tuple(d for d in ALL_DTYPES if d.is_float)
 _BY_NAME: Final[dict[str, DType]] = {d.name: d for d in (*ALL_DTYPES, dtypes.void)}
 
 
-def parse_dtype(s: str) -> AnyDType:
+def parse_dtype(s: str) -> DType:
   """Inverse of str(dtype): 'float32', 'float32x4', 'float32*1024', 'int8*' (unknown size)."""
   try:
     if "*" in s:
       base, size = s.split("*", 1)
-      b = parse_dtype(base)
-      assert isinstance(b, DType)
-      return b.ptr(int(size) if size else -1)
+      return parse_dtype(base).ptr(int(size) if size else -1)
     if "x" in s and s.rsplit("x", 1)[1].isdigit():
       base, n = s.rsplit("x", 1)
       return _BY_NAME[base].vec(int(n))
@@ -177,6 +182,7 @@ def least_upper_dtype(*dts: DType) -> DType:
 
 def _promote2(a: DType, b: DType) -> DType:
   if a == b: return a
+  if "p" in (a.kind, b.kind): raise IRTypeError(f"no promotion with a pointer dtype ({a}, {b})")  # the kind rules below would pick one silently
   if a.count != 1 or b.count != 1: raise IRTypeError(f"no promotion between vector dtypes {a} and {b}")
   if a.is_bool: return b
   if b.is_bool: return a

@@ -22,7 +22,6 @@ Rule = Callable[["UOp", "UOp", Any, Any, DType], "UOp | None"]
 
 
 def const_array(u: UOp) -> np.ndarray:
-  assert isinstance(u.dtype, DType)
   return np.asarray(u.arg, dtype=compute_np(u.dtype))
 
 
@@ -38,7 +37,7 @@ def _and(a: UOp, b: UOp, ac: Any, bc: Any, dt: DType) -> UOp | None:
 
 def _same_cmp(op: Ops) -> Rule:
   # x<x, x==x, x!=x: decide on the operand dtype (the result is bool), since a float x may be NaN
-  return lambda a, b, ac, bc, dt: a.const(dtypes.bool, op is Ops.CMPEQ) if a is b and isinstance(a.dtype, DType) and not a.dtype.is_float else None
+  return lambda a, b, ac, bc, dt: a.const(dtypes.bool, op is Ops.CMPEQ) if a is b and a.dtype.kind != "p" and not a.dtype.is_float else None
 
 
 # binary identities exact for every dtype, floats included (x*1 is x even for NaN and -0.0)
@@ -88,7 +87,7 @@ def _check_operands(op: Ops, srcs: tuple[UOp, ...]) -> None:
   dt = vals[0].dtype
   for s in vals:
     if s.dtype != dt: raise IRTypeError(f"{op} needs operands of one dtype, got {', '.join(str(x.dtype) for x in vals)}")
-  if not isinstance(dt, DType): raise IRTypeError(f"{op} cannot take a pointer operand ({dt})")
+  if dt.kind == "p": raise IRTypeError(f"{op} cannot take a pointer operand ({dt})")
   if op is Ops.WHERE and srcs[0].dtype.scalar() != dtypes.bool: raise IRTypeError(f"WHERE condition must be bool, got {srcs[0].dtype}")  # type: ignore[union-attr]
   if op in GroupOp.FloatOnly and not dt.is_float: raise IRTypeError(f"{op} needs a float dtype, got {dt}")
   if op in GroupOp.IntOnly and not dt.is_int: raise IRTypeError(f"{op} needs an integer dtype, got {dt}")

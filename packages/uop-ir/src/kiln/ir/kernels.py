@@ -24,7 +24,7 @@ def _dims(shape: Sequence[Dim]) -> Shape:
   out = tuple(shape)
   for d in out:
     if isinstance(d, UOp):
-      if not isinstance(d.dtype, DType) or not d.dtype.is_int: raise IRError(f"a symbolic dim must be an integer UOp, got {d.dtype}")
+      if not d.dtype.is_int: raise IRError(f"a symbolic dim must be an integer UOp, got {d.dtype}")
     elif isinstance(d, bool) or not isinstance(d, int) or d < 1: raise IRError(f"a dim must be an int >= 1 or an integer UOp, got {d!r}")
   return out
 

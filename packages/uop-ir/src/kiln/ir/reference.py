@@ -15,7 +15,7 @@ import numpy as np
 
 from kiln.ir.alu import bitcast, cast, compute_np, exec_alu, from_storage, round_to, to_storage
 from kiln.ir.analysis import free_ranges_of, identity
-from kiln.ir.dtype import DType, PtrDType, dtypes
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.errors import EvalError, VariableBoundsError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.uop import UOp
@@ -71,7 +71,7 @@ class _Evaluator:
     v = self.var_vals[name]
     if isinstance(v, bool) or not isinstance(v, int | np.integer): raise VariableBoundsError(f"variable {name} must be an int, got {v!r}")
     if not lo <= int(v) <= hi: raise VariableBoundsError(f"variable {name}={int(v)} is outside bounds [{lo}, {hi}]")
-    return np.asarray(int(v), dtype=compute_np(u.dtype))  # type: ignore[arg-type]
+    return np.asarray(int(v), dtype=compute_np(u.dtype))
 
   def buffer(self, g: UOp) -> np.ndarray:
     slot, pt = g.arg, g.dtype
@@ -99,32 +99,32 @@ class _Evaluator:
       idx, val = idx[m], val[m]
     buf = self.buffer(g)
     self._check_bounds(st.src[0], g, buf, idx)
-    buf[idx] = to_storage(st.src[1].dtype, val)  # type: ignore[arg-type]
+    buf[idx] = to_storage(st.src[1].dtype, val)
 
   def _check_bounds(self, node: UOp, g: UOp, buf: np.ndarray, idx: np.ndarray) -> None:
-    n = len(buf) if g.dtype.size < 0 else min(len(buf), g.dtype.size)  # type: ignore[union-attr]
+    n = len(buf) if g.dtype.size < 0 else min(len(buf), g.dtype.size)  # type: ignore[attr-defined]
     if idx.size and ((lo := int(idx.min())) < 0 or (hi := int(idx.max())) >= n):
       bad = lo if lo < 0 else hi
       raise EvalError(f"{_desc(node)}: index {bad} is out of bounds for slot {g.arg} ({g.dtype}, {len(buf)} elements given)")
 
   def _eval(self, u: UOp, vals: dict[UOp, Any]) -> Any:
     op, dt = u.op, u.dtype
-    if op is Ops.CONST: return np.asarray(u.arg, dtype=compute_np(dt))  # type: ignore[arg-type]
+    if op is Ops.CONST: return np.asarray(u.arg, dtype=compute_np(dt))
     if op is Ops.DEFINE_VAR: return self.var_value(u)
-    if op is Ops.BIND: return np.asarray(u.src[1].arg, dtype=compute_np(dt))  # type: ignore[arg-type]
+    if op is Ops.BIND: return np.asarray(u.src[1].arg, dtype=compute_np(dt))
     if op is Ops.DEFINE_GLOBAL: return u
     if op is Ops.RANGE:
       shape = [1] * self.nd
       shape[self.axis[u]] = self.size[u]
-      return np.arange(self.size[u], dtype=compute_np(dt)).reshape(shape)  # type: ignore[arg-type]
+      return np.arange(self.size[u], dtype=compute_np(dt)).reshape(shape)
     if op is Ops.INDEX:
       if u.src[0].op is not Ops.DEFINE_GLOBAL: raise EvalError(f"{_desc(u)}: INDEX must index a DEFINE_GLOBAL, got {_desc(u.src[0])}")
       return (u.src[0], vals[u.src[1]], vals[u.src[2]] if len(u.src) > 2 else None)
     if op is Ops.LOAD: return self._load(u, vals[u.src[0]])
     if op is Ops.REDUCE: return self._reduce(u, vals[u.src[0]])
-    if op is Ops.CAST: return cast(vals[u.src[0]], u.src[0].dtype, dt)  # type: ignore[arg-type]
-    if op is Ops.BITCAST: return bitcast(vals[u.src[0]], u.src[0].dtype, dt)  # type: ignore[arg-type]
-    if op in GroupOp.ALU: return exec_alu(op, dt, *(vals[s] for s in u.src))  # type: ignore[arg-type]
+    if op is Ops.CAST: return cast(vals[u.src[0]], u.src[0].dtype, dt)
+    if op is Ops.BITCAST: return bitcast(vals[u.src[0]], u.src[0].dtype, dt)
+    if op in GroupOp.ALU: return exec_alu(op, dt, *(vals[s] for s in u.src))
     if op in GroupOp.Lowered: raise EvalError(f"{_desc(u)} appears only after lowering; the reference evaluator runs kernel ASTs")
     raise EvalError(f"{_desc(u)} cannot be evaluated here (STORE and SINK belong at the top of a kernel)")
 
@@ -135,15 +135,14 @@ class _Evaluator:
       idx, gate = np.broadcast_arrays(idx, gate)
       safe = np.where(gate, idx, 0)
       self._check_bounds(u.src[0], g, buf, idx[gate])
-      if len(buf) == 0: return np.zeros(idx.shape, compute_np(u.dtype))  # type: ignore[arg-type]
-      return np.where(gate, from_storage(u.dtype, buf[safe]), np.zeros((), compute_np(u.dtype)))  # type: ignore[arg-type]
+      if len(buf) == 0: return np.zeros(idx.shape, compute_np(u.dtype))
+      return np.where(gate, from_storage(u.dtype, buf[safe]), np.zeros((), compute_np(u.dtype)))
     idx = np.asarray(idx)
     self._check_bounds(u.src[0], g, buf, idx.reshape(-1))
-    return from_storage(u.dtype, buf[idx])  # type: ignore[arg-type]
+    return from_storage(u.dtype, buf[idx])
 
   def _reduce(self, u: UOp, x: np.ndarray) -> np.ndarray:
     op, dt, rngs = u.arg, u.dtype, u.src[1:]
-    assert isinstance(dt, DType)
     rngs = tuple(dict.fromkeys(rngs))  # a range listed twice is reduced once
     axes = [self.axis[r] for r in rngs]
     x = np.asarray(x)

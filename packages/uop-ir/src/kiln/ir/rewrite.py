@@ -5,7 +5,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kiln.ir.dtype import AnyDType
+from kiln.ir.dtype import DType
 from kiln.ir.errors import RewriteError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -17,7 +17,7 @@ class UPat:
   """A pattern over UOps. src as a tuple matches in order, as a list in any order (commutative ops), as one UPat every source."""
   __slots__ = ("op", "dtype", "src", "arg", "name", "allow_any_len", "custom")
 
-  def __init__(self, op: Ops | Iterable[Ops] | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None,
+  def __init__(self, op: Ops | Iterable[Ops] | None = None, dtype: DType | Iterable[DType] | None = None,
                src: UPat | tuple[UPat, ...] | list[UPat] | None = None, arg: Any = _ANY, name: str | None = None,
                allow_any_len: bool = False, custom: Callable[[UOp], bool] | None = None):
     self.op: frozenset[Ops] | None = None if op is None else frozenset((op,) if isinstance(op, Ops) else op)
@@ -25,11 +25,11 @@ class UPat:
     self.src, self.arg, self.name, self.allow_any_len, self.custom = src, arg, name, allow_any_len, custom
 
   @staticmethod
-  def var(name: str | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None) -> UPat: return UPat(dtype=dtype, name=name)
+  def var(name: str | None = None, dtype: DType | Iterable[DType] | None = None) -> UPat: return UPat(dtype=dtype, name=name)
   @staticmethod
-  def cvar(name: str | None = None, dtype: AnyDType | Iterable[AnyDType] | None = None) -> UPat: return UPat(Ops.CONST, dtype, name=name)
+  def cvar(name: str | None = None, dtype: DType | Iterable[DType] | None = None) -> UPat: return UPat(Ops.CONST, dtype, name=name)
   @staticmethod
-  def const(dtype: AnyDType | Iterable[AnyDType] | None, value: Any) -> UPat: return UPat(Ops.CONST, dtype, arg=value)
+  def const(dtype: DType | Iterable[DType] | None, value: Any) -> UPat: return UPat(Ops.CONST, dtype, arg=value)
 
   def __repr__(self) -> str:
     return f"UPat({sorted(o.name for o in self.op) if self.op else None}, name={self.name!r})"

@@ -52,7 +52,7 @@ def _arg_in(a: Any) -> Any:
 
 def _check_const(dt: Any, v: Any) -> None:
   """A CONST's arg must have the Python type of its dtype, or the rebuilt node (and its key) would differ from the original."""
-  if not isinstance(dt, DType) or dt.kind == "v": raise SerializeError(f"a CONST cannot have dtype {dt}")
+  if not isinstance(dt, DType) or dt.kind in "vp": raise SerializeError(f"a CONST cannot have dtype {dt}")
   ok = isinstance(v, bool) if dt.is_bool else (isinstance(v, int) and not isinstance(v, bool) and dt.min <= v <= dt.max) if dt.is_int \
     else isinstance(v, float) if dt.is_float else False
   if not ok: raise SerializeError(f"CONST of dtype {dt} cannot hold {v!r}")

@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.ir.alu import cast as alu_cast
 from kiln.ir.bounds import compute_bounds
-from kiln.ir.dtype import AnyDType, ConstLike, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
+from kiln.ir.dtype import ConstLike, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
 from kiln.ir.errors import IRError, IRTypeError
 from kiln.ir.fold import fold_alu
 from kiln.ir.ops import AxisType, GroupOp, Ops
@@ -46,7 +46,7 @@ class UOpMetaClass(type):
   _cache: ClassVar[dict[tuple, weakref.ReferenceType]] = {}
   _lock: ClassVar[threading.RLock] = threading.RLock()
 
-  def __call__(cls, op: Ops, dtype: AnyDType = dtypes.void, src: tuple[UOp, ...] = (), arg: Any = None) -> UOp:  # type: ignore[override]
+  def __call__(cls, op: Ops, dtype: DType = dtypes.void, src: tuple[UOp, ...] = (), arg: Any = None) -> UOp:  # type: ignore[override]
     k = (op, dtype, src, _argkey(arg))
     with UOpMetaClass._lock:
       if (ref := UOpMetaClass._cache.get(k)) is not None and (hit := ref()) is not None: return hit
@@ -66,13 +66,13 @@ def _make_evict(k: tuple) -> Callable[[weakref.ReferenceType], None]:
 class UOp(metaclass=UOpMetaClass):
   __slots__ = ("op", "dtype", "src", "arg", "_key", "_bounds", "__weakref__")
   op: Ops
-  dtype: AnyDType
+  dtype: DType
   src: tuple[UOp, ...]
   arg: Any
   _key: str | None
   _bounds: tuple[ConstLike, ConstLike] | None
 
-  def __init__(self, op: Ops, dtype: AnyDType = dtypes.void, src: tuple[UOp, ...] = (), arg: Any = None):
+  def __init__(self, op: Ops, dtype: DType = dtypes.void, src: tuple[UOp, ...] = (), arg: Any = None):
     object.__setattr__(self, "op", op)
     object.__setattr__(self, "dtype", dtype)
     object.__setattr__(self, "src", src)
@@ -143,7 +143,7 @@ class UOp(metaclass=UOpMetaClass):
     return UOp(Ops.CONST, dtype, (), truncate_value(dtype, value))
 
   def const_like(self, value: ConstLike) -> UOp:
-    if not isinstance(self.dtype, DType): raise IRTypeError(f"no constant of pointer dtype {self.dtype}")
+    if isinstance(self.dtype, PtrDType): raise IRTypeError(f"no constant of pointer dtype {self.dtype}")
     return UOp.const(self.dtype, value)
 
   @staticmethod
@@ -164,7 +164,7 @@ class UOp(metaclass=UOpMetaClass):
   @staticmethod
   def range(end: UOp | int, axis_id: int, axis_type: AxisType = AxisType.LOOP) -> UOp:
     e = end if isinstance(end, UOp) else UOp.const(dtypes.index, end)
-    if not isinstance(e.dtype, DType) or not e.dtype.is_int: raise IRTypeError(f"range end must be an integer, got {e.dtype}")
+    if not e.dtype.is_int: raise IRTypeError(f"range end must be an integer, got {e.dtype}")
     if e.dtype != dtypes.index: e = e.cast(dtypes.index)
     if not isinstance(axis_type, AxisType): raise IRError(f"axis_type must be an AxisType, got {axis_type!r}")
     return UOp(Ops.RANGE, dtypes.index, (e,), (axis_id, axis_type))
@@ -181,13 +181,13 @@ class UOp(metaclass=UOpMetaClass):
     if self.op is not Ops.DEFINE_VAR: raise IRError(f"only a variable can be bound, not {self.op}")
     name, lo, hi = self.arg
     if not isinstance(value, int) or not lo <= value <= hi: raise IRError(f"variable {name}={value} is outside bounds [{lo}, {hi}]")
-    return UOp(Ops.BIND, self.dtype, (self, UOp.const(self.dtype, value)))  # type: ignore[arg-type]
+    return UOp(Ops.BIND, self.dtype, (self, UOp.const(self.dtype, value)))
 
   # ---- memory ----
   def index(self, idx: UOp | int, gate: UOp | None = None) -> UOp:
     if not isinstance(self.dtype, PtrDType): raise IRTypeError(f"index() needs a buffer (pointer dtype), got {self.dtype}")
     i = idx if isinstance(idx, UOp) else UOp.const(dtypes.index, idx)
-    if not isinstance(i.dtype, DType) or not i.dtype.is_int or i.dtype.count != 1: raise IRTypeError(f"index must be a scalar integer, got {i.dtype}")
+    if not i.dtype.is_int or i.dtype.count != 1: raise IRTypeError(f"index must be a scalar integer, got {i.dtype}")
     if i.dtype != dtypes.index: i = i.cast(dtypes.index)
     if gate is None: return UOp(Ops.INDEX, self.dtype, (self, i))
     if gate.dtype != dtypes.bool: raise IRTypeError(f"index gate must be bool, got {gate.dtype}")
@@ -195,11 +195,11 @@ class UOp(metaclass=UOpMetaClass):
 
   def load(self) -> UOp:
     if self.op is not Ops.INDEX: raise IRError(f"load() needs an INDEX (buf.index(i)), got {self.op}")
-    return UOp(Ops.LOAD, self.dtype.base, (self,))  # type: ignore[union-attr]
+    return UOp(Ops.LOAD, self.dtype.base, (self,))  # type: ignore[attr-defined]
 
   def store(self, value: UOp | ConstLike) -> UOp:
     if self.op is not Ops.INDEX: raise IRError(f"store() needs an INDEX (buf.index(i)), got {self.op}")
-    base = self.dtype.base  # type: ignore[union-attr]
+    base = self.dtype.base  # type: ignore[attr-defined]
     v = value if isinstance(value, UOp) else UOp.const(base, value)
     if v.dtype != base: raise IRTypeError(f"store of {v.dtype} into a {base} buffer (slot {self.src[0].arg}); cast it first")
     return UOp(Ops.STORE, dtypes.void, (self, v))
@@ -215,7 +215,7 @@ class UOp(metaclass=UOpMetaClass):
   def alu(self, op: Ops, *srcs: UOp) -> UOp:
     allsrc = (self, *srcs)
     out_dt = dtypes.bool if op in GroupOp.Comparison else (allsrc[1].dtype if op is Ops.WHERE else self.dtype)
-    if (folded := fold_alu(op, out_dt, allsrc)) is not None: return folded  # type: ignore[arg-type]
+    if (folded := fold_alu(op, out_dt, allsrc)) is not None: return folded
     return UOp(op, out_dt, allsrc)
 
   def _binop(self, op: Ops, other: UOp | ConstLike, reverse: bool = False) -> UOp:
@@ -224,9 +224,9 @@ class UOp(metaclass=UOpMetaClass):
 
   def _promote(self, other: UOp | ConstLike) -> tuple[UOp, UOp]:
     """Bring self and other to one dtype: a Python number takes the UOp's dtype unless it needs a float."""
-    if not isinstance(self.dtype, DType): raise IRTypeError(f"arithmetic on a pointer ({self.dtype}) is not allowed; use index()")
+    if isinstance(self.dtype, PtrDType): raise IRTypeError(f"arithmetic on a pointer ({self.dtype}) is not allowed; use index()")
     if isinstance(other, UOp):
-      if not isinstance(other.dtype, DType): raise IRTypeError(f"arithmetic on a pointer ({other.dtype}) is not allowed")
+      if isinstance(other.dtype, PtrDType): raise IRTypeError(f"arithmetic on a pointer ({other.dtype}) is not allowed")
       if other.dtype == self.dtype: return self, other
       dt = least_upper_dtype(self.dtype, other.dtype)
       return self.cast(dt), other.cast(dt)
@@ -264,15 +264,15 @@ class UOp(metaclass=UOpMetaClass):
   def __gt__(self, x: UOp | ConstLike) -> UOp: return self._binop(Ops.CMPLT, x, True)
   def __le__(self, x: UOp | ConstLike) -> UOp:
     a, b = self._promote(x)
-    return (a < b) | a.eq(b) if a.dtype.is_float else (b < a).logical_not()  # type: ignore[union-attr]
+    return (a < b) | a.eq(b) if a.dtype.is_float else (b < a).logical_not()
   def __ge__(self, x: UOp | ConstLike) -> UOp:
     a, b = self._promote(x)
-    return (b < a) | a.eq(b) if a.dtype.is_float else (a < b).logical_not()  # type: ignore[union-attr]
+    return (b < a) | a.eq(b) if a.dtype.is_float else (a < b).logical_not()
   __hash__ = object.__hash__
 
   def _div(self, x: UOp | ConstLike, reverse: bool) -> UOp:
     a, b = self._promote(x)
-    if not a.dtype.is_float:  # type: ignore[union-attr]
+    if not a.dtype.is_float:
       raise IRTypeError(f"'/' is true division and needs floats, got {a.dtype}; use // for C integer division or cast first")
     return b.alu(Ops.FDIV, a) if reverse else a.alu(Ops.FDIV, b)
 
@@ -284,7 +284,7 @@ class UOp(metaclass=UOpMetaClass):
   def maximum(self, x: UOp | ConstLike) -> UOp: return self._binop(Ops.MAX, x)
   def minimum(self, x: UOp | ConstLike) -> UOp:
     a, b = self._promote(x)
-    if a.dtype.is_float: return -((-a).maximum(-b))  # type: ignore[union-attr]
+    if a.dtype.is_float: return -((-a).maximum(-b))
     return (a < b).where(a, b)
   def where(self, x: UOp | ConstLike, y: UOp | ConstLike) -> UOp:
     if self.dtype != dtypes.bool: raise IRTypeError(f"where() condition must be bool, got {self.dtype}")
@@ -293,28 +293,28 @@ class UOp(metaclass=UOpMetaClass):
     else: a, b = UOp.const(dt := least_upper_dtype(dtypes.from_py(x), dtypes.from_py(y)), x), UOp.const(dt, y)  # where(c, 1, 2.5) is float
     return self.alu(Ops.WHERE, a, b)
   def _float_unary(self, op: Ops) -> UOp:
-    if not isinstance(self.dtype, DType) or not self.dtype.is_float: raise IRTypeError(f"{op.name.lower()} needs a float, got {self.dtype}")
+    if not self.dtype.is_float: raise IRTypeError(f"{op.name.lower()} needs a float, got {self.dtype}")
     return self.alu(op)
   def exp2(self) -> UOp: return self._float_unary(Ops.EXP2)
   def log2(self) -> UOp: return self._float_unary(Ops.LOG2)
   def sin(self) -> UOp: return self._float_unary(Ops.SIN)
   def sqrt(self) -> UOp: return self._float_unary(Ops.SQRT)
   def reciprocal(self) -> UOp: return self._float_unary(Ops.RECIPROCAL)
-  def trunc(self) -> UOp: return self if isinstance(self.dtype, DType) and self.dtype.is_int else self._float_unary(Ops.TRUNC)
+  def trunc(self) -> UOp: return self if self.dtype.is_int else self._float_unary(Ops.TRUNC)
   def exp(self) -> UOp: return (self * (1 / math.log(2))).exp2()
   def log(self) -> UOp: return self.log2() * math.log(2)
   def relu(self) -> UOp: return self.maximum(0)
 
   def cast(self, dtype: DType) -> UOp:
-    if not isinstance(dtype, DType) or dtype.kind == "v": raise IRTypeError(f"cannot cast to {dtype!r}")
-    if not isinstance(self.dtype, DType): raise IRTypeError(f"cannot cast a pointer ({self.dtype})")
+    if not isinstance(dtype, DType) or dtype.kind in "vp": raise IRTypeError(f"cannot cast to {dtype!r}")
+    if isinstance(self.dtype, PtrDType): raise IRTypeError(f"cannot cast a pointer ({self.dtype})")
     if self.dtype == dtype: return self
     if self.dtype.count != dtype.count: raise IRTypeError(f"cast from {self.dtype} to {dtype} changes the vector width")
     if self.op is Ops.CONST: return UOp.const(dtype, _cast_const(self.arg, self.dtype, dtype))
     return UOp(Ops.CAST, dtype, (self,))
 
   def bitcast(self, dtype: DType) -> UOp:
-    if not isinstance(self.dtype, DType) or not isinstance(dtype, DType) or self.dtype.nbytes != dtype.nbytes or dtype.kind == "v":
+    if isinstance(self.dtype, PtrDType) or not isinstance(dtype, DType) or dtype.kind in "vp" or self.dtype.nbytes != dtype.nbytes:
       raise IRTypeError(f"bitcast needs dtypes of equal size, got {self.dtype} -> {dtype!r}")
     if self.dtype == dtype: return self
     return UOp(Ops.BITCAST, dtype, (self,))
@@ -337,6 +337,6 @@ class UOp(metaclass=UOpMetaClass):
     return sorted((u for u in self.toposort() if u.op is Ops.DEFINE_VAR), key=lambda v: v.arg[0])
 
 
-def _cast_const(v: ConstLike, src: AnyDType, dst: DType) -> ConstLike:
-  out = alu_cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)  # type: ignore[arg-type]
+def _cast_const(v: ConstLike, src: DType, dst: DType) -> ConstLike:
+  out = alu_cast(np.asarray(v, dtype=np.float64 if isinstance(v, float) else None), src, dst)
   return out.item() if dst.is_float else int(out) if dst.is_int else bool(out)

@@ -44,14 +44,13 @@ class _Ctx:
 
 def _sdt(u: UOp) -> DType | None:
   """The scalar value dtype of u, or None for pointers and void."""
-  return u.dtype if isinstance(u.dtype, DType) and u.dtype.kind != "v" else None
+  return u.dtype if u.dtype.kind not in "vp" else None
 
 
 def _check_const(c: _Ctx, u: UOp) -> None:
   dt, v = u.dtype, u.arg
   if u.src: c.fail(u, "a CONST has no sources")
-  if not isinstance(dt, DType) or dt.kind == "v" or dt.count != 1: c.fail(u, "a CONST needs a scalar value dtype")
-  assert isinstance(dt, DType)
+  if dt.kind in "vp" or dt.count != 1: c.fail(u, "a CONST needs a scalar value dtype")
   if dt.is_bool and not isinstance(v, bool): c.fail(u, f"a bool constant must hold a bool, got {v!r}")
   if dt.is_int and (isinstance(v, bool) or not isinstance(v, int) or not dt.min <= v <= dt.max): c.fail(u, f"{v!r} is not a {dt} value")
   if dt.is_float and not isinstance(v, float): c.fail(u, f"a float constant must hold a float, got {v!r}")
@@ -66,7 +65,6 @@ def _check_alu(c: _Ctx, u: UOp) -> None:
   vals = u.src[1:] if op is Ops.WHERE else u.src
   odt = vals[0].dtype
   if any(s.dtype != odt for s in vals): c.fail(u, f"operands must share one dtype, got {', '.join(str(s.dtype) for s in vals)}")
-  assert isinstance(odt, DType)
   if op in GroupOp.Comparison:
     if dt != dtypes.bool.vec(odt.count): c.fail(u, f"a comparison produces bool, not {dt}")
   elif dt != odt: c.fail(u, f"result dtype {dt} differs from the operands' {odt}")
@@ -86,7 +84,7 @@ def _check_index(c: _Ctx, u: UOp) -> None:
   if len(u.src) == 3:
     if u.src[2].dtype != dtypes.bool: c.fail(u, f"the gate must be bool, got {u.src[2].dtype}")
     return  # a gated access never touches memory where the gate is false: no proof needed
-  size = buf.dtype.size  # type: ignore[union-attr]
+  size = buf.dtype.size  # type: ignore[attr-defined]
   if size < 0: return
   lo, hi = idx.vmin, idx.vmax
   if lo >= 0 and hi < size: return
@@ -135,13 +133,13 @@ def _check_range(c: _Ctx, u: UOp) -> None:
 
 def _check_load(c: _Ctx, u: UOp) -> None:
   if len(u.src) != 1 or u.src[0].op is not Ops.INDEX: c.fail(u, "a LOAD loads one INDEX")
-  if u.dtype != u.src[0].dtype.base: c.fail(u, f"a LOAD from a {u.src[0].dtype} buffer has dtype {u.src[0].dtype.base}")  # type: ignore[union-attr]
+  if u.dtype != u.src[0].dtype.base: c.fail(u, f"a LOAD from a {u.src[0].dtype} buffer has dtype {u.src[0].dtype.base}")  # type: ignore[attr-defined]
 
 
 def _check_store(c: _Ctx, u: UOp) -> None:
   if len(u.src) != 2 or u.src[0].op is not Ops.INDEX: c.fail(u, "a STORE is (INDEX, value)")
   if u.dtype != dtypes.void: c.fail(u, "a STORE has dtype void")
-  base = u.src[0].dtype.base  # type: ignore[union-attr]
+  base = u.src[0].dtype.base  # type: ignore[attr-defined]
   if u.src[1].dtype != base: c.fail(u, f"stores a {u.src[1].dtype} value into a {base} buffer (slot {u.src[0].src[0].arg}); cast it")
 
 

@@ -75,7 +75,6 @@ def cast_kind(src: DType, dst: DType) -> str:
 def operand_dtype(u: UOp) -> DType:
   """The dtype an ALU op computes in (WHERE's condition is bool whatever its values are)."""
   dt = u.src[1].dtype if u.op is Ops.WHERE else u.src[0].dtype
-  assert isinstance(dt, DType)
   return dt
 
 
@@ -108,7 +107,6 @@ class Printer:
 
   def val(self, u: UOp) -> str:
     if u.op is Ops.CONST:
-      assert isinstance(u.dtype, DType)
       return self.const(u.dtype, u.arg)
     if u not in self.names: raise CodegenError(f"{u.op} used before it is defined (linearizer bug)")
     return self.names[u]

@@ -203,7 +203,6 @@ class CUDAPrinter(Printer):
   def const(self, dt: DType, v: int | float | bool) -> str: return const_text(dt, v)
 
   def assign(self, u: UOp, expr: str, prefix: str = "v") -> None:
-    assert isinstance(u.dtype, DType)
     name = f"{prefix}{self.n}"
     self.n += 1
     self.emit(f"{ctype(u.dtype)} {name} = {expr};")
@@ -215,7 +214,7 @@ class CUDAPrinter(Printer):
     return f"{'' if g in self.written else 'const '}{_MTYPE[g.dtype.base.name]}* __restrict__ data{g.arg}"
 
   def var_param(self, v: UOp) -> str:
-    self.names[v] = _c_name(v.arg[0]) if v.dtype == dtypes.int32 else f"(({ctype(v.dtype)}){_c_name(v.arg[0])})"  # type: ignore[arg-type]
+    self.names[v] = _c_name(v.arg[0]) if v.dtype == dtypes.int32 else f"(({ctype(v.dtype)}){_c_name(v.arg[0])})"
     return f"int {_c_name(v.arg[0])}"  # variables travel as 32-bit ints
 
   def assemble(self, params: list[str]) -> str:
@@ -259,7 +258,6 @@ class CUDAPrinter(Printer):
   def load(self, u: UOp) -> None:
     idx = u.src[0]
     dt = u.dtype
-    assert isinstance(dt, DType)
     v = self.val(idx)
     if idx.op is Ops.DEFINE_ACC: return self.assign(u, v)
     if idx.src[0].op is Ops.DEFINE_GLOBAL:
@@ -271,7 +269,6 @@ class CUDAPrinter(Printer):
   def store(self, u: UOp) -> None:
     idx, val = u.src
     dt = val.dtype
-    assert isinstance(dt, DType)
     v = self.val(val)
     if idx.src[0].op is Ops.DEFINE_GLOBAL:
       if dt.name == "float16": v = f"__float2half_rn({v})"  # exact: the value is already rounded to half
@@ -288,7 +285,6 @@ class CUDAPrinter(Printer):
 
   def alu(self, u: UOp) -> str:
     op, dt, src_dt = u.op, u.dtype, operand_dtype(u)
-    assert isinstance(dt, DType)
     a = [self.val(x) for x in u.src]
     if op is Ops.WHERE: return f"{a[0]} ? {a[1]} : {a[2]}"
     if op in _CMP and not src_dt.is_bool: return f"{a[0]} {_CMP[op]} {a[1]}"
@@ -319,7 +315,6 @@ class CUDAPrinter(Printer):
   def no_wrap(self, u: UOp) -> bool:
     """True when u's bounds prove C's arithmetic on it cannot overflow (signed overflow is undefined; kiln wraps)."""
     dt = u.dtype
-    assert isinstance(dt, DType)
     if dt.is_unsigned and dt.itemsize >= 4: return True  # unsigned int arithmetic wraps by definition
     try: lo, hi = u.vmin, u.vmax
     except Exception: return False  # no bounds: be safe
@@ -328,7 +323,6 @@ class CUDAPrinter(Printer):
 
   def cast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
-    assert isinstance(src, DType) and isinstance(dst, DType)
     return _CASTS[cast_kind(src, dst)](self, self.val(u.src[0]), src, dst)
 
   def cast_to_float(self, v: str, src: DType, dst: DType) -> str:
@@ -347,7 +341,6 @@ class CUDAPrinter(Printer):
 
   def bitcast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
-    assert isinstance(src, DType) and isinstance(dst, DType)
     v = self.val(u.src[0])
     bits = _TO_BITS.get(src.name, "({u}){v}").format(v=v, u=_utype(src) if src.itemsize >= 4 else "unsigned int")
     return _FROM_BITS.get(dst.name, "({t})({bits})").format(bits=bits, t=ctype(dst))

@@ -152,13 +152,11 @@ class LLVMPrinter(Printer):
 
   def val(self, u: UOp) -> str:
     if u.op is Ops.VECTORIZE and all(s.op is Ops.CONST for s in u.src):
-      assert isinstance(u.dtype, DType)
       t = scalar_type(u.dtype.scalar())
       return "<" + ", ".join(f"{t} {const_text(u.dtype.scalar(), s.arg)}" for s in u.src) + ">"
     return super().val(u)
 
   def tv(self, u: UOp) -> str:
-    assert isinstance(u.dtype, DType)
     return f"{ltype(u.dtype)} {self.val(u)}"
 
   def intrinsic(self, name: str, ret: str, args: Sequence[str]) -> str:
@@ -206,7 +204,6 @@ class LLVMPrinter(Printer):
     self.label(end)
 
   def define_acc(self, u: UOp) -> str:
-    assert isinstance(u.dtype, DType)
     name = f"%acc{u.arg}"
     self.entry.append(f"{name} = alloca {ltype(u.dtype)}, align {1 << (max(u.dtype.nbytes, 1) - 1).bit_length()}")  # a power of two (<3 x i8>: 4)
     self.emit(f"store {self.tv(u.src[0])}, ptr {name}")
@@ -232,8 +229,8 @@ class LLVMPrinter(Printer):
     return r
 
   def fma(self, u: UOp) -> str:  # the lowering makes it for float32/float64 sums of products only
-    t = ltype(u.dtype)  # type: ignore[arg-type]
-    fn, r = self.intrinsic(f"llvm.fma.{_suffix(u.dtype)}", t, [t, t, t]), self.tmp()  # type: ignore[arg-type]
+    t = ltype(u.dtype)
+    fn, r = self.intrinsic(f"llvm.fma.{_suffix(u.dtype)}", t, [t, t, t]), self.tmp()
     self.emit(f"{r} = call {t} {fn}({self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])})")
     return r
 
@@ -266,7 +263,6 @@ class LLVMPrinter(Printer):
   def load(self, u: UOp) -> str:
     idx = u.src[0]
     dt = u.dtype
-    assert isinstance(dt, DType)
     r = self.tmp()
     if idx.op is Ops.DEFINE_ACC:
       self.emit(f"{r} = load {ltype(dt)}, ptr {self.val(idx)}")
@@ -313,7 +309,6 @@ class LLVMPrinter(Printer):
   def store(self, u: UOp) -> None:
     idx, val = u.src
     dt = val.dtype
-    assert isinstance(dt, DType)
     gated = len(idx.src) == 3
     if gated:
       then, cont = f"st{self.n}", f"stend{self.n}"
@@ -362,7 +357,6 @@ class LLVMPrinter(Printer):
 
   def vectorize(self, u: UOp) -> str:
     dt = u.dtype
-    assert isinstance(dt, DType)
     t = ltype(dt)
     if all(s is u.src[0] for s in u.src):  # splat
       a, b = self.tmp(), self.tmp()
@@ -379,7 +373,6 @@ class LLVMPrinter(Printer):
   # ---- arithmetic ----
   def alu(self, u: UOp) -> str:
     op, dt, src_dt = u.op, u.dtype, operand_dtype(u)
-    assert isinstance(dt, DType)
     s = src_dt.scalar()
     if op is Ops.WHERE:
       r = self.tmp()
@@ -474,7 +467,6 @@ class LLVMPrinter(Printer):
 
   def cast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
-    assert isinstance(src, DType) and isinstance(dst, DType)
     v = self.val(u.src[0])
     return _CASTS[cast_kind(src, dst)](self, _Cast(v, src, dst, ltype(src), ltype(dst), self.tmp()))
 
@@ -568,7 +560,6 @@ class LLVMPrinter(Printer):
 
   def bitcast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
-    assert isinstance(src, DType) and isinstance(dst, DType)
     v = self.to_mem(self.val(u.src[0]), src)  # memory form: bool as i8, bfloat16 as i16
     r = self.tmp()
     if mtype(src) == mtype(dst): r = v

@@ -20,12 +20,13 @@ class OutOfMemoryError(KilnBufferError, MemoryError):
 
 def to_np_dtype(dtype: Any) -> np.dtype:
   """A numpy dtype from a kiln DType (bfloat16 -> its uint16 storage), a numpy dtype or type, or a name of either."""
-  if hasattr(dtype, "np") and not isinstance(dtype, np.dtype): return np.dtype(dtype.np)
+  # a pointer dtype has an `np` that raises (hasattr would pass the error on): it falls through to numpy, which rejects it
+  if getattr(dtype, "kind", None) != "p" and hasattr(dtype, "np") and not isinstance(dtype, np.dtype): return np.dtype(dtype.np)
   if isinstance(dtype, str):
     try:
-      from kiln.ir.dtype import DType, parse_dtype
+      from kiln.ir.dtype import parse_dtype
       d = parse_dtype(dtype)
-      if isinstance(d, DType) and d.kind != "v": return d.np
+      if d.kind not in "vp": return d.np
     except Exception: pass  # noqa: S110  # not a kiln name: let numpy try it
   try: return np.dtype(dtype)
   except TypeError: raise KilnBufferError(f"cannot view a buffer as dtype {dtype!r}: not a kiln or numpy dtype") from None
