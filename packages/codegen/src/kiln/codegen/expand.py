@@ -33,7 +33,7 @@ def bcast(u: UOp, w: int) -> UOp:
   return UOp(Ops.VECTORIZE, u.dtype.vec(w), (u,) * w)
 
 
-def combine(op: Ops, a: UOp, b: UOp) -> UOp: return UOp(op, a.dtype, (a, bcast(b, a.dtype.count)))  # type: ignore[union-attr]
+def combine(op: Ops, a: UOp, b: UOp) -> UOp: return UOp(op, a.dtype, (a, bcast(b, a.dtype.count)))
 
 
 def combos(vars_: list[UOp]) -> list[tuple[int, ...]]:
@@ -112,5 +112,5 @@ def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
     return UOp(Ops.STORE, dtypes.void, (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))), val))
   idxs = _lanes(idx, lane, w)
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
-  return UOp(Ops.SINK, dtypes.void, tuple(UOp(Ops.STORE, dtypes.void, (buf.index(i, g), UOp(Ops.GEP, val.dtype.scalar(), (val,), l)))  # type: ignore[union-attr]
+  return UOp(Ops.SINK, dtypes.void, tuple(UOp(Ops.STORE, dtypes.void, (buf.index(i, g), UOp(Ops.GEP, val.dtype.scalar(), (val,), l)))
                                           for l, (i, g) in enumerate(zip(idxs, gates))))

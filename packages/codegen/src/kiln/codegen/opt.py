@@ -216,7 +216,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
     ksize = axis_size(k)
-    if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))  # type: ignore[union-attr]
+    if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))
     if dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
     out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:

@@ -54,6 +54,6 @@ def get_runtime(device: str | DeviceSpec) -> Runtime:
                           f"(found: {', '.join(available_devices()) or 'none'}); install kiln-runtime-{spec.kind.lower()}")
       try: factory = ep.load()
       except Exception as e: raise DeviceError(f"the runtime for {spec.kind} failed to load: {e}") from e
-    rt = factory(spec)  # type: ignore[misc]
+    rt = factory(spec)
     _instances[name] = rt
     return rt

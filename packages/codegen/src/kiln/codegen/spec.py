@@ -176,7 +176,7 @@ class BufferSpec(_Model):
   def _dtype(cls, v: str) -> str: return _value_dtype(v)
 
   @property
-  def nbytes(self) -> int: return self.size * parse_dtype(self.dtype).nbytes  # type: ignore[union-attr]
+  def nbytes(self) -> int: return self.size * parse_dtype(self.dtype).nbytes
 
 
 class KernelArg(_Model):

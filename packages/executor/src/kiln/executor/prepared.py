@@ -53,8 +53,8 @@ class PreparedKernel:
       vv = self.var_vals()
       gs, ls = self.kernel.global_size, self.kernel.local_size
       hit = (tuple(sym_eval(x, vv) for x in gs) if gs is not None else (1, 1, 1), tuple(sym_eval(x, vv) for x in ls) if ls is not None else None)
-      if len(self._sizes) < 4096: self._sizes[k] = hit  # type: ignore[assignment]
-    self.global_size, self.local_size = hit  # type: ignore[assignment]
+      if len(self._sizes) < 4096: self._sizes[k] = hit
+    self.global_size, self.local_size = hit
 
 
 @dataclass(eq=False)

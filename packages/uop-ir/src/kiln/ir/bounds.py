@@ -81,8 +81,8 @@ def _cmp(op: Ops, a: Bounds, b: Bounds) -> Bounds:
     if a[1] < b[0]: return True, True
     if a[0] >= b[1]: return False, False
   elif op in (Ops.CMPEQ, Ops.CMPNE):
-    if a[1] < b[0] or b[1] < a[0]: return (op is Ops.CMPNE,) * 2  # type: ignore[return-value]
-    if a[0] == a[1] == b[0] == b[1]: return (op is Ops.CMPEQ,) * 2  # type: ignore[return-value]
+    if a[1] < b[0] or b[1] < a[0]: return (op is Ops.CMPNE,) * 2
+    if a[0] == a[1] == b[0] == b[1]: return (op is Ops.CMPEQ,) * 2
   return False, True
 
 
@@ -106,21 +106,21 @@ def _node_bounds(u: UOp) -> Bounds:
   if op in (Ops.RANGE, Ops.SPECIAL): return 0, max(int(u.src[0].vmax) - 1, 0)
   if dt.kind in "vp": return 0, 0
   srcb = [s._vbounds() for s in u.src]  # already filled (sources come first)
-  if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE): return _cmp(op, srcb[0], srcb[1])  # type: ignore[arg-type]
+  if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE): return _cmp(op, srcb[0], srcb[1])
   if op is Ops.WHERE:
     c = srcb[0]
-    if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]  # type: ignore[return-value]
+    if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]
     if any(isinstance(v, float) and math.isnan(v) for v in (*srcb[1], *srcb[2])): return _full(dt)  # min(1.0, nan) would drop the NaN
-    return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])  # type: ignore[index]
+    return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])
   if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)
   if dt.count != 1 or dt.is_float: return _full(dt)
   cands: list | None = None
-  if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])  # type: ignore[arg-type]
-  elif op is Ops.NEG: cands = [-srcb[0][1], -srcb[0][0]]  # type: ignore[index, operator]
-  elif op in (Ops.AND, Ops.OR, Ops.XOR): cands = _bitwise(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
-  elif op in (Ops.SHL, Ops.SHR): cands = _shift(op, srcb[0], srcb[1], dt)  # type: ignore[arg-type]
+  if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])
+  elif op is Ops.NEG: cands = [-srcb[0][1], -srcb[0][0]]
+  elif op in (Ops.AND, Ops.OR, Ops.XOR): cands = _bitwise(op, srcb[0], srcb[1], dt)
+  elif op in (Ops.SHL, Ops.SHR): cands = _shift(op, srcb[0], srcb[1], dt)
   elif op is Ops.REDUCE and u.arg is Ops.MAX:  # over a possibly empty range it is the identity, the dtype's min
-    cands = list(srcb[0]) + ([dt.min] if any(int(r.src[0].vmin) < 1 for r in u.src[1:]) else [])  # type: ignore[arg-type]
+    cands = list(srcb[0]) + ([dt.min] if any(int(r.src[0].vmin) < 1 for r in u.src[1:]) else [])
   if cands is None: return _full(dt)
   lo, hi = min(cands), max(cands)
   if dt.is_bool: return bool(lo), bool(hi)
@@ -131,7 +131,7 @@ def _node_bounds(u: UOp) -> Bounds:
 def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
   if dst.count != 1: return _full(dst)
   if dst.is_bool:
-    if b[0] == b[1]: return (b[0] != 0,) * 2  # type: ignore[return-value]
+    if b[0] == b[1]: return (b[0] != 0,) * 2
     return (False, True) if not (b[0] > 0 or b[1] < 0) else (True, True)
   if any(isinstance(v, float) and math.isnan(v) for v in b): return _full(dst)
   if src.is_float and dst.is_int and b[0] != b[1]: return _full(dst)  # a non-constant float may be NaN (-> 0)

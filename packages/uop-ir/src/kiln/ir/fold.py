@@ -88,7 +88,7 @@ def _check_operands(op: Ops, srcs: tuple[UOp, ...]) -> None:
   for s in vals:
     if s.dtype != dt: raise IRTypeError(f"{op} needs operands of one dtype, got {', '.join(str(x.dtype) for x in vals)}")
   if dt.kind == "p": raise IRTypeError(f"{op} cannot take a pointer operand ({dt})")
-  if op is Ops.WHERE and srcs[0].dtype.scalar() != dtypes.bool: raise IRTypeError(f"WHERE condition must be bool, got {srcs[0].dtype}")  # type: ignore[union-attr]
+  if op is Ops.WHERE and srcs[0].dtype.scalar() != dtypes.bool: raise IRTypeError(f"WHERE condition must be bool, got {srcs[0].dtype}")
   if op in GroupOp.FloatOnly and not dt.is_float: raise IRTypeError(f"{op} needs a float dtype, got {dt}")
   if op in GroupOp.IntOnly and not dt.is_int: raise IRTypeError(f"{op} needs an integer dtype, got {dt}")
   if op in GroupOp.Bitwise and dt.is_float: raise IRTypeError(f"{op} needs an integer or bool dtype, got {dt}")

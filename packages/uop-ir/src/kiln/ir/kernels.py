@@ -71,7 +71,7 @@ def flat_index(idx: Sequence[UOp | int], shape: Sequence[Dim]) -> UOp:
   out: UOp | int = 0
   stride: Dim = 1
   for i, d in zip(reversed(idx), reversed(shape)):
-    if not _is1(d) and not (isinstance(i, int) and i == 0): out = i * stride + out  # type: ignore[operator]
+    if not _is1(d) and not (isinstance(i, int) and i == 0): out = i * stride + out
     stride = d * stride if isinstance(d, UOp) else stride * d
   return out if isinstance(out, UOp) else UOp.const(dtypes.index, out)
 
