@@ -157,3 +157,31 @@ def test_origin_memory_then_disk(cpu):
   assert compile_kernel_with_origin(ast)[1] == "memory"
   cache.clear_memory_cache()
   assert compile_kernel_with_origin(ast)[1] == "disk"
+
+
+def test_add_kernel_takes_the_callers_options(cpu):
+  """opts= replaces the heuristic for that kernel: the compiled kernel applies exactly them, the same AST with other options
+  is another cache entry, results stay right, and options that do not fit the kernel are an error naming the op."""
+  from kiln.codegen.opt import Opt, OptOps
+  from kiln.ir.errors import CodegenError, PlanError
+  M, N, K = 32, 64, 48
+  A, B = np.random.rand(M, K).astype(np.float32), np.random.rand(K, N).astype(np.float32)
+  mine = [Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.UNROLL, 0, 2)]
+  plans = {}
+  for label, opts in (("heuristic", None), ("none", []), ("mine", mine)):
+    b = ExecutionPlanBuilder("CPU")
+    ca, cb, cc = b.add_buffer(Buffer.from_numpy(A)), b.add_buffer(Buffer.from_numpy(B)), b.add_buffer(Buffer("CPU", M * N, dtypes.float32))
+    b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=opts)
+    b.set_outputs([cc])
+    plans[label] = plan = b.build()
+    plan.execute()
+    np.testing.assert_allclose(plan.output_buffer(0).numpy().reshape(M, N), A @ B, rtol=1e-5, atol=1e-5)
+  applied = {k: p.prepared_ops[0].kernel.applied_opts for k, p in plans.items()}
+  assert applied["none"] == [] and applied["mine"] == [str(o) for o in mine] and applied["heuristic"] != applied["mine"], applied
+  assert len({id(p.prepared_ops[0].kernel) for p in plans.values()}) == 3, "each option set is its own cached kernel"
+  b = ExecutionPlanBuilder("CPU")
+  ca, cb, cc = b.add_buffer(Buffer.from_numpy(A)), b.add_buffer(Buffer.from_numpy(B)), b.add_buffer(Buffer("CPU", M * N, dtypes.float32))
+  with pytest.raises(PlanError, match="opts must be a list of kiln.codegen.opt.Opt"): b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=["UPCAST"])
+  b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=[Opt(OptOps.UPCAST, 7, 4)])
+  b.set_outputs([cc])
+  with pytest.raises(CodegenError, match=r"kernel 0 'matmul': its opts .* do not fit the kernel: .*axis 7"): b.build()

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen.opt import Opt
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
@@ -16,7 +17,7 @@ from kiln.executor.execution import ExecutionPlan
 from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
 from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
 from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
-from kiln.ir.errors import KilnBufferError, PlanError, VariableBoundsError
+from kiln.ir.errors import CodegenError, KilnBufferError, PlanError, VariableBoundsError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
@@ -24,7 +25,7 @@ from kiln.ir.uop import UOp
 # ---- op records (what add_* collected; build() prepares them) ----
 @dataclass
 class _KernelOp:
-  id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str
+  id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str; opts: list[Opt] | None = None
 
 @dataclass
 class _CopyOp:
@@ -63,11 +64,17 @@ class ExecutionPlanBuilder:
     self.buffers.append(buf)
     return len(self.buffers) - 1
 
-  def add_kernel(self, ast: UOp, buffers: Sequence[int], fixedvars: Mapping[str, int] | None = None, deps: Sequence[int] | None = None) -> int:
-    """Slot i of the AST binds plan buffer buffers[i]. Returns the op id."""
+  def add_kernel(self, ast: UOp, buffers: Sequence[int], fixedvars: Mapping[str, int] | None = None, deps: Sequence[int] | None = None,
+                 opts: Sequence[Opt] | None = None) -> int:
+    """Slot i of the AST binds plan buffer buffers[i]. `opts` replaces the heuristic's optimisation options for this kernel
+    ([] means none; the kernel cache keys on them). Returns the op id."""
     if not isinstance(ast, UOp): raise PlanError(f"add_kernel takes a kernel AST (UOp), got {type(ast).__name__}")
     name = ast.arg if ast.op is Ops.SINK and isinstance(ast.arg, str) else f"kernel{len(self.ops)}"
-    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name))
+    if opts is not None:
+      if isinstance(opts, (str, bytes)) or not isinstance(opts, Sequence) or not all(isinstance(o, Opt) for o in opts):
+        raise PlanError(f"kernel {len(self.ops)} '{name}': opts must be a list of kiln.codegen.opt.Opt, got {opts!r}")
+      opts = list(opts)
+    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts))
     return len(self.ops) - 1
 
   def add_copy(self, dst: int, src: int, deps: Sequence[int] | None = None) -> int:
@@ -183,7 +190,10 @@ class _Builder:
       buf = self.buffers[bi]
       if buf.device != self.b.device:
         raise PlanError(f"{label} slot {i}: buffer {bi} is on {buf.device}, the plan's kernels run on {self.b.device}; add_copy it first")
-    kernel, origin = compile_kernel_with_origin(op.ast, self.b.device)
+    try: kernel, origin = compile_kernel_with_origin(op.ast, self.b.device, op.opts)
+    except CodegenError as e:
+      if op.opts is None: raise
+      raise CodegenError(f"{label}: its opts {[str(o) for o in op.opts]} do not fit the kernel: {e}") from e
     if not kernel.outs: raise PlanError(f"{label} has no outputs (the compiled kernel writes no buffer)")
     # buffers must fit the kernel's arguments
     args = {a.slot: (a.dtype, a.size) for a in kernel.args}
