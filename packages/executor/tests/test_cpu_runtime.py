@@ -181,7 +181,8 @@ def test_add_kernel_takes_the_callers_options(cpu):
   assert len({id(p.prepared_ops[0].kernel) for p in plans.values()}) == 3, "each option set is its own cached kernel"
   b = ExecutionPlanBuilder("CPU")
   ca, cb, cc = b.add_buffer(Buffer.from_numpy(A)), b.add_buffer(Buffer.from_numpy(B)), b.add_buffer(Buffer("CPU", M * N, dtypes.float32))
-  with pytest.raises(PlanError, match="opts must be a list of kiln.codegen.opt.Opt"): b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=["UPCAST"])
+  with pytest.raises(PlanError, match="opts must be a list of kiln.codegen.opt.Opt"):
+    b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=["UPCAST"])
   b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=[Opt(OptOps.UPCAST, 7, 4)])
   b.set_outputs([cc])
   with pytest.raises(CodegenError, match=r"kernel 0 'matmul': its opts .* do not fit the kernel: .*axis 7"): b.build()
