@@ -8,6 +8,8 @@ from kiln_ir_testgen import INT_DTYPES, NAMES, bounded_vars, consts, points
 
 from kiln.ir import AxisType, Ops, UOp, dtypes
 from kiln.ir.alu import bitcast, cast, compute_np, exec_alu
+from kiln.ir.analysis import sym_int_eval
+from kiln.ir.verify import verify
 
 
 def test_exact_for_consts_vars_ranges():
@@ -76,3 +78,35 @@ def test_bounds_are_sound_for_every_op(data):
       x = v.item()
       if isinstance(x, float) and math.isnan(x): continue  # NaN has no place in an order; casts of it are still checked
       assert u.vmin <= x <= u.vmax, f"{u.op} {u.dtype}: value {x} outside [{u.vmin}, {u.vmax}] at {env}"
+
+
+def test_clamps_and_bitwise_with_constants_are_tight():
+  """min/max written as where (integer minimum() builds (a < b).where(a, b)) take the bounds of a min/max, not the union of
+  the arms, so the natural clamp proves an index in bounds; XOR and AND with a constant keep the bits they cannot touch."""
+  x, n = UOp.variable("x", -50, 500), UOp.variable("n", 1, 64)
+  clamped = x.maximum(0).minimum(n - 1)
+  assert (clamped.vmin, clamped.vmax) == (0, 63)
+  assert ((x < n).where(n, x).vmin, (x < n).where(n, x).vmax) == (1, 500)  # max(x, n)
+  assert ((x < n).where(x, n).vmin, (x < n).where(x, n).vmax) == (-50, 64)  # min(x, n)
+  buf, out = UOp.define_global(1, dtypes.float32.ptr(64)), UOp.define_global(0, dtypes.float32.ptr(1))
+  verify(UOp.sink(out.index(0).store(buf.index(clamped).load()), name="gather_clamped"))  # was rejected: index bounds [-50, 500]
+  i = UOp.variable("i", 0, 100)
+  assert ((i ^ -1).vmin, (i ^ -1).vmax) == (-101, -1)
+  assert ((x ^ -1).vmin, (x ^ -1).vmax) == (-501, 49)
+  assert ((i ^ 256).vmin, (i ^ 256).vmax) == (256, 383) and ((i ^ -128).vmin, (i ^ -128).vmax) == (-128, -1)
+  assert ((x & 15).vmin, (x & 15).vmax) == (0, 15)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(INT_DTYPES), st.data())
+def test_min_max_and_constant_bitwise_bounds_are_sound(dt, data):
+  lo_a, lo_b = (data.draw(st.integers(int(dt.min), int(dt.max))) for _ in range(2))
+  a = UOp.variable("a", lo_a, data.draw(st.integers(lo_a, int(dt.max))), dtype=dt)
+  b = UOp.variable("b", lo_b, data.draw(st.integers(lo_b, int(dt.max))), dtype=dt)
+  k = UOp.const(dt, data.draw(consts(dt)))
+  exprs = [(a < b).where(a, b), (a < b).where(b, a), (b < a).where(a, b), a ^ k, k ^ a, a & k, a.minimum(b).maximum(k)]
+  for _ in range(8):
+    env = {"a": data.draw(st.integers(a.arg[1], a.arg[2])), "b": data.draw(st.integers(b.arg[1], b.arg[2]))}
+    for e in exprs:
+      v = sym_int_eval(e, env)
+      assert e.vmin <= v <= e.vmax, f"{e} = {v} at {env} outside [{e.vmin}, {e.vmax}]"

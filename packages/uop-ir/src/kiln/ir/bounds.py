@@ -60,10 +60,25 @@ def _bitwise(op: Ops, a: Bounds, b: Bounds, dt: DType) -> list[ConstLike] | None
     if op is Ops.AND: return [a[0] and b[0], a[1] and b[1]]
     if op is Ops.OR: return [a[0] or b[0], a[1] or b[1]]
     return None
+  if op is Ops.XOR and (c := _const_of(a, b)) is not None:
+    x, k = c
+    if k == -1: return [-int(x[1]) - 1, -int(x[0]) - 1]  # x ^ -1 == ~x == -x - 1, decreasing in x
+    if x[0] >= 0:  # x only flips the low bits under m: the bits of k above them stay
+      m = _pow2_above(x[1])
+      return [k & ~m, k | m]
+  if op is Ops.AND and (a[0] >= 0 or b[0] >= 0):  # AND with a non-negative value is at most that value
+    return [0, min(v[1] for v in (a, b) if v[0] >= 0)]
   if a[0] < 0 or b[0] < 0: return None
   if op is Ops.AND: return [0, min(a[1], b[1])]
   if op is Ops.OR: return [max(a[0], b[0]), _pow2_above(max(a[1], b[1]))]
   return [0, _pow2_above(max(a[1], b[1]))]
+
+
+def _const_of(a: Bounds, b: Bounds) -> tuple[Bounds, int] | None:
+  """(the other operand's bounds, the constant) when one operand of a binary op is a single integer value."""
+  if b[0] == b[1]: return a, int(b[0])
+  if a[0] == a[1]: return b, int(a[0])
+  return None
 
 
 def _shift(op: Ops, a: Bounds, b: Bounds, dt: DType) -> list[ConstLike] | None:
@@ -111,8 +126,10 @@ def _node_bounds(u: UOp) -> Bounds:
     c = srcb[0]
     if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]
     if any(isinstance(v, float) and math.isnan(v) for v in (*srcb[1], *srcb[2])): return _full(dt)  # min(1.0, nan) would drop the NaN
+    if (mm := _min_max(u, srcb)) is not None: return mm
     return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])
   if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)
+  if op in (Ops.ERF, Ops.TANH) and dt.count == 1 and all(math.isfinite(v) for v in srcb[0]): return -1.0, 1.0  # NaN only from NaN
   if dt.count != 1 or dt.is_float: return _full(dt)
   cands: list | None = None
   if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])
@@ -126,6 +143,16 @@ def _node_bounds(u: UOp) -> Bounds:
   if dt.is_bool: return bool(lo), bool(hi)
   if lo < dt.min or hi > dt.max: return _full(dt)  # may wrap
   return lo, hi
+
+
+def _min_max(u: UOp, srcb: list[Bounds]) -> Bounds | None:
+  """(x < y).where(x, y) is min(x, y) and (x < y).where(y, x) is max(x, y): tighter than the union of the arms, so a clamp
+  `x.maximum(0).minimum(n - 1)` proves an index in bounds. Integers only (a float NaN makes the comparison false)."""
+  c, x, y = u.src
+  if c.op is not Ops.CMPLT or u.dtype.is_float or {c.src[0], c.src[1]} != {x, y} or x is y: return None
+  (xl, xh), (yl, yh) = srcb[1], srcb[2]
+  if c.src[0] is x: return min(xl, yl), min(xh, yh)  # the smaller one
+  return max(xl, yl), max(xh, yh)
 
 
 def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
