@@ -11,6 +11,7 @@ Defined where C leaves things undefined, so compiled code can match exactly:
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -115,6 +116,11 @@ def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
   return from_storage(dst, raw.view(dst.np)).reshape(shape)
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+  """erf in x's float type: numpy has none, so libm's double erf per element (correctly rounded or nearly), rounded to x's type."""
+  return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
+
+
 # op -> f(sources, result dtype); an op missing from a table does not take that kind of operand
 OpFn = Callable[[list[np.ndarray], DType], np.ndarray]
 
@@ -132,6 +138,7 @@ _FLOAT_OPS: dict[Ops, OpFn] = {
   Ops.MULACC: lambda s, dt: round_to(dt, s[0] * s[1]) + s[2],  # unfused, as MUL then ADD
   Ops.MAX: _bin(_fmax), Ops.NEG: _un(operator.neg), Ops.EXP2: _un(np.exp2), Ops.LOG2: _un(np.log2), Ops.SIN: _un(np.sin),
   Ops.SQRT: _un(np.sqrt), Ops.RECIPROCAL: _un(lambda x: np.asarray(1, x.dtype) / x), Ops.TRUNC: _un(np.trunc),
+  Ops.ERF: _un(_erf), Ops.TANH: _un(np.tanh),
 }
 
 # bool ALU is C's (bool)(a op b): + and max are |, * is &, - is ^

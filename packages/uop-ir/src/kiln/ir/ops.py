@@ -14,6 +14,7 @@ class Ops(IntEnum):
   FMA = auto()  # fused a*b+c, one rounding: only the lowering makes it (OptOps.FMA), never a user kernel
   # unary ALU
   NEG = auto(); EXP2 = auto(); LOG2 = auto(); SIN = auto(); SQRT = auto(); RECIPROCAL = auto(); TRUNC = auto()
+  ERF = auto(); TANH = auto()  # GELU's exact (erf) and tanh-approximate forms
   CAST = auto(); BITCAST = auto()
   # binary ALU
   ADD = auto(); SUB = auto(); MUL = auto(); FDIV = auto(); IDIV = auto(); MOD = auto(); MAX = auto()
@@ -32,7 +33,7 @@ class AxisType(Enum):
 
 
 class GroupOp:
-  Unary = frozenset({Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC})
+  Unary = frozenset({Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.ERF, Ops.TANH})
   Binary = frozenset({Ops.ADD, Ops.SUB, Ops.MUL, Ops.FDIV, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE,
                       Ops.AND, Ops.OR, Ops.XOR, Ops.SHL, Ops.SHR})
   Ternary = frozenset({Ops.WHERE, Ops.MULACC})
@@ -40,7 +41,7 @@ class GroupOp:
   Comparison = frozenset({Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE})
   Commutative = frozenset({Ops.ADD, Ops.MUL, Ops.MAX, Ops.CMPEQ, Ops.CMPNE, Ops.AND, Ops.OR, Ops.XOR})
   Associative = frozenset({Ops.ADD, Ops.MUL, Ops.AND, Ops.OR, Ops.MAX})
-  FloatOnly = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.FDIV, Ops.TRUNC})
+  FloatOnly = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.FDIV, Ops.TRUNC, Ops.ERF, Ops.TANH})
   IntOnly = frozenset({Ops.IDIV, Ops.MOD, Ops.SHL, Ops.SHR})
   Bitwise = frozenset({Ops.AND, Ops.OR, Ops.XOR})  # ints and bools
   ReduceOps = frozenset({Ops.ADD, Ops.MUL, Ops.MAX})

@@ -298,6 +298,8 @@ class UOp(metaclass=UOpMetaClass):
   def exp2(self) -> UOp: return self._float_unary(Ops.EXP2)
   def log2(self) -> UOp: return self._float_unary(Ops.LOG2)
   def sin(self) -> UOp: return self._float_unary(Ops.SIN)
+  def erf(self) -> UOp: return self._float_unary(Ops.ERF)
+  def tanh(self) -> UOp: return self._float_unary(Ops.TANH)
   def sqrt(self) -> UOp: return self._float_unary(Ops.SQRT)
   def reciprocal(self) -> UOp: return self._float_unary(Ops.RECIPROCAL)
   def trunc(self) -> UOp: return self if self.dtype.is_int else self._float_unary(Ops.TRUNC)
