@@ -130,7 +130,6 @@ def _node_bounds(u: UOp) -> Bounds:
     return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])
   if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)
   if op in (Ops.ERF, Ops.TANH) and dt.count == 1 and all(math.isfinite(v) for v in srcb[0]): return -1.0, 1.0  # NaN only from NaN
-  if op in (Ops.ERF, Ops.TANH) and dt.count == 1 and all(math.isfinite(v) for v in srcb[0]): return -1.0, 1.0  # NaN only from NaN
   if dt.count != 1 or dt.is_float: return _full(dt)
   cands: list | None = None
   if op in _INT_RULES and not dt.is_bool: cands = _INT_RULES[op](srcb[0], srcb[1])
