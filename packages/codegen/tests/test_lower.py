@@ -80,6 +80,32 @@ def test_matmul_gets_register_tiling():
   assert {Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.FMA, 2, 1), Opt(OptOps.THREAD, 1, 2)} <= set(opts)
 
 
+def tile(t: Target, m: int = 1024) -> tuple[int, int]:
+  """(rows, vector width) of the heuristic's register tile for an m x 1024 x 1024 float32 product."""
+  opts = heuristic_opts(matmul(m, 1024, 1024), t)
+  return (next((o.amount for o in opts if o.op is OptOps.UNROLL and o.axis == 0), 1), next(o.amount for o in opts if o.op is OptOps.UPCAST))
+
+
+def test_target_registers_follow_the_vector_width_unless_given():
+  assert Target(vector_bytes=64).vector_registers == 32 and Target(vector_bytes=32).vector_registers == 16
+  assert Target(vector_bytes=16).vector_registers == 16 and Target(vector_bytes=16, vector_registers=32).vector_registers == 32
+  assert Target(vector_bytes=32) == Target(vector_bytes=32, vector_registers=16)  # the derived value is the field's value
+
+
+@pytest.mark.parametrize("t,want", [
+  (Target(vector_bytes=64, threads=2), (8, 32)),  # AVX-512: 16 accumulators + 2 loads + 1 broadcast of 32 registers, as before
+  (Target(vector_bytes=32), (4, 16)),  # AVX2: 8 rows x 2 vectors would need 19 of 16 registers and spill
+  (Target(vector_bytes=32, vector_registers=32), (8, 16)),
+  (Target(vector_bytes=16, vector_registers=32), (8, 8)),  # aarch64 NEON: 32 registers
+  (Target(vector_bytes=16, vector_registers=8), (2, 8))])
+def test_register_tile_fits_the_register_file(t: Target, want: tuple[int, int]):
+  rows, width = tile(t)
+  vecs = width // (t.vector_bytes // 4)
+  assert (rows, width) == want and rows * vecs + vecs + 1 <= t.vector_registers
+  assert tile(t, 1000) == want  # 1000 rows: a power-of-two row count still divides
+  assert tile(t, 12)[0] == min(want[0], 4)  # a small axis takes the largest power of two that divides it
+
+
 def test_small_matmul_stays_on_one_thread():
   opts = heuristic_opts(matmul(64, 64, 48), CPU)  # 196K multiply-adds: waking a worker costs more than it saves
   assert not any(o.op is OptOps.THREAD for o in opts) and Opt(OptOps.UPCAST, 1, 32) in opts

@@ -38,7 +38,10 @@ class Opt:
 
 @dataclass(frozen=True)
 class Target:
-  """What the optimiser may assume about the device."""
+  """What the optimiser may assume about the device: the machine model. The CPU runtime fills it from the CPU it compiles
+  for (LLVM's features, sysfs caches); a Target made by hand gets the defaults below. vector_registers left at 0 follows
+  vector_bytes: 32 for 64-byte vectors (AVX-512), else 16 (AVX2, AVX, SSE), so a hand-made AVX2 Target gets AVX2 tiles;
+  aarch64 NEON (16-byte vectors, 32 registers) must say so."""
   device: str = "CPU"
   vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
   threads: int = 1  # CPU worker threads a kernel may be split over
@@ -47,6 +50,14 @@ class Target:
   max_local: int = 1024  # GPU: threads per block
   local_size: int = 256  # GPU: default block size
   max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+  vector_registers: int = 0  # CPU: architectural vector registers (16 AVX2/AVX, 32 AVX-512 and NEON); 0: from vector_bytes
+  l1d_bytes: int = 32 << 10  # CPU: per-core L1 data cache
+  l2_bytes: int = 1 << 20  # CPU: per-core L2
+  l3_bytes: int = 8 << 20  # CPU: the last-level cache cpu0 shares
+  cores: int = 1  # CPU: cores this process may run on
+
+  def __post_init__(self) -> None:
+    if self.vector_registers == 0: object.__setattr__(self, "vector_registers", 32 if self.vector_bytes >= 64 else 16)
 
 
 def axis_size(r: UOp) -> int | None:
@@ -188,6 +199,16 @@ def _pick_width(size: int | None, lanes: int) -> int:
   return w
 
 
+def _tile_rows(registers: int, vecs: int) -> int:
+  """Rows of a matmul register tile: rows*vecs accumulators, vecs loads of B and one broadcast of A must fit the vector
+  registers, or the inner loop spills (AVX2's 16 with 8 rows x 2 vectors: 77-121 stack references, half the GFLOP/s of
+  4 rows). A power of two, so it divides the usual sizes, and at most 8 (the most ever measured to pay): 16 registers
+  -> 4 rows of 2 vectors, 32 -> 8; a one-vector tile gets 8 rows either way."""
+  vecs = max(vecs, 1)
+  rows = min(8, max(1, (registers - vecs - 1) // vecs))
+  return 1 << (rows.bit_length() - 1)
+
+
 def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   """Deterministic choices: vector width on the contiguous axis, register tiling for matmul-like kernels, a thread split
   where each thread gets enough work. Kernels with several stores of different loops keep it simple."""
@@ -212,7 +233,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     # register tile of rows x two vectors, the B panel packed per column tile (no cache-set conflicts on power-of-two
     # strides), columns outermost so each thread packs its own panels, fused multiply-adds
     outer, k = out_axes[-2], red_axes[0]
-    if (u := _pick_width(axis_size(outer), 8)) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
+    if (u := _pick_width(axis_size(outer), _tile_rows(target.vector_registers, w // lanes))) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
     ksize = axis_size(k)

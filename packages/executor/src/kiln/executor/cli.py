@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # the benchmark lives in the source tree beside src/ (packages/executor/benchmarks), never in the wheel
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -44,6 +45,15 @@ def info() -> int:
     except Exception: pass  # noqa: S110
   except ImportError: print("  LLVM:       llvmlite not installed")
   print(f"  CPU:        {cache.cpu_name()}")
+  if "CPU" in devs:
+    try:  # the CPU code is built for: the host, or the one KILN_CPU names (its vector width and registers steer the tiles)
+      cpu: Any = get_runtime("CPU")  # the CPU runtime's own attributes, beyond the Runtime protocol
+      t, choice = cpu.target, cpu.compiler.choice
+      print(f"  target:     cpu {choice.cpu} ({'KILN_CPU' if choice.from_env else 'host'}), "
+            f"{t.vector_bytes}-byte vectors x {t.vector_registers} registers, "
+            f"L1d {_fmt_bytes(t.l1d_bytes)}, L2 {_fmt_bytes(t.l2_bytes)}, L3 {_fmt_bytes(t.l3_bytes)}, {t.cores} cores")
+    except Exception as e:  # the devices line above already says why the CPU runtime cannot start
+      print(f"  target:     unavailable ({str(e).splitlines()[0][:120]})")
   flags = cache.cpu_fingerprint().partition("|")[2].split()
   simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "neon", "asimd", "f16c", "amx"))]
   print(f"  features:   {' '.join(simd) if simd else '-'}  ({len(flags)} flags)")

@@ -1,7 +1,10 @@
-"""LLVMCompiler: LLVM IR text to host object code with llvmlite (O3, loop and SLP vectorisation, host CPU features)."""
+"""LLVMCompiler: LLVM IR text to object code for this host with llvmlite (O3, loop and SLP vectorisation, the host CPU's
+features, or those of the CPU KILN_CPU names)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import platform
 import re
 import threading
 from functools import cache
@@ -11,6 +14,7 @@ import llvmlite.binding as llvm
 
 from kiln.codegen.spec import CompiledSpec, ProgramSpec
 from kiln.ir.errors import CompileError
+from kiln.runtime.cpu.machine import CPUChoice, choose_cpu, isa_of
 
 _lock = threading.Lock()  # LLVM's global context is not thread-safe
 
@@ -30,11 +34,12 @@ def host_cpu() -> tuple[str, str]:
   return llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
 
 
-def host_vector_bytes() -> int:
-  feats = host_cpu()[1].split(",")
-  if "+avx512f" in feats: return 64
-  if "+avx2" in feats or "+avx" in feats: return 32
-  return 16
+def host_vector_bytes() -> int: return isa_of(host_cpu()[1], platform.machine())[0]
+
+
+def target_cpu(name: str | None = None) -> CPUChoice:
+  """The CPU to compile for: `name`, else KILN_CPU, else the host (DeviceError for a name kiln cannot target)."""
+  return choose_cpu(host_cpu(), platform.machine(), name if name is not None else os.environ.get("KILN_CPU"))
 
 
 def _error_lines(src: str, message: str) -> str:
@@ -48,19 +53,23 @@ def _error_lines(src: str, message: str) -> str:
 
 
 class LLVMCompiler:
-  """Compiles a ProgramSpec's LLVM IR to object code for this host."""
+  """Compiles a ProgramSpec's LLVM IR to object code for this host, or for the CPU `cpu` (else KILN_CPU) names."""
 
-  def __init__(self, opt_level: int = 3):
+  def __init__(self, opt_level: int = 3, cpu: str | None = None):
     init_llvm()
-    cpu, features = host_cpu()
+    self.choice = target_cpu(cpu)
+    cpu, features = self.choice.cpu, self.choice.features
     self.cpu, self.features, self.opt_level = cpu, features, opt_level
     target = llvm.Target.from_default_triple()
     self.triple = target.triple
     self.tm = target.create_target_machine(cpu=cpu, features=features, opt=opt_level, reloc="pic", codemodel="default")
     ver = ".".join(map(str, llvm.llvm_version_info))
     feat = hashlib.sha256(features.encode()).hexdigest()[:16]
-    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{cpu}|{feat}|O{opt_level}"
-    self.fingerprint = f"{cpu}|{feat}"  # the host CPU as LLVM targets it: the disk cache needs no /proc/cpuinfo read
+    named = f"{'KILN_CPU=' if self.choice.from_env else ''}{cpu}"
+    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{named}|{feat}|O{opt_level}"
+    # the CPU as LLVM targets it (a KILN_CPU name has features "", so it never shares a key with the host's full set):
+    # the disk cache needs no /proc/cpuinfo read
+    self.fingerprint = f"{named}|{feat}"
 
   def optimize(self, mod: llvm.ModuleRef) -> None:
     pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)

@@ -9,8 +9,9 @@ from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.ir.errors import DeviceError
 from kiln.runtime.cpu.allocator import CPUAllocator
-from kiln.runtime.cpu.compiler import LLVMCompiler, host_vector_bytes
+from kiln.runtime.cpu.compiler import LLVMCompiler, target_cpu
 from kiln.runtime.cpu.disk import DiskAllocator
+from kiln.runtime.cpu.machine import CPUChoice, available_cores, is_x86, read_caches
 from kiln.runtime.cpu.program import CPUProgram, shared_engine
 from kiln.runtime.cpu.threads import thread_count
 
@@ -19,9 +20,14 @@ from kiln.runtime.cpu.threads import thread_count
 STREAM_STORE_BYTES = 8 << 20
 
 
-def cpu_target() -> Target:
-  x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-  return Target(device="CPU", vector_bytes=host_vector_bytes(), threads=thread_count(), stream_store_bytes=STREAM_STORE_BYTES if x86 else 0)
+def cpu_target(choice: CPUChoice | None = None) -> Target:
+  """The machine model: vector width and registers of the CPU compiled for (the host, or KILN_CPU), the caches sysfs
+  reports, the cores this process may use."""
+  c = choice or target_cpu()
+  caches = read_caches()
+  return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, threads=thread_count(),
+                stream_store_bytes=STREAM_STORE_BYTES if is_x86(platform.machine()) else 0, l1d_bytes=caches[1], l2_bytes=caches[2],
+                l3_bytes=caches[3], cores=available_cores())
 
 
 class CPURuntime:
@@ -31,11 +37,11 @@ class CPURuntime:
   def __init__(self, spec: DeviceSpec | str = "CPU"):
     self.spec = DeviceSpec.parse(spec)
     self.device = str(self.spec)
-    self.target = cpu_target()
-    self.renderer = LLVMRenderer(self.target)
     self.compiler = LLVMCompiler()
+    self.target = cpu_target(self.compiler.choice)
+    self.renderer = LLVMRenderer(self.target)
     t = self.target  # the render choices live in the code too
-    self.compiler.cache_key += f"|vec{t.vector_bytes}|threads{t.threads}|stream{t.stream_store_bytes}"
+    self.compiler.cache_key += f"|vec{t.vector_bytes}|regs{t.vector_registers}|threads{t.threads}|stream{t.stream_store_bytes}"
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 

@@ -1,0 +1,94 @@
+"""The machine model the CPU code is built for: which CPU LLVM targets (the host, or KILN_CPU), its vector width and
+register count, and the cache sizes (from sysfs, with documented defaults where it cannot be read)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.ir.errors import DeviceError
+
+SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+# used where sysfs is missing or unreadable (macOS, containers that hide it): a common desktop/server core of the last
+# decade (32 KiB L1d, 1 MiB L2, 8 MiB L3); they only steer tiling and streaming-store thresholds, never correctness
+DEFAULT_CACHES = {1: 32 << 10, 2: 1 << 20, 3: 8 << 20}
+
+# ISA level: (vector bytes, vector registers, host features it needs to run). AVX without AVX2 still has 32-byte float vectors
+_LEVELS: dict[str, tuple[int, int, tuple[str, ...]]] = {
+  "sse2": (16, 16, ("sse2",)), "v2": (16, 16, ("sse4.2", "popcnt")), "avx": (32, 16, ("avx",)),
+  "v3": (32, 16, ("avx2", "fma", "bmi2")), "v4": (64, 32, ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
+  "neon": (16, 32, ())}
+# the LLVM cpu names KILN_CPU accepts, per host architecture (tests/test_machine.py checks LLVM knows every one)
+X86_CPUS: dict[str, str] = {
+  "x86-64": "sse2", "core2": "sse2", "x86-64-v2": "v2", "nehalem": "v2", "westmere": "v2", "sandybridge": "avx", "ivybridge": "avx",
+  "btver2": "avx", "bdver4": "avx",
+  "x86-64-v3": "v3", "haswell": "v3", "broadwell": "v3", "skylake": "v3", "alderlake": "v3", "raptorlake": "v3", "meteorlake": "v3",
+  "arrowlake": "v3", "znver1": "v3", "znver2": "v3", "znver3": "v3",
+  "x86-64-v4": "v4", "skylake-avx512": "v4", "cascadelake": "v4", "cooperlake": "v4", "cannonlake": "v4", "icelake-client": "v4",
+  "icelake-server": "v4", "tigerlake": "v4", "rocketlake": "v4", "sapphirerapids": "v4", "emeraldrapids": "v4", "graniterapids": "v4",
+  "znver4": "v4", "znver5": "v4"}
+ARM_CPUS: dict[str, str] = {n: "neon" for n in ("generic", "cortex-a72", "cortex-a76", "neoverse-n1", "neoverse-n2", "neoverse-v1",
+                                                "neoverse-v2", "apple-m1", "apple-m2")}
+
+
+def is_x86(arch: str) -> bool: return arch.lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+
+
+def isa_of(features: str, arch: str) -> tuple[int, int]:
+  """(vector bytes, vector registers) an LLVM feature string (+avx2,-avx512f,...) gives."""
+  feats = set(features.split(","))
+  if not is_x86(arch): return (16, 32) if arch.lower() in ("aarch64", "arm64") else (16, 16)
+  if "+avx512f" in feats: return 64, 32
+  if "+avx" in feats or "+avx2" in feats: return 32, 16
+  return 16, 16
+
+
+@dataclass(frozen=True)
+class CPUChoice:
+  """The CPU LLVM compiles for. features "" with a named cpu: that CPU's own feature set, as LLVM defines it."""
+  cpu: str
+  features: str
+  from_env: bool  # True: KILN_CPU named it
+  vector_bytes: int
+  vector_registers: int
+
+
+def choose_cpu(host: tuple[str, str], arch: str, env: str | None) -> CPUChoice:
+  """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
+  on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process."""
+  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch))
+  name = env.strip().lower()
+  table = X86_CPUS if is_x86(arch) else ARM_CPUS if arch.lower() in ("aarch64", "arm64") else {}
+  if name not in table:
+    raise DeviceError(f"KILN_CPU={env!r} is not a CPU kiln can target on {arch}; accepted: {', '.join(sorted(table)) or 'none (unset KILN_CPU)'}")
+  vb, regs, needs = _LEVELS[table[name]]
+  host_feats = set(host[1].split(","))
+  if missing := [f for f in needs if f"+{f}" not in host_feats]:
+    raise DeviceError(f"KILN_CPU={env!r} needs {', '.join(missing)}, which this CPU ({host[0]}) lacks: its code could not run here")
+  return CPUChoice(name, "", True, vb, regs)
+
+
+def _size(text: str) -> int:
+  """A sysfs cache size: "48K", "1024K", "32M", or plain bytes."""
+  t = text.strip().upper()
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+  return int(t[:-1] if mult > 1 else t) * mult
+
+
+def read_caches(root: str | os.PathLike[str] = SYSFS_CACHE) -> dict[int, int]:
+  """{level: bytes} of the data (or unified) caches cpu0 sees; levels sysfs does not give take DEFAULT_CACHES."""
+  found: dict[int, int] = {}
+  try: entries = sorted(Path(root).glob("index*"))
+  except OSError: entries = []
+  for d in entries:
+    try:
+      level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
+      if kind in ("Data", "Unified"): found[int(level)] = _size(size)
+    except (OSError, ValueError): continue  # an entry without a readable level/type/size says nothing
+  return {lv: found.get(lv) or DEFAULT_CACHES[lv] for lv in DEFAULT_CACHES}
+
+
+def available_cores() -> int:
+  """The cores this process may run on (its affinity mask), else all the OS reports."""
+  try: return len(os.sched_getaffinity(0))
+  except AttributeError: return os.cpu_count() or 1

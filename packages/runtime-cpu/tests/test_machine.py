@@ -1,0 +1,96 @@
+"""The machine model: sysfs cache sizes (a fake tree), the KILN_CPU choice and its errors, the Target the runtime builds."""
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.ir import DeviceError
+from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu
+from kiln.runtime.cpu.device import CPURuntime, cpu_target
+from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, is_x86, isa_of, read_caches
+
+X86 = is_x86(platform.machine())
+AVX2_HOST = ("x86_64", "+avx2,+fma,+bmi2,+avx,+sse4.2,+popcnt,+sse2,-avx512f")
+AVX512_HOST = ("znver4", "+avx2,+fma,+bmi2,+avx,+sse4.2,+popcnt,+sse2,+avx512f,+avx512bw,+avx512dq,+avx512vl")
+
+
+def fake_sysfs(root: Path, entries: list[tuple[str, str, str]]) -> Path:
+  for i, (level, kind, size) in enumerate(entries):
+    d = root / f"index{i}"
+    d.mkdir(parents=True)
+    for name, text in (("level", level), ("type", kind), ("size", size)): (d / name).write_text(text + "\n")
+  return root
+
+
+def test_read_caches_from_a_fake_sysfs_tree(tmp_path: Path) -> None:
+  root = fake_sysfs(tmp_path, [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1024K"), ("3", "Unified", "32M")])
+  assert read_caches(root) == {1: 48 << 10, 2: 1 << 20, 3: 32 << 20}  # the instruction cache is not the L1d
+
+
+def test_read_caches_falls_back_per_level(tmp_path: Path) -> None:
+  assert read_caches(tmp_path / "missing") == DEFAULT_CACHES
+  root = fake_sysfs(tmp_path / "partial", [("1", "Data", "64K"), ("2", "Unified", "lots"), ("3", "Instruction", "1M")])
+  assert read_caches(root) == {1: 64 << 10, 2: DEFAULT_CACHES[2], 3: DEFAULT_CACHES[3]}
+
+
+def test_host_choice_follows_llvm_features() -> None:
+  c = choose_cpu(AVX512_HOST, "x86_64", None)
+  assert (c.cpu, c.features, c.from_env, c.vector_bytes, c.vector_registers) == ("znver4", AVX512_HOST[1], False, 64, 32)
+  assert (choose_cpu(AVX2_HOST, "x86_64", "").vector_bytes, choose_cpu(AVX2_HOST, "x86_64", "").vector_registers) == (32, 16)
+  assert isa_of("+neon,+fp-armv8", "aarch64") == (16, 32) and isa_of("+sse2", "x86_64") == (16, 16)
+
+
+@pytest.mark.parametrize("name,isa", [("x86-64-v3", (32, 16)), ("haswell", (32, 16)), ("znver3", (32, 16)), ("x86-64-v4", (64, 32)),
+                                      ("skylake-avx512", (64, 32)), ("znver4", (64, 32)), ("x86-64-v2", (16, 16)), ("Haswell", (32, 16))])
+def test_kiln_cpu_names_set_the_isa(name: str, isa: tuple[int, int]) -> None:
+  c = choose_cpu(AVX512_HOST, "x86_64", name)
+  assert c.from_env and c.cpu == name.lower() and c.features == "" and (c.vector_bytes, c.vector_registers) == isa
+
+
+def test_kiln_cpu_errors_name_the_value_and_what_is_accepted() -> None:
+  with pytest.raises(DeviceError, match=r"KILN_CPU='pentium9' is not a CPU .* accepted: .*haswell.*x86-64-v3"):
+    choose_cpu(AVX512_HOST, "x86_64", "pentium9")
+  with pytest.raises(DeviceError, match=r"KILN_CPU='haswell' .*accepted: .*neoverse-n1"): choose_cpu(("neoverse-n1", "+neon"), "aarch64", "haswell")
+  # code for a wider ISA than the host's would die on an illegal instruction: refused up front
+  with pytest.raises(DeviceError, match=r"KILN_CPU='x86-64-v4' needs avx512f.*lacks"): choose_cpu(AVX2_HOST, "x86_64", "x86-64-v4")
+
+
+def test_llvm_knows_every_accepted_cpu_name() -> None:
+  # LLVM aborts the whole process on a processor it does not know: every table name must build a target machine and
+  # compile a function without its "not a recognized processor" warning
+  names, triple = (X86_CPUS, "x86_64-unknown-linux-gnu") if X86 else (ARM_CPUS, "aarch64-unknown-linux-gnu")
+  code = ("import sys, llvmlite.binding as llvm\nllvm.initialize_all_targets(); llvm.initialize_all_asmprinters()\n"
+          f"t = llvm.Target.from_triple({triple!r})\n"
+          "for n in sys.argv[1:]:\n  m = llvm.parse_assembly('define void @f() {\\n  ret void\\n}\\n'); m.triple = t.triple\n"
+          "  t.create_target_machine(cpu=n, features='', opt=3).emit_assembly(m)\nprint('ok', len(sys.argv) - 1)")
+  r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and r.stdout.strip() == f"ok {len(names)}" and "not a recognized processor" not in r.stderr, r.stderr[-2000:]
+
+
+def test_bad_kiln_cpu_is_a_device_error_not_an_llvm_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+  with pytest.raises(DeviceError, match="KILN_CPU='bogus'"): LLVMCompiler(cpu="bogus")
+  monkeypatch.setenv("KILN_CPU", "bogus")
+  with pytest.raises(DeviceError, match="KILN_CPU='bogus'"): CPURuntime()
+
+
+@pytest.mark.skipif(not (X86 and "+avx2" in host_cpu()[1].split(",")), reason="needs an x86 host with AVX2")
+def test_kiln_cpu_keys_the_caches_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+  host = LLVMCompiler()
+  v3 = LLVMCompiler(cpu="x86-64-v3")
+  assert not host.choice.from_env and v3.choice.from_env and v3.cpu == "x86-64-v3" and v3.features == ""
+  assert host.cache_key != v3.cache_key and host.fingerprint != v3.fingerprint and "KILN_CPU=x86-64-v3" in v3.fingerprint
+  monkeypatch.setenv("KILN_CPU", "x86-64-v3")
+  rt = CPURuntime()
+  assert rt.compiler.fingerprint == v3.fingerprint and (rt.target.vector_bytes, rt.target.vector_registers) == (32, 16)
+  assert "|vec32|regs16|" in rt.compiler.cache_key
+
+
+def test_runtime_target_is_the_machine_model() -> None:
+  t, c = cpu_target(), LLVMCompiler().choice
+  assert (t.vector_bytes, t.vector_registers) == (c.vector_bytes, c.vector_registers)
+  caches = read_caches()
+  assert (t.l1d_bytes, t.l2_bytes, t.l3_bytes) == (caches[1], caches[2], caches[3]) and t.cores >= 1
