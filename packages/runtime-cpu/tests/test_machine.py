@@ -11,7 +11,7 @@ import pytest
 from kiln.ir import DeviceError
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu
 from kiln.runtime.cpu.device import CPURuntime, cpu_target
-from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, is_x86, isa_of, read_caches
+from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, is_x86, isa_of, read_caches, stream_store_bytes
 
 X86 = is_x86(platform.machine())
 AVX2_HOST = ("x86_64", "+avx2,+fma,+bmi2,+avx,+sse4.2,+popcnt,+sse2,-avx512f")
@@ -94,3 +94,11 @@ def test_runtime_target_is_the_machine_model() -> None:
   assert (t.vector_bytes, t.vector_registers) == (c.vector_bytes, c.vector_registers)
   caches = read_caches()
   assert (t.l1d_bytes, t.l2_bytes, t.l3_bytes) == (caches[1], caches[2], caches[3]) and t.cores >= 1
+  assert t.stream_store_bytes in (0, stream_store_bytes(caches))  # 0 off x86
+
+
+@pytest.mark.parametrize("l2,l3,want", [(1 << 20, 32 << 20, 8 << 20), (2 << 20, 32 << 20, 8 << 20), (1 << 20, 96 << 20, 24 << 20),
+                                        (2 << 20, 4 << 20, 4 << 20), (512 << 10, 0, 1 << 20)])
+def test_streaming_threshold_from_the_caches(l2: int, l3: int, want: int) -> None:
+  assert stream_store_bytes({1: 32 << 10, 2: l2, 3: l3}) == want
+  assert stream_store_bytes(DEFAULT_CACHES) == 8 << 20  # a machine without sysfs keeps the threshold measured on a 32 MiB L3

@@ -53,7 +53,7 @@ class Target:
   vector_registers: int = 0  # CPU: architectural vector registers (16 AVX2/AVX, 32 AVX-512 and NEON); 0: from vector_bytes
   l1d_bytes: int = 32 << 10  # CPU: per-core L1 data cache
   l2_bytes: int = 1 << 20  # CPU: per-core L2
-  l3_bytes: int = 8 << 20  # CPU: the last-level cache cpu0 shares
+  l3_bytes: int = 32 << 20  # CPU: the last-level cache cpu0 shares
   cores: int = 1  # CPU: cores this process may run on
 
   def __post_init__(self) -> None:
