@@ -12,7 +12,7 @@ Backends: the CPU (LLVM) with the heuristic options, with opts=[] and with rando
 THREAD; a list the lowering rejects with CodegenError is counted, not failed), and CUDA C under the CPU emulation harness.
 
 Comparison (`compare`): integers and bools exactly; floats bit for bit with NaN == NaN, except a store whose value holds a
-transcendental (EXP2/LOG2/SIN: libm or the device library vs numpy) or a float ADD/MUL reduction the backend sums in
+transcendental (EXP2/LOG2/SIN/ERF/TANH: libm or the device library vs numpy) or a float ADD/MUL reduction the backend sums in
 another order (UPCAST or THREAD on its axis on the CPU, GROUP on CUDA) or with fused multiply-adds (FMA). Those compare
 NaN/inf positions exactly and finite values within TOL: |got - want| <= rtol * (|want| + max|want| over the store's finite values) + tiny, with
 rtol = eps(dtype) * (16 + 4 * reduced elements). To keep that well conditioned the generator never feeds an approximate
@@ -54,7 +54,7 @@ from kiln.ir.uop import UOp
 INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
 SIZES = [0, 1, 1, 2, 3, 4, 5, 7, 8, 8, 13, 16, 16, 17, 31, 32, 32, 64, 64]
-TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN)
+TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH)
 EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 TINY = {"float16": 2.0 ** -14, "bfloat16": 2.0 ** -126, "float32": 2.0 ** -126, "float64": 2.0 ** -1022}
 MAX_RANGES = 5

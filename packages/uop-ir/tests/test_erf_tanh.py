@@ -12,9 +12,9 @@ from kiln.ir.reference import evaluate
 from kiln.ir.verify import verify
 
 EXACT = {Ops.ERF: math.erf, Ops.TANH: math.tanh}
-# ulps from math's double value rounded once to dt: erf is libm's double erf rounded, so 0 for float32/float64; float16 and bfloat16
-# round a float32 result again (as EXP2 does), one ulp at a double-rounding tie; numpy's float32 tanh is within 1 ulp
-ULPS = {Ops.ERF: {"float16": 1, "bfloat16": 1, "float32": 0, "float64": 0}, Ops.TANH: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1}}
+# ulps from math's double value rounded once to dt: the reference rounds libm's double erf and numpy's double tanh (math.tanh and
+# np.tanh differ by a few float64 ulp); float16 and bfloat16 round a float32 result again, as EXP2 does (1 ulp at a tie)
+ULPS = {Ops.ERF: {"float16": 1, "bfloat16": 1, "float32": 0, "float64": 0}, Ops.TANH: {"float16": 1, "bfloat16": 1, "float32": 0, "float64": 3}}
 CASES = [(op, dt) for op in EXACT for dt in FLOAT_DTYPES]
 
 

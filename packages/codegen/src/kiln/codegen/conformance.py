@@ -4,7 +4,7 @@ evaluator. Elementwise kernels cover every ALU op, cast and bitcast for every dt
 softmax parts, symbolic sizes and gated loads and stores.
 
 `check(case, bufs)` compares a runtime's buffers with the reference's: integers and bools exactly, floats bit for bit (NaN
-equals NaN, -0 differs from +0) except where `case.tol` allows a relative error: transcendental ops (exp2/log2/sin, whose
+equals NaN, -0 differs from +0) except where `case.tol` allows a relative error: transcendental ops (exp2/log2/sin/erf/tanh, whose
 libraries differ by a few ulp) and float reductions a runtime sums in another order (group reductions).
 """
 from __future__ import annotations
@@ -83,11 +83,11 @@ def _pairs(dt: DType) -> tuple[list, list]:
 
 _BIN = [Ops.ADD, Ops.SUB, Ops.MUL, Ops.FDIV, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE, Ops.AND, Ops.OR, Ops.XOR, Ops.SHL,
         Ops.SHR]
-_UN = [Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC]
+_UN = [Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.ERF, Ops.TANH]
 _BOOL_OPS = {Ops.ADD, Ops.SUB, Ops.MUL, Ops.MAX, Ops.AND, Ops.OR, Ops.XOR, Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE}
-_FLOAT_ONLY = {Ops.FDIV, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC}
+_FLOAT_ONLY = {Ops.FDIV, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.ERF, Ops.TANH}
 _INT_ONLY = {Ops.IDIV, Ops.MOD, Ops.AND, Ops.OR, Ops.XOR, Ops.SHL, Ops.SHR}
-_TRANSCENDENTAL = {Ops.EXP2, Ops.LOG2, Ops.SIN}
+_TRANSCENDENTAL = {Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH}
 
 
 def _ops_for(dt: DType) -> list[Ops]:

@@ -117,8 +117,12 @@ def bitcast(x: np.ndarray, src: DType, dst: DType) -> np.ndarray:
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
-  """erf in x's float type: numpy has none, so libm's double erf per element (correctly rounded or nearly), rounded to x's type."""
+  """erf in x's float type: numpy has none, so libm's double erf per element (within 1 ulp), rounded to x's type."""
   return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype)
+
+
+def _tanh(x: np.ndarray) -> np.ndarray:  # in double, rounded to x's type: numpy's float32 tanh is itself 1 ulp off
+  return np.tanh(x.astype(np.float64)).astype(x.dtype)
 
 
 # op -> f(sources, result dtype); an op missing from a table does not take that kind of operand
@@ -138,7 +142,7 @@ _FLOAT_OPS: dict[Ops, OpFn] = {
   Ops.MULACC: lambda s, dt: round_to(dt, s[0] * s[1]) + s[2],  # unfused, as MUL then ADD
   Ops.MAX: _bin(_fmax), Ops.NEG: _un(operator.neg), Ops.EXP2: _un(np.exp2), Ops.LOG2: _un(np.log2), Ops.SIN: _un(np.sin),
   Ops.SQRT: _un(np.sqrt), Ops.RECIPROCAL: _un(lambda x: np.asarray(1, x.dtype) / x), Ops.TRUNC: _un(np.trunc),
-  Ops.ERF: _un(_erf), Ops.TANH: _un(np.tanh),
+  Ops.ERF: _un(_erf), Ops.TANH: _un(_tanh),
 }
 
 # bool ALU is C's (bool)(a op b): + and max are |, * is &, - is ^

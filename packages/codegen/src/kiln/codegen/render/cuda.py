@@ -8,7 +8,7 @@ half and __nv_bfloat16. kiln's defined edges are small __device__ helpers in a p
 shift amounts modulo the bit width, saturating float->int casts with NaN -> 0, IEEE maximum (NaN propagates, +0 > -0), and
 signed arithmetic done in unsigned so it wraps instead of being undefined. Float multiplies go through __fmul_rn/__dmul_rn so
 nvcc never contracts a*b+c into an FMA: results match the reference evaluator bit for bit except transcendental functions
-(CUDA's exp2f/log2f/sinf are within 2 ulp) and group reductions (partial sums per thread, folded in thread order).
+(CUDA's exp2f/log2f/sinf are within 2 ulp, erff 2, tanhf 2) and group reductions (partial sums per thread, folded in thread order).
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ _BOOL = {**{op: _BIN % c for op, c in {Ops.ADD: "||", Ops.OR: "||", Ops.MAX: "||
 _FLT: dict[Ops, Template] = {
   Ops.NEG: "-{a0}", Ops.MAX: ("kiln_max", "{fn}({a0}, {a1})"), Ops.TRUNC: "trunc{f}({a0})",  # exact: base.EXACT_FLOAT_OPS
   Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: ("kiln_mul", "{fn}({a0}, {a1})"), Ops.FDIV: "{a0} / {a1}", Ops.RECIPROCAL: "{one} / {a0}",
-  **{op: f"{fn}{{f}}({{a0}})" for op, fn in {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt"}.items()},
+  **{op: f"{fn}{{f}}({{a0}})" for op, fn in {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt",
+                                                   Ops.ERF: "erf", Ops.TANH: "tanh"}.items()},
 }
 # integer op -> C of type {t}: signed arithmetic goes through the unsigned {u} so it wraps instead of being undefined
 _INT = {

@@ -20,7 +20,8 @@ from kiln.runtime.cpu.compiler import init_llvm
 from kiln.runtime.cpu.threads import get_pool
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
-_LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt", "truncf", "trunc", "fmaxf", "fmax")
+_LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt", "truncf", "trunc", "fmaxf", "fmax",
+                 "erff", "erf", "tanhf", "tanh")  # called directly: LLVM has no erf/tanh intrinsic
 _LIBGCC_SYMBOLS = ("__truncsfhf2", "__extendhfsf2", "__truncdfhf2", "__truncsfbf2", "__truncdfbf2")
 
 
