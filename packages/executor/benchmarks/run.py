@@ -1,5 +1,5 @@
-"""Runs kiln's benchmark from a checkout: python packages/executor/benchmarks/run.py [--quick] [--json PATH] [--no-fail]
-(scripts/bench runs it in the hatch `bench` env, with numba, tinygrad and threadpoolctl installed)."""
+"""Runs kiln's benchmark from a checkout: python packages/executor/benchmarks/run.py [--quick] [--only PATTERN] [--json PATH] [--no-fail]
+(scripts/bench runs it in the hatch `bench` env, with numba, tinygrad, threadpoolctl, torch and onnxruntime installed)."""
 import sys
 from pathlib import Path
 

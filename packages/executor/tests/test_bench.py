@@ -14,7 +14,8 @@ from kiln_bench import rows as bench  # noqa: E402
 from kiln.executor import cli  # noqa: E402
 
 ROWS = ("float32 add", "float32 sum", "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
-        "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory")
+        "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory",
+        "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384")
 TINY = ["--quick", "--sizes-scale", "0.005"]
 
 
@@ -33,9 +34,11 @@ def test_bench_runs_and_prints_every_row(cachedir, capsys):
   for col in bench.COLS: assert col in out
   for row in ROWS: assert row in out, f"row {row!r} missing:\n{out}"
   assert out.count("matmul ") >= 4  # 256, 1000, 1024 and 2048, scaled
-  for word in ("limit, memory read:", "limit, memory add:", "limit, compute:", "numba:", "tinygrad:", "BLAS:"): assert word in out
+  assert out.count("layernorm ") >= 2  # rows of 384 and 768
+  for word in ("limit, memory read:", "limit, memory add:", "limit, compute:", "numba:", "tinygrad:", "torch:", "onnxruntime:", "BLAS:"):
+    assert word in out
   data = json.loads(out_json.read_text())
-  assert len(data["rows"]) == len(ROWS) + 3
+  assert len(data["rows"]) == len(ROWS) + 4  # matmul at 4 sizes, layernorm at 2
   for r in data["rows"]:
     assert r["status"] in ("PASS", "NEAR", "MISS", "-"), r  # never WRONG or ERROR
     assert r["kiln"] is not None and r["kiln"] > 0, r
@@ -43,6 +46,16 @@ def test_bench_runs_and_prints_every_row(cachedir, capsys):
   assert data["limits"]["fma_peak"]["flops_per_s"] > 0
   mlp = next(r for r in data["rows"] if r["work"].startswith("MLP 784"))
   assert mlp["numpy"] > 0 and mlp["ratio"] > 0
+
+
+def test_only_runs_the_matching_rows(cachedir, capsys):
+  rc = cli.main(["bench", *TINY, "--no-fail", "--only", "^(softmax|EXP )"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  body = out[out.index("work "):]
+  lines = body.splitlines()
+  assert sum(x.startswith("softmax ") for x in lines) == 2 and sum(x.startswith("exp ") for x in lines) == 1, out
+  for other in ("matmul", "MLP", "layernorm", "gelu", "dispatch", "encoder"): assert other not in body, other
 
 
 def _bench():
@@ -80,6 +93,18 @@ def test_judge_slack():
   assert row("max", 2e-6, kiln=2.3e-6) == "NEAR"
   assert row("max", 2e-6, kiln=2.5e-6) == "MISS"
   assert row("", 0.0, kiln=1.0) == "-"
+
+
+def test_judge_checks_every_target_and_skips_missing_peers():
+  def row(**kw):
+    r = bench.Row("w", "ms", kiln=1.0, checks=[("torch", 1.25), ("onnxruntime", 1.0), ("limit", 0.7)], **kw)
+    r.judge()
+    return r.status
+  assert row(torch=1.3, onnxruntime=1.0, frac=0.7) == "PASS"
+  assert row(torch=1.1, onnxruntime=1.5, frac=0.9) == "NEAR"  # the worst target decides
+  assert row(torch=1.3, onnxruntime=0.5, frac=0.9) == "MISS"
+  assert row(frac=0.8) == "PASS"  # peers not installed: only the limit is judged
+  assert row() == "-"
 
 
 def test_table_lines_up():

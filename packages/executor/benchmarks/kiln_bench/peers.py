@@ -1,5 +1,6 @@
-"""The peers kiln is compared with, where importable: numba (parallel=True) and tinygrad's CPU device. A peer that is
-missing or does not run here is skipped with a note, never fatal."""
+"""The peers kiln is compared with, where importable: numba (parallel=True), tinygrad's CPU device, torch (CPU) and
+onnxruntime (CPU provider), the last two held to kiln's thread count. A peer that is missing or does not run here is
+skipped with a note, never fatal."""
 from __future__ import annotations
 
 import shutil
@@ -13,20 +14,27 @@ import numpy as np
 class Peers:
   numba: Any = None
   tinygrad: Any = None  # (Tensor, Device, device name)
+  torch: Any = None
+  onnxruntime: Any = None
+  threads: int = 1  # kiln's thread count, which torch and onnxruntime sessions are held to
   notes: dict[str, str] = field(default_factory=dict)
 
 
-def load_peers() -> Peers:
-  p = Peers()
+MISSING = "skipped: {} is not installed (scripts/bench installs it in the hatch bench env)"
+
+
+def load_peers(threads: int = 1) -> Peers:
+  p = Peers(threads=threads)
+  _load_torch_ort(p)
   try:
     import numba
     p.numba = numba
     p.notes["numba"] = f"numba {numba.__version__}, parallel=True on {numba.get_num_threads()} threads"
-  except ImportError: p.notes["numba"] = "skipped: numba is not installed (scripts/bench installs it in the hatch bench env)"
+  except ImportError: p.notes["numba"] = MISSING.format("numba")
   try:
     import tinygrad
   except ImportError:
-    p.notes["tinygrad"] = "skipped: tinygrad is not installed (scripts/bench installs it in the hatch bench env)"
+    p.notes["tinygrad"] = MISSING.format("tinygrad")
     return p
   ver = getattr(tinygrad, "__version__", None)
   if ver is None:
@@ -49,6 +57,31 @@ def load_peers() -> Peers:
     why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     p.notes["tinygrad"] = f"skipped: tinygrad {ver}'s CPU device does not run here ({why})"
   return p
+
+
+def _load_torch_ort(p: Peers) -> None:
+  """torch on kiln's thread count (set_num_threads; interop threads are left alone) and onnxruntime, whose sessions get
+  intra_op_num_threads = kiln's thread count (see ort_session)."""
+  try:
+    import torch
+    torch.set_num_threads(p.threads)
+    p.torch = torch
+    p.notes["torch"] = f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads (set_num_threads), no_grad, float32"
+  except ImportError: p.notes["torch"] = MISSING.format("torch")
+  try:
+    import onnxruntime
+    p.onnxruntime = onnxruntime
+    p.notes["onnxruntime"] = (f"onnxruntime {onnxruntime.__version__}, CPUExecutionProvider, intra_op_num_threads={p.threads}, "
+                              "inter_op_num_threads=1, graph optimisations all")
+  except ImportError: p.notes["onnxruntime"] = MISSING.format("onnxruntime")
+
+
+def ort_session(p: Peers, model_path: str) -> Any:
+  ort = p.onnxruntime
+  so = ort.SessionOptions()
+  so.intra_op_num_threads, so.inter_op_num_threads = p.threads, 1
+  so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+  return ort.InferenceSession(model_path, so, providers=["CPUExecutionProvider"])
 
 
 def _has_device(Device: Any, name: str) -> bool:

@@ -1,5 +1,5 @@
-"""kiln's benchmark: kiln beside numpy (and numba parallel and tinygrad CPU where importable) in ONE run, against the
-performance targets of issue 7 and this machine's measured limits (memory bandwidth and FMA peak on the kiln threads).
+"""kiln's benchmark: kiln beside numpy (and numba parallel, tinygrad CPU, torch and onnxruntime where importable) in ONE run, against the
+performance targets of issues 7 and 14 and this machine's measured limits (memory bandwidth and FMA peak on the kiln threads).
 
 Every kiln result is checked against numpy before it is timed: a wrong answer is a failure, never a fast number.
 Times are medians of warm runs; kiln and numpy are timed interleaved (shared machines drift), so read the ratios.
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--quick", action="store_true", help="a short run: fewer repetitions (noisier medians)")
   ap.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
   ap.add_argument("--no-fail", action="store_true", help="exit 0 even when a target is missed (wrong results still fail)")
+  ap.add_argument("--only", metavar="PATTERN", help="run only the rows whose work matches PATTERN (a regular expression, any case)")
   ap.add_argument("--sizes-scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests: tiny sizes
   args = ap.parse_args(argv)
   if args.sizes_scale <= 0: ap.error("--sizes-scale must be positive")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
   if load > (os.cpu_count() or 1) * 0.75:
     print(f"  WARNING: load average {load:.1f} on {os.cpu_count()} cores: other work shares the CPU, so multi-threaded times (numpy's "
           "OpenBLAS, numba, kiln's threads) are unreliable; rerun on a quiet machine for numbers to quote")
-  for k in ("numba", "tinygrad"): print(f"  {k}: {b.peers.notes.get(k, '?')}")
+  for k in ("numba", "tinygrad", "torch", "onnxruntime"): print(f"  {k}: {b.peers.notes.get(k, '?')}")
   print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
   print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
   print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")

@@ -6,6 +6,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,23 +37,42 @@ class Row:
   numpy: float | None = None
   numba: float | None = None
   tinygrad: float | None = None
+  torch: float | None = None
+  onnxruntime: float | None = None
   ratio: float | None = None  # kiln's throughput over numpy's (numpy time / kiln time)
   achieved: str = ""
   limit: str = ""
   target: str = ""
   target_kind: str = ""  # "ratio" (ratio >= target_value), "max" (kiln <= target_value), "" (report only)
   target_value: float = 0.0
+  # targets that all must hold (the model rows): (peer, x) wants the peer's time >= x * kiln's, ("limit", f) wants frac >= f;
+  # one whose number is missing (peer not installed) is not judged
+  checks: list[tuple[str, float]] = field(default_factory=list)
+  frac: float | None = None  # achieved / limit, for ("limit", f)
   status: str = ""  # PASS, NEAR (missed by <= 20%), MISS, WRONG, ERROR or "-" (report only)
   note: str = ""
 
   def judge(self) -> None:
     if self.status in ("WRONG", "ERROR"): return
+    if self.checks:
+      got = [s for s in (self._check(k, v) for k, v in self.checks) if s is not None]
+      self.status = max(got, key=("PASS", "NEAR", "MISS").index) if got and self.kiln is not None else "-"
+      return
     if not self.target_kind or self.kiln is None: self.status = "-"; return
     if self.target_kind == "ratio":
       if self.ratio is None: self.status = "-"; return
       ok, near = self.ratio >= self.target_value, self.ratio >= self.target_value * (1 - SLACK)
     else: ok, near = self.kiln <= self.target_value, self.kiln <= self.target_value * (1 + SLACK)
     self.status = "PASS" if ok else "NEAR" if near else "MISS"
+
+
+  def _check(self, kind: str, want: float) -> str | None:
+    if kind == "limit": got = self.frac
+    else:
+      peer = getattr(self, kind)
+      got = peer / self.kiln if peer is not None and self.kiln else None
+    if got is None: return None
+    return "PASS" if got >= want else "NEAR" if got >= want * (1 - SLACK) else "MISS"
 
 
 def _fmt(v: float | None, unit: str) -> str:
@@ -74,14 +94,18 @@ class Bench:
     self.tp = Timing(1, 3, 0.3, 0.15) if args.quick else Timing(1, 7, 1.5)  # peers: fewer runs (tinygrad's matmul takes seconds)
     self.rows: list[Row] = []
     self.info: dict[str, Any] = {}
-    self.peers = load_peers()
-    self.rng = np.random.default_rng(0)
     self.threads = thread_count()
+    self.peers = load_peers(self.threads)
+    self.rng = np.random.default_rng(0)
+    self.only = re.compile(args.only, re.I) if getattr(args, "only", None) else None
+
+  def wanted(self, work: str) -> bool: return self.only is None or bool(self.only.search(work))
 
   def size(self, n: int, lo: int = 8) -> int: return max(lo, int(round(n * self.scale)))
 
   def row(self, work: str, fn: Callable[[Row], None], unit: str) -> Row:
     r = Row(work, unit)
+    if not self.wanted(work): return r  # --only: not run, not in the table
     try: fn(r)
     except WrongResult as e: r.status, r.note = "WRONG", str(e)
     except Exception as e: r.status, r.note = "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -380,22 +404,26 @@ class Bench:
     self.row("compile: cold, no disk cache", self.compile_cold, "ms")
     self.row("compile: memory-cache hit", self.memory_hit, "us")
     self.row("compile: disk hit, new process", self.disk_hit, "ms")
-    mem = Row("MLP plan peak buffer memory", "MB")
-    self.row("MLP pass", functools.partial(self.mlp, mem=mem), "ms")
-    if mem.kiln is None: mem.status, mem.note = "ERROR", "the MLP plan was not built"
-    else: mem.status = "-"
-    self.rows.append(mem)
+    if self.wanted("MLP pass"):
+      mem = Row("MLP plan peak buffer memory", "MB")
+      self.row("MLP pass", functools.partial(self.mlp, mem=mem), "ms")
+      if mem.kiln is None: mem.status, mem.note = "ERROR", "the MLP plan was not built"
+      else: mem.status = "-"
+      self.rows.append(mem)
+    from kiln_bench import models
+    models.run(self)
 
 # ---- the table ----
-COLS = ("work", "kiln", "numpy", "numba", "tinygrad", "kiln/numpy", "achieved", "limit", "target", "status")
+COLS = ("work", "kiln", "numpy", "numba", "tinygrad", "torch", "onnxruntime", "kiln/numpy", "achieved", "limit", "target", "status")
 
 
 def table(rows: list[Row]) -> str:
   cells = [list(COLS)]
   for r in rows:
     cells.append([r.work, _fmt(r.kiln, r.unit), _fmt(r.numpy, r.unit), _fmt(r.numba, r.unit), _fmt(r.tinygrad, r.unit),
+                  _fmt(r.torch, r.unit), _fmt(r.onnxruntime, r.unit),
                   f"{r.ratio:.2f}x" if r.ratio is not None else "-", r.achieved or "-", r.limit or "-", r.target or "-", r.status])
   w = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
-  lines = ["  ".join(c[i].ljust(w[i]) if i in (0, 7, 8) else c[i].rjust(w[i]) for i in range(len(COLS))) for c in cells]
+  lines = ["  ".join(c[i].ljust(w[i]) if i in (0, 9, 10) else c[i].rjust(w[i]) for i in range(len(COLS))) for c in cells]
   lines.insert(1, "  ".join("-" * x for x in w))
   return "\n".join(lines)
