@@ -4,13 +4,14 @@ and binds each kernel to its buffer addresses, giving an ExecutionPlan."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kiln.codegen.opt import Opt
 from kiln.codegen.spec import DeviceSpec
+from kiln.executor import tune as tuning
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
 from kiln.executor.execution import ExecutionPlan
@@ -26,6 +27,7 @@ from kiln.ir.uop import UOp
 @dataclass
 class _KernelOp:
   id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str; opts: list[Opt] | None = None
+  tune: bool | None = None
 
 @dataclass
 class _CopyOp:
@@ -65,16 +67,19 @@ class ExecutionPlanBuilder:
     return len(self.buffers) - 1
 
   def add_kernel(self, ast: UOp, buffers: Sequence[int], fixedvars: Mapping[str, int] | None = None, deps: Sequence[int] | None = None,
-                 opts: Sequence[Opt] | None = None) -> int:
+                 opts: Sequence[Opt] | None = None, tune: bool | None = None) -> int:
     """Slot i of the AST binds plan buffer buffers[i]. `opts` replaces the heuristic's optimisation options for this kernel
-    ([] means none; the kernel cache keys on them). Returns the op id."""
+    ([] means none; the kernel cache keys on them). `tune=True` chooses them by timing candidates at build() on the
+    plan's buffers (kiln.executor.tune: it writes the kernel's outputs, within KILN_TUNE_BUDGET seconds, remembered in
+    the cache directory); None follows KILN_TUNE, False never tunes. Returns the op id."""
     if not isinstance(ast, UOp): raise PlanError(f"add_kernel takes a kernel AST (UOp), got {type(ast).__name__}")
     name = ast.arg if ast.op is Ops.SINK and isinstance(ast.arg, str) else f"kernel{len(self.ops)}"
     if opts is not None:
       if isinstance(opts, (str, bytes)) or not isinstance(opts, Sequence) or not all(isinstance(o, Opt) for o in opts):
         raise PlanError(f"kernel {len(self.ops)} '{name}': opts must be a list of kiln.codegen.opt.Opt, got {opts!r}")
       opts = list(opts)
-    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts))
+      if tune: raise PlanError(f"kernel {len(self.ops)} '{name}': tune=True chooses the opts itself; pass opts or tune, not both")
+    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts, tune))
     return len(self.ops) - 1
 
   def add_copy(self, dst: int, src: int, deps: Sequence[int] | None = None) -> int:
@@ -125,6 +130,8 @@ class _Builder:
 
   def __init__(self, b: ExecutionPlanBuilder):
     self.b, self.buffers = b, list(b.buffers)
+    self.tune_all = tuning.tune_enabled()
+    self.to_tune: list[_KernelOp] = []  # kernels to tune that have no stored choice yet
 
   def _idx(self, i: Any, what: str) -> int:
     if not isinstance(i, int) or not 0 <= i < len(self.buffers):
@@ -172,6 +179,7 @@ class _Builder:
     op_levels = [[exec_ops[i].id for i in g] for g in lv]
     naive = self._plan_memory(exec_ops, accesses, lv)
     for buf in self.buffers: buf.ensure_allocated()
+    self._tune(prepared, accesses)
     self._bind(prepared)
     all_ops: list[PreparedOp] = sorted([*prepared.values(), *views], key=lambda p: p.id)
     return ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
@@ -190,7 +198,12 @@ class _Builder:
       buf = self.buffers[bi]
       if buf.device != self.b.device:
         raise PlanError(f"{label} slot {i}: buffer {bi} is on {buf.device}, the plan's kernels run on {self.b.device}; add_copy it first")
-    try: kernel, origin = compile_kernel_with_origin(op.ast, self.b.device, op.opts)
+    tuned = op.opts is None and (op.tune or (op.tune is None and self.tune_all))
+    try:
+      if tuned:  # the stored choice, else the heuristic's kernel now and a search once the buffers exist
+        kernel, origin, known = tuning.compile_choice(op.ast, self.b.device)
+        if not known: self.to_tune.append(op)
+      else: kernel, origin = compile_kernel_with_origin(op.ast, self.b.device, op.opts)
     except CodegenError as e:
       if op.opts is None: raise
       raise CodegenError(f"{label}: its opts {[str(o) for o in op.opts]} do not fit the kernel: {e}") from e
@@ -228,6 +241,22 @@ class _Builder:
       if w: acc.append(Access(buf.storage_id, *buf.byte_range, True))
       if r: acc.append(Access(buf.storage_id, *buf.byte_range, False))
     return pk, acc
+
+  def _tune(self, prepared: dict[int, Any], accesses: list[list[Access]]) -> None:
+    """Search the kernels without a stored choice on their allocated buffers; a winner other than the heuristic is
+    prepared again with its options (it is in the kernel cache: no compile)."""
+    reads = [a for acc in accesses for a in acc if not a.write]
+    for op in self.to_tune:
+      pk: PreparedKernel = prepared[op.id]
+      keep: set[int] = set()  # buffers some op reads: their contents must survive the search
+      for i in pk.buffer_indices:
+        start, end = self.buffers[i].byte_range
+        if conflict([Access(self.buffers[i].storage_id, start, end, True)], reads): keep.add(i)
+      res = tuning.search(pk, self.buffers, keep)
+      if res.opts is None: continue
+      new, _ = self._kernel(replace(op, opts=res.opts))
+      new.level, new.dependencies = pk.level, pk.dependencies
+      prepared[op.id] = new
 
   def _copy(self, op: _CopyOp) -> tuple[PreparedCopy, list[Access]]:
     d, s = self._idx(op.dst, f"copy {op.id} dst"), self._idx(op.src, f"copy {op.id} src")

@@ -274,6 +274,17 @@ def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts:
   return ck, ck.origin
 
 
+def adopt_kernel(ast: UOp, device: str | DeviceSpec, opts: Sequence[Any] | None, ck: CachedKernel) -> CachedKernel:
+  """Put a kernel compiled outside the cache (the tuner's winner) in it under (ast, opts): in memory, and on disk unless
+  KILN_CACHE=0, so compile_kernel(ast, device, opts) finds it. An entry already there wins (every caller shares one)."""
+  dev = _dev(device) if isinstance(device, str) else str(device)
+  ck.key = ast.key + _opts_key(opts)
+  got = get_or_compile_kernel(ck.key, dev, lambda: ck)
+  if got is ck and disk_cache_enabled() and ck.compiled is not None:
+    disk_store(disk_key(ast.key, dev, get_runtime(dev), _opts_key(opts)), ck.compiled)
+  return got
+
+
 def compile_kernel(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> CachedKernel:
   """The shared CachedKernel for a kernel AST on a device (memory cache, then disk cache, then render + compile)."""
   return compile_kernel_with_origin(ast, device, opts)[0]
