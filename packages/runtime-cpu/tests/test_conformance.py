@@ -8,15 +8,15 @@ which must vectorise it (UPCAST); both must match the reference, and each other,
 Exact (bit patterns compared; any NaN equals any NaN): every integer and bool op; float + - * / sqrt reciprocal max neg
 trunc, compares, where, every cast and bitcast. float16 and bfloat16 compute in float32 and round once, as alu.py defines.
 
-Transcendentals (EXP2 LOG2 SIN; ERF TANH have their own table in test_erf_tanh.py) go through libm on the CPU and numpy in
-the reference, so they may differ in the last place.
+Transcendentals (EXP2 LOG2 SIN; ERF TANH have their own table in test_erf_tanh.py) go through libm on the CPU (float32 EXP2 and
+LOG2: the renderer's own vectorised code, test_vector_math.py) and numpy in the reference, so they may differ in the last place.
 Where the reference gives NaN, +-inf or +-0 the CPU must give exactly that; elsewhere the distance is at most, in units
 in the last place of the result dtype:
 
   | op   | float16 | bfloat16 | float32 | float64 | domain                                        |
   |------|---------|----------|---------|---------|-----------------------------------------------|
-  | EXP2 | 1       | 1        | 1       | 1       | all inputs                                    |
-  | LOG2 | 1       | 1        | 1       | 1       | all inputs                                    |
+  | EXP2 | 1       | 1        | 2       | 1       | all inputs                                    |
+  | LOG2 | 1       | 1        | 2       | 1       | all inputs                                    |
   | SIN  | 1       | 1        | 2       | 1       | all inputs (huge arguments included)          |
 
 float16/bfloat16 results are float32 libm values rounded once, so they can be one half-precision ulp off only when the float32
@@ -40,7 +40,9 @@ RT = get_runtime("CPU")
 INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
 TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH)
-ULP_TOL = {Ops.EXP2: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1}, Ops.LOG2: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1},
+# float32 EXP2/LOG2 are the renderer's own code (render/llvm_math.py), within 1 ulp of the truth (test_vector_math.py); numpy's, the
+# reference, is up to 3/2 ulp from it, and the two measured at most 2 apart over every 256th float32
+ULP_TOL = {Ops.EXP2: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 1}, Ops.LOG2: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 1},
            Ops.SIN: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 1},
            # against the reference (libm's double erf, numpy's double tanh, rounded); accuracy against the truth: test_erf_tanh.py
            Ops.ERF: {"float16": 1, "bfloat16": 1, "float32": 1, "float64": 1}, Ops.TANH: {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}}

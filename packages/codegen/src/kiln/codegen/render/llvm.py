@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
+from kiln.codegen.render import llvm_math
 from kiln.codegen.render.base import (
   DIV_EDGES,
   EXACT_FLOAT_OPS,
@@ -50,9 +51,9 @@ _FLT_OPS: dict[Ops, Template | Callable[..., str]] = {
   **{op: _BIN % ins for op, ins in {Ops.ADD: "fadd", Ops.SUB: "fsub", Ops.MUL: "fmul", Ops.FDIV: "fdiv", Ops.CMPLT: "fcmp olt",
                                      Ops.CMPEQ: "fcmp oeq", Ops.CMPNE: "fcmp une"}.items()},
   Ops.NEG: "{r} = fneg {t} {a0}", Ops.RECIPROCAL: "{r} = fdiv {t} {one}, {a0}", Ops.MAX: ("llvm.maximum", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
-  **{op: (f"llvm.{f}", "{r} = call {t} {fn}({t} {a0})") for op, f in {Ops.EXP2: "exp2", Ops.LOG2: "log2", Ops.SIN: "sin", Ops.SQRT: "sqrt",
-                                                                      Ops.TRUNC: "trunc"}.items()},
+  **{op: (f"llvm.{f}", "{r} = call {t} {fn}({t} {a0})") for op, f in {Ops.SIN: "sin", Ops.SQRT: "sqrt", Ops.TRUNC: "trunc"}.items()},
   Ops.MULACC: "{m} = fmul {t} {a0}, {a1}\n{r} = fadd {t} {m}, {a2}", Ops.ERF: _libm, Ops.TANH: _libm,
+  Ops.EXP2: llvm_math.render, Ops.LOG2: llvm_math.render,  # float32 inline and vectorised; float64 libm
 }
 _LIBM = {Ops.ERF: "erf", Ops.TANH: "tanh"}  # no LLVM intrinsic: libm's double function, its float one with an f suffix
 _INT_OPS: dict[Ops, Template | Callable[..., str]] = {
