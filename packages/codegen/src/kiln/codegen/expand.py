@@ -74,9 +74,10 @@ def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
       vdep.add(n)
       continue
     if not any(s in vdep for s in n.src) or n.op in (Ops.GEP, Ops.DEFINE_ACC) or (n.op is Ops.LOAD and n.src[0].op is Ops.DEFINE_ACC):
-      # scalar, or a vector already (accumulators and their reads)
+      # scalar, or a vector already: accumulators of these lanes and their reads (another width, as in the fold of a row
+      # reduce's own lanes, is no lane of these)
       out[n] = n
-      if n.dtype.count > 1: vdep.add(n)
+      if n.dtype.count == w: vdep.add(n)
       continue
     vdep.add(n)
     if n.op is Ops.INDEX: out[n] = n; continue  # (rewritten by its LOAD/STORE)

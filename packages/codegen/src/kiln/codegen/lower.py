@@ -101,7 +101,7 @@ class Lowerer:
       red.emit_all(s, red_scope, subst, loop_scopes)
       target = red.finish_scope if red.finish_scope is not None else body_scope
       for c in combos(red.expand_vars(s)):
-        out = red.instantiate(s, dict(zip(red.expand_vars(s), c)))
+        out = red.instantiate(s, dict(zip(red.expand_vars(s), c)), ctx.vec)
         for one in (out.src if out.op is Ops.SINK else (out,)): lin.emit(target, one)
     self.grid.close_gate()
     lin.close_to(lin.root)

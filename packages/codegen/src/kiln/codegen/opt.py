@@ -14,7 +14,7 @@ from kiln.ir.uop import UOp
 
 
 class OptOps(Enum):
-  UPCAST = "UPCAST"  # vectorise an axis: its `amount` consecutive values become the lanes of one vector
+  UPCAST = "UPCAST"  # vectorise an axis: `amount` consecutive values become the lanes of one vector (one output axis; one axis per REDUCE)
   UNROLL = "UNROLL"  # unroll an axis by `amount` (output axes: register tiling; reduce axes: a longer loop body)
   THREAD = "THREAD"  # CPU: split an output axis (or a full reduction) over `amount` threads (core_id)
   LOCAL = "LOCAL"  # GPU: `amount` threads of a block along an output axis (the rest goes to the grid)
@@ -104,13 +104,17 @@ def expand_var(axis_id: int, kind: str, amount: int) -> UOp:
 
 
 # one rule per option: check it against its axis's plan and the target, then record it in the plan (vec_taken: an
-# UPCAST axis exists already)
+# output axis is vectorised already)
 def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   size = axis_size(p.rng)
+  red = p.rng.arg[1] is AxisType.REDUCE
   if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
-  if size is None or size % o.amount: raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
+  # a vectorised reduce axis the width does not divide finishes with a scalar tail loop (reduce_lowering)
+  if size is None or (size % o.amount and not (o.op is OptOps.UPCAST and red)):
+    raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
   if o.op is OptOps.UPCAST:
-    if vec_taken: raise CodegenError(f"{o}: only one axis can be vectorised")
+    if vec_taken and not red:
+      raise CodegenError(f"{o}: only one axis can be vectorised among the output axes (a reduce axis may take its own UPCAST)")
     if t.vector_bytes == 0: raise CodegenError(f"{o}: {t.device} takes no UPCAST (no explicit vectors)")
   p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
   p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount)
@@ -157,8 +161,8 @@ _RULES: dict[OptOps, Callable[[Opt, AxisPlan, Target, bool], None]] = {
 
 
 def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[UOp, AxisPlan], tuple[UOp, int] | None]:
-  """Check each option against the kernel's axes and the target. Returns each axis's plan and the vector axis's
-  (lane variable, width), None without an UPCAST."""
+  """Check each option against the kernel's axes and the target. Returns each axis's plan and the vectorised output
+  axis's (lane variable, width), None without one (a vectorised reduce axis is its REDUCE's own: reduce_lowering)."""
   by_id = {r.arg[0]: r for r in ranges}
   plans = {r: AxisPlan(r) for r in ranges}
   vec: tuple[UOp, int] | None = None
@@ -166,9 +170,12 @@ def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[
     if o.axis not in by_id: raise CodegenError(f"{o} names axis {o.axis}, but the kernel's axes are {sorted(by_id)}")
     p = plans[by_id[o.axis]]
     _RULES[o.op](o, p, target, vec is not None)
-    if o.op is OptOps.UPCAST and p.ev is not None: vec = (p.ev, o.amount)
+    if o.op is OptOps.UPCAST and p.ev is not None and p.rng.arg[1] is not AxisType.REDUCE: vec = (p.ev, o.amount)
   # rules across axes
   if sum(p.threads > 1 for p in plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+  # a tail would have to follow the fold of the threads' partials
+  if any(p.threads > 1 and p.factor > 1 and (axis_size(p.rng) or 0) % p.factor for p in plans.values()):
+    raise CodegenError("THREAD on a reduce axis needs its UPCAST to divide the axis")
   if any(p.pack and p.kind == "vec" for p in plans.values()):  # a panel is k x lanes of an output axis
     raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")
   groups = [p for p in plans.values() if p.group]
@@ -240,6 +247,7 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))
     if dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
     out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
+  if vec_axis is not None and not mm: opts += _nested_upcasts(reduces, vec_axis, target)
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
     r = red_axes[0]
     w = 1
@@ -262,6 +270,27 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if work >= per_thread * target.threads and (units is None or units >= target.threads):
       opts.append(Opt(OptOps.THREAD, first.arg[0], target.threads))
   return opts
+
+
+def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[Opt]:
+  """A row reduce under the vectorised output axis (softmax's max and sum, a layernorm's mean and variance) runs once per
+  row, not per lane: without its own UPCAST it is a scalar loop. Vectorise its axis when it reads its row contiguously:
+  up to four vectors of accumulators (independent adds keep the loads streaming), folded in a fixed order. A REDUCE that
+  varies along the output's lanes (its accumulator is a vector of those already), or holds a REDUCE over its own axis,
+  keeps its loop."""
+  lane_dep = {r for red in reduces if vec_axis in free_ranges(red) for r in red.src[1:]}
+  out: list[Opt] = []
+  for red in reduces:
+    if len(red.src) != 2 or (r := red.src[1]) in lane_dep or (size := axis_size(r)) is None or any(o.axis == r.arg[0] for o in out): continue
+    body = red.src[0]
+    if any(n.op is Ops.REDUCE and r in free_ranges(n) for n in body.toposort()): continue
+    uses = [ld for ld in _loads(body) if r in ld.src[0].toposort()]
+    if not uses or any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], r) != 1 for ld in uses): continue
+    lanes = max(1, target.vector_bytes // red.dtype.itemsize)
+    # the widest that leaves a scalar tail under one vector (a row of 127 floats: 15 vectors and 7 scalars, not 3 and 31)
+    w = next((m * lanes for m in (4, 2, 1) if size >= m * lanes and size % (m * lanes) < lanes), 1)
+    if w > 1: out.append(Opt(OptOps.UPCAST, r.arg[0], min(w, 64)))
+  return out
 
 
 def _matmul_like(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp]) -> bool:

@@ -37,7 +37,7 @@ class Packer:
       if len(kr) != 1 or len(red.src) != 2: continue
       for ld in (u for u in red.src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and len(u.src[0].src) == 2):
         rs = free_ranges(ld)
-        vec_r = next(p.rng for p in plans.values() if p.kind == "vec")
+        vec_r = next(p.rng for p in plans.values() if p.ev is self.ctx.vec[0])  # the output's vector axis (a reduce may have its own)
         if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops): out[ld] = rs - {kr[0]}
     return out
 

@@ -1,5 +1,7 @@
 """Reductions: each REDUCE becomes accumulators (DEFINE_ACC, ACC_STORE, reads as LOAD(acc)) in the outermost scope its
-free ranges allow; values read its results through placeholders until they exist. A THREAD split reduces a chunk per
+free ranges allow; values read its results through placeholders until they exist. A REDUCE with an UPCAST axis
+accumulates vectors of its own lanes (a row reduce under a vectorised output axis included), folds them in a fixed
+order and finishes a width that does not divide its axis with a scalar tail loop. A THREAD split reduces a chunk per
 call and folds the partials in a finishing call; a GPU GROUP folds a block's partials through shared memory."""
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from kiln.codegen.expand import bcast, combine, combos, gate_loads, simp, unroll
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
 from kiln.codegen.loops import LowerCtx
+from kiln.codegen.opt import axis_size
 from kiln.codegen.pack import Packer
 from kiln.ir.analysis import free_ranges, identity
 from kiln.ir.dtype import DType, dtypes
@@ -25,6 +28,7 @@ class Reductions:
     self.nesting = 0  # how many REDUCEs enclose the one being emitted
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.scratch: UOp | None = None  # a threaded reduction's partials
+    self.active = ctx.vec  # the lanes values vary along where the reduce being emitted sits: the output's, or an enclosing REDUCE's
 
   # ---- expressions ----
   def hide(self, u: UOp) -> UOp:
@@ -46,12 +50,13 @@ class Reductions:
 
   def expand_vars(self, u: UOp) -> list[UOp]: return unroll_vars(u, self.red_vars)
 
-  def instantiate(self, u: UOp, combo: dict[UOp, int]) -> UOp:
-    """One unrolled copy of u: unroll variables to constants, placeholders to that copy's reduce results, then vectorise."""
+  def instantiate(self, u: UOp, combo: dict[UOp, int], vec: tuple[UOp, int] | None) -> UOp:
+    """One unrolled copy of u: unroll variables to constants, placeholders to that copy's reduce results, then vectorise
+    over vec's lanes (lane variable, width): the output's, or a REDUCE's own."""
     out = unrolled(u, combo)
     phs = {n: self.results[(n, tuple(combo[v] for v in self.red_vars[n]))] for n in out.toposort() if n in self.placeholders}
     if phs: out = substitute(out, phs)
-    return vectorize(out, self.ctx.vec) if self.ctx.vec is not None else out
+    return vectorize(out, vec) if vec is not None else out
 
   # ---- accumulators ----
   def emit_all(self, u: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
@@ -75,9 +80,23 @@ class Reductions:
     whole = substitute(red.src[0], subst)
     own = {plans[r].ev for r in ranges}
     out_vars = sorted({v for v in (*self.expand_vars(value), *self.expand_vars(whole)) if v not in own}, key=lambda v: v.arg[0])
-    red_vec = any(plans[r].kind == "vec" for r in ranges)
-    lane_dep = ctx.vec is not None and not red_vec and ctx.vec[0] in whole.toposort()
-    acc_dt = dt.vec(ctx.vec[1]) if ctx.vec is not None and (lane_dep or red_vec) else dt
+    vr = [r for r in ranges if plans[r].kind == "vec"]
+    if len(vr) > 1: raise CodegenError(f"a REDUCE vectorises at most one of its axes, got UPCASTs on axes {[r.arg[0] for r in vr]}")
+    ev = plans[vr[0]].ev if vr else None
+    rvec = (ev, plans[vr[0]].factor) if ev is not None else None
+    outer = self.active
+    if rvec is not None and outer is not None and outer[0] in whole.toposort():
+      raise CodegenError(f"UPCAST on reduce axis {vr[0].arg[0]}: its REDUCE varies along the vectorised axis {outer[0].arg[0].split('.')[1]} "
+                         "(its accumulator is a vector of those lanes already); drop one of the two UPCASTs")
+    red_vec = rvec is not None
+    lane_dep = outer is not None and not red_vec and outer[0] in whole.toposort()
+    vec = rvec if red_vec else outer  # the lanes this REDUCE's body varies along
+    acc_dt = dt.vec(vec[1]) if vec is not None and (lane_dep or red_vec) else dt
+    size = axis_size(vr[0]) if vr else None
+    tail = size % plans[vr[0]].factor if size is not None else 0
+    if tail and any(n.op is Ops.REDUCE and free_ranges(n) & set(ranges) for n in red.src[0].toposort()):
+      raise CodegenError(f"UPCAST on reduce axis {vr[0].arg[0]} does not divide its size ({size}), and its REDUCE holds a REDUCE over its axes: "
+                         "the scalar tail cannot repeat that one; pick a width that divides")
     group = next((plans[r].group for r in ranges if plans[r].group), 0)
     tp = next((plans[r] for r in ranges if plans[r].threads > 1), None)
     copies = combos(out_vars)
@@ -110,30 +129,53 @@ class Reductions:
     body = simp(self.pack.unpack(substitute(self.hide(red.src[0]), rsubst), rsubst))
     if gate is not None: body = gate_loads(body, gate)
     self.nesting += 1
+    self.active = vec
     try: self.emit_all(body, inner, rsubst, lscopes)
-    finally: self.nesting -= 1
+    finally: self.nesting, self.active = self.nesting - 1, outer
+    self.accumulate(inner, body, accs, copies, out_vars, ranges, vec, op, dt, gate)
+    for r in reversed(ranges): lin.close(lscopes[r])
+    per_row = scope is not lin.root
+    if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
+    res = {}
+    for c in copies:
+      v = lin.acc_read(accs[c], ctx.acc_id())
+      # fold the lanes in a fixed order: a tree where it runs per output element (its cost counts), else lane by lane
+      if red_vec: v = tree_fold(op, v) if per_row else seq_fold(op, v)
+      res[c] = self.group_combine(scope, v, op, dt) if group else v
+    if tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
+      assert size is not None
+      taccs = {c: UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id()) for c in copies}
+      for c in copies: lin.emit(scope, taccs[c]); lin.emit(scope, UOp(Ops.ACC_STORE, dtypes.void, (taccs[c], res[c])))
+      inner, tsubst, tscopes = scope, dict(subst), {}
+      for r in ranges:
+        if r is vr[0]:
+          inner = lin.open(inner, lv := ctx.count_loop(tail))
+          tsubst[r] = lv + (size - tail)
+        else: inner, tsubst[r] = ctx.open_axis(inner, r, tsubst)
+        tscopes[r] = inner
+      tbody = simp(self.pack.unpack(substitute(self.hide(red.src[0]), tsubst), tsubst))
+      self.accumulate(inner, tbody, taccs, copies, out_vars, ranges, None, op, dt, None)
+      for r in reversed(ranges): lin.close(tscopes[r])
+      res = {c: lin.acc_read(taccs[c], ctx.acc_id()) for c in copies}
+    for c in copies: self.results[(ph, c)] = res[c]
+    self.red_vars[ph] = out_vars
+
+  def accumulate(self, inner: Scope, body: UOp, accs: dict, copies: list, out_vars: list[UOp], ranges: list[UOp], vec: tuple[UOp, int] | None,
+                 op: Ops, dt: DType, gate: UOp | None) -> None:
+    """acc = acc op body for every unrolled copy, in the innermost reduce loop."""
+    plans = self.ctx.plans
     fuse = op is Ops.ADD and dt.is_float and dt.itemsize >= 4 and any(plans[r].fma for r in ranges)
     red_vars = [ev for r in ranges if plans[r].kind == "unroll" and (ev := plans[r].ev) is not None]
     for rc in combos(red_vars):  # reduce copies in increasing order keep the scalar loop's order of operations
       for c in copies:
-        v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))})
+        v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))}, vec)
         if gate is not None: v = gate.where(v, UOp.const(dt, identity(op, dt))) if v.dtype == dt else v
-        cur = lin.acc_read(accs[c], ctx.acc_id())
+        acc = accs[c]
+        cur = self.ctx.lin.acc_read(acc, self.ctx.acc_id())
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
-          new = UOp(Ops.FMA, acc_dt, (bcast(v.src[0], acc_dt.count), bcast(v.src[1], acc_dt.count), cur))
+          new = UOp(Ops.FMA, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
         else: new = combine(op, cur, v)
-        lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (accs[c], new)))
-    for r in reversed(ranges): lin.close(lscopes[r])
-    if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
-    for c in copies:
-      res = lin.acc_read(accs[c], ctx.acc_id())
-      if red_vec:  # fold the lanes in order
-        lanes = [UOp(Ops.GEP, dt, (res,), i) for i in range(acc_dt.count)]
-        res = lanes[0]
-        for x in lanes[1:]: res = combine(op, res, x)
-      if group: res = self.group_combine(scope, res, op, dt)
-      self.results[(ph, c)] = res
-    self.red_vars[ph] = out_vars
+        self.ctx.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, new)))
 
   # ---- folding partials ----
   def thread_combine(self, work: Scope, scope: Scope, accs: dict, acc_dt: DType, op: Ops, threads: int) -> tuple[Scope, dict]:
@@ -174,3 +216,25 @@ class Reductions:
     lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, combine(op, cur, smem.index(lv).load()))))
     lin.close(inner)
     return lin.acc_read(acc, ctx.acc_id())
+
+
+def seq_fold(op: Ops, v: UOp) -> UOp:
+  """A vector's lanes folded in lane order."""
+  lanes = [UOp(Ops.GEP, v.dtype.scalar(), (v,), i) for i in range(v.dtype.count)]
+  res = lanes[0]
+  for x in lanes[1:]: res = combine(op, res, x)
+  return res
+
+
+def tree_fold(op: Ops, v: UOp) -> UOp:
+  """A vector's lanes folded pairwise, low half op high half (an odd last lane carried), until one is left: log2(width)
+  vector ops instead of width - 1 dependent scalar ones, in a fixed order."""
+  dt = v.dtype.scalar()
+  def part(x: UOp, start: int, n: int) -> UOp:
+    return UOp(Ops.GEP, dt, (x,), start) if n == 1 else UOp(Ops.VECTORIZE, dt.vec(n), tuple(UOp(Ops.GEP, dt, (x,), start + i) for i in range(n)))
+  while (n := v.dtype.count) > 1:
+    h = n // 2
+    nv = combine(op, part(v, 0, h), part(v, h, h))
+    if n % 2: nv = UOp(Ops.VECTORIZE, dt.vec(h + 1), (*((nv,) if h == 1 else (part(nv, i, 1) for i in range(h))), part(v, n - 1, 1)))
+    v = nv
+  return v
