@@ -254,8 +254,10 @@ def cases(draw: Callable[[Any], Any], cuda: bool = False) -> Case:
 
 @st.composite
 def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
-  """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST, THREAD 2-4."""
+  """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST among the output axes and one
+  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4."""
   rngs = ast.ranges()
+  by_id = {r.arg[0]: r for r in rngs}
   opts: list[Opt] = []
   used: set[int] = set()
   for _ in range(draw(st.integers(0, 3))):
@@ -267,7 +269,8 @@ def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
       if any(o.op is OptOps.THREAD for o in opts): continue
       opts.append(Opt(kind, r.arg[0], draw(st.integers(2, 4))))
       continue
-    if e.op is not Ops.CONST or r.arg[0] in used or (kind is OptOps.UPCAST and any(o.op is OptOps.UPCAST for o in opts)): continue
+    upcast_here = [o for o in opts if o.op is OptOps.UPCAST and by_id[o.axis].arg[1] is r.arg[1]]  # same kind of axis
+    if e.op is not Ops.CONST or r.arg[0] in used or (kind is OptOps.UPCAST and upcast_here): continue
     divs = [d for d in (2, 3, 4, 8, 16) if int(e.arg) % d == 0 and not (d == 3 and kind is OptOps.UPCAST and "upcast3" in AVOID)]
     if not divs: continue
     used.add(r.arg[0])
