@@ -218,13 +218,11 @@ def disk_load(dkey: str) -> CompiledSpec | None:
     return None
 
 
-def disk_store(dkey: str, compiled: CompiledSpec) -> None:
-  """Write atomically (temp file + os.replace): readers see the old entry or the whole new one, never a torn one."""
-  p = _path(dkey)
+def atomic_write(p: Path, data: str, what: str) -> None:
+  """Write a cache file atomically (temp file in the same folder + os.replace): readers see the old entry or the whole new
+  one, never a torn one. A failed write (full disk, no permission) is a debug line, never an error of the caller."""
   try:
     p.parent.mkdir(parents=True, exist_ok=True)
-    spec = compiled.model_dump_json()
-    data = json.dumps({"format": 1, "key": dkey, "sha256": hashlib.sha256(spec.encode()).hexdigest(), "spec": spec})
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
     try:
       with os.fdopen(fd, "w") as f: f.write(data)
@@ -234,7 +232,12 @@ def disk_store(dkey: str, compiled: CompiledSpec) -> None:
       except OSError: pass
       raise
   except OSError as e:
-    if debug.DEBUG >= 1: debug.emit(f"kiln: cannot write the kernel cache at {p.parent}: {e}")
+    if debug.DEBUG >= 1: debug.emit(f"kiln: cannot write the {what} at {p.parent}: {e}")
+
+
+def disk_store(dkey: str, compiled: CompiledSpec) -> None:
+  spec = compiled.model_dump_json()
+  atomic_write(_path(dkey), json.dumps({"format": 1, "key": dkey, "sha256": hashlib.sha256(spec.encode()).hexdigest(), "spec": spec}), "kernel cache")
 
 
 # ---- the high-level entry point ----

@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.search import space
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
-from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
+from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, atomic_write, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.alu import from_storage
 from kiln.ir.errors import CodegenError, PlanError
@@ -95,19 +94,8 @@ def store_choice(ast: UOp, device: str, opts: Sequence[Opt] | None) -> None:
   key = _key(ast, device)
   p = _path(key)
   body = None if opts is None else [[o.op.name, o.axis, o.amount] for o in opts]
-  data = json.dumps({"format": 1, "key": key, "opts": body, "sha256": hashlib.sha256(json.dumps(body).encode()).hexdigest()})
-  try:
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-    try:
-      with os.fdopen(fd, "w") as f: f.write(data)
-      os.replace(tmp, p)
-    except BaseException:
-      try: os.unlink(tmp)
-      except OSError: pass
-      raise
-  except OSError as e:
-    if debug.DEBUG >= 1: debug.emit(f"kiln: cannot write the tuning cache at {p.parent}: {e}")
+  digest = hashlib.sha256(json.dumps(body).encode()).hexdigest()
+  atomic_write(p, json.dumps({"format": 1, "key": key, "opts": body, "sha256": digest}), "tuning cache")
 
 
 def compile_choice(ast: UOp, device: str) -> tuple[CachedKernel, Origin, bool]:
