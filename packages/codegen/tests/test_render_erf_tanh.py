@@ -1,4 +1,5 @@
-"""ERF and TANH render to the CUDA math library (erff/tanhf on float registers, erf/tanh on double) and to libm calls in LLVM IR."""
+"""ERF and TANH render to the CUDA math library (erff/tanhf on float registers, erf/tanh on double) and in LLVM IR to
+the renderer's own inline code for float registers (render/llvm_math.py) and libm calls on double."""
 import pytest
 
 from kiln.codegen.render import CUDARenderer
@@ -22,9 +23,9 @@ def test_cuda_calls_the_math_library(op: Ops, dt) -> None:
 
 @pytest.mark.parametrize("op", [Ops.ERF, Ops.TANH])
 @pytest.mark.parametrize("dt", FLOATS, ids=str)
-def test_llvm_declares_libm(op: Ops, dt) -> None:
-  t = "double" if dt == dtypes.float64 else "float"
-  for opts in ([], None):  # scalar, and vectorised: called lane by lane
+def test_llvm_inline_float_libm_double(op: Ops, dt) -> None:
+  name = op.name.lower()
+  for opts in ([], None):  # scalar, and vectorised: double called lane by lane
     src = LLVMRenderer().render(kernel(op, dt), opts=opts).src
-    fn = op.name.lower() + ("" if t == "double" else "f")
-    assert f"declare {t} @{fn}({t})" in src and f"call {t} @{fn}({t} " in src, src
+    if dt == dtypes.float64: assert f"declare double @{name}(double)" in src and f"call double @{name}(double " in src, src
+    else: assert f"@kiln.{name}.f32." in src and f"@{name}f(" not in src, src

@@ -1,14 +1,18 @@
-"""The LLVM renderer's own float32 EXP2 and LOG2 (render/llvm_math.py), compiled for the CPU, over a strided sweep of every float32
-bit pattern (2^24 of them, every 256th) plus edge values, scalar and vectorised code alike.
+"""The LLVM renderer's own float32 EXP2, LOG2, ERF and TANH (render/llvm_math.py), compiled for the CPU, over a strided sweep of every
+float32 bit pattern (2^24 of them, every 256th) plus edge values, scalar and vectorised code alike.
 
-Truth: numpy's float64 exp2/log2 rounded once to float32. The renderer's functions compute in double and round once, so they are
-within 1 ulp of that everywhere (measured: 1, at about 1 in 10^5 inputs, where the true value lies within ~5e-11 relative of a
-rounding boundary) and give exactly its NaN, +-inf, +-0 and denormals. The reference (kiln.ir.reference: numpy's float32 exp2 and
-log2) is not correctly rounded: on an AVX-512 x86-64 host with numpy 2.4 it is up to 3 ulp (EXP2, outputs near FLT_MAX and in the
-denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the bound is REF_BOUND. 16-bit types are checked at every
-value against the reference (within 1 ulp, as test_conformance.py's table says).
+Truth: numpy's float64 exp2/log2/tanh and math.erf rounded once to float32 (for ERF and TANH that is also the reference). The
+renderer's functions compute in double and round once, so they are within 1 ulp of that everywhere (measured: 1, at about 1 in 10^5
+inputs, where the true value lies within ~5e-11 relative of a rounding boundary) and give exactly its NaN, +-inf, +-0 and denormals.
+The reference (kiln.ir.reference: numpy's float32 exp2 and log2) is not correctly rounded: on an AVX-512 x86-64 host with numpy 2.4
+it is up to 3 ulp (EXP2, outputs near FLT_MAX and in the denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the
+bound is REF_BOUND. ERF and TANH measured 1 ulp at 226 and 64 of the 6.7e7 finite inputs of every 64th float32 bit pattern, and
+test_erf_tanh.py sweeps them against a decimal truth as well. 16-bit types are checked at every value against the reference (within
+1 ulp, as test_conformance.py's table says).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -20,8 +24,9 @@ from kiln.ir.dtype import DType
 from kiln.ir.ops import Ops
 
 RT = get_runtime("CPU")
-OPS = (Ops.EXP2, Ops.LOG2)
-REF_BOUND = {Ops.EXP2: 3, Ops.LOG2: 2}  # measured 2 and 2 on this sweep; numpy is itself up to 3 and 2 from the truth (AVX-512, numpy 2.4)
+OPS = (Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH)
+# EXP2/LOG2 measured 2 and 2 on this sweep: numpy is itself up to 3 and 2 from the truth (AVX-512, numpy 2.4); ERF/TANH's reference is the truth
+REF_BOUND = {Ops.EXP2: 3, Ops.LOG2: 2, Ops.ERF: 1, Ops.TANH: 1}
 EDGES = {
   Ops.EXP2: [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1e-45, -1e-45, 1e-30, 127.0, 127.99999, 128.0, 128.00002, -126.0, -126.5, -127.0, -148.5,
              -149.0, -149.00002, -149.5, -149.99998, -150.0, -150.00002, -151.0, -200.0, 200.0, 1e30, -1e30, 3.4e38, -3.4e38,
@@ -29,6 +34,11 @@ EDGES = {
   Ops.LOG2: [0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 1e-45, 2e-45, 1.1754942e-38, 1.1754944e-38, 3.4028235e38, -1e-45, -3.4e38, 0.99999994,
              1.0000001, 0.70710677, 0.7071068, 1.4142135, 1.4142137, float("inf"), float("-inf"), float("nan"), -float("nan"),
              *(2.0 ** k for k in range(-149, 128))],
+  # the ends of each branch (llvm_math.ERF_SPLIT/ERF_TOP, TANH_SPLIT/TANH_TOP) and where float32 erf/tanh start to round to 1
+  Ops.ERF: [0.0, -0.0, 1e-45, -1e-45, 1e-38, 0.89999998, 0.9, 0.90000004, -0.9, 3.9, 3.92, 3.93, 4.0, 4.0000005, -4.0, 10.0, 3.4e38,
+            -3.4e38, float("inf"), float("-inf"), float("nan"), -float("nan")],
+  Ops.TANH: [0.0, -0.0, 1e-45, -1e-45, 1e-38, 0.54999995, 0.55, 0.55000001, -0.55, 9.0, 9.01, 9.02, 9.1, 10.0, 10.000001, -10.0, 20.0,
+             3.4e38, -3.4e38, float("inf"), float("-inf"), float("nan"), -float("nan")],
 }
 
 
@@ -66,7 +76,8 @@ def sweep(op: Ops) -> np.ndarray:
 
 
 def truth(op: Ops, x: np.ndarray) -> np.ndarray:
-  with np.errstate(all="ignore"): return {Ops.EXP2: np.exp2, Ops.LOG2: np.log2}[op](x.astype(np.float64)).astype(np.float32)
+  fn = {Ops.EXP2: np.exp2, Ops.LOG2: np.log2, Ops.TANH: np.tanh, Ops.ERF: np.vectorize(math.erf, otypes=[np.float64])}[op]
+  with np.errstate(all="ignore"): return fn(x.astype(np.float64)).astype(np.float32)
 
 
 @pytest.fixture(scope="module", params=OPS, ids=[o.name for o in OPS])
@@ -129,9 +140,11 @@ def test_16_bit_every_value(op: Ops, dt: DType) -> None:
 
 
 def test_rendered_code_is_inline() -> None:
-  """float32 calls no libm (no exp2f/log2f, no intrinsic), float64 keeps llvm's intrinsic (libm)."""
+  """float32 calls no libm (no exp2f/log2f/erff/tanhf, no intrinsic), float64 keeps libm: llvm's intrinsic, or erf/tanh per lane."""
   r = LLVMRenderer()
   for op in OPS:
+    name = op.name.lower()
     src = r.render(kernel(op, dtypes.float32, 1024)).src
-    assert f"kiln.{op.name.lower()}.f32" in src and f"llvm.{op.name.lower()}" not in src
-    assert f"llvm.{op.name.lower()}.v" in r.render(kernel(op, dtypes.float64, 1024)).src
+    assert f"kiln.{name}.f32" in src and f"llvm.{name}" not in src and f"@{name}f(" not in src and " call float @" not in src
+    f64 = r.render(kernel(op, dtypes.float64, 1024)).src
+    assert (f"call double @{name}(double " if op in (Ops.ERF, Ops.TANH) else f"llvm.{name}.v") in f64

@@ -4,7 +4,7 @@ ABI: `void NAME(ptr data<slot>..., i32 <var>..., i32 core_id)`: buffers in slot 
 element), then variables in var_names order, then core_id when threaded. Values of bool are i1 in registers and i8 in
 memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16 in memory; float16 ops compute in
 float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
-except transcendental functions (libm) and reductions that UPCAST their reduce axis (summed in another order).
+except transcendental functions (libm, or llvm_math's own float32 code) and reductions that UPCAST their reduce axis (summed in another order).
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from kiln.ir.uop import UOp
 
 
 def _divmod(p: LLVMPrinter, *args: Any) -> str: return p.divmod(*args)
-def _libm(p: LLVMPrinter, *args: Any) -> str: return p.libm(*args)
 
 
 # op -> the instruction(s) of a result {r}: operands {a0} {a1} {a2} of type {t}; a second line computes into the temporary {m};
@@ -52,10 +51,9 @@ _FLT_OPS: dict[Ops, Template | Callable[..., str]] = {
                                      Ops.CMPEQ: "fcmp oeq", Ops.CMPNE: "fcmp une"}.items()},
   Ops.NEG: "{r} = fneg {t} {a0}", Ops.RECIPROCAL: "{r} = fdiv {t} {one}, {a0}", Ops.MAX: ("llvm.maximum", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
   **{op: (f"llvm.{f}", "{r} = call {t} {fn}({t} {a0})") for op, f in {Ops.SIN: "sin", Ops.SQRT: "sqrt", Ops.TRUNC: "trunc"}.items()},
-  Ops.MULACC: "{m} = fmul {t} {a0}, {a1}\n{r} = fadd {t} {m}, {a2}", Ops.ERF: _libm, Ops.TANH: _libm,
-  Ops.EXP2: llvm_math.render, Ops.LOG2: llvm_math.render,  # float32 inline and vectorised; float64 libm
+  Ops.MULACC: "{m} = fmul {t} {a0}, {a1}\n{r} = fadd {t} {m}, {a2}",
+  **{op: llvm_math.render for op in (Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH)},  # float32 inline and vectorised; float64 libm
 }
-_LIBM = {Ops.ERF: "erf", Ops.TANH: "tanh"}  # no LLVM intrinsic: libm's double function, its float one with an f suffix
 _INT_OPS: dict[Ops, Template | Callable[..., str]] = {
   **{op: _BIN % ins for op, ins in {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor",
                                      Ops.CMPLT: "icmp {lt}", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}.items()},
@@ -467,22 +465,6 @@ class LLVMPrinter(Printer):
       self.emit(f"{out} = select {it} {hit[d]}, {t} {v}, {t} {r}")
       r = out
     return r
-
-  def libm(self, op: Ops, s: DType, t: str, n: int, a: list[str], guard: bool) -> str:
-    """erf/tanh as scalar libm calls (erff/tanhf on float, bfloat16 and widened float16; erf/tanh on double): LLVM has no intrinsic
-    to lower a vector call per lane, so a vector is called lane by lane here. A vectorised polynomial is a later step."""
-    sc = scalar_type(s)
-    fn = self.intrinsic(_LIBM[op] + ("f" if sc == "float" else ""), sc, [sc])
-    cur = "poison"
-    for i in range(n):
-      e = a[0] if n == 1 else self.tmp()
-      if n > 1: self.emit(f"{e} = extractelement {t} {a[0]}, i32 {i}")
-      c = self.tmp()
-      self.emit(f"{c} = call {sc} {fn}({sc} {e})")
-      if n == 1: return c
-      cur, prev = self.tmp(), cur
-      self.emit(f"{cur} = insertelement {t} {prev}, {sc} {c}, i32 {i}")
-    return cur
 
   def cast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
