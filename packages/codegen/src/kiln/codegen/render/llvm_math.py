@@ -154,7 +154,8 @@ def helper(op: Ops, n: int) -> tuple[str, str]:
 
 
 def render(p: Any, op: Ops, s: Any, t: str, n: int, a: list[str], guard: bool) -> str:
-  """An LLVMPrinter op entry: float, bfloat16 and widened float16 (all float in registers) call the helper; double libm (the intrinsic, or erf/tanh per lane)."""
+  """An LLVMPrinter op entry: float, bfloat16 and widened float16 (all float in registers) call the helper; double calls libm (the
+  intrinsic, or erf/tanh lane by lane)."""
   if "double" in t and op in LIBM: return libm_lanes(p, p.intrinsic(LIBM[op], "double", ["double"]), t, n, a[0])
   r = p.tmp()
   if "double" in t: fn = p.intrinsic(f"{INTRINSIC[op]}.{'f64' if n == 1 else f'v{n}f64'}", t, [t])
