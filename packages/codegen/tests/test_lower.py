@@ -103,7 +103,15 @@ def test_register_tile_fits_the_register_file(t: Target, want: tuple[int, int]):
   vecs = width // (t.vector_bytes // 4)
   assert (rows, width) == want and rows * vecs + vecs + 1 <= t.vector_registers
   assert tile(t, 1000) == want  # 1000 rows: a power-of-two row count still divides
-  assert tile(t, 12)[0] == min(want[0], 4)  # a small axis takes the largest power of two that divides it
+  assert tile(t, 20)[0] == min(want[0], 4)  # a small axis takes the largest power of two that divides it
+
+
+def test_sixteen_registers_tile_six_rows_where_six_divide():
+  # 6 rows x 2 vectors: 12 accumulators + 2 loads + 1 broadcast of AVX2's 16 registers (8 accumulators stall on FMA latency)
+  assert tile(Target(vector_bytes=32), 1536) == (6, 16) and tile(Target(vector_bytes=32), 12) == (6, 16)
+  assert tile(Target(vector_bytes=32), 1024) == (4, 16)  # 6 does not divide: the power of two
+  # 32 registers keep their power-of-two rows
+  assert tile(Target(vector_bytes=64), 1536) == (8, 32) and tile(Target(vector_bytes=64), 12)[0] == 4
 
 
 def test_small_matmul_stays_on_one_thread():
