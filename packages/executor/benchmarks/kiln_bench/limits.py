@@ -41,6 +41,14 @@ def memory_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:
 
 
 def vector_lanes() -> tuple[int, str]:
+  """float32 lanes of the CPU kiln compiles for (KILN_CPU, else the host: the runtime's Target), so the limit kernels use the
+  same vectors as the kernels they are compared with; the host's flags only when no CPU runtime answers."""
+  names = {64: "AVX-512", 32: "AVX2", 16: "128-bit SIMD"}
+  try:
+    from kiln.codegen.registry import get_runtime
+    vb = int(get_runtime("CPU").target.vector_bytes)  # type: ignore[attr-defined]
+    if vb in names: return vb // 4, names[vb] + (f" (KILN_CPU={os.environ['KILN_CPU']})" if os.environ.get("KILN_CPU") else "")
+  except Exception: pass  # noqa: S110  (fall back to the host's flags below)
   from kiln.executor.cache import cpu_fingerprint
   flags = set(cpu_fingerprint().partition("|")[2].split())
   if "avx512f" in flags: return 16, "AVX-512"

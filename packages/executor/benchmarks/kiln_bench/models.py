@@ -246,7 +246,7 @@ def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   want = np_layer(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, bs, s, heads, np_gelu)
   tol = {"rtol": 1e-4, "atol": 2e-4}
   check("encoder layer", plan.output_buffer(0).numpy().reshape(m, hid), want, **tol)
-  np_gelu32 = lambda v: 0.5 * v * (1 + np.tanh(0.7978845608 * (v + 0.044715 * v ** 3)))  # noqa: E731  numpy has no erf: tanh GELU, float32
+  np_gelu32 = lambda v: 0.5 * v * (1 + np.tanh(0.7978845608 * (v + 0.044715 * v ** 3)))  # numpy has no erf: tanh GELU, float32
   r.kiln, r.numpy = medians([plan.execute, lambda: np_layer(x, w, bs, s, heads, np_gelu32)], b.t)
   torch = b.peers.torch
   if torch is not None:
