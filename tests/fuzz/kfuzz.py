@@ -55,7 +55,6 @@ INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
 SIZES = [0, 1, 1, 2, 3, 4, 5, 7, 8, 8, 13, 16, 16, 17, 31, 32, 32, 64, 64]
 TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH)
-EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 TINY = {"float16": 2.0 ** -14, "bfloat16": 2.0 ** -126, "float32": 2.0 ** -126, "float64": 2.0 ** -1022}
 MAX_RANGES = 5
 AVOID = set(filter(None, os.environ.get("KILN_FUZZ_AVOID", "").split(",")))  # known bugs to steer around: empty,upcast3,nested
@@ -344,7 +343,7 @@ def tolerances(case: Case, applied: list[str], device: str) -> dict[int, float]:
         n_red *= max(1, math.prod(_Gen.extent(r) for r in u.src[1:]))
         if reordered is None or any(r.arg[0] in reordered for r in u.src[1:]): inexact.append(u)
     if inexact and isinstance(dt, DType) and dt.is_float:
-      eps = max([EPS[dt.name]] + [EPS[u.dtype.scalar().name] for u in inexact if u.dtype.scalar().name in EPS])
+      eps = max([dt.eps] + [u.dtype.scalar().eps for u in inexact])
       tol[slot] = max(tol.get(slot, 0.0), eps * (16 + 4 * n_red))
   return tol
 

@@ -59,3 +59,10 @@ def test_truncate_value():
   assert truncate_value(dtypes.int32, 1e20) == 2**31 - 1 and truncate_value(dtypes.int32, float("nan")) == 0  # saturating, NaN -> 0
   assert truncate_value(dtypes.float16, 70000.0) == float("inf") and truncate_value(dtypes.bfloat16, 1.00390625) == 1.0
   assert truncate_value(dtypes.bool, 3) is True
+
+
+def test_eps_is_the_spacing_of_one():
+  """DType.eps: one home for the unit that float tolerances scale by (the fuzzer's and the tuner's)."""
+  assert dtypes.float32.eps == float(np.finfo(np.float32).eps) and dtypes.float64.eps == float(np.finfo(np.float64).eps)
+  assert dtypes.float16.eps == float(np.finfo(np.float16).eps) and dtypes.bfloat16.eps == 2.0 ** -7
+  assert dtypes.float32.vec(8).eps == dtypes.float32.eps and dtypes.int32.eps == 0.0 and dtypes.bool.eps == 0.0

@@ -34,13 +34,13 @@ from kiln.executor.buffer import Buffer
 from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, atomic_write, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.alu import from_storage
+from kiln.ir.dtype import DType
 from kiln.ir.errors import CodegenError, PlanError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 DEFAULT_BUDGET = 1.5  # seconds of searching per kernel
 TIE_MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it (timing noise is ~1-2%)
-EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}  # as the fuzzer's
 _stats = {"searches": 0, "hits": 0, "timed": 0, "rejected": 0, "disagreed": 0, "entry_errors": 0, "compiles": 0}
 
 
@@ -130,13 +130,13 @@ def _target(rt: Any) -> Target | None:
   return t if isinstance(t, Target) else None
 
 
-def _tolerance(ast: UOp, itemsize_name: str) -> float:
+def _tolerance(ast: UOp, dt: DType) -> float:
   """The fuzzer's bound for a float store summed in another order or with FMA: eps * (16 + 4 * reduced elements)."""
   n = 1
   for u in ast.toposort():
     if u.op is Ops.REDUCE:
       n = max(n, math.prod(int(r.src[0].arg) if r.src[0].op is Ops.CONST else 1 << 16 for r in u.src[1:]))
-  return EPS.get(itemsize_name, 2.0 ** -23) * (16 + 4 * n)
+  return dt.eps * (16 + 4 * n)  # 0 for ints: they are compared exactly anyway
 
 
 def _agree(got: np.ndarray, want: np.ndarray, buf: Buffer, rtol: float) -> bool:
@@ -228,7 +228,7 @@ def search(pk: PreparedKernel, buffers: list[Buffer], keep: set[int], budget: fl
   sync = rt.synchronize
   base_call = bench.bind(pk.kernel)
   want = bench.outputs(base_call, sync)
-  rtols = [_tolerance(ast, b.dtype.name) for b in bench.outs]
+  rtols = [_tolerance(ast, b.dtype) for b in bench.outs]
   base_t = _time(base_call, sync)
   best: tuple[float, tuple[int, ...], CachedKernel | None] = (base_t, sp.origin, None)
   timed: dict[tuple[int, ...], float] = {sp.origin: base_t}

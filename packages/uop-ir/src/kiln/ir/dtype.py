@@ -10,6 +10,8 @@ import numpy as np
 
 from kiln.ir.errors import IRTypeError
 
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}  # stored fraction bits
+
 
 @dataclass(frozen=True, eq=True)
 class DType:
@@ -47,6 +49,10 @@ class DType:
   def is_bool(self) -> bool: return self.kind == "b"
   @property
   def bits(self) -> int: return self.itemsize * 8
+  @property
+  def eps(self) -> float:
+    """The spacing of 1.0 in this float type (2 ** -mantissa bits), the unit tolerances scale by; 0.0 for exact types."""
+    return 2.0 ** -_MANTISSA_BITS[self.name] if self.kind == "f" else 0.0
 
   @property
   def min(self) -> int | float | bool:
