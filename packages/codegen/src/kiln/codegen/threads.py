@@ -18,5 +18,10 @@ def thread_count() -> int:
     except ValueError: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}") from None
     if n < 1: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}")
     return n
+  return available_cores()
+
+
+def available_cores() -> int:
+  """The cores this process may run on (its affinity mask), else all the OS reports."""
   try: return len(os.sched_getaffinity(0))
   except AttributeError: return os.cpu_count() or 1

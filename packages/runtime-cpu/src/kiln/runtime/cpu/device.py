@@ -7,24 +7,25 @@ from typing import Any
 from kiln.codegen.opt import Target
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
+from kiln.codegen.threads import available_cores
 from kiln.ir.errors import DeviceError
 from kiln.runtime.cpu.allocator import CPUAllocator
 from kiln.runtime.cpu.compiler import LLVMCompiler, target_cpu
 from kiln.runtime.cpu.disk import DiskAllocator
-from kiln.runtime.cpu.machine import CPUChoice, available_cores, is_x86, read_caches, stream_store_bytes
+from kiln.runtime.cpu.machine import CPUChoice, is_x86, read_caches, stream_store_bytes
 from kiln.runtime.cpu.program import CPUProgram, shared_engine
 from kiln.runtime.cpu.threads import thread_count
 
 # outputs from this size up are written with streaming (non-temporal) stores on x86: far past the L2, they would only
 # evict what the caches hold and cost a read-for-ownership each line; from this host's caches (machine.stream_store_bytes)
-STREAM_STORE_BYTES = stream_store_bytes(read_caches())
+HOST_CACHES = read_caches()  # read once per process: the caches do not change under it
+STREAM_STORE_BYTES = stream_store_bytes(HOST_CACHES)
 
 
 def cpu_target(choice: CPUChoice | None = None) -> Target:
   """The machine model: vector width and registers of the CPU compiled for (the host, or KILN_CPU), the caches sysfs
   reports, the cores this process may use."""
-  c = choice or target_cpu()
-  caches = read_caches()
+  c, caches = choice or target_cpu(), HOST_CACHES
   return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, threads=thread_count(),
                 stream_store_bytes=stream_store_bytes(caches) if is_x86(platform.machine()) else 0, l1d_bytes=caches[1], l2_bytes=caches[2],
                 l3_bytes=caches[3], cores=available_cores())

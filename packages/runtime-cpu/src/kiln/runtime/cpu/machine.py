@@ -88,12 +88,6 @@ def read_caches(root: str | os.PathLike[str] = SYSFS_CACHE) -> dict[int, int]:
   return {lv: found.get(lv) or DEFAULT_CACHES[lv] for lv in DEFAULT_CACHES}
 
 
-def available_cores() -> int:
-  """The cores this process may run on (its affinity mask), else all the OS reports."""
-  try: return len(os.sched_getaffinity(0))
-  except AttributeError: return os.cpu_count() or 1
-
-
 def stream_store_bytes(caches: dict[int, int]) -> int:
   """The output size from which x86 vector stores bypass the caches: a quarter of the last-level cache (an output that
   large, with its inputs beside it, pushes out most of what the L3 held, and is itself gone before anyone re-reads it),
