@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from kiln.codegen.render.base import (
   shift_mask,
   skip,
 )
+from kiln.codegen.render.llvm_math import double_hex, vtype
 from kiln.codegen.spec import ProgramSpec
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, PtrDType, dtypes
@@ -92,7 +92,6 @@ def mem_scalar(dt: DType) -> str:
 
 def ltype(dt: DType) -> str: return scalar_type(dt) if dt.count == 1 else f"<{dt.count} x {scalar_type(dt.scalar())}>"
 def mtype(dt: DType) -> str: return mem_scalar(dt) if dt.count == 1 else f"<{dt.count} x {mem_scalar(dt.scalar())}>"
-def _vt(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
 def _suffix(dt: DType) -> str:
   s = {"half": "f16", "float": "f32", "double": "f64"}.get(scalar_type(dt.scalar()), scalar_type(dt.scalar()))
   return s if dt.count == 1 else f"v{dt.count}{s}"
@@ -104,7 +103,7 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   if dt.is_int: return str(int(v))
   f = float(v)
   if math.isnan(f): return "0x7FF8000000000000"
-  return f"0x{struct.unpack('<Q', struct.pack('<d', f))[0]:016X}"
+  return double_hex(f)
 
 
 class LLVMRenderer:
@@ -281,13 +280,13 @@ class LLVMPrinter(Printer):
     n = dt.count
     if dt.scalar().is_bool:
       b = self.tmp()
-      self.emit(f"{b} = icmp ne {_vt('i8', n)} {r}, {'zeroinitializer' if n > 1 else '0'}")
+      self.emit(f"{b} = icmp ne {vtype('i8', n)} {r}, {'zeroinitializer' if n > 1 else '0'}")
       return b
     if dt.scalar() == dtypes.bfloat16:
       a, b, c = self.tmp(), self.tmp(), self.tmp()
-      self.emit(f"{a} = zext {_vt('i16', n)} {r} to {_vt('i32', n)}")
-      self.emit(f"{b} = shl {_vt('i32', n)} {a}, {self.splat('i32', '16', n)}")
-      self.emit(f"{c} = bitcast {_vt('i32', n)} {b} to {_vt('float', n)}")
+      self.emit(f"{a} = zext {vtype('i16', n)} {r} to {vtype('i32', n)}")
+      self.emit(f"{b} = shl {vtype('i32', n)} {a}, {self.splat('i32', '16', n)}")
+      self.emit(f"{c} = bitcast {vtype('i32', n)} {b} to {vtype('float', n)}")
       return c
     return r
 
@@ -295,13 +294,13 @@ class LLVMPrinter(Printer):
     n = dt.count
     if dt.scalar().is_bool:
       b = self.tmp()
-      self.emit(f"{b} = zext {_vt('i1', n)} {v} to {_vt('i8', n)}")
+      self.emit(f"{b} = zext {vtype('i1', n)} {v} to {vtype('i8', n)}")
       return b
     if dt.scalar() == dtypes.bfloat16:
       a, b, c = self.tmp(), self.tmp(), self.tmp()
-      self.emit(f"{a} = bitcast {_vt('float', n)} {v} to {_vt('i32', n)}")
-      self.emit(f"{b} = lshr {_vt('i32', n)} {a}, {self.splat('i32', '16', n)}")
-      self.emit(f"{c} = trunc {_vt('i32', n)} {b} to {_vt('i16', n)}")
+      self.emit(f"{a} = bitcast {vtype('float', n)} {v} to {vtype('i32', n)}")
+      self.emit(f"{b} = lshr {vtype('i32', n)} {a}, {self.splat('i32', '16', n)}")
+      self.emit(f"{c} = trunc {vtype('i32', n)} {b} to {vtype('i16', n)}")
       return c
     return v
 
@@ -398,28 +397,28 @@ class LLVMPrinter(Printer):
 
   def fpext(self, v: str, dt: DType) -> str:
     r = self.tmp()
-    self.emit(f"{r} = fpext {_vt('half', dt.count)} {v} to {_vt('float', dt.count)}")
+    self.emit(f"{r} = fpext {vtype('half', dt.count)} {v} to {vtype('float', dt.count)}")
     return r
 
   def fptrunc(self, v: str, dt: DType) -> str:
     r = self.tmp()
-    self.emit(f"{r} = fptrunc {_vt('float', dt.count)} {v} to {_vt('half', dt.count)}")
+    self.emit(f"{r} = fptrunc {vtype('float', dt.count)} {v} to {vtype('half', dt.count)}")
     return r
 
   def bf16_round(self, v: str, n: int) -> str:
     """Round a float (or float vector) to the nearest bfloat16, ties to even; NaN becomes the quiet NaN 0x7FC0."""
     name = f"kiln.bf16round.{n}"
     if name not in self.helpers:
-      f, i = _vt("float", n), _vt("i32", n)
+      f, i = vtype("float", n), vtype("i32", n)
       sp = lambda c: self.splat("i32", c, n)
       self.helpers[name] = "\n".join([
         f"define internal {f} @{name}({f} %x) alwaysinline {{",
         f"  %b = bitcast {f} %x to {i}", f"  %s = lshr {i} %b, {sp('16')}", f"  %l = and {i} %s, {sp('1')}",
         f"  %a = add {i} %b, {sp('32767')}", f"  %c = add {i} %a, %l", f"  %m = and {i} %c, {sp('-65536')}",
-        f"  %nan = fcmp uno {f} %x, %x", f"  %q = select {_vt('i1', n)} %nan, {i} {sp('2143289344')}, {i} %m",
+        f"  %nan = fcmp uno {f} %x, %x", f"  %q = select {vtype('i1', n)} %nan, {i} {sp('2143289344')}, {i} %m",
         f"  %r = bitcast {i} %q to {f}", f"  ret {f} %r", "}"])
     r = self.tmp()
-    self.emit(f"{r} = call {_vt('float', n)} @{name}({_vt('float', n)} {v})")
+    self.emit(f"{r} = call {vtype('float', n)} @{name}({vtype('float', n)} {v})")
     return r
 
   def alu_text(self, op: Ops, dt: DType, src_dt: DType, a: list[str], guard: bool = True) -> str:
@@ -442,7 +441,7 @@ class LLVMPrinter(Printer):
     """C division with kiln's defined edges (base.DIV_EDGES): never traps. Edge divisors become 1, then the edges 1 does not
     give are selected apart."""
     sp = lambda c: self.splat(scalar_type(s), c, n)
-    it = _vt("i1", n)
+    it = vtype("i1", n)
     ins = ("u" if s.is_unsigned else "s") + ("div" if op is Ops.IDIV else "rem")
     if not guard:
       r = self.tmp()
@@ -492,7 +491,7 @@ class LLVMPrinter(Printer):
 
   def cast_sat(self, c: _Cast) -> str:  # llvm's saturating conversion: NaN -> 0 as kiln defines
     v, st, n, wide = c.v, c.st, c.dst.count, c.src
-    if c.src.scalar().name == "float16": v, st, wide = self.fpext(v, c.src), _vt("float", n), dtypes.float32.vec(n) if n > 1 else dtypes.float32
+    if c.src.scalar().name == "float16": v, st, wide = self.fpext(v, c.src), vtype("float", n), dtypes.float32.vec(n) if n > 1 else dtypes.float32
     fn = self.intrinsic(f"llvm.fpto{'u' if c.dst.is_unsigned else 's'}i.sat.{_suffix(c.dst)}.{_suffix(wide)}", c.dt, [st])
     self.emit(f"{c.r} = call {c.dt} {fn}({st} {v})")
     return c.r
@@ -503,46 +502,46 @@ class LLVMPrinter(Printer):
     if sw == dw: return self.bf16_round(v, n) if d.name == "bfloat16" and s.name != "bfloat16" else v
     if odd_rounding(c.src, c.dst): return self.bf16_round(self.f64_to_odd_float(v, n), n)
     order = {"half": 0, "float": 1, "double": 2}
-    self.emit(f"{c.r} = {'fpext' if order[dw] > order[sw] else 'fptrunc'} {c.st} {v} to {_vt(dw, n)}")
+    self.emit(f"{c.r} = {'fpext' if order[dw] > order[sw] else 'fptrunc'} {c.st} {v} to {vtype(dw, n)}")
     return self.bf16_round(c.r, n) if d.name == "bfloat16" else c.r
 
   def int_to_odd_float(self, v: str, s: DType, n: int) -> str:
     """A 32/64-bit integer to float32 rounded to odd (truncate to 24 significant bits, then set the last one if any bit was
     dropped): rounding that to bfloat16 equals rounding the exact integer once, as kiln's casts define."""
-    i64, sp = _vt("i64", n), lambda c: self.splat("i64", c, n)
+    i64, sp = vtype("i64", n), lambda c: self.splat("i64", c, n)
     x = v
     if s.bits < 64:
       x = self.tmp()
-      self.emit(f"{x} = {'zext' if s.is_unsigned else 'sext'} {_vt(scalar_type(s), n)} {v} to {i64}")
+      self.emit(f"{x} = {'zext' if s.is_unsigned else 'sext'} {vtype(scalar_type(s), n)} {v} to {i64}")
     neg, m = "", x
     if not s.is_unsigned:  # magnitude as an unsigned number (|MIN| = 2^63 fits)
       neg, nx, m = self.tmp(), self.tmp(), self.tmp()
       self.emit(f"{neg} = icmp slt {i64} {x}, {sp('0')}")
       self.emit(f"{nx} = sub {i64} {sp('0')}, {x}")
-      self.emit(f"{m} = select {_vt('i1', n)} {neg}, {i64} {nx}, {i64} {x}")
+      self.emit(f"{m} = select {vtype('i1', n)} {neg}, {i64} {nx}, {i64} {x}")
     ctlz = self.intrinsic(f"llvm.ctlz.{f'v{n}i64' if n > 1 else 'i64'}", i64, [i64, "i1"])
     lz, sh0, pos, sh, one, mask, low, sticky, kept, stb, odd, f = (self.tmp() for _ in range(12))
     self.emit(f"{lz} = call {i64} {ctlz}({i64} {m}, i1 false)")
     self.emit(f"{sh0} = sub {i64} {sp('40')}, {lz}")  # bits below the top 24
     self.emit(f"{pos} = icmp sgt {i64} {sh0}, {sp('0')}")
-    self.emit(f"{sh} = select {_vt('i1', n)} {pos}, {i64} {sh0}, {i64} {sp('0')}")
+    self.emit(f"{sh} = select {vtype('i1', n)} {pos}, {i64} {sh0}, {i64} {sp('0')}")
     self.emit(f"{one} = shl {i64} {sp('1')}, {sh}")
     self.emit(f"{mask} = sub {i64} {one}, {sp('1')}")
     self.emit(f"{low} = and {i64} {m}, {mask}")
     self.emit(f"{sticky} = icmp ne {i64} {low}, {sp('0')}")
     self.emit(f"{kept} = sub {i64} {m}, {low}")
-    self.emit(f"{stb} = select {_vt('i1', n)} {sticky}, {i64} {one}, {i64} {sp('0')}")
+    self.emit(f"{stb} = select {vtype('i1', n)} {sticky}, {i64} {one}, {i64} {sp('0')}")
     self.emit(f"{odd} = or {i64} {kept}, {stb}")
-    self.emit(f"{f} = uitofp {i64} {odd} to {_vt('float', n)}")  # exact: at most 24 significant bits
+    self.emit(f"{f} = uitofp {i64} {odd} to {vtype('float', n)}")  # exact: at most 24 significant bits
     if s.is_unsigned: return f
     nf, r = self.tmp(), self.tmp()
-    self.emit(f"{nf} = fneg {_vt('float', n)} {f}")
-    self.emit(f"{r} = select {_vt('i1', n)} {neg}, {_vt('float', n)} {nf}, {_vt('float', n)} {f}")
+    self.emit(f"{nf} = fneg {vtype('float', n)} {f}")
+    self.emit(f"{r} = select {vtype('i1', n)} {neg}, {vtype('float', n)} {nf}, {vtype('float', n)} {f}")
     return r
 
   def f64_to_odd_float(self, v: str, n: int) -> str:
     """double to float32 rounded to odd (toward zero, last bit set when inexact; NaN and inf kept), for a single bfloat16 rounding."""
-    d, f, i32, i1 = _vt("double", n), _vt("float", n), _vt("i32", n), _vt("i1", n)
+    d, f, i32, i1 = vtype("double", n), vtype("float", n), vtype("i32", n), vtype("i1", n)
     fabs = self.intrinsic(f"llvm.fabs.{f'v{n}f64' if n > 1 else 'f64'}", d, [d])
     r, back, ax, ab, away, fi, fm, adj, inexact, lsb, q, out = (self.tmp() for _ in range(12))
     self.emit(f"{r} = fptrunc {d} {v} to {f}")

@@ -48,8 +48,10 @@ SIGN, ABS = 1 << 63, (1 << 63) - 1
 FLOAT_CONST = {"nan": "0x7FF8000000000000", "inf": "0x7FF0000000000000", "-inf": "0xFFF0000000000000"}
 
 
-def _d(v: float) -> str: return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
-def _vt(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
+def double_hex(v: float) -> str:
+  """A float constant as LLVM IR writes it exactly: the 16 hex digits of its double bits (float constants too)."""
+  return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
+def vtype(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
 def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
 
 
@@ -57,15 +59,15 @@ class _Body:
   """The instructions of one helper: each call appends `%vK = text` and names its result."""
   def __init__(self, n: int):
     self.n, self.lines, self.k = n, list[str](), 0
-    self.F, self.D, self.L, self.B = (_vt(t, n) for t in ("float", "double", "i64", "i1"))
+    self.F, self.D, self.L, self.B = (vtype(t, n) for t in ("float", "double", "i64", "i1"))
 
   def __call__(self, text: str) -> str:
     self.k += 1
     self.lines.append(f"  %v{self.k} = {text}")
     return f"%v{self.k}"
 
-  def f(self, v: float) -> str: return _sp("float", _d(v), self.n)
-  def d(self, v: float) -> str: return _sp("double", _d(v), self.n)
+  def f(self, v: float) -> str: return _sp("float", double_hex(v), self.n)
+  def d(self, v: float) -> str: return _sp("double", double_hex(v), self.n)
   def i(self, v: int) -> str: return _sp("i64", str(v), self.n)
 
   def horner(self, x: str, coeffs: tuple[float, ...]) -> str:  # coeffs[0] + x*(coeffs[1] + ...), unfused: the same on every ISA
@@ -81,10 +83,10 @@ def exp2_f32(b: _Body) -> str:
   """2^x: x at or below EXP2_FLUSH taken as -EXP2_CLAMP, above EXP2_CLAMP as EXP2_CLAMP (NaN kept), then exp2_d."""
   lo = b(f"select {b.B} {b(f'fcmp ole {b.F} %x, {b.f(EXP2_FLUSH)}')}, {b.F} {b.f(-EXP2_CLAMP)}, {b.F} %x")
   x = b(f"select {b.B} {b(f'fcmp ogt {b.F} {lo}, {b.f(EXP2_CLAMP)}')}, {b.F} {b.f(EXP2_CLAMP)}, {b.F} {lo}")
-  return b(f"fptrunc {b.D} {exp2_d(b, b(f'fpext {b.F} {x} to {b.D}'))} to {b.F}")  # the one rounding: inf, denormals, 0 included
+  return b(f"fptrunc {b.D} {exp2double_hex(b, b(f'fpext {b.F} {x} to {b.D}'))} to {b.F}")  # the one rounding: inf, denormals, 0 included
 
 
-def exp2_d(b: _Body, d: str) -> str:
+def exp2double_hex(b: _Body, d: str) -> str:
   """2^d in double for |d| <= EXP2_CLAMP (NaN gives NaN): d = n + f with n = round(d), 2^f by EXP2_POLY, times 2^n made from n's bits."""
   t = b(f"fadd {b.D} {d}, {b.d(ROUND_MAGIC)}")
   f = b(f"fsub {b.D} {d}, {b(f'fsub {b.D} {t}, {b.d(ROUND_MAGIC)}')}")  # exact
@@ -127,12 +129,12 @@ def _odd(b: _Body, split: float, top: float, small: tuple[float, ...], large: Ca
 
 def _erf_large(b: _Body, a: str) -> str:  # 1 - exp(-a^2) * ERFC_SCALED((a-2)/(a+2)); erfc <= 0.21 here, so 1 - erfc loses nothing
   v = b(f"fdiv {b.D} {b(f'fsub {b.D} {a}, {b.d(2.0)}')}, {b(f'fadd {b.D} {a}, {b.d(2.0)}')}")
-  e = exp2_d(b, b(f"fmul {b.D} {b(f'fmul {b.D} {a}, {a}')}, {b.d(-LOG2E)}"))
+  e = exp2double_hex(b, b(f"fmul {b.D} {b(f'fmul {b.D} {a}, {a}')}, {b.d(-LOG2E)}"))
   return b(f"fsub {b.D} {b.d(1.0)}, {b(f'fmul {b.D} {e}, {b.horner(v, ERFC_SCALED)}')}")
 
 
 def _tanh_large(b: _Body, a: str) -> str:  # 1 - 2/(e^2a + 1); 2/(e^2a + 1) <= 0.5 here, so the subtraction loses at most a bit
-  e = exp2_d(b, b(f"fmul {b.D} {a}, {b.d(2 * LOG2E)}"))
+  e = exp2double_hex(b, b(f"fmul {b.D} {a}, {b.d(2 * LOG2E)}"))
   q = b(f"fdiv {b.D} {b.d(2.0)}, {b(f'fadd {b.D} {e}, {b.d(1.0)}')}")
   return b(f"fsub {b.D} {b.d(1.0)}, {q}")
 
