@@ -94,7 +94,7 @@ def test_target_registers_follow_the_vector_width_unless_given():
 
 @pytest.mark.parametrize("t,want", [
   (Target(vector_bytes=64, threads=2), (8, 32)),  # AVX-512: 16 accumulators + 2 loads + 1 broadcast of 32 registers, as before
-  (Target(vector_bytes=32), (4, 16)),  # AVX2: 8 rows x 2 vectors would need 19 of 16 registers and spill
+  (Target(vector_bytes=32), (6, 16)),  # AVX2: 8 rows x 2 vectors would need 19 of 16 registers and spill
   (Target(vector_bytes=32, vector_registers=32), (8, 16)),
   (Target(vector_bytes=16, vector_registers=32), (8, 8)),  # aarch64 NEON: 32 registers
   (Target(vector_bytes=16, vector_registers=8), (2, 8))])
@@ -102,16 +102,31 @@ def test_register_tile_fits_the_register_file(t: Target, want: tuple[int, int]):
   rows, width = tile(t)
   vecs = width // (t.vector_bytes // 4)
   assert (rows, width) == want and rows * vecs + vecs + 1 <= t.vector_registers
-  assert tile(t, 1000) == want  # 1000 rows: a power-of-two row count still divides
-  assert tile(t, 20)[0] == min(want[0], 4)  # a small axis takes the largest power of two that divides it
+  assert tile(t, 1000) == want  # 1000 rows: the last tile is shifted back over its neighbour (prepare.peel)
+  assert tile(t, 20)[0] == want[0] and tile(t, want[0])[0] == want[0]
 
 
-def test_sixteen_registers_tile_six_rows_where_six_divide():
+def accumulate(ast: UOp) -> UOp:
+  """C += A @ B: the product's store also reads C, so a recomputed row would read what it wrote."""
+  st = ast.src[0]
+  return UOp.sink(st.src[0].store(st.src[0].load() + st.src[1]), name="matmul_acc")
+
+
+def test_sixteen_registers_tile_six_rows():
   # 6 rows x 2 vectors: 12 accumulators + 2 loads + 1 broadcast of AVX2's 16 registers (8 accumulators stall on FMA latency)
   assert tile(Target(vector_bytes=32), 1536) == (6, 16) and tile(Target(vector_bytes=32), 12) == (6, 16)
-  assert tile(Target(vector_bytes=32), 1024) == (4, 16)  # 6 does not divide: the power of two
-  # 32 registers keep their power-of-two rows
-  assert tile(Target(vector_bytes=64), 1536) == (8, 32) and tile(Target(vector_bytes=64), 12)[0] == 4
+  assert tile(Target(vector_bytes=32), 1024) == (6, 16)  # 6 does not divide: the last tile overlaps the one before
+  # a product that reads its output cannot recompute rows: a row count that divides
+  rows = [o.amount for o in heuristic_opts(accumulate(matmul(1024, 1024, 1024)), Target(vector_bytes=32)) if o.op is OptOps.UNROLL and o.axis == 0]
+  assert rows == [4]
+  # 32 registers: 8 rows
+  assert tile(Target(vector_bytes=64), 1536) == (8, 32) and tile(Target(vector_bytes=64), 12)[0] == 8
+
+
+def test_overlapped_row_tile_lowers_to_whole_tiles():
+  # 1000 rows in tiles of 6: 167 tiles, the last starting at row 994 (rows 994-995 computed twice, the same bits)
+  lk = lower(matmul(1000, 64, 32), Target(vector_bytes=32))
+  assert sorted(u.src[1].arg for u in lk.uops if u.op is Ops.RANGE and u.arg[1] is AxisType.LOOP) == [4, 167]  # 64 columns: 4 of 16
 
 
 def test_small_matmul_stays_on_one_thread():
@@ -159,7 +174,7 @@ def test_heuristic_is_deterministic():
 # ---- explicit options are checked ----
 @pytest.mark.parametrize("opts, msg", [
   ([Opt(OptOps.UPCAST, 7, 4)], "axis 7"),
-  ([Opt(OptOps.UNROLL, 0, 3)], "must divide"),
+  ([Opt(OptOps.UNROLL, 2, 3)], "must divide"),  # a reduce axis (an output axis's last tile overlaps or peels instead)
   ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UPCAST, 1, 2)], "only one axis can be vectorised"),
   ([Opt(OptOps.UPCAST, 0, 2), Opt(OptOps.UNROLL, 0, 2)], "already split"),
   ([Opt(OptOps.THREAD, 2, 2)], "full reduction"),
@@ -305,21 +320,40 @@ STREAM = Target(device="CPU", vector_bytes=64, threads=2, min_work_per_thread=1 
 def test_big_output_streams_behind_an_alignment_check():
   src = LLVMRenderer(STREAM).render(add_kernel(1 << 18)).src  # 1 MiB out
   assert "!nontemporal" in src and "align 64, !nontemporal" in src
-  assert "and i64 %stream0.a64.p, 63" in src  # the base is checked once; an unaligned one takes the plain store
-  assert src.count("store <16 x float>") == 2 and "call void @llvm.x86.sse.sfence()" in src
+  assert "and i64 %stream0.a64.p, 63" in src  # the base is checked once: a 64-byte-aligned one takes the whole vector
+  assert "and i64 %stream0.a16.p, 15" in src  # a 16-byte-aligned one (numpy's, malloc's) the vector's 16-byte pieces
+  assert src.count("store <4 x float>") == 4 and src.count("store <4 x float> %") == src.count("align 16, !nontemporal")
+  for k in (4, 8, 12): assert f"getelementptr inbounds float, ptr %t6, i32 {k}" in src  # each piece at its own lanes
+  assert src.count("store <16 x float>") == 2 and "call void @llvm.x86.sse.sfence()" in src  # the streamed one and the plain one
+  assert src.index("%stream0.a16 = ") < src.index("br label %loop0")  # the flags are computed before the loop
+
+
+@pytest.mark.parametrize("dt,piece", [(dtypes.float64, "<2 x double>"), (dtypes.bfloat16, "<8 x i16>"), (dtypes.bool, "<16 x i8>")], ids=str)
+def test_streamed_pieces_are_16_bytes_of_the_memory_type(dt, piece: str):
+  n = (1 << 20) // dt.itemsize
+  o, a, b = (UOp.define_global(i, dt.ptr(n)) for i in range(3))
+  i = UOp.range(n, 0)
+  src = LLVMRenderer(STREAM).render(UOp.sink(o.index(i).store(a.index(i).load() + b.index(i).load()), name="add")).src
+  assert src.count(f"store {piece}") == 4 and src.count(f"store {piece}") == src.count("align 16, !nontemporal")
 
 
 def test_small_or_unaligned_outputs_use_plain_stores():
   assert "nontemporal" not in LLVMRenderer(STREAM).render(add_kernel(1 << 17)).src  # 512 KiB: stays in the caches
   assert "nontemporal" not in LLVMRenderer(CPU).render(add_kernel(1 << 18)).src  # streaming off
-  # rows of 1000: a 16-lane store at i*1000 + j*16 is not always on a 64-byte boundary, so it never streams
+  # rows of 1000: a 16-lane store at i*1000 + j*16 (the last tile at i*1000 + 984) is not always on a 64-byte boundary,
+  # so it never streams whole, but always on a 16-byte one: its 16-byte pieces stream on a 16-byte-aligned base
   o, a = UOp.define_global(0, F32.ptr(1000 * 1000)), UOp.define_global(1, F32.ptr(1000 * 1000))
   i, j = UOp.range(1000, 0), UOp.range(1000, 1)
   rows = UOp.sink(o.index(i * 1000 + j).store(a.index(i * 1000 + j).load() * 2.0), name="rows")
   spec = LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 16)])
-  assert "nontemporal" not in spec.src and "store <16 x float>" in spec.src
+  assert "align 64, !nontemporal" not in spec.src and "%stream0.a64" not in spec.src and "store <16 x float>" in spec.src
+  assert spec.src.count("align 16, !nontemporal") == 4
   spec = LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 8)])  # 8 lanes: 1000 is a multiple, 32-byte aligned
   assert "store <8 x float>" in spec.src and "align 32, !nontemporal" in spec.src
+  # rows of 1001: only 4-byte aligned, so no streaming tier at all
+  o, a = UOp.define_global(0, F32.ptr(1001 * 1000)), UOp.define_global(1, F32.ptr(1001 * 1000))
+  rows = UOp.sink(o.index(i * 1001 + j).store(a.index(i * 1001 + j).load() * 2.0), name="rows")
+  assert "nontemporal" not in LLVMRenderer(STREAM).render(rows, [Opt(OptOps.UPCAST, 1, 16)]).src
 
 
 def test_peeled_axis_overlaps_its_last_tile_unless_the_output_is_read():

@@ -65,8 +65,9 @@ def stack_vector_refs(block: str) -> list[str]:
 @pytest.mark.parametrize("n", [256, 960, 1024])  # 960: AVX2 tiles 6 rows
 @pytest.mark.parametrize("cpu,vector_bytes,feature", [("x86-64-v3", 32, "+avx2"), ("x86-64-v4", 64, "+avx512f")])
 def test_matmul_register_tile_does_not_spill(cpu: str, vector_bytes: int, feature: str, n: int) -> None:
-  if not (is_x86(platform.machine()) and feature in FEATS): pytest.skip(f"needs an x86 host with {feature[1:]}")
-  comp = LLVMCompiler(cpu=cpu)
+  # only compiled and read, never run: any x86 host checks both ISAs' code
+  if not is_x86(platform.machine()): pytest.skip("needs an x86 host (the check reads x86 assembly)")
+  comp = LLVMCompiler(cpu=cpu, runnable=False)
   t = Target(vector_bytes=vector_bytes, vector_registers=comp.choice.vector_registers, threads=1)
   ast = kernels.matmul(n, n, n)
   opts = heuristic_opts(ast, t)

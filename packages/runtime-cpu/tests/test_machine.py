@@ -57,6 +57,8 @@ def test_kiln_cpu_errors_name_the_value_and_what_is_accepted() -> None:
   with pytest.raises(DeviceError, match=r"KILN_CPU='haswell' .*accepted: .*neoverse-n1"): choose_cpu(("neoverse-n1", "+neon"), "aarch64", "haswell")
   # code for a wider ISA than the host's would die on an illegal instruction: refused up front
   with pytest.raises(DeviceError, match=r"KILN_CPU='x86-64-v4' needs avx512f.*lacks"): choose_cpu(AVX2_HOST, "x86_64", "x86-64-v4")
+  # code only read (assembly of the other ISA), never loaded: any CPU of the table
+  assert choose_cpu(AVX2_HOST, "x86_64", "x86-64-v4", runnable=False).vector_bytes == 64
 
 
 def test_llvm_knows_every_accepted_cpu_name() -> None:

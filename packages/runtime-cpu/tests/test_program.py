@@ -195,6 +195,32 @@ def test_streaming_stores_right_at_any_alignment(offset: int) -> None:
   assert ("nontemporal" in prog.spec.src) == (platform.machine().lower() in ("x86_64", "amd64"))
 
 
+@pytest.mark.parametrize("m", [7, 13, 100, 1000])
+@pytest.mark.parametrize("rows", [3, 6])
+def test_overlapped_row_tile(m: int, rows: int) -> None:
+  """A matmul whose row tile does not divide m ends with a tile shifted back over its neighbour (the rows they share are
+  computed twice, the same bits): equal to the product with the tile dividing, nothing past C written. C += A @ B, which
+  reads its output, takes a scalar tail of rows instead and adds once."""
+  n, k = 40, 24
+  rng = np.random.default_rng(m)
+  a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+  base = [Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.UNROLL, 2, 2), Opt(OptOps.FMA, 2, 1)]
+  outs = []
+  for r in (rows, 1):
+    c = np.full(m * n + 16, -3.0, np.float32)
+    load(kernels.matmul(m, n, k), base + [Opt(OptOps.UNROLL, 0, r)])([c.ctypes.data, a.ctypes.data, b.ctypes.data])
+    assert (c[m * n:] == -3.0).all()
+    outs.append(c[:m * n])
+  assert np.array_equal(outs[0], outs[1])
+  np.testing.assert_allclose(outs[0].reshape(m, n), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+  ast = kernels.matmul(m, n, k)
+  st = ast.src[0]
+  acc = UOp.sink(st.src[0].store(st.src[0].load() + st.src[1]), name="matmul_acc")
+  c = np.concatenate([np.ones(m * n, np.float32), np.full(16, -3.0, np.float32)])
+  load(acc, base + [Opt(OptOps.UNROLL, 0, rows)])([c.ctypes.data, a.ctypes.data, b.ctypes.data])
+  assert np.array_equal(c[:m * n], outs[0] + np.float32(1)) and (c[m * n:] == -3.0).all()
+
+
 @pytest.mark.parametrize("n", [17, 100, 1000])
 def test_overlapped_last_tile_and_in_place_tail(n: int) -> None:
   """A 16-lane axis of n elements: out = a * 3 overlaps its last tile, x = x * 3 (reads what it writes) keeps a scalar

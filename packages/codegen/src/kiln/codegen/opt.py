@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from kiln.ir.analysis import free_ranges
+from kiln.ir.analysis import free_ranges, reads_stored
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
@@ -206,16 +206,17 @@ def _pick_width(size: int | None, lanes: int) -> int:
   return w
 
 
-def _tile_rows(registers: int, vecs: int, size: int | None) -> int:
+def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> int:
   """Rows of a matmul register tile: rows*vecs accumulators, vecs loads of B and one broadcast of A must fit the vector
   registers, or the inner loop spills (AVX2's 16 with 8 rows x 2 vectors: 77-121 stack references, half the GFLOP/s of
-  4 rows). At most 8 (the most ever measured to pay). The most rows that fit, where they divide the axis (16 registers:
-  6 rows of 2 vectors, 12 accumulators, enough multiply-adds in flight to cover FMA latency: 960 and 1536 went from
-  0.85-0.88x to 0.99-1.02x OpenBLAS's Haswell kernel, 8 accumulators stall), else a power of two that divides it:
-  16 registers -> 4 rows of 2 vectors, 32 -> 8; a one-vector tile gets 8 rows either way."""
+  4 rows). At most 8 (the most ever measured to pay). The most rows that fit (16 registers: 6 rows of 2 vectors, 12
+  accumulators, enough multiply-adds in flight to cover FMA latency: 960 and 1536 went from 0.85-0.88x to 0.99-1.02x
+  OpenBLAS's Haswell kernel, 8 accumulators stall; 32 registers: 8). When the kernel reads no buffer it writes (`overlap`),
+  the lowering ends a row axis the tile does not divide with a tile shifted back over its neighbour (prepare.peel), so
+  any size of at least one tile takes them; otherwise a count that divides the axis: the most that fit, else a power of two."""
   vecs = max(vecs, 1)
   rows = min(8, max(1, (registers - vecs - 1) // vecs))
-  if size is not None and size % rows == 0: return rows
+  if size is not None and (size % rows == 0 or (overlap and size > rows)): return rows
   return _pick_width(size, 1 << (rows.bit_length() - 1))
 
 
@@ -243,7 +244,8 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     # register tile of rows x two vectors, the B panel packed per column tile (no cache-set conflicts on power-of-two
     # strides), columns outermost so each thread packs its own panels, fused multiply-adds
     outer, k = out_axes[-2], red_axes[0]
-    if (u := _tile_rows(target.vector_registers, w // lanes, axis_size(outer))) > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
+    u = _tile_rows(target.vector_registers, w // lanes, axis_size(outer), overlap=not reads_stored(ast))
+    if u > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
     ksize = axis_size(k)

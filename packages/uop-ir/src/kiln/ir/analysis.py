@@ -32,6 +32,12 @@ def free_ranges(u: UOp) -> set[UOp]:
   return set(free_ranges_of(u.toposort())[u])
 
 
+def reads_stored(ast: UOp) -> bool:
+  """Whether the kernel loads from a buffer it also stores to (then a recomputed element could read a value it wrote)."""
+  written = {s.src[0].src[0].arg for s in ast.src if s.op is Ops.STORE}
+  return any(u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg in written for u in ast.toposort())
+
+
 def identity(op: Ops, dt: DType) -> int | float | bool:
   """The value a REDUCE starts from: 0 (False) for ADD, 1 (True) for MUL, the dtype's minimum (-inf for floats) for MAX."""
   s = dt.scalar()

@@ -37,9 +37,10 @@ def host_cpu() -> tuple[str, str]:
 def host_vector_bytes() -> int: return isa_of(host_cpu()[1], platform.machine())[0]
 
 
-def target_cpu(name: str | None = None) -> CPUChoice:
-  """The CPU to compile for: `name`, else KILN_CPU, else the host (DeviceError for a name kiln cannot target)."""
-  return choose_cpu(host_cpu(), platform.machine(), name if name is not None else os.environ.get("KILN_CPU"))
+def target_cpu(name: str | None = None, runnable: bool = True) -> CPUChoice:
+  """The CPU to compile for: `name`, else KILN_CPU, else the host (DeviceError for a name kiln cannot target, or, when
+  `runnable`, whose code this host cannot run)."""
+  return choose_cpu(host_cpu(), platform.machine(), name if name is not None else os.environ.get("KILN_CPU"), runnable)
 
 
 def _error_lines(src: str, message: str) -> str:
@@ -55,9 +56,11 @@ def _error_lines(src: str, message: str) -> str:
 class LLVMCompiler:
   """Compiles a ProgramSpec's LLVM IR to object code for this host, or for the CPU `cpu` (else KILN_CPU) names."""
 
-  def __init__(self, opt_level: int = 3, cpu: str | None = None):
+  def __init__(self, opt_level: int = 3, cpu: str | None = None, runnable: bool = True):
+    """runnable=False: a compiler for reading another CPU's code (assembly) that this host may not run; the runtime only
+    ever loads code from a runnable one."""
     init_llvm()
-    self.choice = target_cpu(cpu)
+    self.choice = target_cpu(cpu, runnable)
     cpu, features = self.choice.cpu, self.choice.features
     self.cpu, self.features, self.opt_level = cpu, features, opt_level
     target = llvm.Target.from_default_triple()

@@ -53,9 +53,10 @@ class CPUChoice:
   vector_registers: int
 
 
-def choose_cpu(host: tuple[str, str], arch: str, env: str | None) -> CPUChoice:
+def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool = True) -> CPUChoice:
   """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
-  on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process."""
+  on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process. With
+  runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
   if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch))
   name = env.strip().lower()
   table = X86_CPUS if is_x86(arch) else ARM_CPUS if arch.lower() in ("aarch64", "arm64") else {}
@@ -63,7 +64,7 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None) -> CPUChoice:
     raise DeviceError(f"KILN_CPU={env!r} is not a CPU kiln can target on {arch}; accepted: {', '.join(sorted(table)) or 'none (unset KILN_CPU)'}")
   vb, regs, needs = _LEVELS[table[name]]
   host_feats = set(host[1].split(","))
-  if missing := [f for f in needs if f"+{f}" not in host_feats]:
+  if runnable and (missing := [f for f in needs if f"+{f}" not in host_feats]):
     raise DeviceError(f"KILN_CPU={env!r} needs {', '.join(missing)}, which this CPU ({host[0]}) lacks: its code could not run here")
   return CPUChoice(name, "", True, vb, regs)
 
