@@ -229,4 +229,5 @@ def softmax(shape: Sequence[Dim], dtype: DType, axis: int = -1) -> UOp:
   mx = red(Ops.MAX, lambda v: v)
   total = red(Ops.ADD, lambda v: (v - mx).exp())
   out = buffer(0, dtype, s)
-  return UOp.sink(out.index(flat_index(idx, s)).store((at(idx[a]) - mx).exp() / total), name="softmax")
+  # times the row's reciprocal (one divide per row, hoisted out of the row's loop), not a divide per element, as torch does
+  return UOp.sink(out.index(flat_index(idx, s)).store((at(idx[a]) - mx).exp() * total.reciprocal()), name="softmax")
