@@ -105,8 +105,63 @@ def _same_sign(xlo: int, xhi: int, rlo: int, rhi: int) -> bool:
   return (rlo == rhi == 0) or (xlo >= 0 and rlo >= 0) or (xhi <= 0 and rhi <= 0)
 
 
+def _tdiv(a: int, b: int) -> int:
+  q = abs(a) // abs(b)
+  return q if (a >= 0) == (b > 0) else -q
+
+
+def _tmod(a: int, b: int) -> int: return a - b * _tdiv(a, b)
+
+
+def _floor_fold(terms: list[tuple[UOp, int]], const: int, m: int, mod: bool) -> tuple[list[tuple[UOp, int]], int] | None:
+  """For N = sum + const >= 0 everywhere (so // is floor): N // m or N % m as a linear form, when N == m*Q + R with R's floor
+  over m one value k everywhere (then N // m == Q + k, N % m == R - k*m). Coefficients are cut to residues, the small ones
+  (|r| <= m/2) tried first, then those in [0, m)."""
+  r0 = const % m
+  for sym in (True, False):
+    rem = [(b, k % m - m if sym and k % m > m // 2 else k % m) for b, k in terms]
+    lo, hi = _sum_range(rem, r0)
+    if (k := lo // m) != hi // m: continue
+    if mod: return rem, r0 - k * m
+    return [(b, (c - r) // m) for (b, c), (_, r) in zip(terms, rem)], (const - r0) // m + k
+  return None
+
+
+def _linear_fold(terms: list[tuple[UOp, int]], const: int, m: int, mod: bool, xlo: int, xhi: int) -> tuple[list[tuple[UOp, int]], int] | None:
+  """N // m or N % m (m > 1, N = sum + const never wraps) with no division left, or None."""
+  if len(terms) == 1 and (b := terms[0][0]).vmax - b.vmin == 1:  # one base with two values: the line through both results
+    k, lo = terms[0][1], int(b.vmin)
+    y0, y1 = (_tmod(k * v + const, m) if mod else _tdiv(k * v + const, m) for v in (lo, lo + 1))
+    return [(b, y1 - y0)], y0 - (y1 - y0) * lo
+  if xlo >= 0: return _floor_fold(terms, const, m, mod)
+  if xhi <= 0 and (r := _floor_fold([(b, -k) for b, k in terms], -const, m, mod)) is not None:  # N//m == -((-N)//m), same for %
+    return [(b, -k) for b, k in r[0]], -r[1]
+  return None
+
+
+def _const_split(dt: DType, terms: list[tuple[UOp, int]], const: int, m: int, mod: bool, xlo: int, xhi: int) -> UOp | None:
+  """(S + d) // m -> (S + r) // m + q with the smallest |r| that keeps the identity, and (S + d) % m -> (S + r) % m.
+
+  // truncates, so it is floor where the numerator is >= 0 and ceil where it is <= 0. Two numerators congruent mod m agree
+  (up to the multiple q) when both are >= 0 or both <= 0; and a numerator N >= 0 may move to the ceil side as N - (m-1),
+  one <= 0 to the floor side as N + (m-1) (floor(N/m) == ceil((N-m+1)/m)). % only takes the first kind.
+  """
+  slo, shi = _sum_range(terms, 0)
+  classes: list[tuple[int, bool]] = []  # (what the new numerator's constant is congruent to, whether it must stay >= 0)
+  if xlo >= 0: classes += [(const, True)] + ([] if mod else [(const - m + 1, False)])
+  if xhi <= 0: classes += [(const, False)] + ([] if mod else [(const + m - 1, True)])
+  cands = [(abs(r), -r, r, e) for e, ge in classes for r in (e % m, e % m - m)
+           if (slo + r >= 0 if ge else shi + r <= 0) and _fits(dt, slo + r, shi + r)]
+  if not cands or (best := min(cands))[2] == const: return None
+  _, _, r, e = best
+  s = _build(dt, terms, r)
+  return s % m if mod else s // m + (e - r) // m
+
+
 def divmod_fold(x: UOp, c: UOp, mod: bool) -> UOp | None:
-  """(c*S + R) // c -> S + R // c and (c*S + R) % c -> R % c, when the numerator cannot wrap and R keeps its sign."""
+  """x // c and x % c for a constant c > 1 and a numerator that cannot wrap, first rule that applies:
+  a common factor cancelled; no division left (two-valued base, or congruence: the remainder's quotient is one value);
+  multiples of c split off; the constant brought to its smallest residue; x // c as (x // f) // (c / f) when x // f folds."""
   if not _sint(x) or (cv := c.arg) <= 1 or (t := _terms(x)) is None: return None
   terms, const = t
   dt: DType = x.dtype
@@ -116,14 +171,28 @@ def divmod_fold(x: UOp, c: UOp, mod: bool) -> UOp | None:
   if (g := math.gcd(cv, const, *(k for _, k in terms))) > 1:
     y = _build(dt, [(b, k // g) for b, k in terms], const // g)
     return (y % (cv // g)) * g if mod else y // (cv // g)
+  if (lin := _linear_fold(terms, const, cv, mod, xlo, xhi)) is not None: return _build(dt, *lin)
   quot = [(b, k // cv) for b, k in terms if k % cv == 0]
   rem = [(b, k) for b, k in terms if k % cv != 0]
   qconst, rconst = (const // cv, 0) if const % cv == 0 else (0, const)
-  if not quot and qconst == 0: return None
-  rlo, rhi = _sum_range(rem, rconst)
-  if not _same_sign(xlo, xhi, rlo, rhi): return None
-  r = _build(dt, rem, rconst)
-  return r % c if mod else _build(dt, quot, qconst) + r // c
+  if (quot or qconst) and _same_sign(xlo, xhi, *_sum_range(rem, rconst)):
+    r = _build(dt, rem, rconst)
+    return r % c if mod else _build(dt, quot, qconst) + r // c
+  if (split := _const_split(dt, terms, const, cv, mod, xlo, xhi)) is not None: return split
+  # trunc(trunc(x/f)/(c/f)) == trunc(x/c) for f, c/f > 0: worth it when x // f has no division left
+  for f in [] if mod else sorted({abs(k) for _, k in terms if 1 < abs(k) < cv and cv % abs(k) == 0}):
+    if (lin := _linear_fold(terms, const, f, False, xlo, xhi)) is not None: return _build(dt, *lin) // (cv // f)
+  return None
+
+
+def neg_divmod(d: UOp) -> UOp | None:
+  """(y // c) * -1 -> (-y) // c and (y % c) * -1 -> (-y) % c (truncation is odd: -(y//c) == (-y)//c), when -y cannot wrap
+  and has fewer negative terms than y, so an index reads as (i + 3) // 4, not ((-i - 3) // 4) * -1."""
+  if not _sint(d) or (t := _terms(d.src[0])) is None: return None
+  terms, const = t
+  lo, hi = _sum_range(terms, const)
+  if not (_fits(d.dtype, lo, hi) and _fits(d.dtype, -hi, -lo)) or 2 * sum(k < 0 for _, k in terms) <= len(terms): return None
+  return _build(d.dtype, [(b, -k) for b, k in terms], -const).alu(d.op, d.src[1])
 
 
 def mod_self(x: UOp, y: UOp) -> UOp | None:
@@ -196,6 +265,10 @@ bounded = PatternMatcher([
   # x // c and x % c by splitting off the multiples of c; x // y -> 0 and x % y -> x when |x| < |y|
   (UPat(Ops.IDIV, src=(V("x"), C("c"))), lambda x, c: divmod_fold(x, c, False)),
   (UPat(Ops.MOD, src=(V("x"), C("c"))), lambda x, c: divmod_fold(x, c, True)),
+  # by a negative constant: trunc(x / -c) == -trunc(x / c) and x % -c == x % c (C's remainder takes the dividend's sign)
+  (UPat(Ops.IDIV, src=(V("x"), C("c"))), lambda x, c: (x // -c.arg) * -1 if _sint(x) and x.dtype.min < c.arg < 0 else None),
+  (UPat(Ops.MOD, src=(V("x"), C("c"))), lambda x, c: x % -c.arg if _sint(x) and x.dtype.min < c.arg < 0 else None),
+  ((UPat((Ops.IDIV, Ops.MOD), name="d", src=(V(), C())) * UPat.const(None, -1)), neg_divmod),
   (UPat(Ops.MOD, src=(V("x"), V("y"))), mod_self),
   # (x // c1) // c2 -> x // (c1*c2), (x % c1) % c2 -> x % c2 when c2 divides c1 (c1, c2 > 0)
   (UPat(Ops.IDIV, src=(UPat(Ops.IDIV, src=(V("x"), C("c1"))), C("c2"))),

@@ -1,0 +1,156 @@
+"""The index-arithmetic rule families (issue 19): each family's before/after node counts, the cases it must leave alone, and
+a brute-force property (every point of small variable ranges: the same value after simplify, every node's vmin/vmax holding it)."""
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kiln_ir_testgen import tdiv, wrap
+
+from kiln.ir import Ops, UOp, dtypes
+from kiln.ir.dtype import DType
+from kiln.ir.symbolic import simplify
+
+V = UOp.variable
+
+
+def nodes(u: UOp) -> int: return len(u.toposort())
+
+
+# (name, before, after): simplify(before) is after
+FAMILIES = {
+  "divmod": [
+    # congruence: the remainder part's quotient is one value
+    ("(3 + 3a)//4", lambda: (3 + V("a", 0, 3) * 3) // 4, lambda: V("a", 0, 3)),
+    ("(10a)%9", lambda: (V("a", 0, 5) * 10) % 9, lambda: V("a", 0, 5)),
+    ("(9a+1)%8", lambda: (V("a", 0, 6) * 9 + 1) % 8, lambda: V("a", 0, 6) + 1),
+    ("(7a+12)//8", lambda: (V("a", 0, 4) * 7 + 12) // 8, lambda: V("a", 0, 4) + 1),
+    ("(-3a-3)//4", lambda: (V("a", 0, 3) * -3 - 3) // 4, lambda: V("a", 0, 3) * -1),
+    ("(4i+2j+k)%4 two-valued", lambda: (V("i", 0, 9) * 4 + V("j", 0, 1) * 2 + 1) % 4, lambda: V("j", 0, 1) * 2 + 1),
+    # a factor of the divisor first: (2g + l)//2 == g
+    ("(2g+l)//10", lambda: (V("g", 0, 1000) * 2 + V("l", 0, 1)) // 10, lambda: V("g", 0, 1000) // 5),
+    # the constant cut to its smallest residue (kept in range)
+    ("(x+262145)//16", lambda: (V("x", 0, 2**31 - 262146) + 262145) // 16, lambda: (V("x", 0, 2**31 - 262146) + 1) // 16 + 16384),
+    ("(x+262145)%16", lambda: (V("x", 0, 2**20) + 262145) % 16, lambda: (V("x", 0, 2**20) + 1) % 16),
+    ("(x+15)//4", lambda: (V("x", 0, 99) + 15) // 4, lambda: (V("x", 0, 99) + 3) // 4 + 3),
+    ("(x+13)//8 small negative residue", lambda: (V("x", 5, 99) + 13) // 8, lambda: (V("x", 5, 99) + -3) // 8 + 2),
+    # negative divisors, ceil read as floor
+    ("((-i+200)//-4)+50", lambda: (-V("i", 0, 200) + 200) // -4 + 50, lambda: (V("i", 0, 200) + 3) // 4),
+    ("x % -6", lambda: V("x", -9, 99) % -6, lambda: V("x", -9, 99) % 6),
+    ("x // -6", lambda: V("x", -9, 99) // -6, lambda: (V("x", -9, 99) // 6) * -1),
+  ],
+}
+NOT_FIRING = [
+  ("(4n+j)//4 crosses zero", lambda: (V("n", -5, 5) * 4 + V("j", 0, 3)) // 4),
+  ("(x+3)//4: 3 is already the smallest residue", lambda: (V("x", 0, 99) + 3) // 4),
+  ("(x+2)//4 crosses zero", lambda: (V("x", -9, 99) + 2) // 4),
+  ("(x+5)%4 crosses zero", lambda: (V("x", -9, 99) + 5) % 4),
+  ("(w+262145)//16 may wrap", lambda: (V("w", 0, 2**31 - 1) + 262145) // 16),
+]
+
+
+CASES = [(f, *c) for f, cs in FAMILIES.items() for c in cs]
+
+
+@pytest.mark.parametrize("family,name,before,after", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
+def test_family(family, name, before, after):
+  b, a = before(), after()
+  s = simplify(b)
+  assert s is a, f"{name}: {nodes(b)} nodes -> {nodes(s)}, wanted {nodes(a)}"
+
+
+@pytest.mark.parametrize("name,expr", NOT_FIRING, ids=[n for n, _ in NOT_FIRING])
+def test_left_alone(name, expr):
+  e = expr()
+  assert simplify(e) is e, name
+
+
+# ---- brute force: an independent model of C semantics over every point of small ranges ----
+
+def ev(u: UOp, env: dict[str, int], memo: dict) -> int:
+  if (v := memo.get(u)) is not None: return v
+  op, dt = u.op, u.dtype
+  if op is Ops.CONST: v = u.arg
+  elif op is Ops.DEFINE_VAR: v = env[u.arg[0]]
+  else:
+    s = [ev(x, env, memo) for x in u.src]
+    if op is Ops.WHERE: v = s[1] if s[0] else s[2]
+    elif op is Ops.CMPLT: v = s[0] < s[1]
+    elif op is Ops.CMPNE: v = s[0] != s[1]
+    elif op is Ops.CMPEQ: v = s[0] == s[1]
+    elif op is Ops.AND: v = s[0] and s[1] if dt.is_bool else s[0] & s[1]
+    elif op is Ops.OR: v = s[0] or s[1] if dt.is_bool else s[0] | s[1]
+    elif op is Ops.XOR: v = s[0] != s[1] if dt.is_bool else wrap(dt, s[0] ^ s[1])
+    elif op is Ops.CAST: v = bool(s[0]) if dt.is_bool else wrap(dt, int(s[0]))
+    elif op is Ops.IDIV: v = s[0] if s[1] == 0 else wrap(dt, tdiv(s[0], s[1]))
+    elif op is Ops.MOD: v = 0 if s[1] == 0 else wrap(dt, s[0] - s[1] * tdiv(s[0], s[1]))
+    else: v = wrap(dt, {Ops.ADD: lambda a, b: a + b, Ops.SUB: lambda a, b: a - b, Ops.MUL: lambda a, b: a * b,
+                        Ops.MAX: max, Ops.NEG: lambda a: -a}[op](*s))
+  memo[u] = v
+  return v
+
+
+@st.composite
+def small_vars(draw, dt: DType) -> dict[str, tuple[int, int]]:
+  out = {}
+  for n in ("a", "b", "c"):
+    lo = draw(st.sampled_from([0, 0, 0, 1, -3, -8, 5]))
+    out[n] = (lo, lo + draw(st.integers(0, 9)))
+  return out
+
+
+@st.composite
+def index_expr(draw, dt: DType, vs: dict[str, UOp], depth: int = 4) -> UOp:
+  """Expressions as lowering makes them: sums of scaled variables and constants under // and % by constants, comparisons of
+  them, selects on shared conditions, and the forms each rule family targets."""
+  def leaf() -> UOp:
+    if draw(st.integers(0, 3)) == 0: return UOp.const(dt, wrap(dt, draw(st.sampled_from([0, 1, 2, 3, 5, 7, 8, 16, 100, 2559, 262145, -4, -9]))))
+    return vs[draw(st.sampled_from(sorted(vs)))]
+  if depth == 0: return leaf()
+  kind = draw(st.sampled_from(["affine", "affine", "div", "mod", "div", "mod", "add", "mul", "neg", "leaf", "where", "cmp", "hermite",
+                               "recombine", "max"]))
+  sub = lambda: draw(index_expr(dt, vs, depth - 1))  # noqa: E731
+  if kind == "leaf": return leaf()
+  if kind == "affine": return sub() * draw(st.integers(-12, 12)) + sub() * draw(st.integers(-4, 4)) + draw(st.integers(-40, 40))
+  if kind in ("div", "mod"):
+    c = draw(st.sampled_from([2, 3, 4, 5, 8, 9, 10, 16, 18, -4, -3, 1]))
+    d = UOp.const(dt, c) if draw(st.integers(0, 4)) else sub()
+    return sub() // d if kind == "div" else sub() % d
+  if kind == "add": return sub() + sub()
+  if kind == "mul": return sub() * draw(st.sampled_from([2, 3, -1, 4, 16]))
+  if kind == "neg": return -sub()
+  if kind == "max": return sub().maximum(sub())
+  if kind == "cmp":
+    x, y = sub(), (UOp.const(dt, draw(st.integers(-30, 60))) if draw(st.booleans()) else sub())
+    c = x < y if draw(st.booleans()) else y < x
+    return c.where(sub(), sub())
+  if kind == "where":
+    c = sub() < sub()
+    op = draw(st.sampled_from([Ops.ADD, Ops.MAX, Ops.MUL]))
+    return c.where(sub(), sub()).alu(op, c.where(sub(), sub()) if draw(st.booleans()) else c.where(c.where(sub(), sub()), sub()))
+  if kind == "hermite":  # sum over shifted quotients, as unrolling makes them
+    x, n = sub(), draw(st.sampled_from([2, 3, 4]))
+    base = draw(st.integers(-3, 30))
+    return sum((((x + base + k) // n) for k in draw(st.permutations(range(n)))), UOp.const(dt, 0))
+  x, c = sub(), draw(st.sampled_from([3, 4, 9, 18]))
+  k = draw(st.sampled_from([1, 2, -1]))
+  return (x % c) * k + (x // c) * (c * k) + sub()
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_brute_force_value_and_bounds(data):
+  dt = data.draw(st.sampled_from([dtypes.int32, dtypes.int32, dtypes.int32, dtypes.int8, dtypes.int16]))
+  bounds = data.draw(small_vars(dt))
+  vs = {n: V(n, *b, dtype=dt) for n, b in bounds.items()}
+  e = data.draw(index_expr(dt, vs))
+  if data.draw(st.booleans()): e = e < data.draw(st.integers(-20, 40)) if data.draw(st.booleans()) else data.draw(st.integers(-20, 40)) < e
+  s = simplify(e)
+  assert simplify(s) is s, "not a fixed point"
+  nodes_s = s.toposort()
+  for pt in itertools.product(*(range(lo, hi + 1) for lo, hi in bounds.values())):
+    env = dict(zip(bounds, pt))
+    want, memo = ev(e, env, {}), {}
+    assert ev(s, env, memo) == want, f"simplify changed the value at {env}"
+    for u in nodes_s:
+      if u.dtype.kind in "iub": assert u.vmin <= memo[u] <= u.vmax, f"{u.op}: {memo[u]} outside [{u.vmin}, {u.vmax}] at {env}"
