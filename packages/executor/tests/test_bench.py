@@ -13,7 +13,8 @@ from kiln_bench import rows as bench  # noqa: E402
 
 from kiln.executor import cli  # noqa: E402
 
-ROWS = ("float32 add", "float32 sum", "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
+ROWS = ("float32 add", "float32 add, numpy's arrays", "float32 sum", "float32 sum, numpy's arrays",
+        "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
         "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory",
         "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384")
 TINY = ["--quick", "--sizes-scale", "0.005"]
@@ -74,7 +75,8 @@ def test_wrong_kiln_result_is_a_failure_not_a_number(cachedir, monkeypatch):
     return run
   monkeypatch.setattr(bench, "kiln_call", corrupt)
   b = _bench()
-  for name, fn in (("add", b.add), ("sum", b.sum), ("matmul", lambda r: b.matmul(r, 64, True))):
+  for name, fn in (("add", b.add), ("sum", b.sum), ("add, numpy's arrays", lambda r: b.add(r, user=True)),
+                   ("sum, numpy's arrays", lambda r: b.sum(r, user=True)), ("matmul", lambda r: b.matmul(r, 64, True))):
     r = b.row(name, fn, "ms")
     assert r.status == "WRONG", (name, r)
     assert r.kiln is None and r.ratio is None  # no time is reported for a wrong answer

@@ -84,37 +84,78 @@ def _fold_store(vt: str, lanes: int, names: list[str]) -> list[str]:
                   f"  store {vt} %s{len(names) - 2}, ptr %op, align 4", "  ret void"]
 
 
-def _best(call: Callable[[], Any], t: Timing) -> float:
-  """The best time of a few runs, like STREAM: a limit, not a typical time. Warmed like medians() (busy, not paused)."""
+def _best(call: Callable[[], Any], t: Timing, runs: int = 0) -> float:
+  """The best time of a few runs (`runs`, else from t), like STREAM: a limit, not a typical time. Warmed like medians()
+  (busy, not paused)."""
   warm(call, t)
   ts = []
-  for _ in range(max(5, t.runs // 2)):
+  for _ in range(runs or max(5, t.runs // 2)):
     st = time.perf_counter()
     call()
     ts.append(time.perf_counter() - st)
   return min(ts)
 
 
-def fma_peak(threads: int, t: Timing, iters: int = 1 << 18) -> tuple[float, str]:
+# A vector FMA's latency (cycles) and the FMA pipes a core issues to each cycle, the slowest x86 kiln targets with FMA:
+# 5 on Haswell, Broadwell and Zen 1-2 (4 from Skylake and Zen 3 on), 2 pipes. latency x pipes independent chains keep
+# every pipe busy; the kernel runs half as many again, so a late issue never leaves a pipe idle, as far as the
+# registers allow (AVX2: 14 chains in 16 registers; 16 spilled and measured half the rate).
+FMA_LATENCY, FMA_PIPES = 5, 2
+
+
+def fma_chains(registers: int) -> int:
+  """Independent accumulator chains for the FMA limit kernel on a CPU with `registers` vector registers (two hold the
+  operands, the rest can hold chains without spilling)."""
+  need = FMA_LATENCY * FMA_PIPES
+  return min(need + need // 2, registers - 2)
+
+
+def vector_registers(lanes: int) -> int:
+  """Vector registers of the CPU kiln compiles for (the runtime's Target); 32 for 16 float lanes, else 16, without one."""
+  try:
+    from kiln.codegen.registry import get_runtime
+    return int(get_runtime("CPU").target.vector_registers)  # type: ignore[attr-defined]
+  except Exception: return 32 if lanes == 16 else 16
+
+
+def fma_peak(threads: int, t: Timing, seconds: float = 0.005) -> tuple[float, str]:
   """Peak float32 FMA rate, measured: a hand-written kernel of independent vector FMA chains (no memory traffic) compiled
-  and run by kiln's CPU runtime on its threads, one chunk per core_id. Returns (flop/s, how)."""
+  and run by kiln's CPU runtime on its threads, one chunk per core_id, every thread running the same count. The count
+  is read from the input at entry and calibrated so one call runs about `seconds`, best of at least 10 calls: on a
+  2-core Zen 3 the old fixed count (half a millisecond a call) measured 95-160 GFLOP/s where calls of 2 ms and more
+  measured 190-196, 2 x 32 flop/cycle at its 3.05 GHz (thread wake-up and the clock ramp were counted against the
+  FMAs). Longer calls do not help on a shared machine: another process's time slice then lands in every call.
+  Returns (flop/s, how)."""
   lanes, isa = vector_lanes()
-  chains = 16 if lanes == 16 else 12  # enough in flight to cover FMA latency x 2 ports, few enough to stay in registers
+  chains = fma_chains(vector_registers(lanes))
   vt = f"<{lanes} x float>"
   lines = ["entry:", f"  %a = load {vt}, ptr %data1, align 4", f"  %bp = getelementptr inbounds float, ptr %data1, i32 {lanes}",
-           f"  %b = load {vt}, ptr %bp, align 4", "  br label %loop", "loop:", "  %i = phi i32 [0, %entry], [%i.next, %loop]"]
+           f"  %b = load {vt}, ptr %bp, align 4", f"  %np = getelementptr inbounds float, ptr %data1, i32 {2 * lanes}",
+           "  %iters = load i32, ptr %np, align 4", "  br label %loop", "loop:", "  %i = phi i32 [0, %entry], [%i.next, %loop]"]
   lines += [f"  %x{c} = phi {vt} [%a, %entry], [%y{c}, %loop]" for c in range(chains)]
   lines += [f"  %y{c} = call {vt} @llvm.fma.v{lanes}f32({vt} %x{c}, {vt} %b, {vt} %a)" for c in range(chains)]
-  lines += ["  %i.next = add nsw i32 %i, 1", f"  %go = icmp slt i32 %i.next, {iters}", "  br i1 %go, label %loop, label %exit", "exit:"]
+  lines += ["  %i.next = add nsw i32 %i, 1", "  %go = icmp slt i32 %i.next, %iters", "  br i1 %go, label %loop, label %exit", "exit:"]
   lines += _fold_store(vt, lanes, [f"y{c}" for c in range(chains)])
   n = 1 << 20  # big enough that the template kernel is split over every thread
   prog = _handwritten("kiln_fma_peak", lines, f"declare {vt} @llvm.fma.v{lanes}f32({vt}, {vt}, {vt})", lanes, n, threads)
   out, inp = np.zeros(n, np.float32), np.full(n, 0.5, np.float32)
   inp[lanes:2 * lanes] = 0.25  # x' = 0.25 x + 0.5 converges to 2/3: no overflow, no denormals
-  dt = _best(prog.bind([out.ctypes.data, inp.ctypes.data], [], *launch_sizes(prog.spec)), t)
+  count = inp[2 * lanes:2 * lanes + 1].view(np.int32)  # the loop's trip count, read once on entry
+  call = prog.bind([out.ctypes.data, inp.ctypes.data], [], *launch_sizes(prog.spec))
+  count[0] = 1 << 14
+  warm(call, t)
+  probe = min(_timed(call) for _ in range(3))
+  count[0] = iters = int(min(max(count[0] * seconds / probe, 1 << 14), 1 << 30))
+  dt = _best(call, t, max(10, t.runs))
   if not np.allclose(out[:lanes * threads], (chains * 2 / 3), rtol=1e-3): raise RuntimeError(f"FMA kernel computed {out[:4]}")
   flops = 2 * lanes * chains * iters * threads
-  return flops / dt, f"{isa} FMA kernel ({chains} chains of {lanes} lanes) run by kiln on {threads} threads"
+  return flops / dt, f"{isa} FMA kernel ({chains} chains of {lanes} lanes, {dt * 1e3:.0f} ms a call) run by kiln on {threads} threads"
+
+
+def _timed(call: Callable[[], Any]) -> float:
+  st = time.perf_counter()
+  call()
+  return time.perf_counter() - st
 
 
 def add_bandwidth(n: int, threads: int, t: Timing) -> tuple[float, str]:

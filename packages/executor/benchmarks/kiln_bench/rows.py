@@ -82,6 +82,14 @@ def _fmt(v: float | None, unit: str) -> str:
   return f"{s:.3g} {unit}" if s < 100 else f"{s:.0f} {unit}"
 
 
+USER = ", numpy's arrays"  # the add and sum rows again on arrays as a user makes them (Bench.add's docstring)
+
+
+def _offsets(**arrays: np.ndarray) -> str:
+  """Where numpy's arrays start, in bytes past a 64-byte boundary (kiln's streaming stores want 16 or 64)."""
+  return "numpy's arrays start " + ", ".join(f"{k} +{v.ctypes.data % 64}" for k, v in arrays.items()) + " bytes past a 64-byte boundary"
+
+
 def _rate(x: float, unit: str, limit: float | None) -> str:
   pct = f" ({x / limit:.0%})" if limit else ""
   return f"{x / GB:.1f} {unit}{pct}"
@@ -137,7 +145,7 @@ class Bench:
     except Exception as e: self.bw_add, how = self.bw, f"not measured ({type(e).__name__}: {e}); the read limit stands in"
     self.info["add_bandwidth"] = {"bytes_per_s": self.bw_add, "how": how}
     try:
-      self.peak, how = fma_peak(self.threads, self.t, iters=1 << (14 if self.scale < 0.2 else 18))
+      self.peak, how = fma_peak(self.threads, self.t, seconds=0.002 if self.scale < 0.2 else 0.005)
       self.info["fma_peak"] = {"flops_per_s": self.peak, "how": how}
     except Exception as e:
       lanes, isa = vector_lanes()
@@ -147,44 +155,55 @@ class Bench:
     self.info["ctypes_call_s"] = self.ctypes_s
 
   # -- elementwise and reductions --
-  def add(self, r: Row) -> None:
+  def add(self, r: Row, user: bool = False) -> None:
+    """c = a + b. user=False: every library gets 64-byte-aligned arrays, as kiln's allocator makes them. user=True: the
+    arrays a user has, numpy's own (its big allocations start 16 bytes past a 64-byte boundary, glibc's mmap header), so
+    kiln's streaming stores take the 16-byte-aligned path; kiln and numpy only, the peers are on the aligned row."""
     n = self.size(1 << 24, 1 << 10)
-    # every library gets 64-byte-aligned arrays, as kiln's allocator makes them (numpy's own big arrays are often only
-    # 16-byte aligned, and kiln's streaming stores need an aligned output: an unaligned one takes ordinary stores)
-    a, b, c, cn = (aligned_empty(n) for _ in range(4))
-    a[:], b[:] = self.rng.random(n, dtype=np.float32), self.rng.random(n, dtype=np.float32)
+    if user:
+      a, b = self.rng.random(n, dtype=np.float32), self.rng.random(n, dtype=np.float32)
+      c, cn = np.empty(n, np.float32), np.empty(n, np.float32)
+      r.note = _offsets(a=a, b=b, out=c)
+    else:
+      a, b, c, cn = (aligned_empty(n) for _ in range(4))
+      a[:], b[:] = self.rng.random(n, dtype=np.float32), self.rng.random(n, dtype=np.float32)
     k = kiln_call(kernels.elementwise(lambda x, y: x + y, F32, ((n,), F32), ((n,), F32), name="bench_add"), [c, a, b])
     want = a + b
     k()
     check("add", c, want)
     r.kiln, r.numpy = medians([k, lambda: np.add(a, b, out=cn)], self.t)
-    if self.peers.numba is not None:
+    if self.peers.numba is not None and not user:
       f, o = numba_fn(self.peers.numba, "add"), aligned_empty(n)
       self.peer_time(r, "numba", lambda: f(a, b, o), lambda _: check("numba add", o, want))
-    if self.peers.tinygrad is not None:
+    if self.peers.tinygrad is not None and not user:
       T, D, dev = self.peers.tinygrad
       ta, tb = T(a, device=dev).realize(), T(b, device=dev).realize()
       self.peer_time(r, "tinygrad", lambda: self._tg((ta + tb).realize()), lambda out: check("tinygrad add", out.numpy(), want))
-    self._bw_row(r, 12 * n, f"{n / (1 << 20):g}M float32 add", 3.0, self.bw_add, "add")
+    self._bw_row(r, 12 * n, f"{n / (1 << 20):g}M float32 add{USER if user else ''}", 3.0, self.bw_add, "add")
 
-  def sum(self, r: Row) -> None:
+  def sum(self, r: Row, user: bool = False) -> None:
+    """The sum of a: 64-byte-aligned, or (user=True) numpy's own array, kiln and numpy only (as add)."""
     n = self.size(1 << 24, 1 << 10)
-    a = aligned_empty(n)
-    a[:] = self.rng.random(n, dtype=np.float32)
+    if user:
+      a = self.rng.random(n, dtype=np.float32)
+      r.note = _offsets(a=a)
+    else:
+      a = aligned_empty(n)
+      a[:] = self.rng.random(n, dtype=np.float32)
     out = np.zeros(1, np.float32)
     k = kiln_call(kernels.reduce_sum((n,), F32), [out, a])
     want = a.sum(dtype=np.float64)
     k()
     check("sum", out[0], want, rtol=1e-5)
     r.kiln, r.numpy = medians([k, lambda: a.sum()], self.t)
-    if self.peers.numba is not None:
+    if self.peers.numba is not None and not user:
       f = numba_fn(self.peers.numba, "sum")
       self.peer_time(r, "numba", lambda: f(a), lambda s: check("numba sum", s, want, rtol=1e-4))
-    if self.peers.tinygrad is not None:
+    if self.peers.tinygrad is not None and not user:
       T, D, dev = self.peers.tinygrad
       ta = T(a, device=dev).realize()
       self.peer_time(r, "tinygrad", lambda: self._tg(ta.sum().realize()), lambda s: check("tinygrad sum", s.numpy(), want, rtol=1e-4))
-    self._bw_row(r, 4 * n, f"{n / (1 << 20):g}M float32 sum", 4.0, self.bw, "read")
+    self._bw_row(r, 4 * n, f"{n / (1 << 20):g}M float32 sum{USER if user else ''}", 4.0, self.bw, "read")
 
   def _tg(self, t: Any) -> Any:
     T, D, dev = self.peers.tinygrad
@@ -397,7 +416,9 @@ class Bench:
     print("kiln bench: measuring the machine's limits ...", file=sys.stderr, flush=True)
     self.limits()
     self.row("16M float32 add (out given)", self.add, "ms")
+    self.row(f"16M float32 add (out given){USER}", functools.partial(self.add, user=True), "ms")
     self.row("16M float32 sum", self.sum, "ms")
+    self.row(f"16M float32 sum{USER}", functools.partial(self.sum, user=True), "ms")
     for n0 in (256, 1000, 1024, 2048): self.row(f"matmul {n0}", functools.partial(self.matmul, n0=n0, gated=n0 == 1024), "ms")
     self.row("dispatch: 100-kernel plan", self.dispatch_chain, "us")
     self.row("dispatch: 1-kernel execute()", self.dispatch_one, "us")
