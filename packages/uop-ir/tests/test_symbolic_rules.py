@@ -39,8 +39,25 @@ FAMILIES = {
     ("x % -6", lambda: V("x", -9, 99) % -6, lambda: V("x", -9, 99) % 6),
     ("x // -6", lambda: V("x", -9, 99) // -6, lambda: (V("x", -9, 99) // 6) * -1),
   ],
+  "chains": [
+    # y % c and y // c meet again in a sum, also after a common factor was cancelled from both
+    ("(16b+2)%18 + ((16b+2)//18)*18", lambda: (V("b", 0, 100) * 16 + 2) % 18 + ((V("b", 0, 100) * 16 + 2) // 18) * 18,
+     lambda: V("b", 0, 100) * 16 + 2),
+    ("3(x%4) + 12(x//4) + y", lambda: (V("x", -9, 9) % 4) * 3 + V("y", 0, 5) + (V("x", -9, 9) // 4) * 12, lambda: V("y", 0, 5) + V("x", -9, 9) * 3),
+    # Hermite: n shifted quotients add up to the numerator
+    ("(g+2561)//4 + (g+2562)//4 + (g+2560)//4 + (g+2559)//4",
+     lambda: (V("g", 0, 2559) + 2561) // 4 + (V("g", 0, 2559) + 2562) // 4 + (V("g", 0, 2559) + 2560) // 4 + (V("g", 0, 2559) + 2559) // 4,
+     lambda: V("g", 0, 2559) + 2559),
+    ("x//2 + (x+1)//2", lambda: V("x", 0, 50) // 2 + (V("x", 0, 50) + 1) // 2, lambda: V("x", 0, 50)),
+    ("2(y//3) + 2((y+1)//3) + 2((y+2)//3), y = 4i+j", lambda: sum(((V("i", 0, 9) * 4 + V("j", 0, 3) + k) // 3) * 2 for k in range(3)),
+     lambda: V("i", 0, 9) * 8 + V("j", 0, 3) * 2),
+    ("ceil side: x//2 + (x+1)//2, x <= -2", lambda: V("x", -50, -2) // 2 + (V("x", -50, -2) + 1) // 2, lambda: V("x", -50, -2) + 1),
+  ],
 }
 NOT_FIRING = [
+  ("x//2 + (x+1)//2 crosses zero", lambda: V("x", -5, 5) // 2 + (V("x", -5, 5) + 1) // 2),
+  ("x//4 + (x+1)//4 + (x+2)//4: a residue missing", lambda: V("x", 0, 50) // 4 + (V("x", 0, 50) + 1) // 4 + (V("x", 0, 50) + 2) // 4),
+  ("x%4 + (x//4)*8: not 4 times", lambda: V("x", 0, 50) % 4 + (V("x", 0, 50) // 4) * 8),
   ("(4n+j)//4 crosses zero", lambda: (V("n", -5, 5) * 4 + V("j", 0, 3)) // 4),
   ("(x+3)//4: 3 is already the smallest residue", lambda: (V("x", 0, 99) + 3) // 4),
   ("(x+2)//4 crosses zero", lambda: (V("x", -9, 99) + 2) // 4),

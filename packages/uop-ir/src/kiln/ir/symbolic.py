@@ -97,7 +97,37 @@ def combine_terms(x: UOp) -> UOp | None:
   Ring arithmetic, so exact with wraparound. The canonical form rebuilds to itself, so this reaches a fixed point.
   """
   if not _sint(x) or (t := _terms(x)) is None: return None
-  return _build(x.dtype, *t)
+  terms, const = t
+  if any(b.op in (Ops.IDIV, Ops.MOD) for b, _ in terms):
+    if (r := _recombine(terms)) is not None or (r := _hermite(x.dtype, terms)) is not None: return _build(x.dtype, r[0], const + r[1])
+  return _build(x.dtype, terms, const)
+
+
+def _recombine(terms: list[tuple[UOp, int]]) -> tuple[list[tuple[UOp, int]], int] | None:
+  """k*(y % c) + k*c*(y // c) -> k*y: C's y == (y/c)*c + y%c for c != 0, so exact mod 2**bits (found in a whole chain, and
+  after a common factor was cancelled: (16b+2)%18 + ((16b+2)//18)*18 -> 2*((8b+1)%9) + 18*((8b+1)//9) -> 16b + 2)."""
+  coef = dict(terms)
+  for b, k in terms:
+    if b.op is Ops.MOD and (c := b.src[1]).op is Ops.CONST and c.arg != 0 and coef.get(q := UOp(Ops.IDIV, b.dtype, b.src)) == k * c.arg:
+      ys, yc = _terms(b.src[0]) or ([(b.src[0], 1)], 0)
+      return [(u, v) for u, v in terms if u is not b and u is not q] + [(y, k * v) for y, v in ys], k * yc
+  return None
+
+
+def _hermite(dt: DType, terms: list[tuple[UOp, int]]) -> tuple[list[tuple[UOp, int]], int] | None:
+  """k*((y+r)//n + (y+r+1)//n + ... + (y+r+n-1)//n) -> k*(y+r) (Hermite's identity, for floor: every numerator >= 0), or
+  k*(y+r+n-1) (the same for ceil: every numerator <= 0), as unrolling a loop by n makes them."""
+  groups: dict[tuple, dict[int, UOp]] = {}
+  for b, k in terms:
+    if b.op is not Ops.IDIV or (n := b.src[1]).op is not Ops.CONST or n.arg < 2 or (t := _terms(b.src[0])) is None: continue
+    if not _fits(dt, *_sum_range(*t)) or (sign := (b.src[0].vmin >= 0) - (b.src[0].vmax <= 0)) == 0: continue
+    groups.setdefault((tuple(t[0]), n.arg, k, sign), {})[t[1]] = b
+  for (sterms, n, k, sign), by_r in groups.items():
+    for r in sorted(by_r):
+      if all(r + j in by_r for j in range(n)):
+        used = {by_r[r + j] for j in range(n)}
+        return [(u, v) for u, v in terms if u not in used] + [(b, k * c) for b, c in sterms], k * (r if sign > 0 else r + n - 1)
+  return None
 
 
 def _same_sign(xlo: int, xhi: int, rlo: int, rhi: int) -> bool:
