@@ -1,2 +1,2 @@
-"""The version of the `kiln` meta-package, which pins the five layers at the same version (read by hatch, never imported)."""
+"""The version of the `kiln` meta-package, which pins the six layers at the same version (read by hatch, never imported)."""
 __version__ = "0.1.0"

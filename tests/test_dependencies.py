@@ -12,7 +12,7 @@ name) is mapped to the distribution that provides it. Then, per package:
 - every declared dependency, and every extra's, must be imported somewhere (no dead requirements);
 - a kiln layer imports only the layers below it (docs/architecture.md): kiln.ir nothing, kiln.codegen only kiln.ir, a
   runtime kiln.ir and kiln.codegen (never another runtime or the executor), the executor kiln.ir and kiln.codegen
-  (it finds runtimes through the entry-point group `kiln.devices`).
+  (it finds runtimes through the entry-point group `kiln.devices`), the graph layer kiln.ir, kiln.codegen and the executor.
 
 And for the family: one version (every version.py and the meta-package's agree), sibling requirements are compatible
 ranges that contain it, and the meta-package pins the exact set.
@@ -44,20 +44,21 @@ class Package:
   may_import: frozenset[str]  # the kiln distributions it may import (the layers below it)
 
 
-IR, CODEGEN, CPU, CUDA, EXECUTOR = "kiln-uop-ir", "kiln-codegen", "kiln-runtime-cpu", "kiln-runtime-cuda", "kiln-executor"
+IR, CODEGEN, CPU, CUDA, EXECUTOR, GRAPH = "kiln-uop-ir", "kiln-codegen", "kiln-runtime-cpu", "kiln-runtime-cuda", "kiln-executor", "kiln-graph"
 PACKAGES = [
   Package("uop-ir", IR, "kiln.ir", frozenset()),
   Package("codegen", CODEGEN, "kiln.codegen", frozenset({IR})),
   Package("runtime-cpu", CPU, "kiln.runtime.cpu", frozenset({IR, CODEGEN})),
   Package("runtime-cuda", CUDA, "kiln.runtime.cuda", frozenset({IR, CODEGEN})),
   Package("executor", EXECUTOR, "kiln.executor", frozenset({IR, CODEGEN})),
+  Package("graph", GRAPH, "kiln.graph", frozenset({IR, CODEGEN, EXECUTOR})),
 ]
 KILN_MODULES = {p.module: p.dist for p in PACKAGES}
 KILN_NAMESPACES = {"kiln", "kiln.runtime"}  # PEP 420 namespaces: importing them names no distribution
 THIRD_PARTY = {"numpy": "numpy", "pydantic": "pydantic", "pydantic_core": "pydantic-core", "llvmlite": "llvmlite", "pycuda": "pycuda",
-               "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl"}
+               "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx"}
 # distributions that must never be a base dependency: only this extra of this package may declare them
-EXTRA_ONLY = {"pycuda": (CUDA, "driver")}
+EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx")}
 # undeclared distributions a package may import lazily or guarded (never at module level), each with its reason;
 # anything else undeclared fails
 OPTIONAL_PROBES = {
@@ -273,7 +274,7 @@ def test_sibling_requirements_are_compatible_ranges() -> None:
 def test_meta_package_pins_the_family() -> None:
   version = family_versions()["kiln"]
   base, extras = _requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()))
-  assert set(base) == {p.dist for p in PACKAGES}, f"the meta-package must depend on exactly the five layers, has {sorted(base)}"
+  assert set(base) == {p.dist for p in PACKAGES}, f"the meta-package must depend on exactly the six layers, has {sorted(base)}"
   for d, req in base.items():
     assert str(req.specifier) == f"=={version}" and not req.extras and req.marker is None, f"kiln: {req} must be {d}=={version}"
   cuda = extras.get("cuda", {})

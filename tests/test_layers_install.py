@@ -85,6 +85,21 @@ try:
 except DeviceError as e: assert "kiln-runtime-cpu" in str(e), str(e)
 report["no_runtime_error"] = True
 """
+CHECK_GRAPH = """
+import numpy as np
+from kiln.graph import Tensor, compile
+x, w, b = (np.random.rand(*s).astype(np.float32) for s in ((8, 16), (24, 16), (24,)))
+c = compile([Tensor(x).linear(Tensor(w), Tensor(b)).relu().softmax()])
+y = np.maximum(x @ w.T + b, 0)
+want = np.exp(y - y.max(-1, keepdims=True)); want /= want.sum(-1, keepdims=True)
+assert np.allclose(c.run()[0], want, rtol=1e-4, atol=1e-6)
+report["kernels"] = c.kernel_count
+from kiln.graph import ONNXError
+import kiln.graph.onnx
+try: kiln.graph.onnx.load("model.onnx"); raise AssertionError("loaded ONNX without onnx installed")
+except ONNXError as e: assert "kiln-graph[onnx]" in str(e), str(e)
+report["onnx_error"] = True
+"""
 
 LAYERS = [
   Layer("uop-ir", ("uop-ir",), ("kiln.ir",), UPPER_OF_IR, frozenset({"numpy", "pydantic"})),
@@ -95,6 +110,8 @@ LAYERS = [
         check=CHECK_CUDA),
   Layer("executor", ("uop-ir", "codegen", "executor"), ("kiln.executor",), ("kiln.runtime.cpu", "kiln.runtime.cuda", "llvmlite", "pycuda"),
         check=CHECK_EXECUTOR),
+  Layer("graph", ("uop-ir", "codegen", "runtime-cpu", "executor", "graph"), ("kiln.graph",),
+        ("onnx", "onnxruntime", "torch", "kiln.runtime.cuda", "pycuda"), check=CHECK_GRAPH),
 ]
 
 # Runs inside the layer's venv with `python -I`; argv[1] is the Layer as JSON. Prints a JSON report.

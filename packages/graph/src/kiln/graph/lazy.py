@@ -1,0 +1,85 @@
+"""The recorded graph: `Node`s, each one op over source nodes with a static shape and dtype, and the errors of this layer.
+
+A node is one of a few kinds (the scheduler renders each as UOps, see render.py):
+
+| op      | srcs              | arg                                   | meaning                                                     |
+|---------|-------------------|---------------------------------------|-------------------------------------------------------------|
+| BUFFER  | -                 | `Source` (numpy data or an input name) | data that lives in a plan buffer                            |
+| CONST   | -                 | Python number                          | a scalar of shape (), broadcast by VIEW expand              |
+| ALU     | 1-3 of one shape  | `Ops` (CAST: the target in dtype)      | elementwise                                                 |
+| REDUCE  | 1                 | (Ops.ADD/MUL/MAX, axes)                | reduced axes kept as size 1 (keepdims)                       |
+| VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |
+| GATHER  | table, indices    | axis                                   | table[..., indices, ...]: data-dependent index, clamped      |
+| CAT     | 1+                | axis                                   | pieces side by side along axis                               |
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.dtype import DType
+from kiln.ir.errors import IRError
+
+_ids = itertools.count()
+
+
+class GraphError(IRError):
+  """A tensor graph op got operands it cannot take (shapes, dtypes, axes); the message names the op and the shapes."""
+
+
+class ONNXError(GraphError):
+  """An ONNX model could not be loaded: malformed, failing onnx.checker, or using an operator or attribute kiln does not support."""
+
+
+@dataclass(eq=False)
+class Source:
+  """Where a BUFFER node's data comes from: a numpy array (a constant or weight) or a named input fed at run time."""
+  data: np.ndarray | None = None
+  name: str | None = None
+
+
+@dataclass(eq=False)
+class Node:
+  op: str
+  src: tuple[Node, ...]
+  arg: Any
+  shape: tuple[int, ...]
+  dtype: DType
+  id: int = field(default_factory=lambda: next(_ids))
+
+  def __hash__(self) -> int: return self.id
+  def __repr__(self) -> str: return f"Node({self.op} {self.arg if self.op != 'BUFFER' else ''} {self.shape} {self.dtype.name} #{self.id})"
+
+  @property
+  def numel(self) -> int: return prod(self.shape)
+
+  def toposort(self, stop: set[Node] | None = None) -> list[Node]:
+    return toposort([self], stop)
+
+
+def prod(xs: Any) -> int:
+  out = 1
+  for x in xs: out *= int(x)
+  return out
+
+
+def toposort(roots: list[Node], stop: set[Node] | None = None) -> list[Node]:
+  """Every node reachable from roots, sources first; nodes in stop are listed but not entered. Not recursive."""
+  out: list[Node] = []
+  seen: set[Node] = set()
+  stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots)]
+  while stack:
+    n, done = stack.pop()
+    if done:
+      out.append(n)
+      continue
+    if n in seen: continue
+    seen.add(n)
+    stack.append((n, True))
+    if stop is None or n not in stop:
+      for s in reversed(n.src):
+        if s not in seen: stack.append((s, False))
+  return out

@@ -1,0 +1,186 @@
+"""One kernel from the graph: the UOp AST that computes a realized node, with every node that is not realized inlined
+as an expression of the output's loop indices (movement ops become index arithmetic, reductions nested REDUCEs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.graph.lazy import GraphError, Node, prod
+from kiln.ir.dtype import dtypes
+from kiln.ir.ops import AxisType, Ops
+from kiln.ir.uop import UOp
+
+ZERO = UOp.const(dtypes.index, 0)
+
+
+def _clamp(i: UOp, n: int) -> UOp: return i.maximum(0).minimum(n - 1)
+
+
+def strides(shape: tuple[int, ...]) -> list[int]:
+  out, acc = [], 1
+  for d in reversed(shape):
+    out.append(acc)
+    acc *= d
+  return out[::-1]
+
+
+def flat(idx: tuple[UOp, ...], shape: tuple[int, ...]) -> UOp:
+  out: UOp | None = None
+  for i, d, s in zip(idx, shape, strides(shape)):
+    if d == 1 or i is ZERO: continue
+    t = i if s == 1 else i * s
+    out = t if out is None else out + t
+  return ZERO if out is None else out
+
+
+def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[UOp, ...]:
+  """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %."""
+  res: list[UOp] = []
+  i = j = 0
+  no, ni = len(out_shape), len(in_shape)
+  while i < no or j < ni:
+    gi, gj = [i], [j]
+    po = out_shape[i] if i < no else 1
+    pi = in_shape[j] if j < ni else 1
+    while po != pi:
+      if po < pi:
+        i += 1; gi.append(i); po *= out_shape[i]
+      else:
+        j += 1; gj.append(j); pi *= in_shape[j]
+    # trailing size-1 dims join the group
+    i, j = i + 1, j + 1
+    oi = [k for k in gi if k < no]
+    ij = [k for k in gj if k < ni]
+    lin = flat(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
+    sub = tuple(in_shape[k] for k in ij)
+    for k, s in zip(ij, strides(sub)):
+      v = lin if s == 1 or lin is ZERO else lin // s
+      res.append(ZERO if in_shape[k] == 1 or v is ZERO else v if s * in_shape[k] >= prod(sub) else v % in_shape[k])
+  return tuple(res[:ni])
+
+
+@dataclass
+class Kernel:
+  """A rendered kernel: the AST, the nodes whose buffers fill its slots (slot 0: the node it computes), and what each
+  inlined node rendered to (the scheduler's fusion checks read it)."""
+  node: Node
+  ast: UOp
+  slots: list[Node]
+  rendered: dict[Node, set[UOp]] = field(default_factory=dict)
+  analysis: Any = None  # the scheduler's _Analysis, made once per rendering
+  offenders: set[Node] = field(default_factory=set)
+
+
+class Renderer:
+  def __init__(self, node: Node, realized: set[Node]):
+    self.node, self.realized = node, realized
+    self.slots: list[Node] = [node]
+    self.globals: dict[Node, UOp] = {}
+    self.memo: dict[tuple[Node, tuple[UOp, ...]], UOp] = {}
+    self.rendered: dict[Node, set[UOp]] = {}
+    self.axis = 0
+    self.offenders: set[Node] = set()  # REDUCEs found on the fly that must be realized (loaded as if they were, meanwhile)
+    self.reduce_at: dict[Node, tuple[UOp, ...]] = {}
+    self.rr: dict[UOp, bool] = {}
+
+  def _in_reduce(self, u: UOp) -> bool:
+    """Whether an index varies over a reduce range (the value is inside some reduction's body)."""
+    if (hit := self.rr.get(u)) is None:
+      hit = self.rr[u] = any(x.op is Ops.RANGE and x.arg[1] is AxisType.REDUCE for x in u.toposort())
+    return hit
+
+  def _range(self, n: int, kind: AxisType) -> UOp:
+    self.axis += 1
+    return UOp.range(n, self.axis - 1, kind)
+
+  def _global(self, n: Node) -> UOp:
+    if (g := self.globals.get(n)) is None:
+      if n is not self.node: self.slots.append(n)
+      g = self.globals[n] = UOp.define_global(self.slots.index(n), n.dtype.ptr(n.numel))
+    return g
+
+  def kernel(self, name: str) -> Kernel:
+    n = self.node
+    idx = tuple(ZERO if d == 1 else self._range(d, AxisType.LOOP) for d in n.shape)
+    out = self._global(n)
+    val = self.render(n, idx, top=True)
+    if val.dtype != n.dtype: val = val.cast(n.dtype)
+    ast = UOp.sink(out.index(flat(idx, n.shape)).store(val), name=name)
+    return Kernel(n, ast, self.slots, self.rendered, offenders=self.offenders)
+
+  def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:
+    if not top and (n in self.realized or n.op == "BUFFER"):
+      return self._global(n).index(flat(idx, n.shape)).load()
+    key = (n, idx)
+    if (hit := self.memo.get(key)) is not None: return hit
+    if n.op == "REDUCE" and not top and (self.reduce_at.setdefault(n, idx) != idx or any(self._in_reduce(i) for i in idx)):
+      # a reduction at two indices, or inside another's body: it gets its own kernel (checked here, so that the
+      # first render of a whole graph stays linear in its size instead of nesting every reduction in every other)
+      self.offenders.add(n)
+      return self._global(n).index(flat(idx, n.shape)).load()
+    out = self._render(n, idx)
+    self.memo[key] = out
+    self.rendered.setdefault(n, set()).add(out)
+    return out
+
+  def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
+    if n.op == "BUFFER": return self._global(n).index(flat(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
+    if n.op == "CONST": return UOp.const(n.dtype, n.arg)
+    if n.op == "ALU":
+      srcs = [self.render(s, idx) for s in n.src]
+      if n.arg is Ops.CAST: return srcs[0].cast(n.dtype)
+      return srcs[0].alu(n.arg, *srcs[1:])
+    if n.op == "REDUCE":
+      op, axes = n.arg
+      s = n.src[0]
+      rng = {a: self._range(s.shape[a], AxisType.REDUCE) for a in axes if s.shape[a] != 1}
+      v = self.render(s, tuple(rng.get(a, i) for a, i in enumerate(idx)))
+      return v.reduce(op, *rng.values()) if rng else v
+    if n.op == "VIEW": return self._view(n, idx)
+    if n.op == "GATHER":
+      table, ind = n.src
+      ax, k = n.arg, len(ind.shape)
+      iv = self.render(ind, idx[ax:ax + k]).cast(dtypes.index)
+      size = table.shape[ax]
+      iv = _clamp((iv < 0).where(iv + size, iv), size)  # negative indices count from the end; out of range reads the edge
+      return self.render(table, (*idx[:ax], iv, *idx[ax + k:]))
+    if n.op == "CAT":
+      ax = n.arg
+      offs = [0]
+      for s in n.src: offs.append(offs[-1] + s.shape[ax])
+      acc: UOp | None = None
+      for k in reversed(range(len(n.src))):
+        s = n.src[k]
+        sub = _clamp(idx[ax] - offs[k], s.shape[ax]) if s.shape[ax] > 1 else ZERO
+        v = self.render(s, (*idx[:ax], sub, *idx[ax + 1:]))
+        acc = v if acc is None else (idx[ax] < offs[k + 1]).where(v, acc)
+      assert acc is not None
+      return acc
+    raise GraphError(f"cannot render a {n.op} node")
+
+  def _view(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
+    kind, p = n.arg
+    s = n.src[0]
+    if kind == "reshape": return self.render(s, reshape_index(idx, n.shape, s.shape))
+    if kind == "permute":
+      src_idx: list[UOp] = [ZERO] * len(idx)
+      for d, o in enumerate(p): src_idx[o] = idx[d]
+      return self.render(s, tuple(src_idx))
+    if kind == "expand": return self.render(s, tuple(ZERO if sd == 1 else i for i, sd in zip(idx, s.shape)))
+    if kind == "shrink":  # p: (start, step) per dim
+      return self.render(s, tuple(ZERO if sd == 1 else i * st + b for i, (b, st), sd in zip(idx, p, s.shape)))
+    if kind == "pad":  # p: (before per dim, value)
+      before, value = p
+      valid: UOp | None = None
+      sub: list[UOp] = []
+      for i, b, sd in zip(idx, before, s.shape):
+        if b == 0 and sd == n.shape[len(sub)]:
+          sub.append(i); continue
+        j = i - b
+        ok = (j >= 0) & (j < sd)
+        valid = ok if valid is None else valid & ok
+        sub.append(ZERO if sd == 1 else _clamp(j, sd))
+      v = self.render(s, tuple(sub))
+      return v if valid is None else valid.where(v, UOp.const(n.dtype, value))
+    raise GraphError(f"unknown view {kind}")
+

@@ -1,0 +1,258 @@
+"""kiln.graph.onnx against onnxruntime: each operator alone (edge attributes: negative axes, broadcasting, opset
+differences), an MLP and a 2-layer BERT-style encoder built with onnx.helper, kernel counts, and refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from kiln.graph import ONNXError  # noqa: E402
+from kiln.graph import onnx as konnx  # noqa: E402
+
+RNG = np.random.default_rng(3)
+NP2ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64, np.dtype(np.bool_): TensorProto.BOOL,
+           np.dtype(np.int32): TensorProto.INT32}
+
+
+def f32(*shape: int, lo: float = -2, hi: float = 2) -> np.ndarray: return RNG.uniform(lo, hi, shape).astype(np.float32)
+
+
+def model(nodes: list, feeds: dict[str, np.ndarray], outs: dict[str, np.dtype], inits: dict[str, np.ndarray] | None = None,
+          opset: int = 17) -> onnx.ModelProto:
+  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, NP2ONNX[v.dtype], v.shape) for k, v in feeds.items()],
+                        [helper.make_tensor_value_info(k, NP2ONNX[np.dtype(d)], None) for k, d in outs.items()],
+                        [numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+  m.ir_version = 8
+  inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(m).graph.value_info}
+  for o in m.graph.output:  # the checker wants an output's shape: take the inferred one
+    if o.name in inferred: o.CopyFrom(inferred[o.name])
+    else: o.type.tensor_type.shape.SetInParent()
+  return m
+
+
+def check(m: onnx.ModelProto, feeds: dict[str, np.ndarray], tol: float = 1e-5, kernels: int | None = None) -> konnx.Model:
+  want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+  km = konnx.load(m)
+  got = km.run(feeds)
+  for name, w in zip([o.name for o in m.graph.output], want):
+    g = got[name]
+    assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+    if w.dtype.kind == "f": np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    else: np.testing.assert_array_equal(g, w)
+  if kernels is not None: assert km.plan is not None and len(km.plan.kernels) == kernels, km.summary()
+  return km
+
+
+N = helper.make_node
+X34, Y4, Y34 = f32(3, 4), f32(4, lo=0.5), f32(3, 4, lo=0.5)
+UNARY_OPS = ["Sqrt", "Reciprocal", "Exp", "Log", "Erf", "Tanh", "Relu", "Sigmoid", "Neg", "Abs", "Identity"]
+
+
+@pytest.mark.parametrize("op", UNARY_OPS)
+def test_unary(op: str) -> None:
+  x = f32(3, 4, lo=0.1) if op in ("Sqrt", "Log", "Reciprocal") else X34
+  check(model([N(op, ["x"], ["y"])], {"x": x}, {"y": np.float32}), {"x": x}, 2e-5)
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"])
+def test_binary_broadcast(op: str) -> None:
+  x = f32(2, 3, 4, lo=0.2)
+  check(model([N(op, ["x", "y"], ["z"])], {"x": x}, {"z": np.float32}, {"y": Y4}), {"x": x}, 2e-5)
+  check(model([N(op, ["x", "y"], ["z"])], {"x": x, "y": f32(3, 1, lo=0.5)}, {"z": np.float32}), {"x": x, "y": f32(3, 1, lo=0.5)}, 2e-5)
+
+
+@pytest.mark.parametrize("op", ["Equal", "Less", "Greater"])
+def test_compare_where_not(op: str) -> None:
+  x = np.round(X34)
+  m = model([N(op, ["x", "y"], ["c"]), N("Not", ["c"], ["nc"]), N("Where", ["nc", "x", "y"], ["z"])], {"x": x}, {"z": np.float32, "c": np.bool_},
+            {"y": np.round(Y4)})
+  check(m, {"x": x})
+
+
+def test_matmul_gemm() -> None:
+  a, b = f32(2, 3, 5, 6), f32(6, 4)
+  check(model([N("MatMul", ["a", "b"], ["y"])], {"a": a}, {"y": np.float32}, {"b": b}), {"a": a}, 1e-5, kernels=1)
+  check(model([N("MatMul", ["a", "b"], ["y"])], {"a": a, "b": f32(3, 6, 2)}, {"y": np.float32}), {"a": a, "b": f32(3, 6, 2)}, 1e-5)
+  x, w, c = f32(5, 6), f32(4, 6), f32(4)
+  m = model([N("Gemm", ["x", "w", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)], {"x": x}, {"y": np.float32}, {"w": w, "c": c})
+  check(m, {"x": x}, 1e-5, kernels=1)
+  m = model([N("Gemm", ["x", "w"], ["y"], transA=1)], {"x": f32(6, 5)}, {"y": np.float32}, {"w": f32(6, 3)})
+  check(m, {"x": f32(6, 5)}, 1e-5)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax(opset: int, axis: int) -> None:
+  x = f32(2, 3, 5) * 3
+  for op in ("Softmax", "LogSoftmax"):
+    # over the last axis one kernel; over a middle one the reductions run inside the loop of the axes after it, so they get
+    # kernels of their own (the scheduler does not reorder loops yet)
+    check(model([N(op, ["x"], ["y"], axis=axis)], {"x": x}, {"y": np.float32}, opset=opset), {"x": x}, 1e-5,
+          kernels=1 if axis == -1 or opset < 13 else None)
+
+
+def test_layernorm_gelu() -> None:
+  x, g, b = f32(2, 5, 8), f32(8), f32(8)
+  check(model([N("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=1e-6)], {"x": x}, {"y": np.float32}, {"g": g, "b": b}),
+        {"x": x}, 1e-5, kernels=1)
+  check(model([N("LayerNormalization", ["x", "g"], ["y"], axis=1)], {"x": x}, {"y": np.float32}, {"g": f32(5, 8)}), {"x": x}, 1e-5)
+  for approx in ("none", "tanh"):
+    check(model([N("Gelu", ["x"], ["y"], approximate=approx)], {"x": x}, {"y": np.float32}, opset=20), {"x": x}, 1e-5)
+
+
+@pytest.mark.parametrize("op", ["ReduceMean", "ReduceSum", "ReduceMax"])
+@pytest.mark.parametrize("opset", [13, 18])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce(op: str, opset: int, keepdims: int) -> None:
+  x = f32(2, 3, 4)
+  axes = np.array([-1, 0], np.int64)
+  as_input = opset >= 18 or (op == "ReduceSum" and opset >= 13)
+  if as_input: m = model([N(op, ["x", "axes"], ["y"], keepdims=keepdims)], {"x": x}, {"y": np.float32}, {"axes": axes}, opset)
+  else: m = model([N(op, ["x"], ["y"], keepdims=keepdims, axes=[-1, 0])], {"x": x}, {"y": np.float32}, opset=opset)
+  check(m, {"x": x}, 1e-5)
+
+
+def test_movement() -> None:
+  x = f32(2, 3, 4)
+  i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+  cases = [
+    ([N("Reshape", ["x", "s"], ["y"])], {"s": i64(0, -1)}), ([N("Transpose", ["x"], ["y"], perm=[2, 0, 1])], {}),
+    ([N("Transpose", ["x"], ["y"])], {}), ([N("Unsqueeze", ["x", "a"], ["y"])], {"a": i64(-1, 1)}),
+    ([N("Unsqueeze", ["x", "a"], ["u"]), N("Squeeze", ["u", "a"], ["y"])], {"a": i64(0)}),
+    ([N("Concat", ["x", "x"], ["y"], axis=-2)], {}), ([N("Flatten", ["x"], ["y"], axis=2)], {}),
+    ([N("Slice", ["x", "st", "en", "ax", "sp"], ["y"])], {"st": i64(-1, 0), "en": i64(-1000, 3), "ax": i64(2, 1), "sp": i64(-2, 2)}),
+    ([N("Slice", ["x", "st", "en"], ["y"])], {"st": i64(1), "en": i64(9999)}),
+    ([N("Expand", ["x", "s"], ["y"])], {"s": i64(2, 1, 1, 1)}), ([N("Dropout", ["x"], ["y"])], {}),
+  ]
+  for nodes, inits in cases: check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x})
+  m = model([N("Split", ["x", "sp"], ["a", "b"], axis=2)], {"x": x}, {"a": np.float32, "b": np.float32}, {"sp": i64(1, 3)})
+  check(m, {"x": x})
+  m = model([N("Split", ["x"], ["a", "b"], axis=-1, split=[3, 1])], {"x": x}, {"a": np.float32, "b": np.float32}, opset=11)
+  check(m, {"x": x})
+  m = model([N("Slice", ["x"], ["y"], starts=[1], ends=[3], axes=[2])], {"x": x}, {"y": np.float32}, opset=9)
+  check(m, {"x": x})
+
+
+def test_gather_cast_shape_folding() -> None:
+  table, ids = f32(10, 6), np.array([[1, 9, -1], [0, 3, 3]], np.int64)
+  check(model([N("Gather", ["t", "i"], ["y"])], {"i": ids}, {"y": np.float32}, {"t": table}), {"i": ids})
+  x = f32(2, 3, 4)
+  check(model([N("Gather", ["x", "i"], ["y"], axis=1)], {"x": x}, {"y": np.float32}, {"i": np.array(2, np.int64)}), {"x": x})
+  # Shape -> Gather -> Unsqueeze -> Concat -> Reshape: the shape arithmetic of exported models, folded at load
+  nodes = [N("Shape", ["x"], ["s"]), N("Gather", ["s", "zero"], ["b"], axis=0), N("Unsqueeze", ["b", "ax0"], ["b1"]),
+           N("Concat", ["b1", "m1"], ["ns"], axis=0), N("Reshape", ["x", "ns"], ["r"]), N("Cast", ["r"], ["y"], to=TensorProto.INT64),
+           N("Shape", ["r"], ["rs"]), N("ConstantOfShape", ["rs"], ["c"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [2.5])),
+           N("Add", ["c", "r"], ["z"]),
+           N("Constant", [], ["k"], value_float=3.0), N("Mul", ["z", "k"], ["w"]),
+           N("Range", ["r0", "r1", "r2"], ["rg"]), N("Cast", ["rg"], ["rgf"], to=TensorProto.FLOAT), N("Add", ["w", "rgf"], ["out"])]
+  inits = {"zero": np.array(0, np.int64), "ax0": np.array([0], np.int64), "m1": np.array([-1], np.int64),
+           "r0": np.array(0, np.int64), "r1": np.array(12, np.int64), "r2": np.array(1, np.int64)}
+  km = check(model(nodes, {"x": x}, {"y": np.int64, "out": np.float32}, inits), {"x": x * 3})
+  assert len(km.plan.kernels) == 2  # the cast output, and one elementwise kernel for the rest
+
+
+def test_refusals_name_node_op_attribute(tmp_path) -> None:
+  x = f32(2, 3)
+  with pytest.raises(ONNXError, match=r"node n1 \(Celu\).*operator Celu is not supported"):
+    konnx.load(model([N("Celu", ["x"], ["y"], name="n1")], {"x": x}, {"y": np.float32}))
+  with pytest.raises(ONNXError, match=r"node ge \(Gelu.*attribute approximate='fast' is not supported"):
+    konnx.load(model([N("Gelu", ["x"], ["y"], name="ge", approximate="fast")], {"x": x}, {"y": np.float32}, opset=20))
+  with pytest.raises(ONNXError, match=r"node ln \(LayerNormalization.*Mean and InvStdDev outputs are not supported"):
+    konnx.load(model([N("LayerNormalization", ["x", "g"], ["y", "mu"], name="ln")], {"x": x}, {"y": np.float32, "mu": np.float32},
+                     {"g": f32(3)}))
+  with pytest.raises(ONNXError, match="not a valid ONNX model.*bogus"):  # the checker refuses attributes the op does not have
+    m = model([N("Softmax", ["x"], ["y"], name="sm")], {"x": x}, {"y": np.float32})
+    m.graph.node[0].attribute.append(helper.make_attribute("bogus", 1))
+    konnx.load(m)
+  with pytest.raises(ONNXError, match="not a valid ONNX model"): konnx.load(b"\x08\x07garbage")
+  bad = tmp_path / "bad.onnx"
+  bad.write_bytes(b"not a protobuf at all" * 10)
+  with pytest.raises(ONNXError, match="not a valid ONNX model"): konnx.load(str(bad))
+  with pytest.raises(ONNXError, match="not a valid ONNX model"): konnx.load(str(tmp_path / "missing.onnx"))
+  m = model([N("Relu", ["x"], ["y"])], {"x": x}, {"y": np.float32})
+  m.graph.node[0].input[0] = "nope"
+  with pytest.raises(ONNXError): konnx.load(m)
+  sym = model([N("Relu", ["x"], ["y"])], {"x": x}, {"y": np.float32})
+  sym.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+  with pytest.raises(ONNXError, match="symbolic.*batch"): konnx.load(sym)
+  km = konnx.load(sym, dims={"batch": 2})
+  np.testing.assert_array_equal(km.run({"x": x})["y"], np.maximum(x, 0))
+  with pytest.raises(ONNXError, match="was not fed"): km.run({})
+  assert "kernels" in km.summary() and "peak buffer memory" in str(km)
+
+
+# ---- whole models ----
+def _linear(nodes: list, inits: dict, x: str, name: str, n_in: int, n_out: int, gemm: bool = False) -> str:
+  inits[f"{name}_w"] = (RNG.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
+  inits[f"{name}_b"] = (RNG.standard_normal(n_out) * 0.02).astype(np.float32)
+  nodes += [N("MatMul", [x, f"{name}_w"], [f"{name}_mm"]), N("Add", [f"{name}_mm", f"{name}_b"], [f"{name}_y"])]
+  return f"{name}_y"
+
+
+def test_mlp() -> None:
+  nodes: list = []
+  inits: dict = {}
+  h = _linear(nodes, inits, "x", "l1", 32, 64)
+  nodes.append(N("Relu", [h], ["h1"]))
+  h = _linear(nodes, inits, "h1", "l2", 64, 64)
+  nodes.append(N("Gelu", [h], ["h2"]))
+  h = _linear(nodes, inits, "h2", "l3", 64, 10)
+  nodes.append(N("Softmax", [h], ["y"], axis=-1))
+  x = f32(16, 32)
+  check(model(nodes, {"x": x}, {"y": np.float32}, inits, opset=20), {"x": x}, 1e-5, kernels=4)  # 3 linears (+act), softmax
+
+
+def bert(layers: int, bs: int, s: int, hid: int, heads: int, ffn: int, vocab: int = 50) -> onnx.ModelProto:
+  """A post-LN BERT-style encoder as a torch export would write it: embedding gather + positions + layernorm, per layer a
+  fused qkv projection split into heads, scaled scores plus an additive mask from the int64 attention mask, softmax,
+  context, output projection + residual + layernorm, GELU FFN + residual + layernorm; masked mean pooling."""
+  dh = hid // heads
+  i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+  inits: dict = {"emb": (RNG.standard_normal((vocab, hid)) * 0.5).astype(np.float32), "pos": (RNG.standard_normal((s, hid)) * 0.1).astype(np.float32),
+                 "heads_shape": i64(bs, s, heads, dh), "ctx_shape": i64(bs, s, hid), "scale": np.array(1 / np.sqrt(dh), np.float32),
+                 "one": np.array(1.0, np.float32), "neg": np.array(-10000.0, np.float32), "ax12": i64(1, 2), "ax_last": i64(-1),
+                 "split3": i64(hid, hid, hid), "ax1": i64(1)}
+  def ln(x: str, name: str) -> list:
+    inits[f"{name}_g"] = (1 + RNG.standard_normal(hid) * 0.1).astype(np.float32)
+    inits[f"{name}_b"] = (RNG.standard_normal(hid) * 0.1).astype(np.float32)
+    return [N("LayerNormalization", [x, f"{name}_g", f"{name}_b"], [name], axis=-1, epsilon=1e-12)]
+  nodes = [N("Gather", ["emb", "ids"], ["e0"]), N("Add", ["e0", "pos"], ["e1"]), *ln("e1", "h0"),
+           N("Cast", ["mask"], ["mf"], to=TensorProto.FLOAT), N("Unsqueeze", ["mf", "ax12"], ["m4"]), N("Sub", ["one", "m4"], ["m5"]),
+           N("Mul", ["m5", "neg"], ["addmask"])]
+  h = "h0"
+  for li in range(layers):
+    p = f"L{li}_"
+    qkv = _linear(nodes, inits, h, p + "qkv", hid, 3 * hid)
+    nodes.append(N("Split", [qkv, "split3"], [p + "q", p + "k", p + "v"], axis=-1))
+    for t, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+      nodes += [N("Reshape", [p + t, "heads_shape"], [p + t + "r"]), N("Transpose", [p + t + "r"], [p + t + "t"], perm=perm)]
+    nodes += [N("MatMul", [p + "qt", p + "kt"], [p + "s0"]), N("Mul", [p + "s0", "scale"], [p + "s1"]), N("Add", [p + "s1", "addmask"], [p + "s2"]),
+              N("Softmax", [p + "s2"], [p + "pr"], axis=-1), N("MatMul", [p + "pr", p + "vt"], [p + "c0"]),
+              N("Transpose", [p + "c0"], [p + "c1"], perm=[0, 2, 1, 3]), N("Reshape", [p + "c1", "ctx_shape"], [p + "c2"])]
+    o = _linear(nodes, inits, p + "c2", p + "out", hid, hid)
+    nodes += [N("Add", [o, h], [p + "r1"]), *ln(p + "r1", p + "h1")]
+    f = _linear(nodes, inits, p + "h1", p + "up", hid, ffn)
+    nodes.append(N("Gelu", [f], [p + "g"]))
+    d = _linear(nodes, inits, p + "g", p + "down", ffn, hid)
+    nodes += [N("Add", [d, p + "h1"], [p + "r2"]), *ln(p + "r2", p + "h2")]
+    h = p + "h2"
+  nodes += [N("Unsqueeze", ["mf", "ax_last"], ["mf3"]), N("Mul", [h, "mf3"], ["hm"]), N("ReduceSum", ["hm", "ax1"], ["hs"], keepdims=0),
+            N("ReduceSum", ["mf", "ax1"], ["cnt"], keepdims=1), N("Div", ["hs", "cnt"], ["pooled"])]
+  feeds = {"ids": np.zeros((bs, s), np.int64), "mask": np.zeros((bs, s), np.int64)}
+  return model(nodes, feeds, {"pooled": np.float32, h: np.float32}, inits, opset=20)
+
+
+def test_bert_encoder() -> None:
+  bs, s, hid, heads, layers = 2, 16, 64, 4, 2
+  m = bert(layers, bs, s, hid, heads, 4 * hid)
+  ids = RNG.integers(0, 50, (bs, s)).astype(np.int64)
+  mask = np.ones((bs, s), np.int64)
+  mask[1, 11:] = 0
+  km = check(m, {"ids": ids, "mask": mask}, 2e-4)
+  n = len(km.plan.kernels)
+  # embedding + layernorm, the additive mask, 9 per layer (the hand-fused plan's count), the pooling (sum and count)
+  assert n <= 2 + 9 * layers + 2, km.summary()
