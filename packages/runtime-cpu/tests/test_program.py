@@ -195,6 +195,22 @@ def test_streaming_stores_right_at_any_alignment(offset: int) -> None:
   assert ("nontemporal" in prog.spec.src) == (platform.machine().lower() in ("x86_64", "amd64"))
 
 
+@pytest.mark.parametrize("mnk,opts", [
+  ((3, 3, 2), None), ((8, 16, 2), None), ((2, 3, 2), None),  # the heuristic unrolls K = 2 whole
+  ((3, 8, 4), [Opt(OptOps.UPCAST, 1, 4), Opt(OptOps.UNROLL, 2, 4), Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1)])])
+def test_packed_panel_read_after_it_is_packed(mnk: tuple[int, int, int], opts: list[Opt] | None) -> None:
+  """With the reduce axis unrolled whole, the reads of the packed panel have a constant index: they must still come after
+  the copy in each column tile (they were hoisted above it, and read stale scratch)."""
+  m, n, k = mnk
+  rng = np.random.default_rng(k)
+  a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+  c = np.zeros((m, n), np.float32)
+  prog = load(kernels.matmul(m, n, k), opts)
+  assert any(o.startswith("PACK") for o in prog.spec.applied_opts), prog.spec.applied_opts
+  prog([c.ctypes.data, a.ctypes.data, b.ctypes.data])
+  np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("m", [7, 13, 100, 1000])
 @pytest.mark.parametrize("rows", [3, 6])
 def test_overlapped_row_tile(m: int, rows: int) -> None:

@@ -29,6 +29,9 @@ class Linearizer:
     self.root = Scope(None, None)
     self.where: dict[UOp, Scope] = {}  # value -> scope holding its definition (while that scope is open)
     self.args: list[UOp] = []
+    # buffer -> the shallowest scope a read of it may go to: memory written in that scope (a packed panel) must not be
+    # read above the writes, though the read's index may be loop-invariant (one column tile, the reduce axis unrolled)
+    self.floor: dict[UOp, Scope] = {}
 
   def _visible(self, u: UOp, scope: Scope) -> Scope | None:
     s = self.where.get(u)
@@ -55,6 +58,8 @@ class Linearizer:
           ss = self.root if s.op is Ops.CONST else self._visible(s, scope)
           assert ss is not None, f"source {s.op} of {n.op} is not defined"
           if ss.depth > target.depth: target = ss
+        if n.op is Ops.LOAD and n.src[0].op is Ops.INDEX and (f := self.floor.get(n.src[0].src[0])) is not None and not f.closed:
+          if f.depth > target.depth: target = f
       target.items.append(n)
       self.where[n] = target
     return self.where.get(u, self.root)

@@ -57,6 +57,7 @@ class Packer:
     inner = ctx.lin.open(scope, lv)
     src = simplify_indices(substitute(ld, {**subst, k: lv}))
     self.packed[ld] = (k, base, w)
+    ctx.lin.floor[scratch_ptr(ld.dtype)] = scope  # the panel is read after this copy
     self.threads = threads
     st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + lane)), src)), ctx.vec)
     for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)

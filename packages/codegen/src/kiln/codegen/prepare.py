@@ -42,8 +42,8 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   if not reads_stored(ast):
     # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
     # recomputes, bit for bit the same, a few elements the tile before it stored (1000x1000 matmul: 230 -> 300 GFLOP/s
-    # against a scalar tail; AVX2's 6-row tile on one Zen 3 core (LLVM: znver3): 1024 rows 78 -> 85 GFLOP/s, 2048 rows 71 -> 86, against 4 rows). Where a split puts
-    # those two tiles on two threads, both write the same bytes.
+    # against a scalar tail; AVX2's 6-row tile against 4 rows on one Zen 3 core: 1024 rows 78 -> 85 GFLOP/s, 2048 rows
+    # 71 -> 86). Where a split puts those two tiles on two threads, both write the same bytes.
     shifted = {}
     for r, w in split:
       size = axis_size(r)
