@@ -246,13 +246,49 @@ def bert(layers: int, bs: int, s: int, hid: int, heads: int, ffn: int, vocab: in
   return model(nodes, feeds, {"pooled": np.float32, h: np.float32}, inits, opset=20)
 
 
-def test_bert_encoder() -> None:
-  bs, s, hid, heads, layers = 2, 16, 64, 4, 2
+@pytest.mark.parametrize("hid,heads", [(64, 4), (384, 12)])
+def test_bert_encoder(hid: int, heads: int) -> None:
+  bs, s, layers = 2, 16, 2
   m = bert(layers, bs, s, hid, heads, 4 * hid)
   ids = RNG.integers(0, 50, (bs, s)).astype(np.int64)
   mask = np.ones((bs, s), np.int64)
   mask[1, 11:] = 0
   km = check(m, {"ids": ids, "mask": mask}, 2e-4)
-  n = len(km.plan.kernels)
-  # embedding + layernorm, the additive mask, 9 per layer (the hand-fused plan's count), the pooling (sum and count)
-  assert n <= 2 + 9 * layers + 2, km.summary()
+  # embedding + layernorm, the additive mask, 9 per layer (the hand-fused plan's count), the masked mean pooling
+  assert len(km.plan.kernels) == 1 + 1 + 9 * layers + 1, km.summary()
+
+
+# ---- convolutions and pooling ----
+@pytest.mark.parametrize("attrs", [{}, {"pads": [1, 1, 1, 1]}, {"strides": [2, 2], "pads": [1, 0, 1, 2]}, {"dilations": [2, 1]},
+                                   {"group": 2}, {"auto_pad": "SAME_UPPER", "strides": [2, 2]}])
+def test_conv(attrs: dict) -> None:
+  x = f32(2, 4, 9, 8)
+  w, b = f32(6, 4 // attrs.get("group", 1), 3, 3), f32(6)
+  check(model([N("Conv", ["x", "w", "b"], ["y"], **attrs)], {"x": x}, {"y": np.float32}, {"w": w, "b": b}), {"x": x}, 1e-4, kernels=1)
+
+
+@pytest.mark.parametrize("op,attrs", [("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+                                      ("MaxPool", {"kernel_shape": [2, 2]}), ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
+                                      ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+                                      ("AveragePool", {"kernel_shape": [2, 3], "strides": [2, 1]}), ("GlobalAveragePool", {}),
+                                      ("GlobalMaxPool", {})])
+def test_pool(op: str, attrs: dict) -> None:
+  x = f32(2, 3, 7, 6)
+  check(model([N(op, ["x"], ["y"], **attrs)], {"x": x}, {"y": np.float32}), {"x": x}, 1e-5, kernels=1)
+
+
+def test_small_cnn() -> None:
+  """conv + batch norm + relu, max pool, conv + batch norm + relu, global average pool, flatten, linear (Gemm)."""
+  def bn(c: int, name: str) -> dict:
+    return {f"{name}_s": f32(c, lo=0.5, hi=1.5), f"{name}_b": f32(c, lo=-0.2, hi=0.2), f"{name}_m": f32(c, lo=-0.2, hi=0.2),
+            f"{name}_v": f32(c, lo=0.5, hi=2)}
+  inits = {"w1": f32(8, 3, 3, 3, lo=-0.3, hi=0.3), "w2": f32(16, 8, 3, 3, lo=-0.2, hi=0.2), "fc_w": f32(10, 16), "fc_b": f32(10),
+           **bn(8, "bn1"), **bn(16, "bn2")}
+  nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c1", "bn1_s", "bn1_b", "bn1_m", "bn1_v"], ["b1"]),
+           N("Relu", ["b1"], ["r1"]), N("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c2", "bn2_s", "bn2_b", "bn2_m", "bn2_v"], ["b2"]),
+           N("Relu", ["b2"], ["r2"]), N("GlobalAveragePool", ["r2"], ["g"]), N("Flatten", ["g"], ["f"]),
+           N("Gemm", ["f", "fc_w", "fc_b"], ["y"], transB=1)]
+  x = f32(4, 3, 16, 16)
+  # conv+bn+relu, the max pool, conv+bn+relu, the global pool (a reduction feeding the linear layer's), the linear layer
+  check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-4, kernels=5)

@@ -342,6 +342,68 @@ def _minmax(kind: str) -> Callable[[_Node], Value]:
   return run
 
 
+def _spatial(n: _Node, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+  """strides, dilations and (before, after) pads of a conv or pool node, auto_pad resolved."""
+  d = len(kernel)
+  st, dl = list(n.attr("strides") or [1] * d), list(n.attr("dilations") or [1] * d)
+  if n.attr("ceil_mode", 0): raise n.error("attribute ceil_mode=1 is not supported")
+  auto = n.attr("auto_pad", "NOTSET")
+  if auto in ("NOTSET", "VALID"):
+    p = list(n.attr("pads") or [0] * (2 * d)) if auto == "NOTSET" else [0] * (2 * d)
+    return st, dl, list(zip(p[:d], p[d:]))
+  if auto not in ("SAME_UPPER", "SAME_LOWER"): raise n.error(f"attribute auto_pad={auto!r} is not supported")
+  pads = []
+  for size, k, s_, q in zip(x.shape[2:], kernel, st, dl):
+    total = max((-(-size // s_) - 1) * s_ + (k - 1) * q + 1 - size, 0)
+    small = total // 2
+    pads.append((small, total - small) if auto == "SAME_UPPER" else (total - small, small))
+  return st, dl, pads
+
+
+def _conv(n: _Node) -> Value:
+  x, w = n.t(0), n.t(1)
+  kernel = list(n.attr("kernel_shape") or w.shape[2:])
+  if tuple(kernel) != w.shape[2:]: raise n.error(f"kernel_shape {kernel} differs from the weight's {w.shape[2:]}")
+  st, dl, pads = _spatial(n, x, kernel)
+  b = n.t(2) if len(n.ins) > 2 and n.ins[2] is not None else None
+  return x.conv2d(w, b, st, pads, dl, int(n.attr("group", 1)))
+
+
+def _pool(kind: str) -> Callable[[_Node], Value]:
+  def run(n: _Node) -> Value:
+    if len(n.proto.output) > 1 and n.proto.output[1]: raise n.error("the Indices output is not supported")
+    x = n.t(0)
+    kernel = list(n.attr("kernel_shape") or [])
+    if not kernel: raise n.error("attribute kernel_shape is required")
+    if n.attr("storage_order", 0): raise n.error("attribute storage_order=1 is not supported")
+    st, dl, pads = _spatial(n, x, kernel)
+    if kind == "max": return x.max_pool(kernel, st, pads, dl)
+    return x.avg_pool(kernel, st, pads, bool(n.attr("count_include_pad", 0)), dl)
+  return run
+
+
+def _global_pool(kind: str) -> Callable[[_Node], Value]:
+  def run(n: _Node) -> Value:
+    x = n.t(0)
+    return getattr(x, kind)(tuple(range(2, x.ndim)), True)
+  return run
+
+
+def _batchnorm(n: _Node) -> Value:
+  if n.attr("training_mode", 0): raise n.error("attribute training_mode=1 is not supported (inference only)")
+  if len(n.proto.output) > 1 and any(n.proto.output[1:]): raise n.error("the running mean/var outputs are not supported (inference only)")
+  n.attr("momentum")
+  x, eps = n.t(0), float(n.attr("epsilon", 1e-5))
+  shape = (1, -1) + (1,) * (x.ndim - 2)
+  vals = n.ins[1:5]
+  if all(isinstance(v, np.ndarray) for v in vals):  # constant statistics fold into one multiply-add per channel
+    sc, b, mu, var = (np.asarray(v, np.float64) for v in vals)  # type: ignore[arg-type]
+    a = sc / np.sqrt(var + eps)
+    return x * Tensor(a.astype(np.float32).reshape(shape)) + Tensor((b - mu * a).astype(np.float32).reshape(shape))
+  sc_t, b_t, mu_t, var_t = (n.t(i).reshape(shape) for i in range(1, 5))
+  return (x - mu_t) * (var_t + eps).rsqrt() * sc_t + b_t
+
+
 # op -> (handler, its attributes); a handler taking `onnx` gets the module too
 _OPS: dict[str, tuple[Callable[..., Any], frozenset[str]]] = {}
 
@@ -377,6 +439,11 @@ _op("Gather", _gather, "axis"); _op("Flatten", _flatten, "axis"); _op("Identity"
 _op("Dropout", _dropout, "seed"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
 _op("ConstantOfShape", _constant_of_shape, "value"); _op("Range", _range)
 _op("Shape", lambda n: np.asarray(n.ins[0].shape if n.ins[0] is not None else (), np.int64)[n.attr("start", 0):n.attr("end")], "start end")
+_op("Conv", _conv, "auto_pad dilations group kernel_shape pads strides")
+_op("MaxPool", _pool("max"), "auto_pad ceil_mode dilations kernel_shape pads storage_order strides")
+_op("AveragePool", _pool("avg"), "auto_pad ceil_mode count_include_pad dilations kernel_shape pads strides")
+_op("GlobalAveragePool", _global_pool("mean")); _op("GlobalMaxPool", _global_pool("max"))
+_op("BatchNormalization", _batchnorm, "epsilon momentum training_mode")
 _WITH_ONNX = {"Cast", "Constant", "ConstantOfShape"}
 
 

@@ -169,6 +169,12 @@ class Renderer:
     if kind == "expand": return self.render(s, tuple(ZERO if sd == 1 else i for i, sd in zip(idx, s.shape)))
     if kind == "shrink":  # p: (start, step) per dim
       return self.render(s, tuple(ZERO if sd == 1 else i * st + b for i, (b, st), sd in zip(idx, p, s.shape)))
+    if kind == "window":  # p: (stride, dilation) per window dim; n.shape = (*lead, *out, *kernel), src = (*lead, *in)
+      d = len(p)
+      lead = len(s.shape) - d
+      outs, ks = idx[lead:lead + d], idx[lead + d:]
+      win = tuple(o * st + k * dl if sd != 1 else ZERO for o, k, (st, dl), sd in zip(outs, ks, p, s.shape[lead:]))
+      return self.render(s, (*idx[:lead], *win))
     if kind == "pad":  # p: (before per dim, value)
       before, value = p
       valid: UOp | None = None

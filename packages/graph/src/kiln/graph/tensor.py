@@ -333,6 +333,60 @@ class Tensor:
     shape = tuple(d + b + a for d, (b, a) in zip(self.shape, pads))
     return self if shape == self.shape else self._view("pad", (tuple(b for b, _ in pads), value), shape)
 
+  # ---- windows: convolution and pooling ----
+  def windows(self, kernel: Sequence[int], stride: Sequence[int] | None = None, dilation: Sequence[int] | None = None) -> Tensor:
+    """(*lead, *spatial) -> (*lead, *out, *kernel): every window of the trailing len(kernel) axes, as index arithmetic."""
+    d = len(kernel)
+    st, dl = list(stride or [1] * d), list(dilation or [1] * d)
+    if d > self.ndim or len(st) != d or len(dl) != d or min([*kernel, *st, *dl], default=1) < 1:
+      raise GraphError(f"windows: kernel {list(kernel)}, stride {st}, dilation {dl} do not fit {self.shape}")
+    sp = self.shape[self.ndim - d:]
+    out = tuple((n - (k - 1) * q - 1) // s + 1 for n, k, s, q in zip(sp, kernel, st, dl))
+    if min(out, default=1) < 1: raise GraphError(f"windows: kernel {list(kernel)} (dilation {dl}) is larger than the input {self.shape}")
+    shape = self.shape[:self.ndim - d] + out + tuple(kernel)
+    return self._view("window", tuple(zip(st, dl)), shape)
+
+  def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: Sequence[int] | int = 1, padding: Sequence[tuple[int, int]] | int = 0,
+             dilation: Sequence[int] | int = 1, groups: int = 1) -> Tensor:
+    """N-d convolution (torch's conv2d for 2 spatial dims): x (N, C, *sp), weight (O, C/groups, *k), padding (before, after) per dim."""
+    d = weight.ndim - 2
+    if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
+    n, c = self.shape[:2]
+    o, cg = weight.shape[:2]
+    if groups < 1 or c % groups or o % groups or cg * groups != c:
+      raise GraphError(f"conv: input {self.shape}, weight {weight.shape} and groups={groups} do not fit (C = C/groups * groups)")
+    st = [stride] * d if isinstance(stride, int) else list(stride)
+    dl = [dilation] * d if isinstance(dilation, int) else list(dilation)
+    pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
+    x = self.pad(((0, 0), (0, 0), *pads)).windows(weight.shape[2:], st, dl)  # (N, C, *out, *k)
+    out = x.shape[2:2 + d]
+    x = x.reshape(n, groups, cg, *out, *weight.shape[2:]).permute(0, 1, *range(3, 3 + d), 2, *range(3 + d, 3 + 2 * d))  # (N, g, *out, C/g, *k)
+    x = x.unsqueeze(2)  # (N, g, 1, *out, C/g, *k)
+    w = weight.reshape(1, groups, o // groups, *([1] * d), cg, *weight.shape[2:])
+    y = (x * w).sum(tuple(range(3 + d, 4 + 2 * d))).reshape(n, o, *out)
+    return y if bias is None else y + bias.reshape(1, o, *([1] * d))
+
+  def max_pool(self, kernel: Sequence[int], stride: Sequence[int] | None = None, padding: Sequence[tuple[int, int]] | None = None,
+               dilation: Sequence[int] | None = None) -> Tensor:
+    d = len(kernel)
+    pads = list(padding or [(0, 0)] * d)
+    x = self.pad(((0, 0),) * (self.ndim - d) + tuple(pads), -math.inf if self.dtype.is_float else self.dtype.min)
+    return x.windows(kernel, stride or kernel, dilation).max(tuple(range(self.ndim, self.ndim + d)))
+
+  def avg_pool(self, kernel: Sequence[int], stride: Sequence[int] | None = None, padding: Sequence[tuple[int, int]] | None = None,
+               count_include_pad: bool = True, dilation: Sequence[int] | None = None) -> Tensor:
+    d = len(kernel)
+    pads = list(padding or [(0, 0)] * d)
+    st, dl = list(stride or kernel), list(dilation or [1] * d)
+    x = self.float().pad(((0, 0),) * (self.ndim - d) + tuple(pads)).windows(kernel, st, dl)
+    s = x.sum(tuple(range(self.ndim, self.ndim + d)))
+    if count_include_pad or not any(b or a for b, a in pads): return s * (1 / prod(kernel))
+    counts = np.ones((), np.float32)  # valid elements per window, an outer product over the spatial dims
+    for n, k, (b, _), o, step, q in zip(self.shape[self.ndim - d:], kernel, pads, s.shape[self.ndim - d:], st, dl):
+      pos = np.arange(o)[:, None] * step + np.arange(k)[None, :] * q - b
+      counts = np.multiply.outer(counts, ((pos >= 0) & (pos < n)).sum(1).astype(np.float32))
+    return s / Tensor(counts.astype(np.float32))
+
   @staticmethod
   def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
     ts = list(tensors)
