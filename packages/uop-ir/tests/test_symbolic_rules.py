@@ -53,8 +53,27 @@ FAMILIES = {
      lambda: V("i", 0, 9) * 8 + V("j", 0, 3) * 2),
     ("ceil side: x//2 + (x+1)//2, x <= -2", lambda: V("x", -50, -2) // 2 + (V("x", -50, -2) + 1) // 2, lambda: V("x", -50, -2) + 1),
   ],
+  "compare": [
+    ("(4i + f) < 512", lambda: (V("i", 0, 1000) * 4 + V("f", 0, 3)) < 512, lambda: V("i", 0, 1000) < 128),
+    ("(6i + 2j + 3) < 40", lambda: (V("i", 0, 99) * 6 + V("j", 0, 2) * 2 + 3) < 40, lambda: V("i", 0, 99) * 3 + V("j", 0, 2) < 19),
+    ("(8i + 4j + k) < 20, k in [0, 3]", lambda: (V("i", 0, 9) * 8 + V("j", 0, 1) * 4 + V("k", 0, 3)) < 20,
+     lambda: V("i", 0, 9) * 2 + V("j", 0, 1) < 5),
+    ("i//4 < 3", lambda: V("i", 0, 1000) // 4 < 3, lambda: V("i", 0, 1000) < 12),
+    ("x//4 < -1", lambda: V("x", -50, 50) // 4 < -1, lambda: V("x", -50, 50) < -7),
+    ("x//4 < 0", lambda: V("x", -50, 50) // 4 < 0, lambda: V("x", -50, 50) < -3),
+    ("2 < x//4", lambda: 2 < V("x", -50, 50) // 4, lambda: 11 < V("x", -50, 50)),
+    ("-a < -b", lambda: -V("a", 0, 10) < -V("b", 0, 10), lambda: V("b", 0, 10) < V("a", 0, 10)),
+    ("-2i < -5", lambda: V("i", 0, 9) * -2 < -5, lambda: 2 < V("i", 0, 9)),
+    ("3 < 8 - 4i", lambda: 3 < 8 - V("i", 0, 9) * 4, lambda: V("i", 0, 9) < 2),
+    ("(x//-4) < -2: through a negative divisor", lambda: V("x", 0, 99) // -4 < -2, lambda: 11 < V("x", 0, 99)),
+  ],
 }
 NOT_FIRING = [
+  ("(4i + f) < 513: f decides at i = 128", lambda: (V("i", 0, 1000) * 4 + V("f", 0, 3)) < 513),
+  ("i < n", lambda: V("i", 0, 9) < V("n", 1, 10)),
+  ("-a < b: mixed signs", lambda: V("a", 0, 10) * -1 < V("b", 0, 10)),
+  ("x//y < 3: y not a constant", lambda: V("x", 0, 99) // V("y", 1, 9) < 3),
+  ("4w < 8: 4w may wrap", lambda: V("w", 0, 2**30) * 4 < 8),
   ("x//2 + (x+1)//2 crosses zero", lambda: V("x", -5, 5) // 2 + (V("x", -5, 5) + 1) // 2),
   ("x//4 + (x+1)//4 + (x+2)//4: a residue missing", lambda: V("x", 0, 50) // 4 + (V("x", 0, 50) + 1) // 4 + (V("x", 0, 50) + 2) // 4),
   ("x%4 + (x//4)*8: not 4 times", lambda: V("x", 0, 50) % 4 + (V("x", 0, 50) // 4) * 8),
@@ -125,7 +144,7 @@ def index_expr(draw, dt: DType, vs: dict[str, UOp], depth: int = 4) -> UOp:
     return vs[draw(st.sampled_from(sorted(vs)))]
   if depth == 0: return leaf()
   kind = draw(st.sampled_from(["affine", "affine", "div", "mod", "div", "mod", "add", "mul", "neg", "leaf", "where", "cmp", "hermite",
-                               "recombine", "max"]))
+                               "recombine", "max", "divcmp", "divcmp"]))
   sub = lambda: draw(index_expr(dt, vs, depth - 1))  # noqa: E731
   if kind == "leaf": return leaf()
   if kind == "affine": return sub() * draw(st.integers(-12, 12)) + sub() * draw(st.integers(-4, 4)) + draw(st.integers(-40, 40))
@@ -141,6 +160,9 @@ def index_expr(draw, dt: DType, vs: dict[str, UOp], depth: int = 4) -> UOp:
     x, y = sub(), (UOp.const(dt, draw(st.integers(-30, 60))) if draw(st.booleans()) else sub())
     c = x < y if draw(st.booleans()) else y < x
     return c.where(sub(), sub())
+  if kind == "divcmp":  # a quotient against a small constant, either side
+    q, k = sub() // draw(st.sampled_from([2, 3, 4, -4])), UOp.const(dt, draw(st.integers(-3, 3)))
+    return (q < k if draw(st.booleans()) else k < q).where(sub(), sub())
   if kind == "where":
     c = sub() < sub()
     op = draw(st.sampled_from([Ops.ADD, Ops.MAX, Ops.MUL]))

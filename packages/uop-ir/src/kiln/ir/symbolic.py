@@ -250,6 +250,64 @@ def cmp_mul(x: UOp, c1: UOp, c2: UOp) -> UOp | None:
   return x < UOp.const(dt, -((-c2.arg) // c1.arg))
 
 
+def _lt_reduce(terms: list[tuple[UOp, int]], k: int) -> tuple[list[tuple[UOp, int]], int]:
+  """sum(terms) < k as sum(A) < k': the terms whose coefficients share a factor d > 1 divided by it, when the others (R) cannot
+  decide: with no multiple of d in [k - max R, k - min R - 1], d*A + R < k iff d*A + min R < k iff A < ceil((k - min R) / d)."""
+  if (big := [abs(c) for _, c in terms if abs(c) > 1]) and (d := math.gcd(*big)) > 1:
+    rlo, rhi = _sum_range([(b, c) for b, c in terms if c % d], 0)
+    if -((rhi - k) // d) * d > k - rlo - 1: return [(b, c // d) for b, c in terms if c % d == 0], -((rlo - k) // d)
+  return terms, k
+
+
+def _lt_out(dt: DType, a: list[tuple[UOp, int]], k: int, const_left: bool) -> UOp | None:
+  """sum(a) < k, built with positive coefficients where it can: all negative turns round (-P < k <=> -k < P); mixed keeps the
+  side the constant was on. None when a constant or a sum would not fit dt."""
+  flip = all(c < 0 for _, c in a) or (const_left and not all(c > 0 for _, c in a))
+  lo, hi = _sum_range(a, 0)
+  if not (_fits(dt, -k, -k) and _fits(dt, -hi, -lo)) if flip else not (_fits(dt, k, k) and _fits(dt, lo, hi)): return None
+  return UOp.const(dt, -k) < _build(dt, [(b, -c) for b, c in a], 0) if flip else _build(dt, a, 0) < UOp.const(dt, k)
+
+
+def lt_const(x: UOp, c: UOp) -> UOp | None:
+  """x < c for a linear x that cannot wrap: the constant moved right, a common factor divided out ((4i + f) < 512 -> i < 128
+  for f in [0, 3]), an all-negative sum turned round."""
+  if not _sint(x) or (t := _terms(x)) is None or not t[0] or not _fits(x.dtype, *_sum_range(*t)): return None
+  return _lt_out(x.dtype, *_lt_reduce(t[0], c.arg - t[1]), False)
+
+
+def const_lt(c: UOp, x: UOp) -> UOp | None:
+  """c < x as -x < -c, reduced as lt_const, kept with the constant on the left."""
+  if not _sint(x) or (t := _terms(x)) is None or not t[0] or not _fits(x.dtype, *_sum_range(*t)): return None
+  return _lt_out(x.dtype, *_lt_reduce([(b, -k) for b, k in t[0]], t[1] - c.arg), True)
+
+
+def neg_lt(x: UOp, y: UOp) -> UOp | None:
+  """-a < -b -> b < a: x < y iff -y < -x, when both sides are sums of negative terms only and their negations cannot wrap."""
+  if not _sint(x) or (tx := _terms(x)) is None or (ty := _terms(y)) is None or not tx[0] or not ty[0]: return None
+  if any(k > 0 for _, k in tx[0] + ty[0]) or not all(_fits(x.dtype, *_sum_range(*t)) for t in (tx, ty)): return None
+  negs = [([(b, -k) for b, k in t[0]], -t[1]) for t in (tx, ty)]
+  if not all(_fits(x.dtype, *_sum_range(*t)) for t in negs): return None
+  return _build(x.dtype, *negs[1]) < _build(x.dtype, *negs[0])
+
+
+def _div_lt(k: int, c: int) -> int:
+  """trunc(x / c) < k iff x < _div_lt(k, c), for c > 0: k*c when k >= 1 (the quotient reaches k at x = k*c), else (k-1)*c + 1
+  (a quotient <= k-1 <= -1 needs x <= (k-1)*c)."""
+  return k * c if k >= 1 else (k - 1) * c + 1
+
+
+def div_lt(x: UOp, c: UOp, k: UOp) -> UOp | None:
+  """x // c < k -> x < k*c (so i//4 < 3 -> i < 12), c > 0."""
+  if not _sint(x) or c.arg <= 0 or not _fits(x.dtype, b := _div_lt(k.arg, c.arg), b): return None
+  return x < UOp.const(x.dtype, b)
+
+
+def lt_div(k: UOp, x: UOp, c: UOp) -> UOp | None:
+  """k < x // c iff not (x // c < k + 1) iff x >= _div_lt(k + 1, c), c > 0."""
+  if not _sint(x) or c.arg <= 0 or not _fits(x.dtype, b := _div_lt(k.arg + 1, c.arg) - 1, b): return None
+  return UOp.const(x.dtype, b) < x
+
+
 def cast_cast(o: UOp, i: UOp, x: UOp) -> UOp | None:
   """cast(cast(x, A), B) -> cast(x, B) when the inner cast keeps every value of x exactly."""
   sd, ad = x.dtype, i.dtype
@@ -312,8 +370,15 @@ bounded = PatternMatcher([
   # max decided by bounds
   (UPat(Ops.MAX, src=(V("x"), V("y"))),
    lambda x, y: (x if x.vmin >= y.vmax else y if y.vmin >= x.vmax else None) if _int(x) else None),
-  # comparisons: x < x, x + c1 < c2, x * c1 < c2
+  # comparisons: x < x
   (V("x") < V("x"), lambda x: UOp.const(dtypes.bool, False) if _intb(x) else None),
+  # signed: through sums (constants right, common factors out, signs positive) and through a division by a constant
+  ((V("x") // C("c")) < C("k"), div_lt),
+  (C("k") < (V("x") // C("c")), lt_div),
+  (V("x") < C("c"), lt_const),
+  (C("c") < V("x"), const_lt),
+  (V("x") < V("y"), neg_lt),
+  # unsigned too: x + c1 < c2, x * c1 < c2
   ((V("x") + C("c1")) < C("c2"), cmp_add),
   ((V("x") * C("c1")) < C("c2"), cmp_mul),
 ])
