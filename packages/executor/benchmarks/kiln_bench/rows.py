@@ -431,8 +431,9 @@ class Bench:
       if mem.kiln is None: mem.status, mem.note = "ERROR", "the MLP plan was not built"
       else: mem.status = "-"
       self.rows.append(mem)
-    from kiln_bench import models
+    from kiln_bench import graph_rows, models
     models.run(self)
+    graph_rows.run(self)  # imports kiln.graph inside its rows only
 
 # ---- the table ----
 COLS = ("work", "kiln", "numpy", "numba", "tinygrad", "torch", "onnxruntime", "kiln/numpy", "achieved", "limit", "target", "status")
