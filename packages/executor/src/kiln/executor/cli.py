@@ -1,4 +1,6 @@
-"""The `kiln` command: `kiln info`, `kiln demo`, `kiln bench`."""
+"""The `kiln` command: `kiln info`, `kiln demo`, `kiln bench`, and the commands other kiln layers add through the entry-point
+group `kiln.commands` (`kiln run`, from kiln-graph): an entry point names a `main(argv) -> int`. The executor never imports
+those layers itself; it finds them installed, as it finds runtimes through `kiln.devices`."""
 from __future__ import annotations
 
 import argparse
@@ -81,16 +83,38 @@ def bench(argv: Sequence[str]) -> int:
   return int(importlib.import_module(BENCH_MODULE).main(list(argv)) or 0)
 
 
+BUILTIN = ("info", "demo", "bench")
+
+
+def plugin_commands() -> dict[str, Any]:
+  """The `kiln.commands` entry points of the installed distributions, by name; a built-in name cannot be taken."""
+  from importlib.metadata import entry_points
+  return {ep.name: ep for ep in entry_points(group="kiln.commands") if ep.name not in BUILTIN}
+
+
+def _plugin(ep: Any, argv: Sequence[str]) -> int:
+  dist = getattr(getattr(ep, "dist", None), "name", None) or "its distribution"
+  try: fn = ep.load()
+  except Exception as e:  # an installed layer that cannot import (a missing extra, a broken install) is a message, not a traceback
+    print(f"kiln {ep.name}: the command from {dist} cannot be loaded ({type(e).__name__}: {e})", file=sys.stderr)
+    return 2
+  return int(fn(list(argv)) or 0)
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime")
   sub = ap.add_subparsers(dest="cmd")
   sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache")
   sub.add_parser("demo", help="run the MLP inference demo", add_help=False)
   sub.add_parser("bench", help="run the benchmarks (from a kiln checkout)", add_help=False)
+  plugins = plugin_commands()
+  for name, ep in sorted(plugins.items()):
+    sub.add_parser(name, help=f"from {getattr(getattr(ep, 'dist', None), 'name', None) or 'an installed layer'} (kiln {name} --help)", add_help=False)
   args, rest = ap.parse_known_args(argv)
   if args.cmd in (None, "info"):
     if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return info()
+  if args.cmd in plugins: return _plugin(plugins[args.cmd], rest)
   return bench(rest) if args.cmd == "bench" else _dispatch(args.cmd, rest)
 
 

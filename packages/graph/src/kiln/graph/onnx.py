@@ -447,6 +447,50 @@ _op("BatchNormalization", _batchnorm, "epsilon momentum training_mode")
 _WITH_ONNX = {"Cast", "Constant", "ConstantOfShape"}
 
 
+# ---- initializers stored as external data: mapped, never read in ----
+_EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}
+
+
+def _external(init: Any, base: str | None, onnx: Any) -> np.ndarray:
+  """An initializer whose bytes live in a file beside the model, as a read-only numpy.memmap of exactly its region (no
+  read until a kernel touches a page). The model is untrusted: the location must stay inside the model's directory, and
+  offset and length must be integers that fit the file and match the tensor's dims and dtype."""
+  where = f"initializer {init.name!r} (external data)"
+  if base is None: raise ONNXError(f"{where}: external data needs the model's path (load it from a file, not bytes or a ModelProto)")
+  info: dict[str, str] = {}
+  for e in init.external_data:
+    if e.key not in _EXTERNAL_KEYS: raise ONNXError(f"{where}: unknown external_data key {e.key!r}")
+    info[e.key] = e.value
+  loc = info.get("location", "")
+  if not loc or os.path.isabs(loc) or ".." in loc.replace("\\", "/").split("/"):
+    raise ONNXError(f"{where}: location {loc!r} must be a relative path inside the model's directory")
+  path = os.path.realpath(os.path.join(base, loc))
+  if os.path.commonpath([path, os.path.realpath(base)]) != os.path.realpath(base):
+    raise ONNXError(f"{where}: location {loc!r} leaves the model's directory")
+  if not os.path.isfile(path): raise ONNXError(f"{where}: data file {loc!r} does not exist")
+  try: dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
+  except Exception as e: raise ONNXError(f"{where}: element type {init.data_type} is not supported") from e
+  if dt.kind not in "biuf" or init.data_type == onnx.TensorProto.BFLOAT16: raise ONNXError(f"{where}: element type {dt} is not supported")
+  dims = [int(d) for d in init.dims]
+  if any(d < 0 for d in dims): raise ONNXError(f"{where}: negative dim in {dims}")
+  need = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+  def field(key: str, default: int | None) -> int | None:
+    if key not in info: return default
+    try: v = int(info[key])
+    except ValueError: raise ONNXError(f"{where}: {key} {info[key]!r} is not an integer") from None
+    if v < 0: raise ONNXError(f"{where}: {key} {v} is negative")
+    return v
+  offset, length = field("offset", 0), field("length", None)
+  assert offset is not None
+  if length is not None and length != need:
+    raise ONNXError(f"{where}: length {length} bytes, but dims {dims} of {dt} take {need}")
+  size = os.path.getsize(path)
+  if offset + need > size:
+    raise ONNXError(f"{where}: bytes {offset}..{offset + need} of {loc!r} are needed, the file has {size} (truncated or a bad offset)")
+  if need == 0: return np.zeros(dims, dt)
+  return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=tuple(dims))
+
+
 class Model:
   """A loaded ONNX model: `run(feeds) -> {output name: array}`, `plan` (its ExecutionPlan, None when every output is a
   constant), `summary()`."""
@@ -461,13 +505,24 @@ class Model:
   def plan(self) -> Any: return None if self.compiled is None else self.compiled.plan
 
   def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return self._run(feeds, False)[0]
+
+  def run_profiled(self, feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Any]:
+    """run, kernel by kernel with each kernel timed: (outputs, the plan's Profile; None when no kernel runs)."""
+    return self._run(feeds, True)
+
+  def _run(self, feeds: Mapping[str, np.ndarray], profile: bool) -> tuple[dict[str, np.ndarray], Any]:
     for name, shape, dt in self.inputs:
       if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
+    prof = None
     try:
-      got = self.compiled.run(feeds) if self.compiled is not None else []
+      got: list[np.ndarray] = []
+      if self.compiled is None: pass
+      elif profile: got, prof = self.compiled.run_profiled(feeds)
+      else: got = self.compiled.run(feeds)
     except GraphError as e: raise ONNXError(str(e)) from e
     out = dict(zip(self._computed, got))
-    return {n: out[n] if n in out else self._consts[n].copy() for n in self.output_names}
+    return {n: out[n] if n in out else self._consts[n].copy() for n in self.output_names}, prof
 
   def summary(self) -> str:
     lines = [f"ONNX model: opset {self.opset}, {self.nodes} nodes; inputs " +
@@ -483,17 +538,39 @@ class Model:
   __str__ = summary
 
 
+def _check(onnx: Any, m: Any) -> None:
+  """onnx.checker on the model, its external initializers' file entries hidden meanwhile: the checker would resolve them
+  against the working directory; _external checks them against the model's own directory instead."""
+  hidden = []
+  for init in m.graph.initializer:
+    if init.data_location == onnx.TensorProto.EXTERNAL:
+      hidden.append((init, [(e.key, e.value) for e in init.external_data], list(init.dims)))
+      del init.external_data[:], init.dims[:]
+      init.data_location = onnx.TensorProto.DEFAULT
+      init.raw_data = b"\0" * 16  # a scalar stands in (the checker wants a value field of the declared size; no copy of the file)
+  try: onnx.checker.check_model(m)
+  finally:
+    for init, entries, dims in hidden:
+      init.data_location = onnx.TensorProto.EXTERNAL
+      init.ClearField("raw_data")
+      init.dims.extend(dims)
+      for k, v in entries: init.external_data.add(key=k, value=v)
+
+
 def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None) -> Model:
   """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
 
   dims gives the value of every named (symbolic) input dim, e.g. {"batch": 8, "seq": 128}: kiln compiles for those sizes."""
   onnx = _onnx()
+  base: str | None = None
   try:
-    if isinstance(model, (str, os.PathLike)): m = onnx.load(os.fspath(model))
+    if isinstance(model, (str, os.PathLike)):  # external data is mapped below, never read in here
+      m = onnx.load(os.fspath(model), load_external_data=False)
+      base = os.path.dirname(os.path.abspath(os.fspath(model)))
     elif isinstance(model, (bytes, bytearray)): m = onnx.load_from_string(bytes(model))
     elif isinstance(model, onnx.ModelProto): m = model
     else: raise ONNXError(f"load takes a path, bytes or an onnx.ModelProto, got {type(model).__name__}")
-    onnx.checker.check_model(m)
+    _check(onnx, m)
   except ONNXError: raise
   except Exception as e:  # a model is untrusted input: protobuf decode errors, checker failures, missing files
     raise ONNXError(f"not a valid ONNX model: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
@@ -501,6 +578,9 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
   g = m.graph
   env: dict[str, Value] = {}
   for init in g.initializer:
+    if init.data_location == onnx.TensorProto.EXTERNAL:
+      env[init.name] = _external(init, base, onnx)
+      continue
     try: env[init.name] = onnx.numpy_helper.to_array(init).copy()
     except Exception as e: raise ONNXError(f"initializer {init.name!r} cannot be read: {e}") from e
   inputs = []

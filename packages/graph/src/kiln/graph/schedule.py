@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -162,6 +163,17 @@ class Compiled:
   def kernel_count(self) -> int: return len(self.plan.kernels)
 
   def run(self, feeds: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
+    self._feed(feeds)
+    self.plan.execute()
+    return self._outputs()
+
+  def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], Any]:
+    """run, kernel by kernel with each one timed: (outputs, the plan's Profile)."""
+    self._feed(feeds)
+    prof = self.plan.execute_profiled()
+    return self._outputs(), prof
+
+  def _feed(self, feeds: Mapping[str, np.ndarray] | None) -> None:
     feeds = dict(feeds or {})
     for i in self.inputs:
       if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {i.shape}, {i.dtype}) was not fed")
@@ -172,7 +184,8 @@ class Compiled:
           raise GraphError(f"input {i.name!r} has dtype {a.dtype}, the graph takes {i.dtype}")
         a = a.astype(i.dtype)
       self.plan.buffers[i.buf].copyin(np.ascontiguousarray(a))
-    self.plan.execute()
+
+  def _outputs(self) -> list[np.ndarray]:
     return [self.plan.buffers[b].numpy()[:int(np.prod(s, dtype=np.int64))].reshape(s).copy() for b, s in self.outputs]
 
 
