@@ -193,3 +193,30 @@ def test_brute_force_value_and_bounds(data):
     assert ev(s, env, memo) == want, f"simplify changed the value at {env}"
     for u in nodes_s:
       if u.dtype.kind in "iub": assert u.vmin <= memo[u] <= u.vmax, f"{u.op}: {memo[u]} outside [{u.vmin}, {u.vmax}] at {env}"
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_float_nodes_lose_no_rule(data):
+  """simplify tries only folding and the where/cast rules on float-valued nodes: the whole table must do no more on them."""
+  from kiln.ir.rewrite import PatternMatcher, graph_rewrite
+  from kiln.ir.symbolic import symbolic
+  i, j = V("i", 0, 9), V("j", -4, 4)
+  fts = [dtypes.float32, dtypes.float16, dtypes.float64]
+
+  def fexpr(depth: int) -> UOp:
+    f = dtypes.float32
+    kind = draw(st.sampled_from(["leaf", "leaf", "const", "bin", "bin", "where", "same_where", "cast", "unary"])) if depth else "leaf"
+    if kind == "leaf": return (i * draw(st.integers(-3, 3)) + j).cast(f) if draw(st.booleans()) else j.cast(f)
+    if kind == "const": return UOp.const(f, draw(st.sampled_from([0.0, 1.0, -1.0, 2.5])))
+    a, b = fexpr(depth - 1), fexpr(depth - 1)
+    if kind == "bin": return a.alu(draw(st.sampled_from([Ops.ADD, Ops.MUL, Ops.MAX, Ops.SUB])), b)
+    c = (i < draw(st.integers(0, 9))) if draw(st.booleans()) else (a < b)
+    if kind == "where": return c.where(a, b)
+    if kind == "same_where": return c.where(c.where(a, b), fexpr(depth - 1)) + c.where(b, a)
+    if kind == "cast": return a.cast(draw(st.sampled_from(fts))).cast(f)
+    return a.exp2() if draw(st.booleans()) else -a
+
+  draw = data.draw
+  e = fexpr(4)
+  assert graph_rewrite(e, PatternMatcher(symbolic.rules)) is simplify(e)

@@ -394,10 +394,21 @@ logic = PatternMatcher([
   (UPat(Ops.CAST, name="o", src=(UPat(Ops.CAST, name="i", src=(V("x"),)),)), cast_cast),
 ])
 
-symbolic = PatternMatcher([
-  (UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_node),
-  (UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_bounds),
-]) + ring + bounded + logic
+class _FloatsApart(PatternMatcher):
+  """A table whose float-valued nodes try only `floats`, the rules that can fire on them: every other rule is for integers
+  and bools, and matching each of them against every node of a float chain only to refuse it is most of the cost there."""
+
+  def __init__(self, rules: list, floats: PatternMatcher):
+    super().__init__(rules)
+    self.floats = floats
+
+  def rewrite(self, u: UOp, ctx: object = None) -> UOp | None:
+    return self.floats.rewrite(u, ctx) if u.dtype.kind == "f" else super().rewrite(u, ctx)
+
+
+folding = PatternMatcher([(UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_node)])
+symbolic = _FloatsApart((folding + PatternMatcher([(UPat(GroupOp.ALU | {Ops.CAST}, name="x"), fold_bounds)]) + ring + bounded + logic).rules,
+                        folding + logic)
 
 
 def simplify(u: UOp) -> UOp:
