@@ -67,8 +67,28 @@ FAMILIES = {
     ("3 < 8 - 4i", lambda: 3 < 8 - V("i", 0, 9) * 4, lambda: V("i", 0, 9) < 2),
     ("(x//-4) < -2: through a negative divisor", lambda: V("x", 0, 99) // -4 < -2, lambda: 11 < V("x", 0, 99)),
   ],
+  "where": [
+    ("c ? (c ? j : 1) : 2", lambda: (V("i", 0, 9) < 5).where((V("i", 0, 9) < 5).where(V("j", 0, 3), 1), 2),
+     lambda: (V("i", 0, 9) < 5).where(V("j", 0, 3), 2)),
+    ("c ? i : 0  +  c ? 2i : 0", lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9), 0) + (V("i", 0, 9) < 5).where(V("i", 0, 9) * 2, 0),
+     lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9) * 3, 0)),
+    ("max(c ? i : j, c ? 0 : 5)", lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9), V("j", 0, 3)).maximum((V("i", 0, 9) < 5).where(0, 5)),
+     lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9), 5)),
+    ("float: c ? x : 0 + c ? y : 0", lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9).cast(dtypes.float32), 0.0) +
+     (V("i", 0, 9) < 5).where(V("j", 0, 3).cast(dtypes.float32), 0.0),
+     lambda: (V("i", 0, 9) < 5).where(V("i", 0, 9).cast(dtypes.float32) + V("j", 0, 3).cast(dtypes.float32), 0.0)),
+  ],
+  "divisor": [
+    ("r // n, r in range(n)", lambda: UOp.range(V("n", 1, 300), 0) // V("n", 1, 300), lambda: UOp.const(dtypes.int32, 0)),
+    ("r % n", lambda: UOp.range(V("n", 1, 300), 0) % V("n", 1, 300), lambda: UOp.range(V("n", 1, 300), 0)),
+    ("(r + 1) % (n + 1)", lambda: (UOp.range(V("n", 1, 300), 0) + 1) % (V("n", 1, 300) + 1), lambda: UOp.range(V("n", 1, 300), 0) + 1),
+    ("(2r) // (2n)", lambda: (UOp.range(V("n", 1, 300), 0) * 2) // (V("n", 1, 300) * 2), lambda: UOp.const(dtypes.int32, 0)),
+  ],
 }
 NOT_FIRING = [
+  ("(r + 1) % n: r + 1 reaches n", lambda: (UOp.range(V("n", 1, 300), 0) + 1) % V("n", 1, 300)),
+  ("r % m: another loop's end", lambda: UOp.range(V("n", 1, 300), 0) % V("m", 1, 300)),
+  ("c ? a : b + d ? a : b: two conditions", lambda: (V("i", 0, 9) < 5).where(V("j", 0, 3), 1) + (V("i", 0, 9) < 6).where(V("j", 0, 3), 2)),
   ("(4i + f) < 513: f decides at i = 128", lambda: (V("i", 0, 1000) * 4 + V("f", 0, 3)) < 513),
   ("i < n", lambda: V("i", 0, 9) < V("n", 1, 10)),
   ("-a < b: mixed signs", lambda: V("a", 0, 10) * -1 < V("b", 0, 10)),
@@ -220,3 +240,20 @@ def test_float_nodes_lose_no_rule(data):
   draw = data.draw
   e = fexpr(4)
   assert graph_rewrite(e, PatternMatcher(symbolic.rules)) is simplify(e)
+
+
+def test_loop_index_below_its_end_brute_force():
+  """r // y and r % y for r a loop over n and y built from n: every (n, r) with r < n, against the model."""
+  n = V("n", 1, 12)
+  r = UOp.range(n, 0)
+  for k, m, a in itertools.product((0, 1, 2), (0, 1, 2), (1, 2, 3)):
+    for e in ((r * a + k) // (n * a + m), (r * a + k) % (n * a + m), (r + k) % (n - 1 + m).maximum(1)):
+      s = simplify(e)
+      for nv in range(1, 13):
+        for rv in range(nv):
+          memo = {r: rv}
+          want = ev(e, {"n": nv}, memo)
+          memo2 = {r: rv}
+          assert ev(s, {"n": nv}, memo2) == want, f"{k, m, a}: n={nv} r={rv}"
+          for u in s.toposort():
+            if u in memo2 and u.dtype.kind == "i": assert u.vmin <= memo2[u] <= u.vmax

@@ -250,6 +250,22 @@ def cmp_mul(x: UOp, c1: UOp, c2: UOp) -> UOp | None:
   return x < UOp.const(dt, -((-c2.arg) // c1.arg))
 
 
+def below(x: UOp, y: UOp) -> bool:
+  """0 <= x < y at every point, proven from bounds and terms: y - x > 0 with each RANGE x counts up taken at its end - 1, so a
+  loop index is below its own end (r // n -> 0 and r % n -> r for r in range(n)). Both sides must not wrap."""
+  if not _int(x) or x.vmin < 0 or (tx := _terms(x)) is None or (ty := _terms(y)) is None: return False
+  if not (_fits(x.dtype, *_sum_range(*tx)) and _fits(x.dtype, *_sum_range(*ty))): return False
+  diff: dict[UOp, int] = {}
+  for b, k in ty[0] + [(b, -k) for b, k in tx[0]]: diff[b] = diff.get(b, 0) + k
+  const = ty[1] - tx[1]
+  for b, k in list(diff.items()):  # -k*r >= -k*(end - 1) for k > 0, r a loop index counting from >= 0
+    if k < 0 and b.op is Ops.RANGE and int(b.src[0].vmin if len(b.src) == 2 else 0) >= 0 and (te := _terms(b.src[-1])) is not None:
+      del diff[b]
+      for e, c in te[0]: diff[e] = diff.get(e, 0) + k * c
+      const += k * te[1] - k
+  return _sum_range(list(diff.items()), const)[0] > 0
+
+
 def _lt_reduce(terms: list[tuple[UOp, int]], k: int) -> tuple[list[tuple[UOp, int]], int]:
   """sum(terms) < k as sum(A) < k': the terms whose coefficients share a factor d > 1 divided by it, when the others (R) cannot
   decide: with no multiple of d in [k - max R, k - min R - 1], d*A + R < k iff d*A + min R < k iff A < ceil((k - min R) / d)."""
@@ -358,6 +374,9 @@ bounded = PatternMatcher([
   (UPat(Ops.MOD, src=(V("x"), C("c"))), lambda x, c: x % -c.arg if _sint(x) and x.dtype.min < c.arg < 0 else None),
   ((UPat((Ops.IDIV, Ops.MOD), name="d", src=(V(), C())) * UPat.const(None, -1)), neg_divmod),
   (UPat(Ops.MOD, src=(V("x"), V("y"))), mod_self),
+  # a divisor proven above a non-negative dividend (a loop index over its own end): x // y -> 0, x % y -> x
+  (UPat(Ops.IDIV, src=(V("x"), V("y"))), lambda x, y: x.const_like(0) if y.op is not Ops.CONST and below(x, y) else None),
+  (UPat(Ops.MOD, src=(V("x"), V("y"))), lambda x, y: x if y.op is not Ops.CONST and below(x, y) else None),
   # (x // c1) // c2 -> x // (c1*c2), (x % c1) % c2 -> x % c2 when c2 divides c1 (c1, c2 > 0)
   (UPat(Ops.IDIV, src=(UPat(Ops.IDIV, src=(V("x"), C("c1"))), C("c2"))),
    lambda x, c1, c2: x // (c1.arg * c2.arg) if c1.arg > 0 and c2.arg > 0 and c1.arg * c2.arg <= x.dtype.max else None),
@@ -390,6 +409,9 @@ logic = PatternMatcher([
   (UPat(Ops.WHERE, src=(UPat(Ops.XOR, src=(V("c"), UPat.const(dtypes.bool, True))), V("a"), V("b"))), lambda c, a, b: c.alu(Ops.WHERE, b, a)),
   (UPat(Ops.WHERE, src=(V("c"), UPat(Ops.WHERE, src=(V("c"), V("a"), UPat())), V("b"))), lambda c, a, b: c.alu(Ops.WHERE, a, b)),
   (UPat(Ops.WHERE, src=(V("c"), V("a"), UPat(Ops.WHERE, src=(V("c"), UPat(), V("b"))))), lambda c, a, b: c.alu(Ops.WHERE, a, b)),
+  # a shared condition out of two selects: c ? a : b  op  c ? d : e == c ? (a op d) : (b op e), lane by lane, any dtype
+  (UPat((Ops.ADD, Ops.MAX, Ops.MUL), name="n", src=[UPat(Ops.WHERE, src=(V("c"), V("a"), V("b"))), UPat(Ops.WHERE, src=(V("c"), V("d"), V("e")))]),
+   lambda n, c, a, b, d, e: c.alu(Ops.WHERE, a.alu(n.op, d), b.alu(n.op, e))),
   # casts: drop an inner cast that keeps every value
   (UPat(Ops.CAST, name="o", src=(UPat(Ops.CAST, name="i", src=(V("x"),)),)), cast_cast),
 ])
