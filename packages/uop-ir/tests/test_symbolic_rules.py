@@ -84,8 +84,17 @@ FAMILIES = {
     ("(r + 1) % (n + 1)", lambda: (UOp.range(V("n", 1, 300), 0) + 1) % (V("n", 1, 300) + 1), lambda: UOp.range(V("n", 1, 300), 0) + 1),
     ("(2r) // (2n)", lambda: (UOp.range(V("n", 1, 300), 0) * 2) // (V("n", 1, 300) * 2), lambda: UOp.const(dtypes.int32, 0)),
   ],
+  "casts": [
+    ("cast32(cast64(i)*4 + 3)", lambda: (V("i", 0, 100).cast(dtypes.int64) * 4 + 3).cast(dtypes.int32), lambda: V("i", 0, 100) * 4 + 3),
+    ("cast32(cast64(i) + w)", lambda: (V("i", 0, 100).cast(dtypes.int64) + V("w", 0, 2**40, dtypes.int64)).cast(dtypes.int32),
+     lambda: V("i", 0, 100) + V("w", 0, 2**40, dtypes.int64).cast(dtypes.int32)),
+    ("cast32(cast64(i)*2**33 + cast64(i)): the high term wraps away", lambda: (V("i", 0, 100).cast(dtypes.int64) * 2**33 +
+     V("i", 0, 100).cast(dtypes.int64)).cast(dtypes.int32), lambda: V("i", 0, 100)),
+  ],
 }
 NOT_FIRING = [
+  ("cast32(3w): no term was int32", lambda: (V("w", 0, 2**40, dtypes.int64) * 3).cast(dtypes.int32)),
+  ("cast8(cast64(i) + 7): the term was int32", lambda: (V("i", 0, 100).cast(dtypes.int64) + 7).cast(dtypes.int8)),
   ("(r + 1) % n: r + 1 reaches n", lambda: (UOp.range(V("n", 1, 300), 0) + 1) % V("n", 1, 300)),
   ("r % m: another loop's end", lambda: UOp.range(V("n", 1, 300), 0) % V("m", 1, 300)),
   ("c ? a : b + d ? a : b: two conditions", lambda: (V("i", 0, 9) < 5).where(V("j", 0, 3), 1) + (V("i", 0, 9) < 6).where(V("j", 0, 3), 2)),
@@ -164,7 +173,7 @@ def index_expr(draw, dt: DType, vs: dict[str, UOp], depth: int = 4) -> UOp:
     return vs[draw(st.sampled_from(sorted(vs)))]
   if depth == 0: return leaf()
   kind = draw(st.sampled_from(["affine", "affine", "div", "mod", "div", "mod", "add", "mul", "neg", "leaf", "where", "cmp", "hermite",
-                               "recombine", "max", "divcmp", "divcmp"]))
+                               "recombine", "max", "divcmp", "divcmp", "narrow"]))
   sub = lambda: draw(index_expr(dt, vs, depth - 1))  # noqa: E731
   if kind == "leaf": return leaf()
   if kind == "affine": return sub() * draw(st.integers(-12, 12)) + sub() * draw(st.integers(-4, 4)) + draw(st.integers(-40, 40))
@@ -183,6 +192,9 @@ def index_expr(draw, dt: DType, vs: dict[str, UOp], depth: int = 4) -> UOp:
   if kind == "divcmp":  # a quotient against a small constant, either side
     q, k = sub() // draw(st.sampled_from([2, 3, 4, -4])), UOp.const(dt, draw(st.integers(-3, 3)))
     return (q < k if draw(st.booleans()) else k < q).where(sub(), sub())
+  if kind == "narrow":  # a sum computed wider, cast back
+    w = dtypes.int64 if dt.bits < 64 else dt
+    return (sub().cast(w) * draw(st.sampled_from([1, 3, 2**20 + 1])) + sub().cast(w) + draw(st.integers(-300, 300))).cast(dt)
   if kind == "where":
     c = sub() < sub()
     op = draw(st.sampled_from([Ops.ADD, Ops.MAX, Ops.MUL]))

@@ -333,6 +333,16 @@ def cast_cast(o: UOp, i: UOp, x: UOp) -> UOp | None:
   return x.cast(o.dtype) if keeps else None
 
 
+def narrow_sum(o: UOp, x: UOp) -> UOp | None:
+  """cast(sum, narrower int) -> the sum of the cast terms, built in the narrow dtype: keeping the low bits is a ring map
+  (mod 2**n of a sum or product is the sum or product mod 2**n), so exact with wraparound; fires when a term was widened
+  from that dtype, whose cast then drops (cast(cast(i, int64)*4 + 3, int32) -> i*4 + 3)."""
+  dt, sd = o.dtype, x.dtype
+  if not (_int(o) and _sint(x) and dt.bits <= sd.bits) or (t := _terms(x)) is None: return None
+  if not any(b.op is Ops.CAST and b.src[0].dtype == dt for b, _ in t[0]): return None
+  return _build(dt, [(b.cast(dt), k) for b, k in t[0]], t[1])
+
+
 def _uses(x: UOp) -> bool: return x.op is not Ops.CONST
 
 
@@ -414,6 +424,8 @@ logic = PatternMatcher([
    lambda n, c, a, b, d, e: c.alu(Ops.WHERE, a.alu(n.op, d), b.alu(n.op, e))),
   # casts: drop an inner cast that keeps every value
   (UPat(Ops.CAST, name="o", src=(UPat(Ops.CAST, name="i", src=(V("x"),)),)), cast_cast),
+  # a narrowing cast of a sum goes to its terms
+  (UPat(Ops.CAST, name="o", src=(UPat((Ops.ADD, Ops.MUL), name="x"),)), narrow_sum),
 ])
 
 class _FloatsApart(PatternMatcher):
