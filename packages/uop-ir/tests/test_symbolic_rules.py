@@ -9,7 +9,7 @@ from kiln_ir_testgen import tdiv, wrap
 
 from kiln.ir import Ops, UOp, dtypes
 from kiln.ir.dtype import DType
-from kiln.ir.symbolic import simplify
+from kiln.ir.symbolic import simplify, symbolic
 
 V = UOp.variable
 
@@ -218,6 +218,9 @@ def test_brute_force_value_and_bounds(data):
   if data.draw(st.booleans()): e = e < data.draw(st.integers(-20, 40)) if data.draw(st.booleans()) else data.draw(st.integers(-20, 40)) < e
   s = simplify(e)
   assert simplify(s) is s, "not a fixed point"
+  for u in e.toposort():  # the matcher's per-shape rule lists leave out no rule that matches
+    kept = symbolic.rules_for(u)
+    assert all(r in kept for r in symbolic.by_op.get(u.op, []) if r[0].match(u, {})), f"a rule that matches {u.op} was skipped"
   nodes_s = s.toposort()
   for pt in itertools.product(*(range(lo, hi + 1) for lo, hi in bounds.values())):
     env = dict(zip(bounds, pt))
@@ -232,7 +235,6 @@ def test_brute_force_value_and_bounds(data):
 def test_float_nodes_lose_no_rule(data):
   """simplify tries only folding and the where/cast rules on float-valued nodes: the whole table must do no more on them."""
   from kiln.ir.rewrite import PatternMatcher, graph_rewrite
-  from kiln.ir.symbolic import symbolic
   i, j = V("i", 0, 9), V("j", -4, 4)
   fts = [dtypes.float32, dtypes.float16, dtypes.float64]
 

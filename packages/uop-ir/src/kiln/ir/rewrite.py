@@ -46,6 +46,16 @@ class UPat:
   def __lt__(self, o: UPat) -> UPat: return self._alu(Ops.CMPLT, o)
   def alu(self, op: Ops, *o: UPat, commutative: bool = False) -> UPat: return self._alu(op, *o, commutative=commutative)
 
+  def fits_shape(self, op: Ops, src_ops: tuple[Ops, ...]) -> bool:
+    """False when no node of this op with sources of these ops can match: match()'s checks that read only those ops."""
+    if self.op is not None and op not in self.op: return False
+    src = self.src
+    if src is None: return True
+    if isinstance(src, UPat): return src.op is None or all(o in src.op for o in src_ops)
+    if len(src) != len(src_ops) and not (self.allow_any_len and len(src_ops) >= len(src)): return False
+    if isinstance(src, tuple): return _shape_ok(src, src_ops)
+    return len(src) != 2 or _shape_ok(src, src_ops) or _shape_ok((src[1], src[0]), src_ops)
+
   def match(self, u: UOp, store: dict[str, UOp]) -> list[dict[str, UOp]]:
     if self.op is not None and u.op not in self.op: return []
     if self.arg is not _ANY and not (u.arg is self.arg or (type(u.arg) is type(self.arg) and u.arg == self.arg)): return []
@@ -72,6 +82,10 @@ class UPat:
     return _match_seq(src, u.src, store)
 
 
+def _shape_ok(pats: Sequence[UPat], ops: Sequence[Ops]) -> bool:
+  return all(p.op is None or o in p.op for p, o in zip(pats, ops))
+
+
 def _ops_ok(pats: Sequence[UPat], srcs: Sequence[UOp]) -> bool:
   for p, s in zip(pats, srcs):
     if p.op is not None and s.op not in p.op: return False
@@ -96,6 +110,7 @@ class PatternMatcher:
     self.rules = list(rules)
     self.by_op: dict[Ops, list[Rule]] = {}
     self.wildcard: list[Rule] = []
+    self._by_shape: dict[tuple[Ops, ...], list[Rule]] = {}
     for pat, fn in self.rules:
       if pat.op is None: self.wildcard.append((pat, fn))
       else:
@@ -106,8 +121,18 @@ class PatternMatcher:
 
   def __add__(self, other: PatternMatcher) -> PatternMatcher: return PatternMatcher(self.rules + other.rules)
 
+  def rules_for(self, u: UOp) -> list[Rule]:
+    """The rules that can match u's shape (its op and its sources' ops), worked out once per shape: most rules of an op's list
+    need sources a node does not have, and trying each costs a match() call."""
+    if u.op not in self.by_op and not self.wildcard: return self.wildcard  # no rule for this op (stores, loads, ...)
+    src = u.src
+    key = (u.op, src[0].op, src[1].op) if len(src) == 2 else (u.op, *[s.op for s in src])
+    if (rules := self._by_shape.get(key)) is None:
+      rules = self._by_shape[key] = [r for r in self.by_op.get(u.op, self.wildcard) if r[0].fits_shape(u.op, key[1:])]
+    return rules
+
   def rewrite(self, u: UOp, ctx: Any = None) -> UOp | None:
-    for pat, fn in self.by_op.get(u.op, self.wildcard):
+    for pat, fn in self.rules_for(u):
       for m in pat.match(u, {}):
         r = fn(ctx, **m) if ctx is not None else fn(**m)
         if r is not None and r is not u: return r

@@ -52,15 +52,18 @@ def _wrap(dt: DType, v: int) -> int:
 
 
 def _build(dt: DType, terms: list[tuple[UOp, int]], const: int) -> UOp:
-  """Canonical sum: terms in order (coefficients wrapped into dt, zeros dropped), the constant last."""
+  """Canonical sum: terms in order (coefficients wrapped into dt, zeros dropped), the constant last.
+
+  Nodes are made directly, not through the operators: every base is a non-constant dt node and every coefficient and the
+  constant are non-zero, so no construction fold could apply (and this runs on every integer ADD the simplifier meets)."""
   out: UOp | None = None
   for b, k in terms:
     if (k := _wrap(dt, k)) == 0: continue
-    t = b if k == 1 else b * UOp.const(dt, k)
-    out = t if out is None else out + t
+    t = b if k == 1 else UOp(Ops.MUL, dt, (b, UOp(Ops.CONST, dt, (), k)))
+    out = t if out is None else UOp(Ops.ADD, dt, (out, t))
   const = _wrap(dt, const)
   if out is None: return UOp.const(dt, const)
-  return out + UOp.const(dt, const) if const else out
+  return UOp(Ops.ADD, dt, (out, UOp(Ops.CONST, dt, (), const))) if const else out
 
 
 def _term_range(b: UOp, k: int) -> tuple[int, int]:
