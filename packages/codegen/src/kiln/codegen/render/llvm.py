@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
-from kiln.codegen.render import llvm_math
+from kiln.codegen.render import llvm_math, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
   EXACT_FLOAT_OPS,
@@ -36,18 +36,10 @@ from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
-from kiln.ir.symbolic import is_multiple
 from kiln.ir.uop import UOp
 
 
 def _divmod(p: LLVMPrinter, *args: Any) -> str: return p.divmod(*args)
-
-
-def _multiple(u: UOp, k: int) -> bool:
-  """is_multiple, also through a sum of parts and a WHERE of two (an overlapped last tile starts at n - width)."""
-  if is_multiple(u, k): return True
-  if u.op is Ops.WHERE: return _multiple(u.src[1], k) and _multiple(u.src[2], k)
-  return u.op is Ops.ADD and all(_multiple(s, k) for s in u.src)
 
 
 # op -> the instruction(s) of a result {r}: operands {a0} {a1} {a2} of type {t}; a second line computes into the temporary {m};
@@ -324,75 +316,13 @@ class LLVMPrinter(Printer):
       self.label(then)
     v = self.to_mem(self.val(val), dt)
     plain = f"store {mtype(dt)} {v}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}"
-    if not gated and (tiers := self.stream_tiers(idx, dt)):
-      self.stream_store(v, self.val(idx), dt, tiers, plain)
+    if not gated and (tiers := llvm_stream.tiers(self, idx, dt)):
+      llvm_stream.store(self, v, self.val(idx), mem_scalar(dt.scalar()), dt, tiers, plain)
       return
     self.emit(plain)
     if gated:
       self.emit(f"br label %{cont}")
       self.label(cont)
-
-  # Streaming (non-temporal) stores to an output of at least Target.stream_store_bytes, by its base's alignment (flags
-  # computed once on entry; LLVM unswitches the loop on them, one copy per row):
-  #   base aligned to           | each vector store is written as              | x86
-  #   the vector (up to 64 B)   | one non-temporal store                       | vmovntps ymm / zmm
-  #   16 bytes (numpy, malloc)  | its 16-byte pieces, each non-temporal        | vmovntps xmm (+ vextractf128 / 32x4)
-  #   less (the element's own)  | the ordinary store                           | vmovups
-  # Not covered: an element-aligned base (4, 8 or 12 past a 16-byte boundary) keeps ordinary stores. Its streamed pieces
-  # would be scalar (movnti; SSE4A movntsd), which measured slower than ordinary stores on Zen 3 (16M float add, 2
-  # threads, output 4 past a boundary: 12.6 ms against 7.6; 8 past: 10.1 against 8.6; under KILN_CPU=x86-64-v3's
-  # movnti about 4x slower). Peeling each thread's chunk to a 16-byte boundary would do it, but the loop is the
-  # lowering's, not the renderer's. Gated stores, scalar stores and vectors not a power of two >= 16 bytes wide stay
-  # ordinary too. Every piece lies inside the vector it comes from: nothing outside the output is touched.
-  def stream_tiers(self, idx: UOp, dt: DType) -> list[tuple[str, int]]:
-    """The streaming tiers (the table above) a vector store to a large output can take: x86 needs each non-temporal store
-    aligned to its own width, so a piece must land at a provable multiple of that width from the buffer's start, and
-    the base's alignment is checked at run time. Returns (flag, piece bytes) per tier, widest first; [] for an
-    ordinary store."""
-    buf = idx.src[0]
-    if not self.target.stream_store_bytes or dt.count == 1 or buf.op is not Ops.DEFINE_GLOBAL: return []
-    assert isinstance(buf.dtype, PtrDType)
-    item, width = buf.dtype.base.itemsize, buf.dtype.base.itemsize * dt.count
-    if buf.dtype.size <= 0 or buf.dtype.size * item < self.target.stream_store_bytes: return []
-    if width < 16 or width & (width - 1): return []
-    tiers = []
-    for piece in dict.fromkeys((min(width, 64), 16)):  # the whole vector, then its xmm pieces
-      if width % piece == 0 and _multiple(idx.src[1], piece // item): tiers.append((self.stream_flag(buf.arg, piece), piece))
-    return tiers
-
-  def stream_flag(self, slot: int, align: int) -> str:
-    """The entry block's flag: is buffer `slot`'s base a multiple of `align` bytes. Computed once, before every loop,
-    so LLVM unswitches the branches on it out of the loops."""
-    flag = f"%stream{slot}.a{align}"
-    if flag not in self.stream_flags:
-      self.stream_flags.add(flag)
-      self.entry += [f"{flag}.p = ptrtoint ptr %data{slot} to i64", f"{flag}.m = and i64 {flag}.p, {align - 1}",
-                     f"{flag} = icmp eq i64 {flag}.m, 0"]
-    return flag
-
-  def stream_store(self, v: str, ptr: str, dt: DType, tiers: list[tuple[str, int]], plain: str) -> None:
-    """Branch on the tiers' flags, widest first: the first whose base alignment holds writes the vector as non-temporal
-    stores of its pieces; none: the ordinary store."""
-    n = self.n
-    self.n += 1
-    done, ms, lanes = f"stdone{n}", mem_scalar(dt.scalar()), dt.count
-    for k, (flag, piece) in enumerate(tiers):
-      nt, nxt = f"stnt{n}.{k}", f"stck{n}.{k + 1}" if k + 1 < len(tiers) else f"stpl{n}"
-      self.emit(f"br i1 {flag}, label %{nt}, label %{nxt}")  # loop-invariant: LLVM unswitches it out of the loop
-      self.label(nt)
-      per = piece // dt.itemsize  # lanes a piece
-      for s in range(0, lanes, per):
-        pv, pp = v, ptr
-        if per < lanes:
-          pv, pp, mask = self.tmp(), self.tmp(), ", ".join(f"i32 {s + i}" for i in range(per))
-          self.emit(f"{pv} = shufflevector {vtype(ms, lanes)} {v}, {vtype(ms, lanes)} poison, <{per} x i32> <{mask}>")
-          self.emit(f"{pp} = getelementptr inbounds {ms}, ptr {ptr}, i32 {s}")
-        self.emit(f"store {vtype(ms, per)} {pv}, ptr {pp}, align {piece}, !nontemporal !{{i32 1}}")
-      self.emit(f"br label %{done}")
-      self.label(nxt)
-    self.emit(plain)
-    self.emit(f"br label %{done}")
-    self.label(done)
 
   def vectorize(self, u: UOp) -> str:
     dt = u.dtype
