@@ -1,0 +1,430 @@
+"""The ONNX operators kiln converts: one handler per op (its inputs as Tensors or, where constant, numpy arrays, which fold at
+load), registered in OPS with the attributes it understands; any other attribute is refused by the loader (onnx.py)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kiln.graph.lazy import ONNXError
+from kiln.graph.tensor import Tensor
+
+Value = Tensor | np.ndarray
+
+
+class Node:
+  """One ONNX node while it is converted: its inputs (None for an omitted optional one), attributes, and opset."""
+  def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any):
+    self.proto, self.op, self.name, self.opset = proto, proto.op_type, proto.name or f"<{proto.op_type}>", opset
+    self.ins: list[Value | None] = []
+    for n in proto.input:
+      if n == "": self.ins.append(None)
+      elif n not in env: raise ONNXError(f"node {self.name} ({self.op}): input {n!r} is not produced by any earlier node, input or initializer")
+      else: self.ins.append(env[n])
+    self.attrs = {a.name: onnx.helper.get_attribute_value(a) for a in proto.attribute}
+    self.used_attrs: set[str] = set()
+
+  def attr(self, name: str, default: Any = None) -> Any:
+    self.used_attrs.add(name)
+    v = self.attrs.get(name, default)
+    return v.decode() if isinstance(v, bytes) else v
+
+  def const(self, i: int, what: str) -> np.ndarray:
+    v = self.ins[i] if i < len(self.ins) else None
+    if v is None: raise self.error(f"input {i} ({what}) is missing")
+    if isinstance(v, Tensor): raise self.error(f"input {i} ({what}) must be a constant known at load time (kiln has no data-dependent shapes)")
+    return v
+
+  def opt_const(self, i: int, what: str) -> np.ndarray | None:
+    return None if i >= len(self.ins) or self.ins[i] is None else self.const(i, what)
+
+  def t(self, i: int) -> Tensor:
+    v = self.ins[i] if i < len(self.ins) else None
+    if v is None: raise self.error(f"input {i} is missing")
+    return v if isinstance(v, Tensor) else Tensor(np.asarray(v))
+
+  def error(self, msg: str) -> ONNXError: return ONNXError(f"node {self.name} ({self.op}, opset {self.opset}): {msg}")
+
+
+def _axes_of(n: Node, attr_until: int, input_index: int = 1) -> list[int] | None:
+  """axes as an attribute (opsets before attr_until) or as an input (from it on)."""
+  if n.opset < attr_until: return n.attr("axes")
+  a = n.opt_const(input_index, "axes")
+  return None if a is None else [int(x) for x in a.reshape(-1)]
+
+
+def _norm(a: int, nd: int, n: Node) -> int:
+  if not -nd <= a < nd: raise n.error(f"axis {a} is out of range for rank {nd}")
+  return a % nd
+
+
+# ---- numpy folding of all-constant nodes (shape arithmetic) ----
+_NP_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+  "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Equal": np.equal, "Less": np.less, "Greater": np.greater,
+  "And": np.logical_and, "Or": np.logical_or, "Max": np.maximum, "Min": np.minimum, "LessOrEqual": np.less_equal, "GreaterOrEqual": np.greater_equal,
+}
+
+
+def _np_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  if a.dtype.kind in "iu": return np.trunc(a / b).astype(a.dtype)  # ONNX integer Div truncates
+  return (a / b).astype(a.dtype)
+
+
+# ---- the operators ----
+def _binary(f: Callable[[Any, Any], Any]) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    a, b = n.ins[0], n.ins[1]
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.asarray(f(a, b))
+    ta, tb = n.t(0), n.t(1)
+    if ta.dtype != tb.dtype: raise n.error(f"operands have different dtypes {ta.dtype.name} and {tb.dtype.name}")
+    return f(ta, tb)
+  return run
+
+
+def _div(n: Node) -> Value:
+  a, b = n.ins[0], n.ins[1]
+  if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return _np_div(a, b)
+  ta = n.t(0)
+  if not ta.dtype.is_float: raise n.error(f"integer Div on data computed at run time is not supported ({ta.dtype.name})")
+  return ta / n.t(1)
+
+
+def _pow(n: Node) -> Value:
+  a, b = n.ins[0], n.ins[1]
+  if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.power(a, b).astype(a.dtype)
+  if isinstance(b, np.ndarray) and b.size == 1: return n.t(0).pow(float(b.reshape(-1)[0]))
+  return n.t(0).pow(n.t(1).cast(n.t(0).dtype))
+
+
+def _unary(name: str) -> Callable[[Node], Value]:
+  return lambda n: getattr(n.t(0), name)()
+
+
+def _gelu(n: Node) -> Value:
+  x = n.t(0)
+  approx = n.attr("approximate", "none")
+  if approx == "none": return x.gelu()
+  if approx == "tanh": return x * 0.5 * (((x + x * x * x * 0.044715) * 0.7978845608028654).tanh() + 1.0)
+  raise n.error(f"attribute approximate={approx!r} is not supported (none, tanh)")
+
+
+def _softmax(log: bool) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    if n.opset >= 13:
+      a = _norm(n.attr("axis", -1), x.ndim, n)
+      return x.log_softmax(a) if log else x.softmax(a)
+    a = _norm(n.attr("axis", 1), x.ndim, n)  # opset < 13: over the input coerced to 2-d at axis
+    flat = x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), -1)
+    return (flat.log_softmax(-1) if log else flat.softmax(-1)).reshape(x.shape)
+  return run
+
+
+def _layernorm(n: Node) -> Value:
+  if len(n.proto.output) > 1 and any(n.proto.output[1:]): raise n.error("the Mean and InvStdDev outputs are not supported")
+  n.attr("stash_type")
+  x = n.t(0)
+  a = _norm(n.attr("axis", -1), x.ndim, n)
+  w = n.t(1) if len(n.ins) > 1 and n.ins[1] is not None else None
+  b = n.t(2) if len(n.ins) > 2 and n.ins[2] is not None else None
+  return x.layernorm(w, b, tuple(range(a, x.ndim)), n.attr("epsilon", 1e-5))
+
+
+def _reduce(kind: str, attr_until: int) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    axes = _axes_of(n, attr_until)
+    keep = bool(n.attr("keepdims", 1))
+    if not axes:
+      if n.attr("noop_with_empty_axes", 0): return x
+      axes = list(range(x.ndim))
+    ax = tuple(_norm(a, x.ndim, n) for a in axes)
+    return getattr(x, kind)(ax, keep)
+  return run
+
+
+def _gemm(n: Node) -> Value:
+  a, b = n.t(0), n.t(1)
+  if n.attr("transA", 0): a = a.T
+  if n.attr("transB", 0): b = b.T
+  y = a @ b
+  if (alpha := float(n.attr("alpha", 1.0))) != 1.0: y = y * alpha
+  if len(n.ins) > 2 and n.ins[2] is not None:
+    c = n.t(2)
+    y = y + (c * float(n.attr("beta", 1.0)) if float(n.attr("beta", 1.0)) != 1.0 else c)
+  return y
+
+
+def _reshape_shape(n: Node, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+  shape = [int(s) for s in n.const(1, "shape").reshape(-1)]
+  if n.attr("allowzero", 0) and 0 in shape: raise n.error("allowzero=1 with a 0 in the shape (an empty tensor) is not supported")
+  out = [in_shape[i] if s == 0 and i < len(in_shape) else s for i, s in enumerate(shape)]
+  if out.count(-1) == 1:
+    rest = int(np.prod([s for s in out if s != -1], dtype=np.int64))
+    out[out.index(-1)] = int(np.prod(in_shape, dtype=np.int64)) // max(rest, 1)
+  return tuple(out)
+
+
+def _reshape(n: Node) -> Value:
+  x = n.ins[0]
+  if isinstance(x, np.ndarray): return x.reshape(_reshape_shape(n, x.shape))
+  return n.t(0).reshape(_reshape_shape(n, n.t(0).shape))
+
+
+def _transpose(n: Node) -> Value:
+  x = n.ins[0]
+  nd = x.ndim if x is not None else 0
+  perm = n.attr("perm") or list(reversed(range(nd)))
+  return np.transpose(x, perm) if isinstance(x, np.ndarray) else n.t(0).permute(perm)
+
+
+def _unsqueeze(n: Node) -> Value:
+  axes = _axes_of(n, 13)
+  if axes is None: raise n.error("axes are required")
+  x = n.ins[0]
+  nd = (x.ndim if x is not None else 0) + len(axes)
+  ax = sorted(_norm(a, nd, n) for a in axes)
+  if isinstance(x, np.ndarray): return np.expand_dims(x, tuple(ax))
+  t = n.t(0)
+  for a in ax: t = t.unsqueeze(a)
+  return t
+
+
+def _squeeze(n: Node) -> Value:
+  axes = _axes_of(n, 13)
+  x = n.ins[0]
+  if isinstance(x, np.ndarray): return np.squeeze(x, tuple(axes) if axes else None)
+  return n.t(0).squeeze(tuple(axes) if axes else None)
+
+
+def _concat(n: Node) -> Value:
+  a = n.attr("axis")
+  if a is None: raise n.error("attribute axis is required")
+  vals = [v for v in n.ins if v is not None]
+  if all(isinstance(v, np.ndarray) for v in vals): return np.concatenate([np.asarray(v) for v in vals], a)
+  return Tensor.cat([v if isinstance(v, Tensor) else Tensor(v) for v in vals], a)
+
+
+def _slice(n: Node) -> Value:
+  if n.opset < 10: starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
+  else:
+    starts, ends = [int(v) for v in n.const(1, "starts")], [int(v) for v in n.const(2, "ends")]
+    a, s = n.opt_const(3, "axes"), n.opt_const(4, "steps")
+    axes, steps = (None if a is None else [int(v) for v in a]), (None if s is None else [int(v) for v in s])
+  x = n.ins[0]
+  nd = x.ndim if x is not None else 0
+  axes = list(range(len(starts))) if axes is None else [_norm(a, nd, n) for a in axes]
+  steps = steps or [1] * len(axes)
+  if isinstance(x, np.ndarray):
+    sl = [slice(None)] * nd
+    for a, b, e, st in zip(axes, starts, ends, steps): sl[a] = slice(b, e, st)
+    return x[tuple(sl)]
+  return n.t(0).slice(starts, ends, axes, steps)
+
+
+def _split(n: Node) -> list[Value]:
+  x = n.t(0)
+  a = _norm(n.attr("axis", 0), x.ndim, n)
+  raw = n.opt_const(1, "split") if n.opset >= 13 else n.attr("split")
+  sizes: list[int] | None = None if raw is None else [int(v) for v in raw]
+  nout = len(n.proto.output)
+  if n.opset >= 18: n.attr("num_outputs")
+  if sizes is None or len(sizes) == 0:
+    d = x.shape[a]
+    k = -(-d // nout)
+    sizes = [k] * (d // k) + ([d % k] if d % k else [])
+    if len(sizes) != nout: raise n.error(f"cannot split axis {a} of {x.shape} into {nout} outputs")
+  return list(x.split([int(s) for s in sizes], a))
+
+
+def _cast(n: Node, onnx: Any) -> Value:
+  to = onnx.helper.tensor_dtype_to_np_dtype(n.attr("to"))
+  x = n.ins[0]
+  if isinstance(x, np.ndarray): return x.astype(to)
+  return n.t(0).cast(to)
+
+
+def _where(n: Node) -> Value:
+  c, a, b = n.ins[:3]
+  if isinstance(c, np.ndarray) and isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.where(c, a, b)
+  return n.t(0).where(n.t(1), n.t(2))
+
+
+def _not(n: Node) -> Value:
+  x = n.ins[0]
+  return np.logical_not(x) if isinstance(x, np.ndarray) else n.t(0).logical_not()
+
+
+def _expand(n: Node) -> Value:
+  shape = tuple(int(s) for s in n.const(1, "shape").reshape(-1))
+  x = n.ins[0]
+  xs = x.shape if x is not None else ()
+  nd = max(len(xs), len(shape))
+  full = (1,) * (nd - len(xs)) + tuple(xs)
+  shp = (1,) * (nd - len(shape)) + shape
+  out = tuple(a if b == 1 else b for a, b in zip(full, shp))
+  if isinstance(x, np.ndarray): return np.broadcast_to(x, out).copy()
+  return n.t(0).reshape(full).expand(out)
+
+
+def _gather(n: Node) -> Value:
+  x, i = n.ins[0], n.ins[1]
+  nd = x.ndim if x is not None else 0
+  a = _norm(n.attr("axis", 0), nd, n)
+  if isinstance(x, np.ndarray) and isinstance(i, np.ndarray): return np.take(x, i, a)
+  return n.t(0).gather(n.t(1), a)
+
+
+def _flatten(n: Node) -> Value:
+  x = n.t(0) if not isinstance(n.ins[0], np.ndarray) else n.ins[0]
+  a = n.attr("axis", 1)
+  if not -x.ndim <= a <= x.ndim: raise n.error(f"axis {a} is out of range for rank {x.ndim}")
+  a = a % (x.ndim + 1) if a < 0 else a
+  return x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), int(np.prod(x.shape[a:], dtype=np.int64)))
+
+
+def _constant(n: Node, onnx: Any) -> Value:
+  for k in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+    if k in n.attrs:
+      v = n.attr(k)
+      if k == "value": return onnx.numpy_helper.to_array(v).copy()
+      return np.asarray(v, np.float32 if "float" in k else np.int64)
+  raise n.error(f"attribute {sorted(n.attrs)[0] if n.attrs else '(none)'} is not supported (value, value_float(s), value_int(s))")
+
+
+def _constant_of_shape(n: Node, onnx: Any) -> Value:
+  shape = tuple(int(s) for s in n.const(0, "shape").reshape(-1))
+  v = n.attr("value")
+  val = onnx.numpy_helper.to_array(v).reshape(-1) if v is not None else np.zeros(1, np.float32)
+  return np.full(shape, val[0], val.dtype)
+
+
+def _range(n: Node) -> Value:
+  s, e, d = (n.const(i, w) for i, w in enumerate(("start", "limit", "delta")))
+  return np.arange(s.item(), e.item(), d.item()).astype(s.dtype)
+
+
+def _dropout(n: Node) -> Value:
+  if len(n.proto.output) > 1 and n.proto.output[1]: raise n.error("the mask output is not supported (inference only)")
+  n.attr("seed")
+  return n.ins[0]  # type: ignore[return-value]
+
+
+def _minmax(kind: str) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    vals = [v for v in n.ins if v is not None]
+    arrs = [v for v in vals if isinstance(v, np.ndarray)]
+    if len(arrs) == len(vals):
+      out = arrs[0]
+      for v in arrs[1:]: out = (np.maximum if kind == "maximum" else np.minimum)(out, v)
+      return out
+    t = n.t(0)
+    for i in range(1, len(vals)): t = getattr(t, kind)(n.t(i))
+    return t
+  return run
+
+
+def _spatial(n: Node, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+  """strides, dilations and (before, after) pads of a conv or pool node, auto_pad resolved."""
+  d = len(kernel)
+  st, dl = list(n.attr("strides") or [1] * d), list(n.attr("dilations") or [1] * d)
+  if n.attr("ceil_mode", 0): raise n.error("attribute ceil_mode=1 is not supported")
+  auto = n.attr("auto_pad", "NOTSET")
+  if auto in ("NOTSET", "VALID"):
+    p = list(n.attr("pads") or [0] * (2 * d)) if auto == "NOTSET" else [0] * (2 * d)
+    return st, dl, list(zip(p[:d], p[d:]))
+  if auto not in ("SAME_UPPER", "SAME_LOWER"): raise n.error(f"attribute auto_pad={auto!r} is not supported")
+  pads = []
+  for size, k, s_, q in zip(x.shape[2:], kernel, st, dl):
+    total = max((-(-size // s_) - 1) * s_ + (k - 1) * q + 1 - size, 0)
+    small = total // 2
+    pads.append((small, total - small) if auto == "SAME_UPPER" else (total - small, small))
+  return st, dl, pads
+
+
+def _conv(n: Node) -> Value:
+  x, w = n.t(0), n.t(1)
+  kernel = list(n.attr("kernel_shape") or w.shape[2:])
+  if tuple(kernel) != w.shape[2:]: raise n.error(f"kernel_shape {kernel} differs from the weight's {w.shape[2:]}")
+  st, dl, pads = _spatial(n, x, kernel)
+  b = n.t(2) if len(n.ins) > 2 and n.ins[2] is not None else None
+  return x.conv2d(w, b, st, pads, dl, int(n.attr("group", 1)))
+
+
+def _pool(kind: str) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    if len(n.proto.output) > 1 and n.proto.output[1]: raise n.error("the Indices output is not supported")
+    x = n.t(0)
+    kernel = list(n.attr("kernel_shape") or [])
+    if not kernel: raise n.error("attribute kernel_shape is required")
+    if n.attr("storage_order", 0): raise n.error("attribute storage_order=1 is not supported")
+    st, dl, pads = _spatial(n, x, kernel)
+    if kind == "max": return x.max_pool(kernel, st, pads, dl)
+    return x.avg_pool(kernel, st, pads, bool(n.attr("count_include_pad", 0)), dl)
+  return run
+
+
+def _global_pool(kind: str) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    return getattr(x, kind)(tuple(range(2, x.ndim)), True)
+  return run
+
+
+def _batchnorm(n: Node) -> Value:
+  if n.attr("training_mode", 0): raise n.error("attribute training_mode=1 is not supported (inference only)")
+  if len(n.proto.output) > 1 and any(n.proto.output[1:]): raise n.error("the running mean/var outputs are not supported (inference only)")
+  n.attr("momentum")
+  x, eps = n.t(0), float(n.attr("epsilon", 1e-5))
+  shape = (1, -1) + (1,) * (x.ndim - 2)
+  vals = n.ins[1:5]
+  if all(isinstance(v, np.ndarray) for v in vals):  # constant statistics fold into one multiply-add per channel
+    sc, b, mu, var = (np.asarray(v, np.float64) for v in vals)  # type: ignore[arg-type]
+    a = sc / np.sqrt(var + eps)
+    return x * Tensor(a.astype(np.float32).reshape(shape)) + Tensor((b - mu * a).astype(np.float32).reshape(shape))
+  sc_t, b_t, mu_t, var_t = (n.t(i).reshape(shape) for i in range(1, 5))
+  return (x - mu_t) * (var_t + eps).rsqrt() * sc_t + b_t
+
+
+# op -> (handler, its attributes); a handler taking `onnx` gets the module too
+OPS: dict[str, tuple[Callable[..., Any], frozenset[str]]] = {}
+
+
+def _op(names: str, fn: Callable[..., Any], attrs: str = "") -> None:
+  for name in names.split(): OPS[name] = (fn, frozenset(attrs.split()))
+
+
+_op("Add", _binary(lambda a, b: a + b)); _op("Sub", _binary(lambda a, b: a - b)); _op("Mul", _binary(lambda a, b: a * b))
+_op("Div", _div); _op("Pow", _pow)
+_op("Equal", _binary(lambda a, b: np.equal(a, b) if isinstance(a, np.ndarray) else a.eq(b)))
+_op("Less", _binary(lambda a, b: a < b)); _op("Greater", _binary(lambda a, b: a > b))
+_op("LessOrEqual", _binary(lambda a, b: a <= b)); _op("GreaterOrEqual", _binary(lambda a, b: a >= b))
+_op("And", _binary(lambda a, b: np.logical_and(a, b) if isinstance(a, np.ndarray) else a & b))
+_op("Or", _binary(lambda a, b: np.logical_or(a, b) if isinstance(a, np.ndarray) else a | b))
+_op("Not", _not); _op("Where", _where); _op("Max", _minmax("maximum")); _op("Min", _minmax("minimum"))
+for _name, _meth in (("Sqrt", "sqrt"), ("Reciprocal", "reciprocal"), ("Exp", "exp"), ("Log", "log"), ("Erf", "erf"), ("Tanh", "tanh"),
+                     ("Relu", "relu"), ("Sigmoid", "sigmoid"), ("Neg", "__neg__"), ("Abs", "abs")):
+  _op(_name, _unary(_meth))
+_op("Gelu", _gelu, "approximate")
+_op("Softmax", _softmax(False), "axis"); _op("LogSoftmax", _softmax(True), "axis")
+_op("LayerNormalization", _layernorm, "axis epsilon stash_type")
+_op("ReduceMean", _reduce("mean", 18), "axes keepdims noop_with_empty_axes")
+_op("ReduceMax", _reduce("max", 18), "axes keepdims noop_with_empty_axes")
+_op("ReduceMin", _reduce("min", 18), "axes keepdims noop_with_empty_axes")
+_op("ReduceProd", _reduce("prod", 18), "axes keepdims noop_with_empty_axes")
+_op("ReduceSum", _reduce("sum", 13), "axes keepdims noop_with_empty_axes")
+_op("MatMul", lambda n: n.t(0) @ n.t(1)); _op("Gemm", _gemm, "alpha beta transA transB")
+_op("Reshape", _reshape, "allowzero"); _op("Transpose", _transpose, "perm"); _op("Unsqueeze", _unsqueeze, "axes")
+_op("Squeeze", _squeeze, "axes"); _op("Concat", _concat, "axis"); _op("Slice", _slice, "starts ends axes")
+_op("Split", _split, "axis split num_outputs"); _op("Cast", _cast, "to saturate"); _op("Expand", _expand)
+_op("Gather", _gather, "axis"); _op("Flatten", _flatten, "axis"); _op("Identity", lambda n: n.ins[0])
+_op("Dropout", _dropout, "seed"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
+_op("ConstantOfShape", _constant_of_shape, "value"); _op("Range", _range)
+_op("Shape", lambda n: np.asarray(n.ins[0].shape if n.ins[0] is not None else (), np.int64)[n.attr("start", 0):n.attr("end")], "start end")
+_op("Conv", _conv, "auto_pad dilations group kernel_shape pads strides")
+_op("MaxPool", _pool("max"), "auto_pad ceil_mode dilations kernel_shape pads storage_order strides")
+_op("AveragePool", _pool("avg"), "auto_pad ceil_mode count_include_pad dilations kernel_shape pads strides")
+_op("GlobalAveragePool", _global_pool("mean")); _op("GlobalMaxPool", _global_pool("max"))
+_op("BatchNormalization", _batchnorm, "epsilon momentum training_mode")
+WITH_ONNX = {"Cast", "Constant", "ConstantOfShape"}
