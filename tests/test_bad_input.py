@@ -143,8 +143,9 @@ CASES = [
   ("json-extra-field", SerializeError, r"evil", lambda: from_json(json.dumps({"nodes": [{"op": "CONST", "dtype": "int32", "arg": 1, "evil": 1}]}))),
   # codegen: options and boundary models
   ("opt-amount-zero", CodegenError, r"UPCAST amount must be a positive int, got 0", lambda: Opt(OptOps.UPCAST, 0, 0)),
-  ("opt-not-dividing", CodegenError, r"UNROLL\(axis=0, 3\): the amount must divide the axis size \(8\)",
-   lambda: RT.renderer.render(scale(), [Opt(OptOps.UNROLL, 0, 3)])),
+  # an output axis ends with an overlapped or peeled tile instead; a reduce axis must be divided
+  ("opt-not-dividing", CodegenError, r"UNROLL\(axis=2, 3\): the amount must divide the axis size \(8\)",
+   lambda: RT.renderer.render(kernels.matmul(4, 4, 8), [Opt(OptOps.UNROLL, 2, 3)])),
   ("opt-unknown-axis", CodegenError, r"names axis 5, but the kernel's axes are \[0\]",
    lambda: RT.renderer.render(scale(), [Opt(OptOps.UNROLL, 5, 2)])),
   ("opt-symbolic-axis", CodegenError, r"symbolic", lambda: RT.renderer.render(sym_kernel(), [Opt(OptOps.UPCAST, 0, 2)])),
