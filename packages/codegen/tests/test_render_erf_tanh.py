@@ -1,8 +1,11 @@
 """ERF and TANH render to the CUDA math library (erff/tanhf on float registers, erf/tanh on double) and in LLVM IR to
-the renderer's own inline code for float registers (render/llvm_math.py) and libm calls on double."""
+the renderer's own inline code for float registers (render/llvm_math.py) and libm calls on double. The float32 EXP2, ERF and TANH
+helpers compute in float and i32 only, with no FMA and no fast-math flag, in the same instructions for every lane count."""
+import re
+
 import pytest
 
-from kiln.codegen.render import CUDARenderer
+from kiln.codegen.render import CUDARenderer, llvm_math
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import Ops, UOp, dtypes
 
@@ -29,3 +32,17 @@ def test_llvm_inline_float_libm_double(op: Ops, dt) -> None:
     src = LLVMRenderer().render(kernel(op, dt), opts=opts).src
     if dt == dtypes.float64: assert f"declare double @{name}(double)" in src and f"call double @{name}(double " in src, src
     else: assert f"@kiln.{name}.f32." in src and f"@{name}f(" not in src, src
+
+
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH])
+def test_float32_helper_stays_in_float(op: Ops) -> None:
+  """No double (the full vector width of floats), no FMA or fast-math flag (the same bits on every x86 level), no call, and one
+  instruction sequence whatever the lane count (scalar and vector code agree bit for bit)."""
+  def opcodes(text: str) -> list[str]: return re.findall(r"= (fcmp \w+|\w+) ", text)
+  seqs = []
+  for n in (1, 4, 8, 16):
+    name, text = llvm_math.helper(op, n)
+    assert name == f"kiln.{op.name.lower()}.f32.{n}"
+    assert not re.search(r"double|fpext|fptrunc|call|fma|fmuladd|\b(fast|contract|reassoc|afn|nnan|ninf|nsz|arcp)\b", text), text
+    seqs.append(opcodes(text))
+  assert seqs[0] and all(s == seqs[0] for s in seqs), seqs

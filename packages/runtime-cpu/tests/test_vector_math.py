@@ -1,14 +1,15 @@
 """The LLVM renderer's own float32 EXP2, LOG2, ERF and TANH (render/llvm_math.py), compiled for the CPU, over a strided sweep of every
 float32 bit pattern (2^24 of them, every 256th) plus edge values, scalar and vectorised code alike.
 
-Truth: numpy's float64 exp2/log2/tanh and math.erf rounded once to float32 (for ERF and TANH that is also the reference). The
-renderer's functions compute in double and round once, so they are within 1 ulp of that everywhere (measured: 1, at about 1 in 10^5
-inputs, where the true value lies within ~5e-11 relative of a rounding boundary) and give exactly its NaN, +-inf, +-0 and denormals.
-The reference (kiln.ir.reference: numpy's float32 exp2 and log2) is not correctly rounded: on an AVX-512 x86-64 host with numpy 2.4
-it is up to 3 ulp (EXP2, outputs near FLT_MAX and in the denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the
-bound is REF_BOUND. ERF and TANH measured 1 ulp at 226 and 64 of the 6.7e7 finite inputs of every 64th float32 bit pattern, and
-test_erf_tanh.py sweeps them against a decimal truth as well. 16-bit types are checked at every value against the reference (within
-1 ulp, as test_conformance.py's table says).
+Truth: numpy's float64 exp2/log2/tanh and math.erf rounded once to float32 (for ERF and TANH that is also the reference). EXP2, ERF
+and TANH compute in float32 (range reduction, polynomials, 2^n from exponent bits; no double), LOG2 in double with one rounding.
+Each is within 1 ulp of the truth and gives exactly its NaN, +-inf, +-0 and denormals. Measured over every float32 bit pattern
+(outside this suite, same code): 1 ulp off at 0.45% of inputs for EXP2, 0.30% for TANH and 8.4% for ERF (about 17% of |x| < 0.9, where
+x + x*P(x^2) rounds twice, none past 4); LOG2 at 1 in 10^5 of this sweep. The reference (kiln.ir.reference: numpy's float32 exp2 and
+log2) is not correctly rounded everywhere: on an AVX-512 x86-64 host with numpy 2.4 it is up to 3 ulp (EXP2, outputs near FLT_MAX
+and in the denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the bound is REF_BOUND (on this suite's AVX2
+host numpy is within 1 of the truth and the distance measured 1). test_erf_tanh.py sweeps ERF and TANH against a decimal truth as
+well. 16-bit types are checked at every value against the reference (within 1 ulp, as test_conformance.py's table says).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from kiln.ir.ops import Ops
 
 RT = get_runtime("CPU")
 OPS = (Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH)
-# EXP2/LOG2 measured 2 and 2 on this sweep: numpy is itself up to 3 and 2 from the truth (AVX-512, numpy 2.4); ERF/TANH's reference is the truth
-REF_BOUND = {Ops.EXP2: 3, Ops.LOG2: 2, Ops.ERF: 1, Ops.TANH: 1}
+# 1 ulp from the truth plus numpy's own distance from it (up to 3 and 2 on AVX-512 with numpy 2.4; 1 and 1 on AVX2); ERF/TANH's
+# reference is the truth
+REF_BOUND = {Ops.EXP2: 4, Ops.LOG2: 2, Ops.ERF: 1, Ops.TANH: 1}
 EDGES = {
   Ops.EXP2: [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 1e-45, -1e-45, 1e-30, 127.0, 127.99999, 128.0, 128.00002, -126.0, -126.5, -127.0, -148.5,
              -149.0, -149.00002, -149.5, -149.99998, -150.0, -150.00002, -151.0, -200.0, 200.0, 1e30, -1e30, 3.4e38, -3.4e38,
@@ -37,7 +39,7 @@ EDGES = {
   # the ends of each branch (llvm_math.ERF_SPLIT/ERF_TOP, TANH_SPLIT/TANH_TOP) and where float32 erf/tanh start to round to 1
   Ops.ERF: [0.0, -0.0, 1e-45, -1e-45, 1e-38, 0.89999998, 0.9, 0.90000004, -0.9, 3.9, 3.92, 3.93, 4.0, 4.0000005, -4.0, 10.0, 3.4e38,
             -3.4e38, float("inf"), float("-inf"), float("nan"), -float("nan")],
-  Ops.TANH: [0.0, -0.0, 1e-45, -1e-45, 1e-38, 0.54999995, 0.55, 0.55000001, -0.55, 9.0, 9.01, 9.02, 9.1, 10.0, 10.000001, -10.0, 20.0,
+  Ops.TANH: [0.0, -0.0, 1e-45, -1e-45, 1e-38, 0.89999998, 0.9, 0.90000004, -0.9, 9.0, 9.01, 9.02, 9.1, 10.0, 10.000001, -10.0, 20.0,
              3.4e38, -3.4e38, float("inf"), float("-inf"), float("nan"), -float("nan")],
 }
 

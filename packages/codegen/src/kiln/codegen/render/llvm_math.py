@@ -3,11 +3,12 @@ to one libm call per vector lane, and erf/tanh have no intrinsic at all). float6
 lane by lane.
 
 Each function is an alwaysinline helper of a float or an <n x float> made of the same instructions for every n, so a result does
-not depend on whether its loop was vectorised. All widen to double, reduce the range, evaluate a polynomial and round to float
-once at the end: the double result is within ~5e-11 relative of the truth, so the float result is the correctly rounded one except
-within that distance of a rounding boundary (never more than 1 ulp off, with or without FMA: none is used, so every x86 level
-gives the same bits), and overflow to inf, underflow through the denormals to 0 and the ties between them fall out of that one
-rounding (the fptrunc) exactly as IEEE defines them.
+not depend on whether its loop was vectorised. No FMA and no fast-math flag is used, so every x86 level gives the same bits.
+
+EXP2, ERF and TANH compute in float32 (<n x float> and <n x i32>, the full vector width): range reduction, near-minimax
+polynomials (Estrin's scheme) and 2^n built from exponent bits. Each is within 1 ulp of the correctly rounded result, measured over
+every float32 bit pattern (off by 1 at 0.45% of inputs for EXP2, 8.4% for ERF, 0.30% for TANH); test_vector_math.py and
+test_erf_tanh.py enforce it. LOG2 widens to double, evaluates there and rounds once (also within 1 ulp).
 """
 from __future__ import annotations
 
@@ -17,34 +18,40 @@ from typing import Any
 
 from kiln.ir.ops import Ops
 
-# 2^f = 1 + f*(c1 + f*(c2 + ... + f*c7)) on |f| <= 1/2: relative error 4.7e-11 (Lawson-weighted least-squares minimax fit)
-EXP2_POLY = tuple(map(float.fromhex, ('0x1.62e42ff0e1929p-1', '0x1.ebfbe07787770p-3', '0x1.c6b08ac069f68p-5', '0x1.3b29f39cfe158p-7',
-  '0x1.5d8a85fff9e10p-10', '0x1.445c8446fe860p-13', '0x1.fde5fd5cbd200p-17')))
-# log2(m) = s*(c1 + c3 s^2 + ... + c9 s^8), s = (m-1)/(m+1), m in [sqrt(1/2), sqrt(2)): relative error 4.2e-12 (same fit)
-LOG2_POLY = tuple(map(float.fromhex, ('0x1.71547652be60cp+1', '0x1.ec709d1658c80p-1', '0x1.27777e32049c7p-1', '0x1.a58e260054e25p-2',
-  '0x1.5cdef07b475e7p-2')))
-EXP2_CLAMP = 200.0  # |x| beyond this gives inf or 0 anyway; keeps 2^n a normal double
+
+def _hex(*h: str) -> tuple[float, ...]: return tuple(map(float.fromhex, h))
+def f32(v: float) -> float: return float(struct.unpack("<f", struct.pack("<f", v))[0])  # v rounded to float32
+
+
+# Fits made at development time with numpy: weighted least squares on 4000 Chebyshev nodes against numpy's double exp2/tanh and
+# math.erf/erfc, reweighted 60 times toward the largest weighted error (Lawson), so near-minimax; then each coefficient rounded to
+# float32 in turn, lowest order first, and the higher ones refitted. Errors are the fits' own (in double, float32 coefficients).
+# 2^f = 1 + (c0*f + c1*f^2 + ... + c5*f^6) on |f| <= 1/2: relative error 3.0e-9 (0.05 of 2^-24)
+EXP2_POLY = _hex('0x1.62e43p-1', '0x1.ebfbdcp-3', '0x1.c6af7ap-5', '0x1.3b2dd2p-7', '0x1.5f0948p-10', '0x1.417a9cp-13')
+# erf(x) = x + x*P(x^2) on |x| <= ERF_SPLIT: relative error 1.4e-8 (0.24 of 2^-24)
+ERF_SMALL = _hex('0x1.06eba6p-3', '-0x1.8126eep-2', '0x1.ce1bfp-4', '-0x1.b6a25p-6', '0x1.47c73p-8', '-0x1.3c61c8p-11')
+# erfc(x) = exp(-x^2) * P(v), v = (x-1.5)/(x+1.5) in [-0.25, 0.45] for x in [ERF_SPLIT, ERF_TOP]: absolute error 4.4e-9 (0.07 of 2^-24)
+ERFC_SCALED = _hex('0x1.494dbp-2', '-0x1.f6a69p-2', '0x1.8e4c08p-3', '-0x1.2e91eap-7', '-0x1.27ea64p-6')
+ERFC_V = 1.5
+# 2^f = 1 + (c0*f + ... + c4*f^5) on |f| <= 1/2 for ERF's exp(-x^2), one degree less than EXP2_POLY: relative error 9.3e-8 (1.56 of 2^-24), which
+# erfc <= 0.21 scales down to a third of an ulp of erf
+ERF_EXP2 = _hex('0x1.62e42ap-1', '0x1.ebf9c2p-3', '0x1.c6b6dap-5', '0x1.3ce8b2p-7', '0x1.5bd97ap-10')
+# tanh(x) = x + x*(x^2*P(x^2)) on |x| <= TANH_SPLIT: relative error 1.6e-8 (0.26 of 2^-24)
+TANH_SMALL = _hex('-0x1.555504p-2', '0x1.11017ap-3', '-0x1.b81622p-5', '0x1.567e5ap-6', '-0x1.c19544p-8', '0x1.55d49p-10')
+# |x| below: the polynomial in x^2; at or above: through exp2, |x| clamped to the top (past it float32 erf/tanh round to +-1, as
+# does the formula there: erfc(4) = 1.5e-8 and 2/(e^20 + 1) = 4e-9 are under half an ulp of 1)
+ERF_SPLIT, ERF_TOP, TANH_SPLIT, TANH_TOP = f32(0.9), 4.0, f32(0.9), 10.0
+LOG2E_F = float.fromhex('0x1.715476p+0')  # log2(e) rounded to float32
+MAGIC = 1.5 * 2.0**23  # adding it rounds a float of magnitude < 2^22 to an integer (ties to even), the integer in its low bits
+MAGIC_BITS = 0x4B400000  # MAGIC's bits: t = x + MAGIC has bits MAGIC_BITS + round(x)
+# x at or below EXP2_FLUSH becomes EXP2_LO (2^x rounds to 0 from there), above EXP2_HI becomes EXP2_HI (2^x is inf); NaN stays.
 # numpy's float32 exp2 (the reference) gives 0 at and below -149.5, where 2^x rounds to the least denormal 2^-149 (1 ulp away):
 # flushing there too keeps a 0 wherever the reference has one
-EXP2_FLUSH = -149.5
-ROUND_MAGIC = 1.5 * 2.0**52  # adding it rounds a double of magnitude < 2^51 to an integer (ties to even), the integer in its low bits
+EXP2_FLUSH, EXP2_LO, EXP2_HI = -149.5, -151.0, 129.0
+F_SIGN, F_ABS = 1 << 31, (1 << 31) - 1
+# LOG2 (in double): log2(m) = s*(c1 + c3 s^2 + ... + c9 s^8), s = (m-1)/(m+1), m in [sqrt(1/2), sqrt(2)): relative error 4.2e-12
+LOG2_POLY = _hex('0x1.71547652be60cp+1', '0x1.ec709d1658c80p-1', '0x1.27777e32049c7p-1', '0x1.a58e260054e25p-2', '0x1.5cdef07b475e7p-2')
 SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # the mantissa split point: m lands in [sqrt(1/2), sqrt(2)), so |s| <= 0.1716
-# Fits below made at development time with numpy: weighted least squares on 4000 Chebyshev nodes against math.erf/erfc/tanh in double,
-# reweighted 60 times toward the largest relative error (Lawson), so near-minimax; errors measured with Horner in double on 2e5 points.
-# erf(x) = x*P(x^2) on |x| <= 0.9: relative error 1.3e-13
-ERF_SMALL = tuple(map(float.fromhex, ('0x1.20dd7504298d5p+0', '-0x1.812746afb8519p-2', '0x1.ce2f215f9820ep-4', '-0x1.b82cd65c92527p-6',
-  '0x1.565a8b143d716p-8', '-0x1.c009b42c1db26p-11', '0x1.f740e7182f43ep-14', '-0x1.dced0c8ab0493p-17', '0x1.344c784e9bd9bp-20')))
-# erfc(x) * exp(x^2) = P(v), v = (x-2)/(x+2) in [-0.38, 1/3] for x in [0.9, 4]: relative error 1.1e-12
-ERFC_SCALED = tuple(map(float.fromhex, ('0x1.058671b52c8c7p-2', '-0x1.b57034effac78p-2', '0x1.eeea7dc8cae3fp-3', '-0x1.437f0b08835d5p-4',
-  '0x1.e9470e50c8759p-9', '0x1.ca94e1ef3f4dbp-8', '-0x1.bc222eb47aee0p-11', '-0x1.011f04d7fae5ep-10', '0x1.6c118d9c54f56p-15',
-  '0x1.5a5e014468ba2p-13', '0x1.b2caf443c1aecp-16')))
-# tanh(x) = x*P(x^2) on |x| <= 0.55: relative error 7.8e-13
-TANH_SMALL = tuple(map(float.fromhex, ('0x1.fffffffffe48ep-1', '-0x1.5555554fa1ffcp-2', '0x1.11110df42c4d0p-3', '-0x1.ba1a54c87278cp-5',
-  '0x1.662ceaed6b889p-6', '-0x1.207c01a570632p-7', '0x1.b6ef4769d4083p-9', '-0x1.dd8b7d9fadd77p-11')))
-# |x| below: the polynomial in x^2; at or above: through exp, clamped to the top (past it float32 erf/tanh round to +-1, as does the formula)
-ERF_SPLIT, ERF_TOP, TANH_SPLIT, TANH_TOP = 0.9, 4.0, 0.55, 10.0
-LOG2E = 1.4426950408889634
-SIGN, ABS = 1 << 63, (1 << 63) - 1
 FLOAT_CONST = {"nan": "0x7FF8000000000000", "inf": "0x7FF0000000000000", "-inf": "0xFFF0000000000000"}
 
 
@@ -59,50 +66,82 @@ class _Body:
   """The instructions of one helper: each call appends `%vK = text` and names its result."""
   def __init__(self, n: int):
     self.n, self.lines, self.k = n, list[str](), 0
-    self.F, self.D, self.L, self.B = (vtype(t, n) for t in ("float", "double", "i64", "i1"))
+    self.F, self.I, self.B, self.D, self.L = (vtype(t, n) for t in ("float", "i32", "i1", "double", "i64"))
+    self.powers: dict[tuple[str, int], str] = {}
 
   def __call__(self, text: str) -> str:
     self.k += 1
     self.lines.append(f"  %v{self.k} = {text}")
     return f"%v{self.k}"
 
-  def f(self, v: float) -> str: return _sp("float", double_hex(v), self.n)
+  def f(self, v: float) -> str:
+    assert f32(v) == v, f"{v!r} is not a float32"  # LLVM rejects an inexact float constant
+    return _sp("float", double_hex(v), self.n)
+  def i(self, v: int) -> str: return _sp("i32", str(v), self.n)
   def d(self, v: float) -> str: return _sp("double", double_hex(v), self.n)
-  def i(self, v: int) -> str: return _sp("i64", str(v), self.n)
+  def i64(self, v: int) -> str: return _sp("i64", str(v), self.n)
 
-  def horner(self, x: str, coeffs: tuple[float, ...]) -> str:  # coeffs[0] + x*(coeffs[1] + ...), unfused: the same on every ISA
+  def horner(self, x: str, coeffs: tuple[float, ...]) -> str:  # double coeffs[0] + x*(coeffs[1] + ...), unfused (LOG2's)
     acc = self.d(coeffs[-1])
-    for c in reversed(coeffs[:-1]): acc = self(f"fadd {self.D} {self(f'fmul {self.D} {acc}, {x}')}, {self.d(c)}")
+    for k in reversed(coeffs[:-1]): acc = self(f"fadd {self.D} {self(f'fmul {self.D} {acc}, {x}')}, {self.d(k)}")
     return acc
+
+  def estrin(self, x: str, coeffs: tuple[float, ...]) -> str:
+    """The float polynomial coeffs[0] + coeffs[1]*x + ... as lo(x) + x^m * hi(x), m the largest power of two below len(coeffs),
+    recursively (Estrin's scheme), unfused: two more multiplies than Horner's rule for six coefficients, but a dependency chain
+    of ~log2(len) multiply-adds instead of len (with Horner's, 4M-float GELU ran 1.16x slower, waiting on latency)."""
+    if len(coeffs) == 1: return self.f(coeffs[0])
+    if len(coeffs) == 2:  # a zero constant term is left out (so c1*x, not c1*x + 0, which would turn -0 into +0)
+      cx = self(f"fmul {self.F} {x}, {self.f(coeffs[1])}")
+      return cx if coeffs[0] == 0 else self(f"fadd {self.F} {cx}, {self.f(coeffs[0])}")
+    m = 1 << ((len(coeffs) - 1).bit_length() - 1)
+    lo, hi = self.estrin(x, coeffs[:m]), self.estrin(x, coeffs[m:])
+    return self(f"fadd {self.F} {lo}, {self(f'fmul {self.F} {self.power(x, m)}, {hi}')}")
+
+  def power(self, x: str, m: int) -> str:  # x^m for m a power of two, by squaring, each made once per helper
+    if m == 1: return x
+    if (x, m) not in self.powers: self.powers[x, m] = self(f"fmul {self.F} {self.power(x, m // 2)}, {self.power(x, m // 2)}")
+    return self.powers[x, m]
 
   def define(self, name: str, ret: str) -> str:
     return "\n".join([f"define internal {self.F} @{name}({self.F} %x) alwaysinline {{", *self.lines, f"  ret {self.F} {ret}", "}"])
 
 
+def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tuple[str, str]:
+  """x = n + f for |x| < 2^22 (NaN gives NaN): n = round(x) by the MAGIC add, f = x - n exact in [-1/2, 1/2]. Returns 2^f by
+  poly (EXP2_POLY: within [0.7, 1.42]) and n as i32."""
+  t = b(f"fadd {b.F} {x}, {b.f(MAGIC)}")
+  f = b(f"fsub {b.F} {x}, {b(f'fsub {b.F} {t}, {b.f(MAGIC)}')}")
+  p = b(f"fadd {b.F} {b.estrin(f, (0.0, *poly))}, {b.f(1.0)}")  # 1 + (f*c0 + f^2*c1 + ...): f*P by Estrin, then the 1
+  return p, b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")
+
+
+def _pow2(b: _Body, n: str) -> str:  # 2^n from its exponent field, n in [-126, 127]
+  e = b(f"add {b.I} {n}, {b.i(127)}")
+  return b(f"bitcast {b.I} {b(f'shl {b.I} {e}, {b.i(23)}')} to {b.F}")
+
+
 def exp2_f32(b: _Body) -> str:
-  """2^x: x at or below EXP2_FLUSH taken as -EXP2_CLAMP, above EXP2_CLAMP as EXP2_CLAMP (NaN kept), then exp2_d."""
-  lo = b(f"select {b.B} {b(f'fcmp ole {b.F} %x, {b.f(EXP2_FLUSH)}')}, {b.F} {b.f(-EXP2_CLAMP)}, {b.F} %x")
-  x = b(f"select {b.B} {b(f'fcmp ogt {b.F} {lo}, {b.f(EXP2_CLAMP)}')}, {b.F} {b.f(EXP2_CLAMP)}, {b.F} {lo}")
-  return b(f"fptrunc {b.D} {exp2double_hex(b, b(f'fpext {b.F} {x} to {b.D}'))} to {b.F}")  # the one rounding: inf, denormals, 0 included
+  """2^x: x clamped to [EXP2_LO, EXP2_HI] (and flushed below EXP2_FLUSH), then 2^f * 2^n1 * 2^n2 with n1 = n >> 1, n2 = n - n1,
+  both normal: the first product is exact, so the second rounds once, to a denormal, 0 or inf where IEEE does."""
+  lo = b(f"select {b.B} {b(f'fcmp ole {b.F} %x, {b.f(EXP2_FLUSH)}')}, {b.F} {b.f(EXP2_LO)}, {b.F} %x")
+  x = b(f"select {b.B} {b(f'fcmp ogt {b.F} {lo}, {b.f(EXP2_HI)}')}, {b.F} {b.f(EXP2_HI)}, {b.F} {lo}")
+  p, n = _exp2_reduced(b, x)
+  n1 = b(f"ashr {b.I} {n}, {b.i(1)}")
+  return b(f"fmul {b.F} {b(f'fmul {b.F} {p}, {_pow2(b, n1)}')}, {_pow2(b, b(f'sub {b.I} {n}, {n1}'))}")
 
 
-def exp2double_hex(b: _Body, d: str) -> str:
-  """2^d in double for |d| <= EXP2_CLAMP (NaN gives NaN): d = n + f with n = round(d), 2^f by EXP2_POLY, times 2^n made from n's bits."""
-  t = b(f"fadd {b.D} {d}, {b.d(ROUND_MAGIC)}")
-  f = b(f"fsub {b.D} {d}, {b(f'fsub {b.D} {t}, {b.d(ROUND_MAGIC)}')}")  # exact
-  p = b.horner(f, (1.0, *EXP2_POLY))
-  # t's low bits hold n (two's complement); the exponent field keeps 11 bits of n + 1023, in [823, 1223]
-  nb = b(f"add {b.L} {b(f'bitcast {b.D} {t} to {b.L}')}, {b.i(1023)}")
-  scale = b(f"bitcast {b.L} {b(f'shl {b.L} {nb}, {b.i(52)}')} to {b.D}")
-  return b(f"fmul {b.D} {p}, {scale}")
+def _exp2_mid(b: _Body, x: str) -> str:  # 2^x for x in [-24, 30] (or NaN): one scale factor
+  p, n = _exp2_reduced(b, x)
+  return b(f"fmul {b.F} {p}, {_pow2(b, n)}")
 
 
 def log2_f32(b: _Body) -> str:
   """log2(x): x widened to double (a float denormal is a normal double), x = m * 2^e with m in [sqrt(1/2), sqrt(2)), log2(m) by
   LOG2_POLY in s = (m-1)/(m+1); exact at powers of two (s = 0). 0 -> -inf, negative or NaN -> NaN, +inf -> +inf by selects."""
   bits = b(f"bitcast {b.D} {b(f'fpext {b.F} %x to {b.D}')} to {b.L}")
-  e = b(f"ashr {b.L} {b(f'sub {b.L} {bits}, {b.i(SQRT_HALF_BITS)}')}, {b.i(52)}")
-  top = b(f"shl {b.L} {e}, {b.i(52)}")
+  e = b(f"ashr {b.L} {b(f'sub {b.L} {bits}, {b.i64(SQRT_HALF_BITS)}')}, {b.i64(52)}")
+  top = b(f"shl {b.L} {e}, {b.i64(52)}")
   m = b(f"bitcast {b.L} {b(f'sub {b.L} {bits}, {top}')} to {b.D}")
   s = b(f"fdiv {b.D} {b(f'fsub {b.D} {m}, {b.d(1.0)}')}, {b(f'fadd {b.D} {m}, {b.d(1.0)}')}")  # m - 1 exact
   lm = b(f"fmul {b.D} {s}, {b.horner(b(f'fmul {b.D} {s}, {s}'), LOG2_POLY)}")
@@ -114,33 +153,37 @@ def log2_f32(b: _Body) -> str:
   return b(f"select {b.B} {b(f'fcmp oeq {b.F} %x, {inf}')}, {b.F} {inf}, {b.F} {r}")
 
 
-def _odd(b: _Body, split: float, top: float, small: tuple[float, ...], large: Callable[[_Body, str], str]) -> str:
-  """An odd function: x*small(x^2) where |x| < split, else large(min(|x|, top)) (positive) with x's sign, rounded once to float.
-  NaN fails both compares and reaches large, which keeps it NaN; +-inf is clamped to top; +-0 is x*c = +-0."""
-  x = b(f"fpext {b.F} %x to {b.D}")
-  bits = b(f"bitcast {b.D} {x} to {b.L}")
-  ax = b(f"bitcast {b.L} {b(f'and {b.L} {bits}, {b.i(ABS)}')} to {b.D}")
-  c = b(f"select {b.B} {b(f'fcmp ogt {b.D} {ax}, {b.d(top)}')}, {b.D} {b.d(top)}, {b.D} {ax}")
-  lb = b(f"or {b.L} {b(f'bitcast {b.D} {large(b, c)} to {b.L}')}, {b(f'and {b.L} {bits}, {b.i(SIGN)}')}")
-  sm = b(f"fmul {b.D} {x}, {b.horner(b(f'fmul {b.D} {x}, {x}'), small)}")
-  r = b(f"select {b.B} {b(f'fcmp olt {b.D} {ax}, {b.d(split)}')}, {b.D} {sm}, {b.D} {b(f'bitcast {b.L} {lb} to {b.D}')}")
-  return b(f"fptrunc {b.D} {r} to {b.F}")
+def _odd(b: _Body, split: float, top: float, small: Callable[[_Body, str], str], large: Callable[[_Body, str, str], str]) -> str:
+  """An odd function of |x| given x's sign bit: with c = min(|x|, top), c + c*small(c^2) where |x| < split, else large(c, c^2).
+  Both are computed and one selected (no branch). NaN fails both compares and reaches large, which keeps it NaN; +-inf is
+  clamped to top; +-0 is 0 + 0*small with the sign put back (x + x*small would turn -0 into +0 where small(0) < 0)."""
+  bits = b(f"bitcast {b.F} %x to {b.I}")
+  a = b(f"bitcast {b.I} {b(f'and {b.I} {bits}, {b.i(F_ABS)}')} to {b.F}")
+  c = b(f"select {b.B} {b(f'fcmp ogt {b.F} {a}, {b.f(top)}')}, {b.F} {b.f(top)}, {b.F} {a}")
+  z = b(f"fmul {b.F} {c}, {c}")
+  sm = b(f"fadd {b.F} {c}, {b(f'fmul {b.F} {c}, {small(b, z)}')}")  # c + c*(f(c)/c - 1): the small part's error shrinks
+  r = b(f"select {b.B} {b(f'fcmp olt {b.F} {a}, {b.f(split)}')}, {b.F} {sm}, {b.F} {large(b, c, z)}")
+  rb = b(f"or {b.I} {b(f'bitcast {b.F} {r} to {b.I}')}, {b(f'and {b.I} {bits}, {b.i(F_SIGN)}')}")
+  return b(f"bitcast {b.I} {rb} to {b.F}")
 
 
-def _erf_large(b: _Body, a: str) -> str:  # 1 - exp(-a^2) * ERFC_SCALED((a-2)/(a+2)); erfc <= 0.21 here, so 1 - erfc loses nothing
-  v = b(f"fdiv {b.D} {b(f'fsub {b.D} {a}, {b.d(2.0)}')}, {b(f'fadd {b.D} {a}, {b.d(2.0)}')}")
-  e = exp2double_hex(b, b(f"fmul {b.D} {b(f'fmul {b.D} {a}, {a}')}, {b.d(-LOG2E)}"))
-  return b(f"fsub {b.D} {b.d(1.0)}, {b(f'fmul {b.D} {e}, {b.horner(v, ERFC_SCALED)}')}")
+def _erf_large(b: _Body, a: str, z: str) -> str:  # 1 - exp(-a^2) * ERFC_SCALED(v); erfc <= 0.21 here, so 1 - erfc loses nothing
+  v = b(f"fdiv {b.F} {b(f'fsub {b.F} {a}, {b.f(ERFC_V)}')}, {b(f'fadd {b.F} {a}, {b.f(ERFC_V)}')}")
+  p, n = _exp2_reduced(b, b(f"fmul {b.F} {z}, {b.f(-LOG2E_F)}"), ERF_EXP2)
+  sr = b(f"fmul {b.F} {_pow2(b, n)}, {b.estrin(v, ERFC_SCALED)}")  # 2^n * P(v) is exact: p * (2^n * P) is (p * 2^n) * P, sooner
+  return b(f"fsub {b.F} {b.f(1.0)}, {b(f'fmul {b.F} {p}, {sr}')}")
 
 
-def _tanh_large(b: _Body, a: str) -> str:  # 1 - 2/(e^2a + 1); 2/(e^2a + 1) <= 0.5 here, so the subtraction loses at most a bit
-  e = exp2double_hex(b, b(f"fmul {b.D} {a}, {b.d(2 * LOG2E)}"))
-  q = b(f"fdiv {b.D} {b.d(2.0)}, {b(f'fadd {b.D} {e}, {b.d(1.0)}')}")
-  return b(f"fsub {b.D} {b.d(1.0)}, {q}")
+def _tanh_large(b: _Body, a: str, z: str) -> str:  # 1 - 2/(e^2a + 1); 2/(e^2a + 1) <= 0.29 here
+  e = _exp2_mid(b, b(f"fmul {b.F} {a}, {b.f(2 * LOG2E_F)}"))
+  q = b(f"fdiv {b.F} {b.f(2.0)}, {b(f'fadd {b.F} {e}, {b.f(1.0)}')}")
+  return b(f"fsub {b.F} {b.f(1.0)}, {q}")
 
 
-def erf_f32(b: _Body) -> str: return _odd(b, ERF_SPLIT, ERF_TOP, ERF_SMALL, _erf_large)
-def tanh_f32(b: _Body) -> str: return _odd(b, TANH_SPLIT, TANH_TOP, TANH_SMALL, _tanh_large)
+def _erf_small(b: _Body, z: str) -> str: return b.estrin(z, ERF_SMALL)
+def _tanh_small(b: _Body, z: str) -> str: return b(f"fmul {b.F} {z}, {b.estrin(z, TANH_SMALL)}")
+def erf_f32(b: _Body) -> str: return _odd(b, ERF_SPLIT, ERF_TOP, _erf_small, _erf_large)
+def tanh_f32(b: _Body) -> str: return _odd(b, TANH_SPLIT, TANH_TOP, _tanh_small, _tanh_large)
 
 
 BODIES = {Ops.EXP2: exp2_f32, Ops.LOG2: log2_f32, Ops.ERF: erf_f32, Ops.TANH: tanh_f32}
