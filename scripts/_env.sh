@@ -32,6 +32,6 @@ find_hatch() {
 find_hatch
 export HATCH
 if ! "$HATCH" env find default >/dev/null 2>&1 || [[ ! -d "$("$HATCH" env find default)" ]]; then
-  say "creating the hatch environment (five packages editable + dev tools); this takes a minute once"
+  say "creating the hatch environment (six packages editable + dev tools); this takes a minute once"
   "$HATCH" env create default
 fi
