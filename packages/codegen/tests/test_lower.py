@@ -6,7 +6,7 @@ import pytest
 from kiln.codegen.lower import lower
 from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts
 from kiln.codegen.render.llvm import LLVMRenderer
-from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes
+from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes, kernels
 from kiln.ir.analysis import free_ranges
 
 F32 = dtypes.float32
@@ -165,6 +165,16 @@ def test_gpu_target_maps_axes_to_threads():
   gpu = Target(device="CUDA", vector_bytes=0)
   assert heuristic_opts(add_kernel(1 << 16), gpu) == [Opt(OptOps.LOCAL, 0, 256)]
   assert heuristic_opts(full_sum(1 << 16), gpu) == [Opt(OptOps.GROUP, 0, 256)]
+
+
+def test_inline_polynomial_bodies_take_two_vectors():
+  # exp/erf/tanh are latency-bound chains per lane: a second independent vector fills the pipes; a plain add keeps one
+  def ew(f): return kernels.elementwise(f, dtypes.float32, ((4096,), dtypes.float32))
+  for t, lanes in ((Target(vector_bytes=32), 8), (Target(vector_bytes=64), 16)):
+    assert Opt(OptOps.UPCAST, 0, 2 * lanes) in heuristic_opts(ew(lambda x: x.exp2()), t)
+    assert Opt(OptOps.UPCAST, 0, 2 * lanes) in heuristic_opts(ew(lambda x: x * 0.5 * ((x * 0.7071).erf() + 1.0)), t)
+    assert Opt(OptOps.UPCAST, 0, lanes) in heuristic_opts(ew(lambda x: x + 1.0), t)
+    assert Opt(OptOps.UPCAST, 0, lanes) in heuristic_opts(ew(lambda x: x.sqrt()), t)  # one instruction, not a polynomial
 
 
 def test_heuristic_is_deterministic():

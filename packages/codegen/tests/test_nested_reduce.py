@@ -31,8 +31,9 @@ def matmul(n: int) -> UOp:
   return UOp.sink(c.index(i * n + j).store((a.index(i * n + k).load() * b.index(k * n + j).load()).reduce(Ops.ADD, k)))
 
 
-@pytest.mark.parametrize("t, want", [(AVX2, [Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.UPCAST, 2, 32), Opt(OptOps.UPCAST, 3, 32)]),
-                                     (AVX512, [Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.UPCAST, 2, 64), Opt(OptOps.UPCAST, 3, 64)])])
+# the output axis takes two vectors: its exp is an inline polynomial, latency-bound on one vector
+@pytest.mark.parametrize("t, want", [(AVX2, [Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.UPCAST, 2, 32), Opt(OptOps.UPCAST, 3, 32)]),
+                                     (AVX512, [Opt(OptOps.UPCAST, 1, 32), Opt(OptOps.UPCAST, 2, 64), Opt(OptOps.UPCAST, 3, 64)])])
 def test_heuristic_vectorises_softmax_row_reduces(t: Target, want: list[Opt]):
   assert heur(kernels.softmax((64, 128), dtypes.float32), t) == want
 
