@@ -8,7 +8,7 @@ to stay in bounds, or an unrelated condition) and gated stores, and REDUCE ADD/M
 random order, nested reduces too). Input data comes from a numpy seed the case carries: integers over the whole range
 with edge values, floats in [-4, 4] with a few zeros, infinities and NaNs.
 
-Backends: the CPU (LLVM) with the heuristic options, with opts=[] and with random explicit options (UPCAST, UNROLL,
+Backends: the CPU (LLVM) with the heuristic options, with opts=[] and with random explicit options (UPCAST, UNROLL, PACK, FMA, OUTER,
 THREAD; a list the lowering rejects with CodegenError is counted, not failed), and CUDA C under the CPU emulation harness.
 
 Comparison (`compare`): integers and bools exactly; floats bit for bit with NaN == NaN, except a store whose value holds a
@@ -254,7 +254,8 @@ def cases(draw: Callable[[Any], Any], cuda: bool = False) -> Case:
 @st.composite
 def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
   """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST among the output axes and one
-  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4."""
+  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4, and sometimes PACK, FMA
+  and OUTER."""
   rngs = ast.ranges()
   by_id = {r.arg[0]: r for r in rngs}
   opts: list[Opt] = []
@@ -274,6 +275,11 @@ def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
     if not divs: continue
     used.add(r.arg[0])
     opts.append(Opt(kind, r.arg[0], draw(st.sampled_from(divs))))
+  # the matmul options beside them (a PACK with its reduce axis unrolled whole once read its panel before packing it):
+  # PACK/FMA on a reduce axis, OUTER on an output axis; a combination the lowering refuses is counted, not failed
+  for kind, axis_type in ((OptOps.PACK, AxisType.REDUCE), (OptOps.FMA, AxisType.REDUCE), (OptOps.OUTER, AxisType.LOOP)):
+    axes = [r for r in rngs if r.arg[1] is axis_type and r.src[0].op is Ops.CONST]
+    if axes and draw(st.integers(0, 3)) == 0: opts.append(Opt(kind, axes[draw(st.integers(0, len(axes) - 1))].arg[0], 1))
   return opts
 
 
