@@ -169,6 +169,9 @@ def test_gpu_target_maps_axes_to_threads():
 
 def test_inline_polynomial_bodies_take_two_vectors():
   # exp/erf/tanh are latency-bound chains per lane: a second independent vector fills the pipes; a plain add keeps one
+  from kiln.codegen import opt
+  from kiln.codegen.render import llvm_math
+  assert opt._POLY_OPS == frozenset(llvm_math.BODIES)  # the heuristic's list is the renderer's (opt cannot import render)
   def ew(f): return kernels.elementwise(f, dtypes.float32, ((4096,), dtypes.float32))
   for t, lanes in ((Target(vector_bytes=32), 8), (Target(vector_bytes=64), 16)):
     assert Opt(OptOps.UPCAST, 0, 2 * lanes) in heuristic_opts(ew(lambda x: x.exp2()), t)

@@ -220,7 +220,7 @@ def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> in
   return _pick_width(size, 1 << (rows.bit_length() - 1))
 
 
-_POLY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})  # rendered on the CPU as inline polynomials (render/llvm_math.py)
+_POLY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})  # llvm_math.BODIES (a test keeps them equal; render imports opt)
 
 
 def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
