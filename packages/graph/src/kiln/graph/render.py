@@ -7,6 +7,7 @@ from typing import Any
 
 from kiln.graph.lazy import GraphError, Node, prod
 from kiln.ir.dtype import dtypes
+from kiln.ir.kernels import flat_index
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
@@ -22,15 +23,6 @@ def strides(shape: tuple[int, ...]) -> list[int]:
     out.append(acc)
     acc *= d
   return out[::-1]
-
-
-def flat(idx: tuple[UOp, ...], shape: tuple[int, ...]) -> UOp:
-  out: UOp | None = None
-  for i, d, s in zip(idx, shape, strides(shape)):
-    if d == 1 or i is ZERO: continue
-    t = i if s == 1 else i * s
-    out = t if out is None else out + t
-  return ZERO if out is None else out
 
 
 def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[UOp, ...]:
@@ -51,7 +43,7 @@ def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[int, ...], in_shape: tu
     i, j = i + 1, j + 1
     oi = [k for k in gi if k < no]
     ij = [k for k in gj if k < ni]
-    lin = flat(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
+    lin = flat_index(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
     sub = tuple(in_shape[k] for k in ij)
     for k, s in zip(ij, strides(sub)):
       v = lin if s == 1 or lin is ZERO else lin // s
@@ -105,26 +97,26 @@ class Renderer:
     out = self._global(n)
     val = self.render(n, idx, top=True)
     if val.dtype != n.dtype: val = val.cast(n.dtype)
-    ast = UOp.sink(out.index(flat(idx, n.shape)).store(val), name=name)
+    ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=name)
     return Kernel(n, ast, self.slots, self.rendered, offenders=self.offenders)
 
   def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:
     if not top and (n in self.realized or n.op == "BUFFER"):
-      return self._global(n).index(flat(idx, n.shape)).load()
+      return self._global(n).index(flat_index(idx, n.shape)).load()
     key = (n, idx)
     if (hit := self.memo.get(key)) is not None: return hit
     if n.op == "REDUCE" and not top and (self.reduce_at.setdefault(n, idx) != idx or any(self._in_reduce(i) for i in idx)):
       # a reduction at two indices, or inside another's body: it gets its own kernel (checked here, so that the
       # first render of a whole graph stays linear in its size instead of nesting every reduction in every other)
       self.offenders.add(n)
-      return self._global(n).index(flat(idx, n.shape)).load()
+      return self._global(n).index(flat_index(idx, n.shape)).load()
     out = self._render(n, idx)
     self.memo[key] = out
     self.rendered.setdefault(n, set()).add(out)
     return out
 
   def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
-    if n.op == "BUFFER": return self._global(n).index(flat(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
+    if n.op == "BUFFER": return self._global(n).index(flat_index(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
     if n.op == "CONST": return UOp.const(n.dtype, n.arg)
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]
