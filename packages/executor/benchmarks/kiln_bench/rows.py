@@ -431,9 +431,10 @@ class Bench:
       if mem.kiln is None: mem.status, mem.note = "ERROR", "the MLP plan was not built"
       else: mem.status = "-"
       self.rows.append(mem)
-    from kiln_bench import graph_rows, models
+    from kiln_bench import graph_rows, load_rows, models
     models.run(self)
     graph_rows.run(self)  # imports kiln.graph inside its rows only
+    load_rows.run(self)  # a safetensors file > the LLC, mapped: load time, bytes mapped and resident
 
 # ---- the table ----
 COLS = ("work", "kiln", "numpy", "numba", "tinygrad", "torch", "onnxruntime", "kiln/numpy", "achieved", "limit", "target", "status")
