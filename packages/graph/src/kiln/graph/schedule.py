@@ -200,7 +200,7 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   inputs: dict[str, _Input] = {}
   def buf_of(n: Node) -> int:
     if n in bufs: return bufs[n]
-    if n.op == "BUFFER" and n.arg.data is not None: b = Buffer.from_numpy(np.ascontiguousarray(n.arg.data), device, n.dtype)  # n.dtype: bfloat16 data is uint16 in numpy
+    if n.op == "BUFFER" and n.arg.data is not None: b = Buffer.from_numpy(np.ascontiguousarray(n.arg.data), device, n.dtype)  # bf16: uint16 in numpy
     else: b = Buffer(device, n.numel, n.dtype)
     bufs[n] = pb.add_buffer(b)
     if n.op == "BUFFER" and n.arg.name is not None:
