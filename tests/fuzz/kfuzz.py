@@ -254,8 +254,8 @@ def cases(draw: Callable[[Any], Any], cuda: bool = False) -> Case:
 @st.composite
 def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
   """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST among the output axes and one
-  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4, and sometimes PACK, FMA
-  and OUTER."""
+  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4, and sometimes PACK, FMA,
+  OUTER and KEEP."""
   rngs = ast.ranges()
   by_id = {r.arg[0]: r for r in rngs}
   opts: list[Opt] = []
@@ -277,7 +277,9 @@ def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
     opts.append(Opt(kind, r.arg[0], draw(st.sampled_from(divs))))
   # the matmul options beside them (a PACK with its reduce axis unrolled whole once read its panel before packing it):
   # PACK/FMA on a reduce axis, OUTER on an output axis; a combination the lowering refuses is counted, not failed
-  for kind, axis_type in ((OptOps.PACK, AxisType.REDUCE), (OptOps.FMA, AxisType.REDUCE), (OptOps.OUTER, AxisType.LOOP)):
+  # (and KEEP, which applies only where the store computes a reduce's body again; elsewhere it is refused and counted)
+  for kind, axis_type in ((OptOps.PACK, AxisType.REDUCE), (OptOps.FMA, AxisType.REDUCE), (OptOps.OUTER, AxisType.LOOP),
+                          (OptOps.KEEP, AxisType.REDUCE)):
     axes = [r for r in rngs if r.arg[1] is axis_type and r.src[0].op is Ops.CONST]
     if axes and draw(st.integers(0, 3)) == 0: opts.append(Opt(kind, axes[draw(st.integers(0, len(axes) - 1))].arg[0], 1))
   return opts

@@ -110,3 +110,18 @@ def test_min_max_and_constant_bitwise_bounds_are_sound(dt, data):
     for e in exprs:
       v = sym_int_eval(e, env)
       assert e.vmin <= v <= e.vmax, f"{e} = {v} at {env} outside [{e.vmin}, {e.vmax}]"
+
+
+def test_exact_int_bounds_see_what_terms_share() -> None:
+  """vmin/vmax bound each node alone; exact_int_bounds evaluates at every point: j - j % 16 (a peeled vector axis's
+  shifted index) is within [0, 112], which the interval bounds cannot prove."""
+  from kiln.ir.analysis import exact_int_bounds
+  j = UOp.range(128, 1)
+  e = j - j % 16
+  assert (e.vmin, e.vmax) == (-15, 127)
+  assert exact_int_bounds(e) == (0, 112)
+  k = UOp.range(5, 2)
+  assert exact_int_bounds((e.minimum(111) + j % 16) * 3 - k) == (-4, 378)
+  assert exact_int_bounds(j + UOp.variable("n", 0, 4)) is None  # another leaf
+  assert exact_int_bounds(j * UOp.range(1024, 3)) is None  # more points than the limit
+  assert exact_int_bounds(j * UOp.range(1024, 3), limit=1 << 17) == (0, 127 * 1023)

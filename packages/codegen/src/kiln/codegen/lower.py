@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.codegen.expand import combos, gate_loads, simp
+from kiln.codegen.expand import combos, gate_loads, simp, unroll_vars
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
 from kiln.codegen.loops import LowerCtx
-from kiln.codegen.opt import Opt, Target, heuristic_opts, plan_axes
-from kiln.codegen.pack import Packer
+from kiln.codegen.opt import Opt, Target, axis_size, heuristic_opts, kept_twins, plan_axes
+from kiln.codegen.pack import Packer, scratch_ptr
 from kiln.codegen.prepare import estimate, min_elements, peel, prepare
 from kiln.codegen.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
@@ -97,6 +97,7 @@ class Lowerer:
       body_scope = lin.open_if(body_scope, self.grid.special("lidx0", g).eq(0))
     for st in stores:
       if gate is not None: st = st.replace(src=(st.src[0], gate_loads(st.src[1], gate)))  # loads hoisted out of the gate read nothing
+      st = self.keep(st, subst)
       s = simp(substitute(red.hide(st), subst))
       red.emit_all(s, red_scope, subst, loop_scopes)
       target = red.finish_scope if red.finish_scope is not None else body_scope
@@ -105,6 +106,22 @@ class Lowerer:
         for one in (out.src if out.op is Ops.SINK else (out,)): lin.emit(target, one)
     self.grid.close_gate()
     lin.close_to(lin.root)
+
+  def keep(self, st: UOp, subst: dict[UOp, UOp]) -> UOp:
+    """KEEP: the store's values that a kept REDUCE computes too read them from the REDUCE's scratch row (reduce_lowering
+    writes it). Each kept REDUCE gets its row once, on first sight; a KEEP no store can use is refused at the end."""
+    twins: dict[UOp, UOp] = {}
+    for red in (u for u in st.toposort() if u.op is Ops.REDUCE and len(u.src) == 2 and self.ctx.plans[u.src[1]].keep):
+      if not (found := kept_twins(st, red)): continue
+      if unroll_vars(substitute(red, subst), {}):  # one row per unrolled copy would be needed
+        raise CodegenError(f"KEEP on axis {red.src[1].arg[0]}: its REDUCE is unrolled along an output axis; drop the UNROLL or the KEEP")
+      if red not in self.red.keep:
+        size = axis_size(red.src[1])
+        assert size is not None
+        self.red.keep[red] = (scratch_ptr(red.dtype), self.pack.reserve(size, red.dtype))
+      ptr, base = self.red.keep[red]
+      twins |= {t: UOp(Ops.LOAD, t.dtype, (ptr.index(base + j),)) for t, j in found.items()}
+    return st.replace(src=(st.src[0], substitute(st.src[1], twins))) if twins else st
 
   def lower(self) -> LoweredKernel:
     ast, ctx = self.ast, self.ctx
@@ -117,6 +134,8 @@ class Lowerer:
       raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
     if ctx.gpu and len(groups) > 1: self.grid.share(groups)  # GPU: size the shared grid for the largest store group
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
+    if unused := sorted(p.rng.arg[0] for p in ctx.plans.values() if p.keep and not any(r.src[1] is p.rng for r in self.red.keep)):
+      raise CodegenError(f"KEEP on axes {unused}: no store computes again what their REDUCE computes (softmax's exp along an output axis)")
     uops = ctx.lin.program()
     globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
     # a loop kept for its trip count may use a variable the simplified stores no longer mention
@@ -131,13 +150,12 @@ class Lowerer:
     elif threads > 1: lk.global_size = (threads, 1, 1)
     lk.min_elements = min_elements(ast)
     scratch = self.red.scratch
-    if self.pack.packed:
-      if scratch is not None: raise CodegenError("PACK cannot be combined with a threaded full reduction")
-      dt = next(iter(self.pack.packed)).dtype
-      scratch = UOp(Ops.DEFINE_GLOBAL, dt.ptr(), (), -1)
+    if self.pack.dtype is not None:  # packed panels, kept rows
+      if scratch is not None: raise CodegenError("PACK and KEEP cannot be combined with a threaded full reduction")
+      scratch = scratch_ptr(self.pack.dtype)
     lk.scratch, lk.finish = scratch, self.red.finish_scope is not None
     if isinstance(sp := scratch.dtype if scratch is not None else None, PtrDType):
-      # a threaded reduction's scratch has its size in its pointer; packed panels add up per thread
+      # a threaded reduction's scratch has its size in its pointer; packed panels and kept rows add up per thread
       lk.scratch_bytes = sp.nbytes if sp.size > 0 else self.pack.used * self.pack.threads * sp.itemsize
     lk.flops, lk.mem_bytes = estimate(ast)
     return lk

@@ -1,5 +1,6 @@
 """PACK (CPU): the panel a reduce axis reads, per outer tile, copied into contiguous per-thread scratch, and the loads
-that then read the packed copy."""
+that then read the packed copy. The per-thread scratch is handed out here, to KEEP's rows too: region after region, each
+holding one slice per thread (region k at used_k * threads, thread t's slice at t * size_k within it)."""
 from __future__ import annotations
 
 from kiln.codegen.expand import simp, simplify_indices, vectorize
@@ -8,6 +9,7 @@ from kiln.codegen.loops import LowerCtx
 from kiln.codegen.opt import axis_size
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType, dtypes
+from kiln.ir.errors import CodegenError
 from kiln.ir.ops import Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
@@ -22,8 +24,21 @@ class Packer:
   def __init__(self, ctx: LowerCtx):
     self.ctx = ctx
     self.packed: dict[UOp, tuple[UOp, UOp, int]] = {}  # packed load -> (its reduce range, its scratch base, lanes)
-    self.used = 0  # elements of packed panels per thread
-    self.threads = 1  # threads with a panel each
+    self.used = 0  # elements of scratch per thread (packed panels, kept rows)
+    self.threads = 1  # threads with a slice each
+    self.dtype: DType | None = None  # one scratch pointer per kernel, so one element type
+
+  def reserve(self, elements: int, dt: DType) -> UOp:
+    """A slice of `elements` of dt per thread: the index of this thread's first element."""
+    ctx = self.ctx
+    if self.dtype not in (None, dt): raise CodegenError(f"per-thread scratch of {self.dtype.name} cannot hold {dt.name} too")
+    threads = max(ctx.threads, 1)
+    if threads > 1 and ctx.core_id is None: ctx.core(threads, finish=False)  # the split loop may open later
+    me = ctx.core_id * elements if ctx.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)
+    base = me + self.used * threads
+    self.used += elements
+    self.threads, self.dtype = threads, dt
+    return simp(base)
 
   def loads(self, stores: list[UOp], loops: list[UOp]) -> dict[UOp, set[UOp]]:
     """The loads to pack: under a PACK reduce axis, using the vector axis but not the innermost output loop (so the
@@ -49,16 +64,12 @@ class Packer:
     k = next(r for r in free_ranges(ld) if ctx.plans[r].pack)
     size = axis_size(k)
     assert size is not None
-    threads = ctx.threads
-    if threads > 1 and ctx.core_id is None: ctx.core(threads, finish=False)  # the split loop may open later, inside this one
-    base = (ctx.core_id * (size * w) if ctx.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)) + self.used
-    self.used += size * w
+    base = self.reserve(size * w, ld.dtype)
     lv = ctx.count_loop(size)
     inner = ctx.lin.open(scope, lv)
     src = simplify_indices(substitute(ld, {**subst, k: lv}))
     self.packed[ld] = (k, base, w)
     ctx.lin.floor[scratch_ptr(ld.dtype)] = scope  # the panel is read after this copy
-    self.threads = threads
     st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + lane)), src)), ctx.vec)
     for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
     ctx.lin.close(inner)

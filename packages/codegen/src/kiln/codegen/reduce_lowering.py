@@ -29,6 +29,7 @@ class Reductions:
     self.finish_scope: Scope | None = None  # where a threaded reduction's result exists (the finishing call)
     self.scratch: UOp | None = None  # a threaded reduction's partials
     self.active = ctx.vec  # the lanes values vary along where the reduce being emitted sits: the output's, or an enclosing REDUCE's
+    self.keep: dict[UOp, tuple[UOp, UOp]] = {}  # KEEP: REDUCE -> (scratch pointer, its row's first index) it leaves body(r) in
 
   # ---- expressions ----
   def hide(self, u: UOp) -> UOp:
@@ -132,7 +133,9 @@ class Reductions:
     self.active = vec
     try: self.emit_all(body, inner, rsubst, lscopes)
     finally: self.nesting, self.active = self.nesting - 1, outer
-    self.accumulate(inner, body, accs, copies, out_vars, ranges, vec, op, dt, gate)
+    if (kept := self.kept_row(red, rsubst)) is not None:  # the row is read after this REDUCE, even at an index no loop varies
+      lin.floor[kept.src[0]] = scope
+    self.accumulate(inner, body, accs, copies, out_vars, ranges, vec, op, dt, gate, kept)
     for r in reversed(ranges): lin.close(lscopes[r])
     per_row = scope is not lin.root
     if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
@@ -154,15 +157,23 @@ class Reductions:
         else: inner, tsubst[r] = ctx.open_axis(inner, r, tsubst)
         tscopes[r] = inner
       tbody = simp(self.pack.unpack(substitute(self.hide(red.src[0]), tsubst), tsubst))
-      self.accumulate(inner, tbody, taccs, copies, out_vars, ranges, None, op, dt, None)
+      self.accumulate(inner, tbody, taccs, copies, out_vars, ranges, None, op, dt, None, self.kept_row(red, tsubst))
       for r in reversed(ranges): lin.close(tscopes[r])
       res = {c: lin.acc_read(taccs[c], ctx.acc_id()) for c in copies}
-    for c in copies: self.results[(ph, c)] = res[c]
+    for c in copies:
+      lin.need(res[c], scope)  # the fold runs once, where the REDUCE ends, not in the loop of whatever reads it first
+      self.results[(ph, c)] = res[c]
     self.red_vars[ph] = out_vars
 
+  def kept_row(self, red: UOp, rsubst: dict[UOp, UOp]) -> UOp | None:
+    """KEEP: where body(r) goes, as an INDEX of the scratch row in this loop's terms (None: the REDUCE is not kept)."""
+    if (k := self.keep.get(red)) is None: return None
+    return k[0].index(simp(k[1] + rsubst[red.src[1]]))
+
   def accumulate(self, inner: Scope, body: UOp, accs: dict, copies: list, out_vars: list[UOp], ranges: list[UOp], vec: tuple[UOp, int] | None,
-                 op: Ops, dt: DType, gate: UOp | None) -> None:
-    """acc = acc op body for every unrolled copy, in the innermost reduce loop."""
+                 op: Ops, dt: DType, gate: UOp | None, kept: UOp | None = None) -> None:
+    """acc = acc op body for every unrolled copy, in the innermost reduce loop; under KEEP (`kept`: where) body is stored
+    too, the same value the accumulator takes."""
     plans = self.ctx.plans
     fuse = op is Ops.ADD and dt.is_float and dt.itemsize >= 4 and any(plans[r].fma for r in ranges)
     red_vars = [ev for r in ranges if plans[r].kind == "unroll" and (ev := plans[r].ev) is not None]
@@ -170,6 +181,9 @@ class Reductions:
       for c in copies:
         v = self.instantiate(body, {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))}, vec)
         if gate is not None: v = gate.where(v, UOp.const(dt, identity(op, dt))) if v.dtype == dt else v
+        if kept is not None:
+          st = self.instantiate(UOp(Ops.STORE, dtypes.void, (kept, body)), {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))}, vec)
+          for one in (st.src if st.op is Ops.SINK else (st,)): self.ctx.lin.emit(inner, one)
         acc = accs[c]
         cur = self.ctx.lin.acc_read(acc, self.ctx.acc_id())
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput

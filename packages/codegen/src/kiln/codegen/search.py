@@ -65,7 +65,8 @@ def space(ast: UOp, target: Target) -> Space:
   """The search space for a kernel on a target. Matmul-like kernels (the heuristic tiles them: it makes the vector axis
   outermost): register tile rows 1/2/4/8, one or two vectors, reduce unroll 1/2/4, with and without PACK, with and without
   the thread split. Other vectorised kernels: vector widths (and a reduce unroll when one axis is reduced per output);
-  full reductions: widths up to eight vectors; all: the thread split or not. GPUs: block sizes. Kernels of several stores
+  full reductions: widths up to eight vectors; KEEP or not where the heuristic keeps a row; all: the thread split or not.
+  GPUs: block sizes. Kernels of several stores
   keep the heuristic's (empty) list."""
   prepared, _ = prepare(ast)
   base = tuple(heuristic_opts(prepared, target))
@@ -97,6 +98,7 @@ def space(ast: UOp, target: Target) -> Space:
   elif vec is not None and not full_red and len(red_axes) == 1 and red_axes[0].arg[1] is AxisType.REDUCE:
     k = red_axes[0].arg[0]
     knobs.append(Knob(OptOps.UNROLL, k, _choices(have.get((OptOps.UNROLL, k), 1), 1, 2, 4)))
+  knobs += [Knob(OptOps.KEEP, o.axis, (1, 0)) for o in base if o.op is OptOps.KEEP]  # store and reload, or compute again
   if target.threads > 1:
     th = next((o for o in base if o.op is OptOps.THREAD), None)
     axis = th.axis if th is not None else vec.axis if mm and vec is not None else out_axes[0].arg[0] if out_axes else \

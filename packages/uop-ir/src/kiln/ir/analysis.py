@@ -3,6 +3,7 @@ the exact integer value of a symbolic expression. One definition each, so loweri
 and plans cannot disagree."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -45,6 +46,25 @@ def identity(op: Ops, dt: DType) -> int | float | bool:
   if op is Ops.MUL: return True if s.is_bool else 1
   if op is Ops.MAX: return s.min
   raise IRError(f"{op} is not a reduction (ADD, MUL or MAX)")
+
+
+def exact_int_bounds(u: UOp, limit: int = 1 << 16) -> tuple[int, int] | None:
+  """The least and greatest value of an integer expression of constant-size RANGEs, evaluated at every point (vmin/vmax
+  bound each node alone and lose what terms share: j - j % 16 over j < 128 gives [-15, 127], not [0, 112]). None when it
+  has another kind of leaf, an empty range or more than `limit` points."""
+  topo = u.toposort()
+  ranges = [x for x in topo if x.op is Ops.RANGE]
+  sizes = [int(r.src[0].arg) if r.src[0].op is Ops.CONST else 0 for r in ranges]
+  if u.dtype.kind == "p" or u.dtype.count != 1 or u.dtype.is_float or min(sizes, default=1) < 1 or math.prod(sizes) > limit: return None
+  vals: dict[UOp, Any] = dict(zip(ranges, np.meshgrid(*(np.arange(n) for n in sizes), indexing="ij", sparse=True)))
+  for x in topo:
+    if x in vals or x.op is Ops.RANGE: continue
+    if x.dtype.kind == "p" or x.dtype.count != 1: return None
+    if x.op is Ops.CONST: vals[x] = np.asarray(x.arg, dtype=compute_np(x.dtype))
+    elif x.op in GroupOp.ALU: vals[x] = exec_alu(x.op, x.dtype, *(vals[s] for s in x.src))
+    else: return None
+  v = np.asarray(vals[u])
+  return int(v.min()), int(v.max())
 
 
 def sym_int_eval(u: int | UOp, var_vals: Mapping[str, int], *, check_bounds: bool = True) -> int:
