@@ -360,8 +360,8 @@ def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[O
 
 def _keeps(st: UOp, reduces: list[UOp], vec_axis: UOp | None) -> list[Opt]:
   """KEEP where a row REDUCE's body holds an inline polynomial the store computes again (softmax: exp once per element,
-  not twice; 8192 rows of 128 on AVX2: 1.10 -> 0.60-0.67 ms, 1024 of 1024: 0.85 -> 0.61-0.71 ms). A body without one is cheaper to recompute than to store and
-  reload; a REDUCE that varies along the output's lanes would need a row per lane."""
+  not twice; 8192 rows of 128 on AVX2: 1.10 -> 0.60-0.67 ms, 1024 of 1024: 0.85 -> 0.61-0.71 ms). A body without one is
+  cheaper to recompute than to store and reload; a REDUCE that varies along the output's lanes would need a row per lane."""
   out: list[Opt] = []
   for red in reduces:
     if len(red.src) != 2 or (vec_axis is not None and vec_axis in free_ranges(red)): continue
