@@ -11,6 +11,10 @@ A node is one of a few kinds (the scheduler renders each as UOps, see render.py)
 | VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |
 | GATHER  | table, indices    | axis                                   | table[..., indices, ...]: data-dependent index, clamped      |
 | CAT     | 1+                | axis                                   | pieces side by side along axis                               |
+
+Any node may carry `realize=True` (Tensor.contiguous): the scheduler gives it a buffer of its own whatever its consumers.
+conv2d marks its padded input (so its matmul reads plain loads, not a bounds test per element) and its product (so the
+product's kernel loops over the matmul's own axes, not the NCHW view its consumers read).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class Node:
   arg: Any
   shape: tuple[int, ...]
   dtype: DType
+  realize: bool = False  # always gets its own buffer and kernel (the fusion rules never inline it)
   id: int = field(default_factory=lambda: next(_ids))
 
   def __hash__(self) -> int: return self.id

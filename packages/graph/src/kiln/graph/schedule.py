@@ -127,7 +127,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000)
   nodes = toposort(list(outputs))
   order = {n: i for i, n in enumerate(nodes)}
   cons = consumers(nodes)
-  realized: set[Node] = {o for o in outputs}
+  realized: set[Node] = {o for o in outputs} | {n for n in nodes if n.realize and n.op != "BUFFER"}
   for o in outputs:
     if o.op == "BUFFER": raise GraphError("schedule: an output that is a BUFFER needs a copy node (compile() adds one)")
   if not fuse: realized |= {n for n in nodes if n.op in ("ALU", "REDUCE", "GATHER", "CAT")}

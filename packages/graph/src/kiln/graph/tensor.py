@@ -333,6 +333,11 @@ class Tensor:
     shape = tuple(d + b + a for d, (b, a) in zip(self.shape, pads))
     return self if shape == self.shape else self._view("pad", (tuple(b for b, _ in pads), value), shape)
 
+  def contiguous(self) -> Tensor:
+    """The same values with a buffer of their own: the scheduler never inlines it into the kernels that read it."""
+    if self.node.op == "BUFFER" or self.node.realize: return self
+    return Tensor(Node("VIEW", (self.node,), ("reshape", self.shape), self.shape, self.dtype, realize=True))
+
   # ---- windows: convolution and pooling ----
   def windows(self, kernel: Sequence[int], stride: Sequence[int] | None = None, dilation: Sequence[int] | None = None) -> Tensor:
     """(*lead, *spatial) -> (*lead, *out, *kernel): every window of the trailing len(kernel) axes, as index arithmetic."""
@@ -348,7 +353,14 @@ class Tensor:
 
   def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: Sequence[int] | int = 1, padding: Sequence[tuple[int, int]] | int = 0,
              dilation: Sequence[int] | int = 1, groups: int = 1) -> Tensor:
-    """N-d convolution (torch's conv2d for 2 spatial dims): x (N, C, *sp), weight (O, C/groups, *k), padding (before, after) per dim."""
+    """N-d convolution (torch's conv2d for 2 spatial dims): x (N, C, *sp), weight (O, C/groups, *k), padding (before, after) per dim.
+
+    Per group a matrix product y[n, o, p] = sum_k W[o, k] * cols[n, k, p], k = (c, *kernel) and p = the output positions,
+    shaped so the codegen gives it the matmul options (register tile, packed panel, threads): cols is the window view of
+    the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). Its loads must be
+    plain, so a padded input is realized first. The product is realized as (N, groups, O/groups, P), the loops the matmul
+    tiles; bias and what follows (batch norm, relu, pooling) read it through an NCHW view. A depthwise conv (one input
+    and one output channel per group) has no matrix to tile: it stays a sum over each window."""
     d = weight.ndim - 2
     if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
     n, c = self.shape[:2]
@@ -358,12 +370,21 @@ class Tensor:
     st = [stride] * d if isinstance(stride, int) else list(stride)
     dl = [dilation] * d if isinstance(dilation, int) else list(dilation)
     pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
-    x = self.pad(((0, 0), (0, 0), *pads)).windows(weight.shape[2:], st, dl)  # (N, C, *out, *k)
-    out = x.shape[2:2 + d]
-    x = x.reshape(n, groups, cg, *out, *weight.shape[2:]).permute(0, 1, *range(3, 3 + d), 2, *range(3 + d, 3 + 2 * d))  # (N, g, *out, C/g, *k)
-    x = x.unsqueeze(2)  # (N, g, 1, *out, C/g, *k)
-    w = weight.reshape(1, groups, o // groups, *([1] * d), cg, *weight.shape[2:])
-    y = (x * w).sum(tuple(range(3 + d, 4 + 2 * d))).reshape(n, o, *out)
+    if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {self.shape}")
+    x, w = self._coerce(weight)
+    ks, og = w.shape[2:], o // groups
+    xp = x.pad(((0, 0), (0, 0), *pads))
+    if cg == 1 and og == 1: return _window_conv(xp, w, st, dl, groups, bias)
+    if all(k == 1 for k in ks) and all(s == 1 for s in st) and xp is x:
+      out, cols = x.shape[2:], x.reshape(n, groups, cg, prod(x.shape[2:]))  # 1x1: the input is the matrix already
+    else:
+      win = (xp if xp is x else xp.contiguous()).windows(ks, st, dl)  # (N, C, *out, *k)
+      out = win.shape[2:2 + d]
+      win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
+      cols = win.reshape(n, groups, cg * prod(ks), prod(out))
+    kk, p = cols.shape[2:]
+    wm = _flat(w, (1, groups, og, kk, 1))
+    y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
     return y if bias is None else y + bias.reshape(1, o, *([1] * d))
 
   def max_pool(self, kernel: Sequence[int], stride: Sequence[int] | None = None, padding: Sequence[tuple[int, int]] | None = None,
@@ -469,6 +490,21 @@ class Tensor:
     x = self.float()
     y = x * ((x * x).mean(axis, keepdims=True) + eps).rsqrt()
     return y if weight is None else y * weight
+
+
+def _flat(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+  """t reshaped to shape, read with a flat index: a weight array is reshaped in numpy, anything else realized (the
+  reshape's index // and % would otherwise sit in a matmul's inner loop)."""
+  if t.node.op == "BUFFER" and t.node.arg.data is not None: return Tensor(t.node.arg.data.reshape(shape))
+  return t.reshape(shape).contiguous()
+
+
+def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: int, bias: Tensor | None) -> Tensor:
+  """A depthwise conv (one input and one output channel per group) as a product and a sum over each window."""
+  d = w.ndim - 2
+  win = xp.windows(w.shape[2:], st, dl)  # (N, C, *out, *k)
+  y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
+  return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
 
 
 def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True) -> Compiled:  # noqa: A001

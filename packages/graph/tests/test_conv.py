@@ -1,0 +1,171 @@
+"""Tensor.conv2d against a direct numpy convolution (stride, padding, dilation, groups, 1x1, 1-3 spatial dims), the
+kernels it schedules (a matmul-shaped product the codegen tiles and packs; a realized padded input; none for a 1x1),
+Tensor.contiguous, and the ONNX Conv op against onnxruntime."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kiln.codegen.opt import OptOps, Target, heuristic_opts
+from kiln.codegen.prepare import prepare
+from kiln.graph import GraphError, Tensor, compile
+from kiln.graph.schedule import Compiled
+
+RNG = np.random.default_rng(15)
+
+
+def conv_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, st: list[int], pads: list[tuple[int, int]], dl: list[int],
+             groups: int) -> np.ndarray:
+  """float64 convolution as a sum over kernel offsets of strided slices times the weight's channel matrix."""
+  x, w = x.astype(np.float64), w.astype(np.float64)
+  n, d = x.shape[0], w.ndim - 2
+  o, cg = w.shape[:2]
+  og = o // groups
+  xp = np.pad(x, ((0, 0), (0, 0), *pads))
+  ks = w.shape[2:]
+  out = [(xp.shape[2 + i] - (ks[i] - 1) * dl[i] - 1) // st[i] + 1 for i in range(d)]
+  y = np.zeros((n, o, *out))
+  for g in range(groups):
+    for off in itertools.product(*(range(k) for k in ks)):
+      sl = tuple(slice(off[i] * dl[i], off[i] * dl[i] + (out[i] - 1) * st[i] + 1, st[i]) for i in range(d))
+      xs = xp[(slice(None), slice(g * cg, (g + 1) * cg), *sl)]
+      y[:, g * og:(g + 1) * og] += np.einsum("nc...,oc->no...", xs, w[(slice(g * og, (g + 1) * og), slice(None), *off)])
+  return y if b is None else y + b.astype(np.float64).reshape(1, o, *[1] * d)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+def matmul_kernels(c: Compiled) -> list[str]:
+  """The kernels the CPU heuristic gives the matmul options (a register tile with a packed panel)."""
+  out = []
+  for k in c.kernels:
+    opts = heuristic_opts(prepare(k.ast)[0], Target(threads=2))
+    if any(o.op is OptOps.PACK for o in opts) and any(o.op is OptOps.UNROLL for o in opts): out.append(k.ast.arg)
+  return out
+
+
+# (input shape, weight shape, stride, padding (int or (before, after) per dim), dilation, groups, bias)
+CASES = [
+  ((2, 4, 9, 8), (6, 4, 3, 3), 1, 1, 1, 1, True),  # same-size 3x3
+  ((1, 3, 7, 5), (5, 3, 3, 3), 1, 0, 1, 1, False),  # valid, batch 1, odd sizes
+  ((3, 4, 11, 10), (6, 4, 3, 2), (2, 1), ((1, 0), (2, 1)), (2, 1), 1, True),  # stride, asymmetric pads, dilation
+  ((2, 5, 13, 9), (7, 5, 5, 5), 3, 2, 1, 1, True),  # 5x5 stride 3
+  ((2, 8, 6, 7), (8, 4, 3, 3), 1, 1, 1, 2, True),  # two groups
+  ((2, 6, 9, 7), (6, 1, 3, 3), 2, 1, 1, 6, True),  # depthwise
+  ((2, 3, 8, 8), (6, 1, 3, 3), 1, 1, 1, 3, False),  # depthwise with two outputs per channel
+  ((1, 3, 7, 5), (5, 3, 1, 1), 1, 0, 1, 1, True),  # 1x1
+  ((2, 4, 5, 5), (4, 2, 1, 1), 1, 0, 1, 2, False),  # grouped 1x1
+  ((2, 4, 9, 8), (6, 4, 1, 1), 2, 0, 1, 1, True),  # strided 1x1
+  ((2, 4, 6, 6), (6, 4, 1, 1), 1, 1, 1, 1, False),  # padded 1x1
+  ((1, 2, 10), (3, 2, 3), 1, 2, 2, 1, True),  # 1-d, dilated
+  ((2, 2, 5, 4, 6), (3, 2, 3, 2, 3), (1, 2, 1), 1, 1, 1, True),  # 3-d
+  ((32, 16, 8, 8), (32, 16, 3, 3), 1, 1, 1, 1, True),  # big enough for the threaded tile
+]
+
+
+def _spec(stride, padding, dilation, d: int) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+  st = [stride] * d if isinstance(stride, int) else list(stride)
+  dl = [dilation] * d if isinstance(dilation, int) else list(dilation)
+  pads = [(padding, padding)] * d if isinstance(padding, int) else [tuple(p) for p in padding]
+  return st, pads, dl
+
+
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,groups,bias", CASES)
+@pytest.mark.parametrize("fuse", [True, False])
+def test_conv_matches_numpy(xs, ws, stride, padding, dilation, groups, bias, fuse: bool) -> None:
+  x, w = rand(*xs), rand(*ws)
+  b = rand(ws[0]) if bias else None
+  st, pads, dl = _spec(stride, padding, dilation, len(ws) - 2)
+  t = Tensor.input("x", xs).conv2d(Tensor(w), None if b is None else Tensor(b), st, pads, dl, groups)
+  got = compile([t], fuse=fuse).run({"x": x})[0]
+  want = conv_ref(x, w, b, st, pads, dl, groups)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_kernels() -> None:
+  """Which kernels each kind of conv takes: the padded input realized, then a product the heuristic tiles; no padding
+  kernel without padding; a 1x1 reads its input as the matrix; a depthwise conv one window sum."""
+  x = Tensor.input("x", (2, 8, 10, 10))
+  c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), Tensor(rand(16)), padding=1)])
+  assert c.kernel_count == 3, c.plan.describe()  # padded input, product, bias (the graph's output)
+  assert len(matmul_kernels(c)) == 1
+  c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), Tensor(rand(16)))])
+  assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), stride=2, padding=1, dilation=2)])
+  assert c.kernel_count == 3 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  c = compile([x.conv2d(Tensor(rand(16, 8, 1, 1)), Tensor(rand(16)))])
+  assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()  # product, bias
+  c = compile([x.conv2d(Tensor(rand(8, 1, 3, 3)), padding=1, groups=8)])
+  assert c.kernel_count == 1 and matmul_kernels(c) == [], c.plan.describe()  # depthwise: the window sum, padding inline
+  # a weight that is not an array is realized as a flat (O, C*kh*kw) matrix first: one more kernel
+  w = Tensor.input("w", (16, 8, 3, 3))
+  c = compile([x.conv2d(w, padding=1)])
+  assert c.kernel_count == 4 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  xn, wn = rand(2, 8, 10, 10), rand(16, 8, 3, 3)
+  np.testing.assert_allclose(c.run({"x": xn, "w": wn})[0], conv_ref(xn, wn, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_epilogue_reads_the_product() -> None:
+  """Batch norm, relu and a 2x2 max pool after a padded conv: the pool kernel applies them while it reads the product,
+  and the next conv's padding is written by that same kernel."""
+  x, w1, w2 = rand(2, 3, 12, 12), rand(8, 3, 3, 3), rand(8, 8, 3, 3)
+  a, s = rand(1, 8, 1, 1), rand(1, 8, 1, 1)
+  h = (Tensor.input("x", x.shape).conv2d(Tensor(w1), padding=1) * Tensor(a) + Tensor(s)).relu().max_pool([2, 2])
+  c = compile([h.conv2d(Tensor(w2), padding=1)])
+  assert c.kernel_count == 5, c.plan.describe()  # padded x, product, pool+bn+relu+padding, product, the output copy
+  assert len(matmul_kernels(c)) == 2
+  r = np.maximum(conv_ref(x, w1, None, [1, 1], [(1, 1)] * 2, [1, 1], 1) * a + s, 0)
+  r = r.reshape(2, 8, 6, 2, 6, 2).max((3, 5))
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(r, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_errors() -> None:
+  x = Tensor.input("x", (2, 4, 8, 8))
+  with pytest.raises(GraphError, match="groups=3"): x.conv2d(Tensor(rand(6, 4, 3, 3)), groups=3)
+  with pytest.raises(GraphError, match="same rank"): x.conv2d(Tensor(rand(6, 4, 3)))
+  with pytest.raises(GraphError, match="pads"): x.conv2d(Tensor(rand(6, 4, 3, 3)), padding=[(1, 1)])
+  with pytest.raises(GraphError, match="larger than the input"): x.conv2d(Tensor(rand(6, 4, 9, 9)))
+
+
+def test_contiguous() -> None:
+  a = rand(3, 4)
+  t = Tensor(a)
+  assert t.contiguous() is t  # data has a buffer already
+  y = (t * 2).contiguous()
+  assert y.contiguous() is y
+  c = compile([(y + 1).sum(0)])
+  assert c.kernel_count == 2, c.plan.describe()  # without the marker: one kernel
+  np.testing.assert_allclose(c.run()[0], (a * 2 + 1).sum(0), rtol=1e-6)
+  assert compile([((t * 2) + 1).sum(0)]).kernel_count == 1
+
+
+# ---- the ONNX Conv op against onnxruntime ----
+ONNX_CASES = [({}, (2, 4, 9, 8), (6, 4, 3, 3)), ({"pads": [1, 1, 1, 1]}, (1, 4, 7, 7), (8, 4, 3, 3)),
+              ({"strides": [2, 2], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, (3, 4, 11, 10), (6, 4, 3, 3)),
+              ({"group": 2, "pads": [1, 1, 1, 1]}, (2, 8, 6, 6), (8, 4, 3, 3)), ({"group": 6, "pads": [1, 1, 1, 1]}, (2, 6, 9, 7), (6, 1, 3, 3)),
+              ({}, (2, 6, 5, 7), (9, 6, 1, 1)), ({"strides": [2, 2]}, (2, 6, 9, 7), (9, 6, 1, 1)),
+              ({"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (2, 4, 9, 8), (6, 4, 3, 3)), ({"pads": [2, 2]}, (2, 3, 17), (5, 3, 5))]
+
+
+@pytest.mark.parametrize("attrs,xs,ws", ONNX_CASES)
+def test_onnx_conv(attrs: dict, xs: tuple, ws: tuple) -> None:
+  onnx = pytest.importorskip("onnx")
+  ort = pytest.importorskip("onnxruntime")
+  from onnx import TensorProto, helper, numpy_helper
+
+  from kiln.graph import onnx as konnx
+  x, w, b = rand(*xs), rand(*ws), rand(ws[0])
+  g = helper.make_graph([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], "g",
+                        [helper.make_tensor_value_info("x", TensorProto.FLOAT, xs)], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  m.ir_version = 8
+  m = onnx.shape_inference.infer_shapes(m)
+  want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+  got = konnx.load(m).run({"x": x})["y"]
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
