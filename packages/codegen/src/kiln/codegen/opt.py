@@ -353,7 +353,9 @@ def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[O
     if not uses or any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], r) != 1 for ld in uses): continue
     lanes = max(1, target.vector_bytes // red.dtype.itemsize)
     # the widest that leaves a scalar tail under one vector (a row of 127 floats: 15 vectors and 7 scalars, not 3 and 31)
-    w = next((m * lanes for m in (4, 2, 1) if size >= m * lanes and size % (m * lanes) < lanes), 1)
+    # (two vectors at most for a body with an inline polynomial: four chains of exp spill AVX2's 16 registers)
+    most = (2, 1) if any(u.op in _POLY_OPS for u in body.toposort()) else (4, 2, 1)
+    w = next((m * lanes for m in most if size >= m * lanes and size % (m * lanes) < lanes), 1)
     if w > 1: out.append(Opt(OptOps.UPCAST, r.arg[0], min(w, 64)))
   return out
 
