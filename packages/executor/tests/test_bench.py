@@ -16,7 +16,7 @@ from kiln.executor import cli  # noqa: E402
 ROWS = ("float32 add", "float32 add, numpy's arrays", "float32 sum", "float32 sum, numpy's arrays",
         "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
         "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory",
-        "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384",
+        "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384", "encoder layer tuned",
         "BERT encoder 2L", "load+compile: cold", "BERT 2L peak memory", "small CNN", "safetensors load")
 TINY = ["--quick", "--sizes-scale", "0.005"]
 

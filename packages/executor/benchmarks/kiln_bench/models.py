@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -278,6 +279,52 @@ def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   if torch is None: r.note += "; torch not installed: target not judged"
 
 
+def encoder_tuned(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 1536) -> None:
+  """The encoder layer's plan built with KILN_TUNE=1 (every kernel searched within KILN_TUNE_BUDGET, choices kept in a new
+  cache directory), timed interleaved with the same plan on the heuristic's options; then built again from that directory,
+  which must search nothing (a search there is a WRONG row: the tuning cache failed)."""
+  from kiln.executor.tune import tune_stats
+  from kiln_bench.harness import WrongResult
+  tiny = b.scale < 0.1
+  bs, s = (1, 16) if tiny else (8, 128)
+  r.work = f"encoder layer tuned (KILN_TUNE) s{s} b{bs}"
+  m = bs * s
+  x = b.rng.standard_normal((m, hid)).astype(np.float32)
+  w = _layer_weights(b.rng, hid, ffn)
+  want = np_layer(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, bs, s, heads, np_gelu)
+  saved = {k: os.environ.get(k) for k in ("KILN_TUNE", "KILN_CACHE_DIR", "KILN_TUNE_BUDGET")}
+  budget = "0.3" if tiny else "1.0"
+  try:
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-tune-") as d:
+      os.environ.update(KILN_TUNE="1", KILN_CACHE_DIR=d, KILN_TUNE_BUDGET=budget)
+      st0 = tune_stats()
+      t0 = time.perf_counter()
+      tuned = layer_plan(x, w, bs, s, heads)
+      search_s = time.perf_counter() - t0
+      st1 = tune_stats()
+      again = layer_plan(x, w, bs, s, heads)
+      st2 = tune_stats()
+      if st2["searches"] != st1["searches"]:
+        raise WrongResult(f"the second build searched {st2['searches'] - st1['searches']} kernels again: the tuning cache did not hold")
+      os.environ["KILN_TUNE"] = "0"
+      plain = layer_plan(x, w, bs, s, heads)
+  finally:
+    for k, v in saved.items():
+      if v is None: os.environ.pop(k, None)
+      else: os.environ[k] = v
+  tol = {"rtol": 1e-4, "atol": 2e-4}
+  for name, plan in (("tuned", tuned), ("rebuilt", again), ("heuristic", plain)):
+    plan.execute()
+    check(f"encoder layer ({name})", plan.output_buffer(0).numpy().reshape(m, hid), want, **tol)
+  r.kiln, r.heuristic = medians([tuned.execute, plain.execute], b.t)
+  changed = sum(1 for a, c in zip(tuned.kernels, plain.kernels) if a.kernel.applied_opts != c.kernel.applied_opts)
+  r.achieved = f"{r.heuristic / r.kiln:.2f}x heuristic ({r.heuristic * 1e3:.1f} ms)"
+  r.checks, r.target = [("heuristic", 1.10)], ">= 1.10x the heuristic"
+  r.note = (f"{st1['searches'] - st0['searches']} kernels searched in {search_s:.1f} s (KILN_TUNE_BUDGET={budget} s each), "
+            f"{st1['timed'] - st0['timed']} candidates timed, {changed} kept other options than the heuristic's; "
+            f"second build from the same cache: {st2['searches'] - st1['searches']} searches, {st2['hits'] - st1['hits']} choices reused")
+
+
 def run(b: Bench) -> None:
   """The model rows, in the order they print."""
   import functools
@@ -285,3 +332,4 @@ def run(b: Bench) -> None:
   for n in (384, 768): b.row(f"layernorm 8192x{n}", functools.partial(layernorm, b, n=n), "ms")
   for which in ("exp", "gelu"): b.row(f"{which} 4M float32", functools.partial(unary, b, which=which), "ms")
   b.row("encoder layer (transformer)", functools.partial(encoder_layer, b), "ms")
+  b.row("encoder layer tuned", functools.partial(encoder_tuned, b), "ms")

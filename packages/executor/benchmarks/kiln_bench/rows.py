@@ -39,6 +39,7 @@ class Row:
   tinygrad: float | None = None
   torch: float | None = None
   onnxruntime: float | None = None
+  heuristic: float | None = None  # the tuned row: the same plan with the heuristic's options (a check's "peer")
   ratio: float | None = None  # kiln's throughput over numpy's (numpy time / kiln time)
   achieved: str = ""
   limit: str = ""
