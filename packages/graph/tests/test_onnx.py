@@ -293,6 +293,6 @@ def test_small_cnn() -> None:
            N("Relu", ["b2"], ["r2"]), N("GlobalAveragePool", ["r2"], ["g"]), N("Flatten", ["g"], ["f"]),
            N("Gemm", ["f", "fc_w", "fc_b"], ["y"], transB=1)]
   x = f32(4, 3, 16, 16)
-  # the padded input, conv 1's product, the max pool (bn+relu as it reads, the padding of conv 2 as it writes), conv 2's
-  # product, the global pool (bn+relu as it reads; a reduction feeding the linear layer's), the linear layer
-  check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-4, kernels=6)
+  # the padded input, conv 1's product, the max pool (bn+relu as it reads), conv 2's padded input, conv 2's product,
+  # the global pool (bn+relu as it reads; a reduction feeding the linear layer's), the linear layer
+  check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-4, kernels=7)
