@@ -51,6 +51,11 @@ FAMILIES = {
     ("x//2 + (x+1)//2", lambda: V("x", 0, 50) // 2 + (V("x", 0, 50) + 1) // 2, lambda: V("x", 0, 50)),
     ("2(y//3) + 2((y+1)//3) + 2((y+2)//3), y = 4i+j", lambda: sum(((V("i", 0, 9) * 4 + V("j", 0, 3) + k) // 3) * 2 for k in range(3)),
      lambda: V("i", 0, 9) * 8 + V("j", 0, 3) * 2),
+    # a reshape's digits: (y % a) + a*((y // a) % b) is y % (ab), of either sign (truncating division nests)
+    ("(k//9)*9 + ((k//3)%3)*3 + k%3", lambda: (V("k", 0, 26) // 9) * 9 + ((V("k", 0, 26) // 3) % 3) * 3 + V("k", 0, 26) % 3,
+     lambda: V("k", 0, 26)),
+    ("12((x//4)%5) + 3(x%4), x of both signs", lambda: ((V("x", -50, 50) // 4) % 5) * 12 + (V("x", -50, 50) % 4) * 3,
+     lambda: (V("x", -50, 50) % 20) * 3),
     ("ceil side: x//2 + (x+1)//2, x <= -2", lambda: V("x", -50, -2) // 2 + (V("x", -50, -2) + 1) // 2, lambda: V("x", -50, -2) + 1),
   ],
   "compare": [

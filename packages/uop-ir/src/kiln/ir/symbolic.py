@@ -108,8 +108,16 @@ def combine_terms(x: UOp) -> UOp | None:
 
 def _recombine(terms: list[tuple[UOp, int]]) -> tuple[list[tuple[UOp, int]], int] | None:
   """k*(y % c) + k*c*(y // c) -> k*y: C's y == (y/c)*c + y%c for c != 0, so exact mod 2**bits (found in a whole chain, and
-  after a common factor was cancelled: (16b+2)%18 + ((16b+2)//18)*18 -> 2*((8b+1)%9) + 18*((8b+1)//9) -> 16b + 2)."""
+  after a common factor was cancelled: (16b+2)%18 + ((16b+2)//18)*18 -> 2*((8b+1)%9) + 18*((8b+1)//9) -> 16b + 2).
+  k*(y % a) + k*a*((y // a) % b) -> k*(y % (a*b)) for a, b > 0: truncating division nests (y/a/b == y/(ab)), so both are
+  y - (y/(ab))*ab, of any sign; a reshape's digits so add up again ((k//9)*9 + ((k//3)%3)*3 + k%3 -> k)."""
   coef = dict(terms)
+  for b, k in terms:
+    if (b.op is Ops.MOD and (q := b.src[0]).op is Ops.IDIV and (a := q.src[1]).op is Ops.CONST and (c := b.src[1]).op is Ops.CONST
+        and a.arg > 0 and c.arg > 0 and a.arg * c.arg <= b.dtype.max and coef.get(lo := UOp(Ops.MOD, b.dtype, (q.src[0], a))) is not None
+        and coef[lo] * a.arg == k):
+      merged = UOp(Ops.MOD, b.dtype, (q.src[0], UOp(Ops.CONST, b.dtype, (), a.arg * c.arg)))
+      return [(u, v) for u, v in terms if u is not b and u is not lo] + [(merged, coef[lo])], 0
   for b, k in terms:
     if b.op is Ops.MOD and (c := b.src[1]).op is Ops.CONST and c.arg != 0 and coef.get(q := UOp(Ops.IDIV, b.dtype, b.src)) == k * c.arg:
       ys, yc = _terms(b.src[0]) or ([(b.src[0], 1)], 0)
