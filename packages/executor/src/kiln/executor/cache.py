@@ -1,13 +1,13 @@
 """The kernel cache: in memory (each kernel compiled exactly once per process, shared by every caller) and on disk
-(CompiledSpec JSON in KILN_CACHE_DIR, so a new process loads object code without rendering or compiling)."""
+(CompiledSpec JSON in KILN_CACHE_DIR, so a new process loads object code without rendering or compiling). Disk entries
+are authenticated with a secret key and kept under ssh-like directory rules: kiln.codegen.diskcache."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import json
 import os
 import platform
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kiln.codegen import diskcache
 from kiln.codegen.protocols import Program, Runtime
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec, KernelArg, Variable
@@ -109,18 +110,20 @@ def cache_stats() -> dict[str, int]: return dict(_stats)
 
 
 # ---- disk cache ----
-def disk_cache_enabled() -> bool: return os.environ.get("KILN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+def disk_cache_enabled() -> bool: return diskcache.enabled()
 
 
-def cache_dir() -> Path:
-  return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln").expanduser()
+def cache_dir() -> Path: return diskcache.cache_root()
 
 
 def disk_cache_info() -> tuple[Path, int, int]:
   """(directory, number of kernel entries, total bytes)."""
-  d = cache_dir() / "kernels"
-  files = list(d.glob("*.json")) if d.is_dir() else []
-  return cache_dir(), len(files), sum(f.stat().st_size for f in files if f.exists())
+  d = cache_dir() / _AREA
+  sizes = []
+  with contextlib.suppress(OSError):
+    for f in (d.glob("*.json") if d.is_dir() and not d.is_symlink() else ()):
+      with contextlib.suppress(OSError): sizes.append(f.lstat().st_size)
+  return cache_dir(), len(sizes), sum(sizes)
 
 
 _LAYERS = (("kiln-uop-ir", "kiln.ir"), ("kiln-codegen", "kiln.codegen"), ("kiln-executor", "kiln.executor"),
@@ -197,47 +200,40 @@ def disk_key(ast_key: str, device: str, rt: Runtime, opts: str = "") -> str:
   return "|".join((ast_key, device, str(getattr(rt.compiler, "cache_key", "")), versions, str(fp), opts))
 
 
-def _path(dkey: str) -> Path: return cache_dir() / "kernels" / (hashlib.sha256(dkey.encode()).hexdigest() + ".json")
+_AREA = "kernels"
+_ENTRY_FORMAT = 2  # of the envelope; 1 (a sha256, no MAC) is a miss
+
+
+def _entry_name(dkey: str) -> str: return hashlib.sha256(dkey.encode()).hexdigest() + ".json"
+
+
+def _kernel_area() -> diskcache.DiskCache: return diskcache.DiskCache(_AREA, "kernel cache", cache_dir())
 
 
 def disk_load(dkey: str) -> CompiledSpec | None:
-  """The cached CompiledSpec, or None. A missing, truncated, corrupt or mismatched entry is never fatal."""
-  p = _path(dkey)
-  try: text = p.read_text()
-  except (OSError, UnicodeDecodeError): return None
+  """The cached CompiledSpec, or None. An entry that is missing, another key's, fails its MAC or does not validate is
+  never used (one debug line): the caller compiles and overwrites it. Only a malformed KILN_CACHE_KEY raises."""
+  name = _entry_name(dkey)
   try:
-    env = json.loads(text)
-    if env.get("format") != 1 or env.get("key") != dkey: raise ValueError("key mismatch")
-    if hashlib.sha256(env["spec"].encode()).hexdigest() != env["sha256"]: raise ValueError("checksum mismatch")
+    env = _kernel_area().load_json(name)
+    if env is None: return None
+    if env.get("format") != _ENTRY_FORMAT or env.get("key") != dkey: raise diskcache.BadEntry("it holds another kernel's key")
     return CompiledSpec.model_validate_json(env["spec"])
-  except Exception as e:
+  except diskcache.CacheKeyError: raise
+  except Exception as e:  # BadEntry, or a verified entry that no longer validates (a kiln bug, never an attacker's)
     _stats["disk_errors"] += 1
-    if debug.DEBUG >= 1: debug.emit(f"kiln: corrupt kernel cache entry {p.name} ({type(e).__name__}: {str(e)[:80]}); recompiling")
-    try: p.unlink()
-    except OSError: pass
+    if debug.DEBUG >= 1: debug.emit(f"kiln: kernel cache entry {name} not used ({type(e).__name__}: {str(e)[:120]}); recompiling")
     return None
 
 
 def atomic_write(p: Path, data: str, what: str) -> None:
-  """Write a cache file atomically (temp file in the same folder + os.replace): readers see the old entry or the whole new
-  one, never a torn one. A failed write (full disk, no permission) is a debug line, never an error of the caller."""
-  try:
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-    try:
-      with os.fdopen(fd, "w") as f: f.write(data)
-      os.replace(tmp, p)
-    except BaseException:
-      try: os.unlink(tmp)
-      except OSError: pass
-      raise
-  except OSError as e:
-    if debug.DEBUG >= 1: debug.emit(f"kiln: cannot write the {what} at {p.parent}: {e}")
+  """Write a cache file p = <cache dir>/<area>/<name> atomically under the directory rules (kiln.codegen.diskcache), without
+  a MAC: for entries that decide no code. A failed write is one warning, never an error of the caller."""
+  diskcache.DiskCache(p.parent.name, what, p.parent.parent).write_plain(p.name, data.encode())
 
 
 def disk_store(dkey: str, compiled: CompiledSpec) -> None:
-  spec = compiled.model_dump_json()
-  atomic_write(_path(dkey), json.dumps({"format": 1, "key": dkey, "sha256": hashlib.sha256(spec.encode()).hexdigest(), "spec": spec}), "kernel cache")
+  _kernel_area().store_json(_entry_name(dkey), {"format": _ENTRY_FORMAT, "key": dkey, "spec": compiled.model_dump_json()})
 
 
 # ---- the high-level entry point ----

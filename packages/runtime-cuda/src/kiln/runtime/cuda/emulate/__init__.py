@@ -6,7 +6,8 @@ run over a grid on numpy arrays. Every CUDA thread of a block that uses __syncth
 shared memory behave: mode "fibers" (the default on x86-64: the block's threads are switched at each __syncthreads on one host
 thread, blocks spread over host threads, fast) or mode "threads" (one OS thread per CUDA thread, a real barrier, blocks in
 turn: slower, but real concurrency inside a block, so it can expose a missing __syncthreads differently). Kernels without
-__syncthreads run each block's threads one after another on a pool of host threads. Built libraries are cached by source hash.
+__syncthreads run each block's threads one after another on a pool of host threads. Built libraries are cached by source hash
+in KILN_CACHE_DIR/cuda-emu as authenticated entries (kiln.codegen.diskcache: a forged or foreign library is never loaded).
 
 It checks what a kernel computes, not how a GPU schedules it: warps, memory coalescing, FMA contraction (nvcc fuses a*b+c by
 default, the emulator does not) and out-of-bounds accesses (a crash here, not an error) are outside what it shows.
@@ -20,7 +21,7 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen import diskcache
 from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval
 from kiln.codegen.threads import thread_count
 from kiln.ir.errors import CompileError, RuntimeLaunchError
@@ -39,6 +41,7 @@ MAX_BLOCK_THREADS = 1024
 _GXX_ERR = re.compile(r"\.cu:(\d+):\d+:\s*(?:fatal )?error")
 _lock = threading.Lock()
 _loaded: dict[str, EmulatedKernel] = {}
+_AREA = "cuda-emu"  # KILN_CACHE_DIR/cuda-emu
 
 
 def _shim_hash() -> str:
@@ -47,9 +50,10 @@ def _shim_hash() -> str:
   return h.hexdigest()
 
 
-def _cache_dir() -> Path:
-  if os.environ.get("KILN_CACHE", "1") == "0": return Path(tempfile.gettempdir()) / f"kiln-cuda-emu-{os.getpid()}"
-  return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln") / "cuda-emu"
+def _debug(msg: str) -> None:
+  try: level = int(os.environ.get("KILN_DEBUG", "0") or 0)
+  except ValueError: level = 0
+  if level >= 1: print(msg, file=sys.stderr, flush=True)
 
 
 def _cxx() -> str:
@@ -122,24 +126,31 @@ def compile_emulator(src: str, name: str, mode: str | None = None) -> EmulatedKe
   key = hashlib.sha256(f"{_shim_hash()}|{flags}|{name}|{src}".encode()).hexdigest()[:32]
   with _lock:
     if (k := _loaded.get(key)) is not None: return k
-    d = _cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    so = d / f"{name}-{key}.so"
-    if not so.exists():
-      with tempfile.TemporaryDirectory(prefix="kiln-emu-") as tmp:
-        cu = Path(tmp) / f"{name}.cu"
-        cu.write_text(f'#line 1 "{name}.cu"\n{src}\n#define KILN_EMU_KERNEL {name}\n#include "kiln_cuda_launch.h"\n')
-        out = Path(tmp) / "k.so"
-        cmd = [_cxx(), *flags, "-I", str(INCLUDE_DIR), "-include", "kiln_cuda_shim.h", "-x", "c++", str(cu), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if r.returncode != 0:
-          log = r.stderr.replace(tmp + os.sep, "").strip()
-          raise CompileError(f"the host C++ compiler failed to build CUDA kernel {name} for emulation", log,
-                             source_excerpt(src, log, pattern=_GXX_ERR))
-        os.replace(out, str(so) + f".{os.getpid()}.tmp")  # atomic publish: a concurrent builder never sees half a file
-        os.replace(str(so) + f".{os.getpid()}.tmp", so)
-    k = _loaded[key] = EmulatedKernel(src, name, str(so), mode)
+    # the built library is a disk-cache entry (authenticated, kiln.codegen.diskcache); it is loaded from a private scratch
+    # copy of the bytes that were verified, never from a path anyone else could have written
+    store, entry = diskcache.DiskCache(_AREA, "CUDA emulator cache"), f"{name}-{key}.so"
+    lib = None
+    if diskcache.enabled():
+      try: lib = store.load(entry)
+      except diskcache.BadEntry as e: _debug(f"kiln: CUDA emulator cache entry {entry} not used ({e}); building again")
+    with store.scratch() as tmp:
+      so = tmp / "k.so"
+      if lib is not None: so.write_bytes(lib)
+      else:
+        _build(src, name, flags, tmp, so)
+        if diskcache.enabled(): store.store(entry, so.read_bytes())
+      k = _loaded[key] = EmulatedKernel(src, name, str(so), mode)  # dlopen keeps the mapping once the scratch is removed
     return k
+
+
+def _build(src: str, name: str, flags: Sequence[str], tmp: Path, out: Path) -> None:
+  cu = tmp / f"{name}.cu"
+  cu.write_text(f'#line 1 "{name}.cu"\n{src}\n#define KILN_EMU_KERNEL {name}\n#include "kiln_cuda_launch.h"\n')
+  cmd = [_cxx(), *flags, "-I", str(INCLUDE_DIR), "-include", "kiln_cuda_shim.h", "-x", "c++", str(cu), "-o", str(out)]
+  r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if r.returncode != 0:
+    log = r.stderr.replace(str(tmp) + os.sep, "").strip()
+    raise CompileError(f"the host C++ compiler failed to build CUDA kernel {name} for emulation", log, source_excerpt(src, log, pattern=_GXX_ERR))
 
 
 def emulate(src: str, name: str, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
