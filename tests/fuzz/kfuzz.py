@@ -9,7 +9,9 @@ random order, nested reduces too). Input data comes from a numpy seed the case c
 with edge values, floats in [-4, 4] with a few zeros, infinities and NaNs.
 
 Backends: the CPU (LLVM) with the heuristic options, with opts=[] and with random explicit options (UPCAST, UNROLL, PACK, FMA, OUTER,
-THREAD; a list the lowering rejects with CodegenError is counted, not failed), and CUDA C under the CPU emulation harness.
+KEEP, THREAD; a list the lowering rejects with CodegenError is counted, not failed), and CUDA C under the CPU emulation harness.
+Every buffer they run on sits between inaccessible guard pages (KILN_GUARD; --no-guard turns it off), so a kernel that strays
+outside its buffers faults; the case under way is kept in OUT/inflight.json until it finishes, for --replay.
 
 Comparison (`compare`): integers and bools exactly; floats bit for bit with NaN == NaN, except a store whose value holds a
 transcendental (EXP2/LOG2/SIN/ERF/TANH: libm or the device library vs numpy) or a float ADD/MUL reduction the backend sums in
@@ -395,6 +397,20 @@ class Result:
   rejected: bool = False  # random options the lowering refused (CodegenError): not a failure
 
 
+class GUARD:
+  """Every buffer a backend runs on sits between guard pages (KILN_GUARD); main() sets where the running case is kept."""
+  on = True
+  inflight: Path | None = None
+
+
+def guarded(arrays: list[np.ndarray]) -> list[np.ndarray]:
+  """The case's buffers copied between inaccessible pages (kiln.runtime.cpu.guard): a read or write outside them faults
+  at once. The case being run is written to GUARD.inflight first, so a fault leaves it behind for --replay."""
+  if not GUARD.on: return arrays
+  from kiln.runtime.cpu.guard import guarded_copy
+  return [guarded_copy(a) for a in arrays]
+
+
 def run_cpu(case: Case, opts: list[Opt] | None, label: str) -> Result:
   from kiln.codegen.registry import get_runtime
   rt = get_runtime("CPU")
@@ -407,7 +423,7 @@ def run_cpu(case: Case, opts: list[Opt] | None, label: str) -> Result:
   except Exception as e: return Result(False, label, f"compile failed: {type(e).__name__}: {str(e)[:2000]}")
   want = make_inputs(case)
   evaluate(case.ast, want, case.var_vals)
-  got = make_inputs(case)
+  got = guarded(make_inputs(case))
   ptrs = [got[s].ctypes.data for s in spec.globals]
   try: prog(ptrs, [case.var_vals[v] for v in spec.var_names if v != "core_id"])
   except Exception as e: return Result(False, label, f"run failed: {type(e).__name__}: {e}")
@@ -431,7 +447,7 @@ def run_cuda(case: Case) -> Result:
   except Exception as e: return Result(False, label, f"emulator build failed: {type(e).__name__}: {str(e)[:2000]}")
   want = make_inputs(case)
   evaluate(case.ast, want, case.var_vals)
-  got = make_inputs(case)
+  got = guarded(make_inputs(case))
   vals = [case.var_vals[v] for v in spec.var_names]
   try: prog([got[s].ctypes.data for s in spec.globals], vals)
   except Exception as e:
@@ -527,6 +543,9 @@ def fuzz_kernels(n: int, seed_: int | None = None, cuda: bool = False, shrink: b
 
   def body(case: Case) -> None:
     COUNTS["kernel_cases"] += 1
+    if (inflight := GUARD.inflight) is not None:  # a guard fault kills the process: the case stays here for --replay
+      inflight.parent.mkdir(parents=True, exist_ok=True)
+      inflight.write_text(json.dumps(case.to_dict("cuda-emu" if cuda else "cpu", "the process died running this case (a guard page fault?)")))
     res = check_case(case, cuda)
     for r in res:
       COUNTS["cuda_runs" if cuda else "cpu_runs"] += 1
@@ -587,7 +606,12 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: derandomized, the same cases every run)")
   ap.add_argument("--out", default="fuzz-failures", help="where failing cases are written (default ./fuzz-failures)")
   ap.add_argument("--replay", metavar="FILE", help="re-run one failing case written by an earlier run")
+  ap.add_argument("--no-guard", action="store_true", help="plain numpy buffers instead of buffers between guard pages")
   a = ap.parse_args(argv)
+  GUARD.on = not a.no_guard
+  if GUARD.on:
+    os.environ["KILN_GUARD"] = "1"  # kiln's own allocations too: the scratch of a threaded reduction, PACK and KEEP
+    GUARD.inflight = Path(a.out) / "inflight.json"
   if a.replay: return replay(a.replay)
   t0, rc = time.perf_counter(), 0
   ncuda = a.n // 10 if a.cuda is None else a.cuda
@@ -601,8 +625,10 @@ def main(argv: list[str] | None = None) -> int:
   if (fi := fuzz_index(5 * a.n if a.index is None else a.index, a.seed)) is not None:
     print(f"FAIL (index): {fi[1]}\n  expr: {to_json(fi[0].expr)}")
     rc = 1
+  if (inflight := GUARD.inflight) is not None: inflight.unlink(missing_ok=True)
   print(f"kiln fuzz: {COUNTS['kernel_cases']} kernel cases ({COUNTS['cpu_runs']} CPU runs, {COUNTS['rejected_opts']} random option lists rejected, "
-        f"{COUNTS['cuda_runs']} CUDA emulation runs), {COUNTS['index_cases']} index expressions, {time.perf_counter() - t0:.1f} s: "
+        f"{COUNTS['cuda_runs']} CUDA emulation runs), {COUNTS['index_cases']} index expressions, "
+        f"guard pages {'on' if GUARD.on else 'off'}, {time.perf_counter() - t0:.1f} s: "
         f"{'FAILED' if rc else 'ok'}")
   return rc
 

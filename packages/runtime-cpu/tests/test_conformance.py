@@ -27,6 +27,7 @@ The same table is in packages/runtime-cpu/README.md ("Accuracy"); a test checks 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -35,8 +36,10 @@ from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import ALL_DTYPES, DType, f32_to_bf16_bits
 from kiln.ir.ops import GroupOp, Ops
+from kiln.runtime.cpu.guard import guarded_copy
 
 RT = get_runtime("CPU")
+GUARD = sys.platform.startswith("linux")  # every run's buffers between inaccessible pages (kiln.runtime.cpu.guard)
 INTS = [d for d in ALL_DTYPES if d.is_int]
 FLOATS = [d for d in ALL_DTYPES if d.is_float]
 TRANSCENDENTAL = (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH)
@@ -128,7 +131,7 @@ def run_cpu(ast: UOp, bufs: list[np.ndarray], opts: list | None, vals: tuple[int
     spec = RT.renderer.render(ast, opts=opts)
     _compiled[key] = (RT.load(RT.compiler.compile(spec)), spec.applied_opts)
   prog, applied = _compiled[key]
-  out = [b.copy() for b in bufs]
+  out = [guarded_copy(b) if GUARD else b.copy() for b in bufs]  # between guard pages: a stray access faults (KILN_GUARD's buffers)
   prog([b.ctypes.data for b in out], list(vals))
   return out, applied
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from kiln.ir.errors import KilnBufferError
 from kiln.runtime.cpu.buffer import CpuBuffer, OutOfMemoryError, RawBuffer, check_size
+from kiln.runtime.cpu.guard import GuardedBuffer, guard_enabled
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,9 @@ class CPUAllocator:
     """How many freed buffers wait in the cache (of `size` bytes, or in all)."""
     with self._lock: return len(self._order) if size is None else sum(len(v) for k, v in self._cache.items() if k[0] == size)
 
-  def _alloc_raw(self, size: int, opts: BufferOptions) -> CpuBuffer: return RawBuffer.Cpu(size)  # the one place memory is made (tests patch it)
+  def _alloc_raw(self, size: int, opts: BufferOptions) -> CpuBuffer:
+    # the one place memory is made (tests patch it); KILN_GUARD=1 puts every buffer between inaccessible pages
+    return GuardedBuffer(size) if guard_enabled() else RawBuffer.Cpu(size)
 
   def _take(self, key: CacheKey) -> CpuBuffer | None:
     if not (lst := self._cache.get(key)): return None

@@ -17,6 +17,7 @@ from kiln.codegen.spec import CompiledSpec
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.guard import guard_enabled, guarded_array
 from kiln.runtime.cpu.threads import get_pool
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
@@ -157,7 +158,10 @@ class CPUBoundCall:
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs = prog, bufs
     self.threaded = prog.threads > 1
-    self.scratch = np.zeros(prog.scratch_bytes + 64, np.uint8) if prog.scratch_bytes else None
+    self.scratch: np.ndarray | None = None
+    if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
+      n = -(-prog.scratch_bytes // 64) * 64
+      self.scratch = guarded_array(n, np.uint8) if guard_enabled() else np.zeros(prog.scratch_bytes + 64, np.uint8)
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
