@@ -235,16 +235,20 @@ def _torch_layer(torch: Any, w: dict[str, np.ndarray], hid: int, heads: int, ffn
   return layer, Functional().eval()
 
 
+def _layer_case(b: Bench, hid: int, ffn: int, heads: int) -> tuple[int, int, np.ndarray, dict[str, np.ndarray], np.ndarray]:
+  """(batch, sequence, x, weights, numpy's float64 answer) of the encoder-layer rows (batch 1 x 16 in the test's tiny run)."""
+  bs, s = (1, 16) if b.scale < 0.1 else (8, 128)
+  x = b.rng.standard_normal((bs * s, hid)).astype(np.float32)
+  w = _layer_weights(b.rng, hid, ffn)
+  return bs, s, x, w, np_layer(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, bs, s, heads, np_gelu)
+
+
 def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 1536) -> None:
-  tiny = b.scale < 0.1
-  bs, s = (1, 16) if tiny else (8, 128)
+  bs, s, x, w, want = _layer_case(b, hid, ffn, heads)
   r.work = f"encoder layer h{hid} x{heads} ffn{ffn} s{s} b{bs}"
   m = bs * s
-  x = b.rng.standard_normal((m, hid)).astype(np.float32)
-  w = _layer_weights(b.rng, hid, ffn)
   plan = layer_plan(x, w, bs, s, heads)
   plan.execute()
-  want = np_layer(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, bs, s, heads, np_gelu)
   tol = {"rtol": 1e-4, "atol": 2e-4}
   check("encoder layer", plan.output_buffer(0).numpy().reshape(m, hid), want, **tol)
   np_gelu32 = lambda v: 0.5 * v * (1 + np.tanh(0.7978845608 * (v + 0.044715 * v ** 3)))  # numpy has no erf: tanh GELU, float32
@@ -285,15 +289,11 @@ def encoder_tuned(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   which must search nothing (a search there is a WRONG row: the tuning cache failed)."""
   from kiln.executor.tune import tune_stats
   from kiln_bench.harness import WrongResult
-  tiny = b.scale < 0.1
-  bs, s = (1, 16) if tiny else (8, 128)
+  bs, s, x, w, want = _layer_case(b, hid, ffn, heads)
   r.work = f"encoder layer tuned (KILN_TUNE) s{s} b{bs}"
   m = bs * s
-  x = b.rng.standard_normal((m, hid)).astype(np.float32)
-  w = _layer_weights(b.rng, hid, ffn)
-  want = np_layer(x.astype(np.float64), {k: v.astype(np.float64) for k, v in w.items()}, bs, s, heads, np_gelu)
   saved = {k: os.environ.get(k) for k in ("KILN_TUNE", "KILN_CACHE_DIR", "KILN_TUNE_BUDGET")}
-  budget = "0.3" if tiny else "1.0"
+  budget = "0.3" if b.scale < 0.1 else "1.0"
   try:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-tune-") as d:
       os.environ.update(KILN_TUNE="1", KILN_CACHE_DIR=d, KILN_TUNE_BUDGET=budget)
