@@ -40,7 +40,7 @@ KEY_BYTES = 32
 KEY_ENV = "KILN_CACHE_KEY"
 _BIN_HEAD = b"\x7fkiln-cache-2\n"  # binary entries: this, the 32-byte tag, the payload
 _JSON_HEAD, _JSON_SEP = b'{"mac": "', b'", '  # JSON entries: the tag as the object's first member, then the payload's members
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")  # a file name (255 bytes at most), never a path
 
 
 class CacheKeyError(CacheError):
