@@ -1,7 +1,17 @@
-"""Repository-wide pytest hooks: the reliability counts (bad-input catalogue, fuzz cases) printed at the end of the run."""
+"""Repository-wide pytest hooks: the reliability counts (bad-input catalogue, fuzz cases) printed at the end of the run, and a
+private XDG_CONFIG_HOME for the whole run (the disk cache's key lives there: tests and the processes they start must never
+write the user's real ~/.config, which may also be read-only on CI)."""
+import os
+import tempfile
 from typing import Any
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  if "KILN_TEST_CONFIG_HOME" not in os.environ:  # once per run; subprocesses inherit both variables
+    d = tempfile.mkdtemp(prefix="kiln-test-config-")
+    os.environ["KILN_TEST_CONFIG_HOME"] = os.environ["XDG_CONFIG_HOME"] = d
 
 
 @pytest.fixture(scope="session")
