@@ -116,7 +116,7 @@ def test_corrupt_or_foreign_entry_retuned(cpu):
   matmul_plan(48, 32, 16, tune=True)[0].build()
   (f,) = (cpu / "tuning").glob("*.json")
   good = f.read_text()
-  for bad in ("{not json", json.dumps({**json.loads(good), "key": "someone else's"}), good.replace('"format": 1', '"format": 9'),
+  for bad in ("{not json", json.dumps({**json.loads(good), "key": "someone else's"}), good.replace('"format": 2', '"format": 9'),
               json.dumps({**json.loads(good), "opts": [["NOPE", 0, 1]]})):
     cache.clear_memory_cache()
     f.write_text(bad)

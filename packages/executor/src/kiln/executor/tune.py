@@ -15,7 +15,6 @@ inputs are never written. KILN_CACHE=0 turns the stored choices off too (every b
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import time
@@ -26,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen import diskcache
 from kiln.codegen.opt import Opt, OptOps, Target
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.search import space
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
-from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, atomic_write, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
+from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.alu import from_storage
 from kiln.ir.dtype import DType
@@ -59,43 +59,46 @@ def tune_budget() -> float:
   return b
 
 
-# ---- stored choices: tuning/<sha256>.json beside the kernel entries ----
+# ---- stored choices: tuning/<sha256>.json beside the kernel entries, sealed as they are (kiln.codegen.diskcache) ----
+_FORMAT = 2  # 2: a MAC over the entry (format 1 had a checksum anyone could recompute): older entries are tuned again
+
+
 def _key(ast: UOp, device: str) -> str: return disk_key(ast.key, device, get_runtime(device), "tune:1")
 
 
-def _path(key: str) -> Path: return cache_dir() / "tuning" / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+def _area() -> diskcache.DiskCache: return diskcache.DiskCache("tuning", "tuning cache", cache_dir())
+
+
+def _name(key: str) -> str: return hashlib.sha256(key.encode()).hexdigest() + ".json"
+
+
+def _path(key: str) -> Path: return cache_dir() / "tuning" / _name(key)
 
 
 def load_choice(ast: UOp, device: str) -> tuple[bool, list[Opt] | None]:
-  """(found, options; None: the heuristic's). A missing, corrupt or foreign entry is not found (and a bad one removed)."""
+  """(found, options; None: the heuristic's). A missing, unsealed, forged, corrupt or foreign entry is not found (and a bad
+  one removed). A forged choice could only pick options the lowering checks, but it is refused all the same."""
   if not disk_cache_enabled(): return False, None
   key = _key(ast, device)
-  p = _path(key)
-  try: text = p.read_text()
-  except (OSError, UnicodeDecodeError): return False, None
   try:
-    env = json.loads(text)
-    if env.get("format") != 1 or env.get("key") != key: raise ValueError("key mismatch")
-    body = json.dumps(env["opts"])
-    if hashlib.sha256(body.encode()).hexdigest() != env["sha256"]: raise ValueError("checksum mismatch")
+    if (env := _area().load_json(_name(key))) is None: return False, None
+    if env.get("format") != _FORMAT or env.get("key") != key: raise ValueError("key mismatch")
     if env["opts"] is None: return True, None
     return True, [Opt(OptOps[o], int(a), int(n)) for o, a, n in env["opts"]]
   except Exception as e:
     _stats["entry_errors"] += 1
-    if debug.DEBUG >= 1: debug.emit(f"kiln: bad tuning entry {p.name} ({type(e).__name__}: {str(e)[:80]}); tuning again")
-    try: p.unlink()
+    if debug.DEBUG >= 1: debug.emit(f"kiln: bad tuning entry {_name(key)} ({type(e).__name__}: {str(e)[:80]}); tuning again")
+    try: _path(key).unlink()
     except OSError: pass
     return False, None
 
 
 def store_choice(ast: UOp, device: str, opts: Sequence[Opt] | None) -> None:
-  """Write atomically (temp file + os.replace); an unwritable directory only costs the next build a search."""
+  """Written sealed and atomically (temp file, fsync, rename); an unwritable directory only costs the next build a search."""
   if not disk_cache_enabled(): return
   key = _key(ast, device)
-  p = _path(key)
   body = None if opts is None else [[o.op.name, o.axis, o.amount] for o in opts]
-  digest = hashlib.sha256(json.dumps(body).encode()).hexdigest()
-  atomic_write(p, json.dumps({"format": 1, "key": key, "opts": body, "sha256": digest}), "tuning cache")
+  _area().store_json(_name(key), {"format": _FORMAT, "key": key, "opts": body})
 
 
 def compile_choice(ast: UOp, device: str) -> tuple[CachedKernel, Origin, bool]:
