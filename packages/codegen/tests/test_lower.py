@@ -378,3 +378,17 @@ def test_peeled_axis_overlaps_its_last_tile_unless_the_output_is_read():
   inplace = UOp.sink(x.index(i).store(x.index(i).load() * 2.0), name="double")  # reads what it writes: a scalar tail
   stores = [u for u in lower(inplace, CPU, [Opt(OptOps.UPCAST, 0, 16)]).uops if u.op is Ops.STORE]
   assert {u.src[1].dtype.count for u in stores} == {16, 1}
+
+
+def test_nsw_only_where_bounds_prove_no_signed_wrap():
+  """Integer ADD/SUB/MUL render `nsw` where the operands' bounds prove the exact result fits (index arithmetic, so LLVM
+  widens i32 addresses term by term and shares a base pointer across a register tile's rows), and plain where it may
+  wrap (kiln's integer arithmetic wraps by definition: nsw there would make the overflow poison)."""
+  from kiln.codegen.render.llvm import no_signed_wrap
+  i, n = UOp.range(1024, 0), UOp.variable("n", 0, 2**20)
+  assert no_signed_wrap(i * 1152 + 384) and no_signed_wrap((i * 1152 + 384).src[0]) and no_signed_wrap(n - i)
+  x = UOp.variable("x", -2**31, 2**31 - 1)
+  assert not no_signed_wrap(x + 1) and not no_signed_wrap(x * 2) and not no_signed_wrap(x - 1) and not no_signed_wrap(n * n * n)
+  assert not no_signed_wrap(UOp.variable("u", 0, 5).cast(dtypes.uint32) + UOp.const(dtypes.uint32, 1))  # unsigned: never nsw
+  src = LLVMRenderer(Target(vector_bytes=32)).render(kernels.matmul(64, 64, 64)).src
+  assert " add nsw i32 " in src or " mul nsw i32 " in src

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts, matmul_rows
 from kiln.codegen.prepare import prepare
 from kiln.ir.analysis import free_ranges
 from kiln.ir.ops import AxisType, Ops
@@ -90,8 +90,8 @@ def space(ast: UOp, target: Target) -> Space:
   if vec is not None:
     widths = (lanes, 2 * lanes, 4 * lanes, 8 * lanes) if full_red else (lanes, 2 * lanes) if mm else (lanes // 2, lanes, 2 * lanes, 4 * lanes)
     knobs.append(Knob(OptOps.UPCAST, vec.axis, _choices(vec.amount, *(w for w in widths if w > 1))))
-  if mm and len(out_axes) >= 2 and len(red_axes) == 1:
-    rows, k = out_axes[-2].arg[0], red_axes[0].arg[0]
+  if mm and len(red_axes) == 1 and (rows_axis := matmul_rows(st)) is not None:
+    rows, k = rows_axis.arg[0], red_axes[0].arg[0]
     knobs.append(Knob(OptOps.UNROLL, rows, _choices(have.get((OptOps.UNROLL, rows), 1), 1, 2, 4, 8)))
     knobs.append(Knob(OptOps.UNROLL, k, _choices(have.get((OptOps.UNROLL, k), 1), 1, 2, 4)))
     knobs.append(Knob(OptOps.PACK, k, _choices(have.get((OptOps.PACK, k), 0), 1, 0)))

@@ -54,8 +54,8 @@ _FLT_OPS: dict[Ops, Template | Callable[..., str]] = {
   **{op: llvm_math.render for op in (Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH)},  # float32 inline and vectorised; float64 libm
 }
 _INT_OPS: dict[Ops, Template | Callable[..., str]] = {
-  **{op: _BIN % ins for op, ins in {Ops.ADD: "add", Ops.SUB: "sub", Ops.MUL: "mul", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor",
-                                     Ops.CMPLT: "icmp {lt}", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}.items()},
+  **{op: _BIN % ins for op, ins in {Ops.ADD: "add{nsw}", Ops.SUB: "sub{nsw}", Ops.MUL: "mul{nsw}", Ops.AND: "and", Ops.OR: "or",
+                                     Ops.XOR: "xor", Ops.CMPLT: "icmp {lt}", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}.items()},
   Ops.NEG: "{r} = sub {t} {zero}, {a0}", Ops.MAX: ("llvm.{sign}max", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
   Ops.SHL: "{m} = and {t} {a1}, {mask}\n{r} = shl {t} {a0}, {m}", Ops.SHR: "{m} = and {t} {a1}, {mask}\n{r} = {shr} {t} {a0}, {m}",
   Ops.IDIV: _divmod, Ops.MOD: _divmod, Ops.MULACC: "{m} = mul {t} {a0}, {a1}\n{r} = add {t} {m}, {a2}",
@@ -63,8 +63,21 @@ _INT_OPS: dict[Ops, Template | Callable[..., str]] = {
 # bool ALU is C's (bool)(a op b) (alu.py); the ops missing here take the integer instructions on i1
 _BOOL_OPS: dict[Ops, Template | Callable[..., str]] = {
   op: _BIN % ins for op, ins in {Ops.ADD: "or", Ops.MUL: "and", Ops.MAX: "or", Ops.AND: "and", Ops.OR: "or", Ops.XOR: "xor"}.items()}
+_NSW = (Ops.ADD, Ops.SUB, Ops.MUL)  # the integer instructions that take `nsw` (see no_signed_wrap)
 _BY_ONE = {Ops.IDIV: "a", Ops.MOD: "0"}  # what an edge divisor replaced by 1 yields
 _EDGE_VALUE = {"-a": "sub {t} {zero}, {a0}"}  # the other edge results, computed apart
+
+
+def no_signed_wrap(u: UOp) -> bool:
+  """A scalar signed ADD/SUB/MUL whose exact result, from its operands' bounds, fits its type: rendered `nsw`, so LLVM may
+  widen an i32 index sum to the pointer width term by term and share one base pointer among rows that differ by a
+  constant (a 6-row register tile over attention's scores kept 12 row addresses in registers and spilled them without)."""
+  dt = u.dtype
+  if dt.count != 1 or not dt.is_int or dt.is_unsigned or dt.is_bool or len(u.src) != 2: return False
+  a, b = u.src
+  lo, hi = ((a.vmin + b.vmin, a.vmax + b.vmax) if u.op is Ops.ADD else (a.vmin - b.vmax, a.vmax - b.vmin) if u.op is Ops.SUB else
+            (min(c := [a.vmin * b.vmin, a.vmin * b.vmax, a.vmax * b.vmin, a.vmax * b.vmax]), max(c)))
+  return dt.min <= lo and hi <= dt.max
 
 
 class _Cast(NamedTuple):
@@ -352,7 +365,8 @@ class LLVMPrinter(Printer):
       if op is Ops.MULACC:  # unfused, as alu.py defines it: the product rounds to the half type before the add
         return self.half_alu(Ops.ADD, dt, src_dt, [self.half_alu(Ops.MUL, dt, src_dt, vals[:2]), vals[2]])
       return self.half_alu(op, dt, src_dt, vals)
-    return self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src], guard=op not in DIV_EDGES or div_guarded(u.src[1]))
+    return self.alu_text(op, dt, src_dt, [self.val(x) for x in u.src], guard=op not in DIV_EDGES or div_guarded(u.src[1]),
+                         nsw=op in _NSW and no_signed_wrap(u))
 
   def half_alu(self, op: Ops, dt: DType, src_dt: DType, vals: list[str]) -> str:
     s = src_dt.scalar()
@@ -390,7 +404,7 @@ class LLVMPrinter(Printer):
     self.emit(f"{r} = call {vtype('float', n)} @{name}({vtype('float', n)} {v})")
     return r
 
-  def alu_text(self, op: Ops, dt: DType, src_dt: DType, a: list[str], guard: bool = True) -> str:
+  def alu_text(self, op: Ops, dt: DType, src_dt: DType, a: list[str], guard: bool = True, nsw: bool = False) -> str:
     s = src_dt.scalar()
     t = ltype(src_dt)
     r = self.tmp()
@@ -401,7 +415,8 @@ class LLVMPrinter(Printer):
     sc = scalar_type(s)
     fields = {"r": r, "t": t, "sfx": _suffix(src_dt), "arity": str(len(a)), **{f"a{i}": x for i, x in enumerate(a)},
               "lt": "ult" if s.is_unsigned or s.is_bool else "slt", "sign": "u" if s.is_unsigned else "s", "shr": "lshr" if s.is_unsigned else "ashr",
-              "zero": self.splat(sc, "0", n), "one": self.splat(sc, const_text(s, 1.0), n), "mask": self.splat(sc, str(shift_mask(s)), n)}
+              "nsw": " nsw" if nsw else "", "zero": self.splat(sc, "0", n), "one": self.splat(sc, const_text(s, 1.0), n),
+              "mask": self.splat(sc, str(shift_mask(s)), n)}
     if "{m}" in (entry if isinstance(entry, str) else entry[1]): fields["m"] = self.tmp()  # a second temporary, numbered after r
     for line in self.fill(entry, fields).split("\n"): self.emit(line)
     return r
