@@ -362,7 +362,10 @@ def test_regression_fuzz_find_replays_clean(path):
   """fuzz-6fa98230f91d-cuda-emu: two store groups share a CUDA grid sized by a symbolic n; with n = 0 the grid had no block,
   so the store outside the range (data2[0] = n != 0) never ran. The shared grid now launches at least one block, gated.
   fuzz-830ba76da86a-cpu-heuristic: a float32 EXP2 cast to float64 was compared at float64's tolerance, though its error is
-  a float32 ulp (the inline exp2 and numpy's float32 exp2 differ by one); the tolerance now takes the coarsest inexact dtype."""
+  a float32 ulp (the inline exp2 and numpy's float32 exp2 differ by one); the tolerance now takes the coarsest inexact dtype.
+  fuzz-fd9f4511e568-cpu-random (found by a long run outside CI, guard on): a kernel of two stores, one REDUCE's
+  panel PACKed; lowering the other REDUCE looked the packed panel's reduce axis up in its own loops (KeyError, a crash,
+  not a typed error). Kept as drawn (its KEEP is then refused, typed) and without the KEEP (run and compared)."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")

@@ -80,5 +80,6 @@ class Packer:
     assert self.ctx.vec is not None
     m = {}
     for ld, (k, base, w) in self.packed.items():
+      if k not in rsubst: continue  # another REDUCE's panel (a kernel of two stores, one packed): not in this loop nest
       m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (scratch_ptr(ld.dtype).index(simp(base + rsubst[k] * w + self.ctx.vec[0])),))
     return substitute(body, m) if m else body
