@@ -2,6 +2,22 @@
 
 Field names follow the seed runtime's ProgramSpec/CompiledSpec. Every model validates on construction and on
 assignment, and round-trips through JSON (a UOp as its JSON graph form).
+
+A spec's JSON is untrusted (a disk-cache entry in a new process, a file): `model_validate_json` reads strict JSON (no
+duplicate keys, no NaN/Infinity) of at most MAX_SPEC_BYTES, and every model holds its fields to these limits, each refused
+naming the limit and the value (a DocumentLimitError inside pydantic's ValidationError, or raised itself for the size):
+  MAX_SPEC_BYTES     64 MiB    the JSON text (the disk cache's MAX_ENTRY_BYTES: no cache entry holds a larger spec)
+  MAX_NAME_CHARS     1,024     name, entry_point, compiler, a variable's name, each applied option
+  MAX_SOURCE_CHARS   32 MiB    src (the 100,000-op chain kernel's LLVM IR is well under it)
+  MAX_OBJECT_BYTES   32 MiB    bytes (object code, cubin)
+  MAX_BUFFERS        4,096     buf_count, entries of globals/outs/ins/args and slot numbers (kiln.ir.serialize.MAX_SLOTS)
+  MAX_VARS           256       vars and var_names;  MAX_OPTS 256 applied_opts
+  MAX_WORK_SIZE      2**31-1   a concrete global/local size (CUDA's grid limit; the CPU's thread split)
+  MAX_THREADS        4,096     the CPU thread split (one argument tuple is built per thread)
+  MAX_BUFFER_BYTES   2**47     scratch_bytes, a buffer's or argument's element count and bytes (kiln.ir.serialize's)
+  MAX_PATH_CHARS     4,096     a DISK device's path (PATH_MAX)
+  int64              flops, mem_bytes and a variable's bounds fit int64
+The ast is a JSON graph: kiln.ir.serialize's node, depth, string and buffer limits apply to it.
 """
 from __future__ import annotations
 
@@ -9,7 +25,7 @@ import base64
 import builtins
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
   BaseModel,
@@ -23,13 +39,31 @@ from pydantic import (
   model_serializer,
   model_validator,
 )
+from pydantic.config import ExtraValues
 
 from kiln.ir.analysis import sym_int_eval
 from kiln.ir.dtype import parse_dtype
 from kiln.ir.errors import DeviceError, IRTypeError
 from kiln.ir.ops import Ops
-from kiln.ir.serialize import UOpGraph, from_graph, to_graph
+from kiln.ir.serialize import MAX_BUFFER_BYTES, MAX_SLOTS, UOpGraph, check_limit, from_graph, load_json_document, to_graph
 from kiln.ir.uop import UOp
+
+# ---- document limits (see the module docstring) ----
+MAX_SPEC_BYTES = 64 << 20
+MAX_NAME_CHARS = 1024
+MAX_SOURCE_CHARS = 32 << 20
+MAX_OBJECT_BYTES = 32 << 20
+MAX_BUFFERS = MAX_SLOTS
+MAX_VARS = 256
+MAX_OPTS = 256
+MAX_WORK_SIZE = 2**31 - 1
+MAX_THREADS = 4096
+MAX_PATH_CHARS = 4096
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_int64(what: str, v: int) -> None:
+  if not INT64_MIN <= v <= INT64_MAX: raise ValueError(f"{what} {v} does not fit int64")
 
 # ---- devices ----
 _DEVICE_RE = re.compile(r"^(?P<kind>[A-Za-z]+)(?::(?P<rest>.*))?$")
@@ -52,6 +86,7 @@ class DeviceSpec(BaseModel):
   @model_validator(mode="after")
   def _check(self) -> DeviceSpec:
     if self.kind == "DISK" and not self.path: raise ValueError("DISK device needs a path: DISK:/some/file")
+    if self.path is not None: check_limit("the DISK path's length", len(self.path), "MAX_PATH_CHARS", MAX_PATH_CHARS)
     if self.kind != "DISK" and self.path is not None: raise ValueError(f"{self.kind} device takes no path")
     if self.index < 0: raise ValueError(f"device index must be >= 0, got {self.index}")
     if self.kind == "CPU" and self.index != 0: raise ValueError("CPU has a single device (index 0)")
@@ -108,6 +143,7 @@ def _sym_in(v: Any) -> int | UOp:
   if isinstance(v, bool): raise ValueError("a size must be an int or a UOp, not a bool")
   if isinstance(v, int):
     if v < 1: raise ValueError(f"sizes must be positive, got {v}")
+    check_limit("a work size", v, "MAX_WORK_SIZE", MAX_WORK_SIZE)
     return v
   u = _uop_in(v)
   if u.op is Ops.CONST: return _sym_in(int(u.arg))
@@ -140,6 +176,13 @@ class _Model(BaseModel):
       self.__dict__.update(old)
       raise
 
+  @classmethod
+  def model_validate_json(cls, json_data: str | bytes | bytearray, *, strict: bool | None = None, extra: ExtraValues | None = None,
+                          context: Any | None = None, by_alias: bool | None = None, by_name: bool | None = None) -> Self:
+    """Untrusted JSON: at most MAX_SPEC_BYTES of strict JSON (kiln.ir.serialize.load_json_document), then validated."""
+    doc = load_json_document(json_data, MAX_SPEC_BYTES, "MAX_SPEC_BYTES", f"{cls.__name__} JSON")
+    return cls.model_validate(doc, strict=strict, extra=extra, context=context, by_alias=by_alias, by_name=by_name)
+
   def _update(self, **changes: Any) -> None:
     """Change several fields at once, validated as a whole: a rejected change leaves the model as it was."""
     new = type(self).model_validate({**dict(self), **changes})
@@ -161,6 +204,8 @@ class Variable(_Model):
 
   @model_validator(mode="after")
   def _bounds(self) -> Variable:
+    check_limit("a variable name's length", len(self.name), "MAX_NAME_CHARS", MAX_NAME_CHARS)
+    for b in (self.min, self.max): _check_int64(f"variable {self.name[:64]}: bound", b)
     if self.min > self.max: raise ValueError(f"variable {self.name}: min {self.min} > max {self.max}")
     return self
 
@@ -174,6 +219,11 @@ class BufferSpec(_Model):
   @field_validator("dtype")
   @classmethod
   def _dtype(cls, v: str) -> str: return _value_dtype(v)
+
+  @model_validator(mode="after")
+  def _limits(self) -> BufferSpec:
+    check_limit("a buffer's size in bytes", self.nbytes, "MAX_BUFFER_BYTES", MAX_BUFFER_BYTES)
+    return self
 
   @property
   def nbytes(self) -> int: return self.size * parse_dtype(self.dtype).nbytes
@@ -193,14 +243,43 @@ class KernelArg(_Model):
   @classmethod
   def _size(cls, v: int) -> int:
     if v < 1 and v != -1: raise ValueError(f"size must be positive or -1 (unknown), got {v}")
+    check_limit("an argument's size in elements", v, "MAX_BUFFER_BYTES", MAX_BUFFER_BYTES)
+    return v
+
+  @field_validator("slot")
+  @classmethod
+  def _slot(cls, v: int) -> int:
+    check_limit("an argument's slot", v + 1, "MAX_BUFFERS", MAX_BUFFERS)
     return v
 
 
 def _check_buffers(globals_: list[int], outs: list[int], ins: list[int], buf_count: int) -> None:
-  if len(set(globals_)) != len(globals_): raise ValueError(f"globals has duplicates: {globals_}")
+  gset = set(globals_)
+  if len(gset) != len(globals_): raise ValueError(f"globals has duplicates: {globals_}")
   for name, lst in (("outs", outs), ("ins", ins)):
-    if bad := [x for x in lst if x not in globals_]: raise ValueError(f"{name} {bad} are not in globals {globals_}")
+    if bad := [x for x in lst if x not in gset]: raise ValueError(f"{name} {bad} are not in globals {globals_}")
   if buf_count != len(globals_): raise ValueError(f"buf_count {buf_count} != number of globals {len(globals_)}")
+
+
+def _check_limits(spec: ProgramSpec | CompiledSpec) -> None:
+  """The document limits of the fields ProgramSpec and CompiledSpec share (the module docstring lists them)."""
+  for what, text in (("name", spec.name), ("entry_point", spec.entry_point), *(("an applied option", o) for o in spec.applied_opts),
+                     *(("a variable name", v) for v in spec.var_names), *((("compiler", spec.compiler),) if isinstance(spec, CompiledSpec) else ())):
+    check_limit(f"{what}'s length", len(text), "MAX_NAME_CHARS", MAX_NAME_CHARS)
+  if spec.src is not None: check_limit("the source text's length", len(spec.src), "MAX_SOURCE_CHARS", MAX_SOURCE_CHARS)
+  if isinstance(spec, CompiledSpec): check_limit("the object code's size in bytes", len(spec.bytes), "MAX_OBJECT_BYTES", MAX_OBJECT_BYTES)
+  check_limit("buf_count", spec.buf_count, "MAX_BUFFERS", MAX_BUFFERS)
+  for what, lst in (("globals", spec.globals), ("outs", spec.outs), ("ins", spec.ins), ("args", spec.args)):
+    check_limit(f"the number of {what}", len(lst), "MAX_BUFFERS", MAX_BUFFERS)
+  for slot in spec.globals:
+    if slot < 0: raise ValueError(f"a global slot must be >= 0, got {slot}")
+    check_limit("a global slot", slot + 1, "MAX_BUFFERS", MAX_BUFFERS)
+  check_limit("the number of vars", len(spec.vars), "MAX_VARS", MAX_VARS)
+  check_limit("the number of var_names", len(spec.var_names), "MAX_VARS", MAX_VARS)
+  check_limit("the number of applied_opts", len(spec.applied_opts), "MAX_OPTS", MAX_OPTS)
+  check_limit("threads", spec.threads, "MAX_THREADS", MAX_THREADS)
+  check_limit("scratch_bytes", spec.scratch_bytes, "MAX_BUFFER_BYTES", MAX_BUFFER_BYTES)
+  for what, v in (("flops", spec.flops), ("mem_bytes", spec.mem_bytes)): _check_int64(what, v)
 
 
 def _check_var_names(var_names: list[str]) -> None:
@@ -234,6 +313,7 @@ class ProgramSpec(_Model):
 
   @model_validator(mode="after")
   def _consistent(self) -> ProgramSpec:
+    _check_limits(self)
     _check_buffers(self.globals, self.outs, self.ins, self.buf_count)
     _check_var_names(self.var_names)
     if bad := [v.name for v in self.vars if v.name not in self.var_names]: raise ValueError(f"vars {bad} are not in var_names")
@@ -290,6 +370,7 @@ class CompiledSpec(_Model):
 
   @model_validator(mode="after")
   def _consistent(self) -> CompiledSpec:
+    _check_limits(self)
     if self.src is None and not self.bytes: raise ValueError("a CompiledSpec needs src or bytes")
     _check_var_names(self.var_names)
     if self.globals: _check_buffers(self.globals, self.outs, self.ins, self.buf_count)
