@@ -3,6 +3,8 @@ pays for allocation (and page faults) once."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ class BufferOptions:
 
 
 _DEFAULT = BufferOptions()
+_MAX_ALLOC = sys.maxsize - (1 << 20)  # room for ALIGN and a guarded buffer's pages
 _FIELDS = frozenset(f.name for f in dataclasses.fields(BufferOptions))
 CacheKey = tuple[int, BufferOptions]
 
@@ -71,13 +74,21 @@ class CPUAllocator:
       if buf is not None:
         if opts.zero: buf.zero()  # outside the lock: a big memset must not stall other threads' allocations
         return buf
-    try: return self._alloc_raw(size, opts)
-    except MemoryError: pass
+    if size > _MAX_ALLOC:  # numpy would raise ValueError and mmap OverflowError: no address space holds it
+      raise OutOfMemoryError(f"cannot allocate a CPU buffer of {size} bytes: larger than the address space")
+    if (fresh := self._try_alloc(size, opts)) is not None: return fresh
     released = self.flush()  # cached buffers may be exactly what the OS is missing
+    if (fresh := self._try_alloc(size, opts)) is not None: return fresh
+    raise OutOfMemoryError(f"cannot allocate a CPU buffer of {size} bytes: out of memory even after flushing {released} cached bytes "
+                           "and retrying once")
+
+  def _try_alloc(self, size: int, opts: BufferOptions) -> CpuBuffer | None:
+    """A fresh buffer, or None when the memory is not there (a guarded buffer's mapping refused with ENOMEM included)."""
     try: return self._alloc_raw(size, opts)
-    except MemoryError:
-      raise OutOfMemoryError(f"cannot allocate a CPU buffer of {size} bytes: out of memory even after flushing {released} cached bytes "
-                             "and retrying once") from None
+    except MemoryError: return None
+    except OSError as e:
+      if e.errno == errno.ENOMEM: return None
+      raise
 
   def free(self, handle: RawBuffer, size: int | None = None, options: Any = None) -> None:
     buf, opts = self._check(handle), BufferOptions.of(options)
