@@ -1,20 +1,23 @@
 """ONNX models on kiln: `load(path_or_model, device="CPU", dims=None) -> Model`.
 
-The model is checked with onnx.checker first (a model is untrusted input: anything malformed is an ONNXError, never a
-crash). Initializers, Constant and every node whose inputs are all constants (Shape of a static shape, the shape
-arithmetic feeding Reshape/Expand/Slice, ConstantOfShape, Range) are folded with numpy at load time; every other node
-becomes Tensor ops, and the outputs compile into one fused ExecutionPlan. An operator or attribute kiln does not
-support is refused at load time with the node, the op and the attribute named. Needs the `onnx` extra
-(`pip install "kiln-graph[onnx]"`).
+The model is untrusted input: its size, node count, depth, names, tensors and attributes are held to the limits
+of kiln.graph.onnx_limits before onnx.checker runs, a path is read by kiln (a regular file, at most 2 GiB, never a
+FIFO), and anything malformed is an ONNXError, never a crash. Initializers, Constant and every node whose inputs are
+all constants (Shape of a static shape, the shape arithmetic feeding Reshape/Expand/Slice, ConstantOfShape, Range) are
+folded with numpy at load time; every other node becomes Tensor ops, and the outputs compile into one fused
+ExecutionPlan. An operator or attribute kiln does not support is refused at load time with the node, the op and the
+attribute named. Needs the `onnx` extra (`pip install "kiln-graph[onnx]"`).
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from kiln.graph import onnx_limits as lim
 from kiln.graph.lazy import GraphError, ONNXError
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value
 from kiln.graph.schedule import Compiled
@@ -54,8 +57,8 @@ def _external(init: Any, base: str | None, onnx: Any) -> np.ndarray:
   except Exception as e: raise ONNXError(f"{where}: element type {init.data_type} is not supported") from e
   if dt.kind not in "biuf" or init.data_type == onnx.TensorProto.BFLOAT16: raise ONNXError(f"{where}: element type {dt} is not supported")
   dims = [int(d) for d in init.dims]
-  if any(d < 0 for d in dims): raise ONNXError(f"{where}: negative dim in {dims}")
-  need = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+  lim.check_shape(where, dims, dt.itemsize)
+  need = math.prod(dims) * dt.itemsize  # Python ints: np.prod wrapped dims [2**32, 2**32] to 0 bytes
   def field(key: str, default: int | None) -> int | None:
     if key not in info: return default
     try: v = int(info[key])
@@ -70,7 +73,8 @@ def _external(init: Any, base: str | None, onnx: Any) -> np.ndarray:
   if offset + need > size:
     raise ONNXError(f"{where}: bytes {offset}..{offset + need} of {loc!r} are needed, the file has {size} (truncated or a bad offset)")
   if need == 0: return np.zeros(dims, dt)
-  return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=tuple(dims))
+  try: return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=tuple(dims))
+  except (OSError, ValueError) as e: raise ONNXError(f"{where}: cannot map {loc!r}: {e}") from None  # e.g. too many maps
 
 
 class Model:
@@ -147,11 +151,14 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
   base: str | None = None
   try:
     if isinstance(model, (str, os.PathLike)):  # external data is mapped below, never read in here
-      m = onnx.load(os.fspath(model), load_external_data=False)
+      m = lim.read_model(onnx, os.fspath(model))
       base = os.path.dirname(os.path.abspath(os.fspath(model)))
-    elif isinstance(model, (bytes, bytearray)): m = onnx.load_from_string(bytes(model))
+    elif isinstance(model, (bytes, bytearray)):
+      lim.limit("the model's size in bytes", len(model), "MAX_MODEL_BYTES", lim.MAX_MODEL_BYTES)
+      m = onnx.load_from_string(bytes(model))
     elif isinstance(model, onnx.ModelProto): m = model
     else: raise ONNXError(f"load takes a path, bytes or an onnx.ModelProto, got {type(model).__name__}")
+    lim.check_model(onnx, m)
     _check(onnx, m)
   except ONNXError: raise
   except Exception as e:  # a model is untrusted input: protobuf decode errors, checker failures, missing files
@@ -176,6 +183,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
       if d.HasField("dim_value"): shape.append(int(d.dim_value))
       elif d.dim_param and dims and d.dim_param in dims: shape.append(int(dims[d.dim_param]))
       else: raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or '?'}): give its size with dims={{{d.dim_param or 'name'!r}: n}}")
+    lim.check_shape(f"input {vi.name!r}", shape, np.dtype(dt).itemsize)
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
     inputs.append((vi.name, tuple(shape), np.dtype(dt)))
@@ -187,10 +195,13 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
     n = Node(proto, env, opset, onnx)
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
+    lim.check_fold(proto.op_type, n.ins, label)
     try: out = fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
-    except (GraphError, ValueError, TypeError, IndexError) as e: raise n.error(f"{type(e).__name__}: {e}") from e
+    except (GraphError, ValueError, TypeError, IndexError, ArithmeticError) as e: raise n.error(f"{type(e).__name__}: {e}") from e
+    except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
     outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
+    for o in outs: lim.check_value(label, o)
     names = [o for o in proto.output if o]
     if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
     for name, v in zip(proto.output, outs):
@@ -202,4 +213,6 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]
   try: compiled = compile(tensors, device) if tensors else None
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
+  except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)
+    raise ONNXError("compiling the model failed: a chain of fused operations is too deep for kiln.graph's renderer") from None
   return Model(inputs, outputs, compiled, len(g.node), opset)
