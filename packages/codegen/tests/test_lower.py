@@ -392,3 +392,18 @@ def test_nsw_only_where_bounds_prove_no_signed_wrap():
   assert not no_signed_wrap(UOp.variable("u", 0, 5).cast(dtypes.uint32) + UOp.const(dtypes.uint32, 1))  # unsigned: never nsw
   src = LLVMRenderer(Target(vector_bytes=32)).render(kernels.matmul(64, 64, 64)).src
   assert " add nsw i32 " in src or " mul nsw i32 " in src
+
+
+def test_nothing_under_an_empty_constant_range_is_left_to_run():
+  """Under a range of constant size 0 a load becomes a zero and a REDUCE its identity (prepare.drop_empty): nothing is left
+  to be hoisted out of the zero-trip loop (an UPCAST of such an axis once read 8 lanes of a 1-element buffer at the
+  kernel's entry). The buffer keeps its parameter."""
+  from kiln.codegen.prepare import drop_empty
+  out, x = UOp.define_global(0, dtypes.float32.ptr(4)), UOp.define_global(1, dtypes.float32.ptr(1))
+  i, e, r = UOp.range(4, 0), UOp.range(0, 1), UOp.range(0, 2, AxisType.REDUCE)
+  empty_store = out.index(e).store(x.index(e).load())
+  kept = out.index(i).store(x.index(r).load().reduce(Ops.ADD, r) + 1.0)
+  got = drop_empty(UOp.sink(empty_store, kept))
+  assert len(got.src) == 2 and not any(n.op in (Ops.REDUCE, Ops.LOAD) for n in got.toposort())
+  lk = lower(UOp.sink(empty_store), Target(), [Opt(OptOps.UPCAST, 1, 8)])
+  assert [g.arg for g in lk.globals] == [0, 1] and not any(u.op is Ops.LOAD for u in lk.uops)

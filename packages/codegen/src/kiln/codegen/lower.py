@@ -19,7 +19,7 @@ from kiln.codegen.linearize import Scope
 from kiln.codegen.loops import LowerCtx
 from kiln.codegen.opt import Opt, Target, axis_size, heuristic_opts, kept_twins, plan_axes
 from kiln.codegen.pack import Packer, scratch_ptr
-from kiln.codegen.prepare import estimate, min_elements, peel, prepare
+from kiln.codegen.prepare import drop_empty, estimate, min_elements, peel, prepare
 from kiln.codegen.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import PtrDType
@@ -172,4 +172,10 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
     ast, n_main = peeled
     prepared, loops = prepare(ast)
     tails = set([s for s in prepared.src if s.op is Ops.STORE][n_main:])
-  return Lowerer(prepared, target, chosen, loops, tails).lower()
+  lk = Lowerer(prepared, target, chosen, loops, tails).lower()
+  # a buffer read only under a range of constant size 0 keeps its parameter (callers pass every slot the kernel names)
+  if lost := _globals(ast) - _globals(drop_empty(ast)): lk.globals = sorted(set(lk.globals) | lost, key=lambda g: g.arg)
+  return lk
+
+
+def _globals(ast: UOp) -> set[UOp]: return {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL and n.arg >= 0}

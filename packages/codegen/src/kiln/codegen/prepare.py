@@ -6,17 +6,32 @@ import math
 
 from kiln.codegen.expand import simp
 from kiln.codegen.opt import Opt, OptOps, axis_size
-from kiln.ir.analysis import free_ranges, free_ranges_of, reads_stored
+from kiln.ir.analysis import free_ranges, free_ranges_of, identity, reads_stored
 from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
 
 
+def drop_empty(ast: UOp) -> UOp:
+  """Nothing under a range of constant size 0 ever runs: a load that uses one becomes a zero and a REDUCE over one its
+  identity, before anything is simplified (the store keeps its loop and so runs zero times). Such a load's in-bounds
+  proof is vacuous (no index value exists), and the empty range's bounds (vmin 0 > vmax -1) let the simplifier fold its
+  gate and index to constants, which the linearizer then hoisted out of the zero-trip loop: an 8-lane UPCAST of such an
+  axis read 8 doubles of a 1-element buffer at the kernel's entry (a guard-page fault, fuzz seed 1124)."""
+  empty = {n for n in ast.toposort() if n.op is Ops.RANGE and n.src[0].op is Ops.CONST and n.src[0].arg <= 0}
+  if not empty: return ast
+  fr = free_ranges_of(ast.toposort())
+  dead = {n: UOp.const(n.dtype, identity(n.arg, n.dtype)) if n.op is Ops.REDUCE else UOp.const(n.dtype, 0) for n in ast.toposort()
+          if (n.op is Ops.REDUCE and set(n.src[1:]) & empty) or (n.op is Ops.LOAD and n.src[0].op is Ops.INDEX and fr[n] & empty)}
+  return substitute(ast, dead) if dead else ast
+
+
 def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
   """Simplify each store, keeping the loops it had: bounds may fold an index that uses a possibly empty range to a
   constant, but the store must still run once per iteration (zero times when the range is empty). An output axis of
   one element becomes the constant 0 (so a sum kept as shape (1,) is a full reduction the optimiser can split)."""
+  ast = drop_empty(ast)
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
   ones = {r: UOp.const(dtypes.index, 0) for s in ast.src if s.op is Ops.STORE for r in free_ranges(s)
           if r.src[0].op is Ops.CONST and r.src[0].arg == 1 and r not in reduced}
