@@ -365,7 +365,10 @@ def test_regression_fuzz_find_replays_clean(path):
   a float32 ulp (the inline exp2 and numpy's float32 exp2 differ by one); the tolerance now takes the coarsest inexact dtype.
   fuzz-fd9f4511e568-cpu-random (found by a long run outside CI, guard on): a kernel of two stores, one REDUCE's
   panel PACKed; lowering the other REDUCE looked the packed panel's reduce axis up in its own loops (KeyError, a crash,
-  not a typed error). Kept as drawn (its KEEP is then refused, typed) and without the KEEP (run and compared)."""
+  not a typed error). Kept as drawn (its KEEP is then refused, typed) and without the KEEP (run and compared).
+  fuzz-3ec2b85a7f8f-cpu-heuristic (the guard pages' first long run): an 8-lane UPCAST of a size-0 axis; loads whose gates
+  the empty range's bounds folded were hoisted out of the zero-trip loop and read past 1-element buffers (SIGSEGV under
+  KILN_GUARD). Nothing under a constant-empty range is left to run now (prepare.drop_empty)."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")
