@@ -1,11 +1,13 @@
-"""The recorded graph: `Node`s, each one op over source nodes with a static shape and dtype, and the errors of this layer.
+"""The recorded graph: `Node`s, each one op over source nodes with a shape and dtype, and the errors of this layer.
+
+A shape's dims are kiln.ir's Dim: ints, or symbolic dims (runtime variables with compile-time bounds, see dims.py).
 
 A node is one of a few kinds (the scheduler renders each as UOps, see render.py):
 
 | op      | srcs              | arg                                   | meaning                                                     |
 |---------|-------------------|---------------------------------------|-------------------------------------------------------------|
 | BUFFER  | -                 | `Source` (numpy data or an input name) | data that lives in a plan buffer                            |
-| CONST   | -                 | Python number                          | a scalar of shape (), broadcast by VIEW expand              |
+| CONST   | -                 | Python number, or a symbolic dim (UOp) | a scalar of shape (), broadcast by VIEW expand              |
 | ALU     | 1-3 of one shape  | `Ops` (CAST: the target in dtype)      | elementwise                                                 |
 | REDUCE  | 1                 | (Ops.ADD/MUL/MAX, axes)                | reduced axes kept as size 1 (keepdims)                       |
 | VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |
@@ -26,6 +28,7 @@ import numpy as np
 
 from kiln.ir.dtype import DType
 from kiln.ir.errors import IRError
+from kiln.ir.kernels import Dim
 
 _ids = itertools.count()
 
@@ -50,7 +53,7 @@ class Node:
   op: str
   src: tuple[Node, ...]
   arg: Any
-  shape: tuple[int, ...]
+  shape: tuple[Dim, ...]
   dtype: DType
   realize: bool = False  # always gets its own buffer and kernel (the fusion rules never inline it)
   id: int = field(default_factory=lambda: next(_ids))
@@ -59,7 +62,13 @@ class Node:
   def __repr__(self) -> str: return f"Node({self.op} {self.arg if self.op != 'BUFFER' else ''} {self.shape} {self.dtype.name} #{self.id})"
 
   @property
-  def numel(self) -> int: return prod(self.shape)
+  def numel(self) -> int: return prod(self.shape)  # static shapes only (a GraphError names a symbolic dim)
+
+  @property
+  def max_numel(self) -> int:
+    """Elements at the symbolic dims' upper bounds: the size of the node's buffer."""
+    from kiln.graph.dims import max_numel
+    return max_numel(self.shape)
 
   def toposort(self, stop: set[Node] | None = None) -> list[Node]:
     return toposort([self], stop)
@@ -67,7 +76,9 @@ class Node:
 
 def prod(xs: Any) -> int:
   out = 1
-  for x in xs: out *= int(x)
+  for x in xs:
+    if not isinstance(x, int | np.integer): raise GraphError(f"a static size was needed, got the symbolic dim {x!r}")
+    out *= int(x)
   return out
 
 

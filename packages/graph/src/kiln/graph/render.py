@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.graph.lazy import GraphError, Node, prod
+from kiln.graph.dims import mul, reshape_groups
+from kiln.graph.lazy import GraphError, Node
 from kiln.ir.dtype import dtypes
-from kiln.ir.kernels import flat_index
+from kiln.ir.kernels import Dim, flat_index
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
@@ -17,38 +18,29 @@ ZERO = UOp.const(dtypes.index, 0)
 def _clamp(i: UOp, n: int) -> UOp: return i.maximum(0).minimum(n - 1)
 
 
-def strides(shape: tuple[int, ...]) -> list[int]:
-  out, acc = [], 1
+def strides(shape: tuple[Dim, ...]) -> list[Dim]:
+  out: list[Dim] = []
+  acc: Dim = 1
   for d in reversed(shape):
     out.append(acc)
-    acc *= d
+    acc = mul(acc, d)
   return out[::-1]
 
 
-def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[UOp, ...]:
+def _is1(d: Dim) -> bool: return isinstance(d, int) and d == 1
+
+
+def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[UOp, ...]:
   """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %."""
   res: list[UOp] = []
-  i = j = 0
-  no, ni = len(out_shape), len(in_shape)
-  while i < no or j < ni:
-    gi, gj = [i], [j]
-    po = out_shape[i] if i < no else 1
-    pi = in_shape[j] if j < ni else 1
-    while po != pi:
-      if po < pi:
-        i += 1; gi.append(i); po *= out_shape[i]
-      else:
-        j += 1; gj.append(j); pi *= in_shape[j]
-    # trailing size-1 dims join the group
-    i, j = i + 1, j + 1
-    oi = [k for k in gi if k < no]
-    ij = [k for k in gj if k < ni]
+  for oi, ij in reshape_groups(out_shape, in_shape):
     lin = flat_index(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
     sub = tuple(in_shape[k] for k in ij)
-    for k, s in zip(ij, strides(sub)):
-      v = lin if s == 1 or lin is ZERO else lin // s
-      res.append(ZERO if in_shape[k] == 1 or v is ZERO else v if s * in_shape[k] >= prod(sub) else v % in_shape[k])
-  return tuple(res[:ni])
+    for n, (k, s) in enumerate(zip(ij, strides(sub))):
+      v = lin if _is1(s) or lin is ZERO else lin // s
+      outer = all(_is1(d) for d in sub[:n])  # the group's outermost dim needs no %
+      res.append(ZERO if _is1(in_shape[k]) or v is ZERO else v if outer else v % in_shape[k])
+  return tuple(res[:len(in_shape)])
 
 
 @dataclass
@@ -81,14 +73,14 @@ class Renderer:
       hit = self.rr[u] = any(x.op is Ops.RANGE and x.arg[1] is AxisType.REDUCE for x in u.toposort())
     return hit
 
-  def _range(self, n: int, kind: AxisType) -> UOp:
+  def _range(self, n: Dim, kind: AxisType) -> UOp:
     self.axis += 1
     return UOp.range(n, self.axis - 1, kind)
 
   def _global(self, n: Node) -> UOp:
     if (g := self.globals.get(n)) is None:
       if n is not self.node: self.slots.append(n)
-      g = self.globals[n] = UOp.define_global(self.slots.index(n), n.dtype.ptr(n.numel))
+      g = self.globals[n] = UOp.define_global(self.slots.index(n), n.dtype.ptr(n.max_numel))
     return g
 
   def kernel(self, name: str) -> Kernel:
@@ -117,7 +109,7 @@ class Renderer:
 
   def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
     if n.op == "BUFFER": return self._global(n).index(flat_index(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
-    if n.op == "CONST": return UOp.const(n.dtype, n.arg)
+    if n.op == "CONST": return n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)  # a UOp: a symbolic dim's value
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]
       if n.arg is Ops.CAST: return srcs[0].cast(n.dtype)

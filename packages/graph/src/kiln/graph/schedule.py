@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
+from kiln.graph.dims import evaluate, fmt_shape, variables
 from kiln.graph.lazy import GraphError, Node, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
+from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
@@ -44,7 +46,7 @@ def consumers(nodes: Sequence[Node]) -> dict[Node, set[Node]]:
 
 def _trips(rs: set[UOp]) -> int:
   out = 1
-  for r in rs: out *= int(r.src[0].arg) if r.src[0].op is Ops.CONST else 1 << 20
+  for r in rs: out *= int(r.src[0].vmax)  # a symbolic range counts at its upper bound
   return out
 
 
@@ -150,43 +152,95 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000)
 
 @dataclass
 class _Input:
-  name: str; buf: int; shape: tuple[int, ...]; dtype: np.dtype
+  name: str; buf: int; shape: tuple[Dim, ...]; dtype: np.dtype
 
 
 class Compiled:
-  """A graph compiled to an ExecutionPlan: `run(feeds)` copies the inputs in, executes, and returns the outputs."""
+  """A graph compiled to an ExecutionPlan: `run(feeds)` copies the inputs in, executes, and returns the outputs.
 
-  def __init__(self, plan, inputs: list[_Input], outputs: list[tuple[int, tuple[int, ...]]], kernels: list[Kernel]):  # type: ignore[no-untyped-def]
+  A graph with symbolic dims is compiled once for every size in their bounds: run() reads each variable's value off the
+  fed arrays' shapes, checks it against the other inputs and the bounds, and runs the plan with those values (no
+  kernel is compiled again); the outputs come back at the actual size."""
+
+  def __init__(self, plan, inputs: list[_Input], outputs: list[tuple[int, tuple[Dim, ...]]], kernels: list[Kernel],  # type: ignore[no-untyped-def]
+               variables: Mapping[str, UOp] | None = None):
     self.plan, self.inputs, self.outputs, self.kernels = plan, inputs, outputs, kernels
+    self.variables: dict[str, UOp] = dict(variables or {})  # name -> UOp.variable(name, lo, hi)
 
   @property
   def kernel_count(self) -> int: return len(self.plan.kernels)
 
   def run(self, feeds: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
-    self._feed(feeds)
-    self.plan.execute()
-    return self._outputs()
+    vals = self._feed(feeds)
+    if self.variables: self.plan.execute_with_vars(vals)
+    else: self.plan.execute()
+    return self._outputs(vals)
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], Any]:
     """run, kernel by kernel with each one timed: (outputs, the plan's Profile)."""
-    self._feed(feeds)
+    vals = self._feed(feeds)
+    if self.variables: self.plan.set_vars(vals)
     prof = self.plan.execute_profiled()
-    return self._outputs(), prof
+    return self._outputs(vals), prof
 
-  def _feed(self, feeds: Mapping[str, np.ndarray] | None) -> None:
+  def infer_vars(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Each variable's value from the fed arrays' shapes (every input that names it must agree, within its bounds)."""
+    vals: dict[str, int] = {}
+    where: dict[str, str] = {}
+    for i in self.inputs:
+      a = feeds[i.name]
+      if len(a.shape) != len(i.shape):
+        raise GraphError(f"input {i.name!r} has shape {tuple(a.shape)}, the graph takes rank {len(i.shape)} {fmt_shape(i.shape)}")
+      for k, (got, d) in enumerate(zip(a.shape, i.shape)):
+        if isinstance(d, int):
+          if got != d: raise GraphError(f"input {i.name!r} has shape {tuple(a.shape)}, the graph was compiled for {fmt_shape(i.shape)} (dim {k})")
+          continue
+        name, lo, hi = d.arg
+        if not lo <= got <= hi:
+          raise GraphError(f"input {i.name!r} dim {k} ({name}) is {got}, outside the bounds [{lo}, {hi}] it was compiled for")
+        if name in vals and vals[name] != got:
+          raise GraphError(f"input {i.name!r} dim {k} ({name}) is {got}, but {where[name]} gave {name} = {vals[name]}")
+        vals[name], where[name] = int(got), f"input {i.name!r} dim {k}"
+    return vals
+
+  def _feed(self, feeds: Mapping[str, np.ndarray] | None) -> dict[str, int]:
     feeds = dict(feeds or {})
     for i in self.inputs:
-      if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {i.shape}, {i.dtype}) was not fed")
-      a = np.asarray(feeds[i.name])
-      if tuple(a.shape) != i.shape: raise GraphError(f"input {i.name!r} has shape {tuple(a.shape)}, the graph was compiled for {i.shape}")
+      if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {fmt_shape(i.shape)}, {i.dtype}) was not fed")
+      feeds[i.name] = np.asarray(feeds[i.name])
+    vals = self.infer_vars(feeds)
+    for i in self.inputs:
+      a = feeds[i.name]
       if a.dtype != i.dtype:
         if a.dtype.kind != i.dtype.kind and not (a.dtype.kind in "iu" and i.dtype.kind in "iu"):
           raise GraphError(f"input {i.name!r} has dtype {a.dtype}, the graph takes {i.dtype}")
         a = a.astype(i.dtype)
-      self.plan.buffers[i.buf].copyin(np.ascontiguousarray(a))
+      buf = self.plan.buffers[i.buf]
+      if a.size != buf.size: buf = buf.view(0, a.size)  # a symbolic input below its maximum fills the buffer's front
+      buf.copyin(np.ascontiguousarray(a))
+    return vals
 
-  def _outputs(self) -> list[np.ndarray]:
-    return [self.plan.buffers[b].numpy()[:int(np.prod(s, dtype=np.int64))].reshape(s).copy() for b, s in self.outputs]
+  def _outputs(self, vals: Mapping[str, int]) -> list[np.ndarray]:
+    out = []
+    for b, s in self.outputs:
+      shape = tuple(evaluate(d, vals) for d in s)
+      buf = self.plan.buffers[b]
+      n = int(np.prod(shape, dtype=np.int64))
+      out.append((buf if n == buf.size else buf.view(0, n)).numpy().reshape(shape).copy())
+    return out
+
+
+def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input]) -> dict[str, UOp]:
+  """The graph's variables by name; each must be one dim of some input (run() reads its value there)."""
+  found: dict[str, UOp] = {}
+  for n in nodes:
+    for v in variables(n.shape) + ([*variables((n.arg,))] if n.op == "CONST" and isinstance(n.arg, UOp) else []):
+      if (prev := found.setdefault(v.arg[0], v)) is not v:
+        raise GraphError(f"dim {v.arg[0]!r} has two sets of bounds: {prev.arg[1:]} and {v.arg[1:]}")
+  fed = {d.arg[0] for i in inputs.values() for d in i.shape if isinstance(d, UOp)}
+  if missing := sorted(set(found) - fed):
+    raise GraphError(f"symbolic dims {missing} are not a dim of any input, so run() cannot learn their values")
+  return found
 
 
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True) -> Compiled:
@@ -201,7 +255,7 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   def buf_of(n: Node) -> int:
     if n in bufs: return bufs[n]
     if n.op == "BUFFER" and n.arg.data is not None: b = Buffer.from_numpy(np.ascontiguousarray(n.arg.data), device, n.dtype)  # bf16: uint16 in numpy
-    else: b = Buffer(device, n.numel, n.dtype)
+    else: b = Buffer(device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
     bufs[n] = pb.add_buffer(b)
     if n.op == "BUFFER" and n.arg.name is not None:
       if (prev := inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
@@ -209,5 +263,6 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
     return bufs[n]
   for k in kernels: pb.add_kernel(k.ast, [buf_of(s) for s in k.slots])
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
+  variables_ = _variables(toposort(uniq), inputs)
   plan = pb.build()
-  return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels)
+  return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels, variables_)

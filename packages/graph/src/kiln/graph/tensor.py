@@ -8,11 +8,14 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph.lazy import GraphError, Node, Source, prod
 from kiln.graph.schedule import Compiled, compile_nodes
 from kiln.ir.dtype import DType, dtypes, least_upper_dtype
 from kiln.ir.errors import IRTypeError
+from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
 
 Scalar = int | float | bool
 PyFloat = float  # Tensor.float() shadows the builtin inside the class
@@ -70,12 +73,26 @@ class Tensor:
   def from_numpy(a: np.ndarray) -> Tensor: return Tensor(np.asarray(a))
 
   @staticmethod
-  def input(name: str, shape: Sequence[int], dtype: DTypeLike = dtypes.float32) -> Tensor:
-    shp = tuple(shape)
+  def input(name: str, shape: Sequence[int | str], dtype: DTypeLike = dtypes.float32, dims: Mapping[str, tuple[int, int]] | None = None) -> Tensor:
+    """A placeholder fed at run time. A dim may be a name given bounds in dims, e.g. ("batch", 128) with
+    dims={"batch": (1, 64)}: a symbolic dim, one runtime variable for every tensor that names it with those bounds."""
     if not isinstance(name, str) or not name: raise GraphError(f"Tensor.input: a name is a non-empty string, got {name!r}")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shp):
-      raise GraphError(f"Tensor.input {name!r}: dims must be ints >= 1, got {shp}")
-    return Tensor(Node("BUFFER", (), Source(name=name), shp, to_dtype(dtype)))
+    shp: list[Dim] = []
+    for d in shape:
+      if isinstance(d, str):
+        if not dims or d not in dims: raise GraphError(f"Tensor.input {name!r}: dim {d!r} has no bounds: pass dims={{{d!r}: (lo, hi)}}")
+        b = dims[d]
+        if not isinstance(b, tuple | list) or len(b) != 2: raise GraphError(f"Tensor.input {name!r}: bounds of dim {d!r} are (lo, hi), got {b!r}")
+        shp.append(sym.variable(d, b[0], b[1]))
+      elif isinstance(d, int) and not isinstance(d, bool) and d >= 1: shp.append(d)
+      else: raise GraphError(f"Tensor.input {name!r}: dims must be ints >= 1 or names, got {tuple(shape)}")
+    return Tensor(Node("BUFFER", (), Source(name=name), tuple(shp), to_dtype(dtype)))
+
+  @staticmethod
+  def dim_value(d: Dim, dtype: DTypeLike = dtypes.float32) -> Tensor:
+    """A scalar holding a dim's size: a symbolic dim's value at run time (mean over a symbolic axis divides by it)."""
+    dt = to_dtype(dtype)
+    return Tensor(Node("CONST", (), d, (), dt)) if isinstance(d, UOp) else Tensor.full((), d, dt)
 
   @staticmethod
   def full(shape: Sequence[int], value: Scalar, dtype: DTypeLike | None = None) -> Tensor:
@@ -84,13 +101,13 @@ class Tensor:
 
   # ---- properties ----
   @property
-  def shape(self) -> tuple[int, ...]: return self.node.shape
+  def shape(self) -> tuple[Dim, ...]: return self.node.shape
   @property
   def dtype(self) -> DType: return self.node.dtype
   @property
   def ndim(self) -> int: return len(self.node.shape)
   @property
-  def numel(self) -> int: return prod(self.node.shape)
+  def numel(self) -> Dim: return sym.symbolic_numel(self.node.shape)
   def __repr__(self) -> str: return f"<Tensor {self.node.op} {self.shape} {self.dtype.name}>"
 
   # ---- realizing ----
@@ -219,7 +236,8 @@ class Tensor:
     if self.dtype.is_bool: return self.logical_not().max(axis, keepdims).logical_not()
     return -((-self).max(axis, keepdims))
   def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
-    n = prod(self.shape[a] for a in _norm_axes(axis, self.shape, "mean"))
+    n = sym.mul(*(self.shape[a] for a in _norm_axes(axis, self.shape, "mean")))
+    if isinstance(n, UOp): return self.float().sum(axis, keepdims) / Tensor.dim_value(n)
     return self.float().sum(axis, keepdims) * (1 / n)
   def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
     d = self - self.mean(axis, keepdims=True)
@@ -231,12 +249,29 @@ class Tensor:
   def reshape(self, *shape: Any) -> Tensor:
     shp = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else list(shape)
     if shp.count(-1) > 1: raise GraphError(f"reshape: at most one -1 in {tuple(shp)}")
+    if not sym.is_static(self.shape) or not sym.is_static(shp): return self._reshape_symbolic(shp)
+    numel = prod(self.shape)
     if -1 in shp:
       rest = prod(d for d in shp if d != -1)
-      if rest == 0 or self.numel % rest: raise GraphError(f"reshape: cannot reshape {self.shape} to {tuple(shp)}")
-      shp[shp.index(-1)] = self.numel // rest
+      if rest == 0 or numel % rest: raise GraphError(f"reshape: cannot reshape {self.shape} to {tuple(shp)}")
+      shp[shp.index(-1)] = numel // rest
     new = tuple(int(d) for d in shp)
-    if any(d < 1 for d in new) or prod(new) != self.numel: raise GraphError(f"reshape: cannot reshape {self.shape} ({self.numel} elements) to {new}")
+    if any(d < 1 for d in new) or prod(new) != numel: raise GraphError(f"reshape: cannot reshape {self.shape} ({numel} elements) to {new}")
+    return self if new == self.shape else self._view("reshape", new, new)
+
+  def _reshape_symbolic(self, shp: list[Any]) -> Tensor:
+    for d in shp:
+      if not isinstance(d, UOp) and not (isinstance(d, int) and not isinstance(d, bool) and (d >= 1 or d == -1)):
+        raise GraphError(f"reshape: dims are ints >= 1, -1 or symbolic dims, got {shp}")
+    if -1 in shp:
+      rest = sym.mul(*(d for d in shp if isinstance(d, UOp) or d != -1))
+      if (q := sym.div(self.numel, rest)) is None:
+        raise GraphError(f"reshape: cannot reshape {sym.fmt_shape(self.shape)} to {sym.fmt_shape(shp)}: -1 is no whole number of elements")
+      shp[shp.index(-1)] = q
+    new = tuple(sym.mul(d) for d in shp)  # canonical form, so equal dims are the same UOp
+    if sym.mono(sym.symbolic_numel(new)) != sym.mono(self.numel):
+      raise GraphError(f"reshape: cannot reshape {sym.fmt_shape(self.shape)} to {sym.fmt_shape(new)} (different numbers of elements)")
+    sym.reshape_groups(new, self.shape)  # a GraphError unless every symbolic dim keeps a group of its own
     return self if new == self.shape else self._view("reshape", new, new)
 
   def permute(self, *order: Any) -> Tensor:
@@ -277,7 +312,7 @@ class Tensor:
   def flatten(self, start: int = 0, end: int = -1) -> Tensor:
     if self.ndim == 0: return self.reshape(1)
     s, e = _norm_axis(start, self.ndim, "flatten", self.shape), _norm_axis(end, self.ndim, "flatten", self.shape)
-    return self.reshape(self.shape[:s] + (prod(self.shape[s:e + 1]),) + self.shape[e + 1:])
+    return self.reshape(self.shape[:s] + (sym.mul(*self.shape[s:e + 1]),) + self.shape[e + 1:])
 
   def slice(self, starts: Sequence[int], ends: Sequence[int], axes: Sequence[int] | None = None, steps: Sequence[int] | None = None) -> Tensor:
     """x[start:end:step] on each of axes, with Python's rules for negative and out-of-range bounds."""
@@ -309,6 +344,10 @@ class Tensor:
         newaxes.append(len(shape) - len(drop) + len(newaxes))
         continue
       n = self.shape[d]
+      if isinstance(n, UOp):
+        if not (isinstance(k, slice) and k == slice(None)): raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only ':' is supported)")
+        spec.append((0, 1)); shape.append(n); d += 1
+        continue
       if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
         kk = int(k)
         if not -n <= kk < n: raise GraphError(f"index: {kk} is out of range for axis {d} of {self.shape}")
@@ -330,6 +369,7 @@ class Tensor:
     """Pad each axis by (before, after) >= 0 elements of value."""
     if len(pads) != self.ndim or any(b < 0 or a < 0 for b, a in pads):
       raise GraphError(f"pad: {list(pads)} does not fit {self.shape} (one (before, after) >= 0 per axis)")
+    sym.require_static("pad", self.shape, [i for i, (b, a) in enumerate(pads) if b or a])
     shape = tuple(d + b + a for d, (b, a) in zip(self.shape, pads))
     return self if shape == self.shape else self._view("pad", (tuple(b for b, _ in pads), value), shape)
 
@@ -345,6 +385,7 @@ class Tensor:
     st, dl = list(stride or [1] * d), list(dilation or [1] * d)
     if d > self.ndim or len(st) != d or len(dl) != d or min([*kernel, *st, *dl], default=1) < 1:
       raise GraphError(f"windows: kernel {list(kernel)}, stride {st}, dilation {dl} do not fit {self.shape}")
+    sym.require_static("windows (conv, pool)", self.shape, range(self.ndim - d, self.ndim))
     sp = self.shape[self.ndim - d:]
     out = tuple((n - (k - 1) * q - 1) // s + 1 for n, k, s, q in zip(sp, kernel, st, dl))
     if min(out, default=1) < 1: raise GraphError(f"windows: kernel {list(kernel)} (dilation {dl}) is larger than the input {self.shape}")
@@ -363,6 +404,8 @@ class Tensor:
     and one output channel per group) has no matrix to tile: it stays a sum over each window."""
     d = weight.ndim - 2
     if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
+    sym.require_static("conv", self.shape, range(1, self.ndim))
+    sym.require_static("conv (weight)", weight.shape)
     n, c = self.shape[:2]
     o, cg = weight.shape[:2]
     if groups < 1 or c % groups or o % groups or cg * groups != c:
@@ -416,6 +459,7 @@ class Tensor:
     if not ts: raise GraphError("cat: no tensors")
     if len(ts) == 1: return ts[0]
     a = _norm_axis(axis, ts[0].ndim, "cat", ts[0].shape)
+    for t in ts: sym.require_static("cat", t.shape, [a], "as the concatenation axis")
     dt = least_upper_dtype(*(t.dtype for t in ts))
     for t in ts:
       if t.ndim != ts[0].ndim or any(x != y for i, (x, y) in enumerate(zip(t.shape, ts[0].shape)) if i != a):
@@ -429,6 +473,7 @@ class Tensor:
 
   def split(self, sizes: Sequence[int], axis: int = 0) -> list[Tensor]:
     a = _norm_axis(axis, self.ndim, "split", self.shape)
+    sym.require_static("split", self.shape, [a], "as the split axis")
     if sum(sizes) != self.shape[a] or any(s < 1 for s in sizes):
       raise GraphError(f"split: sizes {list(sizes)} do not add up to axis {a} of {self.shape}")
     out, o = [], 0
@@ -442,6 +487,7 @@ class Tensor:
     """numpy.take(self, indices, axis): negative indices count from the end; an index outside [-n, n) reads the nearest edge."""
     if not indices.dtype.is_int: raise GraphError(f"gather: indices must be integers, got {indices.dtype.name} {indices.shape}")
     a = _norm_axis(axis, self.ndim, "gather", self.shape)
+    sym.require_static("gather", self.shape, [a], "as the table's gathered axis")
     shape = self.shape[:a] + indices.shape + self.shape[a + 1:]
     return Tensor(Node("GATHER", (self.node, indices.node), a, shape, self.dtype))
   def embedding(self, ids: Tensor) -> Tensor: return self.gather(ids, 0)
