@@ -29,4 +29,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
   if cat: terminalreporter.write_line(f"bad-input catalogue: {len(cat)} malformed inputs checked ({sum(r.passed for r in cat)} passed)")
   if c:
     terminalreporter.write_line(f"differential fuzzer: {c.get('kernel_cases', 0)} kernel cases ({c.get('cpu_runs', 0)} CPU runs, "
-                                f"{c.get('cuda_runs', 0)} CUDA emulation runs), {c.get('index_cases', 0)} index expressions")
+                                f"{c.get('cuda_runs', 0)} CUDA emulation runs), {c.get('index_cases', 0)} index expressions, "
+                                f"{c.get('graph_programs', 0)} tensor programs, {c.get('onnx_graphs', 0)} ONNX graphs")

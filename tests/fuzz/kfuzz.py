@@ -21,6 +21,9 @@ rtol = eps(dtype) * (16 + 4 * reduced elements). To keep that well conditioned t
 value into a discontinuous op (compare, cast to int or bool, bitcast, trunc, integer ops) or into a transcendental, clamps
 MUL-reduce bodies to [-2, 2] and keeps half-precision reductions short.
 
+The graph layer is fuzzed beside them (graph_fuzz.py): random tensor programs against numpy and random ONNX graphs against
+onnxruntime (--graph G, --onnx O).
+
 `python tests/fuzz/kfuzz.py N` (or scripts/fuzz N) runs N cases and writes every failing case, shrunk, as JSON
 (`{"ast": kiln.ir.serialize.to_json(ast), "seed": ..., "var_vals": ..., "opts": ..., "backend": ...}`) with a one-line
 replay command: `scripts/fuzz --replay FILE`.
@@ -28,6 +31,8 @@ replay command: `scripts/fuzz --replay FILE`.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -527,7 +532,7 @@ def check_index(ic: IndexCase) -> str:
 
 
 # ---- the runner ----
-COUNTS = {"kernel_cases": 0, "cpu_runs": 0, "cuda_runs": 0, "rejected_opts": 0, "index_cases": 0}
+COUNTS = {"kernel_cases": 0, "cpu_runs": 0, "cuda_runs": 0, "rejected_opts": 0, "index_cases": 0, "graph_programs": 0, "onnx_graphs": 0}
 
 
 def _settings(n: int, seed_: int | None, shrink: bool) -> settings:
@@ -563,6 +568,45 @@ def fuzz_kernels(n: int, seed_: int | None = None, cuda: bool = False, shrink: b
   return None
 
 
+def fuzz_graph(n: int, seed_: int | None = None, onnx: bool = False) -> tuple[dict[str, Any], str] | None:
+  """n random tensor programs against numpy (or, onnx=True, random ONNX graphs against onnxruntime): graph_fuzz.py. The
+  shrunk failing case as a JSON-able dict and what differed, or None."""
+  gf = _graph_fuzz()
+  fail: dict[str, Any] = {}
+  if n <= 0: return None
+
+  def body(case: Any) -> None:
+    COUNTS["onnx_graphs" if onnx else "graph_programs"] += 1
+    try: msg = gf.check_onnx(*case) if onnx else gf.check_program(case)
+    except Exception as e: msg = f"{type(e).__name__}: {str(e)[:300]}"
+    if msg:
+      fail["case"] = {"kind": "onnx", "shape": case[0], "seed": case[1], "steps": case[2]} if onnx else \
+        {"kind": "graph", "shape": case.shape, "seed": case.seed, "steps": case.steps}
+      fail["msg"] = msg
+      raise AssertionError(msg)
+
+  test = given(gf.onnx_chains() if onnx else gf.programs())(body)
+  test = _settings(n, seed_, True)(test)
+  if seed_ is not None: test = seed(seed_)(test)
+  try: test()
+  except AssertionError: return fail["case"], fail["msg"]
+  return None
+
+
+def _graph_fuzz() -> Any:
+  # beside this module: in the tests.fuzz package (test_fuzz.py), or on the path of the script scripts/fuzz runs
+  return importlib.import_module(f"{__package__}.graph_fuzz" if __package__ else "graph_fuzz")
+
+
+def replay_graph(d: dict[str, Any]) -> int:
+  gf = _graph_fuzz()
+  steps = [(name, dict(p)) for name, p in d["steps"]]
+  if d["kind"] == "onnx": msg = gf.check_onnx(tuple(d["shape"]), d["seed"], steps)
+  else: msg = gf.check_program(gf.Program(tuple(d["shape"]), d["seed"], steps))
+  print(f"  {d['kind']}: {'ok' if msg is None else 'FAIL ' + msg}")
+  return 0 if msg is None else 1
+
+
 def fuzz_index(n: int, seed_: int | None = None) -> tuple[IndexCase, str] | None:
   fail: dict[str, Any] = {}
   if n <= 0: return None
@@ -591,6 +635,7 @@ def write_failure(case: Case, results: list[Result], out_dir: Path) -> Path:
 
 def replay(path: str) -> int:
   d = json.loads(Path(path).read_text())
+  if d.get("kind") in ("graph", "onnx"): return replay_graph(d)
   case = Case.from_dict(d)
   print(f"replaying {path}: backend {d.get('backend')!r}, var_vals {case.var_vals}, opts {case.opts}")
   res = check_case(case, cuda=d.get("backend") == "cuda-emu")
@@ -605,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--index", type=int, default=None, help="index-expression cases (default 5 * n)")
   ap.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: derandomized, the same cases every run)")
   ap.add_argument("--out", default="fuzz-failures", help="where failing cases are written (default ./fuzz-failures)")
+  ap.add_argument("--graph", type=int, default=None, help="random tensor programs against numpy (default n // 20)")
+  ap.add_argument("--onnx", type=int, default=None, help="random ONNX graphs against onnxruntime (default n // 40; needs onnxruntime)")
   ap.add_argument("--replay", metavar="FILE", help="re-run one failing case written by an earlier run")
   ap.add_argument("--no-guard", action="store_true", help="plain numpy buffers instead of buffers between guard pages")
   a = ap.parse_args(argv)
@@ -622,12 +669,23 @@ def main(argv: list[str] | None = None) -> int:
       p = write_failure(*f, Path(a.out))
       print(f"FAIL ({label}): {'; '.join(r.backend + ': ' + r.msg for r in f[1] if not r.ok)}\n  case: {p}\n  replay: scripts/fuzz --replay {p}")
       rc = 1
+  for onnx, count in ((False, a.n // 20 if a.graph is None else a.graph), (True, a.n // 40 if a.onnx is None else a.onnx)):
+    if onnx and count and importlib.util.find_spec("onnxruntime") is None:
+      print("kiln fuzz: onnxruntime is not installed: ONNX graphs skipped")
+      continue
+    if (fg := fuzz_graph(count, a.seed, onnx)) is not None:
+      Path(a.out).mkdir(parents=True, exist_ok=True)
+      p = Path(a.out) / f"fuzz-{fg[0]['kind']}-{abs(hash(json.dumps(fg[0], default=list))) % 10**12:012d}.json"
+      p.write_text(json.dumps({**fg[0], "error": fg[1]}, default=list, indent=1))
+      print(f"FAIL ({fg[0]['kind']}): {fg[1]}\n  case: {p}\n  replay: scripts/fuzz --replay {p}")
+      rc = 1
   if (fi := fuzz_index(5 * a.n if a.index is None else a.index, a.seed)) is not None:
     print(f"FAIL (index): {fi[1]}\n  expr: {to_json(fi[0].expr)}")
     rc = 1
   if (inflight := GUARD.inflight) is not None: inflight.unlink(missing_ok=True)
   print(f"kiln fuzz: {COUNTS['kernel_cases']} kernel cases ({COUNTS['cpu_runs']} CPU runs, {COUNTS['rejected_opts']} random option lists rejected, "
-        f"{COUNTS['cuda_runs']} CUDA emulation runs), {COUNTS['index_cases']} index expressions, "
+        f"{COUNTS['cuda_runs']} CUDA emulation runs), {COUNTS['graph_programs']} tensor programs, {COUNTS['onnx_graphs']} ONNX graphs, "
+        f"{COUNTS['index_cases']} index expressions, "
         f"guard pages {'on' if GUARD.on else 'off'}, {time.perf_counter() - t0:.1f} s: "
         f"{'FAILED' if rc else 'ok'}")
   return rc

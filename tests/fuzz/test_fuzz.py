@@ -373,3 +373,12 @@ def test_regression_fuzz_find_replays_clean(path):
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")
   assert res and all(r.ok for r in res), [r.msg for r in res if not r.ok]
+
+
+def test_random_tensor_programs_and_onnx_graphs(kiln_counts):
+  """The graph layer's differential fuzzing (graph_fuzz.py): random tensor programs against numpy, fused and unfused, and
+  random ONNX chains against onnxruntime; a few of each in CI, thousands outside it (scripts/fuzz N --graph G --onnx O)."""
+  assert kfuzz.fuzz_graph(12) is None
+  pytest.importorskip("onnxruntime")
+  assert kfuzz.fuzz_graph(8, onnx=True) is None
+  for k in ("graph_programs", "onnx_graphs"): kiln_counts[k] = kiln_counts.get(k, 0) + kfuzz.COUNTS[k]
