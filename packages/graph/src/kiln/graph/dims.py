@@ -46,7 +46,7 @@ def from_mono(c: int, vs: Sequence[UOp]) -> Dim:
 
 
 def mul(*ds: Dim) -> Dim:
-  c, vs = 1, []
+  c, vs = 1, list[UOp]()
   for d in ds:
     dc, dv = mono(d)
     c *= dc
@@ -100,6 +100,18 @@ def require_static(op: str, shape: Sequence[Dim], axes: Iterable[int] | None = N
   for a in (range(len(shape)) if axes is None else axes):
     if isinstance(shape[a], UOp):
       raise GraphError(f"{op}: symbolic dim {fmt(shape[a])} (axis {a} of {fmt_shape(shape)}) is not supported{' ' + what if what else ''}")
+
+
+def static_dim(op: str, shape: Sequence[Dim], axis: int) -> int:
+  d = shape[axis]
+  if not isinstance(d, int): raise GraphError(f"{op}: symbolic dim {fmt(d)} (axis {axis} of {fmt_shape(shape)}) is not supported")
+  return d
+
+
+def static_shape(op: str, shape: Sequence[Dim]) -> tuple[int, ...]:
+  """shape, refused with a GraphError if a dim is symbolic (for ops that need sizes at compile time)."""
+  require_static(op, shape)
+  return tuple(d for d in shape if isinstance(d, int))
 
 
 def fmt(d: Dim) -> str:

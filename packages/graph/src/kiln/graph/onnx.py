@@ -22,6 +22,7 @@ from kiln.graph.lazy import GraphError, ONNXError
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value
 from kiln.graph.schedule import Compiled
 from kiln.graph.tensor import Tensor, compile
+from kiln.ir.errors import IRError
 
 
 def _onnx() -> Any:
@@ -81,7 +82,7 @@ class Model:
   """A loaded ONNX model: `run(feeds) -> {output name: array}`, `plan` (its ExecutionPlan, None when every output is a
   constant), `summary()`."""
 
-  def __init__(self, inputs: list[tuple[str, tuple[int, ...], np.dtype]], outputs: list[tuple[str, Value]], compiled: Compiled | None,
+  def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value]], compiled: Compiled | None,
                nodes: int, opset: int):
     self.inputs, self.output_names, self.compiled, self.nodes, self.opset = inputs, [n for n, _ in outputs], compiled, nodes, opset
     self._consts = {n: v for n, v in outputs if isinstance(v, np.ndarray)}
@@ -143,10 +144,12 @@ def _check(onnx: Any, m: Any) -> None:
       for k, v in entries: init.external_data.add(key=k, value=v)
 
 
-def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None) -> Model:
+def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None) -> Model:
   """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
 
-  dims gives the value of every named (symbolic) input dim, e.g. {"batch": 8, "seq": 128}: kiln compiles for those sizes."""
+  dims gives every named (dim_param) input dim either a fixed size, e.g. {"seq": 128}, or bounds, e.g. {"batch": (1, 64)}:
+  a symbolic dim, a runtime variable, so the one compiled model runs every size within them (read off the fed arrays).
+  A model that folds its own Shape over a symbolic dim at load time is refused (ONNXError naming the node)."""
   onnx = _onnx()
   base: str | None = None
   try:
@@ -178,13 +181,22 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
     tt = vi.type.tensor_type
     try: dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
     except Exception as e: raise ONNXError(f"input {vi.name!r} has an unsupported element type {tt.elem_type}") from e
-    shape = []
+    shape: list[int | str] = []
+    bounds: dict[str, tuple[int, int]] = {}
     for i, d in enumerate(tt.shape.dim):
       if d.HasField("dim_value"): shape.append(int(d.dim_value))
-      elif d.dim_param and dims and d.dim_param in dims: shape.append(int(dims[d.dim_param]))
-      else: raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or '?'}): give its size with dims={{{d.dim_param or 'name'!r}: n}}")
-    lim.check_shape(f"input {vi.name!r}", shape, np.dtype(dt).itemsize)
-    try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt)
+      elif d.dim_param and dims and d.dim_param in dims:
+        given = dims[d.dim_param]
+        if isinstance(given, tuple | list):  # bounds: a symbolic dim
+          if len(given) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in given):
+            raise ONNXError(f"dims[{d.dim_param!r}] is a size or (lo, hi) bounds, got {given!r}")
+          bounds[d.dim_param] = (given[0], given[1])
+          shape.append(d.dim_param)
+        else: shape.append(int(given))
+      else: raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or '?'}): give its size with dims={{{d.dim_param or 'name'!r}: n}} "
+                            f"or its bounds with dims={{{d.dim_param or 'name'!r}: (lo, hi)}}")
+    lim.check_shape(f"input {vi.name!r}", [bounds[s][1] if isinstance(s, str) else s for s in shape], np.dtype(dt).itemsize)
+    try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
     inputs.append((vi.name, tuple(shape), np.dtype(dt)))
   for proto in g.node:
@@ -198,7 +210,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int] | None = None)
     lim.check_fold(proto.op_type, n.ins, label)
     try: out = fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
-    except (GraphError, ValueError, TypeError, IndexError, ArithmeticError) as e: raise n.error(f"{type(e).__name__}: {e}") from e
+    except (IRError, ValueError, TypeError, IndexError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
+      raise n.error(f"{type(e).__name__}: {e}") from e
     except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
     outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
     for o in outs: lim.check_value(label, o)

@@ -162,5 +162,6 @@ def check_value(label: str, v: Any) -> None:
   """A node's output (a lazy Tensor or a folded numpy array) within MAX_RANK and MAX_TENSOR_BYTES."""
   shape, dt = getattr(v, "shape", None), getattr(v, "dtype", None)
   if shape is None: return
+  shape = [d.vmax if hasattr(d, "vmax") else d for d in shape]  # a symbolic dim of a Tensor: its upper bound
   size = dt.itemsize if dt is not None and hasattr(dt, "itemsize") else 1
   check_shape(f"{label}: output", shape, size)

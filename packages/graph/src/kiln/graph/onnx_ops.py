@@ -7,8 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph.lazy import ONNXError
 from kiln.graph.tensor import Tensor
+from kiln.ir.kernels import Dim
 
 Value = Tensor | np.ndarray
 
@@ -116,7 +118,7 @@ def _softmax(log: bool) -> Callable[[Node], Value]:
       a = _norm(n.attr("axis", -1), x.ndim, n)
       return x.log_softmax(a) if log else x.softmax(a)
     a = _norm(n.attr("axis", 1), x.ndim, n)  # opset < 13: over the input coerced to 2-d at axis
-    flat = x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), -1)
+    flat = x.reshape(sym.mul(*x.shape[:a]), -1)
     return (flat.log_softmax(-1) if log else flat.softmax(-1)).reshape(x.shape)
   return run
 
@@ -156,19 +158,32 @@ def _gemm(n: Node) -> Value:
   return y
 
 
-def _reshape_shape(n: Node, in_shape: tuple[int, ...]) -> tuple[int, ...]:
+def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
   shape = [int(s) for s in n.const(1, "shape").reshape(-1)]
   if n.attr("allowzero", 0) and 0 in shape: raise n.error("allowzero=1 with a 0 in the shape (an empty tensor) is not supported")
   out = [in_shape[i] if s == 0 and i < len(in_shape) else s for i, s in enumerate(shape)]
-  if out.count(-1) == 1:
-    rest = int(np.prod([s for s in out if s != -1], dtype=np.int64))
-    out[out.index(-1)] = int(np.prod(in_shape, dtype=np.int64)) // max(rest, 1)
-  return tuple(out)
+  if not sym.is_static(in_shape): return tuple(out)  # Tensor.reshape resolves a -1 against the symbolic dims
+  ints = [d for d in out if isinstance(d, int)]  # all of them, with a static input
+  if ints.count(-1) == 1:
+    rest = int(np.prod([s for s in ints if s != -1], dtype=np.int64))
+    ints[ints.index(-1)] = int(np.prod(sym.static_shape("Reshape", in_shape), dtype=np.int64)) // max(rest, 1)
+  return tuple(ints)
+
+
+def _shape(n: Node) -> Value:
+  """Shape folds to a constant at load time: a symbolic dim has no value then, so a model that computes with its own
+  shape (Shape -> Gather -> Concat -> Reshape) is refused unless those dims are given fixed sizes."""
+  shape = n.ins[0].shape if n.ins[0] is not None else ()
+  for i, d in enumerate(shape):
+    if not isinstance(d, int):
+      raise n.error(f"Shape of a tensor with the symbolic dim {sym.fmt(d)} (axis {i} of {sym.fmt_shape(shape)}) is folded at load "
+                    f"time, which a symbolic dim does not allow: give it a fixed size (dims={{{sym.fmt(d)!r}: n}})")
+  return np.asarray(shape, np.int64)[n.attr("start", 0):n.attr("end")]
 
 
 def _reshape(n: Node) -> Value:
   x = n.ins[0]
-  if isinstance(x, np.ndarray): return x.reshape(_reshape_shape(n, x.shape))
+  if isinstance(x, np.ndarray): return x.reshape(sym.static_shape("Reshape", _reshape_shape(n, x.shape)))
   return n.t(0).reshape(_reshape_shape(n, n.t(0).shape))
 
 
@@ -231,7 +246,7 @@ def _split(n: Node) -> list[Value]:
   nout = len(n.proto.output)
   if n.opset >= 18: n.attr("num_outputs")
   if sizes is None or len(sizes) == 0:
-    d = x.shape[a]
+    d = sym.static_dim("Split", x.shape, a)
     k = -(-d // nout)
     sizes = [k] * (d // k) + ([d % k] if d % k else [])
     if len(sizes) != nout: raise n.error(f"cannot split axis {a} of {x.shape} into {nout} outputs")
@@ -281,6 +296,7 @@ def _flatten(n: Node) -> Value:
   a = n.attr("axis", 1)
   if not -x.ndim <= a <= x.ndim: raise n.error(f"axis {a} is out of range for rank {x.ndim}")
   a = a % (x.ndim + 1) if a < 0 else a
+  if isinstance(x, Tensor): return x.reshape(sym.mul(*x.shape[:a]), sym.mul(*x.shape[a:]))
   return x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), int(np.prod(x.shape[a:], dtype=np.int64)))
 
 
@@ -421,7 +437,7 @@ _op("Split", _split, "axis split num_outputs"); _op("Cast", _cast, "to saturate"
 _op("Gather", _gather, "axis"); _op("Flatten", _flatten, "axis"); _op("Identity", lambda n: n.ins[0])
 _op("Dropout", _dropout, "seed"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
 _op("ConstantOfShape", _constant_of_shape, "value"); _op("Range", _range)
-_op("Shape", lambda n: np.asarray(n.ins[0].shape if n.ins[0] is not None else (), np.int64)[n.attr("start", 0):n.attr("end")], "start end")
+_op("Shape", _shape, "start end")
 _op("Conv", _conv, "auto_pad dilations group kernel_shape pads strides")
 _op("MaxPool", _pool("max"), "auto_pad ceil_mode dilations kernel_shape pads storage_order strides")
 _op("AveragePool", _pool("avg"), "auto_pad ceil_mode count_include_pad dilations kernel_shape pads strides")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.graph.dims import mul, reshape_groups
+from kiln.graph.dims import mono, mul, reshape_groups
 from kiln.graph.lazy import GraphError, Node
 from kiln.ir.dtype import dtypes
 from kiln.ir.kernels import Dim, flat_index
@@ -15,7 +15,7 @@ from kiln.ir.uop import UOp
 ZERO = UOp.const(dtypes.index, 0)
 
 
-def _clamp(i: UOp, n: int) -> UOp: return i.maximum(0).minimum(n - 1)
+def _clamp(i: UOp, n: Dim) -> UOp: return i.maximum(0).minimum(n - 1)
 
 
 def strides(shape: tuple[Dim, ...]) -> list[Dim]:
@@ -30,17 +30,66 @@ def strides(shape: tuple[Dim, ...]) -> list[Dim]:
 def _is1(d: Dim) -> bool: return isinstance(d, int) and d == 1
 
 
-def reshape_index(idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[UOp, ...]:
-  """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %."""
-  res: list[UOp] = []
-  for oi, ij in reshape_groups(out_shape, in_shape):
-    lin = flat_index(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
-    sub = tuple(in_shape[k] for k in ij)
-    for n, (k, s) in enumerate(zip(ij, strides(sub))):
-      v = lin if _is1(s) or lin is ZERO else lin // s
-      outer = all(_is1(d) for d in sub[:n])  # the group's outermost dim needs no %
-      res.append(ZERO if _is1(in_shape[k]) or v is ZERO else v if outer else v % in_shape[k])
-  return tuple(res[:len(in_shape)])
+@dataclass(frozen=True)
+class _Split:
+  """An index entry a reshape made by splitting lin: (lin // stride) % dim, where the % is left out on a group's first dim."""
+  lin: UOp; stride: Dim; dim: Dim; first: bool
+
+
+class Splits:
+  """The entries reshapes split, so a load can put them back together: with a symbolic stride the verifier's interval
+  bounds cannot prove (r // s) * s + r % s < b * s, but r < b * s it can (a merge of (batch, seq) read as (batch*seq))."""
+  def __init__(self) -> None: self.of: dict[UOp, _Split] = {}
+
+  def flat(self, idx: tuple[UOp, ...], shape: tuple[Dim, ...]) -> UOp:
+    """flat_index(idx, shape), a run of entries that split one lin over exactly these dims (with a symbolic one) read as lin."""
+    if not self.of: return flat_index(idx, shape)
+    out_i: list[UOp] = []
+    out_s: list[Dim] = []
+    k = 0
+    while k < len(idx):
+      if (run := self._run(idx, shape, k)) is not None:
+        m, lin = run
+        out_i.append(lin); out_s.append(mul(*shape[k:m + 1]))
+        k = m + 1
+        continue
+      out_i.append(idx[k]); out_s.append(shape[k])
+      k += 1
+    return flat_index(tuple(out_i), tuple(out_s))
+
+  def _run(self, idx: tuple[UOp, ...], shape: tuple[Dim, ...], k: int) -> tuple[int, UOp] | None:
+    """(m, lin) when idx[k..m] are lin split over shape[k..m] (the first without %, the last with stride 1)."""
+    sp = self.of.get(idx[k])
+    if sp is None or not sp.first: return None
+    m = None
+    for j in range(k, len(idx)):
+      e = self.of.get(idx[j])
+      if e is None or e.lin is not sp.lin or (j > k and e.first): return None
+      if mono(e.stride) == (1, ()):
+        m = j
+        break
+    if m is None or m == k: return None
+    symbolic = False
+    for j in range(k, m + 1):
+      e = self.of[idx[j]]
+      if not (shape[j] is e.dim or isinstance(shape[j], int) and isinstance(e.dim, int) and shape[j] == e.dim): return None
+      if mono(e.stride) != mono(mul(*shape[j + 1:m + 1])): return None
+      symbolic = symbolic or isinstance(e.stride, UOp) or isinstance(e.dim, UOp)
+    return (m, sp.lin) if symbolic else None
+
+  def reshape_index(self, idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[UOp, ...]:
+    """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %."""
+    res: list[UOp] = []
+    for oi, ij in reshape_groups(out_shape, in_shape):
+      lin = self.flat(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
+      sub = tuple(in_shape[k] for k in ij)
+      for n, (k, s) in enumerate(zip(ij, strides(sub))):
+        v = lin if _is1(s) or lin is ZERO else lin // s
+        outer = all(_is1(d) for d in sub[:n])  # the group's outermost dim needs no %
+        e = ZERO if _is1(in_shape[k]) or v is ZERO else v if outer else v % in_shape[k]
+        if e is not ZERO and lin is not ZERO: self.of.setdefault(e, _Split(lin, s, in_shape[k], outer))
+        res.append(e)
+    return tuple(res[:len(in_shape)])
 
 
 @dataclass
@@ -66,6 +115,7 @@ class Renderer:
     self.offenders: set[Node] = set()  # REDUCEs found on the fly that must be realized (loaded as if they were, meanwhile)
     self.reduce_at: dict[Node, tuple[UOp, ...]] = {}
     self.rr: dict[UOp, bool] = {}
+    self.splits = Splits()
 
   def _in_reduce(self, u: UOp) -> bool:
     """Whether an index varies over a reduce range (the value is inside some reduction's body)."""
@@ -94,21 +144,21 @@ class Renderer:
 
   def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:
     if not top and (n in self.realized or n.op == "BUFFER"):
-      return self._global(n).index(flat_index(idx, n.shape)).load()
+      return self._global(n).index(self.splits.flat(idx, n.shape)).load()
     key = (n, idx)
     if (hit := self.memo.get(key)) is not None: return hit
     if n.op == "REDUCE" and not top and (self.reduce_at.setdefault(n, idx) != idx or any(self._in_reduce(i) for i in idx)):
       # a reduction at two indices, or inside another's body: it gets its own kernel (checked here, so that the
       # first render of a whole graph stays linear in its size instead of nesting every reduction in every other)
       self.offenders.add(n)
-      return self._global(n).index(flat_index(idx, n.shape)).load()
+      return self._global(n).index(self.splits.flat(idx, n.shape)).load()
     out = self._render(n, idx)
     self.memo[key] = out
     self.rendered.setdefault(n, set()).add(out)
     return out
 
   def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
-    if n.op == "BUFFER": return self._global(n).index(flat_index(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
+    if n.op == "BUFFER": return self._global(n).index(self.splits.flat(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
     if n.op == "CONST": return n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)  # a UOp: a symbolic dim's value
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]
@@ -145,7 +195,7 @@ class Renderer:
   def _view(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
     kind, p = n.arg
     s = n.src[0]
-    if kind == "reshape": return self.render(s, reshape_index(idx, n.shape, s.shape))
+    if kind == "reshape": return self.render(s, self.splits.reshape_index(idx, n.shape, s.shape))
     if kind == "permute":
       src_idx: list[UOp] = [ZERO] * len(idx)
       for d, o in enumerate(p): src_idx[o] = idx[d]

@@ -29,12 +29,12 @@ def to_dtype(dt: DTypeLike) -> DType:
   except (TypeError, IRTypeError) as e: raise GraphError(f"unknown dtype {dt!r}") from e
 
 
-def _norm_axis(a: int, nd: int, op: str, shape: tuple[int, ...]) -> int:
+def _norm_axis(a: int, nd: int, op: str, shape: tuple[Dim, ...]) -> int:
   if not isinstance(a, int) or not -nd <= a < max(nd, 1): raise GraphError(f"{op}: axis {a!r} is out of range for shape {shape}")
   return a % nd if nd else 0
 
 
-def _norm_axes(axes: int | Sequence[int] | None, shape: tuple[int, ...], op: str) -> tuple[int, ...]:
+def _norm_axes(axes: int | Sequence[int] | None, shape: tuple[Dim, ...], op: str) -> tuple[int, ...]:
   nd = len(shape)
   if axes is None: return tuple(range(nd))
   ax = (axes,) if isinstance(axes, int) else tuple(axes)
@@ -43,7 +43,7 @@ def _norm_axes(axes: int | Sequence[int] | None, shape: tuple[int, ...], op: str
   return out
 
 
-def broadcast_shapes(*shapes: tuple[int, ...], op: str = "broadcast") -> tuple[int, ...]:
+def broadcast_shapes(*shapes: tuple[Dim, ...], op: str = "broadcast") -> tuple[Dim, ...]:
   nd = max(len(s) for s in shapes)
   out = []
   for i in range(nd):
@@ -95,7 +95,7 @@ class Tensor:
     return Tensor(Node("CONST", (), d, (), dt)) if isinstance(d, UOp) else Tensor.full((), d, dt)
 
   @staticmethod
-  def full(shape: Sequence[int], value: Scalar, dtype: DTypeLike | None = None) -> Tensor:
+  def full(shape: Sequence[Dim], value: Scalar, dtype: DTypeLike | None = None) -> Tensor:
     dt = to_dtype(dtype) if dtype is not None else dtypes.from_py(value)
     return Tensor(Node("CONST", (), dt.np.type(value).item(), (), dt)).reshape((1,) * len(shape)).expand(tuple(shape))
 
@@ -244,7 +244,7 @@ class Tensor:
     return (d * d).mean(axis, keepdims)
 
   # ---- movement (index arithmetic, no copies) ----
-  def _view(self, kind: str, p: Any, shape: tuple[int, ...]) -> Tensor: return Tensor(Node("VIEW", (self.node,), (kind, p), shape, self.dtype))
+  def _view(self, kind: str, p: Any, shape: tuple[Dim, ...]) -> Tensor: return Tensor(Node("VIEW", (self.node,), (kind, p), shape, self.dtype))
 
   def reshape(self, *shape: Any) -> Tensor:
     shp = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else list(shape)
@@ -335,7 +335,7 @@ class Tensor:
       keys = keys[:i] + (slice(None),) * (self.ndim - n_real) + keys[i + 1:]
     keys = keys + (slice(None),) * (self.ndim - sum(1 for k in keys if k is not None))
     spec: list[tuple[int, int]] = []
-    shape: list[int] = []
+    shape: list[Dim] = []
     drop: list[int] = []
     newaxes: list[int] = []
     d = 0
@@ -345,7 +345,8 @@ class Tensor:
         continue
       n = self.shape[d]
       if isinstance(n, UOp):
-        if not (isinstance(k, slice) and k == slice(None)): raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only ':' is supported)")
+        if not (isinstance(k, slice) and k == slice(None)):
+          raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only ':' is supported)")
         spec.append((0, 1)); shape.append(n); d += 1
         continue
       if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
@@ -415,7 +416,7 @@ class Tensor:
     pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
     if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {self.shape}")
     x, w = self._coerce(weight)
-    ks, og = w.shape[2:], o // groups
+    ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
     xp = x.pad(((0, 0), (0, 0), *pads))
     if cg == 1 and og == 1: return _window_conv(xp, w, st, dl, groups, bias)
     if xp is not x and _reduces(x.node):  # a pool before the conv: pooled, then padded, in two kernels (see _reduces)
@@ -540,7 +541,7 @@ class Tensor:
     return y if weight is None else y * weight
 
 
-def _flat(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
   """t reshaped to shape, read with a flat index: a weight array is reshaped in numpy, anything else realized (the
   reshape's index // and % would otherwise sit in a matmul's inner loop)."""
   if t.node.op == "BUFFER" and t.node.arg.data is not None: return Tensor(t.node.arg.data.reshape(shape))
@@ -564,7 +565,7 @@ def _reduces(n: Node) -> bool:
 def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: int, bias: Tensor | None) -> Tensor:
   """A depthwise conv (one input and one output channel per group) as a product and a sum over each window."""
   d = w.ndim - 2
-  win = xp.windows(w.shape[2:], st, dl)  # (N, C, *out, *k)
+  win = xp.windows(sym.static_shape("conv (weight)", w.shape)[2:], st, dl)  # (N, C, *out, *k)
   y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
   return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
 

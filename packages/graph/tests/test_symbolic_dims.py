@@ -1,0 +1,187 @@
+"""Named symbolic dims: one compile serves every size within the bounds (kiln issue 15)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.executor import cache_stats
+from kiln.graph import GraphError, ONNXError
+from kiln.graph.tensor import Tensor, compile
+
+RNG = np.random.default_rng(15)
+B = {"batch": (1, 64)}
+
+
+def f32(*shape: int) -> np.ndarray: return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _layernorm(x: np.ndarray) -> np.ndarray:
+  d = x - x.mean(-1, keepdims=True)
+  return d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5)
+
+
+def test_mlp_one_compile_every_batch() -> None:
+  w1, b1, w2 = f32(32, 24), f32(32), f32(10, 32)
+  x = Tensor.input("x", ("batch", 16, 24), dims=B)
+  h = x.reshape(-1, 24).linear(Tensor(w1), Tensor(b1)).relu()  # (batch*16, 24): M is symbolic
+  y = h.linear(Tensor(w2)).reshape(x.shape[0], 16, 10).softmax(-1)
+  s, m = x.sum(0), x.mean((0, 2))  # over the symbolic axis (mean divides by the batch's run-time value)
+  c = compile([y, s, m])
+  compiles = cache_stats()["compiles"]
+  for n in (1, 7, 64, 3):
+    a = f32(n, 16, 24)
+    got_y, got_s, got_m = c.run({"x": a})
+    want = _softmax((np.maximum(a.reshape(-1, 24) @ w1.T + b1, 0) @ w2.T).reshape(n, 16, 10))
+    assert got_y.shape == (n, 16, 10) and got_s.shape == (16, 24) and got_m.shape == (16,)
+    np.testing.assert_allclose(got_y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_s, a.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_m, a.mean((0, 2)), rtol=1e-5, atol=1e-6)
+  assert cache_stats()["compiles"] == compiles  # no kernel compiled again between sizes
+
+
+def test_attention_symbolic_batch_and_sequence() -> None:
+  d = {"batch": (1, 8), "seq": (1, 32)}
+  wq, wk, wv = f32(16, 16) * 0.3, f32(16, 16) * 0.3, f32(16, 16) * 0.3
+  x = Tensor.input("x", ("batch", "seq", 16), dims=d)
+  mask = Tensor.input("mask", ("batch", 1, "seq"), dims=d)  # the same variables: one per name
+  q, k, v = (x.reshape(-1, 16).linear(Tensor(w)).reshape(x.shape) for w in (wq, wk, wv))  # (batch*seq) and back
+  att = (q @ k.transpose(-1, -2) * 0.25 + mask).softmax(-1)  # softmax over the symbolic seq axis
+  out = (att @ v + x).layernorm()  # a matmul whose reduction runs over seq
+  c = compile([out])
+  compiles = cache_stats()["compiles"]
+  for b, s in ((1, 1), (3, 7), (8, 32), (2, 5)):
+    a, mk = f32(b, s, 16), np.where(RNG.random((b, 1, s)) < 0.2, -1e4, 0).astype(np.float32)
+    (got,) = c.run({"x": a, "mask": mk})
+    qq, kk, vv = a @ wq.T, a @ wk.T, a @ wv.T
+    want = _layernorm(_softmax(qq @ kk.transpose(0, 2, 1) * 0.25 + mk) @ vv + a)
+    assert got.shape == (b, s, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert cache_stats()["compiles"] == compiles
+
+
+def test_permute_slice_pad_concat_on_static_axes() -> None:
+  x = Tensor.input("x", ("batch", 6, 4), dims=B)
+  y = Tensor.cat([x[:, 1:5, :].pad(((0, 0), (1, 0), (0, 2)), 9.0), x.permute(0, 2, 1)[:, :, :5].permute(0, 2, 1).pad(((0, 0), (0, 0), (0, 2)))], 1)
+  c = compile([y, x.max(1), x.flatten(1)])
+  for n in (2, 5):
+    a = f32(n, 6, 4)
+    got, mx, fl = c.run({"x": a})
+    want = np.concatenate([np.pad(a[:, 1:5], ((0, 0), (1, 0), (0, 2)), constant_values=9.0), np.pad(a[:, :5], ((0, 0), (0, 0), (0, 2)))], 1)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(mx, a.max(1))
+    np.testing.assert_array_equal(fl, a.reshape(n, 24))
+
+
+def test_reshape_regroups_static_and_symbolic_dims() -> None:
+  x = Tensor.input("x", ("batch", 4), dims=B)
+  y = x.reshape(4, -1)  # (4, batch): the same flat order, one group of (batch*4) on each side
+  assert y.shape[0] == 4 and y.shape[1] is x.shape[0]
+  c = compile([y * 1.0, x.reshape(2, -1, 2).sum(1)])
+  for n in (1, 6):
+    a = f32(n, 4)
+    got, s = c.run({"x": a})
+    np.testing.assert_array_equal(got, a.reshape(4, -1))
+    np.testing.assert_allclose(s, a.reshape(2, -1, 2).sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_run_checks_bounds_and_consistency() -> None:
+  x = Tensor.input("x", ("batch", 4), dims=B)
+  y = Tensor.input("y", ("batch", 4), dims=B)
+  c = compile([x + y])
+  with pytest.raises(GraphError, match=r"input 'x' dim 0 \(batch\) is 65, outside the bounds \[1, 64\]"): c.run({"x": f32(65, 4), "y": f32(65, 4)})
+  with pytest.raises(GraphError, match=r"input 'y' dim 0 \(batch\) is 3, but input 'x' dim 0 gave batch = 2"): c.run({"x": f32(2, 4), "y": f32(3, 4)})
+  with pytest.raises(GraphError, match=r"input 'x' has shape \(2, 5\), the graph was compiled for \(batch, 4\) \(dim 1\)"):
+    c.run({"x": f32(2, 5), "y": f32(2, 5)})
+  with pytest.raises(GraphError, match="rank 2"): c.run({"x": f32(2), "y": f32(2, 4)})
+  a, b = f32(2, 4), f32(2, 4)
+  np.testing.assert_array_equal(c.run({"x": a, "y": b})[0], a + b)  # a refused run changed nothing
+
+
+def test_refusals_name_op_and_dim() -> None:
+  x = Tensor.input("x", ("batch", 4), dims=B)
+  s = Tensor.input("s", ("seq", 4), dims={"seq": (1, 8)})
+  with pytest.raises(GraphError, match="do not broadcast"): _ = x + s
+  with pytest.raises(GraphError, match="do not broadcast"): _ = x + Tensor(f32(3, 4))
+  with pytest.raises(GraphError, match=r"pad: symbolic dim batch \(axis 0 of \(batch, 4\)\)"): x.pad(((1, 0), (0, 0)))
+  with pytest.raises(GraphError, match=r"cat: symbolic dim batch .* as the concatenation axis"): Tensor.cat([x, x], 0)
+  with pytest.raises(GraphError, match="only ':'"): _ = x[1:]
+  with pytest.raises(GraphError, match="gather: symbolic dim batch"): x.gather(Tensor(np.array([0], np.int32)), 0)
+  xs = Tensor.input("xs", ("batch", "seq"), dims={**B, "seq": (1, 8)})
+  with pytest.raises(GraphError, match=r"cannot reshape \(batch, seq\) to \(seq, batch\)"): xs.reshape(xs.shape[1], xs.shape[0])
+  with pytest.raises(GraphError, match="conv: symbolic dim"): Tensor.input("im", (1, 3, "h", 8), dims={"h": (4, 8)}).conv2d(Tensor(f32(2, 3, 3, 3)))
+  with pytest.raises(GraphError, match="has no bounds"): Tensor.input("z", ("batch", 4))
+  with pytest.raises(GraphError, match="bounds must be ints 1 <= lo <= hi"): Tensor.input("z", ("batch", 4), dims={"batch": (0, 4)})
+  other = Tensor.input("o", ("batch", 4), dims={"batch": (1, 32)})
+  with pytest.raises(GraphError, match="two sets of bounds"): compile([other * 2, x * 2])
+  assert x.reshape(-1).shape[0] is x.reshape(-1, 2).reshape(-1).shape[0]  # one canonical form: batch*4 is one dim
+
+
+# ---- ONNX ----
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from kiln.graph import onnx as konnx  # noqa: E402
+
+N = helper.make_node
+
+
+def _model(nodes: list, inputs: dict[str, list], inits: dict[str, np.ndarray]) -> onnx.ModelProto:
+  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, s) for k, s in inputs.items()],
+                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  m.ir_version = 8
+  m.graph.output[0].type.tensor_type.shape.SetInParent()  # the checker wants an output shape: an unknown one
+  return m
+
+
+def _against_ort(m: onnx.ModelProto, dims: dict, sizes: list[dict[str, tuple[int, ...]]], tol: float) -> None:
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  km = konnx.load(m, dims=dims)
+  compiles = cache_stats()["compiles"]
+  for shapes in sizes:
+    feeds = {k: f32(*s) for k, s in shapes.items()}
+    want = sess.run(None, feeds)[0]
+    got = km.run(feeds)["y"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+  assert cache_stats()["compiles"] == compiles
+
+
+def test_onnx_mlp_symbolic_batch() -> None:
+  inits = {"w1": f32(32, 64) * 0.2, "b1": f32(64), "w2": f32(64, 10) * 0.2, "b2": f32(10)}
+  nodes = [N("Gemm", ["x", "w1", "b1"], ["h"]), N("Relu", ["h"], ["r"]), N("Gemm", ["r", "w2", "b2"], ["z"]), N("Softmax", ["z"], ["y"], axis=-1)]
+  _against_ort(_model(nodes, {"x": ["batch", 32]}, inits), {"batch": (1, 64)}, [{"x": (n, 32)} for n in (1, 7, 64)], 1e-5)
+
+
+def test_onnx_attention_symbolic_batch_and_sequence() -> None:
+  h = 16
+  inits = {"wq": f32(h, h) * 0.3, "wk": f32(h, h) * 0.3, "wv": f32(h, h) * 0.3, "wo": f32(h, h) * 0.3, "scale": np.array(0.25, np.float32),
+           "g": f32(h), "b": f32(h)}
+  nodes = [N("MatMul", ["x", "wq"], ["q"]), N("MatMul", ["x", "wk"], ["k"]), N("MatMul", ["x", "wv"], ["v"]),
+           N("Transpose", ["k"], ["kt"], perm=[0, 2, 1]), N("MatMul", ["q", "kt"], ["s0"]), N("Mul", ["s0", "scale"], ["s1"]),
+           N("Softmax", ["s1"], ["p"], axis=-1), N("MatMul", ["p", "v"], ["c"]), N("MatMul", ["c", "wo"], ["o"]), N("Add", ["o", "x"], ["r"]),
+           N("LayerNormalization", ["r", "g", "b"], ["y"], axis=-1, epsilon=1e-5)]
+  m = _model(nodes, {"x": ["batch", "seq", h]}, inits)
+  _against_ort(m, {"batch": (1, 8), "seq": (1, 24)}, [{"x": (b, s, h)} for b, s in ((1, 1), (2, 9), (8, 24), (3, 4))], 1e-4)
+  _against_ort(m, {"batch": (1, 8), "seq": 6}, [{"x": (b, 6, h)} for b in (1, 5)], 1e-4)  # an int keeps a fixed size
+
+
+def test_onnx_reshape_with_constant_shape_and_shape_refusal() -> None:
+  inits = {"w": f32(8, 4), "flat": np.array([-1, 8], np.int64), "back": np.array([-1, 3, 4], np.int64), "zero": np.array([0], np.int64),
+           "tail": np.array([-1, 4], np.int64)}
+  nodes = [N("Reshape", ["x", "flat"], ["f"]), N("MatMul", ["f", "w"], ["z"]), N("Reshape", ["z", "back"], ["y"])]  # (batch*3, 8) and back
+  _against_ort(_model(nodes, {"x": ["batch", 3, 8]}, inits), {"batch": (1, 16)}, [{"x": (n, 3, 8)} for n in (1, 16)], 1e-5)
+  nodes = [N("Shape", ["x"], ["sh"], name="the_shape"), N("Gather", ["sh", "zero"], ["n"], axis=0), N("Concat", ["n", "tail"], ["s2"], axis=0),
+           N("Reshape", ["x", "s2"], ["y"])]
+  m = _model(nodes, {"x": ["batch", 3, 8]}, inits)
+  with pytest.raises(ONNXError, match=r"node the_shape \(Shape.*symbolic dim batch"): konnx.load(m, dims={"batch": (1, 16)})
+  assert konnx.load(m, dims={"batch": 2}).run({"x": f32(2, 3, 8)})["y"].shape == (2, 6, 4)  # fixed: folds as before
+  with pytest.raises(ONNXError, match=r"dim 0 is symbolic \(batch\).*\(lo, hi\)"): konnx.load(m)
+  with pytest.raises(ONNXError, match=r"a size or \(lo, hi\) bounds"): konnx.load(m, dims={"batch": (1, 2, 3)})
