@@ -173,15 +173,38 @@ def test_onnx_attention_symbolic_batch_and_sequence() -> None:
   _against_ort(m, {"batch": (1, 8), "seq": 6}, [{"x": (b, 6, h)} for b in (1, 5)], 1e-4)  # an int keeps a fixed size
 
 
-def test_onnx_reshape_with_constant_shape_and_shape_refusal() -> None:
-  inits = {"w": f32(8, 4), "flat": np.array([-1, 8], np.int64), "back": np.array([-1, 3, 4], np.int64), "zero": np.array([0], np.int64),
-           "tail": np.array([-1, 4], np.int64)}
+def test_onnx_reshape_with_constant_shape() -> None:
+  inits = {"w": f32(8, 4), "flat": np.array([-1, 8], np.int64), "back": np.array([-1, 3, 4], np.int64)}
   nodes = [N("Reshape", ["x", "flat"], ["f"]), N("MatMul", ["f", "w"], ["z"]), N("Reshape", ["z", "back"], ["y"])]  # (batch*3, 8) and back
   _against_ort(_model(nodes, {"x": ["batch", 3, 8]}, inits), {"batch": (1, 16)}, [{"x": (n, 3, 8)} for n in (1, 16)], 1e-5)
-  nodes = [N("Shape", ["x"], ["sh"], name="the_shape"), N("Gather", ["sh", "zero"], ["n"], axis=0), N("Concat", ["n", "tail"], ["s2"], axis=0),
-           N("Reshape", ["x", "s2"], ["y"])]
-  m = _model(nodes, {"x": ["batch", 3, 8]}, inits)
-  with pytest.raises(ONNXError, match=r"node the_shape \(Shape.*symbolic dim batch"): konnx.load(m, dims={"batch": (1, 16)})
-  assert konnx.load(m, dims={"batch": 2}).run({"x": f32(2, 3, 8)})["y"].shape == (2, 6, 4)  # fixed: folds as before
+
+
+def test_onnx_shape_gather_concat_reshape() -> None:
+  """torch's export of a head split: the batch and sequence sizes read off Shape at run time."""
+  h, heads = 16, 4
+  inits = {"wq": f32(h, h) * 0.3, "wk": f32(h, h) * 0.3, "wv": f32(h, h) * 0.3, "i0": np.array(0, np.int64), "i1": np.array(1, np.int64),
+           "ax0": np.array([0], np.int64), "hd": np.array([heads, h // heads], np.int64), "hid": np.array([h], np.int64),
+           "scale": np.array(0.5, np.float32)}
+  nodes = [N("Shape", ["x"], ["sh"]), N("Gather", ["sh", "i0"], ["b"], axis=0), N("Gather", ["sh", "i1"], ["s"], axis=0),
+           N("Unsqueeze", ["b", "ax0"], ["b1"]), N("Unsqueeze", ["s", "ax0"], ["s1"]), N("Concat", ["b1", "s1", "hd"], ["heads_shape"], axis=0),
+           N("Concat", ["b1", "s1", "hid"], ["ctx_shape"], axis=0)]
+  for t in ("q", "k", "v"):
+    nodes += [N("MatMul", ["x", "w" + t], [t]), N("Reshape", [t, "heads_shape"], [t + "r"]),
+              N("Transpose", [t + "r"], [t + "t"], perm=[0, 2, 3, 1] if t == "k" else [0, 2, 1, 3])]
+  nodes += [N("MatMul", ["qt", "kt"], ["s0"]), N("Mul", ["s0", "scale"], ["s2"]), N("Softmax", ["s2"], ["p"], axis=-1),
+            N("MatMul", ["p", "vt"], ["c"]),
+            N("Transpose", ["c"], ["ct"], perm=[0, 2, 1, 3]), N("Reshape", ["ct", "ctx_shape"], ["y"])]
+  m = _model(nodes, {"x": ["batch", "seq", h]}, inits)
+  _against_ort(m, {"batch": (1, 4), "seq": (1, 16)}, [{"x": (b, s, h)} for b, s in ((1, 1), (3, 5), (4, 16))], 1e-4)
+  _against_ort(m, {"batch": 2, "seq": 5}, [{"x": (2, 5, h)}], 1e-4)  # fixed sizes: Shape folds to int64 as before
+
+
+def test_onnx_symbolic_refusals() -> None:
+  inits = {"two": np.array([2], np.int64)}
+  nodes = [N("Shape", ["x"], ["sh"]), N("Mul", ["sh", "two"], ["dbl"], name="doubling"), N("Reshape", ["x", "dbl"], ["y"])]
+  m = _model(nodes, {"x": ["batch", 4]}, inits)
+  with pytest.raises(ONNXError, match=r"node doubling \(Mul.*symbolic dims of a Shape \(batch, 4\)"): konnx.load(m, dims={"batch": (1, 16)})
   with pytest.raises(ONNXError, match=r"dim 0 is symbolic \(batch\).*\(lo, hi\)"): konnx.load(m)
   with pytest.raises(ONNXError, match=r"a size or \(lo, hi\) bounds"): konnx.load(m, dims={"batch": (1, 2, 3)})
+  pad = _model([N("Pad", ["x", "pads"], ["y"], name="the_pad")], {"x": ["batch", 4]}, {"pads": np.array([1, 0, 0, 0], np.int64)})
+  with pytest.raises(ONNXError, match="the_pad"): konnx.load(pad, dims={"batch": (1, 16)})

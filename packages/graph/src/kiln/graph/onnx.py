@@ -19,7 +19,7 @@ import numpy as np
 
 from kiln.graph import onnx_limits as lim
 from kiln.graph.lazy import GraphError, ONNXError
-from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value
+from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
 from kiln.graph.schedule import Compiled
 from kiln.graph.tensor import Tensor, compile
 from kiln.ir.errors import IRError
@@ -207,6 +207,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     n = Node(proto, env, opset, onnx)
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
+    check_shape_value(n)
     lim.check_fold(proto.op_type, n.ins, label)
     try: out = fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
@@ -222,6 +223,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   outputs = []
   for vo in g.output:
     if vo.name not in env: raise ONNXError(f"graph output {vo.name!r} is produced by no node")
+    if isinstance(env[vo.name], np.ndarray) and env[vo.name].dtype == object:
+      raise ONNXError(f"graph output {vo.name!r} is a Shape with symbolic dims, known only at run time (not supported)")
     outputs.append((vo.name, env[vo.name]))
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]
   try: compiled = compile(tensors, device) if tensors else None

@@ -11,6 +11,7 @@ from kiln.graph import dims as sym
 from kiln.graph.lazy import ONNXError
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
+from kiln.ir.uop import UOp
 
 Value = Tensor | np.ndarray
 
@@ -159,10 +160,10 @@ def _gemm(n: Node) -> Value:
 
 
 def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
-  shape = [int(s) for s in n.const(1, "shape").reshape(-1)]
+  shape: list[Dim] = [s if isinstance(s, UOp) else int(s) for s in n.const(1, "shape").reshape(-1)]  # UOps: symbolic dims of a Shape
   if n.attr("allowzero", 0) and 0 in shape: raise n.error("allowzero=1 with a 0 in the shape (an empty tensor) is not supported")
   out = [in_shape[i] if s == 0 and i < len(in_shape) else s for i, s in enumerate(shape)]
-  if not sym.is_static(in_shape): return tuple(out)  # Tensor.reshape resolves a -1 against the symbolic dims
+  if not sym.is_static(in_shape) or not sym.is_static(out): return tuple(out)  # Tensor.reshape resolves a -1 against the symbolic dims
   ints = [d for d in out if isinstance(d, int)]  # all of them, with a static input
   if ints.count(-1) == 1:
     rest = int(np.prod([s for s in ints if s != -1], dtype=np.int64))
@@ -171,14 +172,28 @@ def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
 
 
 def _shape(n: Node) -> Value:
-  """Shape folds to a constant at load time: a symbolic dim has no value then, so a model that computes with its own
-  shape (Shape -> Gather -> Concat -> Reshape) is refused unless those dims are given fixed sizes."""
+  """Shape folds to a constant at load time. With a symbolic dim it is a *shape value*: an object array of Dims, which
+  only the ops of SHAPE_VALUE_OPS may take (torch's Shape -> Gather -> Unsqueeze -> Concat -> Reshape); the loader
+  refuses any other consumer, naming it."""
   shape = n.ins[0].shape if n.ins[0] is not None else ()
-  for i, d in enumerate(shape):
-    if not isinstance(d, int):
-      raise n.error(f"Shape of a tensor with the symbolic dim {sym.fmt(d)} (axis {i} of {sym.fmt_shape(shape)}) is folded at load "
-                    f"time, which a symbolic dim does not allow: give it a fixed size (dims={{{sym.fmt(d)!r}: n}})")
-  return np.asarray(shape, np.int64)[n.attr("start", 0):n.attr("end")]
+  if sym.is_static(shape): return np.asarray(shape, np.int64)[n.attr("start", 0):n.attr("end")]
+  out = np.empty(len(shape), object)
+  out[:] = list(shape)
+  return out[n.attr("start", 0):n.attr("end")]
+
+
+# the ops that may take a shape value holding symbolic dims (an object array), and at which input
+SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat": None, "Slice": (0,), "Identity": (0,), "Reshape": (1,)}
+
+
+def check_shape_value(n: Node) -> None:
+  """A shape value with a symbolic dim reaches only the ops that move it around and Reshape's shape input."""
+  for i, v in enumerate(n.ins):
+    if isinstance(v, np.ndarray) and v.dtype == object:
+      ok = SHAPE_VALUE_OPS.get(n.op, ())
+      if ok is not None and i not in ok:
+        raise n.error(f"input {i} holds the symbolic dims of a Shape ({', '.join(sym.fmt(d) for d in v.reshape(-1))}), which only "
+                      "Gather, Unsqueeze, Squeeze, Concat, Slice and Reshape's shape input take; give those dims fixed sizes")
 
 
 def _reshape(n: Node) -> Value:
@@ -287,7 +302,13 @@ def _gather(n: Node) -> Value:
   x, i = n.ins[0], n.ins[1]
   nd = x.ndim if x is not None else 0
   a = _norm(n.attr("axis", 0), nd, n)
-  if isinstance(x, np.ndarray) and isinstance(i, np.ndarray): return np.take(x, i, a)
+  if isinstance(x, np.ndarray) and isinstance(i, np.ndarray):
+    r = np.take(x, i, a)
+    if not isinstance(r, np.ndarray):  # one element of a shape value: numpy hands back the UOp itself
+      r0 = np.empty((), object)
+      r0[()] = r
+      return r0
+    return r
   return n.t(0).gather(n.t(1), a)
 
 
