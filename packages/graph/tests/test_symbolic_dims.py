@@ -89,6 +89,46 @@ def test_reshape_regroups_static_and_symbolic_dims() -> None:
     np.testing.assert_allclose(s, a.reshape(2, -1, 2).sum(1), rtol=1e-6, atol=1e-6)
 
 
+def _perm(t, *order: int):  # noqa: ANN001, ANN202 (a Tensor or a numpy array)
+  return t.permute(order) if isinstance(t, Tensor) else t.transpose(order)
+
+
+VIEW_CHAINS = {  # each is applied to a (batch, seq, 4) array and to the Tensor; bs and sq are the symbolic dims or their sizes
+  "merge_lead": lambda t, bs, sq: t.reshape(-1, 4),
+  "merge_all": lambda t, bs, sq: t.reshape(-1),
+  "transpose_merge": lambda t, bs, sq: _perm(t, 1, 0, 2).reshape(sq, -1),  # (seq, batch*4): a symbolic stride
+  "permute_merge_split": lambda t, bs, sq: _perm(_perm(t, 2, 0, 1).reshape(4, -1).reshape(4, bs, sq), 1, 2, 0),
+  "split_static": lambda t, bs, sq: _perm(t.reshape(bs, sq, 2, 2), 0, 1, 3, 2).reshape(bs, -1),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(VIEW_CHAINS))
+@pytest.mark.parametrize("fuse", [True, False])
+def test_view_chains(chain: str, fuse: bool) -> None:
+  d = {"batch": (1, 6), "seq": (1, 5)}
+  x = Tensor.input("x", ("batch", "seq", 4), dims=d)
+  y = VIEW_CHAINS[chain](x, x.shape[0], x.shape[1])
+  c = compile([y + 0.5, y.sum(0)], fuse=fuse)
+  for b, s in ((1, 1), (6, 5), (4, 3)):
+    a = f32(b, s, 4)
+    want = VIEW_CHAINS[chain](a, b, s) + 0.5
+    got, sm = c.run({"x": a})
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(sm, (want - 0.5).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_profiled_numpy_and_unfed_variable() -> None:
+  x = Tensor.input("x", ("batch", 8), dims={"batch": (1, 16)})
+  c = compile([(x.softmax(-1) * 2).sum(0)])
+  a = f32(5, 8)
+  (got,), prof = c.run_profiled({"x": a})
+  e = np.exp(a - a.max(-1, keepdims=True))
+  np.testing.assert_allclose(got, (2 * e / e.sum(-1, keepdims=True)).sum(0), rtol=1e-5, atol=1e-6)
+  assert prof is not None
+  np.testing.assert_array_equal((x + 1).numpy({"x": a}), a + 1)
+  with pytest.raises(GraphError, match=r"symbolic dims \['batch'\] are not a dim of any input"): compile([Tensor.full(x.shape, 1.0)])
+
+
 def test_run_checks_bounds_and_consistency() -> None:
   x = Tensor.input("x", ("batch", 4), dims=B)
   y = Tensor.input("y", ("batch", 4), dims=B)

@@ -87,6 +87,8 @@ class Splits:
         v = lin if _is1(s) or lin is ZERO else lin // s
         outer = all(_is1(d) for d in sub[:n])  # the group's outermost dim needs no %
         e = ZERO if _is1(in_shape[k]) or v is ZERO else v if outer else v % in_shape[k]
+        if outer and isinstance(s, UOp) and e is not ZERO:  # lin // seq < dim always; the clamp lets interval bounds prove it
+          e = e.minimum(in_shape[k] - 1)
         if e is not ZERO and lin is not ZERO: self.of.setdefault(e, _Split(lin, s, in_shape[k], outer))
         res.append(e)
     return tuple(res[:len(in_shape)])
