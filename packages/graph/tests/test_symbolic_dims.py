@@ -1,11 +1,13 @@
 """Named symbolic dims: one compile serves every size within the bounds (kiln issue 15)."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from kiln.executor import cache_stats
-from kiln.graph import GraphError, ONNXError
+from kiln.graph import GraphError, ONNXError, dims
 from kiln.graph.tensor import Tensor, compile
 
 RNG = np.random.default_rng(15)
@@ -115,6 +117,45 @@ def test_view_chains(chain: str, fuse: bool) -> None:
     got, sm = c.run({"x": a})
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(sm, (want - 0.5).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def _random_views(seed: int, t, vals: dict[str, int]):  # noqa: ANN001, ANN202 (a Tensor or a numpy array)
+  """8 random permutes, merges of neighbours, splits (a factor 2 off a dim, or b*s back into b, s) and scalings; the same
+  seed makes the same chain on a Tensor and on the numpy array of its values."""
+  rnd = random.Random(seed)
+  shape: list = [dims.variable("b", 1, 5), dims.variable("s", 1, 4), 4]
+  for _ in range(8):
+    k, nd = rnd.randrange(4), len(shape)
+    if k == 0 and nd > 1:
+      o = list(range(nd))
+      rnd.shuffle(o)
+      t, shape = _perm(t, *o), [shape[i] for i in o]
+    elif k in (1, 2):
+      i = rnd.randrange(nd - 1 if k == 1 and nd > 1 else nd)
+      if k == 1 and nd > 1: new = shape[:i] + [dims.mul(shape[i], shape[i + 1])] + shape[i + 2:]
+      else:
+        c, vs = dims.mono(shape[i])
+        if c % 2 == 0: f = [2, dims.from_mono(c // 2, vs)] if rnd.random() < 0.5 else [dims.from_mono(c // 2, vs), 2]
+        elif len(vs) == 2 and c == 1: f = list(vs)
+        else: continue
+        new = shape[:i] + f + shape[i + 1:]
+      t = t.reshape(new if isinstance(t, Tensor) else tuple(dims.evaluate(d, vals) for d in new))
+      shape = new
+    elif k == 3: t = t * 1.5
+  return t
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_view_chains(seed: int) -> None:
+  x = Tensor.input("x", ("b", "s", 4), dims={"b": (1, 5), "s": (1, 4)})
+  y = _random_views(seed, x, {})
+  c = compile([y + 0.0, y.sum(-1)])
+  for b, s in ((1, 1), (5, 4), (3, 2)):
+    a = f32(b, s, 4)
+    want = _random_views(seed, a, {"b": b, "s": s})
+    got, sm = c.run({"x": a})
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(sm, want.sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_profiled_numpy_and_unfed_variable() -> None:
