@@ -197,6 +197,8 @@ def test_refusals_name_op_and_dim() -> None:
   with pytest.raises(GraphError, match="conv: symbolic dim"): Tensor.input("im", (1, 3, "h", 8), dims={"h": (4, 8)}).conv2d(Tensor(f32(2, 3, 3, 3)))
   with pytest.raises(GraphError, match="has no bounds"): Tensor.input("z", ("batch", 4))
   with pytest.raises(GraphError, match="bounds must be ints 1 <= lo <= hi"): Tensor.input("z", ("batch", 4), dims={"batch": (0, 4)})
+  big = Tensor.input("big", ("n", 1 << 16), dims={"n": (1, 1 << 16)})
+  with pytest.raises(GraphError, match=r"\(n, 65536\) has 4294967296 elements at the dims' upper bounds, more than a int32 index"): compile([big * 2])
   other = Tensor.input("o", ("batch", 4), dims={"batch": (1, 32)})
   with pytest.raises(GraphError, match="two sets of bounds"): compile([other * 2, x * 2])
   assert x.reshape(-1).shape[0] is x.reshape(-1, 2).reshape(-1).shape[0]  # one canonical form: batch*4 is one dim

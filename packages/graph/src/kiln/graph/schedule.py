@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
-from kiln.graph.dims import evaluate, fmt_shape, variables
+from kiln.graph.dims import evaluate, fmt_shape, is_static, variables
 from kiln.graph.lazy import GraphError, Node, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
+from kiln.ir.dtype import dtypes
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -254,6 +255,9 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   inputs: dict[str, _Input] = {}
   def buf_of(n: Node) -> int:
     if n in bufs: return bufs[n]
+    if n.max_numel > dtypes.index.max and not is_static(n.shape):  # kernels index in int32: the bounds must keep every index in it
+      raise GraphError(f"a {n.op} node of shape {fmt_shape(n.shape)} has {n.max_numel} elements at the dims' upper bounds, more than a "
+                       f"{dtypes.index.name} index reaches ({dtypes.index.max}): lower the bounds")
     if n.op == "BUFFER" and n.arg.data is not None: b = Buffer.from_numpy(np.ascontiguousarray(n.arg.data), device, n.dtype)  # bf16: uint16 in numpy
     else: b = Buffer(device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
     bufs[n] = pb.add_buffer(b)
