@@ -368,7 +368,9 @@ def test_regression_fuzz_find_replays_clean(path):
   not a typed error). Kept as drawn (its KEEP is then refused, typed) and without the KEEP (run and compared).
   fuzz-3ec2b85a7f8f-cpu-heuristic (the guard pages' first long run): an 8-lane UPCAST of a size-0 axis; loads whose gates
   the empty range's bounds folded were hoisted out of the zero-trip loop and read past 1-element buffers (SIGSEGV under
-  KILN_GUARD). Nothing under a constant-empty range is left to run now (prepare.drop_empty)."""
+  KILN_GUARD). Nothing under a constant-empty range is left to run now (prepare.drop_empty).
+  fuzz-576a556a2b8e-cpu-heuristic: a bfloat16 NEG of a NaN, BITCAST to int16: the renderers skipped rounding after the exact
+  ops (NEG, MAX, TRUNC), so the NaN kept its flipped sign (0xFFC0) where alu.py's result is the quiet NaN 0x7FC0."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")

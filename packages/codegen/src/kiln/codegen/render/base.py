@@ -33,7 +33,8 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramS
 # ---- kiln's edge semantics (alu.py): the decisions; each language prints them its own way ----
 # integer division's guarded divisors -> what they yield: "a" the dividend, "-a" its wrapped negation (MIN // -1 == MIN), "0"
 DIV_EDGES: dict[Ops, dict[int, str]] = {Ops.IDIV: {0: "a", -1: "-a"}, Ops.MOD: {0: "0", -1: "0"}}
-# float ops whose result needs no rounding to a 16-bit float: they return an operand or an exact value
+# float ops whose result needs no rounding to a 16-bit float: they return an operand or an exact value (bfloat16 still turns a
+# NaN into the quiet NaN 0x7FC0 after them, as alu.py's every bfloat16 result is)
 EXACT_FLOAT_OPS = frozenset({Ops.NEG, Ops.MAX, Ops.TRUNC})
 
 

@@ -303,7 +303,7 @@ class CUDAPrinter(Printer):
       return self.round(f"{self.round(self.fill(_FLT[Ops.MUL], fields), dt)} + {a[2]}", dt)
     if (entry := _FLT.get(op)) is None: raise CodegenError(f"{op} does not take {dt}")
     e = self.fill(entry, fields)
-    return e if op in EXACT_FLOAT_OPS else self.round(e, dt)
+    return e if op in EXACT_FLOAT_OPS and dt.scalar().name != "bfloat16" else self.round(e, dt)  # bfloat16: a NaN becomes 0x7FC0
 
   def int_alu(self, u: UOp, op: Ops, dt: DType, a: list[str]) -> str:
     if op in DIV_EDGES:

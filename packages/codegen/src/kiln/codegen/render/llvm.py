@@ -18,7 +18,6 @@ from kiln.codegen.opt import Opt, Target
 from kiln.codegen.render import llvm_math, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
-  EXACT_FLOAT_OPS,
   Printer,
   Template,
   cast_kind,
@@ -376,7 +375,9 @@ class LLVMPrinter(Printer):
       r = self.alu_text(op, fdt if not dt.is_bool else dt, dtypes.float32.vec(src_dt.count) if src_dt.count > 1 else dtypes.float32, wide)
       return r if dt.is_bool else self.fptrunc(r, dt)
     r = self.alu_text(op, dt, src_dt, vals)
-    return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool and op not in EXACT_FLOAT_OPS else r
+    # exact ops too: their value needs no rounding, but a NaN must become the quiet NaN 0x7FC0 as every bfloat16 result does
+    # in alu.py (a NEG of a NaN kept its flipped sign, which a BITCAST then showed: fuzz find 576a556a2b8e)
+    return self.bf16_round(r, dt.count) if s.name == "bfloat16" and not dt.is_bool else r
 
   def fpext(self, v: str, dt: DType) -> str:
     r = self.tmp()
