@@ -154,7 +154,14 @@ def _sym_in(v: Any) -> int | UOp:
 SymInt = Annotated[int | UOp, PlainValidator(_sym_in),
                    PlainSerializer(lambda v: v if isinstance(v, int) else to_graph(v).model_dump(mode="json")),
                    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "object"}]})]
-Bytes64 = Annotated[bytes, PlainValidator(lambda v: v if isinstance(v, bytes) else base64.b64decode(v, validate=True)),
+def _bytes_in(v: Any) -> bytes:
+  if isinstance(v, bytes): return v
+  if not isinstance(v, str): raise ValueError(f"bytes are base64 text, got {type(v).__name__}")  # b64decode raised TypeError on an int
+  check_limit("the base64 text of bytes", len(v), "MAX_OBJECT_BYTES (as base64)", (MAX_OBJECT_BYTES + 2) // 3 * 4)
+  return base64.b64decode(v, validate=True)
+
+
+Bytes64 = Annotated[bytes, PlainValidator(_bytes_in),
                     PlainSerializer(lambda b: base64.b64encode(b).decode()), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
 
 

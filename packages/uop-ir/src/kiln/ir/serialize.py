@@ -4,6 +4,7 @@ A document is untrusted input (a disk-cache entry, a file a user hands kiln). It
 DocumentLimitError (a SerializeError) naming the limit and the value, before the nodes it describes are built:
   MAX_DOCUMENT_BYTES   32 MiB   the JSON text (a node is ~50-160 bytes: room for MAX_NODES)
   MAX_NODES            200,000  nodes (measured: 200,000 load in ~4 s and ~300 MB; real kernel ASTs have hundreds to thousands)
+  MAX_SOURCES          4,096    sources of one node (a SINK's stores, a REDUCE's ranges, a vector's lanes)
   MAX_DEPTH            50,000   the longest source chain (every walk in kiln.ir is iterative: the limit bounds work, not
                                 recursion; the tests round-trip 20,000 and compile 10,000; 100,000 compiled in ~45 s)
   MAX_STRING_CHARS     1,024    a string arg (kernel and variable names) and a dtype name's length
@@ -34,6 +35,7 @@ from kiln.ir.uop import UOp
 MAX_DOCUMENT_BYTES = 32 << 20
 MAX_NODES = 200_000
 MAX_DEPTH = 50_000
+MAX_SOURCES = 4096
 MAX_STRING_CHARS = 1024
 MAX_ARG_ITEMS = 64
 MAX_ARG_DEPTH = 8
@@ -121,7 +123,7 @@ def _check_arg(a: Any) -> None:
 def _check_dtype(dt: DType) -> None:
   if isinstance(dt, PtrDType):
     check_limit(f"a {dt.base} buffer's size in bytes", dt.size * dt.base.nbytes, "MAX_BUFFER_BYTES", MAX_BUFFER_BYTES)
-  check_limit(f"the vector width of {dt.name}", dt.count, "MAX_VECTOR_WIDTH", MAX_VECTOR_WIDTH)
+  check_limit(f"the vector width of {dt}", dt.count, "MAX_VECTOR_WIDTH", MAX_VECTOR_WIDTH)
 
 
 def _check_node_arg(op: Ops, dt: DType, arg: Any) -> None:
@@ -172,6 +174,7 @@ def from_graph(g: UOpGraph) -> UOp:
   depth: list[int] = []
   for i, n in enumerate(g.nodes):
     try:
+      check_limit("the number of sources", len(n.src), "MAX_SOURCES", MAX_SOURCES)
       if any(not 0 <= s < i for s in n.src): raise SerializeError(f"a source is not an earlier node: {_short(n.src)}")
       depth.append(1 + max((depth[s] for s in n.src), default=0))
       check_limit("the graph's depth", depth[-1], "MAX_DEPTH", MAX_DEPTH)
