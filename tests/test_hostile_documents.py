@@ -66,15 +66,19 @@ def _places(doc: Any) -> list[tuple[Any, Any]]:
   return out
 
 
+BLOW_UP = 100_000  # items or characters one blow-up may reach, and one per document: two compounding ones made gigabytes
+
+
 def mutate_doc(data: st.DataObject, doc: Any) -> Any:
-  doc = copy.deepcopy(doc)
+  doc, blown = copy.deepcopy(doc), False
   for _ in range(data.draw(st.integers(1, 4), label="mutations")):
     places = _places(doc)
     if not places: break
     c, k = places[data.draw(st.integers(0, len(places) - 1), label="place")]
     kind = data.draw(st.sampled_from(["value", "value", "blow-up", "delete", "duplicate", "swap", "reference"]), label="kind")
     if kind == "value": c[k] = copy.deepcopy(data.draw(st.sampled_from(HOSTILE), label="value"))
-    elif kind == "blow-up": c[k] = (c[k] * data.draw(st.sampled_from([2, 100, 3000]))) if isinstance(c[k], str | list) else c[k]
+    elif kind == "blow-up" and isinstance(c[k], str | list) and c[k] and not blown:
+      c[k], blown = c[k] * min(data.draw(st.sampled_from([2, 100, 3000])), BLOW_UP // len(c[k])), True
     elif kind == "delete": del c[k]
     elif kind == "duplicate" and isinstance(c, list): c.insert(k, copy.deepcopy(c[k]))
     elif kind == "swap" and isinstance(c, list) and len(c) > 1:
