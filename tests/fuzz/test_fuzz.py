@@ -370,7 +370,9 @@ def test_regression_fuzz_find_replays_clean(path):
   the empty range's bounds folded were hoisted out of the zero-trip loop and read past 1-element buffers (SIGSEGV under
   KILN_GUARD). Nothing under a constant-empty range is left to run now (prepare.drop_empty).
   fuzz-576a556a2b8e-cpu-heuristic: a bfloat16 NEG of a NaN, BITCAST to int16: the renderers skipped rounding after the exact
-  ops (NEG, MAX, TRUNC), so the NaN kept its flipped sign (0xFFC0) where alu.py's result is the quiet NaN 0x7FC0."""
+  ops (NEG, MAX, TRUNC), so the NaN kept its flipped sign (0xFFC0) where alu.py's result is the quiet NaN 0x7FC0.
+  fuzz-9c0e79b15fd0-cpu-heuristic: the same for a loaded bfloat16 NaN (0xFFFE) BITCAST to int16 untouched: a bfloat16 value's
+  memory form (a store, a BITCAST) now makes every NaN 0x7FC0 on both renderers, as alu.py's storage form does."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")

@@ -69,7 +69,8 @@ _INT = {
 _INT_NO_WRAP = {Ops.NEG: "({t})(-{a0})", Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: "{a0} * {a1}"}  # where bounds prove no overflow
 # bitcast: a value to its raw bits (an integer: "({u}){v}") and raw bits to a value (an integer: "({t})({bits})")
 _TO_BITS = {"float32": "__float_as_uint({v})", "float64": "(unsigned long long)__double_as_longlong({v})",
-            "float16": "__half_as_ushort(__float2half_rn({v}))", "bfloat16": "(unsigned short)(__float_as_uint({v}) >> 16)"}
+            "float16": "__half_as_ushort(__float2half_rn({v}))",  # bfloat16: a NaN's bits are the quiet NaN 0x7FC0 (alu.py's storage form)
+            "bfloat16": "({v} != {v} ? (unsigned short)0x7fc0 : (unsigned short)(__float_as_uint({v}) >> 16))"}
 _FROM_BITS = {"bool": "(unsigned char)({bits}) != 0", "float32": "__uint_as_float((unsigned int)({bits}))",
               "float64": "__longlong_as_double((long long)({bits}))", "float16": "__half2float(__ushort_as_half((unsigned short)({bits})))",
               "bfloat16": "__uint_as_float((unsigned int)(unsigned short)({bits}) << 16)"}

@@ -307,12 +307,14 @@ class LLVMPrinter(Printer):
       b = self.tmp()
       self.emit(f"{b} = zext {vtype('i1', n)} {v} to {vtype('i8', n)}")
       return b
-    if dt.scalar() == dtypes.bfloat16:
-      a, b, c = self.tmp(), self.tmp(), self.tmp()
+    if dt.scalar() == dtypes.bfloat16:  # the top half of the float; a NaN as the quiet NaN 0x7FC0, as alu.py's storage form is
+      a, b, c, nan, q = self.tmp(), self.tmp(), self.tmp(), self.tmp(), self.tmp()
       self.emit(f"{a} = bitcast {vtype('float', n)} {v} to {vtype('i32', n)}")
       self.emit(f"{b} = lshr {vtype('i32', n)} {a}, {self.splat('i32', '16', n)}")
       self.emit(f"{c} = trunc {vtype('i32', n)} {b} to {vtype('i16', n)}")
-      return c
+      self.emit(f"{nan} = fcmp uno {vtype('float', n)} {v}, {v}")
+      self.emit(f"{q} = select {vtype('i1', n)} {nan}, {vtype('i16', n)} {self.splat('i16', '32704', n)}, {vtype('i16', n)} {c}")
+      return q
     return v
 
   def splat(self, t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
