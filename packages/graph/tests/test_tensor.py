@@ -206,3 +206,16 @@ def test_random_programs(ops: list[str], m: int, n: int) -> None:
   a, b = fused.run()[0], unfused.run()[0]
   np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-4 * scale)
   np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_a_graph_too_deep_to_render_is_a_typed_error() -> None:
+  """The renderer recurses along a fused elementwise chain: thousands of ops in one chain are a GraphError saying how to cut
+  it, not a RecursionError escaping compile (a realized intermediate splits the chain)."""
+  t = Tensor(np.ones(4, np.float32))
+  for _ in range(3000): t = (t * 1.0001).relu()
+  with pytest.raises(GraphError, match="too deep to render"): compile([t])
+  t = Tensor(np.ones(4, np.float32))
+  for i in range(400):
+    t = (t * 1.0001).relu()
+    if i % 100 == 99: t = t.contiguous()
+  close(run(t), np.full(4, 1.0001 ** 400))

@@ -249,7 +249,10 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   device = str(DeviceSpec.parse(device))
   outs = [Node("VIEW", (o,), ("reshape", o.shape), o.shape, o.dtype) if o.op == "BUFFER" else o for o in outputs]
   uniq = list(dict.fromkeys(outs))
-  kernels = schedule(uniq, fuse)
+  try: kernels = schedule(uniq, fuse)
+  except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
+    raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
+                     "fused into one kernel reaches Python's recursion limit): realize an intermediate with .contiguous()") from None
   pb = ExecutionPlanBuilder(device)
   bufs: dict[Node, int] = {}
   inputs: dict[str, _Input] = {}
