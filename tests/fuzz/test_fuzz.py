@@ -372,7 +372,11 @@ def test_regression_fuzz_find_replays_clean(path):
   fuzz-576a556a2b8e-cpu-heuristic: a bfloat16 NEG of a NaN, BITCAST to int16: the renderers skipped rounding after the exact
   ops (NEG, MAX, TRUNC), so the NaN kept its flipped sign (0xFFC0) where alu.py's result is the quiet NaN 0x7FC0.
   fuzz-9c0e79b15fd0-cpu-heuristic: the same for a loaded bfloat16 NaN (0xFFFE) BITCAST to int16 untouched: a bfloat16 value's
-  memory form (a store, a BITCAST) now makes every NaN 0x7FC0 on both renderers, as alu.py's storage form does."""
+  memory form (a store, a BITCAST) now makes every NaN 0x7FC0 on both renderers, as alu.py's storage form does.
+  fuzz-66c69a0ab5c3-cpu-heuristic (a guarded 5,000-case run, seed 3001): a float32 constant holding x86's negative NaN
+  (0xFFC00000, what folding 0*inf gives in Python and in alu.py) BITCAST to int32: both renderers printed every NaN as the
+  positive quiet NaN, and the JSON form wrote every NaN as 'nan', so the shrunk case replayed clean. A NaN constant now
+  keeps its bits in LLVM IR, CUDA C and JSON ('nan:<hex>' unless it is the quiet NaN Python writes)."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")

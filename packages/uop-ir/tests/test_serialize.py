@@ -1,6 +1,7 @@
 """The JSON graph form: round trips keep `key` (and identity); malformed input raises SerializeError."""
 import json
 import math
+import struct
 
 import pytest
 
@@ -28,6 +29,24 @@ def test_roundtrip_special_constants():
   assert from_json(to_json(UOp.const(dtypes.float32, -0.0))) is not UOp.const(dtypes.float32, 0.0)
   roundtrip(UOp.range(UOp.variable("n", 1, 9).bind(3), 2, AxisType.REDUCE))
   roundtrip(UOp.sink(name=None))
+
+
+def _bits(x: float) -> int: return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+@pytest.mark.parametrize("bits", [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000020000000, 0xFFFC000000000000])
+def test_nan_constants_keep_their_bits(bits):
+  """x86's arithmetic NaN is negative (0*inf folds to 0xFFF8...): the JSON form keeps sign and payload, so a fuzz find
+  written by the shrinker replays as it failed (fuzz-66c69a0ab5c3)."""
+  v = struct.unpack("<d", struct.pack("<Q", bits))[0]
+  back = from_json(to_json(UOp.const(dtypes.float64, v)))
+  assert _bits(back.arg) == bits
+
+
+@pytest.mark.parametrize("text", ["nan:", "nan:7ff0000000000000", "nan:3ff0000000000000", "nan:zz", "nan:1fff8000000000000", "nanx"])
+def test_malformed_nan_text_is_a_serialize_error(text):
+  doc = to_json(UOp.const(dtypes.float32, 1.0)).replace(float.hex(1.0), text)
+  with pytest.raises(SerializeError): from_json(doc)
 
 
 def test_roundtrip_deep_chain():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections import Counter
 from typing import Any
 
@@ -98,8 +99,24 @@ class UOpGraph(BaseModel):
   nodes: list[UOpNode] = Field(min_length=1)
 
 
+def _nan_text(a: float) -> str:
+  """'nan' for the quiet NaN Python writes; any other (a negative one, as x86 makes 0*inf) keeps its bits: 'nan:<hex>'."""
+  bits = struct.unpack("<Q", struct.pack("<d", a))[0]
+  return "nan" if bits == _QNAN else f"nan:{bits:016x}"
+
+
+def _nan_value(v: str) -> float:
+  if v == "nan": return math.nan
+  bits = int(v[4:], 16) if v.startswith("nan:") and len(v) == 20 else -1
+  if not 0 <= bits < 1 << 64 or (bits >> 52) & 0x7FF != 0x7FF or not bits & ((1 << 52) - 1): raise ValueError(f"not a NaN: {v!r}")
+  return float(struct.unpack("<d", struct.pack("<Q", bits))[0])
+
+
+_QNAN = 0x7FF8000000000000
+
+
 def _arg_out(a: Any) -> Any:
-  if isinstance(a, float): return {"float": "nan" if math.isnan(a) else float.hex(a)}
+  if isinstance(a, float): return {"float": _nan_text(a) if math.isnan(a) else float.hex(a)}
   if isinstance(a, Ops): return {"op": a.name}
   if isinstance(a, AxisType): return {"axis": a.name}
   if isinstance(a, tuple): return {"tuple": [_arg_out(x) for x in a]}
@@ -142,7 +159,7 @@ def _arg_in(a: Any) -> Any:
     if len(a) != 1: raise SerializeError(f"an encoded arg has exactly one key (float, op, axis or tuple), got {_short(a)}")
     (k, v), = a.items()
     try:
-      if k == "float" and isinstance(v, str): return math.nan if v == "nan" else float.fromhex(v)
+      if k == "float" and isinstance(v, str): return _nan_value(v) if v.startswith("nan") else float.fromhex(v)
       if k == "op" and isinstance(v, str): return Ops[v]
       if k == "axis" and isinstance(v, str): return AxisType[v]
       if k == "tuple" and isinstance(v, list): return tuple(_arg_in(x) for x in v)

@@ -99,8 +99,8 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   if dt.name == "float64":
     if not math.isfinite(f): return f"__longlong_as_double({struct.unpack('<q', struct.pack('<d', f))[0]}LL)"
     return f"({f.hex()})" if f < 0 or str(f).startswith("-") else f.hex()
-  if math.isnan(f): return "__int_as_float(0x7fc00000)"
-  if math.isinf(f): return f"__int_as_float({struct.unpack('<i', struct.pack('<f', f))[0]})"
+  # a NaN keeps its sign and payload (a folded 0*inf is the hardware's negative NaN, as alu.py computes it)
+  if not math.isfinite(f): return f"__int_as_float({struct.unpack('<i', struct.pack('<f', f))[0]})"
   s = float(struct.unpack("<f", struct.pack("<f", f))[0]).hex() + "f"
   return f"({s})" if s.startswith("-") else s
 

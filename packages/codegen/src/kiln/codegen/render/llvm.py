@@ -9,7 +9,6 @@ except transcendental functions (libm, or llvm_math's own float32 code) and redu
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -113,8 +112,7 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   if dt.is_bool: return "true" if v else "false"
   if dt.is_int: return str(int(v))
   f = float(v)
-  if math.isnan(f): return "0x7FF8000000000000"
-  return double_hex(f)
+  return double_hex(f)  # a NaN keeps its sign and payload: a folded 0*inf is the hardware's negative NaN, as alu.py computes it
 
 
 class LLVMRenderer:
