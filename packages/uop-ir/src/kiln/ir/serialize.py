@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kiln.ir.dtype import DType, PtrDType, parse_dtype
 from kiln.ir.errors import KilnError, SerializeError
 from kiln.ir.ops import AxisType, Ops
-from kiln.ir.uop import UOp
+from kiln.ir.uop import UOp, nan_text
 
 MAX_DOCUMENT_BYTES = 32 << 20
 MAX_NODES = 200_000
@@ -99,12 +99,6 @@ class UOpGraph(BaseModel):
   nodes: list[UOpNode] = Field(min_length=1)
 
 
-def _nan_text(a: float) -> str:
-  """'nan' for the quiet NaN Python writes; any other (a negative one, as x86 makes 0*inf) keeps its bits: 'nan:<hex>'."""
-  bits = struct.unpack("<Q", struct.pack("<d", a))[0]
-  return "nan" if bits == _QNAN else f"nan:{bits:016x}"
-
-
 def _nan_value(v: str) -> float:
   if v == "nan": return math.nan
   bits = int(v[4:], 16) if v.startswith("nan:") and len(v) == 20 else -1
@@ -112,11 +106,8 @@ def _nan_value(v: str) -> float:
   return float(struct.unpack("<d", struct.pack("<Q", bits))[0])
 
 
-_QNAN = 0x7FF8000000000000
-
-
 def _arg_out(a: Any) -> Any:
-  if isinstance(a, float): return {"float": _nan_text(a) if math.isnan(a) else float.hex(a)}
+  if isinstance(a, float): return {"float": nan_text(a) if math.isnan(a) else float.hex(a)}
   if isinstance(a, Ops): return {"op": a.name}
   if isinstance(a, AxisType): return {"axis": a.name}
   if isinstance(a, tuple): return {"tuple": [_arg_out(x) for x in a]}

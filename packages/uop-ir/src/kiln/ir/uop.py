@@ -25,16 +25,26 @@ from kiln.ir.ops import AxisType, GroupOp, Ops
 
 
 def _argkey(arg: Any) -> Any:
-  """A dict key for an arg that keeps NaN equal to NaN, -0.0 apart from 0.0 and 1 apart from True."""
-  if isinstance(arg, float): return ("f", struct.pack("<d", arg) if not math.isnan(arg) else b"nan")
+  """A dict key for an arg by its bits: NaN equal to the same NaN (a BITCAST tells NaNs of other sign or payload apart),
+  -0.0 apart from 0.0 and 1 apart from True."""
+  if isinstance(arg, float): return ("f", struct.pack("<d", arg))
   if isinstance(arg, bool): return ("b", arg)
   if isinstance(arg, tuple): return tuple(_argkey(a) for a in arg)
   return arg
 
 
+_QNAN = 0x7FF8000000000000  # the NaN Python writes (float("nan")): plain "nan" in text
+
+
+def nan_text(a: float) -> str:
+  """'nan' for the quiet NaN Python writes; any other NaN (a negative one, as x86 makes 0*inf) keeps its bits: 'nan:<hex>'."""
+  bits = struct.unpack("<Q", struct.pack("<d", a))[0]
+  return "nan" if bits == _QNAN else f"nan:{bits:016x}"
+
+
 def arg_repr(arg: Any) -> str:
   """Canonical text of an arg, the same in every process (used by `key` and the JSON form)."""
-  if isinstance(arg, float): return "nan" if math.isnan(arg) else float.hex(arg)
+  if isinstance(arg, float): return nan_text(arg) if math.isnan(arg) else float.hex(arg)
   if isinstance(arg, bool | int | str | type(None)): return repr(arg)
   if isinstance(arg, Ops): return f"Ops.{arg.name}"
   if isinstance(arg, AxisType): return f"AxisType.{arg.name}"
