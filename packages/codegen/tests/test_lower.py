@@ -77,7 +77,8 @@ def test_matmul_gets_register_tiling():
   opts = heuristic_opts(matmul(256, 256, 256), CPU)
   assert Opt(OptOps.UPCAST, 1, 32) in opts  # the contiguous output axis in two vectors of lanes
   assert Opt(OptOps.UNROLL, 0, 8) in opts and Opt(OptOps.UNROLL, 2, 2) in opts  # rows and the reduce unrolled
-  assert {Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.FMA, 2, 1), Opt(OptOps.THREAD, 1, 2)} <= set(opts)
+  # the 256 columns are 8 tiles of 32: 8 chunks for the threads to claim, one tile each
+  assert {Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.FMA, 2, 1), Opt(OptOps.THREAD, 1, 8)} <= set(opts)
 
 
 def tile(t: Target, m: int = 1024) -> tuple[int, int]:
@@ -298,7 +299,11 @@ def test_each_thread_packs_into_its_own_panel_even_when_an_inner_axis_is_split()
   opts = [Opt(OptOps.UPCAST, 1, 16), Opt(OptOps.OUTER, 1, 1), Opt(OptOps.PACK, 2, 1), Opt(OptOps.THREAD, 0, 2)]
   lk = lower(matmul(64, 64, 32), CPU, opts)
   packs = [u for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].arg == -1]
-  assert packs and all(any(x.op is Ops.SPECIAL and x.arg == "core_id" for x in p.src[0].toposort()) for p in packs)
+  # the chunk writes its panel at the start of its thread's scratch; the entry hands each thread (slot) its own
+  assert packs and not any(any(x.op is Ops.SPECIAL for x in p.src[0].toposort()) for p in packs)
+  assert lk.slots == 2 and lk.slot_bytes == 32 * 16 * 4 and lk.scratch_bytes == 2 * lk.slot_bytes
+  src = LLVMRenderer(CPU).render(matmul(64, 64, 32), opts).src
+  assert f"%off = mul i64 %slot64, {lk.slot_bytes}" in src and "atomicrmw add ptr %claim, i32 1" in src
 
 
 def test_a_one_element_output_axis_is_still_a_full_reduction():

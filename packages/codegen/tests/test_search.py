@@ -29,7 +29,7 @@ def test_matmul_space():
   knobs = {(k.op, k.axis): k.choices for k in sp.knobs}
   assert knobs[(OptOps.UNROLL, 0)] == (8, 1, 2, 4)  # tile rows, heuristic's first
   assert knobs[(OptOps.UNROLL, 2)][1:] == (1, 4) and knobs[(OptOps.PACK, 2)] == (1, 0)
-  assert knobs[(OptOps.THREAD, 1)] == (0, 2)  # too small for the heuristic to split: try it
+  assert knobs[(OptOps.THREAD, 1)] == (0, 4, 2, 8)  # too small for the heuristic to split: try 4 chunks (two a thread), 2 and 8
   assert knobs[(OptOps.UPCAST, 1)] == (32, 16)  # two vectors or one
   order = sp.ordered()
   assert order[0] == sp.origin and [sum(i != 0 for i in c) for c in order] == sorted(sum(i != 0 for i in c) for c in order)

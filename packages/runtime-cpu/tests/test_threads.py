@@ -117,11 +117,11 @@ from kiln.codegen.registry import get_runtime
 from kiln.ir import dtypes, kernels, reference
 from kiln.runtime.cpu.threads import get_pool
 rt = get_runtime("CPU")
-ast = kernels.elementwise(lambda a: a * 3 + 1, dtypes.float32, ((1 << 18,), dtypes.float32))
+ast = kernels.elementwise(lambda a: a * 3 + 1, dtypes.float32, ((1 << 22,), dtypes.float32))
 spec = rt.renderer.render(ast)
-x = np.arange(1 << 18, dtype=np.float32); out = np.zeros_like(x)
+x = np.arange(1 << 22, dtype=np.float32); out = np.zeros_like(x)
 rt.load(rt.compiler.compile(spec))([out.ctypes.data, x.ctypes.data])
-assert spec.threads == 3 and get_pool().size == 3, (spec.applied_opts, get_pool().size)
+assert spec.threads >= 3 and spec.slots == 0 and get_pool().size == 3, (spec.applied_opts, get_pool().size)  # chunks for 3 threads
 assert (out == reference.run(ast, np.zeros_like(x), x)[0]).all()
 print("ok")
 """

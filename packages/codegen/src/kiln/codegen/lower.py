@@ -46,6 +46,8 @@ class LoweredKernel:
   scratch: UOp | None = None  # CPU: per-call scratch (a threaded reduction's partials, packed panels), a hidden last argument
   finish: bool = False  # CPU: a finishing call (core_id == threads) folds a threaded reduction's partials
   scratch_bytes: int = 0
+  slots: int = 0  # CPU, split kernels: threads with a scratch of their own (PACK panels, KEEP rows); 0: no such scratch
+  slot_bytes: int = 0  # CPU: the bytes of one such scratch (a multiple of 64)
   flops: int = 0
   mem_bytes: int = 0
 
@@ -155,8 +157,13 @@ class Lowerer:
       scratch = scratch_ptr(self.pack.dtype)
     lk.scratch, lk.finish = scratch, self.red.finish_scope is not None
     if isinstance(sp := scratch.dtype if scratch is not None else None, PtrDType):
-      # a threaded reduction's scratch has its size in its pointer; packed panels and kept rows add up per thread
-      lk.scratch_bytes = sp.nbytes if sp.size > 0 else self.pack.used * self.pack.threads * sp.itemsize
+      # a threaded reduction's partials (one per chunk) have their size in the pointer; packed panels and kept rows
+      # add up per thread, and each thread claiming a split kernel's chunks has its own (64-byte aligned) scratch
+      if sp.size > 0: lk.scratch_bytes = sp.nbytes
+      elif threads > 1:
+        lk.slots, lk.slot_bytes = min(threads, max(self.target.threads, 1)), -(-self.pack.used * sp.itemsize // 64) * 64
+        lk.scratch_bytes = lk.slots * lk.slot_bytes
+      else: lk.scratch_bytes = self.pack.used * sp.itemsize
     lk.flops, lk.mem_bytes = estimate(ast)
     return lk
 

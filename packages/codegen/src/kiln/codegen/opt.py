@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from kiln.codegen.threads import chunk_count
 from kiln.ir.analysis import exact_int_bounds, free_ranges, reads_stored
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError
@@ -18,7 +19,7 @@ from kiln.ir.uop import UOp
 class OptOps(Enum):
   UPCAST = "UPCAST"  # vectorise an axis: `amount` consecutive values become the lanes of one vector (one output axis; one axis per REDUCE)
   UNROLL = "UNROLL"  # unroll an axis by `amount` (output axes: register tiling; reduce axes: a longer loop body)
-  THREAD = "THREAD"  # CPU: split an output axis (or a full reduction) over `amount` threads (core_id)
+  THREAD = "THREAD"  # CPU: cut an output axis (or a full reduction) into `amount` chunks that the threads claim (core_id)
   LOCAL = "LOCAL"  # GPU: `amount` threads of a block along an output axis (the rest goes to the grid)
   GROUP = "GROUP"  # GPU: `amount` threads of a block share a reduction through shared memory
   OUTER = "OUTER"  # CPU: make this output axis the outermost loop (amount 1)
@@ -48,8 +49,8 @@ class Target:
   aarch64 NEON (16-byte vectors, 32 registers) must say so."""
   device: str = "CPU"
   vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
-  threads: int = 1  # CPU worker threads a kernel may be split over
-  min_work_per_thread: int = 1 << 16  # below this many element-ops a kernel stays on one thread
+  threads: int = 1  # CPU worker threads that claim a split kernel's chunks (each gets its own PACK/KEEP scratch)
+  min_work_per_thread: int = 1 << 16  # below twice this many element-ops a kernel stays whole (waking a thread costs more)
   stream_store_bytes: int = 0  # CPU: vector stores to an output at least this large bypass the caches (0: never)
   max_local: int = 1024  # GPU: threads per block
   local_size: int = 256  # GPU: default block size
@@ -321,21 +322,32 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if all(affine_coeff(ld.src[0].src[1], r) == 1 for ld in _loads(reduces[0].src[0])) and (w := _pick_width(axis_size(r), lanes * 4)) > 1:
       opts.append(Opt(OptOps.UPCAST, r.arg[0], w))
     size = axis_size(r)
-    if target.threads > 1 and size is not None and size >= target.min_work_per_thread * 2 and size // w >= target.threads:
-      opts.append(Opt(OptOps.THREAD, r.arg[0], target.threads))
-  # threads: split the outermost output axis when the whole kernel is big enough
-  if target.threads > 1 and out_axes:
-    work = 1
-    for r in out_axes + red_axes: work *= axis_size(r) or 1024
+    # chunks, not threads: the split is the same for any thread count, so the partials fold to the same bits
+    if size is not None and size >= target.min_work_per_thread * 2 and size // w >= 2:
+      opts.append(Opt(OptOps.THREAD, r.arg[0], chunk_count(size, size // w, target.vector_bytes, target.cores)))
+  # threads: split the outermost output axis into chunks the threads claim when the whole kernel is big enough
+  if out_axes:
+    work = _work(out_axes, reduces)
     first = out_axes[0]
     per = {o.axis: o.amount for o in opts if o.axis == first.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)}
     units = (axis_size(first) or 0) // max(per.values(), default=1) if axis_size(first) else None
     # a register-tiled product does a multiply-add in a fraction of a nanosecond: it needs far more of them per thread
     # to pay for waking the workers (~30 us here; 256x512 @ 512x10 took 30 us on one thread, 64 us on two)
-    per_thread = target.min_work_per_thread * (32 if vec_axis is not None and mm else 1)
-    if work >= per_thread * target.threads and (units is None or units >= target.threads):
-      opts.append(Opt(OptOps.THREAD, first.arg[0], target.threads))
+    tiled = vec_axis is not None and mm
+    per_thread = target.min_work_per_thread * (32 if tiled else 1)
+    if work >= per_thread * 2 and (units is None or units >= 2):
+      opts.append(Opt(OptOps.THREAD, first.arg[0], chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)))
   return opts
+
+
+def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
+  """Element-ops of a kernel: one per output element, and each REDUCE's trip count over the output axes it varies along
+  (a row reduce runs once a row, a matmul's once an element). A symbolic axis counts as 1024."""
+  def size(rs: set[UOp] | list[UOp]) -> int:
+    n = 1
+    for r in rs: n *= axis_size(r) or 1024
+    return n
+  return size(out_axes) + sum(size(free_ranges(red) | set(red.src[1:])) for red in reduces)
 
 
 def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[Opt]:

@@ -1,6 +1,6 @@
 """PACK (CPU): the panel a reduce axis reads, per outer tile, copied into contiguous per-thread scratch, and the loads
-that then read the packed copy. The per-thread scratch is handed out here, to KEEP's rows too: region after region, each
-holding one slice per thread (region k at used_k * threads, thread t's slice at t * size_k within it)."""
+that then read the packed copy. The per-thread scratch is handed out here, to KEEP's rows too: region after region in
+one thread's scratch (region k at used_k); a split kernel's threads each have one (slot s's at s * slot bytes)."""
 from __future__ import annotations
 
 from kiln.codegen.expand import simp, simplify_indices, vectorize
@@ -25,20 +25,16 @@ class Packer:
     self.ctx = ctx
     self.packed: dict[UOp, tuple[UOp, UOp, int]] = {}  # packed load -> (its reduce range, its scratch base, lanes)
     self.used = 0  # elements of scratch per thread (packed panels, kept rows)
-    self.threads = 1  # threads with a slice each
     self.dtype: DType | None = None  # one scratch pointer per kernel, so one element type
 
   def reserve(self, elements: int, dt: DType) -> UOp:
-    """A slice of `elements` of dt per thread: the index of this thread's first element."""
-    ctx = self.ctx
+    """`elements` of dt in the calling thread's scratch: the index of the first. Each thread that claims chunks gets a
+    scratch of its own (the split kernel's entry offsets the pointer by its slot), reused chunk after chunk."""
     if self.dtype not in (None, dt): raise CodegenError(f"per-thread scratch of {self.dtype.name} cannot hold {dt.name} too")
-    threads = max(ctx.threads, 1)
-    if threads > 1 and ctx.core_id is None: ctx.core(threads, finish=False)  # the split loop may open later
-    me = ctx.core_id * elements if ctx.core_id is not None and threads > 1 else UOp.const(dtypes.index, 0)
-    base = me + self.used * threads
+    base = UOp.const(dtypes.index, self.used)
     self.used += elements
-    self.threads, self.dtype = threads, dt
-    return simp(base)
+    self.dtype = dt
+    return base
 
   def loads(self, stores: list[UOp], loops: list[UOp]) -> dict[UOp, set[UOp]]:
     """The loads to pack: under a PACK reduce axis, using the vector axis but not the innermost output loop (so the

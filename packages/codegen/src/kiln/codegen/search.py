@@ -65,7 +65,8 @@ def space(ast: UOp, target: Target) -> Space:
   """The search space for a kernel on a target. Matmul-like kernels (the heuristic tiles them: it makes the vector axis
   outermost): register tile rows 1/2/4/8, one or two vectors, reduce unroll 1/2/4, with and without PACK, with and without
   the thread split. Other vectorised kernels: vector widths (and a reduce unroll when one axis is reduced per output);
-  full reductions: widths up to eight vectors; KEEP or not where the heuristic keeps a row; all: the thread split or not.
+  full reductions: widths up to eight vectors; KEEP or not where the heuristic keeps a row; all: the thread split (its
+  chunk count, half and twice it) or not.
   GPUs: block sizes. Kernels of several stores
   keep the heuristic's (empty) list."""
   prepared, _ = prepare(ast)
@@ -103,7 +104,9 @@ def space(ast: UOp, target: Target) -> Space:
     th = next((o for o in base if o.op is OptOps.THREAD), None)
     axis = th.axis if th is not None else vec.axis if mm and vec is not None else out_axes[0].arg[0] if out_axes else \
       red_axes[0].arg[0] if len(red_axes) == 1 else None
-    if axis is not None: knobs.append(Knob(OptOps.THREAD, axis, _choices(th.amount if th is not None else 0, target.threads, 0)))
+    # chunks for the threads to claim: the heuristic's count, half and twice as many (coarser or finer sharing), or none
+    n = th.amount if th is not None else 2 * target.threads
+    if axis is not None: knobs.append(Knob(OptOps.THREAD, axis, _choices(th.amount if th is not None else 0, n, max(n // 2, 2), 2 * n, 0)))
   return Space(base, tuple(knobs))
 
 

@@ -285,6 +285,7 @@ def _check_limits(spec: ProgramSpec | CompiledSpec) -> None:
   check_limit("the number of var_names", len(spec.var_names), "MAX_VARS", MAX_VARS)
   check_limit("the number of applied_opts", len(spec.applied_opts), "MAX_OPTS", MAX_OPTS)
   check_limit("threads", spec.threads, "MAX_THREADS", MAX_THREADS)
+  check_limit("slots", spec.slots, "MAX_THREADS", MAX_THREADS)
   check_limit("scratch_bytes", spec.scratch_bytes, "MAX_BUFFER_BYTES", MAX_BUFFER_BYTES)
   for what, v in (("flops", spec.flops), ("mem_bytes", spec.mem_bytes)): _check_int64(what, v)
 
@@ -311,9 +312,10 @@ class ProgramSpec(_Model):
   buf_count: int = Field(default=0, ge=0)
   args: list[KernelArg] = Field(default_factory=list)  # per global, in globals order
   applied_opts: list[str] = Field(default_factory=list)
-  threads: int = Field(default=1, ge=1)  # CPU thread split (global_size[0]); 1 when not threaded
+  threads: int = Field(default=1, ge=1)  # CPU split: the chunks the threads claim (global_size[0]); 1 when not split
+  slots: int = Field(default=0, ge=0)  # CPU split: most threads with a scratch of their own (PACK, KEEP); 0: any number
   scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch (threaded reduction partials, packed panels)
-  finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
+  finish: bool = False  # CPU: after the chunks, one more call with core_id == threads folds their partials
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
@@ -367,9 +369,10 @@ class CompiledSpec(_Model):
   ins: list[int] = Field(default_factory=list)
   args: list[KernelArg] = Field(default_factory=list)
   applied_opts: list[str] = Field(default_factory=list)
-  threads: int = Field(default=1, ge=1)
+  threads: int = Field(default=1, ge=1)  # CPU split: chunks (as ProgramSpec)
+  slots: int = Field(default=0, ge=0)
   scratch_bytes: int = Field(default=0, ge=0)
-  finish: bool = False  # CPU: after the threads, one more call with core_id == threads folds their partials
+  finish: bool = False  # CPU: after the chunks, one more call with core_id == threads folds their partials
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
@@ -402,5 +405,5 @@ class CompiledSpec(_Model):
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
                outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
-               scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
+               slots=spec.slots, scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
                flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)

@@ -1,13 +1,44 @@
-"""The CPU thread split's two shared names: the `core_id` variable a threaded kernel takes last, and how many threads
-kiln uses (KILN_THREADS, else the cores this process may run on). docs/architecture.md ("The thread split") follows a
-THREAD option from the heuristic through lowering, rendering and the runtime's pool to the executor."""
+"""The CPU thread split's shared names and sizes: the `core_id` argument of a split kernel, how many threads kiln uses
+(KILN_THREADS, else the cores this process may run on) and how many chunks a split kernel's work is cut into.
+docs/architecture.md ("The thread split") follows a THREAD option from the heuristic through lowering, rendering and
+the runtime's pool to the executor.
+
+A split kernel is cut into `chunks` pieces, more than there are threads; the threads claim them from a shared counter
+(an atomic add in the kernel's entry), so a thread on a free core takes more of them than one whose core is busy with
+someone else's work. The chunk count is a property of the kernel, never of the thread count: a split reduction leaves
+one partial per chunk and folds them in chunk order, so its bits are the same on 1 thread or 8."""
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 
-# the name of the hidden last argument of a threaded CPU kernel: calls 0..threads-1 each take a slice, and a threaded
-# reduction adds a finishing call with core_id == threads that folds the partials in order
+# the name of the split kernel's chunk index in its ProgramSpec's var_names (last; the runtime passes it, never a user):
+# chunks 0..chunks-1 each take a slice, and a split reduction's finishing call (chunk == chunks) folds the partials
 CORE_ID = "core_id"
+
+# what claiming a chunk costs, in core cycles: an atomic add on a cache line another core wrote last (~100 ns) and the
+# call; a chunk gets at least 100 times that much work, so claiming costs under 1% of it
+CLAIM_CYCLES = 300
+CHUNKS_PER_CORE = 8  # enough that a core slowed by a neighbour's thread hands most of its share to the others
+MIN_CHUNK_CAP = 16  # the cap on small machines, so a 2-core host still rebalances in eighths
+MAX_CHUNKS = 256  # partials and argument space stay small whatever the core count
+
+
+def min_chunk_work(vector_bytes: int, fused: bool) -> int:
+  """Element-ops a chunk needs so claiming it costs under 1%: a core does about one vector of element-ops a cycle (two
+  of multiply-adds in a register-tiled product, `fused`)."""
+  lanes = max(vector_bytes // 4, 1)
+  return 100 * CLAIM_CYCLES * lanes * (2 if fused else 1)
+
+
+def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fused: bool = False) -> int:
+  """How many chunks a kernel the heuristic splits gets, for `work` element-ops over `units` splittable units: as many
+  as the claim cost allows, at most CHUNKS_PER_CORE per core (at least MIN_CHUNK_CAP, at most MAX_CHUNKS) and one per
+  unit, but two at least (a kernel worth splitting at all is worth two threads)."""
+  cap = min(max(MIN_CHUNK_CAP, CHUNKS_PER_CORE * max(cores, 1)), MAX_CHUNKS)
+  n = max(min(work // min_chunk_work(vector_bytes, fused), cap), 2)
+  return min(n, units) if units is not None else n
 
 
 def thread_count() -> int:
@@ -25,3 +56,29 @@ def available_cores() -> int:
   """The cores this process may run on (its affinity mask), else all the OS reports."""
   try: return len(os.sched_getaffinity(0))
   except AttributeError: return os.cpu_count() or 1
+
+
+# plans running now in this process, where the CPU pool's spinning workers can read it without the GIL: a worker spins
+# after a kernel only while this is non-zero (more kernels are certain to follow), never after execute() returns
+_PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
+_plans_lock = threading.Lock()
+
+
+def plan_started() -> None:
+  with _plans_lock: _PLANS[0] += 1
+
+
+def plan_ended() -> None:
+  with _plans_lock: _PLANS[0] -= 1
+
+
+def plans_running_address() -> int:
+  """Where the count of running plans is (an int32), for native code that waits on it."""
+  return ctypes.addressof(_PLANS)
+
+
+def _reset_in_child() -> None:  # a plan that another thread was running at fork() does not run in the child
+  _PLANS[0] = 0
+
+
+os.register_at_fork(after_in_child=_reset_in_child)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kiln.codegen.threads import CORE_ID
+from kiln.codegen.threads import CORE_ID, plan_ended, plan_started
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
 from kiln.executor.prepared import PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp
@@ -63,11 +63,13 @@ class ExecutionPlan:
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
       return
+    plan_started()  # the CPU pool's workers may spin between this plan's kernels, and only until it ends
     try:
       for s in self._steps: s()
     except BaseException as e:
       self._poisoned = e
       raise
+    finally: plan_ended()
 
   def set_vars(self, var_vals: Mapping[str, int]) -> None:
     """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed

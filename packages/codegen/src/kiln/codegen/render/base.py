@@ -25,7 +25,7 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramS
   return ProgramSpec(name=lk.name, src=src, device=device, ast=ast, global_size=lk.global_size, local_size=lk.local_size,  # type: ignore[arg-type]
                      vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in lk.vars], var_names=var_names,
                      globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
-                     applied_opts=[str(o) for o in lk.opts], threads=lk.threads,
+                     applied_opts=[str(o) for o in lk.opts], threads=lk.threads, slots=lk.slots,
                      scratch_bytes=lk.scratch_bytes, finish=lk.finish,
                      flops=lk.flops, mem_bytes=lk.mem_bytes)
 

@@ -1,7 +1,8 @@
 """LLVM IR for the CPU, from a lowered kernel. Text only: no llvmlite needed to render.
 
-ABI: `void NAME(ptr data<slot>..., i32 <var>..., i32 core_id)`: buffers in slot order (noalias, aligned to their
-element), then variables in var_names order, then core_id when threaded. Values of bool are i1 in registers and i8 in
+ABI: `void NAME(ptr data<slot>..., i32 <var>...[, ptr scratch])`: buffers in slot order (noalias, aligned to their
+element), then variables in var_names order, then the per-call scratch when it has one. A kernel split into chunks takes
+`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (claim_loop). Values of bool are i1 in registers and i8 in
 memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16 in memory; float16 ops compute in
 float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
 except transcendental functions (libm, or llvm_math's own float32 code) and reductions that UPCAST their reduce axis (summed in another order).
@@ -115,6 +116,32 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   return double_hex(f)  # a NaN keeps its sign and payload: a folded 0*inf is the hardware's negative NaN, as alu.py computes it
 
 
+def claim_loop(lk: LoweredKernel) -> list[str]:
+  """The entry of a kernel split into lk.threads chunks: `void NAME(buffers..., vars..., i32 slot, ptr claim, ptr scratch)`.
+  Each thread the runtime runs calls it with its own slot; it takes chunk after chunk from the shared counter at `claim`
+  (an atomic add: whoever is free takes the next) until none is left, handing each to NAME.chunk with its slot's part of
+  the scratch. slot -1 is the finishing call: chunk == threads folds a split reduction's partials."""
+  bufs = [f"ptr %data{g.arg}" for g in lk.globals]
+  vars_ = [f"i32 %var.{v.arg[0]}" for v in lk.vars]
+  params = [f"ptr noalias align {max(g.dtype.base.itemsize, 1)} %data{g.arg}" for g in lk.globals if isinstance(g.dtype, PtrDType)]
+  params += vars_ + ["i32 %slot", "ptr %claim"] + (["ptr noalias %scratch"] if lk.scratch is not None else [])
+  def call(chunk: str, scratch: str) -> str:
+    args = ", ".join([*bufs, *vars_, f"i32 {chunk}", *([f"ptr {scratch}"] if lk.scratch is not None else [])])
+    return f"  call void @{lk.name}.chunk({args})"
+  mine = "%scratch"
+  lines = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:", "  %fin = icmp slt i32 %slot, 0",
+           "  br i1 %fin, label %finish, label %start", "finish:"]
+  lines += [call(str(lk.threads), "%scratch")] if lk.finish else []
+  lines += ["  ret void", "start:"]
+  if lk.slot_bytes and lk.scratch is not None:  # PACK panels and KEEP rows: each slot's own
+    lines += ["  %slot64 = sext i32 %slot to i64", f"  %off = mul i64 %slot64, {lk.slot_bytes}", "  %mine = getelementptr i8, ptr %scratch, i64 %off"]
+    mine = "%mine"
+  lines += ["  br label %next", "next:", "  %c = atomicrmw add ptr %claim, i32 1 monotonic",
+            f"  %more = icmp slt i32 %c, {lk.threads}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
+            "  br label %next", "done:", "  ret void", "}"]
+  return lines
+
+
 class LLVMRenderer:
   """Renderer for the CPU: lowers with `target` (vector width, threads) and prints LLVM IR."""
   device = "CPU"
@@ -186,14 +213,19 @@ class LLVMPrinter(Printer):
 
   def assemble(self, params: list[str]) -> str:
     lk, body = self.lk, self.lines
-    if lk.threads > 1: params.append("i32 %core_id")
+    split = lk.threads > 1
+    if split: params.append("i32 %core_id")
     if lk.scratch is not None: params.append("ptr noalias %scratch")
     vb = self.target.vector_bytes * 8
-    head = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:"] + ["  " + a for a in self.entry]
-    attrs = f'attributes #0 = {{ nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}" }}'
+    # a split kernel's chunks are an internal function; the entry claims chunks for its thread (claim_loop)
+    define = f"define internal void @{lk.name}.chunk" if split else f"define void @{lk.name}"
+    head = [f"{define}({', '.join(params)}) #{1 if split else 0} {{", "entry:"] + ["  " + a for a in self.entry]
+    feats = f'nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}"'
+    attrs = [f"attributes #0 = {{ {feats} }}"] + ([f"attributes #1 = {{ noinline {feats} }}"] if split else [])
     if self.stream_flags:  # streaming stores are weakly ordered: fence them before the caller (or another thread) reads
       body.append(f"  call void {self.intrinsic('llvm.x86.sse.sfence', 'void', [])}()")
-    return "\n".join([*sorted(self.decls), *self.helpers.values(), *head, *body, "  ret void", "}", attrs, ""])
+    entry = claim_loop(lk) if split else []
+    return "\n".join([*sorted(self.decls), *self.helpers.values(), *head, *body, "  ret void", "}", *entry, *attrs, ""])
 
   # ---- control flow and registers ----
   def special(self, u: UOp) -> str:

@@ -111,7 +111,9 @@ class CPUProgram:
     if not addr: raise CompileError(f"kernel {self.name}: symbol {self.entry} not found in its object code")
     self.scratch_bytes = compiled.scratch_bytes  # per-call scratch: a threaded reduction's partials, packed panels
     self.finish_call = compiled.finish  # a threaded reduction's finishing call (core_id == threads)
-    argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * (len(self.user_vars) + (self.threads > 1))
+    self.slots = compiled.slots  # a split kernel's threads with scratch of their own (0: any number of threads)
+    argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * len(self.user_vars)
+    if self.threads > 1: argtypes += [ctypes.c_int32, ctypes.c_void_p]  # the thread's slot, the chunk counter
     if self.scratch_bytes: argtypes.append(ctypes.c_void_p)
     self.fn = ctypes.CFUNCTYPE(None, *argtypes)(addr)
 
@@ -151,9 +153,11 @@ def _as_int(x: object) -> int | None:
 
 
 class CPUBoundCall:
-  """The fast path: argument tuples built once; calling runs the kernel (over the pool when threaded).
-  A bound call owns its scratch, so two bound calls of one program may run at once; one bound call may not."""
-  __slots__ = ("prog", "bufs", "args", "threaded", "scratch", "finish")
+  """The fast path: argument tuples built once; calling runs the kernel (over the pool when split into chunks: each
+  thread of the pool claims chunks from this call's counter until none is left, so a thread whose core is busy with
+  other work takes fewer). A bound call owns its scratch and counter, so two bound calls of one program may run at
+  once; one bound call may not."""
+  __slots__ = ("prog", "bufs", "args", "threaded", "scratch", "finish", "claim")
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs = prog, bufs
@@ -162,19 +166,36 @@ class CPUBoundCall:
     if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
       n = -(-prog.scratch_bytes // 64) * 64
       self.scratch = guarded_array(n, np.uint8) if guard_enabled() else np.zeros(prog.scratch_bytes + 64, np.uint8)
+    # the chunk counter, alone on its cache line (every claim writes it; a neighbour there would bounce with it)
+    self.claim = _line() if self.threaded else None
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
     base = (*self.bufs, *vals)
     extra: tuple = ()
     if self.scratch is not None: extra = ((self.scratch.ctypes.data + 63) // 64 * 64,)
-    self.args: tuple | list[tuple] = [(*base, c, *extra) for c in range(self.prog.threads)] if self.threaded else (*base, *extra)
-    self.finish = (*base, self.prog.threads, *extra) if self.prog.finish_call else None
+    if self.threaded:
+      assert self.claim is not None
+      claim = self.claim.ctypes.data
+      workers = min(get_pool().size, self.prog.threads, self.prog.slots or self.prog.threads)
+      self.args: tuple | list[tuple] = [(*base, w, claim, *extra) for w in range(workers)]
+      self.finish = (*base, -1, claim, *extra) if self.prog.finish_call else None
+    else: self.args, self.finish = (*base, *extra), None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
     self._build(self.prog.check(self.bufs, vals)[1])
 
   def __call__(self) -> None:
-    if self.threaded: get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
+    if self.threaded:
+      assert self.claim is not None
+      self.claim[0] = 0
+      get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
     else: self.prog.fn(*self.args)
     if self.finish is not None: self.prog.fn(*self.finish)
+
+
+def _line() -> np.ndarray:
+  """An int32 counter alone on a 64-byte cache line."""
+  raw = np.zeros(32, np.int32)
+  skip = (-raw.ctypes.data % 64) // 4
+  return raw[skip:skip + 16]

@@ -1,12 +1,20 @@
-"""A persistent worker pool: a threaded kernel's N calls (core_id 0..N-1) run over it with the GIL released."""
+"""A persistent worker pool: a split kernel's calls (one per thread, each claiming chunks) run over it with the GIL
+released, the caller working too.
+
+The policy (docs/architecture.md, "The thread split"): a worker that has finished its part of a kernel spins briefly
+(KILN_SPIN_US, native code, GIL released) only while a plan is running, since the plan's next kernel is certain to
+follow; then, and always outside a plan, it sleeps on the queue. The caller never waits for a worker to wake: it claims
+chunks itself, and a worker that wakes late finds none left."""
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from functools import cache
 
-from kiln.codegen.threads import thread_count
+from kiln.codegen.threads import plans_running_address, thread_count
+from kiln.runtime.cpu.spin import Spinner, spin_us
 
 
 class _Batch:
@@ -33,16 +41,26 @@ class _Batch:
 
 
 class WorkerPool:
-  """`size - 1` daemon workers; the calling thread works too, so a pool of 1 runs everything in place."""
+  """`size - 1` daemon workers; the calling thread works too, so a pool of 1 runs everything in place. `spin` is how long
+  (microseconds) a worker spins for the next batch while a plan runs (0: it sleeps at once)."""
 
-  def __init__(self, size: int):
+  def __init__(self, size: int, spin: int = 0):
     self.size = size
     self.q: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+    self._gen = (ctypes.c_int32 * 16)()  # batches posted (wrapping), where a spinning worker watches it
+    self._gen_lock = threading.Lock()
+    self.spinner = Spinner(spin) if spin > 0 and size > 1 else None
     self.workers = [threading.Thread(target=self._loop, name=f"kiln-cpu-{i}", daemon=True) for i in range(size - 1)]
     for w in self.workers: w.start()
 
   def _loop(self) -> None:
-    while True: self.q.get().work()
+    gen, plans = ctypes.addressof(self._gen), plans_running_address()
+    while True:
+      b = self.q.get()
+      seen = self._gen[0]  # bumped before b was put: a later batch changes it
+      b.work()
+      # inside a plan the next kernel follows within microseconds: wait for it awake, not asleep
+      if self.spinner is not None: self.spinner.wait(gen, seen, plans)
 
   def run(self, fn: Callable[..., object], args: Sequence[tuple]) -> None:
     """Call fn(*a) for every a in args, spread over the pool; returns when all are done; re-raises a call's error."""
@@ -50,11 +68,30 @@ class WorkerPool:
       for a in args: fn(*a)
       return
     b = _Batch(fn, args)
+    # before the put: a spinner that sees the change takes the batch from the queue (waiting there a moment at most)
+    with self._gen_lock: self._gen[0] = (self._gen[0] + 1) & 0x7FFFFFFF
     for _ in range(min(self.size - 1, len(args) - 1)): self.q.put(b)
     b.work()
     b.done.wait()
     if b.error is not None: raise b.error
 
 
-@cache
-def get_pool() -> WorkerPool: return WorkerPool(thread_count())
+_pool: WorkerPool | None = None
+_pool_lock = threading.Lock()
+
+
+def get_pool() -> WorkerPool:
+  """The process's pool (KILN_THREADS threads, KILN_SPIN_US), made on first use; a child made by fork() makes its own."""
+  global _pool
+  if (p := _pool) is not None: return p
+  with _pool_lock:
+    if _pool is None: _pool = WorkerPool(thread_count(), spin_us())
+    return _pool
+
+
+def _forget_in_child() -> None:  # the parent's workers do not exist in a forked child
+  global _pool, _pool_lock
+  _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,94 @@
+"""The worker pool's brief spin: a few lines of native code that wait, with the GIL released, until new work is posted,
+the plan that is running ends, or the spin time is up. Inside a plan the next kernel is certain to come within
+microseconds, and a spinning worker picks it up at once instead of being woken through the kernel's scheduler; outside
+a plan no worker spins at all, so kiln burns no CPU after `execute()` returns (docs/architecture.md, "The thread split").
+
+KILN_SPIN_US (default 100) is how long a worker spins after a kernel inside a plan; 0 turns spinning off."""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+
+import llvmlite.binding as llvm
+
+from kiln.runtime.cpu.compiler import init_llvm
+
+DEFAULT_SPIN_US = 100
+
+# a pause on x86 (eases the core's pipeline and its sibling hyperthread), a yield hint on arm64, nothing elsewhere
+_RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
+          "aarch64": ("declare void @llvm.aarch64.hint(i32)", "call void @llvm.aarch64.hint(i32 1)")}
+
+_IR = """
+{decl}
+declare i64 @llvm.readcyclecounter()
+; spin until *gen != seen (1), *active == 0 (0) or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
+; too, so a counter that does not run cannot make it spin for ever
+define i32 @kiln_spin(ptr %gen, i32 %seen, ptr %active, i64 %ticks) {{
+entry:
+  %t0 = call i64 @llvm.readcyclecounter()
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%i1, %wait]
+  %g = load atomic i32, ptr %gen monotonic, align 4
+  %posted = icmp ne i32 %g, %seen
+  br i1 %posted, label %work, label %plan
+plan:
+  %a = load atomic i32, ptr %active monotonic, align 4
+  %idle = icmp eq i32 %a, 0
+  br i1 %idle, label %sleep, label %wait
+wait:
+  {relax}
+  %t = call i64 @llvm.readcyclecounter()
+  %spent = sub i64 %t, %t0
+  %i1 = add i64 %i, 1
+  %late = icmp uge i64 %spent, %ticks
+  %many = icmp uge i64 %i1, %ticks
+  %stop = or i1 %late, %many
+  br i1 %stop, label %sleep, label %loop
+work:
+  ret i32 1
+sleep:
+  ret i32 0
+}}
+define i64 @kiln_cycles() {{
+  %t = call i64 @llvm.readcyclecounter()
+  ret i64 %t
+}}
+"""
+
+
+def spin_us() -> int:
+  """KILN_SPIN_US: microseconds a worker spins after a kernel inside a plan (0: never)."""
+  env = os.environ.get("KILN_SPIN_US")
+  if env is None or env == "": return DEFAULT_SPIN_US
+  try: us = int(env)
+  except ValueError: raise ValueError(f"KILN_SPIN_US must be a whole number of microseconds >= 0, got {env!r}") from None
+  if us < 0: raise ValueError(f"KILN_SPIN_US must be a whole number of microseconds >= 0, got {env!r}")
+  return us
+
+
+class Spinner:
+  """The compiled spin and the cycle counter's rate (measured once, against the monotonic clock over 2 ms):
+  `wait(gen, seen, active)` returns True when new work was posted while it spun."""
+
+  def __init__(self, us: int):
+    init_llvm()
+    decl, relax = _RELAX.get(platform.machine().lower(), ("", ""))
+    mod = llvm.parse_assembly(_IR.format(decl=decl, relax=relax))
+    mod.verify()
+    self._engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine())  # owns the code
+    self._engine.finalize_object()
+    self.fn = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)(
+      self._engine.get_function_address("kiln_spin"))
+    cycles = ctypes.CFUNCTYPE(ctypes.c_int64)(self._engine.get_function_address("kiln_cycles"))
+    t0, c0 = time.perf_counter(), cycles()
+    time.sleep(0.002)
+    t1, c1 = time.perf_counter(), cycles()
+    self.ticks = int(us * max(c1 - c0, 0) / max((t1 - t0) * 1e6, 1e-9))  # 0 where the counter does not run: no spin
+
+  def wait(self, gen: int, seen: int, active: int) -> bool:
+    """Spin (GIL released) until the int32 at `gen` is no longer `seen` (True), the one at `active` is 0 or time is up."""
+    return self.ticks > 0 and bool(self.fn(gen, seen, active, self.ticks))
