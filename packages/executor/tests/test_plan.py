@@ -329,3 +329,28 @@ def test_dispatch_overhead_is_small(rt):
   for _ in range(100): plan.execute()
   per_kernel = (time.perf_counter() - t0) / 100 / 100
   assert len(calls) == 10000 and per_kernel < 2e-6, per_kernel
+
+
+def test_a_plan_counts_as_running_only_inside_execute():
+  """The CPU pool's workers spin between kernels only while a plan runs: execute() raises the count of running plans
+  (kiln.codegen.threads) for its run and lowers it again when the run ends, failed or not."""
+  import ctypes
+
+  from kiln.codegen.threads import plans_running_address
+  running = ctypes.c_int32.from_address(plans_running_address())
+  n = 1 << 16
+  from kiln.ir import kernels
+  ast = kernels.elementwise(lambda a: a + 1.0, dtypes.float32, ((n,), dtypes.float32))
+  seen: list[int] = []
+  for fn in (lambda y: seen.append(running.value), lambda y: 1 / 0):
+    b = ExecutionPlanBuilder()
+    x, y = b.add_buffer(Buffer("CPU", n, dtypes.float32).copyin(np.ones(n, np.float32))), b.add_buffer(Buffer("CPU", n, dtypes.float32))
+    b.add_kernel(ast, [y, x])
+    b.add_custom(fn, [y], outputs=[])
+    b.set_outputs([y])
+    plan = b.build()
+    assert running.value == 0
+    try: plan.execute()
+    except ZeroDivisionError: pass
+    assert running.value == 0
+  assert seen == [1]

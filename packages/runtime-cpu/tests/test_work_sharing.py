@@ -1,0 +1,157 @@
+"""Dynamic work sharing (issue 21): a split kernel is cut into chunks that the pool's threads claim from a counter.
+The chunk count is the kernel's, never the thread count's, so a split reduction gives the same bits on 1 to 8 threads;
+chunk edges hold at any chunk count (more chunks than units leaves some empty); per-thread scratch (PACK panels, KEEP
+rows) is one per claiming thread; a claimer that starts late finds the work done by the others; workers spin only while
+a plan runs."""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kiln.runtime.cpu.program as program_mod
+from kiln.codegen import threads as split
+from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.prepare import prepare
+from kiln.codegen.registry import get_runtime
+from kiln.codegen.render.llvm import LLVMRenderer
+from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
+from kiln.runtime.cpu.program import CPUProgram
+from kiln.runtime.cpu.spin import Spinner, spin_us
+from kiln.runtime.cpu.threads import WorkerPool
+
+RT = get_runtime("CPU")
+F32 = dtypes.float32
+POOLS = {n: WorkerPool(n) for n in range(1, 9)}
+
+
+def load(ast: UOp, opts: list[Opt] | None = None, target: Target | None = None) -> CPUProgram:
+  spec = (LLVMRenderer(target) if target is not None else RT.renderer).render(ast, opts=opts)
+  return RT.load(RT.compiler.compile(spec))
+
+
+def run_on(prog: CPUProgram, arrays: list[np.ndarray], pool: int, monkeypatch: pytest.MonkeyPatch) -> None:
+  monkeypatch.setattr(program_mod, "get_pool", lambda: POOLS[pool])
+  prog([a.ctypes.data for a in arrays])
+
+
+def test_the_chunk_count_is_the_kernels_not_the_thread_counts() -> None:
+  ast = prepare(kernels.reduce_sum((1 << 22,), F32))[0]
+  chunks = {t: next(o.amount for o in heuristic_opts(ast, Target(vector_bytes=64, threads=t, cores=2)) if o.op is OptOps.THREAD)
+            for t in (1, 2, 8)}
+  assert len(set(chunks.values())) == 1 and chunks[1] >= 8, chunks
+  # sized from the machine: at most CHUNKS_PER_CORE a core (at least MIN_CHUNK_CAP), each worth 100 claims
+  assert split.chunk_count(1 << 40, None, 64, 64) == min(8 * 64, split.MAX_CHUNKS)
+  assert split.chunk_count(1 << 40, None, 32, 1) == split.MIN_CHUNK_CAP
+  assert split.chunk_count(10 * split.min_chunk_work(32, False), None, 32, 8) == 10
+  assert split.chunk_count(1 << 40, 5, 32, 8) == 5  # one chunk a unit at most
+  assert split.chunk_count(1, None, 32, 8) == 2  # a kernel worth splitting at all gets two
+
+
+def test_split_reduction_has_the_same_bits_on_1_to_8_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+  n = (1 << 23) + 4096
+  x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+  prog = load(kernels.reduce_sum((n,), F32))
+  assert prog.threads >= 8 and prog.finish_call, prog.spec.applied_opts
+  got = set()
+  for pool in range(1, 9):
+    for _ in range(3):
+      out = np.zeros(1, np.float32)
+      run_on(prog, [out, x], pool, monkeypatch)
+      got.add(out.tobytes())
+  assert len(got) == 1, "a split reduction's bits changed with the thread count"
+  np.testing.assert_allclose(np.frombuffer(got.pop(), np.float32)[0], x.astype(np.float64).sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 24, 25, 26, 40, 100])
+def test_chunk_edges_at_any_count(monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
+  """25 vector units of 16 (400 floats) plus a peeled tail of 7: chunk counts below, at and past the units (empty chunks)."""
+  n = 407
+  ast = kernels.elementwise(lambda a, b: a * b + a, F32, ((n,), F32), ((n,), F32))
+  a, b = (np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in (1, 2))
+  want = reference.run(ast, np.zeros(n, np.float32), a, b)[0]
+  prog = load(ast, [Opt(OptOps.UPCAST, 0, 16), Opt(OptOps.THREAD, 0, chunks)])
+  for pool in (1, 2, 3, 8):
+    out = np.full(n, np.nan, np.float32)
+    run_on(prog, [out, a, b], pool, monkeypatch)
+    assert out.tobytes() == want.tobytes(), (chunks, pool)
+  r = UOp.range(1000, 0, AxisType.REDUCE)
+  o, x = UOp.define_global(0, dtypes.int32.ptr(1)), UOp.define_global(1, dtypes.int32.ptr(1000))
+  total = UOp.sink(o.index(0).store(x.index(r).load().reduce(Ops.ADD, r)), name="isum")
+  xs = np.arange(1000, dtype=np.int32)
+  out = np.zeros(1, np.int32)
+  run_on(load(total, [Opt(OptOps.THREAD, 0, chunks)]), [out, xs], 3, monkeypatch)
+  assert out[0] == xs.sum()
+
+
+def test_each_claiming_thread_packs_into_its_own_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A PACKed matmul compiled for 2 threads has 2 scratch slots: a pool of 8 runs 2 claimers, never a third in a slot."""
+  m, k, c = 256, 256, 512
+  ast = kernels.matmul(m, c, k)
+  prog = load(ast, target=Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2, min_work_per_thread=1 << 10))
+  assert prog.slots == 2 and prog.threads > 2 and any(o.startswith("PACK") for o in prog.spec.applied_opts), prog.spec
+  a = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
+  b = np.random.default_rng(4).standard_normal((k, c)).astype(np.float32)
+  for pool in (1, 2, 8):
+    out = np.zeros((m, c), np.float32)
+    run_on(prog, [out, a, b], pool, monkeypatch)
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    call = prog.bind([out.ctypes.data, a.ctypes.data, b.ctypes.data])
+    assert len(call.args) == min(pool, 2)
+
+
+def test_a_claimer_that_starts_late_finds_the_work_done(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Slot 1 starts 0.2 s late (its core busy elsewhere): the caller claims every chunk meanwhile, so slot 1 finds none
+  and the result is whole; with a static half each, the caller would have left half the output to slot 1."""
+  n = 1 << 20
+  ast = kernels.elementwise(lambda a: a * 2.0, F32, ((n,), F32))
+  prog = load(ast)
+  assert prog.threads >= 2
+  x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+  out = np.zeros(n, np.float32)
+  real, caller_done, seen = prog.fn, threading.Event(), {}
+  def late(*args: object) -> None:
+    slot = args[-3] if prog.scratch_bytes else args[-2]  # (buffers, slot, claim[, scratch])
+    if slot == 1:
+      caller_done.wait(5)
+      seen["before"] = out.copy()  # what the output held when the late claimer started
+    real(*args)
+    if slot == 0: caller_done.set()
+  monkeypatch.setattr(prog, "fn", late)
+  run_on(prog, [out, x], 2, monkeypatch)
+  assert "before" in seen and np.array_equal(seen["before"], x * 2), "the caller left chunks for the late thread"
+  assert np.array_equal(out, x * 2)
+
+
+def test_spin_waits_only_while_a_plan_runs() -> None:
+  us = 20_000
+  s = Spinner(us)
+  if s.ticks == 0: pytest.skip("this machine's cycle counter does not run: workers never spin")
+  gen, active = (ctypes.c_int32 * 16)(), (ctypes.c_int32 * 16)()
+  t = time.perf_counter()
+  assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # no plan: back at once
+  assert time.perf_counter() - t < 0.01
+  active[0] = 1
+  t = time.perf_counter()
+  assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # a plan, nothing posted: the whole spin, then sleep
+  assert time.perf_counter() - t >= us * 1e-6 * 0.5
+  gen[0] = 7
+  assert s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # work posted: back at once, to take it
+  def end_plan() -> None:
+    time.sleep(0.002)
+    active[0] = 0
+  threading.Thread(target=end_plan).start()
+  t = time.perf_counter()
+  assert not s.wait(ctypes.addressof(gen), 7, ctypes.addressof(active))  # the plan ends while it spins: it stops
+  assert time.perf_counter() - t < us * 1e-6
+
+
+@pytest.mark.parametrize("value, ok", [("", 100), ("0", 0), ("250", 250), ("-1", None), ("ten", None), ("1.5", None)])
+def test_spin_time_from_the_environment(monkeypatch: pytest.MonkeyPatch, value: str, ok: int | None) -> None:
+  monkeypatch.setenv("KILN_SPIN_US", value)
+  if ok is None:
+    with pytest.raises(ValueError, match="KILN_SPIN_US"): spin_us()
+  else: assert spin_us() == ok
