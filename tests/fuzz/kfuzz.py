@@ -261,7 +261,7 @@ def cases(draw: Callable[[Any], Any], cuda: bool = False) -> Case:
 @st.composite
 def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
   """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST among the output axes and one
-  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD 2-4, and sometimes PACK, FMA,
+  among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD into 2-16 chunks, and sometimes PACK, FMA,
   OUTER and KEEP; or, one time in five, one of the option sets the tuner times for this kernel on this host."""
   if draw(st.integers(0, 4)) == 0:  # one of the option sets a tuner would time (kiln.codegen.search), this host's target
     from kiln.codegen.search import candidates
@@ -280,7 +280,7 @@ def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
     kind = draw(st.sampled_from([OptOps.UPCAST, OptOps.UNROLL, OptOps.THREAD]))
     if kind is OptOps.THREAD:
       if any(o.op is OptOps.THREAD for o in opts): continue
-      opts.append(Opt(kind, r.arg[0], draw(st.integers(2, 4))))
+      opts.append(Opt(kind, r.arg[0], draw(st.sampled_from([2, 3, 4, 5, 7, 16]))))  # chunks: fewer, as many or more than the units
       continue
     upcast_here = [o for o in opts if o.op is OptOps.UPCAST and by_id[o.axis].arg[1] is r.arg[1]]  # same kind of axis
     if e.op is not Ops.CONST or r.arg[0] in used or (kind is OptOps.UPCAST and upcast_here): continue

@@ -32,6 +32,8 @@ import sys
 import numpy as np
 import pytest
 
+from kiln.codegen.lower import lower
+from kiln.codegen.opt import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import ALL_DTYPES, DType, f32_to_bf16_bits
@@ -173,6 +175,10 @@ def check(ast: UOp, ins: list[np.ndarray], out_dt: DType, what: str, ulps: int =
     vec, applied = run_cpu(ast, [out0, *ins], None)
     assert any(o.startswith("UPCAST") for o in applied), f"{what}: the heuristic did not vectorise ({applied})"
     results["vector"] = vec[0]
+    # the same vector code cut into 5 chunks that the pool's threads claim (fewer units than chunks leaves some empty)
+    split, applied = run_cpu(ast, [out0, *ins], [*heuristic(ast), Opt(OptOps.THREAD, 0, 5)])
+    assert any(o.startswith("THREAD") for o in applied), applied
+    results["split"] = split[0]
   for path, got in results.items():
     if len(bad := mismatches(got, want, out_dt, ulps)):
       rows = [f"  in={[a[j].item() for a in ins]} got={got[j].item()!r} want={want[j].item()!r}" for j in bad[:8]]
@@ -180,6 +186,13 @@ def check(ast: UOp, ins: list[np.ndarray], out_dt: DType, what: str, ulps: int =
       pytest.fail(f"{what} ({path}): {len(bad)} of {n} differ from the reference{tol}\n" + "\n".join(rows))
   if vector and len(bad := mismatches(results["vector"], results["scalar"], out_dt)):
     pytest.fail(f"{what}: vectorised and scalar code disagree at {len(bad)} of {n}, first inputs {[a[bad[0]].item() for a in ins]}")
+  if vector and bits(results["split"]).tobytes() != bits(results["vector"]).tobytes():
+    pytest.fail(f"{what}: the code split into chunks differs from the same code whole")
+
+
+def heuristic(ast: UOp) -> list[Opt]:
+  """The optimiser's options for ast on this host, without its thread split."""
+  return [o for o in lower(ast, RT.target, None).opts if o.op is not OptOps.THREAD]
 
 
 # ---- which op takes which dtype ----
