@@ -57,16 +57,25 @@ def vector_lanes() -> tuple[int, str]:
 
 
 def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, threads: int, inputs: int = 1) -> Any:
-  """Compile a hand-written LLVM IR kernel (data0 out, data1.. in, core_id) with kiln's CPU runtime, reusing the signature
-  and thread split of a template elementwise kernel of n elements. The bench's machine limits are measured this way."""
+  """Compile a hand-written LLVM IR chunk (data0 out, data1.. in, core_id: the chunk) with kiln's CPU runtime, one chunk
+  per thread, claimed as kiln's split kernels claim theirs (render.llvm.claim_loop's ABI: slot, claim counter), reusing
+  the signature of a template elementwise kernel of n elements cut into `threads` chunks. The bench's machine limits are
+  measured this way."""
+  from kiln.codegen.opt import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   params = ", ".join(f"ptr noalias align 4 %data{i}" for i in range(inputs + 1))
-  src = (f"{decls}\n\ndefine void @{name}({params}, i32 %core_id) #0 {{\n"
-         + "\n".join(body) + f'\n}}\nattributes #0 = {{ nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}" }}\n')
+  args = ", ".join(f"ptr %data{i}" for i in range(inputs + 1))
+  attrs = f'nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}"'
+  entry = [f"define void @{name}({params}, i32 %slot, ptr %claim) #0 {{", "entry:", "  br label %next", "next:",
+           "  %c = atomicrmw add ptr %claim, i32 1 monotonic", f"  %more = icmp slt i32 %c, {threads}",
+           "  br i1 %more, label %run, label %done", "run:", f"  call void @{name}.chunk({args}, i32 %c)", "  br label %next",
+           "done:", "  ret void", "}"]
+  src = "\n".join([decls, "", f"define internal void @{name}.chunk({params}, i32 %core_id) #1 {{", *body, "}", *entry,
+                   f"attributes #0 = {{ {attrs} }}", f"attributes #1 = {{ noinline {attrs} }}", ""])
   rt = get_runtime("CPU")
   fn = (lambda x: x * 2.0) if inputs == 1 else (lambda x, y: x + y)
-  spec = rt.renderer.render(kernels.elementwise(fn, F32, *[((n,), F32)] * inputs, name=name))
-  if spec.threads != threads: raise RuntimeError(f"template kernel runs on {spec.threads} threads, not {threads}")
+  spec = rt.renderer.render(kernels.elementwise(fn, F32, *[((n,), F32)] * inputs, name=name), [Opt(OptOps.THREAD, 0, threads)])
+  if spec.threads != threads or spec.scratch_bytes: raise RuntimeError(f"template kernel has {spec.threads} chunks, not {threads}")
   return rt.load(rt.compiler.compile(spec.model_copy(update={"src": src, "name": name, "entry_point": name})))
 
 
