@@ -28,6 +28,7 @@ class ExecutionPlan:
     by_id = {p.id: p for p in ops}
     self._order: list[PreparedKernel | PreparedCopy | PreparedCustomFunction] = [by_id[i] for g in op_levels for i in g]  # type: ignore[misc]
     self.kernels: list[PreparedKernel] = [p for p in self._order if isinstance(p, PreparedKernel)]
+    self._split = any(pk.kernel.threads > 1 for pk in self.kernels)  # kernels split into chunks a pool's threads claim
     self._poisoned: BaseException | None = None
     self._lock = threading.RLock()  # one run (or variable change) at a time; re-entrant so execute_with_vars holds it across both
     # runtime variables: where each lands, and its bounds (intersected over the kernels that take it)
@@ -63,13 +64,15 @@ class ExecutionPlan:
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
       return
-    plan_started()  # the CPU pool's workers may spin between this plan's kernels, and only until it ends
+    split = self._split  # kernels split into chunks: the CPU pool's workers may spin between them, only until the run ends
+    if split: plan_started()
     try:
       for s in self._steps: s()
     except BaseException as e:
       self._poisoned = e
       raise
-    finally: plan_ended()
+    finally:
+      if split: plan_ended()
 
   def set_vars(self, var_vals: Mapping[str, int]) -> None:
     """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed
