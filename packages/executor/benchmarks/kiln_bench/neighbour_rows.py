@@ -195,7 +195,7 @@ def softmax_in_turn(b: Bench, r: Row) -> None:
   nbytes = 8 * rows * cols
   r.achieved = f"alone {alone * 1e3:.3g} ms, in turn {r.kiln / alone:.2f}x it ({nbytes / r.kiln / GB:.1f} GB/s)"
   r.limit = f"{b.bw / GB:.1f} GB/s read"
-  r.target, r.target_kind, r.target_value = f"<= 1.3x alone ({1.3 * alone * 1e3:.3g} ms)", "max", 1.3 * alone
+  r.target = "(report)"  # issue 21 sets a target for the matmul only; this row shows the cost for a memory-bound kernel
   r.note = (f"each round: the softmax plan's execute() then numpy's {m.n} a @ b (the numpy column: its per-call time, "
             f"different work, so no ratio); medians of {_rounds(b, 21, 7)} rounds; alone = busy loop of its own; kernel {_split(plan)}")
 
