@@ -140,6 +140,9 @@ def test_narrow_matmul_output_is_one_vector_of_its_width():
   assert Opt(OptOps.UPCAST, 1, 10) in opts
   assert Opt(OptOps.UPCAST, 1, 8) in heuristic_opts(matmul(256, 8, 512), CPU)  # a power of two stays as it is
   assert Opt(OptOps.UPCAST, 1, 4) in heuristic_opts(matmul(256, 20, 512), CPU)  # past one vector: a width that divides
+  # two vectors' worth or more that no power of two divides: one vector, the last one overlapped (it had no vectors at all)
+  assert Opt(OptOps.UPCAST, 1, 16) in heuristic_opts(matmul(256, 43, 512), CPU)
+  assert Opt(OptOps.UPCAST, 1, 16) in heuristic_opts(matmul(256, 43, 512), Target(device="CPU", vector_bytes=32, threads=2))  # AVX2: two
 
 
 def test_packed_matmul_reads_its_panel_from_scratch():

@@ -98,12 +98,12 @@ def test_kernels_stay_inside_guarded_buffers(monkeypatch: pytest.MonkeyPatch, th
   out = guarded_array(n, np.float32)
   _run(kernels.elementwise(lambda a, b: a * b + 1.0, F32, ((n,), F32), ((n,), F32)), [out, x, y])
   np.testing.assert_allclose(out, x * y + 1, rtol=1e-6)
-  m, k, c = 37, 29, 75  # 75 columns: at least two vectors of lanes on AVX2 and AVX-512 alike, so it is tiled and packed
-  a, b = guarded_copy(rng.standard_normal(m * k).astype(np.float32)), guarded_copy(rng.standard_normal(k * c).astype(np.float32))
-  mm = guarded_array(m * c, np.float32)
-  applied = _run(kernels.matmul(m, c, k), [mm, a, b])
-  assert any(o.startswith("PACK") for o in applied), applied
-  np.testing.assert_allclose(mm.reshape(m, c), a.reshape(m, k).astype(np.float64) @ b.reshape(k, c), rtol=1e-4, atol=1e-4)
+  for m, k, c in ((37, 29, 75), (37, 29, 43)):  # odd column counts: tiled and packed, the last vector overlapped
+    a, b = guarded_copy(rng.standard_normal(m * k).astype(np.float32)), guarded_copy(rng.standard_normal(k * c).astype(np.float32))
+    mm = guarded_array(m * c, np.float32)
+    applied = _run(kernels.matmul(m, c, k), [mm, a, b])
+    assert any(o.startswith("PACK") for o in applied), applied
+    np.testing.assert_allclose(mm.reshape(m, c), a.reshape(m, k).astype(np.float64) @ b.reshape(k, c), rtol=1e-4, atol=1e-4)
   rows, width = 33, 127
   s = guarded_copy(rng.standard_normal(rows * width).astype(np.float32))
   p = guarded_array(rows * width, np.float32)

@@ -247,10 +247,14 @@ def _out_width(size: int | None, want: int, lanes: int) -> int:
   """An output axis may take the full width even when it does not divide the size: the lowering peels the rest into a
   scalar tail. An axis of at most one vector is one vector of its own size (a 256x512 @ 512x10 product: 130 us with
   2-lane pieces, 30 us as one 10-lane vector; past one vector, LLVM's odd-sized vectors got slower, not faster). Other
-  small axes keep a width that divides them."""
+  small axes keep a width that divides them, and a tile axis of two vectors or more that no power of two divides takes
+  one vector (43 columns on AVX-512 had no vectors at all)."""
   if size is not None and size >= 2 * want: return want
   if size is not None and 2 < size <= lanes and _pick_width(size, want) < size: return size
-  return _pick_width(size, want)
+  w = _pick_width(size, want)
+  # a tile axis no power of two divides (43 columns on AVX-512) still takes one vector, ending overlapped or peeled
+  if w == 1 and size is not None and lanes and size >= 2 * lanes: return lanes
+  return w
 
 
 def _pick_width(size: int | None, lanes: int) -> int:
