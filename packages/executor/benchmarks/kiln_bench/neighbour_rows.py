@@ -78,6 +78,12 @@ class _Matmul:
 
   def check(self, what: str) -> None: check(f"matmul {self.n} plan ({what})", self.out(), self.want, atol=self.tol)
 
+  def first_run(self) -> Callable[[], Any]:
+    """Run the plan once and check it; returns numpy's call of the same product (checked too)."""
+    self.plan.execute()
+    self.check("first run")
+    return self.numpy_call()
+
   def numpy_call(self) -> Callable[[], Any]:
     """numpy's own A @ B of the same size (a new array each call, as a program writes it), checked once."""
     a, bb = self.a, self.b
@@ -162,9 +168,7 @@ def _rounds(b: Bench, full: int, quick: int) -> int: return quick if b.args.quic
 def matmul_in_turn(b: Bench, r: Row) -> None:
   m = _Matmul(b)
   r.work = f"matmul {m.n} float32, in turn with numpy A@B"
-  m.plan.execute()
-  m.check("first run")
-  npc = m.numpy_call()
+  npc = m.first_run()
   alone, np_alone = medians([m.plan.execute, npc], b.t)
   r.kiln, r.numpy = in_turn(m.plan.execute, npc, _rounds(b, 21, 7))
   m.check("after the rounds")
@@ -236,9 +240,7 @@ def two_threads(b: Bench, r: Row) -> None:
 def idle(b: Bench, r: Row) -> None:
   m = _Matmul(b)
   r.work = f"matmul {m.n} plan after 100 ms idle"
-  m.plan.execute()
-  m.check("first run")
-  npc = m.numpy_call()
+  npc = m.first_run()
   calls = _rounds(b, 15, 5)
   (loop,) = medians([m.plan.execute], b.t)
   r.kiln = after_idle(m.plan.execute, calls)
@@ -255,9 +257,7 @@ def idle(b: Bench, r: Row) -> None:
 
 def cpu_after_return(b: Bench, r: Row) -> None:
   m = _Matmul(b)
-  m.plan.execute()
-  m.check("first run")
-  npc = m.numpy_call()
+  npc = m.first_run()
   calls = _rounds(b, 7, 3)
   for _ in range(3): m.plan.execute()  # warm, and the numpy check's spinners go on the same cores
   time.sleep(SETTLE_S)
