@@ -226,7 +226,7 @@ def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[
     _RULES[o.op](o, p, target, vec is not None)
     if o.op is OptOps.UPCAST and p.ev is not None and p.rng.arg[1] is not AxisType.REDUCE: vec = (p.ev, o.amount)
   # rules across axes
-  if sum(p.threads > 1 for p in plans.values()) > 1: raise CodegenError("only one axis can be split over threads")
+  if sum(p.threads > 1 for p in plans.values()) > 1: raise CodegenError("only one axis can be split into chunks for threads (THREAD)")
   # a tail would have to follow the fold of the threads' partials
   if any(p.threads > 1 and p.factor > 1 and (axis_size(p.rng) or 0) % p.factor for p in plans.values()):
     raise CodegenError("THREAD on a reduce axis needs its UPCAST to divide the axis")

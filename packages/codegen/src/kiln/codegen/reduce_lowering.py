@@ -102,7 +102,7 @@ class Reductions:
     tp = next((plans[r] for r in ranges if plans[r].threads > 1), None)
     copies = combos(out_vars)
     work = scope
-    if tp is not None:  # calls 0..T-1 each reduce a chunk; the finishing call (core_id == T) folds their partials
+    if tp is not None:  # chunks 0..C-1 each reduce their part; the finishing call (core_id == C) folds the partials in order
       if self.nesting:  # its result would exist only in the finishing call, but the enclosing reduce's loops are outside it
         raise CodegenError(f"THREAD on reduce axis {tp.rng.arg[0]}: its REDUCE is nested inside another REDUCE; split an output axis instead")
       if scope is not lin.root or self.finish_scope is not None:
@@ -193,7 +193,8 @@ class Reductions:
 
   # ---- folding partials ----
   def thread_combine(self, work: Scope, scope: Scope, accs: dict, acc_dt: DType, op: Ops, threads: int) -> tuple[Scope, dict]:
-    """CPU: each call leaves its partials in scratch; the finishing call folds them in core_id order (deterministic)."""
+    """CPU: each chunk leaves its partials in scratch; the finishing call folds them in chunk order (deterministic,
+    whichever thread ran which chunk)."""
     ctx, lin, core_id = self.ctx, self.ctx.lin, self.ctx.core_id
     assert core_id is not None
     w, n = acc_dt.count, len(accs)
