@@ -416,3 +416,15 @@ def test_nothing_under_an_empty_constant_range_is_left_to_run():
   assert len(got.src) == 2 and not any(n.op in (Ops.REDUCE, Ops.LOAD) for n in got.toposort())
   lk = lower(UOp.sink(empty_store), Target(), [Opt(OptOps.UPCAST, 1, 8)])
   assert [g.arg for g in lk.globals] == [0, 1] and not any(u.op is Ops.LOAD for u in lk.uops)
+
+
+def test_a_batched_product_with_few_column_tiles_splits_its_batch():
+  """A conv as a batched product (32 images, 128 x 576 @ 576 x 64 each): 64 columns are 2 tiles, so the chunks come from
+  the 32 images instead; a plain product keeps its column tiles."""
+  n, o, p, k = 32, 128, 64, 576
+  w, x, y = UOp.define_global(1, F32.ptr(o * k)), UOp.define_global(2, F32.ptr(n * k * p)), UOp.define_global(0, F32.ptr(n * o * p))
+  b, i, j, r = UOp.range(n, 0), UOp.range(o, 1), UOp.range(p, 2), UOp.range(k, 3, AxisType.REDUCE)
+  ast = UOp.sink(y.index((b * o + i) * p + j).store((w.index(i * k + r).load() * x.index((b * k + r) * p + j).load()).reduce(Ops.ADD, r)), name="bmm")
+  opts = heuristic_opts(ast, CPU)
+  assert Opt(OptOps.OUTER, 2, 1) in opts and any(o.op is OptOps.THREAD and o.axis == 0 and o.amount >= 8 for o in opts), opts
+  assert any(o.op is OptOps.THREAD and o.axis == 1 for o in heuristic_opts(matmul(512, 512, 512), CPU))  # columns, as before

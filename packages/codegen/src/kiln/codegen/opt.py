@@ -317,6 +317,12 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))
     if dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
     out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
+    # ... unless a batch axis (neither rows nor columns: a conv's images, attention's heads) has more units than the
+    # column tiles: chunks of it pack no panel twice either, and there are more of them to share (a 64-column conv
+    # over 32 images had 2 chunks, static halves in effect)
+    batch = max((a for a in out_axes if a is not vec_axis and a is not outer and axis_size(a)), key=lambda a: axis_size(a) or 0, default=None)
+    if batch is not None and (axis_size(batch) or 0) > (axis_size(vec_axis) or 0) // w:
+      out_axes = [batch] + [a for a in out_axes if a is not batch]
   if vec_axis is not None and not mm: opts += _nested_upcasts(reduces, vec_axis, target)
   if not mm: opts += _keeps(st, reduces, vec_axis)
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
