@@ -379,7 +379,7 @@ def compare(case: Case, got: list[np.ndarray], want: list[np.ndarray], tol: dict
     assert isinstance(dt, DType)
     if not dt.is_float:
       ne = g != w
-      if val.op is Ops.BITCAST and (fdt := val.src[0].dtype.scalar()).name in NAN_BITS and _arithmetic(val.src[0]):
+      if (fv := _float_under_bitcasts(val)) is not None and (fdt := fv.dtype.scalar()).name in NAN_BITS and _arithmetic(fv):
         # a float's bits after arithmetic: the sign and payload of a NaN that arithmetic made are not specified (IEEE
         # 754 6.3; LLVM folds x + -y into x - y, whose NaN keeps y's sign), so any NaN equals any NaN, as in float
         # slots. A NaN only loaded, negated, selected or a constant keeps its bits exactly.
@@ -406,6 +406,14 @@ NAN_BITS = {"float16": (0x7C00, 0x3FF), "bfloat16": (0x7F80, 0x7F), "float32": (
 
 
 _BIT_EXACT_FLOAT_OPS = frozenset({Ops.LOAD, Ops.CONST, Ops.BITCAST, Ops.NEG, Ops.WHERE, Ops.VECTORIZE, Ops.GEP})
+
+
+def _float_under_bitcasts(v: UOp) -> UOp | None:
+  """The float value an integer value is the bits of, through any chain of BITCASTs (int16 -> uint16 -> int16), or None."""
+  while v.op is Ops.BITCAST:
+    v = v.src[0]
+    if not isinstance(v.dtype, PtrDType) and v.dtype.is_float: return v
+  return None
 
 
 def _arithmetic(v: UOp) -> bool:

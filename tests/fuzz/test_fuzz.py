@@ -381,7 +381,10 @@ def test_regression_fuzz_find_replays_clean(path):
   int16: LLVM folds fadd(a, fneg b) into fsub(a, b), whose NaN keeps b's sign, where numpy's reference flips it. IEEE 754
   leaves the sign and payload of a NaN that arithmetic makes unspecified, so the fuzzer now compares the bits of such a
   BITCAST as it compares float slots (any NaN equals any NaN) when the float went through arithmetic; a NaN only loaded,
-  negated, selected or a constant (the find above) is still compared bit for bit."""
+  negated, selected or a constant (the find above) is still compared bit for bit.
+  fuzz-24cc5bd94b80-cpu-heuristic (seed 6002): the same through a chain of integer BITCASTs (float16 -> int16 -> uint16 ->
+  int16) of inf * 0 + x: LLVM folds inf * 0 to the positive NaN at compile time, numpy makes x86's negative one; the
+  comparison now looks through such chains to the float."""
   d = json.loads(path.read_text())
   if d.get("backend") == "cuda-emu" and not kfuzz.cuda_available(): pytest.skip("no host C++ compiler for the CUDA emulation harness")
   res = kfuzz.check_case(kfuzz.Case.from_dict(d), cuda=d.get("backend") == "cuda-emu")
