@@ -7,9 +7,10 @@ from typing import Any
 
 from kiln.graph.dims import mono, mul, reshape_groups
 from kiln.graph.lazy import GraphError, Node
-from kiln.ir.dtype import dtypes
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.kernels import Dim, flat_index
 from kiln.ir.ops import AxisType, Ops
+from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
 
 ZERO = UOp.const(dtypes.index, 0)
@@ -142,7 +143,17 @@ class Renderer:
     val = self.render(n, idx, top=True)
     if val.dtype != n.dtype: val = val.cast(n.dtype)
     ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=name)
-    return Kernel(n, ast, self.slots, self.rendered, offenders=self.offenders)
+    ast, slots = self._drop_unread(ast)
+    return Kernel(n, ast, slots, self.rendered, offenders=self.offenders)
+
+  def _drop_unread(self, ast: UOp) -> tuple[UOp, list[Node]]:
+    """The slots the AST still reads, renumbered in order: a value that folded away (a slice of nothing but a pad's
+    zeros) leaves its input unread, and a plan binds exactly the buffers a kernel's DEFINE_GLOBALs name."""
+    used = {u for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL}
+    kept = [s for s in self.slots if self.globals[s] in used]
+    if len(kept) == len(self.slots): return ast, self.slots
+    renum = {g: UOp.define_global(i, g.dtype) for i, s in enumerate(kept) if (g := self.globals[s]).arg != i and isinstance(g.dtype, PtrDType)}
+    return (substitute(ast, renum) if renum else ast), kept
 
   def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:
     if not top and (n in self.realized or n.op == "BUFFER"):
