@@ -63,14 +63,11 @@ def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, thr
   measured this way."""
   from kiln.codegen.opt import Opt, OptOps
   from kiln.codegen.registry import get_runtime
-  params = ", ".join(f"ptr noalias align 4 %data{i}" for i in range(inputs + 1))
-  args = ", ".join(f"ptr %data{i}" for i in range(inputs + 1))
+  from kiln.codegen.render.llvm import claim_loop
+  params = [f"ptr noalias align 4 %data{i}" for i in range(inputs + 1)]
   attrs = f'nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}"'
-  entry = [f"define void @{name}({params}, i32 %slot, ptr %claim) #0 {{", "entry:", "  br label %next", "next:",
-           "  %c = atomicrmw add ptr %claim, i32 1 monotonic", f"  %more = icmp slt i32 %c, {threads}",
-           "  br i1 %more, label %run, label %done", "run:", f"  call void @{name}.chunk({args}, i32 %c)", "  br label %next",
-           "done:", "  ret void", "}"]
-  src = "\n".join([decls, "", f"define internal void @{name}.chunk({params}, i32 %core_id) #1 {{", *body, "}", *entry,
+  src = "\n".join([decls, "", f"define internal void @{name}.chunk({', '.join(params)}, i32 %core_id) #1 {{", *body, "}",
+                   *claim_loop(name, params, threads),
                    f"attributes #0 = {{ {attrs} }}", f"attributes #1 = {{ noinline {attrs} }}", ""])
   rt = get_runtime("CPU")
   fn = (lambda x: x * 2.0) if inputs == 1 else (lambda x, y: x + y)

@@ -41,15 +41,21 @@ def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fus
   return min(n, units) if units is not None else n
 
 
+def env_int(name: str, minimum: int, what: str) -> int | None:
+  """The whole number environment variable `name` holds (None when unset or empty); a ValueError saying it must be
+  `what` when it is not a whole number of at least `minimum`."""
+  env = os.environ.get(name)
+  if not env: return None
+  try: n = int(env)
+  except ValueError: raise ValueError(f"{name} must be {what}, got {env!r}") from None
+  if n < minimum: raise ValueError(f"{name} must be {what}, got {env!r}")
+  return n
+
+
 def thread_count() -> int:
   """KILN_THREADS, else the number of cores this process may use. The one reader of KILN_THREADS."""
-  env = os.environ.get("KILN_THREADS")
-  if env:
-    try: n = int(env)
-    except ValueError: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}") from None
-    if n < 1: raise ValueError(f"KILN_THREADS must be a positive integer, got {env!r}")
-    return n
-  return available_cores()
+  n = env_int("KILN_THREADS", 1, "a positive integer")
+  return n if n is not None else available_cores()
 
 
 def available_cores() -> int:

@@ -152,7 +152,11 @@ class Renderer:
     used = {u for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL}
     kept = [s for s in self.slots if self.globals[s] in used]
     if len(kept) == len(self.slots): return ast, self.slots
-    renum = {g: UOp.define_global(i, g.dtype) for i, s in enumerate(kept) if (g := self.globals[s]).arg != i and isinstance(g.dtype, PtrDType)}
+    renum: dict[UOp, UOp] = {}
+    for i, s in enumerate(kept):
+      if (g := self.globals[s]).arg != i:
+        assert isinstance(g.dtype, PtrDType)  # made by _global, always a pointer
+        renum[g] = UOp.define_global(i, g.dtype)
     return (substitute(ast, renum) if renum else ast), kept
 
   def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:

@@ -116,28 +116,25 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   return double_hex(f)  # a NaN keeps its sign and payload: a folded 0*inf is the hardware's negative NaN, as alu.py computes it
 
 
-def claim_loop(lk: LoweredKernel) -> list[str]:
-  """The entry of a kernel split into lk.threads chunks: `void NAME(buffers..., vars..., i32 slot, ptr claim, ptr scratch)`.
-  Each thread the runtime runs calls it with its own slot; it takes chunk after chunk from the shared counter at `claim`
-  (an atomic add: whoever is free takes the next) until none is left, handing each to NAME.chunk with its slot's part of
-  the scratch. slot -1 is the finishing call: chunk == threads folds a split reduction's partials."""
-  bufs = [f"ptr %data{g.arg}" for g in lk.globals]
-  vars_ = [f"i32 %var.{v.arg[0]}" for v in lk.vars]
-  params = [f"ptr noalias align {max(g.dtype.base.itemsize, 1)} %data{g.arg}" for g in lk.globals if isinstance(g.dtype, PtrDType)]
-  params += vars_ + ["i32 %slot", "ptr %claim"] + (["ptr noalias %scratch"] if lk.scratch is not None else [])
-  def call(chunk: str, scratch: str) -> str:
-    args = ", ".join([*bufs, *vars_, f"i32 {chunk}", *([f"ptr {scratch}"] if lk.scratch is not None else [])])
-    return f"  call void @{lk.name}.chunk({args})"
+def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, slot_bytes: int = 0, scratch: bool = False) -> list[str]:
+  """The entry of a kernel split into `chunks` chunks: `void NAME(params..., i32 slot, ptr claim[, ptr scratch])`, where
+  `params` are the chunk body's own buffer and variable parameters. Each thread the runtime runs calls it with its own
+  slot; it takes chunk after chunk from the shared counter at `claim` (an atomic add: whoever is free takes the next)
+  until none is left, handing each to NAME.chunk (with its slot's `slot_bytes` of the scratch when those are per
+  thread). slot -1 is the finishing call (`finish`): chunk == chunks folds a split reduction's partials."""
+  args = [f"{p.split()[0]} {p.split()[-1]}" for p in params]  # "ptr noalias align 4 %data0" is passed as "ptr %data0"
+  def call(chunk: str, scr: str) -> str:
+    return f"  call void @{name}.chunk({', '.join([*args, f'i32 {chunk}', *([f'ptr {scr}'] if scratch else [])])})"
+  entry_params = [*params, "i32 %slot", "ptr %claim", *(["ptr noalias %scratch"] if scratch else [])]
+  lines = [f"define void @{name}({', '.join(entry_params)}) #0 {{", "entry:", "  %fin = icmp slt i32 %slot, 0",
+           "  br i1 %fin, label %finish, label %start", "finish:", *([call(str(chunks), "%scratch")] if finish else []),
+           "  ret void", "start:"]
   mine = "%scratch"
-  lines = [f"define void @{lk.name}({', '.join(params)}) #0 {{", "entry:", "  %fin = icmp slt i32 %slot, 0",
-           "  br i1 %fin, label %finish, label %start", "finish:"]
-  lines += [call(str(lk.threads), "%scratch")] if lk.finish else []
-  lines += ["  ret void", "start:"]
-  if lk.slot_bytes and lk.scratch is not None:  # PACK panels and KEEP rows: each slot's own
-    lines += ["  %slot64 = sext i32 %slot to i64", f"  %off = mul i64 %slot64, {lk.slot_bytes}", "  %mine = getelementptr i8, ptr %scratch, i64 %off"]
+  if slot_bytes and scratch:  # PACK panels and KEEP rows: each slot's own
+    lines += ["  %slot64 = sext i32 %slot to i64", f"  %off = mul i64 %slot64, {slot_bytes}", "  %mine = getelementptr i8, ptr %scratch, i64 %off"]
     mine = "%mine"
   lines += ["  br label %next", "next:", "  %c = atomicrmw add ptr %claim, i32 1 monotonic",
-            f"  %more = icmp slt i32 %c, {lk.threads}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
+            f"  %more = icmp slt i32 %c, {chunks}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
             "  br label %next", "done:", "  ret void", "}"]
   return lines
 
@@ -214,17 +211,16 @@ class LLVMPrinter(Printer):
   def assemble(self, params: list[str]) -> str:
     lk, body = self.lk, self.lines
     split = lk.threads > 1
-    if split: params.append("i32 %core_id")
-    if lk.scratch is not None: params.append("ptr noalias %scratch")
-    vb = self.target.vector_bytes * 8
     # a split kernel's chunks are an internal function; the entry claims chunks for its thread (claim_loop)
+    entry = claim_loop(lk.name, params, lk.threads, lk.finish, lk.slot_bytes, lk.scratch is not None) if split else []
+    params = params + (["i32 %core_id"] if split else []) + (["ptr noalias %scratch"] if lk.scratch is not None else [])
+    vb = self.target.vector_bytes * 8
     define = f"define internal void @{lk.name}.chunk" if split else f"define void @{lk.name}"
     head = [f"{define}({', '.join(params)}) #{1 if split else 0} {{", "entry:"] + ["  " + a for a in self.entry]
     feats = f'nounwind "prefer-vector-width"="{vb}" "min-legal-vector-width"="{vb}"'
     attrs = [f"attributes #0 = {{ {feats} }}"] + ([f"attributes #1 = {{ noinline {feats} }}"] if split else [])
     if self.stream_flags:  # streaming stores are weakly ordered: fence them before the caller (or another thread) reads
       body.append(f"  call void {self.intrinsic('llvm.x86.sse.sfence', 'void', [])}()")
-    entry = claim_loop(lk) if split else []
     return "\n".join([*sorted(self.decls), *self.helpers.values(), *head, *body, "  ret void", "}", *entry, *attrs, ""])
 
   # ---- control flow and registers ----

@@ -157,25 +157,23 @@ class CPUBoundCall:
   thread of the pool claims chunks from this call's counter until none is left, so a thread whose core is busy with
   other work takes fewer). A bound call owns its scratch and counter, so two bound calls of one program may run at
   once; one bound call may not."""
-  __slots__ = ("prog", "bufs", "args", "threaded", "scratch", "finish", "claim")
+  __slots__ = ("prog", "bufs", "args", "scratch", "finish", "claim")
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs = prog, bufs
-    self.threaded = prog.threads > 1
     self.scratch: np.ndarray | None = None
     if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
       n = -(-prog.scratch_bytes // 64) * 64
       self.scratch = guarded_array(n, np.uint8) if guard_enabled() else np.zeros(prog.scratch_bytes + 64, np.uint8)
-    # the chunk counter, alone on its cache line (every claim writes it; a neighbour there would bounce with it)
-    self.claim = _line() if self.threaded else None
+    # a split kernel's chunk counter, alone on its cache line (every claim writes it; a neighbour there would bounce)
+    self.claim = _line() if prog.threads > 1 else None
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
     base = (*self.bufs, *vals)
     extra: tuple = ()
     if self.scratch is not None: extra = ((self.scratch.ctypes.data + 63) // 64 * 64,)
-    if self.threaded:
-      assert self.claim is not None
+    if self.claim is not None:
       claim = self.claim.ctypes.data
       workers = min(get_pool().size, self.prog.threads, self.prog.slots or self.prog.threads)
       self.args: tuple | list[tuple] = [(*base, w, claim, *extra) for w in range(workers)]
@@ -186,8 +184,7 @@ class CPUBoundCall:
     self._build(self.prog.check(self.bufs, vals)[1])
 
   def __call__(self) -> None:
-    if self.threaded:
-      assert self.claim is not None
+    if self.claim is not None:
       self.claim[0] = 0
       get_pool().run(self.prog.fn, self.args)  # type: ignore[arg-type]
     else: self.prog.fn(*self.args)

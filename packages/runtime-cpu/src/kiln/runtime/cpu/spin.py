@@ -7,12 +7,12 @@ KILN_SPIN_US (default 100) is how long a worker spins after a kernel inside a pl
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import time
 
 import llvmlite.binding as llvm
 
+from kiln.codegen.threads import env_int
 from kiln.runtime.cpu.compiler import init_llvm
 
 DEFAULT_SPIN_US = 100
@@ -62,12 +62,8 @@ define i64 @kiln_cycles() {{
 
 def spin_us() -> int:
   """KILN_SPIN_US: microseconds a worker spins after a kernel inside a plan (0: never)."""
-  env = os.environ.get("KILN_SPIN_US")
-  if env is None or env == "": return DEFAULT_SPIN_US
-  try: us = int(env)
-  except ValueError: raise ValueError(f"KILN_SPIN_US must be a whole number of microseconds >= 0, got {env!r}") from None
-  if us < 0: raise ValueError(f"KILN_SPIN_US must be a whole number of microseconds >= 0, got {env!r}")
-  return us
+  us = env_int("KILN_SPIN_US", 0, "a whole number of microseconds >= 0")
+  return us if us is not None else DEFAULT_SPIN_US
 
 
 class Spinner:
