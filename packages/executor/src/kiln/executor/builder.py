@@ -16,6 +16,7 @@ from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
 from kiln.executor.execution import ExecutionPlan
 from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
+from kiln.executor.recipe import BufferRecipe, PlanRecipe
 from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
 from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
 from kiln.ir.errors import CodegenError, KilnBufferError, PlanError, VariableBoundsError
@@ -106,6 +107,15 @@ class ExecutionPlanBuilder:
 
   def build(self) -> ExecutionPlan: return _Builder(self).build()
 
+  @classmethod
+  def from_spec(cls, spec: Any, weights: Mapping[str, Any] | None = None, code: str = "sealed", verify: bool = True) -> ExecutionPlanBuilder:
+    """A builder holding a PlanSpec's buffers and ops (kiln.executor.planspec): build() compiles nothing where the spec's
+    object code may be used here (`code`: "sealed", "trusted" or "compile"), else compiles each kernel for this host."""
+    from kiln.executor.planspec import builder_from_spec
+    b = builder_from_spec(spec, weights, code, verify)  # type: ignore[arg-type]
+    assert isinstance(b, cls)
+    return b
+
 
 def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
   if d.nbytes != s.nbytes:
@@ -140,6 +150,9 @@ class _Builder:
 
   def build(self) -> ExecutionPlan:
     b, ops = self.b, self.b.ops
+    # what the plan was built from, before views and memory reuse rebind its buffers (ExecutionPlan.to_spec reads it)
+    self.recipe = PlanRecipe(b.device, b.parallel, b.reuse_memory, [BufferRecipe(x.storage, x.offset, x.size, x.dtype) for x in b.buffers],
+                             list(ops), list(b.outputs))
     if not b.outputs: raise PlanError("the plan has no outputs: call set_outputs([...]) with the buffers to read back")
     for o in b.outputs: self._idx(o, "set_outputs")
     ids = {op.id for op in ops}
@@ -182,7 +195,9 @@ class _Builder:
     self._tune(prepared, accesses)
     self._bind(prepared)
     all_ops: list[PreparedOp] = sorted([*prepared.values(), *views], key=lambda p: p.id)
-    return ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
+    plan = ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
+    plan.recipe = self.recipe
+    return plan
 
   def _kernel(self, op: _KernelOp) -> tuple[PreparedKernel, list[Access]]:
     label = _op_label(op)
@@ -232,7 +247,7 @@ class _Builder:
                         buffer_indices=[op.buffers[s] for s in kernel.globals],
                         output_indices=[i for i, s in enumerate(kernel.globals) if s in kernel.outs], vals=vals, fixedvars=fixed,
                         dependencies=[], buffer_ptrs=[], buffer_ids=[], runtime_vars=[bounds[n] for n in kernel.var_names if n in bounds],
-                        origin=origin)
+                        origin=origin, opts=None if op.opts is None else list(op.opts))
     pk.symbolic_sizes = any(isinstance(x, UOp) for x in (*(kernel.global_size or ()), *(kernel.local_size or ())))
     acc = []
     for s in kernel.globals:

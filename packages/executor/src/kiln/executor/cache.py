@@ -24,7 +24,7 @@ from kiln.executor import debug
 from kiln.ir.errors import CacheError
 from kiln.ir.uop import UOp
 
-Origin = Literal["memory", "disk", "compiled"]
+Origin = Literal["memory", "disk", "compiled", "spec"]  # "spec": object code a PlanSpec carried (kiln.executor.planspec)
 
 
 @dataclass(eq=False)
@@ -70,7 +70,7 @@ class CachedKernel:
 _kernels: dict[tuple[str, str], CachedKernel] = {}
 _inflight: dict[tuple[str, str], Future[CachedKernel]] = {}
 _lock = threading.Lock()
-_stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0}
+_stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0, "spec_loads": 0}
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,10 +194,15 @@ def cpu_name() -> str:
   return fp or platform.processor() or platform.machine()
 
 
-def disk_key(ast_key: str, device: str, rt: Runtime, opts: str = "") -> str:
+def target_key(device: str, rt: Runtime) -> str:
+  """What object code compiled here depends on besides its kernel: the device, the compiler's target (CPU name and
+  features, KILN_CPU), the kiln versions with their source stamps and the machine's fingerprint. Two processes whose
+  target keys are equal can run each other's object code (the disk cache and portable plans rely on it)."""
   fp = getattr(rt, "fingerprint", None) or getattr(rt.compiler, "fingerprint", None) or cpu_fingerprint()
-  versions = kiln_versions(type(rt).__module__)
-  return "|".join((ast_key, device, str(getattr(rt.compiler, "cache_key", "")), versions, str(fp), opts))
+  return "|".join((device, str(getattr(rt.compiler, "cache_key", "")), kiln_versions(type(rt).__module__), str(fp)))
+
+
+def disk_key(ast_key: str, device: str, rt: Runtime, opts: str = "") -> str: return "|".join((ast_key, target_key(device, rt), opts))
 
 
 _AREA = "kernels"
@@ -237,13 +242,13 @@ def disk_store(dkey: str, compiled: CompiledSpec) -> None:
 
 
 # ---- the high-level entry point ----
-def _opts_key(opts: Sequence[Any] | None) -> str: return "" if opts is None else "opts:" + repr(list(opts))
+def opts_key(opts: Sequence[Any] | None) -> str: return "" if opts is None else "opts:" + repr(list(opts))
 
 
 def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> tuple[CachedKernel, Origin]:
   """Memory cache -> disk cache -> render + compile. Returns the kernel and where it came from."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  key = ast.key + _opts_key(opts)
+  key = ast.key + opts_key(opts)
   if (hit := _kernels.get((key, dev))) is not None:
     _stats["memory_hits"] += 1
     return hit, "memory"
@@ -251,7 +256,7 @@ def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts:
   def build() -> CachedKernel:
     rt = get_runtime(dev)
     use_disk = disk_cache_enabled()
-    dkey = disk_key(ast.key, dev, rt, _opts_key(opts)) if use_disk else ""
+    dkey = disk_key(ast.key, dev, rt, opts_key(opts)) if use_disk else ""
     if use_disk and (compiled := disk_load(dkey)) is not None:
       try:
         ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "disk")
@@ -277,10 +282,10 @@ def adopt_kernel(ast: UOp, device: str | DeviceSpec, opts: Sequence[Any] | None,
   """Put a kernel compiled outside the cache (the tuner's winner) in it under (ast, opts): in memory, and on disk unless
   KILN_CACHE=0, so compile_kernel(ast, device, opts) finds it. An entry already there wins (every caller shares one)."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  ck.key = ast.key + _opts_key(opts)
+  ck.key = ast.key + opts_key(opts)
   got = get_or_compile_kernel(ck.key, dev, lambda: ck)
   if got is ck and disk_cache_enabled() and ck.compiled is not None:
-    disk_store(disk_key(ast.key, dev, get_runtime(dev), _opts_key(opts)), ck.compiled)
+    disk_store(disk_key(ast.key, dev, get_runtime(dev), opts_key(opts)), ck.compiled)
   return got
 
 

@@ -14,6 +14,7 @@ from kiln.executor import debug
 from kiln.executor.buffer import Buffer
 from kiln.executor.prepared import PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp
 from kiln.executor.profile import Profile, ProfileRecord
+from kiln.executor.recipe import PlanRecipe
 from kiln.ir.errors import PlanError, PlanPoisoned, VariableBoundsError
 
 
@@ -47,6 +48,7 @@ class ExecutionPlan:
     storages = {b.storage_id: b.storage for b in buffers}
     self.memory_bytes = sum(s.nbytes for s in storages.values())  # the plan's peak buffer memory (all of it lives as long as the plan)
     self.memory_bytes_without_reuse = memory_without_reuse
+    self.recipe: PlanRecipe | None = None  # what build() made it from (to_spec needs it)
 
   # ---- running ----
   def _check(self) -> None:
@@ -137,6 +139,18 @@ class ExecutionPlan:
       self._poisoned = e
       raise
     return prof
+
+  # ---- portable form (kiln.executor.planspec) ----
+  def to_spec(self, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
+              shapes: Mapping[str, Any] | None = None) -> Any:
+    """This plan as a PlanSpec: inputs and outputs named (plan buffer indices), weights by reference. export() also
+    hands back the arrays its object weights name."""
+    return self.export(inputs, outputs, shapes)[0]
+
+  def export(self, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
+             shapes: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    from kiln.executor.planspec import export
+    return export(self, inputs, outputs, shapes)
 
   # ---- reading ----
   @property

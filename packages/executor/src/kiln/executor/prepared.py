@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kiln.codegen.opt import Opt
 from kiln.codegen.protocols import BoundCall
 from kiln.codegen.spec import DeviceSpec, sym_eval
 from kiln.executor.cache import CachedKernel, Origin
@@ -39,6 +40,7 @@ class PreparedKernel:
   origin: Origin = "compiled"
   bound: BoundCall | None = None
   symbolic_sizes: bool = False
+  opts: list[Opt] | None = None  # the options it was compiled with (None: the heuristic's; a tuned kernel holds its winner)
   _sizes: dict[tuple[int, ...], tuple] = field(default_factory=dict, repr=False)
 
   @property

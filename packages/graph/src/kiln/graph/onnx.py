@@ -111,6 +111,14 @@ class Model:
     out = dict(zip(self._computed, got))
     return {n: out[n] if n in out else self._consts[n].copy() for n in self.output_names}, prof
 
+  def export(self) -> tuple[Any, dict[str, np.ndarray]]:
+    """The model's plan as a kiln.executor PlanSpec with the model's input and output names, and the arrays its weights
+    name (rebuild it with kiln.executor.PortablePlan). Outputs that are constants of the model are not in it."""
+    if self.compiled is None: raise ONNXError("every output of the model is a constant: there is no plan to export")
+    return self.compiled.export(self._computed)  # type: ignore[no-any-return]
+
+  def to_spec(self) -> Any: return self.export()[0]
+
   def summary(self) -> str:
     lines = [f"ONNX model: opset {self.opset}, {self.nodes} nodes; inputs " +
              ", ".join(f"{n} {s} {dt}" for n, s, dt in self.inputs) + "; outputs " + ", ".join(self.output_names)]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
-from kiln.graph.dims import evaluate, fmt_shape, is_static, variables
+from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
 from kiln.graph.lazy import GraphError, Node, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
@@ -184,6 +184,18 @@ class Compiled:
     prof = self.plan.execute_profiled()
     return self._outputs(vals), prof
 
+  def export(self, output_names: Sequence[str] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+    """The compiled graph as a kiln.executor PlanSpec (inputs by name, outputs as output_names or output0, ...; symbolic
+    dims by their variables' names) and the arrays its weights name: rebuild it with kiln.executor.PortablePlan."""
+    names = list(output_names) if output_names is not None else [f"output{i}" for i in range(len(self.outputs))]
+    if len(names) != len(self.outputs): raise GraphError(f"{len(names)} output names for {len(self.outputs)} outputs")
+    outs, shapes = {}, {}
+    for n, (b, s) in zip(names, self.outputs): outs[n], shapes[n] = b, [_spec_dim(d) for d in s]
+    for i in self.inputs: shapes[i.name] = [_spec_dim(d) for d in i.shape]
+    return self.plan.export({i.name: i.buf for i in self.inputs}, outs, shapes)  # type: ignore[no-any-return]
+
+  def to_spec(self, output_names: Sequence[str] | None = None) -> Any: return self.export(output_names)[0]
+
   def infer_vars(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Each variable's value from the fed arrays' shapes (every input that names it must agree, within its bounds)."""
     vals: dict[str, int] = {}
@@ -229,6 +241,13 @@ class Compiled:
       n = int(np.prod(shape, dtype=np.int64))
       out.append((buf if n == buf.size else buf.view(0, n)).numpy().reshape(shape).copy())
     return out
+
+
+def _spec_dim(d: Dim) -> int | str:
+  """A dim in a PlanSpec: a size, or a product of variable names and a whole number ("2*seq")."""
+  if isinstance(d, int): return d
+  c, vs = mono(d)
+  return "*".join([*([str(c)] if c != 1 or not vs else []), *(v.arg[0] for v in vs)])
 
 
 def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input]) -> dict[str, UOp]:

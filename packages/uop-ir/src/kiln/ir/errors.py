@@ -59,6 +59,11 @@ class PlanError(KilnError):
   """An execution plan could not be built: unknown or cyclic dependencies, bad indices, no outputs."""
 
 
+class PlanSpecError(PlanError):
+  """A plan could not be written as a PlanSpec (a host function in it, a weight with no reference), or a PlanSpec could not
+  be rebuilt (malformed, a weight missing or not matching its digest)."""
+
+
 class PlanPoisoned(PlanError):
   """An earlier execute failed; the plan refuses to run until rebuilt."""
 
