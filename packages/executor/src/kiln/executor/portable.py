@@ -18,6 +18,33 @@ from kiln.ir.errors import PlanSpecError, VariableBoundsError
 def _fmt(shape: list[Any]) -> str: return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
+def infer_vars(spec: PlanSpec, feeds: Mapping[str, np.ndarray], given: Mapping[str, int] | None = None) -> dict[str, int]:
+  """Each runtime variable's value, read off the fed arrays' shapes (every input naming it must agree, within its bounds)
+  or `given`; a product dim ("2*seq") is checked once its variables are known."""
+  vals: dict[str, int] = {}
+  where: dict[str, str] = {}
+  for io in spec.inputs:
+    a = feeds[io.name]
+    if a.ndim != len(io.shape):
+      raise PlanSpecError(f"input {io.name!r} has shape {a.shape}, the plan takes rank {len(io.shape)} {_fmt(io.shape)}")
+    for k, (got, d) in enumerate(zip(a.shape, io.shape)):
+      if isinstance(d, int) or d not in spec.variables:  # a size, or a product checked once the variables are known
+        if isinstance(d, int) and got != d: raise PlanSpecError(f"input {io.name!r} has shape {a.shape}, the plan takes {_fmt(io.shape)} (dim {k})")
+        continue
+      lo, hi = spec.variables[d]
+      if not lo <= got <= hi: raise VariableBoundsError(f"input {io.name!r} dim {k} ({d}) is {got}, outside the bounds [{lo}, {hi}]")
+      if d in vals and vals[d] != got: raise PlanSpecError(f"input {io.name!r} dim {k} ({d}) is {got}, but {where[d]} gave {d} = {vals[d]}")
+      vals[d], where[d] = int(got), f"input {io.name!r} dim {k}"
+  for n, v in (given or {}).items():
+    if n in vals and vals[n] != v: raise PlanSpecError(f"variable {n} = {v} was given, but {where[n]} gives {vals[n]}")
+    vals[n] = int(v)
+  for io in spec.inputs:
+    for k, (got, d) in enumerate(zip(feeds[io.name].shape, io.shape)):
+      if isinstance(d, str) and d not in spec.variables and all(n in vals for n in d.split("*") if not n.isdigit()):
+        if got != dim_value(d, vals): raise PlanSpecError(f"input {io.name!r} dim {k} is {got}, but {d} = {dim_value(d, vals)}")
+  return vals
+
+
 class PortablePlan:
   """A PlanSpec rebuilt in this process. `run` is serialised per plan, as ExecutionPlan.execute is."""
 
@@ -27,37 +54,13 @@ class PortablePlan:
     self.input_names = [i.name for i in spec.inputs]
     self.output_names = [o.name for o in spec.outputs]
 
-  def _vars(self, feeds: Mapping[str, np.ndarray], given: Mapping[str, int] | None) -> dict[str, int]:
-    vals: dict[str, int] = {}
-    where: dict[str, str] = {}
-    for io in self.spec.inputs:
-      a = feeds[io.name]
-      if a.ndim != len(io.shape):
-        raise PlanSpecError(f"input {io.name!r} has shape {a.shape}, the plan takes rank {len(io.shape)} {_fmt(io.shape)}")
-      for k, (got, d) in enumerate(zip(a.shape, io.shape)):
-        if isinstance(d, int) or d not in self.spec.variables:  # a size, or a product checked once the variables are known
-          if isinstance(d, int) and got != d: raise PlanSpecError(f"input {io.name!r} has shape {a.shape}, the plan takes {_fmt(io.shape)} (dim {k})")
-          continue
-        lo, hi = self.spec.variables[d]
-        if not lo <= got <= hi: raise VariableBoundsError(f"input {io.name!r} dim {k} ({d}) is {got}, outside the bounds [{lo}, {hi}]")
-        if d in vals and vals[d] != got: raise PlanSpecError(f"input {io.name!r} dim {k} ({d}) is {got}, but {where[d]} gave {d} = {vals[d]}")
-        vals[d], where[d] = int(got), f"input {io.name!r} dim {k}"
-    for n, v in (given or {}).items():
-      if n in vals and vals[n] != v: raise PlanSpecError(f"variable {n} = {v} was given, but {where[n]} gives {vals[n]}")
-      vals[n] = int(v)
-    for io in self.spec.inputs:
-      for k, (got, d) in enumerate(zip(feeds[io.name].shape, io.shape)):
-        if isinstance(d, str) and d not in self.spec.variables and all(n in vals for n in d.split("*") if not n.isdigit()):
-          if got != dim_value(d, vals): raise PlanSpecError(f"input {io.name!r} dim {k} is {got}, but {d} = {dim_value(d, vals)}")
-    return vals
-
   def _feed(self, feeds: Mapping[str, Any], given: Mapping[str, int] | None) -> dict[str, int]:
     arrays: dict[str, np.ndarray] = {}
     for io in self.spec.inputs:
       if io.name not in feeds: raise PlanSpecError(f"input {io.name!r} (shape {_fmt(io.shape)}, {io.dtype}) was not fed")
       arrays[io.name] = np.asarray(feeds[io.name])
     if unknown := sorted(set(feeds) - set(arrays)): raise PlanSpecError(f"feeds {unknown} are not inputs of the plan (it takes {self.input_names})")
-    vals = self._vars(arrays, given)
+    vals = infer_vars(self.spec, arrays, given)
     for io in self.spec.inputs:
       a, want = arrays[io.name], to_dtype(io.dtype).np
       if a.dtype != want:

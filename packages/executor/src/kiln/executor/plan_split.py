@@ -1,0 +1,210 @@
+"""Cutting a PlanSpec into pipeline stages at op boundaries.
+
+Stage k runs ops [cuts[k-1], cuts[k]) of the plan, in order. What crosses a cut is memory, not tensors: every storage a
+stage touches that an earlier stage wrote (unless the stage first overwrites all of it) comes in as an *activation*,
+the storage's raw bytes under the name `ACTIVATION + <storage index>`, and the stage that writes it hands it on. The
+plan's named inputs go to each stage that touches them, its weights only to the stages that read them, and each named
+output comes from the last stage that writes it. Running the stages in order on the same inputs therefore does exactly
+what the whole plan does, kernel for kernel: the outputs are bit-identical.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.executor.planspec import BufferEntry, CopyEntry, IOEntry, KernelEntry, PlanSpec, StorageEntry, ViewEntry
+from kiln.ir.errors import PlanSpecError
+
+ACTIVATION = "kiln.activation."
+
+
+@dataclass(frozen=True)
+class _Access:
+  storage: int
+  write: bool
+  whole: bool  # the access covers every byte of the storage
+
+
+def _where(spec: PlanSpec) -> dict[int, tuple[int, int, int]]:
+  """buffer -> (storage, byte offset, bytes), through view ops."""
+  out = {i: (b.storage, b.offset, b.size * _itemsize(b.dtype)) for i, b in enumerate(spec.buffers)}
+  for op in spec.ops:
+    if isinstance(op, ViewEntry):
+      st, off, _ = out[op.base]
+      out[op.out] = (st, off + op.byte_offset, op.byte_size)
+  return out
+
+
+def _itemsize(dtype: str) -> int:
+  from kiln.executor.buffer import to_dtype
+  return to_dtype(dtype).itemsize
+
+
+def _kernel_io(k: KernelEntry) -> tuple[list[int], list[int], list[int], float]:
+  """(globals, ins, outs, cost) of a kernel, read off its compiled JSON (validated fully only when it is rebuilt)."""
+  try:
+    doc = json.loads(k.compiled)
+    return list(doc.get("globals", [])), list(doc.get("ins", [])), list(doc.get("outs", [])), float(doc.get("flops", 0) + doc.get("mem_bytes", 0))
+  except (ValueError, TypeError, AttributeError) as e: raise PlanSpecError(f"kernel op {k.id}: its compiled kernel is not JSON: {e}") from None
+
+
+def _accesses(spec: PlanSpec) -> list[list[_Access]]:
+  where = _where(spec)
+  def acc(b: int, write: bool) -> _Access:
+    st, off, n = where[b]
+    return _Access(st, write, off == 0 and n == spec.storages[st].nbytes)
+  out: list[list[_Access]] = []
+  for op in spec.ops:
+    if isinstance(op, KernelEntry):
+      globs, ins, outs, _ = _kernel_io(op)
+      if bad := [s for s in globs if not 0 <= s < len(op.buffers)]: raise PlanSpecError(f"kernel op {op.id} has slots {bad} beyond its buffers")
+      out.append([*(acc(op.buffers[s], False) for s in globs if s in ins or s not in outs), *(acc(op.buffers[s], True) for s in outs if s in globs)])
+    elif isinstance(op, CopyEntry): out.append([acc(op.src, False), acc(op.dst, True)])
+    else: out.append([])
+  return out
+
+
+def op_costs(spec: PlanSpec) -> list[float]:
+  """Estimated work per op (a kernel's flops plus bytes; a copy's bytes; a view nothing), to balance stages."""
+  costs = []
+  for op in spec.ops:
+    if isinstance(op, KernelEntry): costs.append(_kernel_io(op)[3])
+    elif isinstance(op, CopyEntry): costs.append(float(spec.buffers[op.dst].size * _itemsize(spec.buffers[op.dst].dtype)))
+    else: costs.append(0.0)
+  return costs
+
+
+def balanced_cuts(spec: PlanSpec, stages: int) -> list[int]:
+  """Op positions where stages 2.. start, so that each stage holds about an equal share of the work."""
+  work = [i for i, op in enumerate(spec.ops) if not isinstance(op, ViewEntry)]
+  if not isinstance(stages, int) or stages < 1: raise PlanSpecError(f"stages must be a positive int, got {stages!r}")
+  if stages > len(work): raise PlanSpecError(f"cannot cut {len(work)} ops into {stages} stages")
+  costs = op_costs(spec)
+  total = sum(costs[i] for i in work) or 1.0
+  cuts: list[int] = []
+  acc = 0.0
+  for pos, i in enumerate(work[:-1]):
+    acc += costs[i]
+    k = len(cuts) + 1
+    left = len(work) - pos - 1  # ops after this one
+    if k < stages and (acc >= total * k / stages or left == stages - k): cuts.append(work[pos + 1])
+  return cuts
+
+
+def split(spec: PlanSpec, cuts: int | Sequence[int]) -> list[PlanSpec]:
+  """The stages of `spec`: `cuts` is a stage count (balanced by balanced_cuts) or the op positions where stages 2.. start."""
+  cuts = balanced_cuts(spec, cuts) if isinstance(cuts, int) else [int(c) for c in cuts]
+  n = len(spec.ops)
+  if any(not 0 < c < n for c in cuts) or cuts != sorted(set(cuts)):
+    raise PlanSpecError(f"cuts {cuts} must be increasing op positions inside 1..{n - 1}")
+  bounds = [0, *cuts, n]
+  for k in range(len(bounds) - 1):
+    if all(isinstance(spec.ops[i], ViewEntry) for i in range(bounds[k], bounds[k + 1])):
+      raise PlanSpecError(f"stage {k} (ops {bounds[k]}..{bounds[k + 1] - 1}) holds no work, only views: cut elsewhere")
+  stage_of = [next(k for k in range(len(bounds) - 1) if bounds[k] <= i < bounds[k + 1]) for i in range(n)]
+  for op in spec.ops:
+    if isinstance(op, KernelEntry | CopyEntry) and (bad := [d for d in op.deps if stage_of[d] > stage_of[op.id]]):
+      raise PlanSpecError(f"op {op.id} depends on ops {bad} of a later stage: cut elsewhere")
+  acc = _accesses(spec)
+  where = _where(spec)
+  nst = len(bounds) - 1
+  touched = [{a.storage for i in range(bounds[k], bounds[k + 1]) for a in acc[i]} for k in range(nst)]
+  written = [{a.storage for i in range(bounds[k], bounds[k + 1]) for a in acc[i] if a.write} for k in range(nst)]
+  first_whole_write: list[set[int]] = []
+  for k in range(nst):
+    seen: set[int] = set()
+    whole: set[int] = set()
+    for i in range(bounds[k], bounds[k + 1]):
+      for a in acc[i]:
+        if a.storage not in seen and a.write and a.whole: whole.add(a.storage)
+        seen.add(a.storage)
+    first_whole_write.append(whole)
+  inputs_at = {where[io.buffer][0]: io for io in spec.inputs}
+  owner: dict[str, int] = {}
+  for io in spec.outputs:
+    st = where[io.buffer][0]
+    writers = [k for k in range(nst) if st in written[k]]
+    owner[io.name] = writers[-1] if writers else max([k for k in range(nst) if st in touched[k]], default=nst - 1)
+  stages = []
+  for k in range(nst):
+    earlier = set().union(*written[:k]) if k else set()
+    later = set().union(*touched[k + 1:]) if k + 1 < nst else set()
+    act_in = sorted((touched[k] & earlier) - first_whole_write[k])
+    act_out = sorted(written[k] & later)
+    outs = [io for io in spec.outputs if owner[io.name] == k]
+    ins = [io for st, io in inputs_at.items() if st in touched[k] and st not in earlier]
+    if not outs and not act_out: raise PlanSpecError(f"stage {k} (ops {bounds[k]}..{bounds[k + 1] - 1}) writes nothing that is used later")
+    stages.append(_stage(spec, range(bounds[k], bounds[k + 1]), act_in, act_out, ins, outs, earlier, where))
+  return stages
+
+
+def _stage(spec: PlanSpec, ops: range, act_in: list[int], act_out: list[int], ins: list[IOEntry], outs: list[IOEntry],
+           earlier: set[int], where: Mapping[int, tuple[int, int, int]]) -> PlanSpec:
+  used: list[int] = []  # original buffer indices, in first-use order
+  def use(b: int) -> None:
+    if b not in used: used.append(b)
+  own = [spec.ops[i] for i in ops if not isinstance(spec.ops[i], ViewEntry)]
+  for op in own:
+    for b in (op.buffers if isinstance(op, KernelEntry) else [op.dst, op.src]): use(b)  # type: ignore[union-attr]
+  for io in [*ins, *outs]: use(io.buffer)
+  views: list[ViewEntry] = []
+  pending = [op for op in spec.ops if isinstance(op, ViewEntry)]
+  grew = True
+  while grew:  # the view ops that make any used buffer, and their bases' views in turn
+    grew = False
+    for v in pending:
+      if v.out in used and v not in views:
+        views.append(v)
+        use(v.base)
+        grew = True
+  views.sort(key=lambda v: v.id)
+  # a view op's target keeps its own (unused) storage entry; what it reaches is its base's storage
+  storages = sorted({spec.buffers[b].storage for b in used} | {where[b][0] for b in used} | set(act_in) | set(act_out))
+  snew = {s: i for i, s in enumerate(storages)}
+  bnew = {b: i for i, b in enumerate(used)}
+  st_entries = []
+  for s in storages:
+    e = spec.storages[s]
+    keep = e.weight is not None and s not in earlier  # data written by an earlier stage comes as an activation instead
+    st_entries.append(StorageEntry(device=e.device, nbytes=e.nbytes, readonly=e.readonly and keep, weight=e.weight if keep else None))
+  buffers = [BufferEntry(storage=snew[spec.buffers[b].storage], offset=spec.buffers[b].offset, size=spec.buffers[b].size,
+                         dtype=spec.buffers[b].dtype) for b in used]
+  act_bufs: dict[int, int] = {}
+  for s in sorted(set(act_in) | set(act_out)):
+    act_bufs[s] = len(buffers)
+    buffers.append(BufferEntry(storage=snew[s], offset=0, size=spec.storages[s].nbytes, dtype="uint8"))
+  ids: dict[int, int] = {}
+  new_ops: list[Any] = []
+  for op in [*views, *own]:
+    ids[op.id] = len(new_ops)
+    nid = len(new_ops)
+    if isinstance(op, ViewEntry): new_ops.append(op.model_copy(update={"id": nid, "out": bnew[op.out], "base": bnew[op.base]}))
+    elif isinstance(op, KernelEntry):
+      new_ops.append(op.model_copy(update={"id": nid, "buffers": [bnew[b] for b in op.buffers], "deps": [ids[d] for d in op.deps if d in ids]}))
+    else:
+      new_ops.append(op.model_copy(update={"id": nid, "dst": bnew[op.dst], "src": bnew[op.src], "deps": [ids[d] for d in op.deps if d in ids]}))
+  def io(e: IOEntry) -> IOEntry: return e.model_copy(update={"buffer": bnew[e.buffer]})
+  def act(s: int) -> IOEntry: return IOEntry(name=f"{ACTIVATION}{s}", buffer=act_bufs[s], shape=[spec.storages[s].nbytes], dtype="uint8")
+  return PlanSpec(device=spec.device, target=spec.target, parallel=spec.parallel, reuse_memory=spec.reuse_memory, storages=st_entries,
+                  buffers=buffers, ops=new_ops, inputs=[*(io(e) for e in ins), *(act(s) for s in act_in)],
+                  outputs=[*(io(e) for e in outs), *(act(s) for s in act_out)], variables=dict(spec.variables))
+
+
+def run_in_order(spec: PlanSpec, stages: Sequence[Any], feeds: Mapping[str, Any], vars: Mapping[str, int] | None = None) -> dict[str, Any]:
+  """Run the stage plans of `spec` (PortablePlan-like: .spec, .run(feeds, vars)) one after another in this process,
+  passing the activations along; returns the whole plan's named outputs."""
+  import numpy as np
+
+  from kiln.executor.portable import infer_vars
+  env = {k: np.asarray(v) for k, v in feeds.items()}
+  for io in spec.inputs:
+    if io.name not in env: raise PlanSpecError(f"input {io.name!r} was not fed")
+  vals = infer_vars(spec, env, vars)  # a later stage may see none of the inputs that carry a variable
+  final: dict[str, Any] = {}
+  for st in stages:
+    got = st.run({io.name: env[io.name] for io in st.spec.inputs}, vals)
+    env.update(got)
+    final.update({k: v for k, v in got.items() if not k.startswith(ACTIVATION)})
+  return final
