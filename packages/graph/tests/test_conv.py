@@ -1,5 +1,6 @@
 """Tensor.conv2d against a direct numpy convolution (stride, padding, dilation, groups, 1x1, 1-3 spatial dims), the
-kernels it schedules (a matmul-shaped product the codegen tiles and packs; a realized padded input; none for a 1x1),
+kernels it schedules (a matmul-shaped product the codegen tiles and packs, reading a padded input through the pad's bounds
+test; no input kernel for a 1x1), the packed panel's masked row copies against the realized padded input (bit for bit),
 Tensor.contiguous, and the ONNX Conv op against onnxruntime."""
 from __future__ import annotations
 
@@ -87,16 +88,16 @@ def test_conv_matches_numpy(xs, ws, stride, padding, dilation, groups, bias, fus
 
 
 def test_conv_kernels() -> None:
-  """Which kernels each kind of conv takes: the padded input realized, then a product the heuristic tiles; no padding
-  kernel without padding; a 1x1 reads its input as the matrix; a depthwise conv one window sum."""
+  """Which kernels each kind of conv takes: a product the heuristic tiles, reading a padded input in place (gated loads,
+  no padded copy); a 1x1 reads its input as the matrix; a depthwise conv one window sum."""
   x = Tensor.input("x", (2, 8, 10, 10))
   c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), Tensor(rand(16)), padding=1)])
-  assert c.kernel_count == 3, c.plan.describe()  # padded input, product, bias (the graph's output)
+  assert c.kernel_count == 2, c.plan.describe()  # product (padding read in place), bias (the graph's output)
   assert len(matmul_kernels(c)) == 1
   c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), Tensor(rand(16)))])
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
   c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), stride=2, padding=1, dilation=2)])
-  assert c.kernel_count == 3 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
   c = compile([x.conv2d(Tensor(rand(16, 8, 1, 1)), Tensor(rand(16)))])
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()  # product, bias
   c = compile([x.conv2d(Tensor(rand(8, 1, 3, 3)), padding=1, groups=8)])
@@ -104,19 +105,39 @@ def test_conv_kernels() -> None:
   # a weight that is not an array is realized as a flat (O, C*kh*kw) matrix first: one more kernel
   w = Tensor.input("w", (16, 8, 3, 3))
   c = compile([x.conv2d(w, padding=1)])
-  assert c.kernel_count == 4 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  assert c.kernel_count == 3 and len(matmul_kernels(c)) == 1, c.plan.describe()
   xn, wn = rand(2, 8, 10, 10), rand(16, 8, 3, 3)
   np.testing.assert_allclose(c.run({"x": xn, "w": wn})[0], conv_ref(xn, wn, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,groups,bias", [c for c in CASES if c[3] != 0 and c[1][0] != c[5]])  # not depthwise
+def test_padding_read_in_place_matches_the_padded_copy(monkeypatch, xs, ws, stride, padding, dilation, groups, bias) -> None:
+  """A padded conv reads its input through the pad (gated loads; its packed panel masked loads) in one kernel fewer than
+  the realized padded copy (tensor.PAD_INLINE = False), with the same bits: the same product, only its panel copied another way."""
+  import kiln.graph.tensor as tensor_mod
+  x, w = rand(*xs), rand(*ws)
+  b = rand(ws[0]) if bias else None
+  st, pads, dl = _spec(stride, padding, dilation, len(ws) - 2)
+  got, counts = [], []
+  for inline in (True, False):
+    monkeypatch.setattr(tensor_mod, "PAD_INLINE", inline)
+    c = compile([Tensor.input("x", xs).conv2d(Tensor(w), None if b is None else Tensor(b), st, pads, dl, groups)])
+    got.append(c.run({"x": x})[0])
+    counts.append(c.kernel_count)
+  np.testing.assert_allclose(got[0], conv_ref(x, w, b, st, pads, dl, groups), rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(got[0], got[1])
+  assert counts[0] == counts[1] - 1
+
+
 def test_conv_epilogue_reads_the_product() -> None:
   """Batch norm, relu and a 2x2 max pool after a padded conv: the pool kernel applies them while it reads the product;
-  the next conv's padded input is a kernel of its own (a reduction under the padding's bounds test is slower)."""
+  the next conv reads the pooled buffer through its padding (a reduction under the padding's bounds test is slower, so
+  the pool is realized, not inlined)."""
   x, w1, w2 = rand(2, 3, 12, 12), rand(8, 3, 3, 3), rand(8, 8, 3, 3)
   a, s = rand(1, 8, 1, 1), rand(1, 8, 1, 1)
   h = (Tensor.input("x", x.shape).conv2d(Tensor(w1), padding=1) * Tensor(a) + Tensor(s)).relu().max_pool([2, 2])
   c = compile([h.conv2d(Tensor(w2), padding=1)])
-  assert c.kernel_count == 6, c.plan.describe()  # padded x, product, pool+bn+relu, its padding, product, the output copy
+  assert c.kernel_count == 4, c.plan.describe()  # product, pool+bn+relu, product, the output copy
   assert len(matmul_kernels(c)) == 2
   r = np.maximum(conv_ref(x, w1, None, [1, 1], [(1, 1)] * 2, [1, 1], 1) * a + s, 0)
   r = r.reshape(2, 8, 6, 2, 6, 2).max((3, 5))

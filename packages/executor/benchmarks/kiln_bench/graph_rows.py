@@ -371,8 +371,8 @@ def cnn(b: Bench, r: Row) -> None:
     if i < len(chans) - 2: hw //= 2
   r.achieved, r.limit = _rate(flops / r.kiln, b.peak), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
   r.checks, r.target = [("onnxruntime", 1.0)], ">= onnxruntime"
-  r.note = (f"{len(km.plan.kernels)} kernels (the padded input; per conv a product tiled as a matmul, its window panels packed; "
-            "the max pools apply BN+relu as they read, then the next conv's padded input; global pool with BN+relu; linear); "
+  r.note = (f"{len(km.plan.kernels)} kernels (per conv a product tiled as a matmul, its window panels packed, the padding read in place "
+            "by masked loads; the max pools apply BN+relu as they read; global pool with BN+relu; linear); "
             "batch norm folded at load to a multiply-add; torch column: nn.Sequential, inference_mode (report only)")
 
 

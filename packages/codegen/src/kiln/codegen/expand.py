@@ -63,8 +63,10 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
   return simplify_indices(substitute(u, m)) if m else u
 
 
-def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
-  """Turn the scalar graph u (in terms of the lane variable) into vector ops over the lanes; vec is (lane variable, width)."""
+def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
+  """Turn the scalar graph u (in terms of the lane variable) into vector ops over the lanes; vec is (lane variable, width).
+  masked (CPU): a gated load of contiguous lanes is one load under a vector of per-lane gates (a masked load), not a
+  gather of gated scalars."""
   lane, w = vec
   vdep: set[UOp] = set()
   out: dict[UOp, UOp] = {}
@@ -81,7 +83,7 @@ def vectorize(u: UOp, vec: tuple[UOp, int]) -> UOp:
       continue
     vdep.add(n)
     if n.op is Ops.INDEX: out[n] = n; continue  # (rewritten by its LOAD/STORE)
-    if n.op is Ops.LOAD: out[n] = _vload(n, lane, w); continue
+    if n.op is Ops.LOAD: out[n] = _vload(n, lane, w, out if masked else None); continue
     if n.op is Ops.STORE: out[n] = _vstore(n, out[n.src[1]], lane, w); continue
     if n.op in GroupOp.ALU or n.op in (Ops.CAST, Ops.BITCAST):
       srcs = tuple(bcast(out[s], w) for s in n.src)
@@ -96,11 +98,15 @@ def _lanes(idx: UOp, lane: UOp, w: int) -> list[UOp]:
   return [simp(substitute(idx, {lane: UOp.const(dtypes.index, i)})) for i in range(w)]
 
 
-def _vload(ld: UOp, lane: UOp, w: int) -> UOp:
+def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) -> UOp:
   buf, idx, *gate = ld.src[0].src
   dt = ld.dtype
-  if not gate and affine_coeff(idx, lane) == 1:
-    return UOp(Ops.LOAD, dt.vec(w), (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))),))
+  if affine_coeff(idx, lane) == 1 and (not gate or vec_of is not None):
+    first = simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))
+    if not gate: return UOp(Ops.LOAD, dt.vec(w), (buf.index(first),))
+    assert vec_of is not None
+    g = bcast(vec_of[gate[0]], w)  # the lanes' gates: a masked load reads only the lanes whose gate is on, zero elsewhere
+    return UOp(Ops.LOAD, dt.vec(w), (UOp(Ops.INDEX, buf.dtype, (buf, first, g)),))
   idxs = _lanes(idx, lane, w)
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))

@@ -398,8 +398,17 @@ def _keeps(st: UOp, reduces: list[UOp], vec_axis: UOp | None) -> list[Opt]:
 def _matmul_like(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp]) -> bool: return matmul_rows(st) is not None
 
 
+def operand_load(u: UOp) -> UOp | None:
+  """u's LOAD when u is a load, or a load under a bounds test that gives a constant outside (a padded conv's input:
+  WHERE(valid, LOAD(buffer, index, gate valid), 0)); else None."""
+  if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX: return u
+  if u.op is Ops.WHERE and u.src[1].op is Ops.LOAD and u.src[1].src[0].op is Ops.INDEX and u.src[2].op is Ops.CONST: return u.src[1]
+  return None
+
+
 def matmul_rows(st: UOp) -> UOp | None:
-  """The row axis of a matmul-like store: one ADD reduce over one axis of a product of two loads, the innermost output axis
+  """The row axis of a matmul-like store: one ADD reduce over one axis of a product of two loads (or loads under a bounds
+  test, `operand_load`), the innermost output axis
   read by one load only and a row axis by the other only. The row axis is the innermost such output axis, not
   necessarily the one before the columns: attention's context ctx[b, i, h, e] = sum_j p[b, h, i, j] v[b, j, h, e] has its
   rows in i, with the heads h (read by both) between (register-tiled: 17 -> 5x GFLOP/s). None when not matmul-like."""
@@ -407,7 +416,7 @@ def matmul_rows(st: UOp) -> UOp | None:
   reduces = [u for u in st.toposort() if u.op is Ops.REDUCE]
   if len(out_axes) < 2 or len(reduces) != 1 or reduces[0].arg is not Ops.ADD or len(reduces[0].src) != 2: return None
   v = reduces[0].src[0]
-  if v.op is not Ops.MUL or not all(s.op is Ops.LOAD for s in v.src): return None
+  if v.op is not Ops.MUL or not all(operand_load(s) is not None for s in v.src): return None
   a, b = (set(s.toposort()) for s in v.src)
   cols = out_axes[-1]
   if (cols in a) == (cols in b): return None

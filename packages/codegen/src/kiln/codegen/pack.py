@@ -6,7 +6,7 @@ from __future__ import annotations
 from kiln.codegen.expand import simp, simplify_indices, vectorize
 from kiln.codegen.linearize import Scope
 from kiln.codegen.loops import LowerCtx
-from kiln.codegen.opt import axis_size
+from kiln.codegen.opt import affine_coeff, axis_size, operand_load
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError
@@ -46,14 +46,15 @@ class Packer:
     for red in (u for st in stores for u in st.toposort() if u.op is Ops.REDUCE):
       kr = [r for r in red.src[1:] if plans[r].pack]
       if len(kr) != 1 or len(red.src) != 2: continue
-      for ld in (u for u in red.src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and len(u.src[0].src) == 2):
+      for ld in (u for u in red.src[0].toposort() if _packable(u)):
         rs = free_ranges(ld)
         vec_r = next(p.rng for p in plans.values() if p.ev is self.ctx.vec[0])  # the output's vector axis (a reduce may have its own)
         if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops): out[ld] = rs - {kr[0]}
     return out
 
   def emit(self, scope: Scope, ld: UOp, subst: dict[UOp, UOp]) -> None:
-    """Copy the panel ld reads for the current outer tile into this thread's scratch: panel[k, lane] at (k*W + lane)."""
+    """Copy the panel ld reads for the current outer tile into this thread's scratch: panel[k, lane] at (k*W + lane).
+    A row of the panel is copied as runs of lanes (`runs`): a conv's window row spans image rows, contiguous within each."""
     ctx = self.ctx
     assert ctx.vec is not None
     lane, w = ctx.vec
@@ -66,8 +67,9 @@ class Packer:
     src = simplify_indices(substitute(ld, {**subst, k: lv}))
     self.packed[ld] = (k, base, w)
     ctx.lin.floor[scratch_ptr(ld.dtype)] = scope  # the panel is read after this copy
-    st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + lane)), src)), ctx.vec)
-    for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
+    for piece, at, (j, n) in runs(src, lane, w):
+      st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + at + j)), piece)), (j, n), masked=True)
+      for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
     ctx.lin.close(inner)
 
   def unpack(self, body: UOp, rsubst: dict[UOp, UOp]) -> UOp:
@@ -79,3 +81,27 @@ class Packer:
       if k not in rsubst: continue  # another REDUCE's panel (a kernel of two stores, one packed): not in this loop nest
       m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (scratch_ptr(ld.dtype).index(simp(base + rsubst[k] * w + self.ctx.vec[0])),))
     return substitute(body, m) if m else body
+
+
+def _packable(u: UOp) -> bool:
+  """A plain load, or a load under a bounds test (a padded conv's input, opt.operand_load); a gated load alone is not."""
+  ld = operand_load(u)
+  return ld is not None and (u.op is Ops.WHERE or len(ld.src[0].src) == 2)
+
+
+def runs(src: UOp, lane: UOp, w: int) -> list[tuple[UOp, int, tuple[UOp, int]]]:
+  """The lanes of src as runs of n lanes each, (piece, first lane, (run lane variable, n)) per run: the longest power-of-two
+  runs (at least 4 lanes) in which every load reads contiguous lanes (a conv's window row over 8x8 images: 4 runs of 8),
+  each then one vector load (masked where the load is gated: a padded conv's bounds test). All w lanes as one run when
+  they are contiguous already or no such runs exist (the lanes then gather, as they always did)."""
+  idxs = [u.src[0].src[1] for u in src.toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX]
+  def affine(e: UOp, v: UOp) -> bool: return affine_coeff(e, v) in (0, 1)
+  if all(affine(i, lane) for i in idxs): return [(src, 0, (lane, w))]
+  n = w // 2
+  while n >= 4 and w % n == 0:
+    j = UOp(Ops.DEFINE_VAR, dtypes.index, (), (f"{lane.arg[0]}.run", 0, n - 1))  # not an identifier, as expand_var's
+    pieces = [simp(substitute(src, {lane: j + UOp.const(dtypes.index, s * n)})) for s in range(w // n)]
+    if all(affine(u.src[0].src[1], j) for p in pieces for u in p.toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX):
+      return [(p, s * n, (j, n)) for s, p in enumerate(pieces)]
+    n //= 2
+  return [(src, 0, (lane, w))]

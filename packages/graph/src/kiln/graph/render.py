@@ -230,14 +230,20 @@ class Renderer:
       before, value = p
       valid: UOp | None = None
       sub: list[UOp] = []
+      raw: list[UOp] = []
       for i, b, sd in zip(idx, before, s.shape):
         if b == 0 and sd == n.shape[len(sub)]:
-          sub.append(i); continue
+          sub.append(i); raw.append(i); continue
         j = i - b
         ok = (j >= 0) & (j < sd)
         valid = ok if valid is None else valid & ok
         sub.append(ZERO if sd == 1 else _clamp(j, sd))
-      v = self.render(s, tuple(sub))
+        raw.append(ZERO if sd == 1 else j)
+      if valid is not None and (s in self.realized or s.op == "BUFFER") and s is not self.node:
+        # a buffer read under the pad's bounds test: a gated load at the unclamped index (it reads nothing outside), so
+        # the index stays affine in the output's lanes and a conv's packed panel copies each row run as one masked load
+        v = self._global(s).index(self.splits.flat(tuple(raw), s.shape), valid).load()
+      else: v = self.render(s, tuple(sub))
       return v if valid is None else valid.where(v, UOp.const(n.dtype, value))
     raise GraphError(f"unknown view {kind}")
 

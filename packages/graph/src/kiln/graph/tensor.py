@@ -20,6 +20,9 @@ from kiln.ir.uop import UOp
 Scalar = int | float | bool
 PyFloat = float  # Tensor.float() shadows the builtin inside the class
 DTypeLike = DType | str | np.dtype | type
+# a padded conv reads its realized input through the pad (gated loads its packed panel copies as masked row runs) instead
+# of realizing the padded copy first (a kernel of its own per conv); False: the padded copy, for comparison
+PAD_INLINE = True
 
 
 def to_dtype(dt: DTypeLike) -> DType:
@@ -399,8 +402,10 @@ class Tensor:
 
     Per group a matrix product y[n, o, p] = sum_k W[o, k] * cols[n, k, p], k = (c, *kernel) and p = the output positions,
     shaped so the codegen gives it the matmul options (register tile, packed panel, threads): cols is the window view of
-    the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). Its loads must be
-    plain, so a padded input is realized first. The product is realized as (N, groups, O/groups, P), the loops the matmul
+    the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). A padded input is
+    read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
+    copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
+    The product is realized as (N, groups, O/groups, P), the loops the matmul
     tiles; bias and what follows (batch norm, relu, pooling) read it through an NCHW view. A depthwise conv (one input
     and one output channel per group) has no matrix to tile: it stays a sum over each window."""
     d = weight.ndim - 2
@@ -419,12 +424,14 @@ class Tensor:
     ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
     xp = x.pad(((0, 0), (0, 0), *pads))
     if cg == 1 and og == 1: return _window_conv(xp, w, st, dl, groups, bias)
-    if xp is not x and _reduces(x.node):  # a pool before the conv: pooled, then padded, in two kernels (see _reduces)
+    if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
       xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
+    elif xp is not x:
+      xp = (x.contiguous() if _reduces(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
     if all(k == 1 for k in ks) and all(s == 1 for s in st) and xp is x:
       out, cols = x.shape[2:], x.reshape(n, groups, cg, prod(x.shape[2:]))  # 1x1: the input is the matrix already
     else:
-      win = (xp if xp is x else xp.contiguous()).windows(ks, st, dl)  # (N, C, *out, *k)
+      win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
       out = win.shape[2:2 + d]
       win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
       cols = win.reshape(n, groups, cg * prod(ks), prod(out))
@@ -551,7 +558,8 @@ def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
 def _reduces(n: Node) -> bool:
   """Whether n computes a reduction (through views and elementwise ops, up to realized nodes). Written under a pad's
   bounds test it vectorises poorly: the CNN bench's max pools with the next conv's padding took 0.53 and 0.49 ms as one
-  kernel each, 0.26 + 0.20 and 0.18 + 0.19 ms as pool and pad (2-core AVX2, quiet)."""
+  kernel each, 0.26 + 0.20 and 0.18 + 0.19 ms as pool and pad (2-core AVX2, quiet). (With PAD_INLINE the conv reads
+  the pool's buffer through its padding, so only the PAD_INLINE = False path still asks.)"""
   stack, seen = [n], set()
   while stack:
     m = stack.pop()

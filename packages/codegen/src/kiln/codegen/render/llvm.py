@@ -251,13 +251,14 @@ class LLVMPrinter(Printer):
   def index(self, u: UOp) -> str:
     buf, idx = u.src[0], u.src[1]
     assert isinstance(buf.dtype, PtrDType)
-    if len(u.src) == 3:  # a gated access reads element 0 when the gate is off, so it never leaves the buffer
+    masked = len(u.src) == 3 and u.src[2].dtype.count > 1  # a masked load's base: no lane whose gate is off is read (no inbounds)
+    if len(u.src) == 3 and not masked:  # a gated access reads element 0 when the gate is off, so it never leaves the buffer
       safe = self.tmp()
       self.emit(f"{safe} = select i1 {self.val(u.src[2])}, i32 {self.val(idx)}, i32 0")
       idxv = safe
     else: idxv = self.val(idx)
     r = self.tmp()
-    self.emit(f"{r} = getelementptr inbounds {mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, i32 {idxv}")
+    self.emit(f"{r} = getelementptr {'' if masked else 'inbounds '}{mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, i32 {idxv}")
     return r
 
   def gep(self, u: UOp) -> str:
@@ -304,6 +305,12 @@ class LLVMPrinter(Printer):
     if idx.op is Ops.DEFINE_ACC:
       self.emit(f"{r} = load {ltype(dt)}, ptr {self.val(idx)}")
       return r
+    if len(idx.src) == 3 and idx.src[2].dtype.count > 1:  # contiguous lanes under a per-lane gate: a masked load, zero where off
+      mt = mtype(dt)  # <16 x float> -> the intrinsic's v16f32 (bool and bfloat16 load as i8 and i16)
+      sfx = "v" + mt.strip("<>").replace(" x ", "").replace("float", "f32").replace("double", "f64").replace("half", "f16")
+      fn = self.intrinsic(f"llvm.masked.load.{sfx}.p0", mt, ["ptr", "i32", ltype(idx.src[2].dtype), mt])
+      self.emit(f"{r} = call {mt} {fn}(ptr {self.val(idx)}, i32 {max(dt.itemsize, 1)}, {self.tv(idx.src[2])}, {mt} zeroinitializer)")
+      return self.from_mem(r, dt)
     self.emit(f"{r} = load {mtype(dt)}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}")
     v = self.from_mem(r, dt)
     if len(idx.src) == 3:  # gated: zero where the gate is off
