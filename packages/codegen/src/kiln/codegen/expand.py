@@ -65,8 +65,9 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
 
 def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
   """Turn the scalar graph u (in terms of the lane variable) into vector ops over the lanes; vec is (lane variable, width).
-  masked (CPU): a gated load of contiguous lanes is one load under a vector of per-lane gates (a masked load), not a
-  gather of gated scalars."""
+  masked (CPU, masked loads): a gated load of contiguous lanes is one load under a vector of per-lane gates, not a gather
+  of gated scalars; a load of lanes STRIDE_LOADS apart (a 2x2 pool's rows) one load of the span under a mask of every
+  stride-th lane, its lanes then picked out (a shuffle), not a gather."""
   lane, w = vec
   vdep: set[UOp] = set()
   out: dict[UOp, UOp] = {}
@@ -98,10 +99,19 @@ def _lanes(idx: UOp, lane: UOp, w: int) -> list[UOp]:
   return [simp(substitute(idx, {lane: UOp.const(dtypes.index, i)})) for i in range(w)]
 
 
+STRIDE_LOADS = (2, 3, 4)  # lane strides loaded as one masked span (at most 64 elements) and shuffled
+
+
 def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) -> UOp:
   buf, idx, *gate = ld.src[0].src
   dt = ld.dtype
-  if affine_coeff(idx, lane) == 1 and (not gate or vec_of is not None):
+  c = affine_coeff(idx, lane)
+  if vec_of is not None and not gate and c in STRIDE_LOADS and c * w <= 64:
+    # the span's elements at every c-th lane only are read (the mask), so it never reads past the last lane's element
+    mask = UOp(Ops.VECTORIZE, dtypes.bool.vec(c * w), tuple(UOp.const(dtypes.bool, i % c == 0) for i in range(c * w)))
+    span = UOp(Ops.LOAD, dt.vec(c * w), (UOp(Ops.INDEX, buf.dtype, (buf, simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)})), mask)),))
+    return UOp(Ops.VECTORIZE, dt.vec(w), tuple(UOp(Ops.GEP, dt, (span,), i * c) for i in range(w)))
+  if c == 1 and (not gate or vec_of is not None):
     first = simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))
     if not gate: return UOp(Ops.LOAD, dt.vec(w), (buf.index(first),))
     assert vec_of is not None

@@ -62,14 +62,17 @@ class Packer:
     size = axis_size(k)
     assert size is not None
     base = self.reserve(size * w, ld.dtype)
-    lv = ctx.count_loop(size)
+    m = unroll_rows(substitute(ld, subst), k, size)
+    lv = ctx.count_loop(size // m)
     inner = ctx.lin.open(scope, lv)
-    src = simplify_indices(substitute(ld, {**subst, k: lv}))
     self.packed[ld] = (k, base, w)
     ctx.lin.floor[scratch_ptr(ld.dtype)] = scope  # the panel is read after this copy
-    for piece, at, (j, n) in runs(src, lane, w):
-      st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + lv * w + at + j)), piece)), (j, n), masked=True)
-      for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
+    for c in range(m):  # m panel rows a step: k = lv*m + c (a conv's 3x3 window offsets: their // and % fold away)
+      kv = lv * m + c if m > 1 else lv
+      src = (simp if m > 1 else simplify_indices)(substitute(ld, {**subst, k: kv}))
+      for piece, at, (j, n) in runs(src, lane, w):
+        st = vectorize(UOp(Ops.STORE, dtypes.void, (scratch_ptr(ld.dtype).index(simp(base + kv * w + at + j)), piece)), (j, n), masked=True)
+        for one in (st.src if st.op is Ops.SINK else (st,)): ctx.lin.emit(inner, one)
     ctx.lin.close(inner)
 
   def unpack(self, body: UOp, rsubst: dict[UOp, UOp]) -> UOp:
@@ -105,3 +108,20 @@ def runs(src: UOp, lane: UOp, w: int) -> list[tuple[UOp, int, tuple[UOp, int]]]:
       return [(p, s * n, (j, n)) for s, p in enumerate(pieces)]
     n //= 2
   return [(src, 0, (lane, w))]
+
+
+UNROLL_ROWS = 32  # the most panel rows one step of a panel copy may take
+
+
+def unroll_rows(ld: UOp, k: UOp, size: int) -> int:
+  """How many panel rows one step of the copy takes: the fewest m (dividing the axis, at most UNROLL_ROWS) for which the
+  index arithmetic of k = q*m + c, c a constant, has no // or % of q left (a conv's k = (channel, ky, kx) over a 3x3
+  window: m = 9, each step one channel, its nine window offsets constants, their bounds tests loop-invariant); 1 when the
+  index has no // or % of k (a matmul) or no such m exists."""
+  def divides(u: UOp, v: UOp) -> bool: return any(n.op in (Ops.IDIV, Ops.MOD) and v in n.src[0].toposort() for n in u.toposort())
+  if not divides(ld, k): return 1
+  for m in range(2, min(size, UNROLL_ROWS) + 1):
+    if size % m: continue
+    qm = UOp(Ops.DEFINE_VAR, dtypes.index, (), ("pack.q", 0, size // m - 1))
+    if not any(divides(simp(substitute(ld, {k: qm * m + c})), qm) for c in range(m)): return m
+  return 1

@@ -57,7 +57,7 @@ class Reductions:
     out = unrolled(u, combo)
     phs = {n: self.results[(n, tuple(combo[v] for v in self.red_vars[n]))] for n in out.toposort() if n in self.placeholders}
     if phs: out = substitute(out, phs)
-    return vectorize(out, vec) if vec is not None else out
+    return vectorize(out, vec, masked=not self.ctx.gpu) if vec is not None else out
 
   # ---- accumulators ----
   def emit_all(self, u: UOp, scope: Scope, subst: dict[UOp, UOp], loop_scopes: dict[UOp, Scope]) -> None:
