@@ -428,3 +428,17 @@ def test_a_batched_product_with_few_column_tiles_splits_its_batch():
   opts = heuristic_opts(ast, CPU)
   assert Opt(OptOps.OUTER, 2, 1) in opts and any(o.op is OptOps.THREAD and o.axis == 0 and o.amount >= 8 for o in opts), opts
   assert any(o.op is OptOps.THREAD and o.axis == 1 for o in heuristic_opts(matmul(512, 512, 512), CPU))  # columns, as before
+
+
+def test_small_reduce_windows_unroll_whole():
+  """A 2x2 max pool's window loops (2 trips each) are unrolled whole; a 5-trip window and a matmul's reduce are not."""
+  def pool(k: int) -> UOp:
+    o, x = UOp.define_global(0, F32.ptr(32 * 16 * 16)), UOp.define_global(1, F32.ptr(32 * 40 * 40))
+    c, y, xx = UOp.range(32, 0), UOp.range(16, 1), UOp.range(16, 2)
+    i, j = UOp.range(k, 3, AxisType.REDUCE), UOp.range(k, 4, AxisType.REDUCE)
+    v = x.index(c * 1600 + (y * 2 + i) * 40 + xx * 2 + j).load().reduce(Ops.MAX, i, j)
+    return UOp.sink(o.index(c * 256 + y * 16 + xx).store(v), name="pool")
+  opts = heuristic_opts(pool(2), CPU)
+  assert Opt(OptOps.UNROLL, 3, 2) in opts and Opt(OptOps.UNROLL, 4, 2) in opts
+  assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(pool(5), CPU))
+  assert not any(o.op is OptOps.UNROLL and o.axis == 2 and o.amount > 2 for o in heuristic_opts(matmul(64, 64, 3), CPU))
