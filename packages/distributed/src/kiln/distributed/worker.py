@@ -1,0 +1,53 @@
+"""The worker: a Ray actor holding one rebuilt plan (a replica's whole plan, or a pipeline stage), run on numpy inputs
+that come through Ray's object store (zero-copy on the same node).
+
+The plan is rebuilt in __init__, from the spec and the weights' object refs, so a worker Ray restarts after a crash
+rebuilds it the same way. The spec came from the driver through Ray, which already runs the driver's code on this
+worker, so its object code is trusted (`code="trusted"`): a worker on the driver's target compiles nothing."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kiln.executor import PlanSpec, PortablePlan, cache_stats
+
+
+class PlanWorker:
+  def __init__(self, label: str, spec: PlanSpec, weight_refs: Mapping[str, Any], code: str = "trusted"):
+    import ray
+    keys = list(weight_refs)
+    arrays = dict(zip(keys, ray.get([weight_refs[k] for k in keys]))) if keys else {}
+    t0 = time.perf_counter()
+    self.label, self.plan = label, PortablePlan(spec, arrays, code=code)  # type: ignore[arg-type]
+    self.build_s = time.perf_counter() - t0
+    self.runs = 0
+
+  def run(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    self.runs += 1
+    return self.plan.run(feeds, vars)
+
+  def run_stage(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None, *earlier: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A pipeline stage: what it needs from the request's feeds and from the earlier stages' results (Ray resolves those
+    refs before the call, zero-copy on this node)."""
+    env: dict[str, np.ndarray] = dict(feeds)
+    for got in earlier: env.update(got)
+    self.runs += 1
+    return self.plan.run({n: env[n] for n in self.plan.input_names}, vars)
+
+  def run_profiled(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None = None, *earlier: Mapping[str, np.ndarray]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """run (or run_stage), kernel by kernel with each one timed; the records come with this worker's wall clock at the start."""
+    env: dict[str, np.ndarray] = dict(feeds)
+    for got in earlier: env.update(got)
+    wall = time.time()
+    out, prof = self.plan.run_profiled({n: env[n] for n in self.plan.input_names}, vars)
+    return out, {"label": self.label, "wall_start": wall, "records": [r.as_dict() for r in prof]}
+
+  def info(self) -> dict[str, Any]:
+    import ray
+    return {"label": self.label, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "runs": self.runs,
+            "build_s": self.build_s, "kernels": len(self.plan.plan.kernels), "cache": cache_stats()}

@@ -1,0 +1,138 @@
+"""kiln.distributed on a real two-node Ray cluster on loopback (kiln issue 18)."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from encoder import encoder, feeds  # noqa: E402
+
+from kiln.distributed import DistributedError, NoWorkerLeft, Placement, merged_trace, pipeline, serve, write_trace  # noqa: E402
+from kiln.executor import PlanSpec, PortablePlan  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bert():
+  """The 6-layer encoder compiled here, its spec and weights, and its single-host outputs at batch 3."""
+  c = encoder()
+  spec, weights = c.export(["pooled", "hidden"])
+  f = feeds(3)
+  want = dict(zip(["pooled", "hidden"], c.run(f)))
+  return spec, weights, f, want
+
+
+def _same(got: dict, want: dict) -> None:
+  assert sorted(got) == sorted(want)
+  for k in want: np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_spec_round_trips_through_json(bert) -> None:
+  spec, weights, f, want = bert
+  assert spec.kernel_count() > 40 and [i.name for i in spec.inputs] == ["ids", "mask"]
+  assert spec.outputs[0].shape == ["batch", 64] and spec.variables == {"batch": (1, 8)}
+  _same(PortablePlan(PlanSpec.from_json(spec.to_json()), weights).run(f), want)
+
+
+def test_pipeline_two_hosts_bit_identical_and_compiles_nothing(cluster, bert, tmp_path) -> None:
+  spec, weights, f, want = bert
+  hosts = [Placement(resources={"host0": 1}), Placement(resources={"host1": 1})]
+  with pipeline(spec, stages=2, weights=weights, placement=hosts) as p:
+    assert len(p.stages) == 2 and all(n > 0 for n in p.activation_bytes()[:1])
+    _same(p.run(f), want)
+    info = p.info()
+    assert len({i["node_id"] for i in info}) == 2  # one stage per simulated host
+    for i in info: assert i["cache"]["compiles"] == 0 and i["cache"]["spec_loads"] == i["kernels"] > 0, i
+    assert sum(i["kernels"] for i in info) == spec.kernel_count()
+    # several requests overlap in the pipeline, each with its own batch size; results in order
+    reqs = [feeds(b, seed=b) for b in (1, 4, 2, 8, 5)]
+    c = encoder()
+    for got, r in zip(p.map(reqs, progress_bar=False), reqs): _same(got, dict(zip(["pooled", "hidden"], c.run(r))))
+    trace = p.trace(f)
+    lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert lanes == {0: "stage-0", 1: "stage-1"}
+    kernels = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(kernels) == spec.kernel_count() and {e["pid"] for e in kernels} == {0, 1}
+    assert json.loads(write_trace(trace, tmp_path / "t.json").read_text()) == trace
+
+
+def test_replicas_spread_requests_in_order(cluster, bert) -> None:
+  spec, weights, f, want = bert
+  c = encoder()
+  reqs = [feeds(b, seed=10 + i) for i, b in enumerate((2, 3, 1, 8, 4, 2, 6, 3))]
+  with serve(spec, replicas=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as r:
+    got = r.map(reqs, progress_bar=False)
+    for g, q in zip(got, reqs): _same(g, dict(zip(["pooled", "hidden"], c.run(q))))
+    runs = [i["runs"] for i in r.info()]
+    assert sum(runs) == len(reqs) and min(runs) >= 1  # both replicas took work
+    # one request's batch cut over both replicas gives the whole batch's result
+    big = feeds(8, seed=99)
+    _same(r.run(big, shard=True), dict(zip(["pooled", "hidden"], c.run(big))))
+    trace = merged_trace([])
+    assert trace["traceEvents"] == []
+    assert {e["args"]["name"] for e in r.trace(f)["traceEvents"] if e["ph"] == "M"} == {"replica-0", "replica-1"}
+
+
+def _wait_back(fleet) -> list[dict]:
+  deadline = time.time() + 120
+  while True:
+    try: return fleet.info()
+    except Exception:
+      if time.time() > deadline: raise
+      time.sleep(0.5)
+
+
+def test_a_dying_replica_loses_no_request(cluster, bert) -> None:
+  """A replica killed while it holds requests is restarted by Ray; its requests are sent to the other replica, and every
+  result comes back once, in order, correct."""
+  spec, weights, f, want = bert
+  c = encoder()
+  reqs = [feeds(1 + i % 8, seed=200 + i) for i in range(40)]
+  wants = [dict(zip(["pooled", "hidden"], c.run(q))) for q in reqs]
+  seen: list[int] = []
+  with serve(spec, replicas=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as r:
+    def kill_after_three(i: int) -> None:
+      seen.append(i)
+      if len(seen) == 3: ray.kill(r.actors[1], no_restart=False)  # it holds up to `window` requests right now
+    got = r.map(reqs, progress_bar=False, on_result=kill_after_three)
+    assert sorted(seen) == list(range(len(reqs))) and len(got) == len(reqs)
+    assert r.retried >= 1  # the killed replica's requests were sent again
+    for g, w in zip(got, wants): _same(g, w)
+    assert len(_wait_back(r)) == 2  # Ray restarted it and it rebuilt its plan
+    _same(r.run(f), want)
+
+
+def test_a_dying_stage_loses_no_request(cluster, bert) -> None:
+  spec, weights, f, want = bert
+  c = encoder()
+  reqs = [feeds(1 + i % 8, seed=300 + i) for i in range(12)]
+  wants = [dict(zip(["pooled", "hidden"], c.run(q))) for q in reqs]
+  with pipeline(spec, stages=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as p:
+    def kill_second_stage(i: int) -> None:
+      if i == 1: ray.kill(p.actors[1], no_restart=False)  # requests 2.. are in the pipeline (window 4)
+    got = p.map(reqs, progress_bar=False, on_result=kill_second_stage)
+    assert p.retried >= 1
+    for g, w in zip(got, wants): _same(g, w)
+    _same(p.run(f), want)
+
+
+def test_no_replica_left_is_a_typed_error(cluster, bert) -> None:
+  spec, weights, f, _ = bert
+  r = serve(spec, replicas=1, weights=weights, placement={"resources": {"host1": 1}}, retries=1)
+  ray.kill(r.actors[0], no_restart=True)
+  with pytest.raises(NoWorkerLeft, match="replica-0") as e: r.run(f)
+  assert e.value.workers == ["replica-0", "replica-0"]
+  r.shutdown()
+  with pytest.raises(DistributedError, match="shut down"): r.run(f)
+
+
+def test_bad_arguments(cluster, bert) -> None:
+  spec, weights, f, _ = bert
+  with pytest.raises(DistributedError, match="PlanSpec"): serve({"not": "a spec"}, replicas=1)  # type: ignore[arg-type]
+  with pytest.raises(DistributedError, match="positive"): serve(spec, replicas=0)
+  with pytest.raises(DistributedError, match="placements for"): pipeline(spec, stages=2, weights=weights, placement=[{}])
+  with pytest.raises(DistributedError, match="did not start"):  # a weight missing: the worker says which
+    serve(spec, replicas=1, weights={})
