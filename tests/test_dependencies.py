@@ -45,6 +45,7 @@ class Package:
 
 
 IR, CODEGEN, CPU, CUDA, EXECUTOR, GRAPH = "kiln-uop-ir", "kiln-codegen", "kiln-runtime-cpu", "kiln-runtime-cuda", "kiln-executor", "kiln-graph"
+DISTRIBUTED = "kiln-distributed"
 PACKAGES = [
   Package("uop-ir", IR, "kiln.ir", frozenset()),
   Package("codegen", CODEGEN, "kiln.codegen", frozenset({IR})),
@@ -52,11 +53,13 @@ PACKAGES = [
   Package("runtime-cuda", CUDA, "kiln.runtime.cuda", frozenset({IR, CODEGEN})),
   Package("executor", EXECUTOR, "kiln.executor", frozenset({IR, CODEGEN})),
   Package("graph", GRAPH, "kiln.graph", frozenset({IR, CODEGEN, EXECUTOR})),
+  Package("distributed", DISTRIBUTED, "kiln.distributed", frozenset({IR, EXECUTOR})),
 ]
 KILN_MODULES = {p.module: p.dist for p in PACKAGES}
 KILN_NAMESPACES = {"kiln", "kiln.runtime"}  # PEP 420 namespaces: importing them names no distribution
 THIRD_PARTY = {"numpy": "numpy", "pydantic": "pydantic", "pydantic_core": "pydantic-core", "llvmlite": "llvmlite", "pycuda": "pycuda",
-               "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx"}
+               "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx",
+               "ray": "ray", "tqdm": "tqdm"}
 # distributions that must never be a base dependency: only this extra of this package may declare them
 EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx")}
 # undeclared distributions a package may import lazily or guarded (never at module level), each with its reason;
@@ -274,12 +277,16 @@ def test_sibling_requirements_are_compatible_ranges() -> None:
 def test_meta_package_pins_the_family() -> None:
   version = family_versions()["kiln"]
   base, extras = _requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()))
-  assert set(base) == {p.dist for p in PACKAGES}, f"the meta-package must depend on exactly the six layers, has {sorted(base)}"
+  core = {p.dist for p in PACKAGES} - {DISTRIBUTED}  # Ray is heavy: kiln-distributed is the extra kiln[distributed]
+  assert set(base) == core, f"the meta-package must depend on exactly the six core layers, has {sorted(base)}"
   for d, req in base.items():
     assert str(req.specifier) == f"=={version}" and not req.extras and req.marker is None, f"kiln: {req} must be {d}=={version}"
   cuda = extras.get("cuda", {})
   assert set(cuda) == {CUDA} and str(cuda[CUDA].specifier) == f"=={version}" and cuda[CUDA].extras == {"driver"}, \
     f"kiln[cuda] must be {CUDA}[driver]=={version}, is {[str(r) for r in cuda.values()]}"
+  dist = extras.get("distributed", {})
+  assert set(dist) == {DISTRIBUTED} and str(dist[DISTRIBUTED].specifier) == f"=={version}", \
+    f"kiln[distributed] must be {DISTRIBUTED}=={version}, is {[str(r) for r in dist.values()]}"
 
 
 # --- packaging metadata that every distribution carries --------------------------------------------------------------

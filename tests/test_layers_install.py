@@ -100,6 +100,16 @@ try: kiln.graph.onnx.load("model.onnx"); raise AssertionError("loaded ONNX witho
 except ONNXError as e: assert "kiln-graph[onnx]" in str(e), str(e)
 report["onnx_error"] = True
 """
+CHECK_DISTRIBUTED = """
+from kiln.distributed import DistributedError, Placement, serve
+from kiln.distributed.fleet import ray_module
+try: ray_module(); raise AssertionError("a Ray cluster without ray.init")
+except DistributedError as e: assert "ray.init" in str(e), str(e)
+try: serve(None); raise AssertionError("served something that is not a PlanSpec")  # type: ignore[arg-type]
+except DistributedError as e: assert "PlanSpec" in str(e), str(e)
+assert Placement(resources={"host1": 1}).actor_options()["resources"] == {"host1": 1}
+report["typed_errors"] = True
+"""
 
 LAYERS = [
   Layer("uop-ir", ("uop-ir",), ("kiln.ir",), UPPER_OF_IR, frozenset({"numpy", "pydantic"})),
@@ -112,6 +122,8 @@ LAYERS = [
         check=CHECK_EXECUTOR),
   Layer("graph", ("uop-ir", "codegen", "runtime-cpu", "executor", "graph"), ("kiln.graph",),
         ("onnx", "onnxruntime", "torch", "kiln.runtime.cuda", "pycuda"), check=CHECK_GRAPH),
+  Layer("distributed", ("uop-ir", "codegen", "executor", "distributed"), ("kiln.distributed",),
+        ("kiln.graph", "kiln.runtime.cpu", "kiln.runtime.cuda", "llvmlite", "pycuda", "onnx", "torch"), check=CHECK_DISTRIBUTED),
 ]
 
 # Runs inside the layer's venv with `python -I`; argv[1] is the Layer as JSON. Prints a JSON report.

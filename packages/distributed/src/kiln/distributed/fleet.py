@@ -20,7 +20,8 @@ _RESTARTS = -1
 
 
 def ray_module() -> Any:
-  try: import ray
+  try:
+    import ray
   except ImportError as e: raise DistributedError(f"kiln.distributed needs ray ({e}); pip install kiln-distributed") from None
   if not ray.is_initialized(): raise DistributedError("no Ray cluster: call ray.init(...) (or ray.init(address=...) to join one) first")
   return ray

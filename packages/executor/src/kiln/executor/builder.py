@@ -16,8 +16,8 @@ from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
 from kiln.executor.execution import ExecutionPlan
 from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
-from kiln.executor.recipe import BufferRecipe, PlanRecipe
 from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
+from kiln.executor.recipe import BufferRecipe, PlanRecipe
 from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
 from kiln.ir.errors import CodegenError, KilnBufferError, PlanError, VariableBoundsError
 from kiln.ir.ops import Ops

@@ -185,11 +185,11 @@ def _stage(spec: PlanSpec, ops: range, act_in: list[int], act_out: list[int], in
       new_ops.append(op.model_copy(update={"id": nid, "buffers": [bnew[b] for b in op.buffers], "deps": [ids[d] for d in op.deps if d in ids]}))
     else:
       new_ops.append(op.model_copy(update={"id": nid, "dst": bnew[op.dst], "src": bnew[op.src], "deps": [ids[d] for d in op.deps if d in ids]}))
-  def io(e: IOEntry) -> IOEntry: return e.model_copy(update={"buffer": bnew[e.buffer]})
+  def moved(e: IOEntry) -> IOEntry: return e.model_copy(update={"buffer": bnew[e.buffer]})
   def act(s: int) -> IOEntry: return IOEntry(name=f"{ACTIVATION}{s}", buffer=act_bufs[s], shape=[spec.storages[s].nbytes], dtype="uint8")
   return PlanSpec(device=spec.device, target=spec.target, parallel=spec.parallel, reuse_memory=spec.reuse_memory, storages=st_entries,
-                  buffers=buffers, ops=new_ops, inputs=[*(io(e) for e in ins), *(act(s) for s in act_in)],
-                  outputs=[*(io(e) for e in outs), *(act(s) for s in act_out)], variables=dict(spec.variables))
+                  buffers=buffers, ops=new_ops, inputs=[*(moved(e) for e in ins), *(act(s) for s in act_in)],
+                  outputs=[*(moved(e) for e in outs), *(act(s) for s in act_out)], variables=dict(spec.variables))
 
 
 def run_in_order(spec: PlanSpec, stages: Sequence[Any], feeds: Mapping[str, Any], vars: Mapping[str, int] | None = None) -> dict[str, Any]:

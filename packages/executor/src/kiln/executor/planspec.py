@@ -36,7 +36,7 @@ from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, opt
 from kiln.ir.errors import KilnError, PlanSpecError
 from kiln.ir.serialize import load_json_document
 
-FORMAT = 1
+FORMAT: Literal[1] = 1
 MAX_PLAN_SPEC_BYTES = 1 << 30  # a spec holds object code and ASTs, never weights
 CodePolicy = Literal["sealed", "trusted", "compile"]
 
@@ -169,8 +169,8 @@ class PlanSpec(_Entry):
     names: set[str] = set()
     for io in [*self.inputs, *self.outputs]:
       if io.buffer >= nb: raise ValueError(f"{io.name!r} names buffer {io.buffer}; the spec has {nb}")
-      if bad := [n for d in io.shape for n in _dim_names(d) if n not in self.variables]:
-        raise ValueError(f"{io.name!r} has dims {bad} that are not variables of the plan")
+      if unknown := [n for d in io.shape for n in _dim_names(d) if n not in self.variables]:
+        raise ValueError(f"{io.name!r} has dims {unknown} that are not variables of the plan")
       if bad := [d for d in io.shape if isinstance(d, int) and d < 0]: raise ValueError(f"{io.name!r} has negative dims {bad}")
     for io in self.inputs:
       if io.name in names: raise ValueError(f"two inputs are named {io.name!r}")
@@ -205,7 +205,7 @@ def _seal_key() -> bytes | None: return diskcache.cache_key() if diskcache.enabl
 
 
 # ---- writing a spec ----
-def _digest(raw: np.ndarray) -> str: return hashlib.sha256(memoryview(raw)).hexdigest()
+def _digest(raw: np.ndarray) -> str: return hashlib.sha256(raw.data).hexdigest()
 
 
 def _file_of(st: Storage) -> tuple[str, int] | None:
@@ -355,7 +355,8 @@ def _weight_bytes(ref: WeightRef, weights: Mapping[str, Any], si: int, verify: b
       raise PlanSpecError(f"storage {si}: its weight file {ref.path} (bytes {ref.offset}..{ref.offset + ref.nbytes}) cannot be mapped: {e}") from None
     what = f"file {ref.path} at byte {ref.offset}"
   else:
-    if ref.key not in weights: raise PlanSpecError(f"storage {si}: weight {ref.key!r} ({ref.nbytes} bytes) was not handed in (weights=)")
+    if ref.key is None or ref.key not in weights:
+      raise PlanSpecError(f"storage {si}: weight {ref.key!r} ({ref.nbytes} bytes) was not handed in (weights=)")
     a = weights[ref.key]
     if isinstance(a, Buffer): a = a.numpy()
     if not isinstance(a, np.ndarray): raise PlanSpecError(f"storage {si}: weight {ref.key!r} is a {type(a).__name__}, not a numpy array")
