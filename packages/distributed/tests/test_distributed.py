@@ -90,7 +90,7 @@ def test_a_dying_replica_loses_no_request(cluster, bert) -> None:
   result comes back once, in order, correct."""
   spec, weights, f, want = bert
   c = encoder()
-  reqs = [feeds(1 + i % 8, seed=200 + i) for i in range(40)]
+  reqs = [feeds(1 + i % 8, seed=200 + i) for i in range(200)]  # the issue's stream of 200
   wants = [dict(zip(["pooled", "hidden"], c.run(q))) for q in reqs]
   seen: list[int] = []
   with serve(spec, replicas=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as r:
@@ -127,6 +127,23 @@ def test_no_replica_left_is_a_typed_error(cluster, bert) -> None:
   assert e.value.workers == ["replica-0", "replica-0"]
   r.shutdown()
   with pytest.raises(DistributedError, match="shut down"): r.run(f)
+
+
+def test_placement_by_node_and_by_resources(cluster, bert) -> None:
+  spec, weights, f, want = bert
+  nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+  assert len(nodes) == 2
+  with serve(spec, replicas=2, weights=weights, placement=[Placement(node_id=nodes[1]), Placement(node_id=nodes[0])]) as r:
+    assert [i["node_id"] for i in r.info()] == [nodes[1], nodes[0]]
+    _same(r.run(f), want)
+  host_of = {n["NodeID"]: next(k for k in n["Resources"] if k.startswith("host")) for n in ray.nodes() if n["Alive"]}
+  with pipeline(spec, stages=2, weights=weights, placement=[{"resources": {"host1": 1}}, {"resources": {"host0": 1}}]) as p:
+    assert [host_of[i["node_id"]] for i in p.info()] == ["host1", "host0"]
+  # no node has a GPU or a host2: the worker cannot start, and the error says so instead of waiting forever
+  with pytest.raises(DistributedError, match="did not start within"):
+    serve(spec, replicas=1, weights=weights, placement=Placement(num_gpus=1), ready_timeout=3)
+  with pytest.raises(DistributedError, match="replica-0 did not start within"):
+    serve(spec, replicas=1, weights=weights, placement={"resources": {"host2": 1}}, ready_timeout=3)
 
 
 def test_bad_arguments(cluster, bert) -> None:

@@ -74,10 +74,15 @@ class Fleet:
     return list(ray.get([a.info.remote() for a in self.actors]))
 
   def wait_ready(self, timeout: float = 300.0) -> None:
-    """Block until every worker has rebuilt its plan (a worker that cannot raises here, naming itself)."""
+    """Block until every worker has rebuilt its plan. A worker that cannot (its plan fails to rebuild, or no node has
+    the resources its placement asks for) raises here, naming itself."""
+    import ray.exceptions as rx
     ray = ray_module()
     for a, label in zip(self.actors, self.labels):
       try: ray.get(a.info.remote(), timeout=timeout)
+      except rx.GetTimeoutError:
+        raise DistributedError(f"worker {label} did not start within {timeout:g} s: no node may have the resources its placement asks "
+                               "for (ray status shows pending demands)") from None
       except Exception as e: raise DistributedError(f"worker {label} did not start: {e}") from e
 
   def shutdown(self) -> None:

@@ -126,7 +126,7 @@ class Pipeline(Fleet):
 
 def pipeline(spec: PlanSpec, stages: int | Sequence[int] = 2, weights: Mapping[str, np.ndarray] | None = None,
              placement: Placement | dict[str, Any] | list[Any] | None = None, retries: int = 2, window: int = 4,
-             code: str = "trusted", wait: bool = True) -> Pipeline:
+             code: str = "trusted", wait: bool = True, ready_timeout: float = 300.0) -> Pipeline:
   """Cut `spec` into `stages` (a count, balanced by work, or the op positions where stages 2.. start), start one worker
   per stage placed by `placement` (one per stage, e.g. [{"resources": {"host0": 1}}, {"resources": {"host1": 1}}])."""
   if not isinstance(spec, PlanSpec): raise DistributedError(f"pipeline takes a PlanSpec (plan.to_spec()), got {type(spec).__name__}")
@@ -142,5 +142,9 @@ def pipeline(spec: PlanSpec, stages: int | Sequence[int] = 2, weights: Mapping[s
     keep.append(part_ref := ray.put(part))
     actors.append(start_worker(label, part_ref, mine, p, code))
   h = Pipeline(spec, parts, actors, labels, retries, window, keep)
-  if wait: h.wait_ready()
+  if wait:
+    try: h.wait_ready(ready_timeout)
+    except DistributedError:
+      h.shutdown()
+      raise
   return h

@@ -111,7 +111,7 @@ class Replicas(Fleet):
 
 def serve(spec: PlanSpec, replicas: int = 2, weights: Mapping[str, np.ndarray] | None = None,
           placement: Placement | dict[str, Any] | list[Any] | None = None, retries: int | None = None, window: int = 2,
-          code: str = "trusted", wait: bool = True) -> Replicas:
+          code: str = "trusted", wait: bool = True, ready_timeout: float = 300.0) -> Replicas:
   """Start `replicas` workers, each rebuilding `spec` (with `weights`, the arrays export() handed back), placed by
   `placement` (one for all, or one per replica). Returns the handle whose run/map spread requests over them."""
   if not isinstance(spec, PlanSpec): raise DistributedError(f"serve takes a PlanSpec (plan.to_spec()), got {type(spec).__name__}")
@@ -124,5 +124,9 @@ def serve(spec: PlanSpec, replicas: int = 2, weights: Mapping[str, np.ndarray] |
   labels = [f"replica-{i}" for i in range(replicas)]
   actors = [start_worker(label, spec_ref, refs, p, code) for label, p in zip(labels, places)]
   h = Replicas(spec, actors, labels, 2 * replicas if retries is None else retries, window, [spec_ref, refs])
-  if wait: h.wait_ready()
+  if wait:
+    try: h.wait_ready(ready_timeout)
+    except DistributedError:
+      h.shutdown()
+      raise
   return h

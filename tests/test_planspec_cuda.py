@@ -1,0 +1,80 @@
+"""A CUDA plan written as a PlanSpec and rebuilt (kiln issue 18), over the recording stand-in for pycuda.driver (no GPU
+here): the kernels are compiled with nvcc once, the rebuild loads the spec's cubins (no compile) and launches the same
+kernels on the same grid with the same buffers' roles; code="compile" compiles them again."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.codegen import registry
+from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan, cache
+from kiln.ir import kernels
+from kiln.ir.dtype import dtypes
+from kiln.runtime.cuda.compiler import find_nvcc
+
+pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
+_DRIVER_TESTS = Path(__file__).resolve().parents[1] / "packages" / "runtime-cuda" / "tests" / "test_driver.py"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, tmp_path):
+  spec = importlib.util.spec_from_file_location("kiln_cuda_driver_tests", _DRIVER_TESTS)
+  assert spec is not None and spec.loader is not None
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  calls: list = []
+  drv = mod.make_fake_driver(calls, cc=(9, 0))
+  pkg = types.ModuleType("pycuda")
+  pkg.driver = drv  # type: ignore[attr-defined]
+  monkeypatch.setitem(sys.modules, "pycuda", pkg)
+  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
+  monkeypatch.setenv("KILN_CACHE", "0")
+  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  registry.unregister_runtime("CUDA")
+  cache.clear_memory_cache()
+  yield calls
+  registry.unregister_runtime("CUDA")
+  cache.clear_memory_cache()
+
+
+def _launches(calls: list) -> list[tuple]:
+  return [(c[1], c[2], c[3]) for c in calls if c[0] == "launch"]  # (kernel, grid, block)
+
+
+def test_cuda_plan_round_trip(fake_cuda) -> None:
+  calls = fake_cuda
+  w = np.arange(32 * 16, dtype=np.float32).reshape(32, 16) / 100
+  b = ExecutionPlanBuilder("CUDA")
+  x = b.add_buffer(Buffer("CUDA", 8 * 32, dtypes.float32))
+  bw = b.add_buffer(Buffer("CUDA", w.size, dtypes.float32).copyin(w))
+  h, y = b.add_buffer(Buffer("CUDA", 8 * 16, dtypes.float32)), b.add_buffer(Buffer("CUDA", 8 * 16, dtypes.float32))
+  b.add_kernel(kernels.matmul(8, 16, 32), [h, x, bw])
+  b.add_kernel(kernels.elementwise(lambda v: v.maximum(0.0), dtypes.float32, ((8 * 16,), dtypes.float32), name="relu"), [y, h])
+  b.set_outputs([y])
+  plan = b.build()
+  compiles = cache.cache_stats()["compiles"]
+  assert compiles >= 2
+  plan.execute()
+  first = _launches(calls)
+  assert len(first) == 2
+  spec, arrays = plan.export({"x": x}, {"y": y}, {"x": [8, 32], "y": [8, 16]})
+  assert spec.device == "CUDA:0" and {e.device for e in spec.storages} == {"CUDA:0"}
+  assert len(arrays) == 1 and next(iter(arrays.values())).nbytes == w.nbytes  # the weight, read back from the device
+  back = PlanSpec.from_json(spec.to_json())
+  cache.clear_memory_cache()
+  loads = cache.cache_stats()["spec_loads"]
+  calls.clear()
+  p = PortablePlan(back, arrays, code="trusted", verify=False)  # the stand-in's copies do not move bytes: no digest to match
+  assert cache.cache_stats()["compiles"] == compiles and cache.cache_stats()["spec_loads"] == loads + 2
+  assert [c for c in calls if c[0] == "module_from_buffer"], "the spec's cubins were not loaded"
+  p.run({"x": np.ones((8, 32), np.float32)})
+  assert _launches(calls) == first  # the same kernels, grids and blocks
+  cache.clear_memory_cache()
+  PortablePlan(back, arrays, code="compile", verify=False)
+  assert cache.cache_stats()["compiles"] == compiles + 2
