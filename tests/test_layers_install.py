@@ -143,11 +143,13 @@ for mod in layer["absent"]:
     continue
   report["present"].append(mod)
 # every installed distribution must be needed by an installed kiln layer (transitive closure of Requires-Dist)
+from pip._vendor.packaging.requirements import Requirement  # the venv's own pip: no third-party import
 def reqs(name):
   out = []
   for r in md.requires(name) or []:
-    if "extra ==" in r: continue
-    out.append(norm(re.match(r"[A-Za-z0-9_.\-]+", r).group(0)))
+    req = Requirement(r)
+    if "extra ==" in r or (req.marker is not None and not req.marker.evaluate({"extra": ""})): continue  # tqdm's colorama: Windows only
+    out.append(norm(req.name))
   return out
 kiln_dists = [d for d in report["dists"] if d.startswith("kiln-")]
 report["direct"] = sorted({r for d in kiln_dists for r in reqs(d)} - set(kiln_dists))

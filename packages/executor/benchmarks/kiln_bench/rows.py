@@ -432,11 +432,12 @@ class Bench:
       if mem.kiln is None: mem.status, mem.note = "ERROR", "the MLP plan was not built"
       else: mem.status = "-"
       self.rows.append(mem)
-    from kiln_bench import graph_rows, load_rows, models, neighbour_rows
+    from kiln_bench import graph_rows, load_rows, models, neighbour_rows, ray_rows
     models.run(self)
     graph_rows.run(self)  # imports kiln.graph inside its rows only
     load_rows.run(self)  # a safetensors file > the LLC, mapped: load time, bytes mapped and resident
     neighbour_rows.run(self)  # issue 21: plans beside numpy's A @ B, after idle, from two threads; CPU burnt after a call
+    ray_rows.run(self)  # issue 18: replicas on a local Ray cluster (where kiln-distributed is installed)
 
 # ---- the table ----
 COLS = ("work", "kiln", "numpy", "numba", "tinygrad", "torch", "onnxruntime", "kiln/numpy", "achieved", "limit", "target", "status")

@@ -32,44 +32,52 @@ class Replicas(Fleet):
     """The plan's outputs for one request. shard=True cuts the request's batch (axis 0 of every input, which must be
     the same runtime variable) into one part per replica, runs the parts at once and joins the outputs."""
     if shard: return self._sharded(feeds, vars)
-    return self.map([feeds], vars, progress_bar=False)[0]
+    return self.map([feeds], vars, progress_bar=False, per_call=1)[0]
 
   def map(self, requests: Sequence[Feeds], vars: Mapping[str, int] | None = None, progress_bar: bool | None = None,
-          on_result: Callable[[int], None] | None = None) -> list[dict[str, np.ndarray]]:
-    """Outputs for every request, in order. At most `window` requests are in flight per replica; a replica that is
-    free takes the next one, so faster replicas take more. on_result(i) is called as request i's result arrives."""
+          on_result: Callable[[int], None] | None = None, per_call: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Outputs for every request, in order. Requests go to the replicas `per_call` at a time in one Ray call (default:
+    up to 8, so that every replica still gets several calls: Ray's cost per call, a few hundred microseconds of the
+    driver's time, is shared), at most `window` calls in flight per replica; a replica that is free takes the next
+    call, so faster replicas take more. on_result(i) is called as request i's result arrives."""
     ray = ray_module()
     if not self.actors: raise DistributedError("these replicas were shut down")
     n = len(requests)
+    if per_call is None: per_call = max(1, min(8, n // (len(self.actors) * self.window * 4)))
+    if per_call < 1: raise DistributedError(f"per_call must be at least 1, got {per_call}")
     results: list[dict[str, np.ndarray] | None] = [None] * n
-    failed_on: list[list[int]] = [[] for _ in range(n)]
-    inflight: dict[Any, tuple[int, int]] = {}  # ref -> (request, replica)
+    calls = [list(range(i, min(i + per_call, n))) for i in range(0, n, per_call)]
+    failed_on: list[list[int]] = [[] for _ in calls]
+    inflight: dict[Any, tuple[int, int]] = {}  # ref -> (call, replica)
     load = [0] * len(self.actors)
-    todo = list(range(n))[::-1]
+    todo = list(range(len(calls)))[::-1]
     bar = progress(n, progress_bar, "kiln replicas")
     try:
       while todo or inflight:
         while todo:
           r = self._pick(load, failed_on[todo[-1]])
           if r is None: break
-          i = todo.pop()
-          ref = self.actors[r].run.remote(requests[i], vars)
-          inflight[ref] = (i, r)
+          c = todo.pop()
+          ref = self.actors[r].run_many.remote([requests[i] for i in calls[c]], vars)
+          inflight[ref] = (c, r)
           load[r] += 1
         done, _ = ray.wait(list(inflight), num_returns=1)
-        i, r = inflight.pop(done[0])
+        c, r = inflight.pop(done[0])
         load[r] -= 1
-        try: results[i] = ray.get(done[0])
+        try: got = ray.get(done[0])
         except actor_errors() as e:
-          failed_on[i].append(r)
-          if len(failed_on[i]) > self.retries:
-            names = [self.labels[j] for j in failed_on[i]]
-            raise NoWorkerLeft(f"request {i} failed on every try ({', '.join(names)}); last error: {type(e).__name__}: {e}", names) from e
-          todo.append(i)
-          self.retried += 1
+          failed_on[c].append(r)
+          if len(failed_on[c]) > self.retries:
+            names = [self.labels[j] for j in failed_on[c]]
+            raise NoWorkerLeft(f"requests {calls[c][0]}..{calls[c][-1]} failed on every try ({', '.join(names)}); "
+                               f"last error: {type(e).__name__}: {e}", names) from e
+          todo.append(c)
+          self.retried += len(calls[c])
           continue
-        bar.update(1)
-        if on_result is not None: on_result(i)
+        for i, out in zip(calls[c], got):
+          results[i] = out
+          if on_result is not None: on_result(i)
+        bar.update(len(calls[c]))
     finally:
       bar.close()
       for ref in inflight: ray.cancel(ref)
@@ -98,7 +106,7 @@ class Replicas(Fleet):
     parts = np.array_split(np.arange(batch), min(len(self.actors), batch))
     reqs = [{k: a[p[0]:p[-1] + 1] for k, a in arrays.items()} for p in parts]
     part_vars = {k: v for k, v in (vars or {}).items() if k != var}
-    outs = self.map(reqs, part_vars, progress_bar=False)
+    outs = self.map(reqs, part_vars, progress_bar=False, per_call=1)
     return {o.name: np.concatenate([x[o.name] for x in outs], axis=0) for o in self.spec.outputs}
 
   # ---- visibility ----

@@ -30,6 +30,10 @@ class PlanWorker:
     self.runs += 1
     return self.plan.run(feeds, vars)
 
+  def run_many(self, requests: list[Mapping[str, np.ndarray]], vars: Mapping[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Several requests in one call (one Ray round trip for all of them), in order."""
+    return [self.run(f, vars) for f in requests]
+
   def run_stage(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None, *earlier: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A pipeline stage: what it needs from the request's feeds and from the earlier stages' results (Ray resolves those
     refs before the call, zero-copy on this node)."""
