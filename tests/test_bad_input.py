@@ -37,6 +37,7 @@ from kiln.ir.verify import verify
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bad_input_limits import CASES as LIMIT_CASES  # noqa: E402
+from bad_input_planspec import CASES as PLANSPEC_CASES  # noqa: E402
 
 RT = get_runtime("CPU")
 F32, I32 = dtypes.float32, dtypes.int32
@@ -243,6 +244,7 @@ CASES = [
 
 
 CASES += LIMIT_CASES  # document limits and resource exhaustion: bad_input_limits.py
+CASES += PLANSPEC_CASES  # portable plans: bad_input_planspec.py
 
 
 def _readonly(n: int) -> np.ndarray:

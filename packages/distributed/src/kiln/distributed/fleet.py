@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -84,6 +84,15 @@ class Fleet:
         raise DistributedError(f"worker {label} did not start within {timeout:g} s: no node may have the resources its placement asks "
                                "for (ray status shows pending demands)") from None
       except Exception as e: raise DistributedError(f"worker {label} did not start: {e}") from e
+
+  def started(self, wait: bool, timeout: float) -> Self:
+    """This fleet, once every worker is ready when `wait` (a fleet that cannot start is shut down, then the error raised)."""
+    if wait:
+      try: self.wait_ready(timeout)
+      except DistributedError:
+        self.shutdown()
+        raise
+    return self
 
   def shutdown(self) -> None:
     ray = ray_module()

@@ -142,9 +142,4 @@ def pipeline(spec: PlanSpec, stages: int | Sequence[int] = 2, weights: Mapping[s
     keep.append(part_ref := ray.put(part))
     actors.append(start_worker(label, part_ref, mine, p, code))
   h = Pipeline(spec, parts, actors, labels, retries, window, keep)
-  if wait:
-    try: h.wait_ready(ready_timeout)
-    except DistributedError:
-      h.shutdown()
-      raise
-  return h
+  return h.started(wait, ready_timeout)

@@ -132,9 +132,4 @@ def serve(spec: PlanSpec, replicas: int = 2, weights: Mapping[str, np.ndarray] |
   labels = [f"replica-{i}" for i in range(replicas)]
   actors = [start_worker(label, spec_ref, refs, p, code) for label, p in zip(labels, places)]
   h = Replicas(spec, actors, labels, 2 * replicas if retries is None else retries, window, [spec_ref, refs])
-  if wait:
-    try: h.wait_ready(ready_timeout)
-    except DistributedError:
-      h.shutdown()
-      raise
-  return h
+  return h.started(wait, ready_timeout)
