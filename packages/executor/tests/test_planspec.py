@@ -41,6 +41,16 @@ def _mlp(w1: np.ndarray, w2: np.ndarray, opts: list[Opt] | None = None):
   return b.build(), x, y
 
 
+def _aligned(a: np.ndarray) -> np.ndarray:
+  """A read-only copy of a's bytes starting on a 64-byte boundary."""
+  raw = np.empty(a.nbytes + 64, np.uint8)
+  off = -raw.ctypes.data % 64
+  out = raw[off:off + a.nbytes]
+  out[:] = a.reshape(-1).view(np.uint8)
+  out.flags.writeable = False
+  return out
+
+
 def _weights() -> tuple[np.ndarray, np.ndarray]:
   return RNG.standard_normal((32, 48)).astype(np.float32), RNG.standard_normal((48, 16)).astype(np.float32)
 
@@ -57,13 +67,18 @@ def test_round_trip_runs_bit_identical(cache_dir) -> None:
   spec, arrays = plan.export({"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
   assert spec.kernel_count() == 3 and len(arrays) == 2  # the two weights travel beside the spec, not in it
   assert all(e.weight is None or e.weight.kind == "object" for e in spec.storages)
+  assert all(e.readonly == (e.weight is not None) for e in spec.storages)  # no kernel writes the weights: shareable
   text = spec.to_json()
   assert len(text) < 2_000_000 and w1.tobytes().hex()[:64] not in text
   back = PlanSpec.from_json(text)
   assert back == spec
   x = RNG.standard_normal((64, 32)).astype(np.float32)
   want = _run_plan(plan, xb, yb, x)
-  got = PortablePlan(back, arrays).run({"x": x})
+  aligned = {k: _aligned(v) for k, v in arrays.items()}  # as Ray's object store hands them out
+  rebuilt = PortablePlan(back, aligned)
+  ptrs = {b.storage.external.ctypes.data for b in rebuilt.plan.buffers if b.storage.external is not None}
+  assert ptrs == {a.ctypes.data for a in aligned.values()}  # read-only weights handed in 64-byte aligned are wrapped, not copied
+  got = rebuilt.run({"x": x})
   assert got["y"].shape == (64, 16)
   np.testing.assert_array_equal(got["y"], want.reshape(64, 16))
   np.testing.assert_allclose(want.reshape(64, 16), np.maximum(x @ w1, 0) @ w2, rtol=1e-4, atol=1e-4)

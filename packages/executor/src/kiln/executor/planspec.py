@@ -253,7 +253,7 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   for br in recipe.buffers:
     if br.storage.id not in sids: sids[br.storage.id] = len(stores); stores.append(br.storage)
   fed = {sids[recipe.buffers[b].storage.id] for b in inputs.values()}
-  read = _read_first(plan, recipe)
+  read, written = _read_first(plan, recipe)
   arrays: dict[str, np.ndarray] = {}
   storages = []
   for si, st in enumerate(stores):
@@ -270,7 +270,9 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
         view.flags.writeable = False
         arrays[key] = view
         weight = WeightRef(kind="object", nbytes=st.nbytes, key=key, sha256=sha)
-    storages.append(StorageEntry(device=st.device, nbytes=st.nbytes, readonly=st.readonly, weight=weight))
+    # a weight no op writes is read-only in the spec, so a rebuild may share it (zero-copy) instead of copying it
+    ro = st.readonly or (weight is not None and st.id not in written)
+    storages.append(StorageEntry(device=st.device, nbytes=st.nbytes, readonly=ro, weight=weight))
   buffers = [BufferEntry(storage=sids[br.storage.id], offset=br.offset, size=br.size, dtype=br.dtype.name) for br in recipe.buffers]
   ops = _op_entries(plan, recipe)
   shapes = dict(shapes or {})
@@ -287,9 +289,9 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   return spec, arrays
 
 
-def _read_first(plan: Any, recipe: Any) -> set[int]:
+def _read_first(plan: Any, recipe: Any) -> tuple[set[int], set[int]]:
   """Ids of the storages some op reads before the plan has written all of them (in op order, which the plan's
-  dependencies follow): their contents at export time are part of the plan."""
+  dependencies follow): their contents at export time are part of the plan; and ids of the storages any op writes."""
   from kiln.executor.prepared import PreparedKernel
   where: dict[int, tuple[Storage, int, int]] = {}  # buffer -> (storage, byte offset, bytes), through view ops
   for i, br in enumerate(recipe.buffers): where[i] = (br.storage, br.offset, br.size * br.dtype.itemsize)
@@ -300,8 +302,10 @@ def _read_first(plan: Any, recipe: Any) -> set[int]:
   prepared = {p.id: p for p in plan.prepared_ops}
   seen: set[int] = set()
   read: set[int] = set()
+  written: set[int] = set()
   def touch(b: int, write: bool) -> None:
     st, off, n = where[b]
+    if write: written.add(st.id)
     if st.id in seen: return
     seen.add(st.id)
     if not (write and off == 0 and n == st.nbytes): read.add(st.id)  # a partial write keeps the rest of the old contents
@@ -310,6 +314,7 @@ def _read_first(plan: Any, recipe: Any) -> set[int]:
     if kind == "_CopyOp": touch(op.src, False); touch(op.dst, True)
     elif kind == "_CustomOp":
       for b in op.buffers: touch(b, False)
+      for b in (op.buffers if op.outputs is None else [op.buffers[i] for i in op.outputs]): touch(b, True)
     elif kind == "_KernelOp":
       pk = prepared[op.id]
       assert isinstance(pk, PreparedKernel)
@@ -319,7 +324,7 @@ def _read_first(plan: Any, recipe: Any) -> set[int]:
       for s in k.outs: touch(op.buffers[s], True)
   for b in plan.outputs:  # an output no op writes reads back what it held
     touch(b, False)
-  return read
+  return read, written
 
 
 def _op_entries(plan: Any, recipe: Any) -> list[KernelEntry | CopyEntry | ViewEntry]:
