@@ -59,7 +59,7 @@ def test_pipeline_two_hosts_bit_identical_and_compiles_nothing(cluster, bert, tm
     assert json.loads(write_trace(trace, tmp_path / "t.json").read_text()) == trace
 
 
-def test_replicas_spread_requests_in_order(cluster, bert) -> None:
+def test_replicas_spread_requests_in_order(cluster, bert, capsys) -> None:
   spec, weights, f, want = bert
   c = encoder()
   reqs = [feeds(b, seed=10 + i) for i, b in enumerate((2, 3, 1, 8, 4, 2, 6, 3))]
@@ -73,6 +73,9 @@ def test_replicas_spread_requests_in_order(cluster, bert) -> None:
     _same(r.run(big, shard=True), dict(zip(["pooled", "hidden"], c.run(big))))
     trace = merged_trace([])
     assert trace["traceEvents"] == []
+    r.map(reqs[:3], progress_bar=True)  # a terminal gets a tqdm bar (asked for here: the tests' stderr is no terminal)
+    err = capsys.readouterr().err
+    assert "kiln replicas" in err and "3/3" in err
     assert {e["args"]["name"] for e in r.trace(f)["traceEvents"] if e["ph"] == "M"} == {"replica-0", "replica-1"}
 
 
@@ -148,6 +151,12 @@ def test_placement_by_node_and_by_resources(cluster, bert) -> None:
 
 def test_bad_arguments(cluster, bert) -> None:
   spec, weights, f, _ = bert
+  from kiln.graph.tensor import Tensor, compile
+  fixed_spec, fixed_w = compile([Tensor.input("x", (4, 8)).relu()]).export(["y"])
+  with serve(fixed_spec, replicas=1, weights=fixed_w) as r:
+    x = np.arange(32, dtype=np.float32).reshape(4, 8) - 16
+    np.testing.assert_array_equal(r.run({"x": x})["y"], np.maximum(x, 0))
+    with pytest.raises(DistributedError, match="first dim to be one runtime variable"): r.run({"x": x}, shard=True)
   with pytest.raises(DistributedError, match="PlanSpec"): serve({"not": "a spec"}, replicas=1)  # type: ignore[arg-type]
   with pytest.raises(DistributedError, match="positive"): serve(spec, replicas=0)
   with pytest.raises(DistributedError, match="placements for"): pipeline(spec, stages=2, weights=weights, placement=[{}])
