@@ -46,8 +46,17 @@ def _tampered_weight() -> Any:
 def _missing_file(tmp_path) -> Any:
   def edit(d: dict) -> None:
     w = next(s for s in d["storages"] if s["weight"])
-    w["weight"] = {"kind": "file", "nbytes": w["nbytes"], "path": str(tmp_path / "gone.bin"), "offset": 0}
+    w["weight"] = {"kind": "file", "nbytes": w["nbytes"], "path": str(tmp_path / "gone.bin"), "offset": 0, "sha256": "0" * 64}
   spec, _ = _spec()
+  return PortablePlan(_doc(edit))
+
+
+def _undigested_file(tmp_path) -> Any:
+  path = tmp_path / "secret.bin"
+  path.write_bytes(bytes(128))
+  def edit(d: dict) -> None:
+    w = next(s for s in d["storages"] if s["weight"])
+    w["weight"] = {"kind": "file", "nbytes": w["nbytes"], "path": str(path), "offset": 0}
   return PortablePlan(_doc(edit))
 
 
@@ -80,6 +89,7 @@ CASES = [
   ("planspec-weight-not-handed-in", PlanSpecError, r"weight 's1-[0-9a-f]+' \(128 bytes\) was not handed in", lambda: PortablePlan(_spec()[0])),
   ("planspec-weight-changed", PlanSpecError, r"weight 's1-[0-9a-f]+' does not match the spec's sha256", _tampered_weight),
   ("planspec-weight-file-missing", PlanSpecError, r"gone\.bin .* cannot be mapped", _missing_file),
+  ("planspec-file-without-digest", PlanSpecError, r"secret\.bin has no sha256 in the spec; pass verify=False", _undigested_file),
   ("planspec-host-function", PlanSpecError, r"op 0 is a host function \(<lambda>\)", _custom),
   ("planspec-bad-cut", PlanSpecError, r"cuts \[5\] must be increasing op positions inside 1\.\.1", lambda: split(_spec()[0], [5])),
   ("planspec-feed-not-an-input", PlanSpecError, r"feeds \['z'\] are not inputs of the plan",

@@ -355,6 +355,8 @@ def _op_entries(plan: Any, recipe: Any) -> list[KernelEntry | CopyEntry | ViewEn
 def _weight_bytes(ref: WeightRef, weights: Mapping[str, Any], si: int, verify: bool) -> np.ndarray:
   if ref.kind == "file":
     assert ref.path is not None
+    if verify and ref.sha256 is None:  # else a spec from anywhere could map any file this user can read into a plan's outputs
+      raise PlanSpecError(f"storage {si}: its weight file {ref.path} has no sha256 in the spec; pass verify=False to map it unchecked")
     try: raw = Buffer(f"DISK:{ref.path}", ref.nbytes, "uint8", options={"offset": ref.offset}).numpy()
     except (KilnError, OSError, ValueError) as e:
       raise PlanSpecError(f"storage {si}: its weight file {ref.path} (bytes {ref.offset}..{ref.offset + ref.nbytes}) cannot be mapped: {e}") from None
