@@ -13,6 +13,7 @@ from encoder import encoder, feeds  # noqa: E402
 
 from kiln.distributed import DistributedError, NoWorkerLeft, Placement, merged_trace, pipeline, serve, write_trace  # noqa: E402
 from kiln.executor import PlanSpec, PortablePlan  # noqa: E402
+from kiln.ir.errors import PlanSpecError, VariableBoundsError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +158,13 @@ def test_bad_arguments(cluster, bert) -> None:
     x = np.arange(32, dtype=np.float32).reshape(4, 8) - 16
     np.testing.assert_array_equal(r.run({"x": x})["y"], np.maximum(x, 0))
     with pytest.raises(DistributedError, match="first dim to be one runtime variable"): r.run({"x": x}, shard=True)
+    # bad requests fail in the caller, typed, before anything is sent (and the good ones before them are not run)
+    runs = r.info()[0]["runs"]
+    with pytest.raises(PlanSpecError, match="dim 1"): r.map([{"x": x}, {"x": x[:, :7]}])
+    with pytest.raises(PlanSpecError, match=r"feeds \['z'\] are not inputs"): r.run({"x": x, "z": x})
+    assert r.info()[0]["runs"] == runs
+  with pipeline(spec, stages=2, weights=weights) as p:
+    with pytest.raises(VariableBoundsError, match=r"dim 0 \(batch\) is 9, outside the bounds \[1, 8\]"): p.run(feeds(9))
   with pytest.raises(DistributedError, match="PlanSpec"): serve({"not": "a spec"}, replicas=1)  # type: ignore[arg-type]
   with pytest.raises(DistributedError, match="positive"): serve(spec, replicas=0)
   with pytest.raises(DistributedError, match="placements for"): pipeline(spec, stages=2, weights=weights, placement=[{}])
