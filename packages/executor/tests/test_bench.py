@@ -19,7 +19,7 @@ ROWS = ("float32 add", "float32 add, numpy's arrays", "float32 sum", "float32 su
         "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384", "encoder layer tuned",
         "BERT encoder 2L", "load+compile: cold", "BERT 2L peak memory", "small CNN", "safetensors load",
         "float32, in turn with numpy A@B", "1-kernel softmax", "two Python threads", "plan after 100 ms idle",
-        "CPU time after execute() returns", "replicas: ")
+        "CPU time after execute() returns", "replicas: ", "pipeline: ")
 TINY = ["--quick", "--sizes-scale", "0.005"]
 
 

@@ -36,8 +36,10 @@ class Pipeline(Fleet):
     self._final = {o.name: provides[o.name] for o in spec.outputs}
     self.retried = 0  # requests run again after a stage's worker died
 
-  def _submit(self, feeds_ref: Any, vals: Mapping[str, int], profiled: bool = False) -> list[Any]:
-    refs: list[Any] = []  # per stage: its outputs' ref (profiled: the pair [outputs, profile])
+  def _submit(self, feeds_ref: Any, vals: Any, profiled: bool = False) -> list[Any]:
+    """Every stage's call for one group of requests (feeds_ref: their feeds; vals: their variables), each stage reading
+    the earlier stages' results it needs. Profiled (one request): each stage's pair [outputs, profile]."""
+    refs: list[Any] = []  # per stage: its outputs' ref (profiled: the pair)
     outs: list[Any] = []
     for k, a in enumerate(self.actors):
       earlier = [outs[j] for j in self._needs[k]]
@@ -46,7 +48,7 @@ class Pipeline(Fleet):
         refs.append(pair)
         outs.append(pair[0])
       else:
-        refs.append(a.run_stage.remote(feeds_ref, vals, *earlier))
+        refs.append(a.run_stage_many.remote(feeds_ref, vals, *earlier))
         outs.append(refs[-1])
     return refs
 
@@ -57,46 +59,52 @@ class Pipeline(Fleet):
     return self.map([feeds], vars, progress_bar=False)[0]
 
   def map(self, requests: Sequence[Feeds], vars: Mapping[str, int] | None = None, progress_bar: bool | None = None,
-          on_result: Callable[[int], None] | None = None) -> list[dict[str, np.ndarray]]:
-    """Outputs for every request, in order, with up to `window` requests in the pipeline at once; on_result(i) is called
-    as request i's result arrives."""
+          on_result: Callable[[int], None] | None = None, per_call: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Outputs for every request, in order. Requests travel `per_call` at a time (default: up to 8, as Replicas.map: one
+    Ray call per stage for the group), with up to `window` groups in the pipeline at once; on_result(i) is called as
+    request i's result arrives."""
     ray = ray_module()
     if not self.actors: raise DistributedError("this pipeline was shut down")
     prepared = [self._vars(f, vars) for f in requests]
+    n = len(requests)
+    if per_call is None: per_call = max(1, min(8, n // (self.window * 4)))
+    if per_call < 1: raise DistributedError(f"per_call must be at least 1, got {per_call}")
+    groups = [list(range(i, min(i + per_call, n))) for i in range(0, n, per_call)]
     out: list[dict[str, np.ndarray]] = []
-    inflight: list[tuple[int, Any, list[Any]]] = []
+    inflight: list[tuple[list[int], Any, list[Any]]] = []
     nxt = 0
-    bar = progress(len(requests), progress_bar, "kiln pipeline")
+    bar = progress(n, progress_bar, "kiln pipeline")
     try:
-      while nxt < len(requests) or inflight:
-        while nxt < len(requests) and len(inflight) < self.window:
-          arrays, vals = prepared[nxt]
-          fref = ray.put(arrays)
-          inflight.append((nxt, fref, self._submit(fref, vals)))
+      while nxt < len(groups) or inflight:
+        while nxt < len(groups) and len(inflight) < self.window:
+          g = groups[nxt]
+          fref = ray.put([prepared[i][0] for i in g])
+          inflight.append((g, fref, self._submit(fref, [prepared[i][1] for i in g])))
           nxt += 1
-        i, fref, refs = inflight.pop(0)
-        out.append(self._collect(i, fref, refs, prepared[i][1]))
-        bar.update(1)
-        if on_result is not None: on_result(i)
+        g, fref, refs = inflight.pop(0)
+        out += self._collect(g, fref, refs, [prepared[i][1] for i in g])
+        bar.update(len(g))
+        if on_result is not None:
+          for i in g: on_result(i)
     finally:
       bar.close()
     return out
 
-  def _collect(self, i: int, fref: Any, refs: list[Any], vals: Mapping[str, int]) -> dict[str, np.ndarray]:
+  def _collect(self, group: list[int], fref: Any, refs: list[Any], vals: list[dict[str, int]]) -> list[dict[str, np.ndarray]]:
     ray = ray_module()
+    owners = sorted(set(self._final.values()))
     for attempt in range(self.retries + 1):
       try:
-        got = ray.get([refs[k] for k in sorted(set(self._final.values()))])
-        by_stage = dict(zip(sorted(set(self._final.values())), got))
-        return {name: by_stage[k][name] for name, k in self._final.items()}
+        by_stage = dict(zip(owners, ray.get([refs[k] for k in owners])))
+        return [{name: by_stage[k][j][name] for name, k in self._final.items()} for j in range(len(group))]
       except actor_errors() as e:
         stage = self._failed_stage(refs)
         if attempt == self.retries:
           label = self.labels[stage] if stage is not None else "unknown"
-          raise NoWorkerLeft(f"request {i} failed {attempt + 1} times; stage {stage} ({label}) last failed: {type(e).__name__}: {e}",
-                             [label], stage) from e
-        self.retried += 1
-        refs = self._submit(fref, vals)  # the dead stage's worker restarts and rebuilds; the request runs again from stage 0
+          raise NoWorkerLeft(f"requests {group[0]}..{group[-1]} failed {attempt + 1} times; stage {stage} ({label}) last failed: "
+                             f"{type(e).__name__}: {e}", [label], stage) from e
+        self.retried += len(group)
+        refs = self._submit(fref, vals)  # the dead stage's worker restarts and rebuilds; the group runs again from stage 0
     raise AssertionError("unreachable")
 
   def _failed_stage(self, refs: list[Any]) -> int | None:

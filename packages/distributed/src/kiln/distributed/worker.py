@@ -34,17 +34,22 @@ class PlanWorker:
     """Several requests in one call (one Ray round trip for all of them), in order."""
     return [self.run(f, vars) for f in requests]
 
-  def run_stage(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None, *earlier: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A pipeline stage: what it needs from the request's feeds and from the earlier stages' results (Ray resolves those
-    refs before the call, zero-copy on this node)."""
-    env: dict[str, np.ndarray] = dict(feeds)
-    for got in earlier: env.update(got)
-    self.runs += 1
-    return self.plan.run({n: env[n] for n in self.plan.input_names}, vars)
+  def run_stage_many(self, requests: list[Mapping[str, np.ndarray]], vars: list[Mapping[str, int]], *earlier: list[Mapping[str, np.ndarray]]
+                     ) -> list[dict[str, np.ndarray]]:
+    """A pipeline stage over a group of requests: each one's feeds, variables, and what the earlier stages returned for it
+    (Ray resolves those refs before the call, zero-copy on this node)."""
+    out = []
+    for i, (feeds, v) in enumerate(zip(requests, vars)):
+      env: dict[str, np.ndarray] = dict(feeds)
+      for got in earlier: env.update(got[i])
+      self.runs += 1
+      out.append(self.plan.run({n: env[n] for n in self.plan.input_names}, v))
+    return out
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None = None, *earlier: Mapping[str, np.ndarray]
                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """run (or run_stage), kernel by kernel with each one timed; the records come with this worker's wall clock at the start."""
+    """run (or, for a stage, one request with the earlier stages' results), kernel by kernel with each one timed; the
+    records come with this worker's wall clock at the start."""
     env: dict[str, np.ndarray] = dict(feeds)
     for got in earlier: env.update(got)
     wall = time.time()
