@@ -9,7 +9,6 @@ same plan run in this process before anything is timed. Rounds alternate 1 and 2
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import time
@@ -119,7 +118,8 @@ def replicas(b: Bench, r: Row, pipe: Row) -> None:
 
 def spec_flops(spec: Any) -> float:
   """The plan's estimated flops per run, from its kernels' compiled specs."""
-  return float(sum(json.loads(op.compiled).get("flops", 0) for op in spec.ops if op.kind == "kernel"))
+  from kiln.executor.spec_access import compiled_doc
+  return float(sum(compiled_doc(op).get("flops", 0) for op in spec.ops if op.kind == "kernel"))
 
 
 def run(b: Bench) -> None:

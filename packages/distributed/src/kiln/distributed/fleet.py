@@ -13,8 +13,6 @@ import numpy as np
 from kiln.distributed.errors import DistributedError
 from kiln.distributed.placement import Placement
 from kiln.executor import PlanSpec
-from kiln.executor.portable import infer_vars
-from kiln.ir.errors import PlanSpecError
 
 # Ray restarts a dead worker without limit; kiln retries the request itself (on another replica where there is one),
 # so Ray must not re-run a call on its own (max_task_retries 0): each result reaches the caller exactly once
@@ -103,17 +101,6 @@ class Fleet:
 
   def __enter__(self) -> Fleet: return self
   def __exit__(self, *exc: Any) -> None: self.shutdown()
-
-
-def checked_feeds(spec: PlanSpec, feeds: Mapping[str, Any], vars: Mapping[str, int] | None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-  """A request's arrays and variable values, checked here against the spec's inputs (names, ranks, sizes, bounds) so a bad
-  request is a PlanSpecError in the caller's process, before anything is sent."""
-  arrays = {k: np.asarray(v) for k, v in feeds.items()}
-  names = {io.name for io in spec.inputs}
-  for io in spec.inputs:
-    if io.name not in arrays: raise PlanSpecError(f"input {io.name!r} (shape {io.shape}, {io.dtype}) was not fed")
-  if unknown := sorted(set(arrays) - names): raise PlanSpecError(f"feeds {unknown} are not inputs of the plan (it takes {sorted(names)})")
-  return arrays, infer_vars(spec, arrays, vars)
 
 
 def merged_trace(profiles: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from kiln.distributed.errors import DistributedError, NoWorkerLeft
-from kiln.distributed.fleet import Fleet, actor_errors, checked_feeds, merged_trace, progress, put_weights, ray_module, start_worker
+from kiln.distributed.fleet import Fleet, actor_errors, merged_trace, progress, put_weights, ray_module, start_worker
 from kiln.distributed.placement import Placement, placements
 from kiln.executor import PlanSpec
 from kiln.executor.plan_split import ACTIVATION, split
+from kiln.executor.portable import check_feeds
 
 Feeds = Mapping[str, Any]
 
@@ -53,7 +54,7 @@ class Pipeline(Fleet):
     return refs
 
   def _vars(self, feeds: Feeds, vars: Mapping[str, int] | None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    return checked_feeds(self.spec, feeds, vars)  # the variables too: later stages may not see the inputs that carry one
+    return check_feeds(self.spec, feeds, vars)  # the variables too: later stages may not see the inputs that carry one
 
   def run(self, feeds: Feeds, vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     return self.map([feeds], vars, progress_bar=False)[0]

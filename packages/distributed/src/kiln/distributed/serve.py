@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from kiln.distributed.errors import DistributedError, NoWorkerLeft
-from kiln.distributed.fleet import Fleet, actor_errors, checked_feeds, merged_trace, progress, put_weights, ray_module, start_worker
+from kiln.distributed.fleet import Fleet, actor_errors, merged_trace, progress, put_weights, ray_module, start_worker
 from kiln.distributed.placement import Placement, placements
 from kiln.executor import PlanSpec
-from kiln.executor.portable import infer_vars
+from kiln.executor.portable import check_feeds, infer_vars
 
 Feeds = Mapping[str, Any]
 
@@ -42,7 +42,7 @@ class Replicas(Fleet):
     call, so faster replicas take more. on_result(i) is called as request i's result arrives."""
     ray = ray_module()
     if not self.actors: raise DistributedError("these replicas were shut down")
-    for f in requests: checked_feeds(self.spec, f, vars)  # a bad request fails here, before any is sent
+    for f in requests: check_feeds(self.spec, f, vars)  # a bad request fails here, before any is sent
     n = len(requests)
     if per_call is None: per_call = max(1, min(8, n // (len(self.actors) * self.window * 4)))
     if per_call < 1: raise DistributedError(f"per_call must be at least 1, got {per_call}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,21 +40,23 @@ class PlanWorker:
     (Ray resolves those refs before the call, zero-copy on this node)."""
     out = []
     for i, (feeds, v) in enumerate(zip(requests, vars)):
-      env: dict[str, np.ndarray] = dict(feeds)
-      for got in earlier: env.update(got[i])
       self.runs += 1
-      out.append(self.plan.run({n: env[n] for n in self.plan.input_names}, v))
+      out.append(self.plan.run(self._inputs(feeds, [got[i] for got in earlier]), v))
     return out
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray], vars: Mapping[str, int] | None = None, *earlier: Mapping[str, np.ndarray]
                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """run (or, for a stage, one request with the earlier stages' results), kernel by kernel with each one timed; the
     records come with this worker's wall clock at the start."""
+    wall = time.time()
+    out, prof = self.plan.run_profiled(self._inputs(feeds, earlier), vars)
+    return out, {"label": self.label, "wall_start": wall, "records": [r.as_dict() for r in prof]}
+
+  def _inputs(self, feeds: Mapping[str, np.ndarray], earlier: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """This plan's inputs, from a request's feeds and the earlier stages' results for it (a replica: the feeds alone)."""
     env: dict[str, np.ndarray] = dict(feeds)
     for got in earlier: env.update(got)
-    wall = time.time()
-    out, prof = self.plan.run_profiled({n: env[n] for n in self.plan.input_names}, vars)
-    return out, {"label": self.label, "wall_start": wall, "records": [r.as_dict() for r in prof]}
+    return {n: env[n] for n in self.plan.input_names}
 
   def info(self) -> dict[str, Any]:
     import ray

@@ -9,69 +9,25 @@ what the whole plan does, kernel for kernel: the outputs are bit-identical.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from kiln.executor.buffer import to_dtype
 from kiln.executor.planspec import BufferEntry, CopyEntry, IOEntry, KernelEntry, PlanSpec, StorageEntry, ViewEntry
+from kiln.executor.spec_access import accesses, compiled_doc, first_reads, places
 from kiln.ir.errors import PlanSpecError
 
 ACTIVATION = "kiln.activation."
-
-
-@dataclass(frozen=True)
-class _Access:
-  storage: int
-  write: bool
-  whole: bool  # the access covers every byte of the storage
-
-
-def _where(spec: PlanSpec) -> dict[int, tuple[int, int, int]]:
-  """buffer -> (storage, byte offset, bytes), through view ops."""
-  out = {i: (b.storage, b.offset, b.size * _itemsize(b.dtype)) for i, b in enumerate(spec.buffers)}
-  for op in spec.ops:
-    if isinstance(op, ViewEntry):
-      st, off, _ = out[op.base]
-      out[op.out] = (st, off + op.byte_offset, op.byte_size)
-  return out
-
-
-def _itemsize(dtype: str) -> int:
-  from kiln.executor.buffer import to_dtype
-  return to_dtype(dtype).itemsize
-
-
-def _kernel_io(k: KernelEntry) -> tuple[list[int], list[int], list[int], float]:
-  """(globals, ins, outs, cost) of a kernel, read off its compiled JSON (validated fully only when it is rebuilt)."""
-  try:
-    doc = json.loads(k.compiled)
-    return list(doc.get("globals", [])), list(doc.get("ins", [])), list(doc.get("outs", [])), float(doc.get("flops", 0) + doc.get("mem_bytes", 0))
-  except (ValueError, TypeError, AttributeError) as e: raise PlanSpecError(f"kernel op {k.id}: its compiled kernel is not JSON: {e}") from None
-
-
-def _accesses(spec: PlanSpec) -> list[list[_Access]]:
-  where = _where(spec)
-  def acc(b: int, write: bool) -> _Access:
-    st, off, n = where[b]
-    return _Access(st, write, off == 0 and n == spec.storages[st].nbytes)
-  out: list[list[_Access]] = []
-  for op in spec.ops:
-    if isinstance(op, KernelEntry):
-      globs, ins, outs, _ = _kernel_io(op)
-      if bad := [s for s in globs if not 0 <= s < len(op.buffers)]: raise PlanSpecError(f"kernel op {op.id} has slots {bad} beyond its buffers")
-      out.append([*(acc(op.buffers[s], False) for s in globs if s in ins or s not in outs), *(acc(op.buffers[s], True) for s in outs if s in globs)])
-    elif isinstance(op, CopyEntry): out.append([acc(op.src, False), acc(op.dst, True)])
-    else: out.append([])
-  return out
 
 
 def op_costs(spec: PlanSpec) -> list[float]:
   """Estimated work per op (a kernel's flops plus bytes; a copy's bytes; a view nothing), to balance stages."""
   costs = []
   for op in spec.ops:
-    if isinstance(op, KernelEntry): costs.append(_kernel_io(op)[3])
-    elif isinstance(op, CopyEntry): costs.append(float(spec.buffers[op.dst].size * _itemsize(spec.buffers[op.dst].dtype)))
+    if isinstance(op, KernelEntry):
+      doc = compiled_doc(op)
+      costs.append(float(doc.get("flops", 0)) + float(doc.get("mem_bytes", 0)))
+    elif isinstance(op, CopyEntry): costs.append(float(spec.buffers[op.dst].size * to_dtype(spec.buffers[op.dst].dtype).itemsize))
     else: costs.append(0.0)
   return costs
 
@@ -107,20 +63,13 @@ def split(spec: PlanSpec, cuts: int | Sequence[int]) -> list[PlanSpec]:
   for op in spec.ops:
     if isinstance(op, KernelEntry | CopyEntry) and (bad := [d for d in op.deps if stage_of[d] > stage_of[op.id]]):
       raise PlanSpecError(f"op {op.id} depends on ops {bad} of a later stage: cut elsewhere")
-  acc = _accesses(spec)
-  where = _where(spec)
+  acc = accesses(spec.storages, spec.buffers, spec.ops)
+  where = places(spec.buffers, spec.ops)
   nst = len(bounds) - 1
-  touched = [{a.storage for i in range(bounds[k], bounds[k + 1]) for a in acc[i]} for k in range(nst)]
-  written = [{a.storage for i in range(bounds[k], bounds[k + 1]) for a in acc[i] if a.write} for k in range(nst)]
-  first_whole_write: list[set[int]] = []
-  for k in range(nst):
-    seen: set[int] = set()
-    whole: set[int] = set()
-    for i in range(bounds[k], bounds[k + 1]):
-      for a in acc[i]:
-        if a.storage not in seen and a.write and a.whole: whole.add(a.storage)
-        seen.add(a.storage)
-    first_whole_write.append(whole)
+  stage_accs = [acc[bounds[k]:bounds[k + 1]] for k in range(nst)]
+  touched = [{a.storage for op in accs for a in op} for accs in stage_accs]
+  written = [{a.storage for op in accs for a in op if a.write} for accs in stage_accs]
+  needs_old = [first_reads(accs) for accs in stage_accs]  # touched, and not first overwritten whole
   inputs_at = {where[io.buffer][0]: io for io in spec.inputs}
   owner: dict[str, int] = {}
   for io in spec.outputs:
@@ -131,7 +80,7 @@ def split(spec: PlanSpec, cuts: int | Sequence[int]) -> list[PlanSpec]:
   for k in range(nst):
     earlier = set().union(*written[:k]) if k else set()
     later = set().union(*touched[k + 1:]) if k + 1 < nst else set()
-    act_in = sorted((touched[k] & earlier) - first_whole_write[k])
+    act_in = sorted(earlier & needs_old[k])
     act_out = sorted(written[k] & later)
     outs = [io for io in spec.outputs if owner[io.name] == k]
     ins = [io for st, io in inputs_at.items() if st in touched[k] and st not in earlier]
@@ -195,13 +144,8 @@ def _stage(spec: PlanSpec, ops: range, act_in: list[int], act_out: list[int], in
 def run_in_order(spec: PlanSpec, stages: Sequence[Any], feeds: Mapping[str, Any], vars: Mapping[str, int] | None = None) -> dict[str, Any]:
   """Run the stage plans of `spec` (PortablePlan-like: .spec, .run(feeds, vars)) one after another in this process,
   passing the activations along; returns the whole plan's named outputs."""
-  import numpy as np
-
-  from kiln.executor.portable import infer_vars
-  env = {k: np.asarray(v) for k, v in feeds.items()}
-  for io in spec.inputs:
-    if io.name not in env: raise PlanSpecError(f"input {io.name!r} was not fed")
-  vals = infer_vars(spec, env, vars)  # a later stage may see none of the inputs that carry a variable
+  from kiln.executor.portable import check_feeds
+  env, vals = check_feeds(spec, feeds, vars)  # the variables too: a later stage may see none of the inputs that carry one
   final: dict[str, Any] = {}
   for st in stages:
     got = st.run({io.name: env[io.name] for io in st.spec.inputs}, vals)

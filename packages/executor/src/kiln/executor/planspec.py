@@ -33,6 +33,7 @@ from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage, to_dtype
 from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, opts_key, target_key
+from kiln.executor.prepared import PreparedKernel
 from kiln.ir.errors import KilnError, PlanSpecError
 from kiln.ir.serialize import load_json_document
 
@@ -253,12 +254,16 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   for br in recipe.buffers:
     if br.storage.id not in sids: sids[br.storage.id] = len(stores); stores.append(br.storage)
   fed = {sids[recipe.buffers[b].storage.id] for b in inputs.values()}
-  read, written = _read_first(plan, recipe)
+  dev = recipe.device
+  target = target_key(dev, get_runtime(dev))
+  buffers = [BufferEntry(storage=sids[br.storage.id], offset=br.offset, size=br.size, dtype=br.dtype.name) for br in recipe.buffers]
+  ops = _op_entries(plan, recipe, target)
+  read, written = _contents_read(plan, stores, buffers, ops)
   arrays: dict[str, np.ndarray] = {}
   storages = []
   for si, st in enumerate(stores):
     weight = None
-    if si not in fed and st.id in read:  # the plan reads what is in it before writing it: its contents must travel
+    if si not in fed and si in read:  # the plan reads what is in it before writing it: its contents must travel
       if (where := _file_of(st)) is not None:
         sha = _digest(_contents(st)) if digest_files else None
         weight = WeightRef(kind="file", nbytes=st.nbytes, path=os.path.abspath(where[0]), offset=where[1], sha256=sha)
@@ -271,67 +276,40 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
         arrays[key] = view
         weight = WeightRef(kind="object", nbytes=st.nbytes, key=key, sha256=sha)
     # a weight no op writes is read-only in the spec, so a rebuild may share it (zero-copy) instead of copying it
-    ro = st.readonly or (weight is not None and st.id not in written)
+    ro = st.readonly or (weight is not None and si not in written)
     storages.append(StorageEntry(device=st.device, nbytes=st.nbytes, readonly=ro, weight=weight))
-  buffers = [BufferEntry(storage=sids[br.storage.id], offset=br.offset, size=br.size, dtype=br.dtype.name) for br in recipe.buffers]
-  ops = _op_entries(plan, recipe)
   shapes = dict(shapes or {})
 
   def io(name: str, b: int) -> IOEntry:
     shape = list(shapes.get(name, [recipe.buffers[b].size]))
     return IOEntry(name=name, buffer=b, shape=shape, dtype=recipe.buffers[b].dtype.name)
-  dev = recipe.device
   try:
-    spec = PlanSpec(device=dev, target=target_key(dev, get_runtime(dev)), parallel=recipe.parallel, reuse_memory=recipe.reuse_memory,
+    spec = PlanSpec(device=dev, target=target, parallel=recipe.parallel, reuse_memory=recipe.reuse_memory,
                     storages=storages, buffers=buffers, ops=ops, inputs=[io(n, b) for n, b in inputs.items()],
                     outputs=[io(n, b) for n, b in outputs.items()], variables=dict(plan.var_bounds))
   except ValidationError as e: raise PlanSpecError(f"the plan does not make a valid spec: {e}") from None
   return spec, arrays
 
 
-def _read_first(plan: Any, recipe: Any) -> tuple[set[int], set[int]]:
-  """Ids of the storages some op reads before the plan has written all of them (in op order, which the plan's
-  dependencies follow): their contents at export time are part of the plan; and ids of the storages any op writes."""
-  from kiln.executor.prepared import PreparedKernel
-  where: dict[int, tuple[Storage, int, int]] = {}  # buffer -> (storage, byte offset, bytes), through view ops
-  for i, br in enumerate(recipe.buffers): where[i] = (br.storage, br.offset, br.size * br.dtype.itemsize)
-  for op in recipe.ops:
-    if type(op).__name__ == "_ViewOp":
-      st, off, _ = where[op.base]
-      where[op.out] = (st, off + op.byte_offset, op.byte_size)
-  prepared = {p.id: p for p in plan.prepared_ops}
-  seen: set[int] = set()
-  read: set[int] = set()
-  written: set[int] = set()
-  def touch(b: int, write: bool) -> None:
-    st, off, n = where[b]
-    if write: written.add(st.id)
-    if st.id in seen: return
-    seen.add(st.id)
-    if not (write and off == 0 and n == st.nbytes): read.add(st.id)  # a partial write keeps the rest of the old contents
-  for op in recipe.ops:
-    kind = type(op).__name__
-    if kind == "_CopyOp": touch(op.src, False); touch(op.dst, True)
-    elif kind == "_CustomOp":
-      for b in op.buffers: touch(b, False)
-      for b in (op.buffers if op.outputs is None else [op.buffers[i] for i in op.outputs]): touch(b, True)
-    elif kind == "_KernelOp":
-      pk = prepared[op.id]
-      assert isinstance(pk, PreparedKernel)
-      k = pk.kernel
-      for s in k.globals:
-        if s in k.ins or s not in k.outs: touch(op.buffers[s], False)
-      for s in k.outs: touch(op.buffers[s], True)
-  for b in plan.outputs:  # an output no op writes reads back what it held
-    touch(b, False)
-  return read, written
+def _contents_read(plan: Any, stores: list[Storage], buffers: list[BufferEntry], ops: list[KernelEntry | CopyEntry | ViewEntry]
+                   ) -> tuple[set[int], set[int]]:
+  """(storages whose contents at export time the plan reads: some op reads them before the plan has written all of them,
+  in op order, which the plan's dependencies follow; storages any op writes), as spec storage indices."""
+  from kiln.executor.spec_access import accesses, first_reads, places
+  kernels = {p.id: p.kernel for p in plan.prepared_ops if isinstance(p, PreparedKernel)}
+  def slots(k: KernelEntry) -> tuple[list[int], list[int], list[int]]:  # the compiled kernel's, not its JSON read back
+    ck = kernels[k.id]
+    return list(ck.globals), list(ck.ins), list(ck.outs)
+  accs = accesses([StorageEntry(device=st.device, nbytes=st.nbytes) for st in stores], buffers, ops, slots)
+  touched = {a.storage for op in accs for a in op}
+  where = places(buffers, ops)
+  read = first_reads(accs) | ({where[b][0] for b in plan.outputs} - touched)  # an output no op writes reads back what it held
+  return read, {a.storage for op in accs for a in op if a.write}
 
 
-def _op_entries(plan: Any, recipe: Any) -> list[KernelEntry | CopyEntry | ViewEntry]:
-  from kiln.executor.prepared import PreparedKernel
+def _op_entries(plan: Any, recipe: Any, target: str) -> list[KernelEntry | CopyEntry | ViewEntry]:
   prepared = {p.id: p for p in plan.prepared_ops}
   key = _seal_key()
-  target = target_key(recipe.device, get_runtime(recipe.device))
   out: list[KernelEntry | CopyEntry | ViewEntry] = []
   for op in recipe.ops:
     kind = type(op).__name__
@@ -393,13 +371,11 @@ def _storage(si: int, e: StorageEntry, weights: Mapping[str, Any], verify: bool)
   return st
 
 
-def _seed(k: KernelEntry, compiled: CompiledSpec, spec: PlanSpec, device: str, code: CodePolicy, key: bytes | None) -> None:
-  """Put the kernel's shipped object code in the kernel cache when it may be used here, so build() compiles nothing."""
-  if code == "compile": return
-  rt = get_runtime(device)
-  if target_key(device, rt) != spec.target: return
+def _seed(k: KernelEntry, compiled: CompiledSpec, opts: list[Opt] | None, rt: Any, device: str, spec: PlanSpec, code: CodePolicy,
+          key: bytes | None) -> None:
+  """Put the kernel's shipped object code in the kernel cache when `code` accepts it (the caller has checked the target
+  key), so build() compiles nothing."""
   if code == "sealed" and (key is None or k.seal is None or not hmac.compare_digest(k.seal, _seal(key, spec.target, k.compiled))): return
-  opts = None if k.opts is None else [o.opt() for o in k.opts]
   ck_key = compiled.ast.key + opts_key(opts)
   try:
     def load() -> CachedKernel:
@@ -424,11 +400,13 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
     st = stores[be.storage]
     b.buffers.append(Buffer(st.device, be.size, to_dtype(be.dtype), _storage=st, _offset=be.offset))
   key = _seal_key() if code == "sealed" else None
+  rt = get_runtime(b.device)
+  shipped = code != "compile" and target_key(b.device, rt) == spec.target  # else every kernel compiles for this host
   for op in spec.ops:
     if isinstance(op, KernelEntry):
       compiled = op.compiled_spec()
-      _seed(op, compiled, spec, b.device, code, key)
       opts = None if op.opts is None else [o.opt() for o in op.opts]
+      if shipped: _seed(op, compiled, opts, rt, b.device, spec, code, key)
       b.add_kernel(compiled.ast, op.buffers, op.fixedvars, op.deps, opts=opts, tune=False)
     elif isinstance(op, CopyEntry): b.add_copy(op.dst, op.src, op.deps)
     else: b.add_view(op.out, op.base, op.byte_offset, op.byte_size)

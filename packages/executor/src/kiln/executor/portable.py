@@ -45,6 +45,18 @@ def infer_vars(spec: PlanSpec, feeds: Mapping[str, np.ndarray], given: Mapping[s
   return vals
 
 
+def check_feeds(spec: PlanSpec, feeds: Mapping[str, Any], given: Mapping[str, int] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+  """A request's arrays and variable values, checked against the spec's inputs (every input fed, no other name, ranks,
+  sizes, bounds): a PlanSpecError (or VariableBoundsError) before anything runs."""
+  arrays: dict[str, np.ndarray] = {}
+  for io in spec.inputs:
+    if io.name not in feeds: raise PlanSpecError(f"input {io.name!r} (shape {_fmt(io.shape)}, {io.dtype}) was not fed")
+    arrays[io.name] = np.asarray(feeds[io.name])
+  if unknown := sorted(set(feeds) - set(arrays)):
+    raise PlanSpecError(f"feeds {unknown} are not inputs of the plan (it takes {[io.name for io in spec.inputs]})")
+  return arrays, infer_vars(spec, arrays, given)
+
+
 class PortablePlan:
   """A PlanSpec rebuilt in this process. `run` is serialised per plan, as ExecutionPlan.execute is."""
 
@@ -55,12 +67,7 @@ class PortablePlan:
     self.output_names = [o.name for o in spec.outputs]
 
   def _feed(self, feeds: Mapping[str, Any], given: Mapping[str, int] | None) -> dict[str, int]:
-    arrays: dict[str, np.ndarray] = {}
-    for io in self.spec.inputs:
-      if io.name not in feeds: raise PlanSpecError(f"input {io.name!r} (shape {_fmt(io.shape)}, {io.dtype}) was not fed")
-      arrays[io.name] = np.asarray(feeds[io.name])
-    if unknown := sorted(set(feeds) - set(arrays)): raise PlanSpecError(f"feeds {unknown} are not inputs of the plan (it takes {self.input_names})")
-    vals = infer_vars(self.spec, arrays, given)
+    arrays, vals = check_feeds(self.spec, feeds, given)
     for io in self.spec.inputs:
       a, want = arrays[io.name], to_dtype(io.dtype).np
       if a.dtype != want:
