@@ -1,10 +1,12 @@
 """ERF and TANH render to the CUDA math library (erff/tanhf on float registers, erf/tanh on double) and in LLVM IR to
 the renderer's own inline code for float registers (render/llvm_math.py) and libm calls on double. The float32 EXP2, ERF and TANH
-helpers compute in float and i32 only, with no FMA and no fast-math flag, in the same instructions for every lane count."""
+helpers compute in float and i32 only, with no fast-math flag, in the same instructions for every lane count; FMA only where the
+target has one (Target.fma), and then as llvm.fma in every polynomial step."""
 import re
 
 import pytest
 
+from kiln.codegen.opt import Target
 from kiln.codegen.render import CUDARenderer, llvm_math
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import Ops, UOp, dtypes
@@ -46,3 +48,24 @@ def test_float32_helper_stays_in_float(op: Ops) -> None:
     assert not re.search(r"double|fpext|fptrunc|call|fma|fmuladd|\b(fast|contract|reassoc|afn|nnan|ninf|nsz|arcp)\b", text), text
     seqs.append(opcodes(text))
   assert seqs[0] and all(s == seqs[0] for s in seqs), seqs
+
+
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH])
+def test_fma_helper_fuses_its_polynomials(op: Ops) -> None:
+  """With a fused multiply-add (Target.fma) the helper calls llvm.fma and nothing else, stays in float, is shorter than without,
+  has one instruction sequence whatever the lane count, and the renderer declares the intrinsic once for the kernel."""
+  def opcodes(text: str) -> list[str]: return re.findall(r"= (fcmp \w+|call [^@]*@[\w.]+|\w+) ", text)
+  seqs = []
+  for n in (1, 4, 8, 16):
+    name, text = llvm_math.helper(op, n, fma=True)
+    assert name == f"kiln.{op.name.lower()}.f32.{n}.fma"
+    calls = set(re.findall(r"call [^@]*@([\w.]+)\(", text))
+    assert calls == {f"llvm.fma.{'f32' if n == 1 else f'v{n}f32'}"}, calls
+    assert not re.search(r"double|fpext|fptrunc|fmuladd|\b(fast|contract|reassoc|afn|nnan|ninf|nsz|arcp)\b", text), text
+    assert len(opcodes(text)) < len(opcodes(llvm_math.helper(op, n)[1])), (op, n)
+    seqs.append([re.sub(r"call [^@]*@([\w.]+)\.(f32|v\d+f32)$", r"\1", o) for o in opcodes(text)])
+  assert seqs[0] and all(s == seqs[0] for s in seqs), seqs
+  src = LLVMRenderer(Target(device="CPU", vector_bytes=64, fma=True)).render(kernel(op, dtypes.float32)).src
+  decls = re.findall(r"declare .*@llvm\.fma\.(v\d+f32)\(", src)
+  helpers = re.findall(rf"define internal .*@kiln\.{op.name.lower()}\.f32\.(\d+)\.fma\(", src)
+  assert len(decls) == len(set(decls)) == len(helpers) == 1 and decls[0] == f"v{helpers[0]}f32", (decls, helpers)

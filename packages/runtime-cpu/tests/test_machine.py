@@ -11,7 +11,7 @@ import pytest
 from kiln.ir import DeviceError
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu
 from kiln.runtime.cpu.device import CPURuntime, cpu_target
-from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, is_x86, isa_of, read_caches, stream_store_bytes
+from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, has_fma, is_x86, isa_of, read_caches, stream_store_bytes
 
 X86 = is_x86(platform.machine())
 AVX2_HOST = ("x86_64", "+avx2,+fma,+bmi2,+avx,+sse4.2,+popcnt,+sse2,-avx512f")
@@ -49,6 +49,28 @@ def test_host_choice_follows_llvm_features() -> None:
 def test_kiln_cpu_names_set_the_isa(name: str, isa: tuple[int, int]) -> None:
   c = choose_cpu(AVX512_HOST, "x86_64", name)
   assert c.from_env and c.cpu == name.lower() and c.features == "" and (c.vector_bytes, c.vector_registers) == isa
+
+
+@pytest.mark.parametrize("name,fma", [("x86-64-v3", True), ("haswell", True), ("znver3", True), ("x86-64-v4", True), ("znver4", True),
+                                      ("sandybridge", False), ("x86-64-v2", False), ("x86-64", False)])
+def test_fma_follows_the_cpu(name: str, fma: bool) -> None:
+  """The vector maths fuses its polynomials only for a CPU with FMA: from the host's LLVM features, or the level KILN_CPU names."""
+  assert choose_cpu(AVX512_HOST, "x86_64", name).fma is fma
+  assert choose_cpu(AVX512_HOST, "x86_64", None).fma and choose_cpu(AVX2_HOST, "x86_64", None).fma
+  assert not choose_cpu(("corei7", "+sse4.2,+popcnt,+sse2,-fma"), "x86_64", None).fma
+  assert has_fma("+neon", "aarch64") and not has_fma("+avx2,-fma", "x86_64")
+
+
+def test_target_and_cache_key_carry_fma(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Code with and without fused maths differs in the last bit: the Target says which, and the disk cache key tells them apart."""
+  if not X86: pytest.skip("x86 CPU names")
+  keys = {}
+  for name in ("x86-64-v2", "x86-64-v3"):
+    monkeypatch.setenv("KILN_CPU", name)
+    rt = CPURuntime()
+    assert rt.target.fma is (name == "x86-64-v3")
+    keys[name] = rt.compiler.cache_key
+  assert keys["x86-64-v2"].endswith("|fma0") and keys["x86-64-v3"].endswith("|fma1")
 
 
 def test_kiln_cpu_errors_name_the_value_and_what_is_accepted() -> None:

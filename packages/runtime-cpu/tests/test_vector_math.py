@@ -13,6 +13,7 @@ well. 16-bit types are checked at every value against the reference (within 1 ul
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -50,8 +51,13 @@ def kernel(op: Ops, dt: DType, n: int) -> UOp:
   return UOp.sink(UOp.define_global(0, dt.ptr(n)).index(i).store(val), name=f"vmath_{op.name.lower()}_{dt}")
 
 
-def run(op: Ops, dt: DType, x: np.ndarray, vector: bool) -> np.ndarray:
-  spec = RT.renderer.render(kernel(op, dt, len(x)), opts=None if vector else [])
+# the helpers with fused multiply-adds (targets with FMA) and without: both are checked on every host (llvm.fma runs everywhere,
+# through libm's fmaf where the CPU has no FMA instruction)
+RENDERERS = {fma: LLVMRenderer(dataclasses.replace(RT.target, fma=fma)) for fma in (False, True)}
+
+
+def run(op: Ops, dt: DType, x: np.ndarray, vector: bool, fma: bool = False) -> np.ndarray:
+  spec = RENDERERS[fma].render(kernel(op, dt, len(x)), opts=None if vector else [])
   assert vector == any(o.startswith("UPCAST") for o in spec.applied_opts), spec.applied_opts
   out = np.zeros_like(x)
   RT.load(RT.compiler.compile(spec))([out.ctypes.data, x.ctypes.data], [])
@@ -82,11 +88,14 @@ def truth(op: Ops, x: np.ndarray) -> np.ndarray:
   with np.errstate(all="ignore"): return fn(x.astype(np.float64)).astype(np.float32)
 
 
-@pytest.fixture(scope="module", params=OPS, ids=[o.name for o in OPS])
+CASES = [(o, f) for o in OPS for f in (False, True)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{o.name}-{'fma' if f else 'nofma'}" for o, f in CASES])
 def results(request: pytest.FixtureRequest) -> tuple[Ops, np.ndarray, np.ndarray, np.ndarray]:
-  op = request.param
+  op, fma = request.param
   x = sweep(op)
-  return op, x, run(op, dtypes.float32, x, False), run(op, dtypes.float32, x, True)
+  return op, x, run(op, dtypes.float32, x, False, fma), run(op, dtypes.float32, x, True, fma)
 
 
 def test_scalar_and_vector_agree(results: tuple[Ops, np.ndarray, np.ndarray, np.ndarray]) -> None:
@@ -117,22 +126,24 @@ def test_against_reference(results: tuple[Ops, np.ndarray, np.ndarray, np.ndarra
   assert ulp_dist(got, want).max() <= REF_BOUND[op]
 
 
-def test_exact_at_integers_and_powers_of_two() -> None:
+@pytest.mark.parametrize("fma", [False, True], ids=["nofma", "fma"])
+def test_exact_at_integers_and_powers_of_two(fma: bool) -> None:
   k = np.arange(-149, 128, dtype=np.float32)
   k = np.concatenate([k, np.zeros(320 - len(k), np.float32)])
   for vector in (False, True):
-    assert (run(Ops.EXP2, dtypes.float32, k, vector) == np.exp2(k.astype(np.float64)).astype(np.float32)).all()
-    assert (run(Ops.LOG2, dtypes.float32, np.exp2(k.astype(np.float64)).astype(np.float32), vector) == k).all()
+    assert (run(Ops.EXP2, dtypes.float32, k, vector, fma) == np.exp2(k.astype(np.float64)).astype(np.float32)).all()
+    assert (run(Ops.LOG2, dtypes.float32, np.exp2(k.astype(np.float64)).astype(np.float32), vector, fma) == k).all()
 
 
+@pytest.mark.parametrize("fma", [False, True], ids=["nofma", "fma"])
 @pytest.mark.parametrize("dt", [dtypes.float16, dtypes.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("op", OPS, ids=[o.name for o in OPS])
-def test_16_bit_every_value(op: Ops, dt: DType) -> None:
+def test_16_bit_every_value(op: Ops, dt: DType, fma: bool) -> None:
   """float16 and bfloat16 compute in float32 (the same helper) and round once more: within 1 ulp of the reference at every value."""
   x = np.arange(65536, dtype=np.uint16).view(np.float16 if dt == dtypes.float16 else np.uint16)
   want = reference.run(kernel(op, dt, len(x)), np.zeros_like(x), x)[0]
   for vector in (False, True):
-    got = run(op, dt, x, vector)
+    got = run(op, dt, x, vector, fma)
     if dt == dtypes.bfloat16: got, want = got.view(np.uint16), want.view(np.uint16)
     g32 = (got.astype(np.uint32) << 16).view(np.float32) if dt == dtypes.bfloat16 else got
     w32 = (want.astype(np.uint32) << 16).view(np.float32) if dt == dtypes.bfloat16 else want

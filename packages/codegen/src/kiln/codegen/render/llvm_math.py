@@ -3,7 +3,10 @@ to one libm call per vector lane, and erf/tanh have no intrinsic at all). float6
 lane by lane.
 
 Each function is an alwaysinline helper of a float or an <n x float> made of the same instructions for every n, so a result does
-not depend on whether its loop was vectorised. No FMA and no fast-math flag is used, so every x86 level gives the same bits.
+not depend on whether its loop was vectorised. No fast-math flag is used. Where the target has a fused multiply-add (Target.fma:
+x86-64-v3 and up, AArch64) each polynomial step a + b*c is one llvm.fma, and 2^f = 1 + f*P(f) ends in one; without one it is
+fmul then fadd. So a target with FMA and one without may differ in the last bit (both within the bounds below, each tested);
+every target with FMA gives the same bits, and so does every target without.
 
 EXP2, ERF and TANH compute in float32 (<n x float> and <n x i32>, the full vector width): range reduction, near-minimax
 polynomials (Estrin's scheme) and 2^n built from exponent bits. Each is within 1 ulp of the correctly rounded result, measured over
@@ -58,14 +61,15 @@ FLOAT_CONST = {"nan": "0x7FF8000000000000", "inf": "0x7FF0000000000000", "-inf":
 def double_hex(v: float) -> str:
   """A float constant as LLVM IR writes it exactly: the 16 hex digits of its double bits (float constants too)."""
   return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
+def fma_suffix(n: int) -> str: return "f32" if n == 1 else f"v{n}f32"  # llvm.fma's on n floats (the caller declares it)
 def vtype(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
 def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
 
 
 class _Body:
   """The instructions of one helper: each call appends `%vK = text` and names its result."""
-  def __init__(self, n: int):
-    self.n, self.lines, self.k = n, list[str](), 0
+  def __init__(self, n: int, fma: bool = False):
+    self.n, self.fma, self.lines, self.k = n, fma, list[str](), 0
     self.F, self.I, self.B, self.D, self.L = (vtype(t, n) for t in ("float", "i32", "i1", "double", "i64"))
     self.powers: dict[tuple[str, int], str] = {}
 
@@ -92,11 +96,19 @@ class _Body:
     of ~log2(len) multiply-adds instead of len (with Horner's, 4M-float GELU ran 1.16x slower, waiting on latency)."""
     if len(coeffs) == 1: return self.f(coeffs[0])
     if len(coeffs) == 2:  # a zero constant term is left out (so c1*x, not c1*x + 0, which would turn -0 into +0)
-      cx = self(f"fmul {self.F} {x}, {self.f(coeffs[1])}")
-      return cx if coeffs[0] == 0 else self(f"fadd {self.F} {cx}, {self.f(coeffs[0])}")
+      if coeffs[0] == 0: return self(f"fmul {self.F} {x}, {self.f(coeffs[1])}")
+      return self.mad(x, self.f(coeffs[1]), self.f(coeffs[0]))
     m = 1 << ((len(coeffs) - 1).bit_length() - 1)
     lo, hi = self.estrin(x, coeffs[:m]), self.estrin(x, coeffs[m:])
-    return self(f"fadd {self.F} {lo}, {self(f'fmul {self.F} {self.power(x, m)}, {hi}')}")
+    return self.mad(self.power(x, m), hi, lo)
+
+  def mad(self, a: str, b: str, c: str) -> str:
+    """a*b + c: one llvm.fma (one rounding) where the target has it, else fmul then fadd (two)."""
+    if self.fma: return self(f"call {self.F} @llvm.fma.{self.suffix}({self.F} {a}, {self.F} {b}, {self.F} {c})")
+    return self(f"fadd {self.F} {self(f'fmul {self.F} {a}, {b}')}, {c}")
+
+  @property
+  def suffix(self) -> str: return fma_suffix(self.n)
 
   def power(self, x: str, m: int) -> str:  # x^m for m a power of two, by squaring, each made once per helper
     if m == 1: return x
@@ -112,7 +124,8 @@ def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tupl
   poly (EXP2_POLY: within [0.7, 1.42]) and n as i32."""
   t = b(f"fadd {b.F} {x}, {b.f(MAGIC)}")
   f = b(f"fsub {b.F} {x}, {b(f'fsub {b.F} {t}, {b.f(MAGIC)}')}")
-  p = b(f"fadd {b.F} {b.estrin(f, (0.0, *poly))}, {b.f(1.0)}")  # 1 + (f*c0 + f^2*c1 + ...): f*P by Estrin, then the 1
+  if b.fma: p = b.mad(f, b.estrin(f, poly), b.f(1.0))  # 1 + f*P(f), the last step one rounding
+  else: p = b(f"fadd {b.F} {b.estrin(f, (0.0, *poly))}, {b.f(1.0)}")  # 1 + (f*c0 + f^2*c1 + ...): f*P by Estrin, then the 1
   return p, b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")
 
 
@@ -161,7 +174,7 @@ def _odd(b: _Body, split: float, top: float, small: Callable[[_Body, str], str],
   a = b(f"bitcast {b.I} {b(f'and {b.I} {bits}, {b.i(F_ABS)}')} to {b.F}")
   c = b(f"select {b.B} {b(f'fcmp ogt {b.F} {a}, {b.f(top)}')}, {b.F} {b.f(top)}, {b.F} {a}")
   z = b(f"fmul {b.F} {c}, {c}")
-  sm = b(f"fadd {b.F} {c}, {b(f'fmul {b.F} {c}, {small(b, z)}')}")  # c + c*(f(c)/c - 1): the small part's error shrinks
+  sm = b.mad(c, small(b, z), c)  # c + c*(f(c)/c - 1): the small part's error shrinks
   r = b(f"select {b.B} {b(f'fcmp olt {b.F} {a}, {b.f(split)}')}, {b.F} {sm}, {b.F} {large(b, c, z)}")
   rb = b(f"or {b.I} {b(f'bitcast {b.F} {r} to {b.I}')}, {b(f'and {b.I} {bits}, {b.i(F_SIGN)}')}")
   return b(f"bitcast {b.I} {rb} to {b.F}")
@@ -191,10 +204,10 @@ INTRINSIC = {Ops.EXP2: "llvm.exp2", Ops.LOG2: "llvm.log2"}  # float64: libm thro
 LIBM = {Ops.ERF: "erf", Ops.TANH: "tanh"}  # float64: libm, called lane by lane (LLVM has no intrinsic to do it)
 
 
-def helper(op: Ops, n: int) -> tuple[str, str]:
-  """The name and definition of op's float32 helper on n lanes."""
-  b = _Body(n)
-  name = f"kiln.{op.name.lower()}.f32.{n}"
+def helper(op: Ops, n: int, fma: bool = False) -> tuple[str, str]:
+  """The name and definition of op's float32 helper on n lanes (fused multiply-adds in its polynomials with `fma`)."""
+  b = _Body(n, fma)
+  name = f"kiln.{op.name.lower()}.f32.{n}{'.fma' if fma else ''}"
   return name, b.define(name, BODIES[op](b))
 
 
@@ -205,7 +218,9 @@ def render(p: Any, op: Ops, s: Any, t: str, n: int, a: list[str], guard: bool) -
   r = p.tmp()
   if "double" in t: fn = p.intrinsic(f"{INTRINSIC[op]}.{'f64' if n == 1 else f'v{n}f64'}", t, [t])
   else:
-    name, text = helper(op, n)
+    fma = bool(getattr(p.target, "fma", False))
+    name, text = helper(op, n, fma)
+    if fma: p.intrinsic(f"llvm.fma.{fma_suffix(n)}", t, [t, t, t])  # the helper's, declared once in the module
     p.helpers.setdefault(name, text)
     fn = f"@{name}"
   p.emit(f"{r} = call {t} {fn}({t} {a[0]})")

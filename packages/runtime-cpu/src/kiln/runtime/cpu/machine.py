@@ -18,6 +18,9 @@ _LEVELS: dict[str, tuple[int, int, tuple[str, ...]]] = {
   "sse2": (16, 16, ("sse2",)), "v2": (16, 16, ("sse4.2", "popcnt")), "avx": (32, 16, ("avx",)),
   "v3": (32, 16, ("avx2", "fma", "bmi2")), "v4": (64, 32, ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
   "neon": (16, 32, ())}
+# levels whose every CPU has a fused multiply-add: x86-64-v3 requires FMA3, every AVX-512 CPU has it, AArch64 has it in its base ISA.
+# AVX alone (Sandy Bridge, Bulldozer's FMA4 aside) has none
+FMA_LEVELS = frozenset({"v3", "v4", "neon"})
 # the LLVM cpu names KILN_CPU accepts, per host architecture (tests/test_machine.py checks LLVM knows every one)
 X86_CPUS: dict[str, str] = {
   "x86-64": "sse2", "core2": "sse2", "x86-64-v2": "v2", "nehalem": "v2", "westmere": "v2", "sandybridge": "avx", "ivybridge": "avx",
@@ -32,6 +35,12 @@ ARM_CPUS: dict[str, str] = {n: "neon" for n in ("generic", "cortex-a72", "cortex
 
 
 def is_x86(arch: str) -> bool: return arch.lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+
+
+def has_fma(features: str, arch: str) -> bool:
+  """Whether an LLVM feature string's CPU has a fused multiply-add (x86: +fma, FMA3; AArch64: always)."""
+  if arch.lower() in ("aarch64", "arm64"): return True
+  return is_x86(arch) and "+fma" in features.split(",")
 
 
 def isa_of(features: str, arch: str) -> tuple[int, int]:
@@ -51,13 +60,14 @@ class CPUChoice:
   from_env: bool  # True: KILN_CPU named it
   vector_bytes: int
   vector_registers: int
+  fma: bool = False  # a fused multiply-add the vector maths may use (llvm_math): its results differ in the last bit from mul+add
 
 
 def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool = True) -> CPUChoice:
   """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
   on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process. With
   runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
-  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch))
+  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch))
   name = env.strip().lower()
   table = X86_CPUS if is_x86(arch) else ARM_CPUS if arch.lower() in ("aarch64", "arm64") else {}
   if name not in table:
@@ -66,7 +76,7 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool
   host_feats = set(host[1].split(","))
   if runnable and (missing := [f for f in needs if f"+{f}" not in host_feats]):
     raise DeviceError(f"KILN_CPU={env!r} needs {', '.join(missing)}, which this CPU ({host[0]}) lacks: its code could not run here")
-  return CPUChoice(name, "", True, vb, regs)
+  return CPUChoice(name, "", True, vb, regs, table[name] in FMA_LEVELS)
 
 
 def _size(text: str) -> int:
