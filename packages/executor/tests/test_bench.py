@@ -2,6 +2,7 @@
 times on a shared machine are the benchmark's business, never a test's."""
 import argparse
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from kiln_executor_testrt import requires_cpu_runtime
 
 pytestmark = requires_cpu_runtime()
 
+from kiln_bench import harness  # noqa: E402
 from kiln_bench import rows as bench  # noqa: E402
 
 from kiln.executor import cli  # noqa: E402
@@ -50,6 +52,12 @@ def test_bench_runs_and_prints_every_row(cachedir, capsys):
   assert data["limits"]["fma_peak"]["flops_per_s"] > 0
   mlp = next(r for r in data["rows"] if r["work"].startswith("MLP 784"))
   assert mlp["numpy"] > 0 and mlp["ratio"] > 0
+  # kiln and numpy in the same 3 rounds (--quick), the ratio the median of the rounds' quotients
+  assert set(mlp["rounds"]) == {"kiln", "numpy"} and all(len(v) == 3 for v in mlp["rounds"].values()), mlp["rounds"]
+  assert mlp["ratio"] == pytest.approx(statistics.median(n / k for n, k in zip(mlp["rounds"]["numpy"], mlp["rounds"]["kiln"])))
+  for r in data["rows"]:
+    for who in r["rounds"]:
+      if who in bench.COLUMNS: assert r[who] is not None and len(r["rounds"][who]) == len(r["rounds"]["kiln"]), r
 
 
 def test_only_runs_the_matching_rows(cachedir, capsys):
@@ -117,3 +125,71 @@ def test_table_lines_up():
   lines = bench.table(rows).splitlines()
   assert len(lines) == 4 and len({len(line.rstrip()) for line in lines[:2]}) == 1
   assert "1 ms" in lines[2] and "2.00x" in lines[2] and "1 us" in lines[3]
+
+
+def _logged(log, name, fail_on=None):
+  calls = [0]
+  def f():
+    calls[0] += 1
+    if fail_on is not None and calls[0] >= fail_on: raise RuntimeError(f"{name} broke")
+    log.append(name)
+  return f
+
+
+def _blocks(log):
+  return [x for i, x in enumerate(log) if i == 0 or log[i - 1] != x]
+
+
+def test_interleaved_rounds_rotate_and_share_the_runs():
+  log = []
+  t = harness.Timing(warmups=1, runs=7, budget=60.0, warm_seconds=0.0, rounds=3, settle_seconds=0.0)
+  calls = harness.interleaved({k: _logged(log, k) for k in "abc"}, t)
+  assert _blocks(log) == list("abc" "bca" "cab")  # one block each a round, the order rotating
+  for k in "abc": assert [len(block) for block in calls[k]] == [3, 2, 2], calls[k]  # 7 runs over 3 rounds
+  alone = harness.interleaved({"a": _logged([], "a")}, t)
+  assert [len(block) for block in alone["a"]] == [7]  # nothing to interleave: one block
+
+
+def test_interleaved_drops_a_contender_that_fails_only_when_asked():
+  t = harness.Timing(warmups=1, runs=3, budget=60.0, warm_seconds=0.0, rounds=3, settle_seconds=0.0)
+  dropped = []
+  fns = {"a": _logged([], "a"), "b": _logged([], "b", fail_on=4), "c": _logged([], "c")}
+  calls = harness.interleaved(fns, t, on_error=lambda who, e: dropped.append((who, str(e))))
+  assert dropped == [("b", "b broke")] and set(calls) == {"a", "c"}
+  assert all(len(calls[k]) == 3 for k in "ac")
+  with pytest.raises(RuntimeError, match="b broke"):
+    harness.interleaved({"a": _logged([], "a"), "b": _logged([], "b", fail_on=4)}, t)
+
+
+def test_time_row_notes_a_failing_peer_and_times_the_rest_together(cachedir):
+  b = _bench()
+  r = bench.Row("w", "ms")
+  def wrong(_): raise bench.WrongResult("torch w: result differs from numpy")
+  peers = {"torch": (lambda: None, wrong), "numba": (lambda: None, lambda _: None), "onnxruntime": (_logged([], "o", fail_on=3), lambda _: None)}
+  got = b.time_row(r, {"kiln": lambda: None, "numpy": lambda: None}, peers)
+  assert set(got) == set(r.rounds) == {"kiln", "numpy", "numba"}
+  assert r.torch is None and r.onnxruntime is None and r.kiln == got["kiln"] and r.numba == got["numba"]
+  assert "torch: WrongResult" in r.note and "onnxruntime: RuntimeError: o broke" in r.note
+  assert all(len(v) == b.t.rounds for v in r.rounds.values())
+  with pytest.raises(RuntimeError, match="k broke"):  # kiln's own error is the row's, never a note
+    b.time_row(bench.Row("w", "ms"), {"kiln": _logged([], "k", fail_on=3), "numpy": lambda: None})
+
+
+def test_judged_on_the_median_round_and_disagreeing_rounds_are_shown():
+  def row(numpy_rounds, **kw):
+    r = bench.Row("w", "ms", kiln=1.0, target_kind="ratio", target_value=1.0, rounds={"kiln": [1.0] * len(numpy_rounds), "numpy": numpy_rounds}, **kw)
+    r.ratio = r.paired("numpy")
+    r.judge()
+    return r
+  r = row([0.94, 1.07, 1.05, 0.7, 1.2])
+  assert r.ratio == pytest.approx(1.05) and r.status == "PASS"
+  assert "kiln/numpy 0.70-1.20x (median 1.05x) over 5 rounds" in r.spread and "PASS 3, NEAR 1, MISS 1" in r.spread, r.spread
+  assert "rounds disagree" in r.note and "PASS~" in bench.table([r])
+  steady = row([1.1, 1.2, 1.3])
+  assert steady.status == "PASS" and steady.spread == "" and "~" not in bench.table([steady])
+  # the peers' targets too, each round's ratio from that round's times; the limit scaled by each round's kiln time
+  r = bench.Row("w", "ms", kiln=1.0, torch=1.0, frac=0.8, checks=[("torch", 1.0), ("limit", 0.7)],
+                rounds={"kiln": [1.0, 0.8, 1.25], "torch": [1.1, 0.7, 1.0]})
+  r.judge()
+  assert r.paired("torch") == pytest.approx(0.875) and r.status == "NEAR", r
+  assert "vs torch 0.80-1.10x" in r.spread and "limit 64-100%" in r.spread, r.spread

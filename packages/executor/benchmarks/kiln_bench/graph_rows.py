@@ -1,5 +1,6 @@
 """The benchmark's kiln-graph rows (issue 15): whole ONNX models loaded through kiln.graph.onnx.load and timed beside torch
-(the same weights as an nn.Module, inference_mode) and onnxruntime (the same ONNX file). Models are built with onnx.helper
+(the same weights as an nn.Module, inference_mode) and onnxruntime (the same ONNX file), all three in the same interleaved
+rounds (Bench.time_row). Models are built with onnx.helper
 from numpy weights, so the rows also run where torch is absent; every result (kiln's and each peer's) is checked against a
 float64 numpy forward pass before anything is timed.
 
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln_bench.harness import GB, MB, check, medians
+from kiln_bench.harness import GB, MB, check
 from kiln_bench.peers import ort_session
 
 if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Row
+  from kiln_bench.rows import Bench, Peer, Row
 
 LN_EPS, MASK_NEG = 1e-12, -10000.0
 TOL = {"rtol": 2e-4, "atol": 2e-4}
@@ -305,18 +306,19 @@ def bert(b: Bench, r: Row, mem: Row, comp: Row) -> None:
     km, cold, warm = _load_timed(konnx, path, os.path.join(d, "cache"))
     run = lambda: km.run(feeds)["hidden"]  # noqa: E731
     check("kiln.graph BERT", run(), want, **TOL)
-    r.kiln = medians([run], b.t)[0]
     torch = b.peers.torch
+    peers: dict[str, Peer] = {}
     if torch is not None:
       tm = torch_bert(torch, w, layers, heads)
       tids, tmask = torch.from_numpy(ids), torch.from_numpy(mask)
       def run_torch() -> Any:
         with torch.inference_mode(): return tm(tids, tmask)
-      b.peer_time(r, "torch", run_torch, lambda o: check("torch BERT", o.numpy(), want, **TOL))
+      peers["torch"] = (run_torch, lambda o: check("torch BERT", o.numpy(), want, **TOL))
     if b.peers.onnxruntime is not None:
       sess = ort_session(b.peers, path)
-      b.peer_time(r, "onnxruntime", lambda: sess.run(None, feeds)[0], lambda o: check("onnxruntime BERT", o, want, **TOL))
-      mem.onnxruntime, ort_why = _rss_growth("ort", path, "", feeds, b.peers.threads)
+      peers["onnxruntime"] = (lambda: sess.run(None, feeds)[0], lambda o: check("onnxruntime BERT", o, want, **TOL))
+    b.time_row(r, {"kiln": run}, peers)
+    if b.peers.onnxruntime is not None: mem.onnxruntime, ort_why = _rss_growth("ort", path, "", feeds, b.peers.threads)
     kiln_rss, kiln_why = _rss_growth("kiln", path, os.path.join(d, "cache"), feeds, b.peers.threads)
   dh = hid // heads
   m = bs * s
@@ -355,16 +357,17 @@ def cnn(b: Bench, r: Row) -> None:
     km = konnx.load(path)
     run = lambda: km.run({"x": x})["y"]  # noqa: E731
     check("kiln.graph CNN", run(), want, **TOL)
-    r.kiln = medians([run], b.t)[0]
+    peers: dict[str, Peer] = {}
     if b.peers.onnxruntime is not None:
       sess = ort_session(b.peers, path)
-      b.peer_time(r, "onnxruntime", lambda: sess.run(None, {"x": x})[0], lambda o: check("onnxruntime CNN", o, want, **TOL))
-  torch = b.peers.torch
-  if torch is not None:
-    tm, tx = torch_cnn(torch, w, chans), torch.from_numpy(x)
-    def run_torch() -> Any:
-      with torch.inference_mode(): return tm(tx)
-    b.peer_time(r, "torch", run_torch, lambda o: check("torch CNN", o.numpy(), want, **TOL))
+      peers["onnxruntime"] = (lambda: sess.run(None, {"x": x})[0], lambda o: check("onnxruntime CNN", o, want, **TOL))
+    torch = b.peers.torch
+    if torch is not None:
+      tm, tx = torch_cnn(torch, w, chans), torch.from_numpy(x)
+      def run_torch() -> Any:
+        with torch.inference_mode(): return tm(tx)
+      peers["torch"] = (run_torch, lambda o: check("torch CNN", o.numpy(), want, **TOL))
+    b.time_row(r, {"kiln": run}, peers)
   flops, hw = 0, size
   for i, (a, c) in enumerate(zip(chans, chans[1:])):
     flops += 2 * n * hw * hw * c * a * 9

@@ -1,5 +1,14 @@
-"""The benchmark's harness: timing (warm medians, per-call means), binding kiln kernels to numpy arrays, and checking every
-kiln result against numpy before it is timed (a wrong answer is a failure, never a fast number)."""
+"""The benchmark's harness: timing (interleaved rounds of warm blocks, per-call means), binding kiln kernels to numpy
+arrays, and checking every kiln result against numpy before it is timed (a wrong answer is a failure, never a fast number).
+
+How a row is timed (`interleaved`): the machine this was tuned on (a 2-core VM) swings 1.5-2x over seconds, so
+contenders timed one after the other, each in one long block, were measured in different weather (layernorm 8192x384
+took 0.38-0.73 ms within minutes, and kiln-vs-torch verdicts flipped from run to run). So every contender of a row
+(kiln, numpy, each peer) is timed in `rounds` rounds; a round is one block per contender, in an order that rotates by
+one each round; a block is a short busy warm-up, then a few timed calls (the contender's runs and budget split over the
+rounds). A contender's time is the median of all its timed calls; its per-round medians are kept, and a ratio between
+two contenders is the median over rounds of the two's quotient in each round (both measured in the same minute, so a
+drift between rounds cancels). Blocks, not calls in turn: see `interleaved`."""
 from __future__ import annotations
 
 import itertools
@@ -20,36 +29,78 @@ MB, GB = 1e6, 1e9
 
 @dataclass
 class Timing:
+  """How contenders are warmed and timed. runs and budget are per contender over all its rounds: each block gets its
+  share (runs // rounds, the remainder to the first rounds; budget / rounds seconds) and at least one call, so a
+  contender makes at least max(3, rounds) timed calls. One contender alone is timed in one block (nothing to interleave)."""
   warmups: int = 2
-  runs: int = 15  # per function; fewer when budget (seconds) runs out first, but never fewer than 3
+  runs: int = 15  # per contender over all rounds; fewer when the budget (seconds) runs out first
   budget: float = 2.0
-  warm_seconds: float = 0.3  # each function runs at least this long (and t.warmups calls) before it is timed
+  warm_seconds: float = 0.3  # a contender's first block: busy at least this long (and t.warmups calls) before it is timed
+  rounds: int = 5
+  settle_seconds: float = 0.1  # each later block: busy this long (and one call) first, so the last contender's spinners settle
 
 
-def warm(f: Callable[[], Any], t: Timing) -> None:
-  """Run f busily for t.warm_seconds, and at least t.warmups times."""
-  warm_until = time.perf_counter() + t.warm_seconds
+def warm(f: Callable[[], Any], t: Timing, seconds: float | None = None, calls: int | None = None) -> None:
+  """Run f busily for t.warm_seconds (or `seconds`), and at least t.warmups (or `calls`) times."""
+  warm_until = time.perf_counter() + (t.warm_seconds if seconds is None else seconds)
+  least = t.warmups if calls is None else calls
   for i in itertools.count():
     f()
-    if i + 1 >= t.warmups and time.perf_counter() >= warm_until: break
+    if i + 1 >= least and time.perf_counter() >= warm_until: break
+
+
+def _block(f: Callable[[], Any], runs: int, least: int, budget: float) -> list[float]:
+  """Up to `runs` timed calls of f, stopping early once `budget` seconds have passed and `least` calls are made."""
+  ts: list[float] = []
+  end = time.perf_counter() + budget
+  while len(ts) < runs and (len(ts) < least or time.perf_counter() < end):
+    st = time.perf_counter()
+    f()
+    ts.append(time.perf_counter() - st)
+  return ts
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], t: Timing,
+                on_error: Callable[[str, Exception], None] | None = None) -> dict[str, list[list[float]]]:
+  """Each fn's timed calls, one list per round: t.rounds rounds (one when there is a single fn), each round one block per
+  fn in an order rotated by one from the last round's. A block warms f busily (its first block for t.warm_seconds and
+  t.warmups calls, later ones for t.settle_seconds and one call), then times its share of t.runs within its share of
+  t.budget. A fn that raises drops out of the remaining rounds, its calls discarded, when on_error is given (called
+  with its name and the error); else the error propagates.
+
+  Blocks, not calls round-robin: OpenBLAS's and numba's worker threads keep spinning for a while (~0.1 s) after a
+  call, and on 2 cores they took one from whichever ran next (kiln's threaded matmul measured 150 GFLOP/s round-robin,
+  280-290 on its own); the warm-up that starts each block is where they settle. Not after a pause either: an idle
+  spell puts this VM's vCPUs to sleep, and a 16M sum on 2 threads then took 2.4 ms a run instead of 1.3 for a while.
+  The order rotates so that no contender always follows the same one."""
+  names = list(fns)
+  rounds = t.rounds if len(names) > 1 else 1
+  least = -(-3 // rounds)  # at least 3 timed calls in all, as one block always made
+  calls: dict[str, list[list[float]]] = {k: [] for k in names}
+  for i in range(rounds):
+    for k in names[i % len(names):] + names[:i % len(names)]:
+      if k not in calls: continue  # dropped
+      f = fns[k]
+      try:
+        if i == 0: warm(f, t)
+        else: warm(f, t, t.settle_seconds, 1)
+        calls[k].append(_block(f, max(least, t.runs // rounds + (i < t.runs % rounds)), least, t.budget / rounds))
+      except Exception as e:
+        if on_error is None: raise
+        del calls[k]
+        on_error(k, e)
+  return calls
+
+
+def pooled(calls: list[list[float]]) -> float:
+  """A contender's time: the median of all its timed calls, every round's."""
+  return statistics.median([c for block in calls for c in block])
 
 
 def medians(fns: list[Callable[[], Any]], t: Timing) -> list[float]:
-  """Median wall time of each fn, each timed in its own block after a busy warm-up. Not round-robin: OpenBLAS's and
-  numba's worker threads keep spinning for a while after a call, and on 2 cores they took one from whichever ran next
-  (kiln's threaded matmul measured 150 GFLOP/s round-robin, 280-290 on its own). Not after a pause either: an idle
-  spell puts this VM's vCPUs to sleep, and a 16M sum on 2 threads then took 2.4 ms a run instead of 1.3 for a while."""
-  out = []
-  for f in fns:
-    warm(f, t)  # the previous library's workers settle while f warms the cores
-    ts: list[float] = []
-    end = time.perf_counter() + t.budget
-    while len(ts) < t.runs and (len(ts) < 3 or time.perf_counter() < end):
-      st = time.perf_counter()
-      f()
-      ts.append(time.perf_counter() - st)
-    out.append(statistics.median(ts))
-  return out
+  """Each fn's time (the median of all its timed calls), the fns timed together in interleaved rounds (`interleaved`)."""
+  calls = interleaved(dict(zip(map(str, range(len(fns))), fns)), t)
+  return [pooled(calls[str(i)]) for i in range(len(fns))]
 
 
 def per_call(fn: Callable[[], Any], calls: int, batches: int) -> float:

@@ -124,8 +124,8 @@ def load(b: Bench, r: Row) -> None:
     def kiln_load() -> Any:  # map the file again and build the plan (the kernel from the memory cache)
       wt = load_safetensors(path)
       return compile([Tensor.input("x", (BATCH, cols)).linear(wt["layer1.weight"])])
-    r.kiln, t_map, r.numpy = medians([kiln_load, lambda: load_safetensors(path), lambda: np.fromfile(path, np.uint8)], b.t)
-  r.ratio = r.numpy / r.kiln
+    t_map = b.time_row(r, {"kiln": kiln_load, "map": lambda: load_safetensors(path), "numpy": lambda: np.fromfile(path, np.uint8)})["map"]
+  r.ratio = r.paired("numpy")
   r.work = f"safetensors load {fbytes / MB:.0f} MB ({TENSORS} x {rows}x{cols} f32) + plan"
   r.achieved = f"{mapped / MB:.0f} MB mapped, {res_built / MB:.2f} MB resident" if maps else "maps not readable here"
   r.limit = f"LLC {llc / MB:.0f} MB ({llc_how})" if llc else llc_how

@@ -1,5 +1,6 @@
 """The benchmark's model rows (issue 14): softmax, layernorm, exp and GELU as one kernel each, and a post-LN transformer encoder
-layer (BERT/MiniLM shape) as one ExecutionPlan, each checked against numpy, then timed beside numpy, torch and onnxruntime."""
+layer (BERT/MiniLM shape) as one ExecutionPlan, each checked against numpy, then timed with numpy, torch and onnxruntime in
+the same interleaved rounds (Bench.time_row)."""
 from __future__ import annotations
 
 import math
@@ -12,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.ir import AxisType, Ops, UOp, kernels
-from kiln_bench.harness import F32, GB, aligned_empty, check, kiln_call, medians
+from kiln_bench.harness import F32, GB, aligned_empty, check, kiln_call
 from kiln_bench.peers import ort_session
 
 if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Row
+  from kiln_bench.rows import Bench, Peer, Row
 
 LOG2E, RSQRT2, EPS = 1 / math.log(2), 1 / math.sqrt(2), 1e-5
 
@@ -100,13 +101,14 @@ def np_layer(x: np.ndarray, w: dict[str, np.ndarray], bs: int, s: int, heads: in
 
 # ---- rows ----
 
-def _vs_torch(b: Bench, r: Row, fn: Callable[[], Any], want: np.ndarray, name: str, **tol: float) -> None:
-  if b.peers.torch is not None: b.peer_time(r, "torch", fn, lambda o: check(f"torch {name}", o.numpy(), want, **tol))
+def _vs_torch(fn: Callable[[], Any], want: np.ndarray, name: str, **tol: float) -> dict[str, Peer]:
+  """torch as a peer of the row (Bench.time_row): its call, and the check of its answer."""
+  return {"torch": (fn, lambda o: check(f"torch {name}", o.numpy(), want, **tol))}
 
 
 def _bytes_row(b: Bench, r: Row, nbytes: int, targets: list[tuple[str, float]]) -> None:
   from kiln_bench.rows import _rate
-  r.ratio = r.numpy / r.kiln if r.numpy else None  # type: ignore[operator]
+  r.ratio = r.paired("numpy") if r.numpy else None
   r.achieved, r.frac = _rate(nbytes / r.kiln, "GB/s", b.bw), nbytes / r.kiln / b.bw  # type: ignore[operator]
   r.limit = f"{b.bw / GB:.1f} GB/s read"
   r.checks = targets
@@ -125,11 +127,12 @@ def softmax(b: Bench, r: Row, rows: int, n: int) -> None:
   want = np_softmax(x.astype(np.float64))
   k()
   check("softmax", out, want, rtol=1e-5, atol=1e-7)
-  r.kiln, r.numpy = medians([k, lambda: np_softmax(x)], b.t)
+  peers: dict[str, Peer] = {}
   if b.peers.torch is not None:
     torch = b.peers.torch
     tx, to = torch.from_numpy(x), torch.empty(m, n)
-    _vs_torch(b, r, lambda: torch.ops.aten._softmax.out(tx, -1, False, out=to), want, "softmax", rtol=1e-5, atol=1e-7)
+    peers = _vs_torch(lambda: torch.ops.aten._softmax.out(tx, -1, False, out=to), want, "softmax", rtol=1e-5, atol=1e-7)
+  b.time_row(r, {"kiln": k, "numpy": lambda: np_softmax(x)}, peers)
   _bytes_row(b, r, 8 * m * n, [("torch", 1.0), ("limit", 0.7)])
 
 
@@ -143,11 +146,12 @@ def layernorm(b: Bench, r: Row, n: int, rows: int = 8192) -> None:
   want = np_layernorm(x.astype(np.float64), g, be)
   k()
   check("layernorm", out, want, rtol=1e-4, atol=1e-5)
-  r.kiln, r.numpy = medians([k, lambda: np_layernorm(x, g, be)], b.t)
+  peers: dict[str, Peer] = {}
   if b.peers.torch is not None:
     torch = b.peers.torch
     tx, tg, tb = torch.from_numpy(x), torch.from_numpy(g), torch.from_numpy(be)
-    _vs_torch(b, r, lambda: torch.nn.functional.layer_norm(tx, (n,), tg, tb, EPS), want, "layernorm", rtol=1e-4, atol=1e-5)
+    peers = _vs_torch(lambda: torch.nn.functional.layer_norm(tx, (n,), tg, tb, EPS), want, "layernorm", rtol=1e-4, atol=1e-5)
+  b.time_row(r, {"kiln": k, "numpy": lambda: np_layernorm(x, g, be)}, peers)
   _bytes_row(b, r, 8 * m * n, [("torch", 1.0), ("limit", 0.7)])
 
 
@@ -165,13 +169,15 @@ def unary(b: Bench, r: Row, which: str) -> None:
   k()
   check(which, out, want, **tol)
   on = aligned_empty(n)
-  if which == "exp": r.kiln, r.numpy = medians([k, lambda: np.exp(x, out=on)], b.t)
-  else: r.kiln = medians([k], b.t)[0]  # numpy has no erf: no numpy column
+  mine: dict[str, Callable[[], Any]] = {"kiln": k}
+  if which == "exp": mine["numpy"] = lambda: np.exp(x, out=on)  # numpy has no erf: no numpy column for GELU
+  peers: dict[str, Peer] = {}
   if b.peers.torch is not None:
     torch = b.peers.torch
     tx, to = torch.from_numpy(x), torch.empty(n)
     tf = (lambda: torch.exp(tx, out=to)) if which == "exp" else (lambda: torch.ops.aten.gelu.out(tx, approximate="none", out=to))
-    _vs_torch(b, r, tf, want, which, **tol)
+    peers = _vs_torch(tf, want, which, **tol)
+  b.time_row(r, mine, peers)
   _bytes_row(b, r, 8 * n, [("torch", 1.0)])
   r.note = (r.note + "; " if r.note else "") + ("exp2(x * log2 e)" if which == "exp" else "exact GELU 0.5x(1 + erf(x/sqrt 2)) through UOp.erf")
 
@@ -252,14 +258,14 @@ def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   tol = {"rtol": 1e-4, "atol": 2e-4}
   check("encoder layer", plan.output_buffer(0).numpy().reshape(m, hid), want, **tol)
   np_gelu32 = lambda v: 0.5 * v * (1 + np.tanh(0.7978845608 * (v + 0.044715 * v ** 3)))  # numpy has no erf: tanh GELU, float32
-  r.kiln, r.numpy = medians([plan.execute, lambda: np_layer(x, w, bs, s, heads, np_gelu32)], b.t)
   torch = b.peers.torch
+  peers: dict[str, Peer] = {}
   if torch is not None:
     layer, func = _torch_layer(torch, w, hid, heads, ffn)
     tx = torch.from_numpy(x).reshape(bs, s, hid)
     def run_torch() -> Any:
       with torch.no_grad(): return layer(tx)
-    b.peer_time(r, "torch", run_torch, lambda o: check("torch encoder layer", o.numpy().reshape(m, hid), want, **tol))
+    peers["torch"] = (run_torch, lambda o: check("torch encoder layer", o.numpy().reshape(m, hid), want, **tol))
     if b.peers.onnxruntime is not None:
       try:
         with tempfile.TemporaryDirectory(prefix="kiln-bench-onnx-") as d:
@@ -267,15 +273,15 @@ def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
           with torch.no_grad(): torch.onnx.export(func, (tx,), path, dynamo=False, input_names=["x"], output_names=["y"])
           sess = ort_session(b.peers, path)
         feed = {"x": x.reshape(bs, s, hid)}
-        b.peer_time(r, "onnxruntime", lambda: sess.run(None, feed)[0],
-                    lambda o: check("onnxruntime encoder layer", o.reshape(m, hid), want, **tol))
+        peers["onnxruntime"] = (lambda: sess.run(None, feed)[0], lambda o: check("onnxruntime encoder layer", o.reshape(m, hid), want, **tol))
       except Exception as e:
         r.note += f"{'; ' if r.note else ''}onnxruntime: export failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
   elif b.peers.onnxruntime is not None: r.note += f"{'; ' if r.note else ''}onnxruntime: skipped (the ONNX model is exported from torch)"
+  b.time_row(r, {"kiln": plan.execute, "numpy": lambda: np_layer(x, w, bs, s, heads, np_gelu32)}, peers)
   from kiln_bench.rows import _rate
   dh = hid // heads
   flops = 2 * m * hid * (3 * hid + hid + 2 * ffn) + 4 * bs * heads * s * s * dh
-  r.ratio = r.numpy / r.kiln
+  r.ratio = r.paired("numpy")
   r.achieved, r.limit = _rate(flops / r.kiln, "GFLOP/s", b.peak or None), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
   r.checks, r.target = [("torch", 1.25), ("onnxruntime", 1.0)], ">= 1.25x torch and >= onnxruntime"
   r.note = (r.note + "; " if r.note else "") + (f"one plan of {len(plan.kernels)} kernels, post-LN, exact GELU; torch: nn.TransformerEncoderLayer; "
@@ -316,9 +322,9 @@ def encoder_tuned(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   for name, plan in (("tuned", tuned), ("rebuilt", again), ("heuristic", plain)):
     plan.execute()
     check(f"encoder layer ({name})", plan.output_buffer(0).numpy().reshape(m, hid), want, **tol)
-  r.kiln, r.heuristic = medians([tuned.execute, plain.execute], b.t)
+  b.time_row(r, {"kiln": tuned.execute, "heuristic": plain.execute})
   changed = sum(1 for a, c in zip(tuned.kernels, plain.kernels) if a.kernel.applied_opts != c.kernel.applied_opts)
-  r.achieved = f"{r.heuristic / r.kiln:.2f}x heuristic ({r.heuristic * 1e3:.1f} ms)"
+  r.achieved = f"{r.paired('heuristic'):.2f}x heuristic ({r.heuristic * 1e3:.1f} ms)"
   r.checks, r.target = [("heuristic", 1.10)], ">= 1.10x the heuristic"
   r.note = (f"{st1['searches'] - st0['searches']} kernels searched in {search_s:.1f} s (KILN_TUNE_BUDGET={budget} s each), "
             f"{st1['timed'] - st0['timed']} candidates timed, {changed} kept other options than the heuristic's; "

@@ -1,5 +1,15 @@
 """The benchmark's rows: each work measured (kiln, numpy and the peers), judged against its target and this machine's
-limits, and the table the rows print as."""
+limits, and the table the rows print as.
+
+A row checks kiln's answer (and numpy's where it is the reference) itself, then hands every contender to
+`Bench.time_row`: kiln, numpy and the like, and the peers (numba, tinygrad, torch, onnxruntime) each with a verify
+function that checks the peer's answer first (a peer that fails is noted, never fatal). time_row times them all
+together in interleaved rounds (harness.interleaved: one warmed block per contender a round, the order rotating), so
+kiln and each peer meet the same weather; a contender's time is the median of all its calls, and `Row.rounds` keeps its
+median per round (in --json). A ratio between two contenders (`Row.paired`) is the median over rounds of their quotient
+in each round, and the target is judged on it; when the rounds alone would give different verdicts, `Row.judge` says
+so in the note ("kiln/numpy 0.94-1.07x over 5 rounds") and the table marks the status with `~`, so a reader sees noise
+rather than a flipped verdict."""
 from __future__ import annotations
 
 import argparse
@@ -16,12 +26,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kiln.ir import kernels
-from kiln_bench.harness import F32, GB, MB, Timing, WrongResult, aligned_empty, check, conformance_kernel, kiln_call, launch_sizes, medians, per_call
+from kiln_bench.harness import (
+  F32,
+  GB,
+  MB,
+  Timing,
+  WrongResult,
+  aligned_empty,
+  check,
+  conformance_kernel,
+  interleaved,
+  kiln_call,
+  launch_sizes,
+  medians,
+  per_call,
+  pooled,
+)
 from kiln_bench.limits import add_bandwidth, ctypes_call_time, fma_peak, memory_bandwidth, read_bandwidth, thread_count, vector_lanes
 from kiln_bench.peers import load_peers, numba_fn
 
@@ -52,28 +77,81 @@ class Row:
   frac: float | None = None  # achieved / limit, for ("limit", f)
   status: str = ""  # PASS, NEAR (missed by <= 20%), MISS, WRONG, ERROR or "-" (report only)
   note: str = ""
+  # each contender's median per round (seconds), the contenders timed in the same interleaved rounds (Bench.time_row)
+  rounds: dict[str, list[float]] = field(default_factory=dict)
+  spread: str = ""  # set by judge when the rounds, judged one by one, disagree on the verdict: the judged ratios' ranges
+
+  def per_round(self, who: str) -> list[float] | None:
+    """who's time over kiln's in each round (kiln's throughput over who's), or None without both in the same rounds."""
+    k, o = self.rounds.get("kiln"), self.rounds.get(who)
+    return [ov / kv for ov, kv in zip(o, k)] if k and o and len(k) == len(o) else None
+
+  def paired(self, who: str) -> float | None:
+    """who's time over kiln's: the median over rounds of each round's quotient (both timed in the same rounds, so a
+    drift between rounds cancels); without rounds, the quotient of the two columns."""
+    q = self.per_round(who)
+    if q: return statistics.median(q)
+    other = getattr(self, who, None)
+    return other / self.kiln if other is not None and self.kiln else None
 
   def judge(self) -> None:
     if self.status in ("WRONG", "ERROR"): return
+    self.status = self._verdict(None)
+    n = len(self.rounds.get("kiln", []))
+    if n < 2 or self.status not in ("PASS", "NEAR", "MISS"): return
+    each = [self._verdict(i) for i in range(n)]
+    if len(set(each)) < 2: return
+    counts = ", ".join(f"{s} {each.count(s)}" for s in ("PASS", "NEAR", "MISS") if s in each)
+    ranges = [f"{j.label} {_span(j.fmt, min(j.rounds), max(j.rounds))} (median {j.fmt(j.value)})"
+              for j in self._judged() if j.rounds and j.value is not None]
+    self.spread = f"{'; '.join(ranges)} over {n} rounds, which one by one would judge {counts}; judged on the median"
+    self.note = (self.note + "; " if self.note else "") + "rounds disagree: " + self.spread
+
+  def _judged(self) -> list[Judged]:
+    """What the target is judged on, in the order of checks (or the one target)."""
+    k = self.rounds.get("kiln")
     if self.checks:
-      got = [s for s in (self._check(k, v) for k, v in self.checks) if s is not None]
-      self.status = max(got, key=("PASS", "NEAR", "MISS").index) if got and self.kiln is not None else "-"
-      return
-    if not self.target_kind or self.kiln is None: self.status = "-"; return
-    if self.target_kind == "ratio":
-      if self.ratio is None: self.status = "-"; return
-      ok, near = self.ratio >= self.target_value, self.ratio >= self.target_value * (1 - SLACK)
-    else: ok, near = self.kiln <= self.target_value, self.kiln <= self.target_value * (1 + SLACK)
-    self.status = "PASS" if ok else "NEAR" if near else "MISS"
+      out = []
+      for kind, want in self.checks:
+        if kind == "limit":
+          each = [self.frac * self.kiln / kv for kv in k] if k and self.frac is not None and self.kiln else None
+          out.append(Judged("limit", want, self.frac, each, _pct))
+        else: out.append(Judged(f"vs {kind}", want, self.paired(kind), self.per_round(kind), _times))
+      return out
+    if self.target_kind == "ratio": return [Judged("kiln/numpy", self.target_value, self.ratio, self.per_round("numpy"), _times)]
+    if self.target_kind == "max":
+      return [Judged("kiln", self.target_value, self.kiln, k, lambda v: _fmt(v, self.unit), lower=True)]
+    return []
+
+  def _verdict(self, i: int | None) -> str:
+    """The row's verdict on its own values (i None), or on round i's alone; the worst of its targets."""
+    if self.kiln is None: return "-"
+    got = []
+    for j in self._judged():
+      v = j.value if i is None else (j.rounds[i] if j.rounds else None)
+      if v is None: continue  # a peer not installed (or failed), a ratio not measured: not judged
+      ok, near = (v <= j.want, v <= j.want * (1 + SLACK)) if j.lower else (v >= j.want, v >= j.want * (1 - SLACK))
+      got.append("PASS" if ok else "NEAR" if near else "MISS")
+    return max(got, key=("PASS", "NEAR", "MISS").index) if got else "-"
 
 
-  def _check(self, kind: str, want: float) -> str | None:
-    if kind == "limit": got = self.frac
-    else:
-      peer = getattr(self, kind)
-      got = peer / self.kiln if peer is not None and self.kiln else None
-    if got is None: return None
-    return "PASS" if got >= want else "NEAR" if got >= want * (1 - SLACK) else "MISS"
+class Judged(NamedTuple):
+  """One quantity a row's target is judged on: the row's value and each round's (None without rounds)."""
+  label: str
+  want: float
+  value: float | None
+  rounds: list[float] | None
+  fmt: Callable[[float], str]
+  lower: bool = False  # the value must be at most `want` (a time), else at least (a ratio, a fraction of a limit)
+
+
+def _times(v: float) -> str: return f"{v:.2f}x"
+def _span(fmt: Callable[[float], str], lo: float, hi: float) -> str:
+  """lo-hi with the unit once: "0.94-1.07x", "65-72%", "0.38-0.73 ms"."""
+  a, b = fmt(lo), fmt(hi)
+  unit = b[len(b.rstrip(" %xmunsMB")):]
+  return f"{a.removesuffix(unit) if unit and a.endswith(unit) else a}-{b}"
+def _pct(v: float) -> str: return f"{v:.0%}"
 
 
 def _fmt(v: float | None, unit: str) -> str:
@@ -83,6 +161,8 @@ def _fmt(v: float | None, unit: str) -> str:
   return f"{s:.3g} {unit}" if s < 100 else f"{s:.0f} {unit}"
 
 
+Peer = tuple[Callable[[], Any], Callable[[Any], None]]  # (call, verify: checks call()'s answer, raises when wrong)
+COLUMNS = ("kiln", "numpy", "numba", "tinygrad", "torch", "onnxruntime", "heuristic")  # contenders with a Row field
 USER = ", numpy's arrays"  # the add and sum rows again on arrays as a user makes them (Bench.add's docstring)
 
 
@@ -99,8 +179,8 @@ def _rate(x: float, unit: str, limit: float | None) -> str:
 class Bench:
   def __init__(self, args: argparse.Namespace):
     self.args, self.scale = args, args.sizes_scale
-    self.t = Timing(1, 3, 0.3, 0.15) if args.quick else Timing(2, 15, 2.0)
-    self.tp = Timing(1, 3, 0.3, 0.15) if args.quick else Timing(1, 7, 1.5)  # peers: fewer runs (tinygrad's matmul takes seconds)
+    # per contender, over all its rounds (harness.Timing); peers are timed like kiln, in the same rounds
+    self.t = Timing(1, 3, 0.3, 0.15, rounds=3, settle_seconds=0.05) if args.quick else Timing(2, 15, 2.0, 0.3, rounds=5, settle_seconds=0.1)
     self.rows: list[Row] = []
     self.info: dict[str, Any] = {}
     self.threads = thread_count()
@@ -123,13 +203,37 @@ class Bench:
     print(f"  measured: {work:<28} {r.status}", file=sys.stderr, flush=True)
     return r
 
-  def peer_time(self, r: Row, who: str, fn: Callable[[], Any], verify: Callable[[Any], None]) -> None:
-    """Time a peer after checking its answer; a peer that fails is noted, never fatal."""
+  def time_row(self, r: Row, mine: dict[str, Callable[[], Any]], peers: dict[str, Peer] | None = None) -> dict[str, float]:
+    """Time a row's contenders together, in interleaved rounds (harness.interleaved). `mine`: kiln's call and its
+    references (numpy's, the heuristic's ...), whose answers the row has checked; an error there is the row's. `peers`:
+    name -> (call, verify); verify(call()) checks the peer's answer before it is timed, and a peer that fails, then or
+    while timed, is noted and dropped, never fatal. Each contender's time (the median of all its calls) goes to its
+    column where the row has one, its median per round to r.rounds; returns the times by name."""
+    fns = dict(mine)
+    for who, (fn, verify) in (peers or {}).items():
+      try:
+        verify(fn())
+        fns[who] = fn
+      except Exception as e: self._peer_failed(r, who, e)
+    calls = interleaved(fns, self.t, on_error=lambda who, e: self._peer_failed(r, who, e, mine))
+    out = {}
+    for who, c in calls.items():
+      out[who] = pooled(c)
+      r.rounds[who] = [statistics.median(block) for block in c]
+      if who in COLUMNS: setattr(r, who, out[who])
+    return out
+
+  def _peer_failed(self, r: Row, who: str, e: Exception, mine: dict[str, Any] | None = None) -> None:
+    if mine and who in mine: raise e  # kiln's or a reference's error: the row's, as before it was timed
+    r.note += f"{'; ' if r.note else ''}{who}: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+  def peer_alone(self, r: Row, who: str, fn: Callable[[], Any], verify: Callable[[Any], None]) -> None:
+    """A peer timed on its own after checking its answer (failing: noted, never fatal), for a row whose kiln column is not
+    timed by time_row (the dispatch chain's per-call means)."""
     try:
       verify(fn())
-      setattr(r, who, medians([fn], self.tp)[0])
-    except Exception as e:
-      r.note += f"{'; ' if r.note else ''}{who}: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+      setattr(r, who, medians([fn], self.t)[0])
+    except Exception as e: self._peer_failed(r, who, e)
 
   # -- limits --
   def limits(self) -> None:
@@ -172,14 +276,15 @@ class Bench:
     want = a + b
     k()
     check("add", c, want)
-    r.kiln, r.numpy = medians([k, lambda: np.add(a, b, out=cn)], self.t)
+    peers: dict[str, Peer] = {}
     if self.peers.numba is not None and not user:
       f, o = numba_fn(self.peers.numba, "add"), aligned_empty(n)
-      self.peer_time(r, "numba", lambda: f(a, b, o), lambda _: check("numba add", o, want))
+      peers["numba"] = (lambda: f(a, b, o), lambda _: check("numba add", o, want))
     if self.peers.tinygrad is not None and not user:
       T, D, dev = self.peers.tinygrad
       ta, tb = T(a, device=dev).realize(), T(b, device=dev).realize()
-      self.peer_time(r, "tinygrad", lambda: self._tg((ta + tb).realize()), lambda out: check("tinygrad add", out.numpy(), want))
+      peers["tinygrad"] = (lambda: self._tg((ta + tb).realize()), lambda out: check("tinygrad add", out.numpy(), want))
+    self.time_row(r, {"kiln": k, "numpy": lambda: np.add(a, b, out=cn)}, peers)
     self._bw_row(r, 12 * n, f"{n / (1 << 20):g}M float32 add{USER if user else ''}", 3.0, self.bw_add, "add")
 
   def sum(self, r: Row, user: bool = False) -> None:
@@ -196,14 +301,15 @@ class Bench:
     want = a.sum(dtype=np.float64)
     k()
     check("sum", out[0], want, rtol=1e-5)
-    r.kiln, r.numpy = medians([k, lambda: a.sum()], self.t)
+    peers: dict[str, Peer] = {}
     if self.peers.numba is not None and not user:
       f = numba_fn(self.peers.numba, "sum")
-      self.peer_time(r, "numba", lambda: f(a), lambda s: check("numba sum", s, want, rtol=1e-4))
+      peers["numba"] = (lambda: f(a), lambda s: check("numba sum", s, want, rtol=1e-4))
     if self.peers.tinygrad is not None and not user:
       T, D, dev = self.peers.tinygrad
       ta = T(a, device=dev).realize()
-      self.peer_time(r, "tinygrad", lambda: self._tg(ta.sum().realize()), lambda s: check("tinygrad sum", s.numpy(), want, rtol=1e-4))
+      peers["tinygrad"] = (lambda: self._tg(ta.sum().realize()), lambda s: check("tinygrad sum", s.numpy(), want, rtol=1e-4))
+    self.time_row(r, {"kiln": k, "numpy": lambda: a.sum()}, peers)
     self._bw_row(r, 4 * n, f"{n / (1 << 20):g}M float32 sum{USER if user else ''}", 4.0, self.bw, "read")
 
   def _tg(self, t: Any) -> Any:
@@ -213,7 +319,7 @@ class Bench:
 
   def _bw_row(self, r: Row, nbytes: int, work: str, target: float, limit: float, what: str) -> None:
     r.work = work
-    r.ratio = r.numpy / r.kiln  # type: ignore[operator]
+    r.ratio = r.paired("numpy")
     r.achieved = _rate(nbytes / r.kiln, "GB/s", limit)  # type: ignore[operator]
     r.limit = f"{limit / GB:.1f} GB/s {what}"
     r.target, r.target_kind, r.target_value = f">= {target:g}x numpy", "ratio", target
@@ -229,15 +335,16 @@ class Bench:
     k()
     check(f"matmul {n}", c, want, atol=tol)
     check(f"numpy matmul {n}", a @ b, want, atol=tol)
-    r.kiln, r.numpy = medians([k, lambda: a @ b], self.t)
+    peers: dict[str, Peer] = {}
     if self.peers.numba is not None:
       f, o = numba_fn(self.peers.numba, "matmul"), np.empty_like(c)
-      self.peer_time(r, "numba", lambda: f(a, b, o), lambda _: check("numba matmul", o, want, atol=tol))
+      peers["numba"] = (lambda: f(a, b, o), lambda _: check("numba matmul", o, want, atol=tol))
     if self.peers.tinygrad is not None:
       T, D, dev = self.peers.tinygrad
       ta, tb = T(a, device=dev).realize(), T(b, device=dev).realize()
-      self.peer_time(r, "tinygrad", lambda: self._tg((ta @ tb).realize()), lambda o: check("tinygrad matmul", o.numpy(), want, atol=tol))
-    r.ratio = r.numpy / r.kiln
+      peers["tinygrad"] = (lambda: self._tg((ta @ tb).realize()), lambda o: check("tinygrad matmul", o.numpy(), want, atol=tol))
+    self.time_row(r, {"kiln": k, "numpy": lambda: a @ b}, peers)
+    r.ratio = r.paired("numpy")
     r.achieved = _rate(2 * n ** 3 / r.kiln, "GFLOP/s", self.peak or None)
     r.limit = f"{self.peak / GB:.0f} GFLOP/s FMA" if self.peak else "-"
     r.note = (r.note + "; " if r.note else "") + f"numpy {2 * n ** 3 / r.numpy / GB:.1f} GFLOP/s"
@@ -278,7 +385,7 @@ class Bench:
         D[dev].synchronize()
         return out
       for _ in range(3): tg()  # TinyJit captures on the second call and replays from the third
-      self.peer_time(r, "tinygrad", tg, lambda o: check("tinygrad dispatch chain", o.numpy(), xs[-1]))
+      self.peer_alone(r, "tinygrad", tg, lambda o: check("tinygrad dispatch chain", o.numpy(), xs[-1]))
       if r.tinygrad is not None: r.tinygrad /= count
     r.achieved, r.limit = f"{count} kernels/plan", f"{self.ctypes_s * 1e6:.2f} us ctypes call"
     r.target, r.target_kind, r.target_value = "<= 2 us/kernel", "max", 2e-6
@@ -401,11 +508,11 @@ class Bench:
       plan, out = demo.build(x, wfile, ws, sizes)
       plan.execute()
       check("MLP pass", out.numpy().reshape(batch, sizes[-1]), demo.numpy_forward(x, ws), atol=1e-4)
-      r.kiln, r.numpy = medians([plan.execute, lambda: demo.numpy_forward(x, ws)], self.t)
+      tk = self.time_row(r, {"kiln": plan.execute, "numpy": lambda: demo.numpy_forward(x, ws)})["kiln"]
     r.work = f"MLP {'-'.join(map(str, sizes))} b{batch}"
-    r.ratio = r.numpy / r.kiln
+    r.ratio = r.paired("numpy")
     flops = sum(2 * batch * a * b for a, b in zip(sizes, sizes[1:]))
-    r.achieved, r.limit = _rate(flops / r.kiln, "GFLOP/s", self.peak or None), f"{self.peak / GB:.0f} GFLOP/s FMA" if self.peak else "-"
+    r.achieved, r.limit = _rate(flops / tk, "GFLOP/s", self.peak or None), f"{self.peak / GB:.0f} GFLOP/s FMA" if self.peak else "-"
     r.target, r.target_kind, r.target_value = "<= numpy's time", "ratio", 1.0
     r.note = f"scripts/demo's forward plan ({len(plan.kernels)} kernels)"
     mem.work, mem.kiln = "MLP plan peak buffer memory", float(plan.memory_bytes)
@@ -448,7 +555,8 @@ def table(rows: list[Row]) -> str:
   for r in rows:
     cells.append([r.work, _fmt(r.kiln, r.unit), _fmt(r.numpy, r.unit), _fmt(r.numba, r.unit), _fmt(r.tinygrad, r.unit),
                   _fmt(r.torch, r.unit), _fmt(r.onnxruntime, r.unit),
-                  f"{r.ratio:.2f}x" if r.ratio is not None else "-", r.achieved or "-", r.limit or "-", r.target or "-", r.status])
+                  f"{r.ratio:.2f}x" if r.ratio is not None else "-", r.achieved or "-", r.limit or "-", r.target or "-",
+                  r.status + ("~" if r.spread else "")])
   w = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
   lines = ["  ".join(c[i].ljust(w[i]) if i in (0, 9, 10) else c[i].rjust(w[i]) for i in range(len(COLS))) for c in cells]
   lines.insert(1, "  ".join("-" * x for x in w))
