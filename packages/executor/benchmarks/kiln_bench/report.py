@@ -2,7 +2,9 @@
 performance targets of issues 7 and 14 and this machine's measured limits (memory bandwidth and FMA peak on the kiln threads).
 
 Every kiln result is checked against numpy before it is timed: a wrong answer is a failure, never a fast number.
-Times are medians of warm runs; kiln and numpy are timed interleaved (shared machines drift), so read the ratios.
+A row's contenders (kiln, numpy, the peers) are timed together in interleaved rounds, one warmed block each a round
+(shared machines drift over seconds); a time is the median of all its calls, a ratio the median of the rounds' ratios,
+and --json keeps every contender's median per round.
 Exit code: 1 when a result is wrong, or a target is missed by more than 20% (unless --no-fail); else 0.
 """
 from __future__ import annotations
@@ -58,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
   print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
   print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
   print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")
-  print("  times are medians of warm runs; kiln/numpy = numpy's time / kiln's (throughput ratio, >1 is kiln faster)\n")
+  print(f"  times: medians of warm calls, every contender of a row timed in the same {b.t.rounds} interleaved rounds (one warmed block "
+        "each a round, the order rotating); kiln/numpy and the targets' ratios: the median over rounds of each round's ratio "
+        "(numpy's time / kiln's, >1 is kiln faster); a status marked ~: the rounds one by one would judge differently (see notes)\n")
   print(table(b.rows))
   notes = [(r.work, r.note) for r in b.rows if r.note]
   if notes:
