@@ -294,3 +294,40 @@ def test_small_cnn() -> None:
   # conv 1's product, the max pool (bn+relu as it reads), conv 2's product (each conv reads its padding in place),
   # the global pool (bn+relu as it reads; a reduction feeding the linear layer's), the linear layer
   check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-4, kernels=5)
+
+
+def _conv3x3_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+  """A 3x3, pad 1, stride 1 convolution in float64."""
+  xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+  win = np.lib.stride_tricks.sliding_window_view(xp, (3, 3), axis=(2, 3))  # (N, C, H, W, 3, 3)
+  y = np.einsum("nchwij,ocij->nohw", win, w.astype(np.float64))
+  return y if b is None else y + b.reshape(1, -1, 1, 1)
+
+
+def _bn_ref(y: np.ndarray, s: np.ndarray, b: np.ndarray, m: np.ndarray, v: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+  r = lambda a: a.astype(np.float64).reshape(1, -1, 1, 1)  # noqa: E731
+  return (y - r(m)) / np.sqrt(r(v) + eps) * r(s) + r(b)
+
+
+def test_batchnorm_folds_into_conv() -> None:
+  """A batch norm folds into the weights of the conv it reads (a negative scale included), unless the conv's output has
+  another reader: same results as onnxruntime and as the unfolded maths in float64, one multiply fewer per element."""
+  from kiln.ir.ops import Ops
+  bn = {"s1": np.array([1.3, -0.7, 0.9, -1.6, 0.5, 1.1], np.float32), "b1": f32(6, lo=-0.2, hi=0.2), "m1": f32(6, lo=-0.3, hi=0.3),
+        "v1": f32(6, lo=0.5, hi=2), "s2": f32(8, lo=-1.5, hi=1.5), "b2": f32(8, lo=-0.2, hi=0.2), "m2": f32(8, lo=-0.2, hi=0.2),
+        "v2": f32(8, lo=0.5, hi=2)}
+  inits = {"w1": f32(6, 3, 3, 3, lo=-0.4, hi=0.4), "cb1": f32(6, lo=-0.3, hi=0.3), "w2": f32(8, 6, 3, 3, lo=-0.3, hi=0.3), **bn}
+  nodes = [N("Conv", ["x", "w1", "cb1"], ["c1"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c1", "s1", "b1", "m1", "v1"], ["n1"]),
+           N("Relu", ["n1"], ["r1"]), N("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c2", "s2", "b2", "m2", "v2"], ["n2"]),
+           N("Relu", ["n2"], ["r2"]), N("Add", ["r2", "c2"], ["y"])]  # c2 has two readers: its batch norm stays
+  x = f32(2, 3, 10, 10)
+  km = check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-5)
+  r1 = np.maximum(_bn_ref(_conv3x3_ref(x, inits["w1"], inits["cb1"]), bn["s1"], bn["b1"], bn["m1"], bn["v1"]), 0)
+  c2 = _conv3x3_ref(r1.reshape(2, 6, 5, 2, 5, 2).max((3, 5)), inits["w2"])
+  want = np.maximum(_bn_ref(c2, bn["s2"], bn["b2"], bn["m2"], bn["v2"]), 0) + c2
+  np.testing.assert_allclose(km.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+  assert km.compiled is not None
+  nodes_ = {n for k in km.compiled.kernels for n in k.node.toposort()}
+  scales = [n for n in nodes_ if n.op == "ALU" and n.arg is Ops.MUL and len(n.shape) == 4]  # the products' multiplies are 5-d
+  assert len(scales) == 1 and scales[0].shape == (2, 8, 5, 5), scales  # only the second batch norm's scale is left

@@ -4,9 +4,9 @@ The model is untrusted input: its size, node count, depth, names, tensors and at
 of kiln.graph.onnx_limits before onnx.checker runs, a path is read by kiln (a regular file, at most 2 GiB, never a
 FIFO), and anything malformed is an ONNXError, never a crash. Initializers, Constant and every node whose inputs are
 all constants (Shape of a static shape, the shape arithmetic feeding Reshape/Expand/Slice, ConstantOfShape, Range) are
-folded with numpy at load time; every other node becomes Tensor ops, and the outputs compile into one fused
-ExecutionPlan. An operator or attribute kiln does not support is refused at load time with the node, the op and the
-attribute named. Needs the `onnx` extra (`pip install "kiln-graph[onnx]"`).
+folded with numpy at load time, and so is a BatchNormalization into the Conv it reads (onnx_fold.py); every other node
+becomes Tensor ops, and the outputs compile into one fused ExecutionPlan. An operator or attribute kiln does not support
+is refused at load time with the node, the op and the attribute named. Needs the `onnx` extra (`pip install "kiln-graph[onnx]"`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from kiln.graph import onnx_limits as lim
 from kiln.graph.lazy import GraphError, ONNXError
+from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
 from kiln.graph.schedule import Compiled
 from kiln.graph.tensor import Tensor, compile
@@ -207,6 +208,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
     inputs.append((vi.name, tuple(shape), np.dtype(dt)))
+  folds = BatchNormFolds(g, onnx)
   for proto in g.node:
     label = f"node {proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
     if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
@@ -217,7 +219,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
     check_shape_value(n)
     lim.check_fold(proto.op_type, n.ins, label)
-    try: out = fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
+    if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
+    try: out = n.t(0) if folds.passes_through(proto) else fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
     except (IRError, ValueError, TypeError, IndexError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
       raise n.error(f"{type(e).__name__}: {e}") from e
