@@ -146,12 +146,14 @@ class Judged(NamedTuple):
 
 
 def _times(v: float) -> str: return f"{v:.2f}x"
+def _pct(v: float) -> str: return f"{v:.0%}"
+
+
 def _span(fmt: Callable[[float], str], lo: float, hi: float) -> str:
   """lo-hi with the unit once: "0.94-1.07x", "65-72%", "0.38-0.73 ms"."""
   a, b = fmt(lo), fmt(hi)
   unit = b[len(b.rstrip(" %xmunsMB")):]
   return f"{a.removesuffix(unit) if unit and a.endswith(unit) else a}-{b}"
-def _pct(v: float) -> str: return f"{v:.0%}"
 
 
 def _fmt(v: float | None, unit: str) -> str:
