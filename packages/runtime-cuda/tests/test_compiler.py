@@ -1,4 +1,4 @@
-"""CUDA C -> PTX and cubin with nvcc for sm_90; CompileError with the log and the offending source line."""
+"""CUDA C -> PTX and a fatbin (sm_90 SASS + PTX) with nvcc; CompileError with the log and the offending source line."""
 import re
 
 import pytest
@@ -10,6 +10,7 @@ from kiln.runtime.cuda import compiler as cmod
 from kiln.runtime.cuda.compiler import CUDACompiler, source_excerpt
 
 from .conftest import requires_nvcc
+from .test_driver import fatbin_entries
 from .kernels import BROKEN, EW_BF16, EW_F32, EW_F64, EW_HALF, EW_I32, GROUP_SUM, SYMBOLIC
 
 KERNELS = {"ew_f32": EW_F32, "ew_f64": EW_F64, "ew_i32": EW_I32, "ew_half": EW_HALF, "ew_bf16": EW_BF16, "group_sum": GROUP_SUM,
@@ -19,9 +20,9 @@ KERNELS = {"ew_f32": EW_F32, "ew_f64": EW_F64, "ew_i32": EW_I32, "ew_half": EW_H
 @requires_nvcc
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_nvcc_ptx_and_cubin_for_sm90(nvcc_compiler, name):
-  ptx, cubin = nvcc_compiler.compile_src(KERNELS[name], name)
+  ptx, fatbin = nvcc_compiler.compile_src(KERNELS[name], name)
   assert re.search(r"^\.target sm_90\b", ptx, re.M) and f".entry {name}(" in ptx
-  assert cubin[:4] == b"\x7fELF" and name.encode() in cubin
+  assert sorted(fatbin_entries(fatbin) or []) == [("elf", 90), ("ptx", 90)] and name.encode() in fatbin  # SASS + PTX
   assert nvcc_compiler.compile_ptx(KERNELS[name], name) == ptx  # cached: same result, no second nvcc run
 
 
@@ -32,7 +33,7 @@ def test_compile_program_spec(nvcc_compiler):
   spec = ProgramSpec(name="group_sum", src=GROUP_SUM, device="CUDA", ast=ast, global_size=(n, 1, 1), local_size=(256, 1, 1),  # type: ignore[arg-type]
                      vars=[{"name": "n", "min": 1, "max": 1 << 20}], var_names=["n"], globals=[0, 1], outs=[0], ins=[1], buf_count=2)  # type: ignore[list-item]
   c = nvcc_compiler.compile(spec)
-  assert c.bytes[:4] == b"\x7fELF" and c.src == GROUP_SUM and c.compiler == nvcc_compiler.cache_key
+  assert fatbin_entries(c.bytes) and c.src == GROUP_SUM and c.compiler == nvcc_compiler.cache_key
   assert (c.var_names, c.buf_count, c.global_size, str(c.device)) == (["n"], 2, (n, 1, 1), "CUDA:0")
   assert CompiledSpec.model_validate_json(c.model_dump_json()) == c
 
@@ -83,3 +84,16 @@ def test_nvrtc_backend(monkeypatch):
   assert ".entry ew_f32(" in ptx and cubin[:4] == b"\x7fELF" and c.cache_key.startswith("nvrtc-")
   with pytest.raises(CompileError) as ei: c.compile_src(BROKEN, "broken")
   assert "undefined_thing" in ei.value.log and ">   3 |" in ei.value.source_lines
+
+
+def test_9_nvrtc_is_found_where_pip_installs_it(monkeypatch, tmp_path):
+  monkeypatch.setattr(cmod, "cuda_home", lambda: None)
+  monkeypatch.setattr(cmod.ctypes.util, "find_library", lambda name: None)
+  for sub, lib in (("cu13", "libnvrtc.so.13"), ("cuda_nvrtc", "libnvrtc.so.12")):  # CUDA 13 wheels, then CUDA 12 wheels
+    site = tmp_path / sub / "site-packages"
+    (site / "nvidia" / sub / "lib").mkdir(parents=True)
+    (site / "nvidia" / sub / "lib" / lib).write_bytes(b"")
+    monkeypatch.setattr(cmod.sys, "path", ["/nonexistent", str(site)])
+    assert cmod.NVRTC.find() == str(site / "nvidia" / sub / "lib" / lib)
+  monkeypatch.setattr(cmod.sys, "path", [])
+  with pytest.raises(CompileError, match="pip install nvidia-cuda-nvrtc` \\(CUDA 13"): CUDACompiler(backend="nvrtc").compile_src(EW_F32, "ew_f32")

@@ -1,6 +1,13 @@
-"""CUDA C to PTX and cubin: nvcc in a temp dir where it is installed, NVRTC (ctypes) where only its library is.
+"""CUDA C to PTX and a loadable binary: nvcc (one process per kernel) where it is installed, NVRTC (ctypes) where only its
+library is.
 
+nvcc's binary is a fatbin holding SASS for the target sm_XX and the PTX (compute_XX), so the driver runs the SASS on that
+architecture and JIT-compiles the PTX on a newer one instead of failing with CUDA_ERROR_NO_BINARY_FOR_GPU. NVRTC's is a cubin
+(NVRTC cannot make a fatbin): it runs only on the architecture it was built for (the runtime compiles for its own GPU's).
 Failures are CompileErrors carrying the compiler's log and the offending source lines.
+
+NOTE: no binary made here has been loaded on a real GPU yet (no GPU where this was written); the fatbin's entries are checked by
+parsing it (tests/test_compiler.py).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 
@@ -58,13 +66,28 @@ def source_excerpt(src: str, log: str, context: int = 1, pattern: re.Pattern[str
   return "\n".join(out)
 
 
+NVRTC_INSTALL_HINT = "`pip install nvidia-cuda-nvrtc` (CUDA 13; `nvidia-cuda-nvrtc-cu12` for CUDA 12)"
+
+
+def pip_nvidia_dirs(sub: str) -> list[str]:
+  """Where NVIDIA's pip wheels put their files, newest CUDA first: site-packages/nvidia/cu13/<sub> (CUDA 13 wheels),
+  nvidia/cu12/<sub>, nvidia/cuda_nvrtc/<sub> (CUDA 12 wheels), for each directory on sys.path."""
+  out: list[str] = []
+  for base in sys.path:
+    for d in ("cu13", "cu12", "cuda_nvrtc"):
+      p = os.path.join(base or ".", "nvidia", d, sub)
+      if os.path.isdir(p) and p not in out: out.append(p)
+  return out
+
+
 class NVRTC:
   """The NVRTC C API through ctypes: CUDA C to PTX (and cubin for a real sm_XX arch) without nvcc."""
 
   def __init__(self, path: str | None = None):
     path = path or self.find()
-    if path is None: raise CompileError("NVRTC was not found (no libnvrtc.so in CUDA_HOME/lib64, /usr/local/cuda/lib64 or the loader path); "
-                                        "install the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12`")
+    if path is None: raise CompileError("NVRTC was not found (no libnvrtc.so in CUDA_HOME/lib64, /usr/local/cuda/lib64, "
+                                        "site-packages/nvidia/cu13/lib or nvidia/cuda_nvrtc/lib, or the loader path); "
+                                        f"install the CUDA toolkit or {NVRTC_INSTALL_HINT}")
     self.path, self.lib = path, ctypes.CDLL(path)
     major, minor = ctypes.c_int(), ctypes.c_int()
     self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
@@ -73,7 +96,7 @@ class NVRTC:
   @staticmethod
   def find() -> str | None:
     dirs = [os.path.join(h, d) for h in filter(None, [cuda_home()]) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
-    for d in dirs:
+    for d in [*dirs, *pip_nvidia_dirs("lib")]:
       if hits := sorted(glob.glob(os.path.join(d, "libnvrtc.so*")), key=len): return hits[0]
     return ctypes.util.find_library("nvrtc")
 
@@ -104,7 +127,8 @@ class NVRTC:
 
 
 class CUDACompiler:
-  """CUDA C source to cubin (CompiledSpec.bytes) for one architecture; PTX through `compile_ptx`.
+  """CUDA C source to a loadable binary (CompiledSpec.bytes: a fatbin of sm_XX SASS and PTX from nvcc, a cubin from NVRTC)
+  for one architecture; PTX through `compile_ptx`.
 
   arch: "sm_90" by default, or KILN_CUDA_ARCH. backend: "nvcc", "nvrtc" or None (nvcc where installed, else NVRTC)."""
 
@@ -142,7 +166,8 @@ class CUDACompiler:
     return self.compile_src(src, name)[0]
 
   def compile_src(self, src: str, name: str = "kernel") -> tuple[str, bytes]:
-    """(PTX text, cubin bytes) for CUDA C source."""
+    """(PTX text, binary) for CUDA C source: the binary is a fatbin (SASS for the arch plus the PTX) from nvcc, a cubin from
+    NVRTC; either is what pycuda's module_from_buffer loads."""
     backend = self._pick()
     key = hashlib.sha256(f"{backend}|{self.arch}|{self.extra_flags}|{src}".encode()).hexdigest()
     with self._lock:
@@ -152,23 +177,25 @@ class CUDACompiler:
     return out
 
   def _nvrtc_opts(self) -> list[str]:
-    inc = [f"--include-path={os.path.join(h, 'include')}" for h in filter(None, [cuda_home()])]
+    inc = [f"--include-path={d}" for d in [*(os.path.join(h, 'include') for h in filter(None, [cuda_home()])), *pip_nvidia_dirs("include")]]
     return [f"--gpu-architecture={self.arch}", "--std=c++17", *inc, *self.extra_flags]
 
   def _nvcc(self, src: str, name: str) -> tuple[str, bytes]:
     nvcc = find_nvcc()
     if nvcc is None: raise CompileError("nvcc was not found: install the CUDA toolkit, set CUDA_HOME, or use backend='nvrtc'")
     fname = re.sub(r"[^A-Za-z0-9_]", "_", name) or "kernel"
+    compute = self.arch.replace("sm_", "compute_")
     with tempfile.TemporaryDirectory(prefix="kiln-nvcc-") as d:
-      cu, ptx, cubin = (os.path.join(d, f"{fname}.{ext}") for ext in ("cu", "ptx", "cubin"))
+      cu, fatbin = (os.path.join(d, f"{fname}.{ext}") for ext in ("cu", "fatbin"))
       with open(cu, "w") as f: f.write(src)
-      base = [nvcc, f"-arch={self.arch}", "-std=c++17", *self.extra_flags]
-      # front end once to PTX, then PTX to cubin (ptxas): no second C++ parse
-      for cmd, what in (([*base, "--ptx", "-o", ptx, cu], "CUDA C to PTX"), ([*base, "--cubin", "-o", cubin, ptx], "PTX to cubin")):
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=d, check=False)
-        if r.returncode != 0:
-          log = (r.stderr + r.stdout).replace(d + os.sep, "").strip()
-          excerpt = source_excerpt(src, log) if what.startswith("CUDA C") else ""
-          raise CompileError(f"nvcc ({what}, {self.arch}) failed to compile kernel {name}", log, excerpt)
+      # one nvcc process: the front end once, ptxas for the SASS, the PTX kept (--keep) for compile_ptx and packed beside it
+      cmd = [nvcc, f"-gencode=arch={compute},code=[{self.arch},{compute}]", "-std=c++17", *self.extra_flags, "--fatbin", "--keep",
+             "--keep-dir", d, "-o", fatbin, cu]
+      r = subprocess.run(cmd, capture_output=True, text=True, cwd=d, check=False)
+      if r.returncode != 0:
+        log = (r.stderr + r.stdout).replace(d + os.sep, "").strip()
+        raise CompileError(f"nvcc ({self.arch}) failed to compile kernel {name}", log, source_excerpt(src, log))
+      ptx = os.path.join(d, f"{fname}.ptx")
+      if not os.path.exists(ptx): raise CompileError(f"nvcc ({self.arch}) kept no PTX for kernel {name} (looked for {fname}.ptx)")
       with open(ptx) as f: ptx_text = f.read()
-      with open(cubin, "rb") as fb: return ptx_text, fb.read()
+      with open(fatbin, "rb") as fb: return ptx_text, fb.read()

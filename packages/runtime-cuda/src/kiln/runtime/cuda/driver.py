@@ -1,27 +1,51 @@
 """The CUDA runtime over pycuda.driver (the `driver` extra), imported lazily: without pycuda or a CUDA driver this module still
 imports, and constructing the runtime or launching raises a DeviceError that says what to install.
 
-NOTE: nothing here has run on a real GPU yet; the launch path is tested against a recording stand-in for pycuda.driver.
+Context discipline (pycuda keeps one context stack per host thread, and aborts the process when a thread or the process ends
+with that stack not empty): a runtime never leaves its context pushed. Every piece of driver work -- loading a module, a
+launch, an allocation, a free, a copy, a synchronize -- runs inside `with runtime.current():` (`ContextGuard`), which pushes
+the runtime's own primary context only when it is not already the current one on this thread and pops exactly what it pushed.
+So work from executor worker threads, storage finalisers and LRU eviction on any thread runs in the right context, two GPUs
+(one runtime per CUDA:N, each with its own primary context) never share one, and no thread ends with a pushed context. A
+caller that issues many calls can wrap them in one `with runtime.current():` so the inner ones cost one comparison.
+
+pycuda's exceptions are mapped to kiln's: out of memory (pycuda.driver.MemoryError / CUDA_ERROR_OUT_OF_MEMORY) to a
+DeviceError saying so, a failed launch to RuntimeLaunchError, anything else to DeviceError naming what was being done. The
+sticky errors (an illegal address, an unspecified launch failure, a misaligned address, an illegal instruction, a device-side
+assert, a launch time-out) leave the CUDA context unusable: the runtime is marked dead, and every later call raises a
+DeviceError saying that the device context is dead and why, instead of a raw pycuda LogicError at some later copy.
+
+NOTE: NONE of this has run on a real GPU. It is written against pycuda 2026.1's source (src/cpp/cuda.hpp,
+src/wrapper/wrap_cudadrv.cpp, pycuda/driver.py) and tested against a recording stand-in for pycuda.driver
+(tests/test_driver.py) that enforces pycuda's context rules as read from that source.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
-from kiln.ir.errors import DeviceError, RuntimeLaunchError
+from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda.compiler import CUDACompiler
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
 MAX_BLOCK_THREADS = 1024
 _drv_lock = threading.Lock()
+
+# cuGetErrorString texts (and CUresult names) of the sticky errors: after one of these the context cannot be used again
+_STICKY = ("illegal memory access", "illegal address", "unspecified launch failure", "misaligned address", "illegal instruction",
+           "device-side assert", "hardware stack error", "invalid program counter", "not supported on global/shared address space",
+           "launch timed out", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_MISALIGNED_ADDRESS",
+           "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_ASSERT", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_INVALID_PC",
+           "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_LAUNCH_TIMEOUT")
+_NO_BINARY = ("no kernel image is available", "no binary for gpu", "CUDA_ERROR_NO_BINARY_FOR_GPU")
 
 
 def load_driver() -> Any:
@@ -39,6 +63,75 @@ def load_driver() -> Any:
     return drv
 
 
+def is_out_of_memory(drv: Any, e: BaseException) -> bool:
+  """pycuda.driver.MemoryError (CUDA_ERROR_OUT_OF_MEMORY) only: not any failure of an allocation."""
+  mem_err = getattr(drv, "MemoryError", None)
+  if isinstance(mem_err, type) and isinstance(e, mem_err): return True
+  return "CUDA_ERROR_OUT_OF_MEMORY" in str(e)
+
+
+def is_sticky(e: BaseException) -> bool:
+  """An error after which the CUDA context is unusable (CUDA reports it again on every later call)."""
+  s = str(e)
+  return any(k.lower() in s.lower() for k in _STICKY)
+
+
+class ContextGuard:
+  """Makes one CUDA context current around driver work on whichever host thread runs it, and maps pycuda's errors.
+
+  `with guard():` pushes the context when another one (or none) is current on this thread and pops it on the way out; when
+  it is already current nothing is pushed, so nesting is cheap. ctx=None (an allocator used on its own) manages nothing:
+  the caller's current context is used. Once a sticky error was seen the guard is dead: entering raises a DeviceError that
+  says so and why (frees and cache flushes are then dropped instead: the context's memory went with it)."""
+
+  def __init__(self, drv: Any, ctx: Any = None, device: str = "CUDA"):
+    self.drv, self.ctx, self.device = drv, ctx, device
+    self.errors: tuple[type[BaseException], ...] = tuple(t for t in (getattr(drv, "Error", None),) if isinstance(t, type)) or (Exception,)
+    self.dead: str | None = None
+
+  def is_current(self) -> bool:
+    cur = self.drv.Context.get_current()
+    return cur is not None and cur == self.ctx
+
+  def check_alive(self) -> None:
+    if self.dead is not None:
+      raise DeviceError(f"{self.device}: the device context is dead and cannot be used again ({self.dead}); every buffer and "
+                        "kernel on it is lost: start a new process to use this GPU")
+
+  @contextmanager
+  def __call__(self) -> Iterator[None]:
+    self.check_alive()
+    if self.ctx is None or self.is_current():
+      yield
+      return
+    self.ctx.push()
+    try: yield
+    finally: self.drv.Context.pop()
+
+  @contextmanager
+  def for_free(self) -> Iterator[bool]:
+    """Like __call__ but never raises for a dead context: yields False then (the caller drops the memory instead)."""
+    if self.dead is not None:
+      yield False
+      return
+    with self(): yield True
+
+  def failure(self, e: BaseException, what: str, launch: bool = False) -> KilnError:
+    """The kiln error for pycuda error e raised while doing `what`; a sticky error marks this context dead."""
+    if isinstance(e, KilnError): return e
+    if is_sticky(e):
+      if self.dead is None: self.dead = f"{what} failed: {e}"
+      cls: type[KilnError] = RuntimeLaunchError if launch else DeviceError
+      return cls(f"{self.device}: {what} failed: {e}. The device context is dead now (a sticky CUDA error): every later call on "
+                 f"{self.device} raises; start a new process to use this GPU")
+    if is_out_of_memory(self.drv, e): return DeviceError(f"{self.device}: GPU out of memory {what}: {e}")
+    if any(k.lower() in str(e).lower() for k in _NO_BINARY):
+      return RuntimeLaunchError(f"{self.device}: {what} failed: {e}. The binary has no code for this GPU's architecture (compile a "
+                                "fatbin with PTX, or set KILN_CUDA_ARCH to this GPU's sm_XX)")
+    cls = RuntimeLaunchError if launch or isinstance(e, getattr(self.drv, "LaunchError", ())) else DeviceError
+    return cls(f"{self.device}: {what} failed: {type(e).__name__}: {e}")
+
+
 # ---- memory ----
 @dataclass(frozen=True)
 class CUDABuffer:
@@ -51,67 +144,104 @@ class CUDABuffer:
 
 
 class CUDAAllocator:
-  """Device allocations with an LRU cache of freed blocks (reused by exact size; flushed when memory runs out)."""
+  """Device allocations with an LRU cache of freed blocks (reused by exact size; flushed when memory runs out).
 
-  def __init__(self, drv: Any, ctx: Any = None, cache_bytes: int | None = None):
+  Every driver call (allocate, free, copy) runs with `ctx` current (ContextGuard), so frees from finalisers or eviction on any
+  thread reach the context that owns the memory; ctx=None uses whatever context the caller made current."""
+
+  def __init__(self, drv: Any, ctx: Any = None, cache_bytes: int | None = None, guard: ContextGuard | None = None):
     self.drv, self.ctx = drv, ctx
+    self.guard = guard if guard is not None else ContextGuard(drv, ctx)
     self.cache_limit = cache_bytes if cache_bytes is not None else int(os.environ.get("KILN_CUDA_LRU_BYTES", 1 << 30))
     self._cache: OrderedDict[int, list[Any]] = OrderedDict()  # size -> freed allocations, least recently freed first
     self.cached_bytes = 0
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
 
   def alloc(self, size: int, options: Any = None) -> CUDABuffer:
     if size <= 0: raise DeviceError(f"cannot allocate {size} bytes on the GPU")
+    self.guard.check_alive()
     with self._lock:
       if (lst := self._cache.get(size)):
         mem = lst.pop()
         if not lst: del self._cache[size]
         self.cached_bytes -= size
         return CUDABuffer(mem, int(mem), size)
-    try: mem = self.drv.mem_alloc(size)
-    except Exception:  # out of memory (pycuda.driver.MemoryError): give the cached blocks back and retry once
-      self.free_cache()
+    g = self.guard
+    with g():
       try: mem = self.drv.mem_alloc(size)
-      except Exception as e: raise DeviceError(f"GPU out of memory allocating {size} bytes: {e}") from e
+      except g.errors as e:
+        if not is_out_of_memory(self.drv, e): raise g.failure(e, f"allocating {size} bytes") from e
+        self.free_cache()  # out of memory: give the cached blocks back and retry once
+        try: mem = self.drv.mem_alloc(size)
+        except g.errors as e2: raise g.failure(e2, f"allocating {size} bytes") from e2
     return CUDABuffer(mem, int(mem), size)
+
+  def _release(self, mems: list[Any]) -> None:
+    if not mems: return
+    with self.guard.for_free() as alive:
+      if not alive: return  # the context died: its memory is gone with it
+      for m in mems:
+        try: m.free()
+        except self.guard.errors as e: raise self.guard.failure(e, "freeing device memory") from e
 
   def free(self, handle: CUDABuffer, size: int, options: Any = None) -> None:
     if handle.base is None or handle.ptr != int(handle.base): return  # a view owns nothing
+    evict: list[Any] = []
     with self._lock:
       self._cache.setdefault(size, []).append(handle.base)
       self._cache.move_to_end(size)
       self.cached_bytes += size
       while self.cached_bytes > self.cache_limit and self._cache:
         sz, lst = next(iter(self._cache.items()))
-        lst.pop(0).free()
+        evict.append(lst.pop(0))
         self.cached_bytes -= sz
         if not lst: del self._cache[sz]
+    self._release(evict)
 
   def free_cache(self) -> None:
     with self._lock:
-      for lst in self._cache.values():
-        for m in lst: m.free()
+      mems = [m for lst in self._cache.values() for m in lst]
       self._cache.clear()
       self.cached_bytes = 0
+    self._release(mems)
 
   def ptr(self, handle: CUDABuffer) -> int: return handle.ptr
   def view(self, handle: CUDABuffer, offset: int, size: int) -> CUDABuffer:
     if offset < 0 or offset + size > handle.size: raise DeviceError(f"view [{offset}, {offset + size}) is outside a {handle.size}-byte buffer")
     return CUDABuffer(handle.base, handle.ptr + offset, size)
-  def copyin(self, dest: CUDABuffer, src: memoryview) -> None: self.drv.memcpy_htod(dest.ptr, src)
-  def copyout(self, dest: memoryview, src: CUDABuffer) -> None: self.drv.memcpy_dtoh(dest, src.ptr)
-  def copy(self, dest: CUDABuffer, src: CUDABuffer, size: int) -> None: self.drv.memcpy_dtod(dest.ptr, src.ptr, size)
+
+  def _copy(self, what: str, fn: Any, *args: Any) -> None:
+    g = self.guard
+    with g():
+      try: fn(*args)
+      except g.errors as e: raise g.failure(e, what) from e
+
+  def copyin(self, dest: CUDABuffer, src: memoryview) -> None:
+    self._copy(f"copying {src.nbytes} bytes to the device", self.drv.memcpy_htod, dest.ptr, src)
+  def copyout(self, dest: memoryview, src: CUDABuffer) -> None:
+    self._copy(f"copying {dest.nbytes} bytes from the device", self.drv.memcpy_dtoh, dest, src.ptr)
+  def copy(self, dest: CUDABuffer, src: CUDABuffer, size: int) -> None:
+    self._copy(f"copying {size} bytes on the device", self.drv.memcpy_dtod, dest.ptr, src.ptr, size)
   def as_numpy(self, handle: Any, dtype: Any, count: int, offset: int = 0) -> None: return None  # device memory is not host-visible
 
 
 # ---- programs ----
+def _sizes(spec: CompiledSpec, s: Sequence[Any] | None, var_vals: dict[str, int]) -> tuple[int, ...]:
+  return tuple(sym_eval(x, var_vals) for x in (s or (1, 1, 1))) + (1,) * (3 - len(s or (1, 1, 1)))
+
+
 def launch_dims(spec: CompiledSpec, vals: Sequence[int], global_size: Sequence[Any] | None = None,
                 local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-  """(grid, block): the given sizes, or the spec's (symbolic) sizes, evaluated with vals in var_names order."""
+  """(grid, block): the given sizes, or the spec's (symbolic) sizes, evaluated with vals in var_names order.
+
+  The block must be the one the kernel was rendered for (its indexing, shared memory and __launch_bounds__ assume it): another
+  local_size would leave outputs unwritten, so it is refused."""
   var_vals = dict(zip(spec.var_names, (int(v) for v in vals)))
-  gs = global_size if global_size is not None else (spec.global_size or (1, 1, 1))
-  ls = local_size if local_size is not None else (spec.local_size or (1, 1, 1))
-  grid, block = (tuple(sym_eval(x, var_vals) for x in s) + (1,) * (3 - len(s)) for s in (gs, ls))
+  grid = _sizes(spec, global_size if global_size is not None else spec.global_size, var_vals)
+  block = _sizes(spec, spec.local_size, var_vals)
+  if local_size is not None and (given := _sizes(spec, local_size, var_vals)) != block:
+    raise RuntimeLaunchError(f"kernel {spec.name}: local_size {given} differs from the block {block} it was rendered for; its "
+                             "indexing assumes that block, so another would leave outputs unwritten (render it again for that size)")
   if len(grid) != 3 or len(block) != 3 or min(grid) < 0 or min(block) < 1:  # a grid dim of 0 (a symbolic size bound to 0): nothing runs
     raise RuntimeLaunchError(f"kernel {spec.name}: launch sizes must be 3 ints, the grid's >= 0 and the block's >= 1, got grid {grid} block {block}")
   if block[0] * block[1] * block[2] > MAX_BLOCK_THREADS:
@@ -119,8 +249,15 @@ def launch_dims(spec: CompiledSpec, vals: Sequence[int], global_size: Sequence[A
   return grid, block  # type: ignore[return-value]
 
 
+def buffer_alignments(spec: CompiledSpec) -> list[int]:
+  """Per buffer argument (globals order), the byte alignment its loads and stores need: its element's size."""
+  by_slot = {u.arg: max(1, int(getattr(u.dtype, "base", u.dtype).nbytes)) for u in spec.ast.toposort() if u.op.name == "DEFINE_GLOBAL"}
+  return [by_slot.get(s, 1) for s in (spec.globals or range(spec.buf_count))]
+
+
 class CUDABoundCall:
-  """A launch with fixed buffers: argument array and sizes computed once; set_vals swaps the variables (and sizes)."""
+  """A launch with fixed buffers: the argument buffer (pointers then int32 variables, as the kernel's parameter struct) and the
+  sizes are packed once, here and in set_vals; a call is one cuLaunchKernel of that buffer."""
 
   def __init__(self, prog: CUDAProgram, bufs: Sequence[int], vals: Sequence[int], global_size: Sequence[Any] | None,
                local_size: Sequence[Any] | None):
@@ -128,49 +265,75 @@ class CUDABoundCall:
     self.set_vals(vals, global_size, local_size)
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[Any] | None = None, local_size: Sequence[Any] | None = None) -> None:
-    self.args = self.prog.args(self.bufs, vals)
     self.grid, self.block = launch_dims(self.prog.spec, vals, global_size, local_size)
+    self.arg_buf = self.prog.pack(self.bufs, vals)
 
   def __call__(self) -> None:
-    if 0 not in self.grid: self.prog.fn.prepared_call(self.grid, self.block, *self.args)
+    if 0 not in self.grid: self.prog.launch(self.grid, self.block, self.arg_buf)
 
 
 class CUDAProgram:
-  """A kernel loaded from cubin bytes. bufs are device addresses in globals order, vals int32 in var_names order."""
+  """A kernel loaded from a fatbin or cubin. bufs are device addresses in globals order, vals int32 in var_names order."""
 
   def __init__(self, runtime: CUDARuntime, spec: CompiledSpec):
     if not spec.bytes: raise RuntimeLaunchError(f"kernel {spec.name}: no cubin in the CompiledSpec (compile it with CUDACompiler)")
     self.runtime, self.spec, self.name, self.drv = runtime, spec, spec.name, runtime.drv
-    runtime.make_current()
-    self.module = self.drv.module_from_buffer(spec.bytes)
-    self.fn = self.module.get_function(spec.name)
-    self.fn.prepare("P" * spec.buf_count + "i" * len(spec.var_names))  # pointers, then int32 variables
+    self.fmt = "=" + "Q" * spec.buf_count + "i" * len(spec.var_names)  # the kernel's parameters: 8-byte pointers, then int32s
+    self.align = buffer_alignments(spec)
+    g = runtime.guard
+    with g():
+      try:
+        self.module = self.drv.module_from_buffer(spec.bytes)
+        self.fn = self.module.get_function(spec.name)
+      except g.errors as e: raise g.failure(e, f"loading kernel {spec.name}") from e
 
-  def args(self, bufs: Sequence[int], vals: Sequence[int]) -> tuple:
+  def pack(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes:
+    """The kernel's argument buffer, checked: buffer count, alignment of each pointer, int32 range of each value."""
     if len(bufs) != self.spec.buf_count: raise RuntimeLaunchError(f"kernel {self.name} takes {self.spec.buf_count} buffers, got {len(bufs)}")
     if len(vals) != len(self.spec.var_names):
       raise RuntimeLaunchError(f"kernel {self.name} takes vals for {self.spec.var_names}, got {len(vals)} values")
+    for i, (b, a) in enumerate(zip(bufs, self.align)):
+      if int(b) % a: raise RuntimeLaunchError(f"kernel {self.name}: buffer {i} at {int(b):#x} is not aligned to {a} bytes (a view at an "
+                                              "offset that is not a multiple of its element size); CUDA would fault on a misaligned address")
     for n, v in zip(self.spec.var_names, vals):
       if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: variable {n}={v} does not fit int32")
-    return (*[np.uintp(int(b)) for b in bufs], *[np.int32(int(v)) for v in vals])
+    return struct.pack(self.fmt, *(int(b) for b in bufs), *(int(v) for v in vals))
+
+  def args(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes: return self.pack(bufs, vals)
+
+  def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], arg_buf: bytes) -> None:
+    """One cuLaunchKernel (pycuda's Function._launch_kernel, what its own __call__ and prepared_call end in) in our context."""
+    g = self.runtime.guard  # ContextGuard.__call__ inlined: this is the per-launch fast path
+    if g.dead is not None: g.check_alive()
+    pushed = not g.is_current()
+    if pushed: g.ctx.push()
+    try: self.fn._launch_kernel(grid, block, arg_buf, 0, None)
+    except g.errors as e: raise g.failure(e, f"launching kernel {self.name}", launch=True) from e
+    finally:
+      if pushed: g.drv.Context.pop()
 
   def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[Any] | None = None,
                local_size: Sequence[Any] | None = None, wait: bool = False) -> float | None:
     """Launch; global_size/local_size default to the spec's sizes evaluated with vals. With wait=True, the kernel's time in
     seconds (CUDA events)."""
-    args = self.args(bufs, vals)
+    arg_buf = self.pack(bufs, vals)
     grid, block = launch_dims(self.spec, vals, global_size, local_size)
     if 0 in grid: return 0.0 if wait else None  # an empty grid: nothing to run (CUDA rejects a launch of 0 blocks)
-    self.runtime.make_current()
     if not wait:
-      self.fn.prepared_call(grid, block, *args)
+      self.launch(grid, block, arg_buf)
       return None
-    start, end = self.drv.Event(), self.drv.Event()
-    start.record()
-    self.fn.prepared_call(grid, block, *args)
-    end.record()
-    end.synchronize()
-    return start.time_till(end) * 1e-3
+    g = self.runtime.guard
+    with g():
+      try: start, end = self.drv.Event(), self.drv.Event()
+      except g.errors as e: raise g.failure(e, "creating CUDA events") from e
+      try: start.record()
+      except g.errors as e: raise g.failure(e, "recording a CUDA event") from e
+      self.launch(grid, block, arg_buf)
+      try:
+        end.record()
+        end.synchronize()
+        return float(start.time_till(end)) * 1e-3
+      except g.errors as e: raise g.failure(e, f"waiting for kernel {self.name}", launch=True) from e
 
   def bind(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[Any] | None = None,
            local_size: Sequence[Any] | None = None) -> CUDABoundCall:
@@ -178,7 +341,10 @@ class CUDAProgram:
 
 
 class CUDARuntime:
-  """One NVIDIA GPU: renderer (kiln.codegen.render.cuda.CUDARenderer), CUDACompiler for its architecture, allocator, loader."""
+  """One NVIDIA GPU (one runtime per CUDA:N, each with that device's primary context): renderer
+  (kiln.codegen.render.cuda.CUDARenderer), CUDACompiler for its architecture, allocator, loader.
+
+  The primary context is retained here but never left pushed: `current()` makes it current around each piece of work."""
   host_parallel_safe = False  # one stream: kernels are ordered by the device, not overlapped from host threads
 
   def __init__(self, device: DeviceSpec | str = "CUDA:0"):
@@ -187,13 +353,16 @@ class CUDARuntime:
     self.device_spec, self.device = spec, str(spec)
     self.drv = load_driver()
     if spec.index >= (n := self.drv.Device.count()): raise DeviceError(f"no device {spec}: this machine has {n} CUDA device(s)")
-    self.dev = self.drv.Device(spec.index)
-    self.ctx = self.dev.retain_primary_context()
-    self.ctx.push()
-    major, minor = self.dev.compute_capability()
-    self.arch = os.environ.get("KILN_CUDA_ARCH") or f"sm_{major}{minor}"  # cubin for this GPU unless told otherwise
+    errors: tuple[type[BaseException], ...] = tuple(t for t in (getattr(self.drv, "Error", None),) if isinstance(t, type)) or (Exception,)
+    try:
+      self.dev = self.drv.Device(spec.index)
+      self.ctx = self.dev.retain_primary_context()
+      major, minor = self.dev.compute_capability()
+    except errors as e: raise DeviceError(f"{self.device}: opening the device failed: {e}") from e
+    self.guard = ContextGuard(self.drv, self.ctx, self.device)
+    self.arch = os.environ.get("KILN_CUDA_ARCH") or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
     self.compiler = CUDACompiler(self.arch)
-    self.allocator = CUDAAllocator(self.drv, self.ctx)
+    self.allocator = CUDAAllocator(self.drv, self.ctx, guard=self.guard)
     self._renderer: Any = None
 
   @property
@@ -203,12 +372,19 @@ class CUDARuntime:
       self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer()
     return self._renderer
 
-  def make_current(self) -> None:
-    # pycuda contexts are per host thread: push ours on a thread that has none
-    if self.drv.Context.get_current() is None: self.ctx.push()
+  @property
+  def dead(self) -> str | None:
+    """Why the device context is unusable (a sticky CUDA error), or None."""
+    return self.guard.dead
+
+  def current(self) -> Any:
+    """`with runtime.current():` this device's context is current on this thread inside (pushed and popped only if needed)."""
+    return self.guard()
 
   def load(self, compiled: CompiledSpec) -> CUDAProgram: return CUDAProgram(self, compiled)
 
   def synchronize(self) -> None:
-    self.make_current()
-    self.drv.Context.synchronize()
+    g = self.guard
+    with g():
+      try: self.drv.Context.synchronize()
+      except g.errors as e: raise g.failure(e, "synchronizing") from e
