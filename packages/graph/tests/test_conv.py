@@ -129,19 +129,48 @@ def test_padding_read_in_place_matches_the_padded_copy(monkeypatch, xs, ws, stri
   assert counts[0] == counts[1] - 1
 
 
-def test_conv_epilogue_reads_the_product() -> None:
-  """Batch norm, relu and a 2x2 max pool after a padded conv: the pool kernel applies them while it reads the product;
-  the next conv reads the pooled buffer through its padding (a reduction under the padding's bounds test is slower, so
-  the pool is realized, not inlined)."""
+def _alu_max_kernels(c: Compiled) -> list[str]:
+  """The kernels computing an elementwise maximum (a relu), not counting a max reduction."""
+  from kiln.ir.ops import Ops
+  return [k.ast.arg for k in c.kernels if any(u.op is Ops.MAX for u in k.ast.toposort())]
+
+
+def test_conv_epilogue_in_the_product_kernel() -> None:
+  """Batch norm, relu and a 2x2 max pool after a padded conv: the pool reads each element once, so the product's kernel
+  applies batch norm and relu as its epilogue and the pool kernel is a plain max over the window; the next conv reads the
+  pooled buffer through its padding (a reduction under the padding's bounds test is slower, so the pool is realized)."""
   x, w1, w2 = rand(2, 3, 12, 12), rand(8, 3, 3, 3), rand(8, 8, 3, 3)
   a, s = rand(1, 8, 1, 1), rand(1, 8, 1, 1)
   h = (Tensor.input("x", x.shape).conv2d(Tensor(w1), padding=1) * Tensor(a) + Tensor(s)).relu().max_pool([2, 2])
   c = compile([h.conv2d(Tensor(w2), padding=1)])
-  assert c.kernel_count == 4, c.plan.describe()  # product, pool+bn+relu, product, the output copy
-  assert len(matmul_kernels(c)) == 2
+  assert c.kernel_count == 4, c.plan.describe()  # product+bn+relu, pool, product, the output copy
+  mm = matmul_kernels(c)
+  assert len(mm) == 2 and _alu_max_kernels(c) == [mm[0]], (mm, _alu_max_kernels(c))
   r = np.maximum(conv_ref(x, w1, None, [1, 1], [(1, 1)] * 2, [1, 1], 1) * a + s, 0)
   r = r.reshape(2, 8, 6, 2, 6, 2).max((3, 5))
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(r, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
+def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
+  o = [(n - k) // st + 1 for n in r.shape[2:]]
+  return np.stack([np.stack([r[:, :, i * st:i * st + k, j * st:j * st + k].max((2, 3)) for j in range(o[1])], -1) for i in range(o[0])], -2)
+
+
+@pytest.mark.parametrize("readers,moves", [("pool", True), ("pool+mean", True), ("stride 3", False), ("stride 10", False)])
+def test_conv_epilogue_placement(readers: str, moves: bool) -> None:
+  """Bias and relu after a conv go into the product's kernel when its readers read each element at least once (a 2x2
+  pool; two readers), and stay in the reader when it reads fewer (2x2 pools whose strides skip elements)."""
+  x, w, b = rand(2, 3, 12, 12), rand(8, 3, 3, 3), rand(8)
+  y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), padding=1).relu()
+  ref = np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0)
+  st = {"stride 3": 3, "stride 10": 10}.get(readers, 2)
+  outs, refs = [y.max_pool([2, 2], [st, st])], [_max_pool_ref(ref, 2, st)]
+  if readers == "pool+mean": outs, refs = [*outs, y.mean((2, 3))], [*refs, ref.mean((2, 3))]
+  c = compile(outs)
+  mm = matmul_kernels(c)
+  assert c.kernel_count == 1 + len(outs) and len(mm) == 1, c.plan.describe()
+  assert (_alu_max_kernels(c) == mm) == moves, (mm, _alu_max_kernels(c))  # where the relu is computed
+  for got, want in zip(c.run({"x": x}), refs): np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_conv_errors() -> None:

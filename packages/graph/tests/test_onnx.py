@@ -291,8 +291,8 @@ def test_small_cnn() -> None:
            N("Relu", ["b2"], ["r2"]), N("GlobalAveragePool", ["r2"], ["g"]), N("Flatten", ["g"], ["f"]),
            N("Gemm", ["f", "fc_w", "fc_b"], ["y"], transB=1)]
   x = f32(4, 3, 16, 16)
-  # conv 1's product, the max pool (bn+relu as it reads), conv 2's product (each conv reads its padding in place),
-  # the global pool (bn+relu as it reads; a reduction feeding the linear layer's), the linear layer
+  # conv 1's product with bn+relu as its epilogue, the max pool, conv 2's product with bn+relu (each conv reads its
+  # padding in place), the global pool (a reduction feeding the linear layer's), the linear layer
   check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x}, 1e-4, kernels=5)
 
 

@@ -17,7 +17,8 @@ its innermost one. Its *recompute factor* is the trip count of its placement ove
 
 Only the topmost offending node on each path is realized per round (its inputs then fuse into its own kernel), and a
 realized REDUCE pulls up with it the chain of same-shape elementwise ops that are its sole consumers (a matmul's bias,
-activation and residual become its epilogue, not the next kernel's prologue).
+activation and residual become its epilogue, not the next kernel's prologue). Before all this, the chain after a conv's
+realized product moves into the product's kernel when its readers read each element at least once (epilogue.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
 from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
+from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.lazy import GraphError, Node, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
@@ -267,6 +269,9 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   from kiln.executor import Buffer, ExecutionPlanBuilder
   device = str(DeviceSpec.parse(device))
   outs = [Node("VIEW", (o,), ("reshape", o.shape), o.shape, o.dtype) if o.op == "BUFFER" else o for o in outputs]
+  if fuse:
+    new = fuse_epilogues(outs)
+    outs = [new[o] for o in outs]
   uniq = list(dict.fromkeys(outs))
   try: kernels = schedule(uniq, fuse)
   except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
