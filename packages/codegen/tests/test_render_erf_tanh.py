@@ -65,7 +65,23 @@ def test_fma_helper_fuses_its_polynomials(op: Ops) -> None:
     assert len(opcodes(text)) < len(opcodes(llvm_math.helper(op, n)[1])), (op, n)
     seqs.append([re.sub(r"call [^@]*@([\w.]+)\.(f32|v\d+f32)$", r"\1", o) for o in opcodes(text)])
   assert seqs[0] and all(s == seqs[0] for s in seqs), seqs
-  src = LLVMRenderer(Target(device="CPU", vector_bytes=64, fma=True)).render(kernel(op, dtypes.float32)).src
+  src = LLVMRenderer(Target(device="CPU", vector_bytes=32, fma=True)).render(kernel(op, dtypes.float32)).src
   decls = re.findall(r"declare .*@llvm\.fma\.(v\d+f32)\(", src)
   helpers = re.findall(rf"define internal .*@kiln\.{op.name.lower()}\.f32\.(\d+)\.fma\(", src)
   assert len(decls) == len(set(decls)) == len(helpers) == 1 and decls[0] == f"v{helpers[0]}f32", (decls, helpers)
+
+
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH])
+def test_avx512_helpers_scale_by_vscalef(op: Ops) -> None:
+  """AVX-512 targets scale 2^f by 2^n with vscalefps (llvm_math._Body.scale): no exponent-field shifts, fewer instructions, every
+  lane count a power of two up to 64 (padded or split to zmm), other lane counts as before; declared once per kernel."""
+  def ops(text: str) -> list[str]: return re.findall(r"= (\w+) ", text)
+  for n in (1, 4, 8, 16, 32, 64):
+    name, text = llvm_math.helper(op, n, fma=True, scalef=True)
+    assert name.endswith(".fma.sc") and llvm_math.SCALEF in text and " shl " not in text, (n, text)
+    assert len([o for o in ops(text) if o not in ("shufflevector", "insertelement", "extractelement")]) < len(ops(llvm_math.helper(op, n, True)[1]))
+  name, text = llvm_math.helper(op, 10, fma=True, scalef=True)  # not a power of two: the exponent-field path
+  assert not name.endswith(".sc") and llvm_math.SCALEF not in text
+  assert not llvm_math.has_scalef(Target(device="CPU", vector_bytes=32)) and not llvm_math.has_scalef(Target(device="CUDA", vector_bytes=0))
+  src = LLVMRenderer(Target(device="CPU", vector_bytes=64, fma=True)).render(kernel(op, dtypes.float32)).src
+  assert src.count(f"declare <16 x float> @{llvm_math.SCALEF}(") == 1, src[:2000]

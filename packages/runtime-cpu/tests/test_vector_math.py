@@ -6,8 +6,9 @@ and TANH compute in float32 (range reduction, polynomials, 2^n from exponent bit
 Each is within 1 ulp of the truth and gives exactly its NaN, +-inf, +-0 and denormals. Measured over every float32 bit pattern
 (outside this suite, same code): 1 ulp off at 0.45% of inputs for EXP2, 0.30% for TANH and 8.4% for ERF (about 17% of |x| < 0.9, where
 x + x*P(x^2) rounds twice, none past 4); LOG2 at 1 in 10^5 of this sweep. The fused variant (Target.fma, RENDERERS[True]) measured
-0.33% (EXP2), 0.29% (TANH) and 8.4% (ERF, every 64th pattern), none over 1; both variants run every test here. The reference (kiln.ir.reference: numpy's float32 exp2 and
-log2) is not correctly rounded everywhere: on an AVX-512 x86-64 host with numpy 2.4 it is up to 3 ulp (EXP2, outputs near FLT_MAX
+0.33% (EXP2), 0.29% (TANH) and 8.4% (ERF, every 64th pattern), none over 1; both variants run every test here, and AVX-512's
+vscalefps path must give their bits exactly. The reference (kiln.ir.reference: numpy's float32 exp2 and log2) is not correctly
+rounded everywhere: on an AVX-512 x86-64 host with numpy 2.4 it is up to 3 ulp (EXP2, outputs near FLT_MAX
 and in the denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the bound is REF_BOUND (on this suite's AVX2
 host numpy is within 1 of the truth and the distance measured 1). test_erf_tanh.py sweeps ERF and TANH against a decimal truth as
 well. 16-bit types are checked at every value against the reference (within 1 ulp, as test_conformance.py's table says).
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.registry import get_runtime
+from kiln.codegen.render import llvm_math
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import DType
@@ -54,7 +56,9 @@ def kernel(op: Ops, dt: DType, n: int) -> UOp:
 
 # the helpers with fused multiply-adds (targets with FMA) and without: both are checked on every host (llvm.fma runs everywhere,
 # through libm's fmaf where the CPU has no FMA instruction)
-RENDERERS = {fma: LLVMRenderer(dataclasses.replace(RT.target, fma=fma)) for fma in (False, True)}
+# (at most 32-byte vectors: AVX-512's vscalefps path is checked against these bit for bit below, on hosts that can run it)
+RENDERERS = {fma: LLVMRenderer(dataclasses.replace(RT.target, fma=fma, vector_bytes=min(RT.target.vector_bytes, 32))) for fma in (False, True)}
+AVX512 = RT.target.vector_bytes >= 64
 
 
 def run(op: Ops, dt: DType, x: np.ndarray, vector: bool, fma: bool = False) -> np.ndarray:
@@ -97,6 +101,23 @@ def results(request: pytest.FixtureRequest) -> tuple[Ops, np.ndarray, np.ndarray
   op, fma = request.param
   x = sweep(op)
   return op, x, run(op, dtypes.float32, x, False, fma), run(op, dtypes.float32, x, True, fma)
+
+
+@pytest.mark.skipif(not AVX512, reason="the host (or KILN_CPU) has no AVX-512: vscalefps code cannot run here")
+@pytest.mark.parametrize("fma", [False, True], ids=["nofma", "fma"])
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH], ids=["EXP2", "ERF", "TANH"])
+def test_avx512_scalef_gives_the_same_bits(op: Ops, fma: bool) -> None:
+  """2^f * 2^n by vscalefps rounds once, as the exponent-field factors do: every bit equal over the sweep, scalar (1 lane) and
+  vectorised (16 and 32 lanes, and a 40-element tail), with and without FMA."""
+  x = sweep(op)
+  wide = LLVMRenderer(dataclasses.replace(RT.target, fma=fma, vector_bytes=64))
+  for opts in ([], None):
+    spec = wide.render(kernel(op, dtypes.float32, len(x) - 24), opts=opts)
+    assert llvm_math.SCALEF in spec.src, spec.src[:500]  # scalar and vector helpers alike
+    got = np.zeros(len(x) - 24, np.float32)
+    RT.load(RT.compiler.compile(spec))([got.ctypes.data, x.ctypes.data], [])
+    want = run(op, dtypes.float32, x, opts is None, fma)[:len(x) - 24]
+    assert (got.view(np.uint32) == want.view(np.uint32)).all(), (op, fma, x[:len(got)][got.view(np.uint32) != want.view(np.uint32)][:8])
 
 
 def test_scalar_and_vector_agree(results: tuple[Ops, np.ndarray, np.ndarray, np.ndarray]) -> None:

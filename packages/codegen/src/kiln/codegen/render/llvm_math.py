@@ -11,7 +11,11 @@ every target with FMA gives the same bits, and so does every target without.
 EXP2, ERF and TANH compute in float32 (<n x float> and <n x i32>, the full vector width): range reduction, near-minimax
 polynomials (Estrin's scheme) and 2^n built from exponent bits. Each is within 1 ulp of the correctly rounded result, measured over
 every float32 bit pattern (off by 1 at 0.45% of inputs for EXP2, 8.4% for ERF, 0.30% for TANH; with FMA 0.33%, 8.4% and 0.29%,
-ERF over every 64th pattern); test_vector_math.py (both variants) and test_erf_tanh.py enforce it. LOG2 widens to double, evaluates there and rounds once (also within 1 ulp).
+ERF over every 64th pattern); test_vector_math.py (both variants) and test_erf_tanh.py enforce it. LOG2 widens to double,
+evaluates there and rounds once (also within 1 ulp).
+
+On AVX-512 targets 2^f * 2^n is one vscalefps (_Body.scale) instead of exponent-field factors and multiplies: IEEE's single
+rounding of the exact product either way, so the same bits (test_vector_math checks it on AVX-512 hosts) in fewer instructions.
 """
 from __future__ import annotations
 
@@ -61,6 +65,15 @@ FLOAT_CONST = {"nan": "0x7FF8000000000000", "inf": "0x7FF0000000000000", "-inf":
 def double_hex(v: float) -> str:
   """A float constant as LLVM IR writes it exactly: the 16 hex digits of its double bits (float constants too)."""
   return f"0x{struct.unpack('<Q', struct.pack('<d', v))[0]:016X}"
+SCALEF, V16 = "llvm.x86.avx512.mask.scalef.ps.512", "<16 x float>"  # vscalefps zmm: a * 2^floor(b), merge mask, rounding 4 = MXCSR's
+
+
+def has_scalef(target: Any) -> bool:
+  """AVX-512F's vscalefps may scale 2^f by 2^n: x86 targets with 64-byte vectors (kiln's machine model gives 64 only for
+  +avx512f; runtime-cpu machine.isa_of)."""
+  return getattr(target, "device", "") == "CPU" and getattr(target, "vector_bytes", 0) >= 64
+
+
 def fma_suffix(n: int) -> str: return "f32" if n == 1 else f"v{n}f32"  # llvm.fma's on n floats (the caller declares it)
 def vtype(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
 def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
@@ -68,8 +81,8 @@ def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join(
 
 class _Body:
   """The instructions of one helper: each call appends `%vK = text` and names its result."""
-  def __init__(self, n: int, fma: bool = False):
-    self.n, self.fma, self.lines, self.k = n, fma, list[str](), 0
+  def __init__(self, n: int, fma: bool = False, scalef: bool = False):
+    self.n, self.fma, self.scalef, self.lines, self.k = n, fma, scalef and n & (n - 1) == 0 and n <= 64, list[str](), 0
     self.F, self.I, self.B, self.D, self.L = (vtype(t, n) for t in ("float", "i32", "i1", "double", "i64"))
     self.powers: dict[tuple[str, int], str] = {}
 
@@ -110,6 +123,29 @@ class _Body:
   @property
   def suffix(self) -> str: return fma_suffix(self.n)
 
+  def scale(self, v: str, nf: str, n: int | None = None) -> str:
+    """v * 2^nf (nf an integer-valued float) by AVX-512's vscalefps, rounded once as IEEE does (into the denormals, to 0 or
+    to inf): the same bits as the exponent-field factors, in one instruction. Lane counts other than 16 are padded with
+    zeros or split in halves (n a power of two up to 64, see __init__)."""
+    n = self.n if n is None else n
+    if n == 1:
+      w = [self(f"insertelement {V16} zeroinitializer, float {a}, i32 0") for a in (v, nf)]
+      return self(f"extractelement {V16} {self(f'call {V16} @{SCALEF}({V16} {w[0]}, {V16} {w[1]}, {V16} zeroinitializer, i16 -1, i32 4)')}, i32 0")
+    t = f"<{n} x float>"
+    if n > 16:  # two halves, each scaled, joined again
+      halves = []
+      for lo in (0, n // 2):
+        pick = lambda a, lo=lo: self(f"shufflevector {t} {a}, {t} poison, <{n // 2} x i32> <{', '.join(f'i32 {i}' for i in range(lo, lo + n // 2))}>")
+        halves.append(self.scale(pick(v), pick(nf), n // 2))
+      h = f"<{n // 2} x float>"
+      return self(f"shufflevector {h} {halves[0]}, {h} {halves[1]}, <{n} x i32> <{', '.join(f'i32 {i}' for i in range(n))}>")
+    if n < 16:  # padded with zeros (lane n of the second operand) to one zmm, scaled, cut back
+      pad = f"<16 x i32> <{', '.join(f'i32 {min(i, n)}' for i in range(16))}>"
+      w = [self(f"shufflevector {t} {a}, {t} zeroinitializer, {pad}") for a in (v, nf)]
+      r = self(f"call {V16} @{SCALEF}({V16} {w[0]}, {V16} {w[1]}, {V16} zeroinitializer, i16 -1, i32 4)")
+      return self(f"shufflevector {V16} {r}, {V16} poison, <{n} x i32> <{', '.join(f'i32 {i}' for i in range(n))}>")
+    return self(f"call {V16} @{SCALEF}({V16} {v}, {V16} {nf}, {V16} zeroinitializer, i16 -1, i32 4)")
+
   def power(self, x: str, m: int) -> str:  # x^m for m a power of two, by squaring, each made once per helper
     if m == 1: return x
     if (x, m) not in self.powers: self.powers[x, m] = self(f"fmul {self.F} {self.power(x, m // 2)}, {self.power(x, m // 2)}")
@@ -119,14 +155,18 @@ class _Body:
     return "\n".join([f"define internal {self.F} @{name}({self.F} %x) alwaysinline {{", *self.lines, f"  ret {self.F} {ret}", "}"])
 
 
-def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tuple[str, str]:
+def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tuple[str, str, str]:
   """x = n + f for |x| < 2^22 (NaN gives NaN): n = round(x) by the MAGIC add, f = x - n exact in [-1/2, 1/2]. Returns 2^f by
-  poly (EXP2_POLY: within [0.7, 1.42]) and n as i32."""
+  poly (EXP2_POLY: within [0.7, 1.42]), t = x + MAGIC (n is in its low bits: _int_n) and n as a float."""
   t = b(f"fadd {b.F} {x}, {b.f(MAGIC)}")
-  f = b(f"fsub {b.F} {x}, {b(f'fsub {b.F} {t}, {b.f(MAGIC)}')}")
+  nf = b(f"fsub {b.F} {t}, {b.f(MAGIC)}")
+  f = b(f"fsub {b.F} {x}, {nf}")
   if b.fma: p = b.mad(f, b.estrin(f, poly), b.f(1.0))  # 1 + f*P(f), the last step one rounding
   else: p = b(f"fadd {b.F} {b.estrin(f, (0.0, *poly))}, {b.f(1.0)}")  # 1 + (f*c0 + f^2*c1 + ...): f*P by Estrin, then the 1
-  return p, b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")
+  return p, t, nf
+
+
+def _int_n(b: _Body, t: str) -> str: return b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")  # n as i32
 
 
 def _pow2(b: _Body, n: str) -> str:  # 2^n from its exponent field, n in [-126, 127]
@@ -139,14 +179,16 @@ def exp2_f32(b: _Body) -> str:
   both normal: the first product is exact, so the second rounds once, to a denormal, 0 or inf where IEEE does."""
   lo = b(f"select {b.B} {b(f'fcmp ole {b.F} %x, {b.f(EXP2_FLUSH)}')}, {b.F} {b.f(EXP2_LO)}, {b.F} %x")
   x = b(f"select {b.B} {b(f'fcmp ogt {b.F} {lo}, {b.f(EXP2_HI)}')}, {b.F} {b.f(EXP2_HI)}, {b.F} {lo}")
-  p, n = _exp2_reduced(b, x)
+  p, t, nf = _exp2_reduced(b, x)
+  if b.scalef: return b.scale(p, nf)
+  n = _int_n(b, t)
   n1 = b(f"ashr {b.I} {n}, {b.i(1)}")
   return b(f"fmul {b.F} {b(f'fmul {b.F} {p}, {_pow2(b, n1)}')}, {_pow2(b, b(f'sub {b.I} {n}, {n1}'))}")
 
 
 def _exp2_mid(b: _Body, x: str) -> str:  # 2^x for x in [-24, 30] (or NaN): one scale factor
-  p, n = _exp2_reduced(b, x)
-  return b(f"fmul {b.F} {p}, {_pow2(b, n)}")
+  p, t, nf = _exp2_reduced(b, x)
+  return b.scale(p, nf) if b.scalef else b(f"fmul {b.F} {p}, {_pow2(b, _int_n(b, t))}")
 
 
 def log2_f32(b: _Body) -> str:
@@ -182,8 +224,10 @@ def _odd(b: _Body, split: float, top: float, small: Callable[[_Body, str], str],
 
 def _erf_large(b: _Body, a: str, z: str) -> str:  # 1 - exp(-a^2) * ERFC_SCALED(v); erfc <= 0.21 here, so 1 - erfc loses nothing
   v = b(f"fdiv {b.F} {b(f'fsub {b.F} {a}, {b.f(ERFC_V)}')}, {b(f'fadd {b.F} {a}, {b.f(ERFC_V)}')}")
-  p, n = _exp2_reduced(b, b(f"fmul {b.F} {z}, {b.f(-LOG2E_F)}"), ERF_EXP2)
-  sr = b(f"fmul {b.F} {_pow2(b, n)}, {b.estrin(v, ERFC_SCALED)}")  # 2^n * P(v) is exact: p * (2^n * P) is (p * 2^n) * P, sooner
+  p, t, nf = _exp2_reduced(b, b(f"fmul {b.F} {z}, {b.f(-LOG2E_F)}"), ERF_EXP2)
+  q = b.estrin(v, ERFC_SCALED)
+  # 2^n * P(v) is exact: p * (2^n * P) is (p * 2^n) * P, sooner
+  sr = b.scale(q, nf) if b.scalef else b(f"fmul {b.F} {_pow2(b, _int_n(b, t))}, {q}")
   return b(f"fsub {b.F} {b.f(1.0)}, {b(f'fmul {b.F} {p}, {sr}')}")
 
 
@@ -204,10 +248,11 @@ INTRINSIC = {Ops.EXP2: "llvm.exp2", Ops.LOG2: "llvm.log2"}  # float64: libm thro
 LIBM = {Ops.ERF: "erf", Ops.TANH: "tanh"}  # float64: libm, called lane by lane (LLVM has no intrinsic to do it)
 
 
-def helper(op: Ops, n: int, fma: bool = False) -> tuple[str, str]:
-  """The name and definition of op's float32 helper on n lanes (fused multiply-adds in its polynomials with `fma`)."""
-  b = _Body(n, fma)
-  name = f"kiln.{op.name.lower()}.f32.{n}{'.fma' if fma else ''}"
+def helper(op: Ops, n: int, fma: bool = False, scalef: bool = False) -> tuple[str, str]:
+  """The name and definition of op's float32 helper on n lanes (fused multiply-adds in its polynomials with `fma`, 2^n scaling
+  by AVX-512's vscalefps with `scalef`: the same bits, fewer instructions)."""
+  b = _Body(n, fma, scalef)
+  name = f"kiln.{op.name.lower()}.f32.{n}{'.fma' if fma else ''}{'.sc' if b.scalef else ''}"
   return name, b.define(name, BODIES[op](b))
 
 
@@ -218,9 +263,10 @@ def render(p: Any, op: Ops, s: Any, t: str, n: int, a: list[str], guard: bool) -
   r = p.tmp()
   if "double" in t: fn = p.intrinsic(f"{INTRINSIC[op]}.{'f64' if n == 1 else f'v{n}f64'}", t, [t])
   else:
-    fma = bool(getattr(p.target, "fma", False))
-    name, text = helper(op, n, fma)
+    fma, scalef = bool(getattr(p.target, "fma", False)), has_scalef(p.target)
+    name, text = helper(op, n, fma, scalef)
     if fma: p.intrinsic(f"llvm.fma.{fma_suffix(n)}", t, [t, t, t])  # the helper's, declared once in the module
+    if SCALEF in text: p.intrinsic(SCALEF, V16, [V16, V16, V16, "i16", "i32"])
     p.helpers.setdefault(name, text)
     fn = f"@{name}"
   p.emit(f"{r} = call {t} {fn}({t} {a[0]})")
