@@ -41,6 +41,7 @@ def fake_cuda(monkeypatch, tmp_path):
   yield calls
   registry.unregister_runtime("CUDA")
   cache.clear_memory_cache()
+  assert drv._problems() == []  # pycuda's context rules held: no context left pushed, no frees refused
 
 
 def _launches(calls: list) -> list[tuple]:

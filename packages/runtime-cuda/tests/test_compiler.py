@@ -10,8 +10,8 @@ from kiln.runtime.cuda import compiler as cmod
 from kiln.runtime.cuda.compiler import CUDACompiler, source_excerpt
 
 from .conftest import requires_nvcc
-from .test_driver import fatbin_entries
 from .kernels import BROKEN, EW_BF16, EW_F32, EW_F64, EW_HALF, EW_I32, GROUP_SUM, SYMBOLIC
+from .test_driver import fatbin_entries
 
 KERNELS = {"ew_f32": EW_F32, "ew_f64": EW_F64, "ew_i32": EW_I32, "ew_half": EW_HALF, "ew_bf16": EW_BF16, "group_sum": GROUP_SUM,
            "sym2d": SYMBOLIC}

@@ -14,11 +14,15 @@ from kiln.codegen import registry as devmod
 from kiln.codegen.spec import CompiledSpec, Variable
 from kiln.ir import UOp, dtypes
 from kiln.ir.errors import DeviceError, RuntimeLaunchError
-from kiln.runtime.cuda.compiler import CUDACompiler
+from kiln.runtime.cuda.compiler import CUDACompiler, find_nvcc
 from kiln.runtime.cuda.driver import CUDAAllocator, CUDARuntime, launch_dims
 
-from .conftest import requires_nvcc
-from .kernels import EW_F32
+# no relative imports: tests/test_planspec_cuda.py loads this file on its own for make_fake_driver
+requires_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
+EW_F32 = """extern "C" __global__ void __launch_bounds__(64) ew_f32(float* __restrict__ data0, const float* __restrict__ data1) {
+  int i = blockIdx.x * 64 + threadIdx.x;
+  data0[i] = data1[i] * 2.0f;
+}"""
 
 
 class FakeFault:
