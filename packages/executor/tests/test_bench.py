@@ -3,6 +3,7 @@ times on a shared machine are the benchmark's business, never a test's."""
 import argparse
 import json
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -148,6 +149,14 @@ def test_interleaved_rounds_rotate_and_share_the_runs():
   for k in "abc": assert [len(block) for block in calls[k]] == [3, 2, 2], calls[k]  # 7 runs over 3 rounds
   alone = harness.interleaved({"a": _logged([], "a")}, t)
   assert [len(block) for block in alone["a"]] == [7]  # nothing to interleave: one block
+
+
+def test_interleaved_takes_fewer_rounds_when_the_slowest_call_does_not_fit():
+  t = harness.Timing(warmups=1, runs=10, budget=0.2, warm_seconds=0.0, rounds=5, settle_seconds=0.0, min_rounds=3)
+  fast = harness.interleaved({"a": lambda: None, "b": lambda: None}, t)
+  assert [len(fast[k]) for k in "ab"] == [5, 5]
+  slow = harness.interleaved({"a": lambda: None, "b": lambda: time.sleep(0.05)}, t)  # 2 calls a round x 5 rounds > 0.2 s
+  assert [len(slow[k]) for k in "ab"] == [3, 3] and sum(map(len, slow["a"])) == 10  # the runs left go to the rounds left
 
 
 def test_interleaved_drops_a_contender_that_fails_only_when_asked():

@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
   print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
   print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
   print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")
-  print(f"  times: medians of warm calls, every contender of a row timed in the same {b.t.rounds} interleaved rounds (one warmed block "
-        "each a round, the order rotating); kiln/numpy and the targets' ratios: the median over rounds of each round's ratio "
+  rounds = f"{b.t.min_rounds}-{b.t.rounds}" if b.t.min_rounds < b.t.rounds else f"{b.t.rounds}"
+  print(f"  times: medians of warm calls, every contender of a row timed in the same interleaved rounds ({rounds}; one "
+        "warmed block each a round, the order rotating); kiln/numpy and the targets' ratios: the median over rounds of each round's ratio "
         "(numpy's time / kiln's, >1 is kiln faster); a status marked ~: the rounds one by one would judge differently (see notes)\n")
   print(table(b.rows))
   notes = [(r.work, r.note) for r in b.rows if r.note]
