@@ -6,6 +6,7 @@ a plan runs."""
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import kiln.runtime.cpu.program as program_mod
+import kiln.runtime.cpu.threads as threads_mod
 from kiln.codegen import threads as split
 from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.prepare import prepare
@@ -155,3 +157,36 @@ def test_spin_time_from_the_environment(monkeypatch: pytest.MonkeyPatch, value: 
   if ok is None:
     with pytest.raises(ValueError, match="KILN_SPIN_US"): spin_us()
   else: assert spin_us() == ok
+
+
+def _other_cpus() -> set[int]:
+  return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
+@pytest.mark.skipif(len(_other_cpus()) < 2 or threads_mod.current_cpu() < 0, reason="needs two CPUs this process may use and sched_getcpu")
+def test_step_aside_leaves_the_callers_cpu_and_keeps_the_mask() -> None:
+  """A thread on its caller's CPU moves off it at once; its affinity mask is what it was; on another CPU it stays put."""
+  out: list = []
+  def probe() -> None:
+    mask = os.sched_getaffinity(0)
+    here = threads_mod.current_cpu()
+    out.append((threads_mod.step_aside(here), here, threads_mod.current_cpu(), os.sched_getaffinity(0) == mask))
+    elsewhere = threads_mod.current_cpu()
+    out.append((threads_mod.step_aside(elsewhere ^ 1 if elsewhere ^ 1 in mask else -1), elsewhere, threads_mod.current_cpu(), True))
+  t = threading.Thread(target=probe)
+  t.start()
+  t.join(10)
+  (moved, was, now, same_mask), (moved2, was2, now2, _) = out
+  assert moved and now != was and same_mask
+  assert not moved2  # not on that CPU: no move
+  assert not threads_mod.step_aside(-1)
+
+
+def test_a_woken_worker_is_asked_to_leave_its_callers_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Every batch records its caller's CPU, and a worker that wakes while calls are left steps aside from it first."""
+  asked: list[int] = []
+  monkeypatch.setattr(threads_mod, "current_cpu", lambda: 7)  # the caller's CPU as the batch records it
+  monkeypatch.setattr(threads_mod, "step_aside", lambda cpu: asked.append(cpu) or False)
+  pool, done = WorkerPool(2), []
+  pool.run(lambda i: (time.sleep(0.01), done.append(i)), [(i,) for i in range(6)])
+  assert sorted(done) == list(range(6)) and asked == [7], asked
