@@ -240,6 +240,23 @@ def test_contiguous_lanes_load_as_vectors_and_strided_ones_gather():
   assert any(u.op is Ops.VECTORIZE and all(s.op is Ops.LOAD for s in u.src) for u in lk.uops)
 
 
+def test_pool_columns_share_one_span():
+  """A 2x2 pool vectorised along x reads its left (2x) and right (2x + 1) columns as one span each row: the same masked
+  load address, the even lanes on for one and the odd lanes for the other, so the max runs on full vectors."""
+  out, x = UOp.define_global(0, F32.ptr(2 * 8 * 16)), UOp.define_global(1, F32.ptr(2 * 16 * 32))
+  b, y, xx = UOp.range(2, 0), UOp.range(8, 1), UOp.range(16, 2)
+  i, j = UOp.range(2, 3, AxisType.REDUCE), UOp.range(2, 4, AxisType.REDUCE)
+  v = x.index(b * 512 + (y * 2 + i) * 32 + xx * 2 + j).load().reduce(Ops.MAX, i, j)
+  ast = UOp.sink(out.index(b * 128 + y * 16 + xx).store(v), name="pool2")
+  lk = lower(ast, CPU, [Opt(OptOps.UPCAST, 2, 16), Opt(OptOps.UNROLL, 3, 2), Opt(OptOps.UNROLL, 4, 2)])
+  spans = [u for u in lk.uops if u.op is Ops.LOAD and u.dtype == F32.vec(32)]
+  masks = {}
+  for ld in spans: masks.setdefault(ld.src[0].src[1], []).append(tuple(bool(m.arg) for m in ld.src[0].src[2].src))
+  even = tuple(k % 2 == 0 for k in range(32))
+  assert len(spans) == 4 and len(masks) == 2, masks  # two rows, each one address
+  assert all(sorted(m) == sorted([even, tuple(not e for e in even)]) for m in masks.values()), masks
+
+
 def test_metadata():
   spec = LLVMRenderer(CPU).render(symbolic_scale())
   assert spec.var_names == ["n"] and [(v.name, v.min, v.max) for v in spec.vars] == [("n", 1, 4096)]
