@@ -76,6 +76,16 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
       if a.valid and a.ptr <= ptr < a.ptr + a.size: return a
     return None
 
+  def released(ctx, what: str) -> bool:
+    """pycuda's scoped_context_activation in a destructor or free: False (and a recorded leak) when ctx is not current and
+    this is not the thread ctx was created on."""
+    s = stack()
+    if (not s or s[-1] is not ctx) and threading.current_thread() is not ctx.thread:
+      problems.append(f"leak: {what} cleaned up on thread {threading.current_thread().name} without its context current")
+      warnings.warn(f"{what} in out-of-thread context could not be cleaned up", UserWarning, stacklevel=3)
+      return False
+    return True
+
   def on_device(ctx, ptr: int, what: str) -> None:
     a = owner(ptr)
     if a is not None and a.ctx.dev != ctx.dev: raise LogicError(f"{what} failed: invalid argument (address of device {a.ctx.dev})")
@@ -89,16 +99,12 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
     def __int__(self): return self.ptr
     def free(self):
       if not self.valid: raise LogicError("device_allocation::free failed: invalid resource handle")
-      s = stack()
-      if not s or s[-1] is not self.ctx:  # pycuda: scoped_context_activation
-        if threading.current_thread() is not self.ctx.thread:
-          problems.append(f"leak: {self.ptr:#x} freed on thread {threading.current_thread().name} without its context current")
-          warnings.warn("device_allocation in out-of-thread context could not be cleaned up", UserWarning, stacklevel=2)
-          self.valid = False
-          return
       self.valid = False
+      if not released(self.ctx, f"device_allocation {self.ptr:#x}"): return
       calls.append(("free", self.ptr))
       state["live"] -= self.size
+    def __del__(self):  # pycuda frees a live allocation in its destructor, on whichever thread drops the last reference
+      if self.valid: self.free()
 
   def mem_alloc(size):
     ctx = current("cuMemAlloc")
@@ -130,6 +136,7 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
 
   class Module:
     def __init__(self, ctx): self.ctx = ctx
+    def __del__(self): released(self.ctx, "module")  # cuModuleUnload in pycuda's destructor
     def get_function(self, name): calls.append(("get_function", name)); return Function(name, self)
 
   def module_from_buffer(b):
@@ -140,7 +147,8 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
     return Module(ctx)
 
   class Event:
-    def __init__(self): current("cuEventCreate")
+    def __init__(self): self.ctx = current("cuEventCreate")
+    def __del__(self): released(self.ctx, "event")  # cuEventDestroy in pycuda's destructor
     def record(self): current("cuEventRecord"); calls.append(("record",))
     def synchronize(self): current("cuEventSynchronize"); calls.append(("event_sync",))
     def time_till(self, other): return 2.5  # milliseconds
@@ -432,6 +440,21 @@ def test_stand_in_records_a_thread_ending_with_a_pushed_context():
   with pytest.warns(UserWarning, match="out-of-thread"):  # out of its context's thread, without it current: refused and leaked
     run_in_thread(mem.free)
   assert any("leak" in p for p in drv._problems()) and ("free", int(mem)) not in calls
+
+
+def test_modules_events_and_cached_blocks_die_in_their_context(fake):
+  rt = CUDARuntime("CUDA:0")  # its context belongs to this thread; the work below runs on others
+  al = CUDAAllocator(rt.drv, rt.ctx, guard=rt.guard)
+
+  def work():
+    prog = rt.load(_compiled())
+    prog([4, 8, 12], [1, 1], wait=True)  # two events, destroyed before the context is popped
+    al.free(al.alloc(512), 512)  # cached, not freed
+    return prog
+  holder = [run_in_thread(work)]
+  run_in_thread(holder.clear)  # the last reference to the program (and its module) dropped on another thread
+  run_in_thread(lambda: al.__del__())  # the allocator's finaliser on another thread frees its cached blocks in context
+  assert [c[0] for c in fake].count("free") == 1
 
 
 # ---- issue 16: each numbered defect ----

@@ -25,6 +25,7 @@ import importlib
 import os
 import struct
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -132,6 +133,16 @@ class ContextGuard:
     return cls(f"{self.device}: {what} failed: {type(e).__name__}: {e}")
 
 
+def _drop_in_context(guard: ContextGuard, d: dict[str, Any], names: tuple[str, ...]) -> None:
+  """Drop d's pycuda objects (their destructors free device resources) with guard's context current. For finalisers: never
+  raises (at interpreter exit the driver may be half torn down; a dead context's resources went with it)."""
+  try:
+    with guard.for_free():
+      for n in names: d.pop(n, None)
+  except Exception as e:  # a finaliser has no caller to tell: say so, never raise
+    warnings.warn(f"{guard.device}: releasing {', '.join(names)} failed: {e}", RuntimeWarning, stacklevel=2)
+
+
 # ---- memory ----
 @dataclass(frozen=True)
 class CUDABuffer:
@@ -204,6 +215,18 @@ class CUDAAllocator:
       self._cache.clear()
       self.cached_bytes = 0
     self._release(mems)
+
+  def __del__(self) -> None:
+    # the cached blocks are freed here, with our context current, not by pycuda's destructors on whatever thread drops them
+    try:
+      if self.guard.ctx is None or not self._cache: return
+      with self.guard.for_free() as alive:
+        for lst in self._cache.values():
+          for m in lst:
+            if alive: m.free()
+        self._cache.clear()
+    except Exception as e:  # a finaliser has no caller to tell (at interpreter exit the driver may be half torn down): say so
+      warnings.warn(f"{self.guard.device}: freeing the allocator's cached blocks failed: {e}", RuntimeWarning, stacklevel=2)
 
   def ptr(self, handle: CUDABuffer) -> int: return handle.ptr
   def view(self, handle: CUDABuffer, offset: int, size: int) -> CUDABuffer:
@@ -326,18 +349,25 @@ class CUDAProgram:
     with g():
       try: start, end = self.drv.Event(), self.drv.Event()
       except g.errors as e: raise g.failure(e, "creating CUDA events") from e
-      try: start.record()
-      except g.errors as e: raise g.failure(e, "recording a CUDA event") from e
-      self.launch(grid, block, arg_buf)
       try:
-        end.record()
-        end.synchronize()
-        return float(start.time_till(end)) * 1e-3
-      except g.errors as e: raise g.failure(e, f"waiting for kernel {self.name}", launch=True) from e
+        try: start.record()
+        except g.errors as e: raise g.failure(e, "recording a CUDA event") from e
+        self.launch(grid, block, arg_buf)
+        try:
+          end.record()
+          end.synchronize()
+          return float(start.time_till(end)) * 1e-3
+        except g.errors as e: raise g.failure(e, f"waiting for kernel {self.name}", launch=True) from e
+      finally: del start, end  # destroyed here, with the context current (pycuda cannot destroy them out of its thread later)
 
   def bind(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[Any] | None = None,
            local_size: Sequence[Any] | None = None) -> CUDABoundCall:
     return CUDABoundCall(self, bufs, vals, global_size, local_size)
+
+  def __del__(self) -> None:
+    # unload the module with our context current: pycuda's own destructor, run later on another thread without it, cannot
+    # ("module in out-of-thread context could not be cleaned up") and leaks it
+    if "module" in self.__dict__: _drop_in_context(self.runtime.guard, self.__dict__, ("fn", "module"))
 
 
 class CUDARuntime:

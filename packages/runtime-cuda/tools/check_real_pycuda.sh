@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# kiln's CUDA runtime over the REAL pycuda (its C++ context stack, its abort at exit, its out-of-thread rules) and a fake
+# libcuda.so.1 (fake_libcuda.c: host memory, a per-thread context stack, sticky faults), on a machine without a GPU.
+#   PY312=/path/to/python3.12 SITE=/dir/with/pycuda+numpy+pydantic bash check_real_pycuda.sh
+# SITE: e.g. `pip install --target SITE numpy` and `pip install --no-index --no-deps --target SITE ../shared/gpu/wheels/*.whl`.
+# Each scenario of real_pycuda_probe.py runs in its own process and must exit 0 with nothing from "PyCUDA" on stderr.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd); ROOT=$(cd "$HERE/../../.." && pwd)
+PY312=${PY312:?set PY312 to a CPython 3.12}; SITE=${SITE:?set SITE to a directory holding pycuda, numpy and pydantic}
+CUDA=${CUDA:-/usr/local/cuda}; W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+gcc -c -fPIC -O1 -Wall -I"$CUDA/include" -o "$W/main.o" "$HERE/fake_libcuda.c"
+# every other cu* symbol pycuda's _driver links: CUDA_ERROR_NOT_SUPPORTED (801)
+nm -D --undefined-only "$SITE"/pycuda/_driver*.so | awk '{print $2}' | grep -E '^cu' | sort -u > "$W/need"
+nm --defined-only "$W/main.o" | awk '$2 == "T" {print $3}' | sort -u > "$W/have"
+comm -23 "$W/need" "$W/have" | sed 's/.*/int &(void) { return 801; }/' > "$W/rest.c"
+mkdir -p "$W/lib" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$W/lib/libcuda.so.1" "$W/main.o" "$W/rest.c" -lpthread
+PP="$SITE"; for s in "$ROOT"/packages/*/src; do PP="$PP:$s"; done
+fail=0
+for scenario in main_thread worker_threads two_devices fault; do
+  set +e
+  LD_LIBRARY_PATH="$W/lib" PYTHONPATH="$PP" FAKE_CUDA_REPORT=1 "$PY312" "$HERE/real_pycuda_probe.py" "$scenario" > "$W/out" 2> "$W/err"
+  rc=$?; set -e
+  if [ $rc -ne 0 ] || grep -q PyCUDA "$W/err"; then echo "FAIL $scenario (exit status $rc)"; cat "$W/out" "$W/err"; fail=1
+  else echo "PASS $scenario: $(cat "$W/out") ($(grep 'fake libcuda' "$W/err"))"; fi
+done
+exit $fail
