@@ -288,7 +288,7 @@ class CUDABoundCall:
     self.set_vals(vals, global_size, local_size)
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[Any] | None = None, local_size: Sequence[Any] | None = None) -> None:
-    self.grid, self.block = launch_dims(self.prog.spec, vals, global_size, local_size)
+    self.grid, self.block = self.prog.dims(vals, global_size, local_size)
     self.arg_buf = self.prog.pack(self.bufs, vals)
 
   def __call__(self) -> None:
@@ -303,6 +303,7 @@ class CUDAProgram:
     self.runtime, self.spec, self.name, self.drv = runtime, spec, spec.name, runtime.drv
     self.fmt = "=" + "Q" * spec.buf_count + "i" * len(spec.var_names)  # the kernel's parameters: 8-byte pointers, then int32s
     self.align = buffer_alignments(spec)
+    self._dims: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
     g = runtime.guard
     with g():
       try:
@@ -324,6 +325,17 @@ class CUDAProgram:
 
   def args(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes: return self.pack(bufs, vals)
 
+  def dims(self, vals: Sequence[int], global_size: Sequence[Any] | None = None,
+           local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """launch_dims, memoised per (vals, sizes): evaluating symbolic sizes costs tens of microseconds, a lookup well under one."""
+    try: key = (tuple(int(v) for v in vals), None if global_size is None else tuple(global_size),
+                None if local_size is None else tuple(local_size))
+    except TypeError: return launch_dims(self.spec, vals, global_size, local_size)
+    if (hit := self._dims.get(key)) is None:
+      hit = launch_dims(self.spec, vals, global_size, local_size)
+      if len(self._dims) < 4096: self._dims[key] = hit
+    return hit
+
   def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], arg_buf: bytes) -> None:
     """One cuLaunchKernel (pycuda's Function._launch_kernel, what its own __call__ and prepared_call end in) in our context."""
     g = self.runtime.guard  # ContextGuard.__call__ inlined: this is the per-launch fast path
@@ -340,7 +352,7 @@ class CUDAProgram:
     """Launch; global_size/local_size default to the spec's sizes evaluated with vals. With wait=True, the kernel's time in
     seconds (CUDA events)."""
     arg_buf = self.pack(bufs, vals)
-    grid, block = launch_dims(self.spec, vals, global_size, local_size)
+    grid, block = self.dims(vals, global_size, local_size)
     if 0 in grid: return 0.0 if wait else None  # an empty grid: nothing to run (CUDA rejects a launch of 0 blocks)
     if not wait:
       self.launch(grid, block, arg_buf)
