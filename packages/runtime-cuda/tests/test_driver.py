@@ -156,7 +156,7 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
   class Context:
     def __init__(self, dev): self.dev, self.thread = dev, threading.current_thread()
     def __eq__(self, other): return isinstance(other, Context) and other.dev == self.dev  # pycuda: same CUcontext handle
-    def __hash__(self): return hash(self.dev)
+    def __hash__(self): return hash(self.dev) ^ id(self)  # pycuda: hash(m_context) ^ hash(this)
     @staticmethod
     def get_current():
       s = stack()
@@ -503,6 +503,20 @@ def test_3_frees_on_other_threads_reach_the_context(fake):
   al.free(bufs[2], 1024)
   run_in_thread(al.free_cache)
   assert ("free", bufs[2].ptr) in fake and al.cached_bytes == 0
+
+
+def test_4_another_wrapper_of_our_primary_context_is_not_ours(fake):
+  drv = sys.modules["pycuda.driver"]
+  theirs = drv.Device(0).retain_primary_context()  # e.g. pycuda.autoprimaryctx's: equal to ours (same CUcontext), not ours
+  theirs.push()
+  try:
+    rt = CUDARuntime("CUDA:0")
+    rt.allocator.cache_limit = 0
+    b = rt.allocator.alloc(256)
+    assert b.base.ctx is rt.ctx  # allocated under our own context object, so our pushes can free it
+    run_in_thread(rt.allocator.free, b, 256)
+    assert ("free", b.ptr) in fake
+  finally: drv.Context.pop()
 
 
 def test_4_two_gpus_have_their_own_contexts(fake2):

@@ -3,7 +3,8 @@
 # libcuda.so.1 (fake_libcuda.c: host memory, a per-thread context stack, sticky faults), on a machine without a GPU.
 #   PY312=/path/to/python3.12 SITE=/dir/with/pycuda+numpy+pydantic bash check_real_pycuda.sh
 # SITE: e.g. `pip install --target SITE numpy` and `pip install --no-index --no-deps --target SITE ../shared/gpu/wheels/*.whl`.
-# Each scenario of real_pycuda_probe.py runs in its own process and must exit 0 with nothing from "PyCUDA" on stderr.
+# Each scenario of real_pycuda_probe.py runs in its own process and must exit 0, with nothing from "PyCUDA" and no "could not
+# be cleaned up" on stderr, and with as many frees as allocations in the fake driver.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd); ROOT=$(cd "$HERE/../../.." && pwd)
 PY312=${PY312:?set PY312 to a CPython 3.12}; SITE=${SITE:?set SITE to a directory holding pycuda, numpy and pydantic}
@@ -16,11 +17,13 @@ comm -23 "$W/need" "$W/have" | sed 's/.*/int &(void) { return 801; }/' > "$W/res
 mkdir -p "$W/lib" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$W/lib/libcuda.so.1" "$W/main.o" "$W/rest.c" -lpthread
 PP="$SITE"; for s in "$ROOT"/packages/*/src; do PP="$PP:$s"; done
 fail=0
-for scenario in main_thread worker_threads two_devices fault; do
+for scenario in main_thread worker_threads two_devices foreign_wrapper fault; do
   set +e
   LD_LIBRARY_PATH="$W/lib" PYTHONPATH="$PP" FAKE_CUDA_REPORT=1 "$PY312" "$HERE/real_pycuda_probe.py" "$scenario" > "$W/out" 2> "$W/err"
   rc=$?; set -e
-  if [ $rc -ne 0 ] || grep -q PyCUDA "$W/err"; then echo "FAIL $scenario (exit status $rc)"; cat "$W/out" "$W/err"; fail=1
+  leaked=$(sed -nE 's/^fake libcuda: ([0-9]+) allocs, ([0-9]+) frees.*/\1 \2/p' "$W/err" | awk '$1 != $2 {print "leaked " $1 - $2}')
+  if [ $rc -ne 0 ] || grep -qE "PyCUDA|could not be cleaned up" "$W/err" || [ -n "$leaked" ]; then
+    echo "FAIL $scenario (exit status $rc) $leaked"; cat "$W/out" "$W/err"; fail=1
   else echo "PASS $scenario: $(cat "$W/out") ($(grep 'fake libcuda' "$W/err"))"; fi
 done
 exit $fail

@@ -67,6 +67,14 @@ def main(what: str) -> None:
       scale2(rt1)  # GPU 1's work while GPU 0's context is current
     in_thread(scale2, rt1)
     scale2(rt)
+  elif what == "foreign_wrapper":  # the caller's own wrapper of the same primary context is current (pycuda.autoprimaryctx)
+    theirs = rt.drv.Device(0).retain_primary_context()
+    theirs.push()
+    rt.allocator.cache_limit = 0
+    bufs = [rt.allocator.alloc(256) for _ in range(2)]
+    in_thread(lambda: [rt.allocator.free(b, 256) for b in bufs])
+    in_thread(scale2, rt)
+    rt.drv.Context.pop()
   elif what == "fault":
     prog = rt.load(spec("fault"))
     a = rt.allocator.alloc(64)

@@ -91,8 +91,11 @@ class ContextGuard:
     self.dead: str | None = None
 
   def is_current(self) -> bool:
+    """Our context object is on top of this thread's stack. pycuda's == compares CUcontext handles, but its frees compare the
+    context objects (another wrapper of the same primary context, e.g. pycuda.autoprimaryctx's, is not ours: memory
+    allocated under it cannot be freed under ours out of its thread); its hash mixes in the object's address, so both."""
     cur = self.drv.Context.get_current()
-    return cur is not None and cur == self.ctx
+    return cur is not None and cur == self.ctx and hash(cur) == hash(self.ctx)
 
   def check_alive(self) -> None:
     if self.dead is not None:
