@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kiln.graph.dims import is_static
 from kiln.graph.lazy import Node, toposort
 
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
@@ -39,7 +40,7 @@ def _readers(nodes: Sequence[Node]) -> dict[Node, list[Node]]:
 
 def _is_product(n: Node) -> bool:
   """A realized reduction: a REDUCE marked realized, or a realized view of one (Tensor.contiguous of a conv's product)."""
-  if not n.realize: return False
+  if not n.realize or not is_static(n.shape): return False  # (a conv's product is static; symbolic reshapes are left alone)
   while n.op == "VIEW" and n.arg[0] == "reshape": n = n.src[0]
   return n.op == "REDUCE"
 
