@@ -406,7 +406,8 @@ class Tensor:
     read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
     copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
     The product is realized as (N, groups, O/groups, P), the loops the matmul
-    tiles; bias and what follows (batch norm, relu, pooling) read it through an NCHW view. A depthwise conv (one input
+    tiles; what follows reads it through an NCHW view (the bias, batch norm and relu become the product kernel's epilogue
+    when their readers read each element at least once: epilogue.py). A depthwise conv (one input
     and one output channel per group) has no matrix to tile: it stays a sum over each window."""
     d = weight.ndim - 2
     if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
