@@ -8,12 +8,15 @@
  * starts with "fault" sets CUDA_ERROR_ILLEGAL_ADDRESS on its context, returned by every later call there.
  * Devices: $FAKE_CUDA_NDEV (default 2), compute capability 9.0. Every other cu* entry point pycuda links is in
  * fake_libcuda_rest.c and returns CUDA_ERROR_NOT_SUPPORTED.
+ * cuGetProcAddress_v2 (how NVIDIA's cuda-python finds every entry point) answers from this library's own symbols, newest
+ * version suffix first (cuMemAlloc -> cuMemAlloc_v2).
  * Build: see check_real_pycuda.sh beside this file. */
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <dlfcn.h>
 
 #define MAXDEV 8
 #define MAXALLOC 4096
@@ -70,6 +73,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *c) {
   if (c) *c = t;
   return CUDA_SUCCESS;
 }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur(); return CUDA_SUCCESS; }
 CUresult cuCtxGetDevice(CUdevice *d) { struct CUctx_st *c = cur(); if (!c) return CUDA_ERROR_INVALID_CONTEXT; *d = c->dev; return CUDA_SUCCESS; }
 CUresult cuCtxGetApiVersion(CUcontext c, unsigned int *v) { (void)c; *v = 13000; return CUDA_SUCCESS; }
 CUresult cuCtxSynchronize(void) { NEED_CTX(c); (void)c; return CUDA_SUCCESS; }
@@ -180,4 +184,16 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     default: *s = "unknown error"; break;
   }
   return CUDA_SUCCESS;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, CUdriverProcAddressQueryResult *status) {
+  (void)version; (void)flags;
+  static void *self;
+  if (!self) self = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  static const char *suffix[] = {"_v4", "_v3", "_v2", ""};
+  char name[256];
+  *pfn = NULL;
+  for (int i = 0; i < 4 && self && !*pfn; i++) { snprintf(name, sizeof name, "%s%s", symbol, suffix[i]); *pfn = dlsym(self, name); }
+  if (status) *status = *pfn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return *pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }

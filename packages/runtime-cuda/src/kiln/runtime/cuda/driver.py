@@ -50,18 +50,38 @@ _NO_BINARY = ("no kernel image is available", "no binary for gpu", "CUDA_ERROR_N
 
 
 def load_driver() -> Any:
-  """pycuda.driver, initialised; a DeviceError naming the fix when pycuda or the CUDA driver is missing."""
+  """pycuda.driver (or, with KILN_CUDA_DRIVER=cuda-python, kiln.runtime.cuda.cudapy's adapter of the same shape over NVIDIA's
+  cuda-python), initialised; a DeviceError naming the fix when the binding or the CUDA driver is missing."""
+  which = os.environ.get("KILN_CUDA_DRIVER", "pycuda")
+  if which not in ("pycuda", "cuda-python"): raise DeviceError(f"KILN_CUDA_DRIVER={which!r}: expected 'pycuda' (the default) or 'cuda-python'")
   with _drv_lock:
-    try: drv = importlib.import_module("pycuda.driver")
-    except ImportError as e:
-      missing = getattr(e, "name", None) in ("pycuda", "pycuda.driver") and "libcuda" not in str(e)
-      why = "pycuda is not installed" if missing else f"pycuda could not load the CUDA driver ({e})"
-      raise DeviceError(f"CUDA launch needs pycuda and an NVIDIA driver: {why}. Install it with {INSTALL_HINT} on a machine with a "
-                        "CUDA driver (libcuda.so); compiling to PTX/cubin and the CPU emulation harness work without it") from None
+    if which == "cuda-python": drv = _load_cuda_python()
+    else:
+      try: drv = importlib.import_module("pycuda.driver")
+      except ImportError as e:
+        missing = getattr(e, "name", None) in ("pycuda", "pycuda.driver") and "libcuda" not in str(e)
+        why = "pycuda is not installed" if missing else f"pycuda could not load the CUDA driver ({e})"
+        raise DeviceError(f"CUDA launch needs pycuda and an NVIDIA driver: {why}. Install it with {INSTALL_HINT} on a machine with a "
+                          "CUDA driver (libcuda.so), or use NVIDIA's cuda-python (KILN_CUDA_DRIVER=cuda-python); compiling to "
+                          "PTX/cubin and the CPU emulation harness work without it") from None
     try: drv.init()
     except Exception as e:
       raise DeviceError(f"no CUDA driver was found or it failed to initialise ({e}); {INSTALL_HINT} needs an NVIDIA GPU and driver") from None
     return drv
+
+
+_cuda_python: Any = None
+
+
+def _load_cuda_python() -> Any:
+  global _cuda_python
+  if _cuda_python is None:
+    from kiln.runtime.cuda.cudapy import load_cuda_python
+    try: _cuda_python = load_cuda_python()
+    except ImportError as e:
+      raise DeviceError(f"KILN_CUDA_DRIVER=cuda-python needs NVIDIA's cuda-python: {e}. Install it with `pip install cuda-python` "
+                        "(or unset KILN_CUDA_DRIVER to use pycuda)") from None
+  return _cuda_python
 
 
 def is_out_of_memory(drv: Any, e: BaseException) -> bool:
