@@ -59,9 +59,9 @@ KILN_MODULES = {p.module: p.dist for p in PACKAGES}
 KILN_NAMESPACES = {"kiln", "kiln.runtime"}  # PEP 420 namespaces: importing them names no distribution
 THIRD_PARTY = {"numpy": "numpy", "pydantic": "pydantic", "pydantic_core": "pydantic-core", "llvmlite": "llvmlite", "pycuda": "pycuda",
                "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx",
-               "ray": "ray", "tqdm": "tqdm"}
+               "ray": "ray", "tqdm": "tqdm", "cuda": "cuda-python"}
 # distributions that must never be a base dependency: only this extra of this package may declare them
-EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx")}
+EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx"), "cuda-python": (CUDA, "cuda-python")}
 # undeclared distributions a package may import lazily or guarded (never at module level), each with its reason;
 # anything else undeclared fails
 OPTIONAL_PROBES = {
@@ -374,12 +374,13 @@ def test_checker_catches_a_bad_package(tmp_path: Path) -> None:
 
 def test_checker_passes_a_good_package(tmp_path: Path) -> None:
   (tmp_path / "pyproject.toml").write_text('[project]\nname = "kiln-runtime-cuda"\ndependencies = ["kiln-codegen>=0.1,<0.2", "numpy"]\n'
-                                           '[project.optional-dependencies]\ndriver = ["pycuda"]\n')
+                                           '[project.optional-dependencies]\ndriver = ["pycuda"]\ncuda-python = ["cuda-python"]\n')
   mod = tmp_path / "src" / "kiln" / "runtime" / "cuda"
   mod.mkdir(parents=True)
   (mod / "ok.py").write_text("from __future__ import annotations\nimport importlib\nimport numpy\nfrom kiln.codegen import spec\n"
                              "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  import pycuda\n"
-                             "def f():\n  return importlib.import_module('pycuda.driver')\n")
+                             "def f():\n  return importlib.import_module('pycuda.driver')\n"
+                             "def g():\n  return importlib.import_module('cuda.bindings.driver')\n")
   pkg = Package("runtime-cuda", CUDA, "kiln.runtime.cuda", frozenset({IR, CODEGEN}))
   assert check_package(pkg, tmp_path) == []
   # the same package with pycuda moved from the extra into the base dependencies
