@@ -242,6 +242,6 @@ def test_without_cuda_python_the_error_says_what_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "cuda.cuda", None)
   monkeypatch.setenv("KILN_CUDA_DRIVER", "cuda-python")
   monkeypatch.setattr(dmod, "_cuda_python", None)
-  with pytest.raises(DeviceError, match="pip install cuda-python"): CUDARuntime("CUDA:0")
+  with pytest.raises(DeviceError, match=r"pip install \"kiln-runtime-cuda\[cuda-python\]\""): CUDARuntime("CUDA:0")
   monkeypatch.setenv("KILN_CUDA_DRIVER", "cupy")
   with pytest.raises(DeviceError, match="KILN_CUDA_DRIVER='cupy'"): CUDARuntime("CUDA:0")

@@ -79,8 +79,8 @@ def _load_cuda_python() -> Any:
     from kiln.runtime.cuda.cudapy import load_cuda_python
     try: _cuda_python = load_cuda_python()
     except ImportError as e:
-      raise DeviceError(f"KILN_CUDA_DRIVER=cuda-python needs NVIDIA's cuda-python: {e}. Install it with `pip install cuda-python` "
-                        "(or unset KILN_CUDA_DRIVER to use pycuda)") from None
+      raise DeviceError(f"KILN_CUDA_DRIVER=cuda-python needs NVIDIA's cuda-python: {e}. Install it with "
+                        "`pip install \"kiln-runtime-cuda[cuda-python]\"` (or unset KILN_CUDA_DRIVER to use pycuda)") from None
   return _cuda_python
 
 
