@@ -169,7 +169,9 @@ def test_symbolic_sizes_are_not_upcast():
 def test_gpu_target_maps_axes_to_threads():
   gpu = Target(device="CUDA", vector_bytes=0)
   assert heuristic_opts(add_kernel(1 << 16), gpu) == [Opt(OptOps.LOCAL, 0, 256)]
-  assert heuristic_opts(full_sum(1 << 16), gpu) == [Opt(OptOps.GROUP, 0, 256)]
+  # a full sum: 16 elements per thread before the tree, over as many blocks as that gives (two stages), one block when small
+  assert heuristic_opts(full_sum(1 << 16), gpu) == [Opt(OptOps.GROUP, 0, 256), Opt(OptOps.BLOCKS, 0, 16)]
+  assert heuristic_opts(full_sum(1000), gpu) == [Opt(OptOps.GROUP, 0, 256)]
 
 
 def test_inline_polynomial_bodies_take_two_vectors():
@@ -255,6 +257,20 @@ def test_pool_columns_share_one_span():
   even = tuple(k % 2 == 0 for k in range(32))
   assert len(spans) == 4 and len(masks) == 2, masks  # two rows, each one address
   assert all(sorted(m) == sorted([even, tuple(not e for e in even)]) for m in masks.values()), masks
+
+
+def test_reassociating_row_sums_vectorise_the_reduce_axis():
+  """A row sum vectorised along its rows gathers every load: by default it keeps one lane per row (the reference's order
+  of additions); a caller that takes another order gets whole-row vectors on the reduce axis. A column sum, contiguous
+  along its output, is the same either way."""
+  from kiln.codegen.prepare import prepare
+  rows = prepare(kernels.reduce(Ops.ADD, (256, 64), F32, axes=1))[0]
+  upcasts = lambda opts: [(o.axis, o.amount) for o in opts if o.op is OptOps.UPCAST]  # noqa: E731
+  red = next(r.arg[0] for r in rows.toposort() if r.op is Ops.RANGE and r.arg[1] is AxisType.REDUCE)
+  assert upcasts(heuristic_opts(rows, CPU)) == [(1 - red, 16)]  # the output axis (ids 0 and 1)
+  assert upcasts(heuristic_opts(rows, CPU, reassociate=True)) == [(red, 64)]  # four vectors of accumulators
+  cols = prepare(kernels.reduce(Ops.ADD, (64, 256), F32, axes=0))[0]
+  assert heuristic_opts(cols, CPU, reassociate=True) == heuristic_opts(cols, CPU)
 
 
 def test_metadata():

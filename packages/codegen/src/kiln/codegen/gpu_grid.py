@@ -32,6 +32,11 @@ class GpuGrid:
     self.block[0] = n
     return self.special("lidx0", n)
 
+  def grid_blocks(self, n: int) -> UOp:
+    """BLOCKS: n blocks share a full reduction (it has no output axes, so the grid's x is free); returns this block's index."""
+    self.grid[0] = n
+    return self.special("gidx0", n)
+
   def axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> list[tuple[int, UOp, UOp, UOp]]:
     """(dim, range, end, blocks) for the output axes that go to the grid: up to three, innermost first."""
     res: list[tuple[int, UOp, UOp, UOp]] = []

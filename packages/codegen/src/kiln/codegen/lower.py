@@ -79,10 +79,13 @@ class Lowerer:
     loop_scopes: dict[UOp, Scope] = {}
     gate: UOp | None = None
     loops = axes
+    spread = [r for r in axes if plans[r].spread]
     if ctx.gpu:
-      loops, gate = self.grid.map(axes, subst)
-      if loops and any(p.group for p in plans.values()):  # its shared array would be reused across iterations without a barrier
-        raise CodegenError(f"GROUP needs every output axis on the grid, but axes {[r.arg[0] for r in loops]} would be loops inside a block")
+      loops, gate = self.grid.map([r for r in axes if r not in spread], subst)
+      if loops and any(p.group for p in plans.values()):  # a block's tree would run a different number of times per thread
+        raise CodegenError(f"GROUP needs every output axis on the grid or SPREAD over the block, but axes {[r.arg[0] for r in loops]} "
+                           "would be loops inside a block")
+      self.check_spread(stores, spread)
     loops = sorted(loops, key=lambda r: not plans[r].outer)
     packs = self.pack.loads(stores, loops)
     for r in loops:
@@ -95,19 +98,44 @@ class Lowerer:
     body_scope = scope
     if gate is not None: body_scope = self.grid.open_gate(scope, simp(gate))
     red_scope = body_scope
-    if (g := max((p.group for p in plans.values()), default=0)):  # only thread 0 of a block writes a group reduction
-      body_scope = lin.open_if(body_scope, self.grid.special("lidx0", g).eq(0))
+    sgate: UOp | None = None  # the SPREAD axes' gate: for the loads outside the REDUCEs (those run before its loop)
+    for r in spread:  # SPREAD: the block's threads take t, t + g, ... of the axis, past its end gated off
+      body_scope, subst[r] = self.spread_loop(body_scope, r, subst)
+      loop_scopes[r] = body_scope  # a REDUCE along it runs per element, inside the gate
+      inside = simp(subst[r] < substitute(r.src[0], subst))
+      sgate = inside if sgate is None else sgate & inside
+    g = max((p.group for p in plans.values()), default=0)
+    writer: Scope | None = None  # GROUP without SPREAD: every thread has the result, thread 0 (of the last block) writes it
     for st in stores:
       if gate is not None: st = st.replace(src=(st.src[0], gate_loads(st.src[1], gate)))  # loads hoisted out of the gate read nothing
       st = self.keep(st, subst)
       s = simp(substitute(red.hide(st), subst))
+      if sgate is not None: s = gate_loads(s, sgate)  # loads hoisted out of the SPREAD gate read nothing
       red.emit_all(s, red_scope, subst, loop_scopes)
-      target = red.finish_scope if red.finish_scope is not None else body_scope
+      if g and not spread and writer is None:  # opened after the reductions, so it can test the grid stage's last block
+        cond = self.grid.special("lidx0", g).eq(0)
+        writer = lin.open_if(body_scope, cond & red.last_block if red.last_block is not None else cond)
+      target = red.finish_scope if red.finish_scope is not None else writer if writer is not None else body_scope
       for c in combos(red.expand_vars(s)):
         out = red.instantiate(s, dict(zip(red.expand_vars(s), c)), ctx.vec)
         for one in (out.src if out.op is Ops.SINK else (out,)): lin.emit(target, one)
     self.grid.close_gate()
     lin.close_to(lin.root)
+
+  def spread_loop(self, scope: Scope, r: UOp, subst: dict[UOp, UOp]) -> tuple[Scope, UOp]:
+    """SPREAD: a loop over the axis in steps of the block, each thread at its own lane, then a gate for the last step."""
+    ctx, p = self.ctx, self.ctx.plans[r]
+    end = substitute(r.src[0], subst)
+    inner = ctx.lin.open(scope, lv := ctx.count_loop(simp((end + (p.spread - 1)) // p.spread)))
+    expr = lv * p.spread + self.grid.group_lane(p.spread)
+    return ctx.lin.open_if(inner, simp(expr < end)), expr
+
+  def check_spread(self, stores: list[UOp], spread: list[UOp]) -> None:
+    """A GROUP REDUCE along a SPREAD axis would run its tree inside that axis's gate, where some threads never go."""
+    plans = self.ctx.plans
+    for red in (u for st in stores for u in st.toposort() if u.op is Ops.REDUCE):
+      if any(plans[r].group for r in red.src[1:]) and (bad := [r.arg[0] for r in spread if r in free_ranges(red)]):
+        raise CodegenError(f"a GROUP REDUCE varies along SPREAD axes {bad}: its tree needs every thread of the block; drop the SPREAD")
 
   def keep(self, st: UOp, subst: dict[UOp, UOp]) -> UOp:
     """KEEP: the store's values that a kept REDUCE computes too read them from the REDUCE's scratch row (reduce_lowering

@@ -21,7 +21,11 @@ class OptOps(Enum):
   UNROLL = "UNROLL"  # unroll an axis by `amount` (output axes: register tiling; reduce axes: a longer loop body)
   THREAD = "THREAD"  # CPU: cut an output axis (or a full reduction) into `amount` chunks that the threads claim (core_id)
   LOCAL = "LOCAL"  # GPU: `amount` threads of a block along an output axis (the rest goes to the grid)
-  GROUP = "GROUP"  # GPU: `amount` threads of a block share a reduction through shared memory
+  GROUP = "GROUP"  # GPU: `amount` threads of a block share a reduction (a fixed tree: warp shuffles, then shared memory)
+  SPREAD = "SPREAD"  # GPU, with a GROUP of `amount`: the block's threads share this output axis (thread t takes t, t + amount,
+  # ...) inside the block, reading the GROUP reductions' results every thread got (softmax's row max and sum)
+  BLOCKS = "BLOCKS"  # GPU: a full reduction's GROUP axis is cut over `amount` blocks; the last block to finish folds their
+  # partials in block order (two stages in one launch)
   OUTER = "OUTER"  # CPU: make this output axis the outermost loop (amount 1)
   PACK = "PACK"  # CPU: copy the panel a reduce axis reads, per outer tile, into contiguous per-thread scratch (amount 1)
   FMA = "FMA"  # a float sum of products over this reduce axis accumulates with fused multiply-adds (one rounding; amount 1)
@@ -98,6 +102,8 @@ class AxisPlan:
   threads: int = 1
   local: int = 0  # GPU threads per block along this axis
   group: int = 0  # GPU threads sharing this reduce axis
+  spread: int = 0  # GPU: the block's threads share this output axis (SPREAD)
+  blocks: int = 0  # GPU: blocks sharing this GROUP reduce axis (BLOCKS)
   outer: bool = False  # CPU: opened before the other output loops
   pack: bool = False  # CPU: loads of this reduce axis that skip the innermost output loop read a packed copy
   fma: bool = False  # a sum of products over this axis accumulates with fused multiply-adds
@@ -145,6 +151,19 @@ def _group(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   p.group = o.amount
 
 
+def _spread(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes != 0: raise CodegenError(f"{o}: SPREAD is a GPU option")
+  if p.rng.arg[1] is AxisType.REDUCE: raise CodegenError(f"{o}: SPREAD shares an output axis; axis {o.axis} is a reduce axis")
+  p.spread = o.amount
+
+
+def _blocks(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  if t.vector_bytes != 0: raise CodegenError(f"{o}: BLOCKS is a GPU option")
+  if p.rng.arg[1] is not AxisType.REDUCE or axis_size(p.rng) is None: raise CodegenError(f"{o}: BLOCKS needs a reduce axis of constant size")
+  if o.amount > t.max_grid[0]: raise CodegenError(f"{o}: at most {t.max_grid[0]} blocks")
+  p.blocks = o.amount
+
+
 def _fma(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   if p.rng.arg[1] is not AxisType.REDUCE: raise CodegenError(f"{o}: FMA applies to a reduce axis")
   p.fma = True
@@ -170,6 +189,7 @@ def _keep(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
 
 _RULES: dict[OptOps, Callable[[Opt, AxisPlan, Target, bool], None]] = {
   OptOps.UPCAST: _split, OptOps.UNROLL: _split, OptOps.THREAD: _thread, OptOps.LOCAL: _local, OptOps.GROUP: _group,
+  OptOps.SPREAD: _spread, OptOps.BLOCKS: _blocks,
   OptOps.FMA: _fma, OptOps.OUTER: _outer, OptOps.PACK: _pack, OptOps.KEEP: _keep}
 
 
@@ -233,12 +253,22 @@ def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[
     raise CodegenError("THREAD on a reduce axis needs its UPCAST to divide the axis")
   if any(p.pack and p.kind == "vec" for p in plans.values()):  # a panel is k x lanes of an output axis
     raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")
-  groups = [p for p in plans.values() if p.group]
-  if len(groups) > 1: raise CodegenError("only one reduce axis can be a GROUP")
-  # a GROUP's barrier needs every thread of the block, and its shared array one reduction per block
-  if groups and any(p.local for p in plans.values()):
-    raise CodegenError("GROUP cannot be combined with LOCAL (a block does one group reduction)")
+  _check_gpu_block(plans)
   return plans, vec
+
+
+def _check_gpu_block(plans: dict[UOp, AxisPlan]) -> None:
+  """One block shape per kernel: every GROUP (softmax has two: max and sum) and SPREAD names the same thread count."""
+  groups = [p for p in plans.values() if p.group]
+  if len({p.group for p in groups}) > 1: raise CodegenError(f"GROUPs of one kernel share its block: got amounts {sorted({p.group for p in groups})}")
+  # a GROUP's tree needs every thread of the block, each its own lane of the reduce axis
+  if groups and any(p.local for p in plans.values()):
+    raise CodegenError("GROUP cannot be combined with LOCAL (the block's threads share the reductions; SPREAD shares an output axis)")
+  for p in plans.values():
+    if p.spread and (not groups or p.spread != groups[0].group):
+      raise CodegenError(f"SPREAD(axis={p.rng.arg[0]}, {p.spread}) needs a GROUP of the same amount (the block's threads)")
+    if p.blocks and not p.group: raise CodegenError(f"BLOCKS(axis={p.rng.arg[0]}, {p.blocks}) needs a GROUP on the same axis")
+  if sum(p.blocks > 0 for p in plans.values()) > 1: raise CodegenError("only one reduce axis can be cut over BLOCKS")
 
 
 def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]
@@ -282,9 +312,12 @@ def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> in
 _POLY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})  # llvm_math.BODIES (a test keeps them equal; render imports opt)
 
 
-def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
+def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[Opt]:
   """Deterministic choices: vector width on the contiguous axis, register tiling for matmul-like kernels, a thread split
-  where each thread gets enough work. Kernels with several stores of different loops keep it simple."""
+  where each thread gets enough work. Kernels with several stores of different loops keep it simple. reassociate: the
+  caller takes float sums in another order (kiln.graph's reductions have none), so a reduction whose loads the output's
+  lanes would gather is vectorised along its own axis instead (_contiguous_reduce); by default a row reduction keeps
+  one lane per output, summing in the reference's order."""
   stores = [s for s in ast.src if s.op is Ops.STORE]
   if len(stores) != 1: return []
   st = stores[0]
@@ -302,7 +335,9 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
   # two vectors for a register tile, and for a body with an inline polynomial (exp, erf, tanh...): each lane's chain is
   # latency-bound, so a second independent vector fills the pipes (4M-float exact GELU on AVX2: 1.19x with 16 lanes)
   vecs = 2 if mm or any(u.op in _POLY_OPS for u in st.toposort()) else 1
-  if inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes if mm else 0)) > 1:
+  row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
+  if row is not None: opts.append(row)
+  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes if mm else 0)) > 1:
     opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
     vec_axis = inner
   if vec_axis is not None and mm:
@@ -350,6 +385,20 @@ def heuristic_opts(ast: UOp, target: Target) -> list[Opt]:
     if work >= per_thread * 2 and (units is None or units >= 2):
       opts.append(Opt(OptOps.THREAD, first.arg[0], chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)))
   return opts
+
+
+def _contiguous_reduce(reduces: list[UOp], inner: UOp, lanes: int) -> Opt | None:
+  """The UPCAST of a reduction's own axis, where vectors along the output's inner axis would gather every load (lanes a
+  row apart: a global pool's channels, a row sum) and the reduce axis reads each load's row contiguously: whole-vector
+  loads into up to four vectors of accumulators, their lanes folded once per output (another order of additions).
+  CNN bench global average pool, 32x128 maps of 64, hot on 2-core Zen 4: 50 -> 20 us."""
+  if len(reduces) != 1 or len(reduces[0].src) != 2: return None
+  r = reduces[0].src[1]
+  lds = _loads(reduces[0].src[0])
+  if not lds or (size := axis_size(r)) is None or size < lanes: return None
+  if any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], inner) in (0, 1) or affine_coeff(ld.src[0].src[1], r) != 1 for ld in lds):
+    return None
+  return Opt(OptOps.UPCAST, r.arg[0], next(m * lanes for m in (4, 2, 1) if size >= m * lanes and size % (m * lanes) < lanes))
 
 
 def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
@@ -443,12 +492,53 @@ def matmul_rows(st: UOp) -> UOp | None:
   return next((r for r in reversed(out_axes[:-1]) if r in rows_load and r not in other), None)
 
 
+# GPU reductions: how the heuristic cuts them (render/cuda.py's kiln_block_* combine a block's partials)
+GPU_MIN_GROUP_ROW = 32  # a row shorter than a warp keeps one thread per output (LOCAL): a tree would idle most lanes
+GPU_WARP = 32  # rows up to 4 warps long get one warp per row (a block of 32: shuffles only, no shared memory)
+GPU_PER_THREAD = 4  # elements each thread of a row's block folds before the tree, at least (loads in flight)
+GPU_FULL_PER_THREAD = 16  # a full reduction's threads fold at least this many elements each before the tree ...
+GPU_MAX_BLOCKS = 1024  # ... over at most this many blocks (the last block folds their partials: 4 per thread at 256)
+
+
 def _gpu_opts(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[UOp], target: Target) -> list[Opt]:
+  if out_axes and (rows := _gpu_rows(st, out_axes, reduces, target)) is not None: return rows
   if out_axes:
     inner = out_axes[-1]
     size = axis_size(inner)
     loc = min(target.local_size, size) if size is not None else target.local_size
     return [Opt(OptOps.LOCAL, inner.arg[0], max(loc, 1))]
   if len(red_axes) == 1 and len(reduces) == 1 and (axis_size(red_axes[0]) or 1 << 20) >= 64:
-    return [Opt(OptOps.GROUP, red_axes[0].arg[0], target.local_size)]
+    r, g = red_axes[0], target.local_size
+    opts = [Opt(OptOps.GROUP, r.arg[0], g)]
+    # two stages: many blocks each fold a slice (the whole GPU, not one SM), the last to finish folds their partials
+    if (size := axis_size(r)) is not None and (nb := min(GPU_MAX_BLOCKS, size // (g * GPU_FULL_PER_THREAD))) >= 2:
+      opts.append(Opt(OptOps.BLOCKS, r.arg[0], nb))
+    return opts
   return []
+
+
+def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) -> list[Opt] | None:
+  """One block per row: the output axes the REDUCEs vary along (the rows: up to three) go to the grid, each REDUCE's axis
+  to the block's threads (GROUP) and one more output axis, which no REDUCE varies along, is shared by the same threads
+  (SPREAD: softmax's and layernorm's columns, which read the row's results from the tree). None where that does not fit:
+  a matmul (its own tiling), a REDUCE over several axes or over another REDUCE's axis, a reduce axis whose loads are
+  not contiguous (a column sum: one thread per output reads coalesced), rows shorter than a warp."""
+  if not reduces or matmul_rows(st) is not None or any(len(red.src) != 2 for red in reduces): return None
+  rows = {r for red in reduces for r in free_ranges(red)}
+  if not rows <= set(out_axes) or len(rows) > 3: return None
+  rest = [a for a in out_axes if a not in rows]
+  if len(rest) > 1: return None
+  sizes = []
+  for red in reduces:
+    r = red.src[1]
+    uses = [ld for ld in _loads(red.src[0]) if r in ld.src[0].toposort()]
+    if not uses or any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], r) != 1 for ld in uses): return None
+    sizes.append(axis_size(r))
+  grid = sorted(rows, key=lambda a: a.arg[0], reverse=True)
+  if any((axis_size(a) or 1 << 31) > target.max_grid[d] for d, a in enumerate(grid) if d > 0): return None
+  longest = None if None in sizes else max(s for s in sizes if s is not None)
+  if longest is not None and longest < GPU_MIN_GROUP_ROW: return None
+  g = GPU_WARP
+  while g < target.local_size and (longest is None or g * 2 * GPU_PER_THREAD <= longest): g *= 2
+  opts = [Opt(OptOps.GROUP, r.arg[0], g) for r in sorted({red.src[1] for red in reduces}, key=lambda a: a.arg[0])]
+  return opts + [Opt(OptOps.SPREAD, a.arg[0], g) for a in rest]

@@ -30,6 +30,8 @@ class Reductions:
     self.scratch: UOp | None = None  # a threaded reduction's partials
     self.active = ctx.vec  # the lanes values vary along where the reduce being emitted sits: the output's, or an enclosing REDUCE's
     self.keep: dict[UOp, tuple[UOp, UOp]] = {}  # KEEP: REDUCE -> (scratch pointer, its row's first index) it leaves body(r) in
+    self.last_block: UOp | None = None  # GPU BLOCKS: true in the block that finished last (it holds the grid's result)
+    self.group_scopes: list[Scope] = []  # GPU: the loops of GROUP reduce axes (a tree inside one would run per lane)
 
   # ---- expressions ----
   def hide(self, u: UOp) -> UOp:
@@ -118,12 +120,17 @@ class Reductions:
     for r in ranges:
       p = plans[r]
       if p.group:
+        if any(_inside(scope, s) for s in self.group_scopes):
+          raise CodegenError(f"GROUP on reduce axis {r.arg[0]}: its REDUCE runs inside another GROUP's loop (each lane its own "
+                             "element), where a block-wide tree cannot; GROUP one of the two")
         lid = self.grid.group_lane(p.group)
         end = substitute(r.src[0], rsubst)
-        trips = (end + (p.group - 1)) // p.group
+        step = p.group * max(p.blocks, 1)  # BLOCKS: block b takes the slices b, b + blocks, ... of g elements each
+        trips = (end + (step - 1)) // step
         inner = lin.open(inner, lv := ctx.count_loop(simp(trips)))
-        rsubst[r] = lv * p.group + lid
+        rsubst[r] = (lv * p.blocks + self.grid.grid_blocks(p.blocks)) * p.group + lid if p.blocks else lv * p.group + lid
         gate = rsubst[r] < end
+        self.group_scopes.append(inner)
       else:
         inner, rsubst[r] = ctx.open_axis(inner, r, rsubst)
       lscopes[r] = inner
@@ -145,6 +152,10 @@ class Reductions:
       # fold the lanes in a fixed order: a tree where it runs per output element (its cost counts), else lane by lane
       if red_vec: v = tree_fold(op, v) if per_row else seq_fold(op, v)
       res[c] = self.group_combine(scope, v, op, dt) if group else v
+      if (nb := next((plans[r].blocks for r in ranges if plans[r].blocks), 0)):
+        if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
+          raise CodegenError("BLOCKS cuts one full reduction per kernel (no output axes, no unrolled copies)")
+        res[c], self.last_block = self.grid_combine(res[c], op, dt, nb)
     if tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
       assert size is not None
       taccs = {c: UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id()) for c in copies}
@@ -217,20 +228,33 @@ class Reductions:
     return fin, out
 
   def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
-    """GPU: the block's threads leave partials in shared memory; thread 0 folds them in order."""
-    ctx, lin = self.ctx, self.ctx.lin
+    """GPU: the block's threads combine their partials in a fixed tree (render/cuda.py's kiln_block_* helpers: warp
+    shuffles, then one partial per warp through shared memory) and every thread gets the result. Lowered as a REDUCE of the
+    partial over the block, its source a shared array of one slot per warp; the renderer prints the helper call."""
     n = self.grid.block[0]
-    lid = self.grid.specials["lidx0"]
-    smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(n), (), f"red{ctx.acc_id()}")
-    lin.emit(scope, UOp(Ops.STORE, dtypes.void, (smem.index(lid), partial)))
-    lin.emit(scope, UOp(Ops.BARRIER, dtypes.void, (smem,)))
-    acc = UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id())
-    lin.emit(scope, acc)
-    inner = lin.open(scope, lv := ctx.count_loop(n))
-    cur = lin.acc_read(acc, ctx.acc_id())
-    lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, combine(op, cur, smem.index(lv).load()))))
-    lin.close(inner)
-    return lin.acc_read(acc, ctx.acc_id())
+    smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(max(1, n // 32)), (), f"red{self.ctx.acc_id()}")
+    return UOp(Ops.REDUCE, dt, (partial, smem, UOp.const(dtypes.index, n)), op)
+
+  def grid_combine(self, block_result: UOp, op: Ops, dt: DType, nblocks: int) -> tuple[UOp, UOp]:
+    """GPU BLOCKS, the second stage: each block leaves its result in a slot of a module-scope array and counts itself done
+    (an atomic); the block that counts last folds the slots in block order (thread t the slots t, t + n, ..., then the
+    block's tree), so the bits do not depend on which block finished last. Lowered as a REDUCE over the grid (sources:
+    the block's result, its shared slots, n, the array of nblocks slots); a REDUCE with arg "last" reads whether this
+    block is that one. One launch: the runtime needs no scratch buffer nor a second kernel (ProgramSpec has neither for
+    the GPU)."""
+    n = self.grid.block[0]
+    smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(max(1, n // 32)), (), f"red{self.ctx.acc_id()}")
+    slots = UOp(Ops.DEFINE_LOCAL, dt.ptr(nblocks), (), f"grid{self.ctx.acc_id()}")
+    total = UOp(Ops.REDUCE, dt, (block_result, smem, UOp.const(dtypes.index, n), slots), op)
+    return total, UOp(Ops.REDUCE, dtypes.bool, (total,), "last")
+
+
+def _inside(scope: Scope, outer: Scope) -> bool:
+  p: Scope | None = scope
+  while p is not None:
+    if p is outer: return True
+    p = p.parent
+  return False
 
 
 def seq_fold(op: Ops, v: UOp) -> UOp:

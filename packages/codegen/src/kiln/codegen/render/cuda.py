@@ -36,6 +36,7 @@ from kiln.codegen.render.base import (
   skip,
 )
 from kiln.codegen.spec import ProgramSpec
+from kiln.ir.analysis import identity
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
@@ -193,6 +194,7 @@ class CUDAPrinter(Printer):
     self.depth = 1
     names = {(u.dtype.base if isinstance(u.dtype, PtrDType) else u.dtype).name for u in lk.uops}
     self.uses_half, self.uses_bf16 = "float16" in names, "bfloat16" in names  # the CUDA headers only when used
+    self.last: dict[UOp, str] = {}  # a BLOCKS REDUCE -> its "this block folded the grid" flag
     self.written = {u.src[0].src[0] for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].op is Ops.DEFINE_GLOBAL}  # the rest are const
 
   def emit(self, s: str) -> None: self.lines.append("  " * self.depth + s)
@@ -235,6 +237,11 @@ class CUDAPrinter(Printer):
 
   def define_local(self, u: UOp) -> str:
     assert isinstance(u.dtype, PtrDType)
+    if str(u.arg).startswith("grid"):  # BLOCKS: one slot per block and the done count, in global memory for the module's life
+      name = f"kiln_{self.lk.name}_{u.arg}"
+      self.helpers[name] = (f"__device__ {ctype(u.dtype.base)} {name}[{u.dtype.size}];\n__device__ unsigned int {name}_done = 0u;\n"
+                            f"static const int {name}_n = {u.dtype.size};")
+      return name
     name = f"red{self.n}"
     self.n += 1
     self.emit(f"__shared__ {ctype(u.dtype.base)} {name}[{u.dtype.size}];")
@@ -348,6 +355,72 @@ class CUDAPrinter(Printer):
     return _FROM_BITS.get(dst.name, "({t})({bits})").format(bits=bits, t=ctype(dst))
 
 
+# ---- block reductions: a fixed tree, the same bits from run to run ----
+# A GROUP's partials (one per thread of a block of n, a power of two) are combined by kiln_block_<op>_<type>:
+#  1. in each warp (or the whole block when n <= 32) a butterfly of __shfl_xor_sync over offsets span/2, ..., 2, 1: lane i
+#     takes op(v_i, v_{i^o}) at each step, both lanes of a pair combine the same two values, so every lane ends with the
+#     same bits (a fixed tree over the lanes, whatever the scheduling);
+#  2. n > 32: lane 0 of warp w leaves it in smem[w], a barrier, then every warp reads smem[lane % nw] and does the same
+#     butterfly over offsets nw/2..1 (nw = n / 32 warps), so every thread of the block gets the result, and a last barrier
+#     lets the slots be written again (a reduction in a loop, the next one).
+# All threads of the block must call it, the same number of times (barriers, full-warp shuffles); the lowering emits it
+# where every thread runs (a gate on a block's row is the same for all its threads).
+_WARP = ("__device__ __forceinline__ {t} {warp}({t} v, unsigned mask, int span) {{\n"
+         "  for (int o = span >> 1; o > 0; o >>= 1) {{ {t} a = v, b = __shfl_xor_sync(mask, v, o); v = {comb}; }}\n  return v;\n}}")
+_BLOCK = ("__device__ __forceinline__ {t} {block}({t} v, {t}* smem, int n) {{\n"
+          "  v = {warp}(v, n >= 32 ? 0xffffffffu : (1u << n) - 1u, n < 32 ? n : 32);\n  if (n <= 32) return v;\n"
+          "  int nw = n >> 5;\n  if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;\n  __syncthreads();\n"
+          "  v = {warp}(smem[threadIdx.x & (nw - 1)], 0xffffffffu, nw);\n  __syncthreads();\n  return v;\n}}")
+_RED_NAME = {Ops.ADD: "sum", Ops.MAX: "max", Ops.MUL: "prod"}
+
+
+# BLOCKS: the grid's second stage in the same launch (the last-block-done pattern). Thread 0 of each block leaves the block's
+# result in parts[blockIdx.x], makes it visible to the whole GPU (__threadfence) and counts the block done; the block that
+# counts last (the same for all its threads: a shared flag behind a barrier) folds parts[t], parts[t + n], ... per thread in
+# order, then the block tree, and sets the count back to 0 for the next launch. The slots and the count are module-scope
+# __device__ variables: one launch of the kernel at a time (kiln launches a kernel's calls in order on one stream).
+_GRID = ("__device__ __forceinline__ {t} {grid}({t} v, {t}* smem, int n, {t}* parts, unsigned int* done, int nb, bool* last) {{\n"
+         "  __shared__ bool is_last;\n  if (threadIdx.x == 0) {{\n    parts[blockIdx.x] = v;\n    __threadfence();\n"
+         "    is_last = atomicAdd(done, 1u) == (unsigned int)nb - 1u;\n  }}\n  __syncthreads();\n  *last = is_last;\n"
+         "  if (!is_last) return v;\n  __threadfence();\n  {t} acc = {ident};\n"
+         "  for (int i = threadIdx.x; i < nb; i += n) {{ {t} a = acc, b = ((volatile {t}*)parts)[i]; acc = {comb}; }}\n"
+         "  acc = {block}(acc, smem, n);\n  if (threadIdx.x == 0) *done = 0u;\n  return acc;\n}}")
+
+
+def _combine_text(p: CUDAPrinter, op: Ops, dt: DType) -> str:
+  """op on registers named a and b, printed as the accumulators print it (16-bit floats rounded, integers wrapping)."""
+  a, b = (UOp(Ops.SPECIAL, dt, (), x) for x in ("a", "b"))
+  p.names[a], p.names[b] = "a", "b"
+  return p.alu(UOp(op, dt, (a, b)))
+
+
+def _red_helpers(p: CUDAPrinter, op: Ops, dt: DType, grid: bool) -> str:
+  """Declare kiln_warp_ and kiln_block_<op>_<type>, and kiln_grid_ when asked (once each); returns the one to call."""
+  name = f"{_RED_NAME.get(op, op.name.lower())}_{_sfx(dt)}"
+  warp, block, t = f"kiln_warp_{name}", f"kiln_block_{name}", ctype(dt)
+  comb = _combine_text(p, op, dt)
+  if block not in p.helpers:
+    p.helpers[warp] = _WARP.format(t=t, warp=warp, comb=comb)
+    p.helpers[block] = _BLOCK.format(t=t, block=block, warp=warp)
+  if not grid: return block
+  if (g := f"kiln_grid_{name}") not in p.helpers:
+    p.helpers[g] = _GRID.format(t=t, grid=g, block=block, comb=comb, ident=const_text(dt, identity(op, dt)))
+  return g
+
+
+def _block_reduce(p: CUDAPrinter, u: UOp) -> str:
+  """A REDUCE left by the lowering. src (partial, shared slots, n): the block's partials in the fixed tree above; plus the
+  grid's slots: the BLOCKS second stage; arg "last" (src: that stage's result): whether this block folded the grid."""
+  if u.arg == "last": return p.last[u.src[0]]
+  if len(u.src) == 3: return f"{_red_helpers(p, u.arg, u.dtype, False)}({p.val(u.src[0])}, {p.val(u.src[1])}, {p.val(u.src[2])})"
+  grid = _red_helpers(p, u.arg, u.dtype, True)
+  partial, smem, n, slots = u.src
+  flag = p.last[u] = f"last{p.n}"
+  p.n += 1
+  p.emit(f"bool {flag};")
+  return f"{grid}({p.val(partial)}, {p.val(smem)}, {p.val(n)}, {p.val(slots)}, &{p.val(slots)}_done, {p.val(slots)}_n, &{flag})"
+
+
 def _assigned(f: Callable[[CUDAPrinter, UOp], str], prefix: str = "v") -> Handler:
   """A handler that declares the value f prints as a new variable."""
   return lambda p, u: p.assign(u, f(p, u), prefix)
@@ -359,6 +432,7 @@ CUDAPrinter.OPS = {
   Ops.BARRIER: lambda p, u: p.emit("__syncthreads();"), Ops.BIND: lambda p, u: p.val(u.src[1]),  # a bound variable is its value
   Ops.RANGE: CUDAPrinter.range, Ops.IF: CUDAPrinter.if_, Ops.ENDRANGE: CUDAPrinter.close, Ops.ENDIF: CUDAPrinter.close,
   Ops.DEFINE_ACC: _assigned(lambda p, u: p.val(u.src[0]), "acc"), Ops.ACC_STORE: lambda p, u: p.emit(f"{p.val(u.src[0])} = {p.val(u.src[1])};"),
+  Ops.REDUCE: _assigned(_block_reduce),
   Ops.INDEX: lambda p, u: f"{p.val(u.src[0])}[{p.val(u.src[1])}]", Ops.LOAD: CUDAPrinter.load, Ops.STORE: CUDAPrinter.store,
   Ops.CAST: _assigned(CUDAPrinter.cast), Ops.BITCAST: _assigned(CUDAPrinter.bitcast), **dict.fromkeys(GroupOp.ALU, _assigned(CUDAPrinter.alu)),
   # fused, one rounding (the lowering makes it for float32/float64 sums of products only)

@@ -83,7 +83,8 @@ class EmulatedKernel:
     self._fn = self.lib.kiln_emu_launch
     self._fn.argtypes = [ctypes.POINTER(ctypes.c_int64), *[ctypes.c_int] * 9]
     self._fn.restype = ctypes.c_int
-    self.concurrent = "__syncthreads" in src  # without a barrier a block's threads cannot wait for each other: run them in turn
+    # without a barrier (a shuffle is one here: include/kiln_cuda_warp.h) a block's threads cannot wait for each other: run them in turn
+    self.concurrent = "__syncthreads" in src or "__shfl_" in src
 
   def __call__(self, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
                local_size: Sequence[int] | None = (1, 1, 1), workers: int | None = None) -> float:

@@ -199,3 +199,4 @@ static inline double rsqrt(double a) { return 1.0 / sqrt(a); }
 static inline int __mul24(int a, int b) { return (int)(((long long)(a << 8 >> 8)) * (b << 8 >> 8)); }
 static inline int __mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
 static inline unsigned int __umulhi(unsigned int a, unsigned int b) { return (unsigned int)(((unsigned long long)a * b) >> 32); }
+#include "kiln_cuda_warp.h"
