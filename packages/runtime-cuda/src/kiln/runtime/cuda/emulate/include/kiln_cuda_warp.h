@@ -15,7 +15,7 @@ static thread_local ShflSlot shfl_slots[1024];  // one block per host thread at 
 #endif
 static inline int flat_tid() { return (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)); }
 // lane `src` of this thread's warp (within segments of `width` lanes), as CUDA defines it for each shuffle
-template <typename T> static inline T shfl(unsigned mask, T v, int src, int width) {
+template <typename T> static inline T shfl_exchange(unsigned mask, T v, int src, int width) {
   static_assert(sizeof(T) <= sizeof(ShflSlot));
   int t = flat_tid(), lane = t & 31, seg = lane & ~(width - 1);
   if (!((mask >> lane) & 1u)) std::abort();  // a thread outside its own mask
@@ -30,20 +30,20 @@ template <typename T> static inline T shfl(unsigned mask, T v, int src, int widt
 }
 }  // namespace kiln_emu
 
-template <typename T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) { return kiln_emu::shfl(mask, v, src, width); }
+template <typename T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) { return kiln_emu::shfl_exchange(mask, v, src, width); }
 template <typename T> static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   int lane = kiln_emu::flat_tid() & 31;
   int src = lane ^ lane_mask;
   // a later segment is out of reach: CUDA returns the thread's own value
-  return kiln_emu::shfl(mask, v, (src & ~(width - 1)) > (lane & ~(width - 1)) ? lane : src, width);
+  return kiln_emu::shfl_exchange(mask, v, (src & ~(width - 1)) > (lane & ~(width - 1)) ? lane : src, width);
 }
 template <typename T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   int lane = kiln_emu::flat_tid() & 31, src = lane + (int)delta;
-  return kiln_emu::shfl(mask, v, (src & ~(width - 1)) != (lane & ~(width - 1)) ? lane : src, width);  // past the segment: own value
+  return kiln_emu::shfl_exchange(mask, v, (src & ~(width - 1)) != (lane & ~(width - 1)) ? lane : src, width);  // past the segment: own value
 }
 template <typename T> static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   int lane = kiln_emu::flat_tid() & 31, src = lane - (int)delta;
-  return kiln_emu::shfl(mask, v, src < (lane & ~(width - 1)) ? lane : src, width);
+  return kiln_emu::shfl_exchange(mask, v, src < (lane & ~(width - 1)) ? lane : src, width);
 }
 
 // ---- atomics on global memory (the grid stage's done count): host atomics, sequentially consistent ----
