@@ -494,8 +494,8 @@ def matmul_rows(st: UOp) -> UOp | None:
 
 # GPU reductions: how the heuristic cuts them (render/cuda.py's kiln_block_* combine a block's partials)
 GPU_MIN_GROUP_ROW = 32  # a row shorter than a warp keeps one thread per output (LOCAL): a tree would idle most lanes
-GPU_WARP = 32  # rows up to 4 warps long get one warp per row (a block of 32: shuffles only, no shared memory)
-GPU_PER_THREAD = 4  # elements each thread of a row's block folds before the tree, at least (loads in flight)
+GPU_WARP = 32  # the smallest row block: one warp (shuffles only, no shared memory), for rows under 2 * 32 * GPU_PER_THREAD
+GPU_PER_THREAD = 4  # a row's block doubles while each thread still folds at least this many elements before the tree
 GPU_FULL_PER_THREAD = 16  # a full reduction's threads fold at least this many elements each before the tree ...
 GPU_MAX_BLOCKS = 1024  # ... over at most this many blocks (the last block folds their partials: 4 per thread at 256)
 

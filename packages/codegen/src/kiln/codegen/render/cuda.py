@@ -8,7 +8,8 @@ half and __nv_bfloat16. kiln's defined edges are small __device__ helpers in a p
 shift amounts modulo the bit width, saturating float->int casts with NaN -> 0, IEEE maximum (NaN propagates, +0 > -0), and
 signed arithmetic done in unsigned so it wraps instead of being undefined. Float multiplies go through __fmul_rn/__dmul_rn so
 nvcc never contracts a*b+c into an FMA: results match the reference evaluator bit for bit except transcendental functions
-(CUDA's exp2f/log2f/sinf are within 2 ulp, erff 2, tanhf 2) and group reductions (partial sums per thread, folded in thread order).
+(CUDA's exp2f/log2f/sinf are within 2 ulp, erff 2, tanhf 2) and group reductions (a partial per thread, combined in a fixed tree of
+warp shuffles and shared memory: the kiln_warp_/kiln_block_/kiln_grid_ helpers below; docs/architecture.md, "GPU programs").
 """
 from __future__ import annotations
 

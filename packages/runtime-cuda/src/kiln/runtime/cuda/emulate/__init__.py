@@ -6,7 +6,10 @@ run over a grid on numpy arrays. Every CUDA thread of a block that uses __syncth
 shared memory behave: mode "fibers" (the default on x86-64: the block's threads are switched at each __syncthreads on one host
 thread, blocks spread over host threads, fast) or mode "threads" (one OS thread per CUDA thread, a real barrier, blocks in
 turn: slower, but real concurrency inside a block, so it can expose a missing __syncthreads differently). Kernels without
-__syncthreads run each block's threads one after another on a pool of host threads. Built libraries are cached by source hash
+__syncthreads run each block's threads one after another on a pool of host threads. Warp shuffles (include/kiln_cuda_warp.h) are
+a collective of the whole block over the same barrier, so every thread of the block must call them alike, as kiln's reduction
+helpers do; atomicAdd is a host atomic, and __device__ variables are process globals (one launch of a kernel at a time).
+Built libraries are cached by source hash
 in KILN_CACHE_DIR/cuda-emu as authenticated entries (kiln.codegen.diskcache: a forged or foreign library is never loaded).
 
 It checks what a kernel computes, not how a GPU schedules it: warps, memory coalescing, FMA contraction (nvcc fuses a*b+c by
