@@ -212,6 +212,17 @@ def test_integer_reductions_exact(dt):
       assert np.array_equal(got[0], want[0]), (op, shape)
 
 
+def test_bool_reductions():
+  # bool ADD is OR and MAX is OR too: a row with one True somewhere, a row with none, a full reduction over both
+  x = np.zeros((3, 4000), np.bool_)
+  x[0, 3999] = x[2, 1] = True
+  for op in (Ops.ADD, Ops.MAX):
+    for shape, axes, n_out in (((3, 4000), 1, 3), ((12000,), 0, 1)):
+      spec, got, want = run(kernels.reduce(op, shape, dtypes.bool, axes=axes), [np.zeros(n_out, np.bool_), x.ravel()])
+      assert any(o.startswith("GROUP") for o in spec.applied_opts) and np.array_equal(got[0], want[0])
+  assert list(want[0]) == [True]
+
+
 def test_float16_sums():
   # the reference adds in order, rounding to half every step: past 1024 each add of a value under 1 loses most of it. The tree
   # rounds as often (kiln_rh after each op) but adds values of like size, so it lands nearer the true sum than the reference

@@ -8,9 +8,9 @@ thread, blocks spread over host threads, fast) or mode "threads" (one OS thread 
 turn: slower, but real concurrency inside a block, so it can expose a missing __syncthreads differently). Kernels without
 __syncthreads run each block's threads one after another on a pool of host threads. Warp shuffles (include/kiln_cuda_warp.h) are
 a collective of the whole block over the same barrier, so every thread of the block must call them alike, as kiln's reduction
-helpers do; atomicAdd is a host atomic, and __device__ variables are process globals (one launch of a kernel at a time).
-Built libraries are cached by source hash
-in KILN_CACHE_DIR/cuda-emu as authenticated entries (kiln.codegen.diskcache: a forged or foreign library is never loaded).
+helpers do; atomicAdd is a host atomic, and __device__ variables are process globals (one launch of a kernel at a time). Built
+libraries are cached by source hash in KILN_CACHE_DIR/cuda-emu as authenticated entries (kiln.codegen.diskcache: a forged or
+foreign library is never loaded).
 
 It checks what a kernel computes, not how a GPU schedules it: warps, memory coalescing, FMA contraction (nvcc fuses a*b+c by
 default, the emulator does not) and out-of-bounds accesses (a crash here, not an error) are outside what it shows.
