@@ -331,3 +331,16 @@ def test_batchnorm_folds_into_conv() -> None:
   nodes_ = {n for k in km.compiled.kernels for n in k.node.toposort()}
   scales = [n for n in nodes_ if n.op == "ALU" and n.arg is Ops.MUL and len(n.shape) == 4]  # the products' multiplies are 5-d
   assert len(scales) == 1 and scales[0].shape == (2, 8, 5, 5), scales  # only the second batch norm's scale is left
+
+
+def test_global_average_pool_reads_its_maps_as_vectors() -> None:
+  """A global average pool over NCHW maps sums each map along its contiguous run (the graph's sums may take another
+  order: its kernel vectorises the reduce axis, not the channels, whose loads would be a gather), within float tolerance."""
+  from kiln.ir.ops import AxisType, Ops
+  x = f32(4, 32, 8, 8)
+  km = check(model([N("GlobalAveragePool", ["x"], ["y"])], {"x": x}, {"y": np.float32}), {"x": x}, 1e-5, kernels=1)
+  np.testing.assert_allclose(km.run({"x": x})["y"], x.astype(np.float64).mean((2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+  k = km.plan.kernels[0]
+  reduce_axes = {u.arg[0] for u in k.ast.toposort() if u.op is Ops.RANGE and u.arg[1] is AxisType.REDUCE}
+  upcast = [o for o in k.kernel.compiled.applied_opts if o.startswith("UPCAST")]
+  assert len(reduce_axes) == 1 and upcast == [f"UPCAST(axis={next(iter(reduce_axes))}, 64)"], (reduce_axes, upcast)

@@ -35,6 +35,7 @@ from kiln.graph.lazy import GraphError, Node, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
 from kiln.ir.dtype import dtypes
+from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -265,6 +266,22 @@ def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input]) -> dict[str,
   return found
 
 
+def _reassociated_opts(ast: UOp, device: str) -> list | None:
+  """A graph's sums have no order of their own, so its kernels may take the optimiser's choices for reductions summed in
+  another order (heuristic_opts(reassociate=True): a global pool vectorised along its maps, not gathered across its
+  channels); None where that changes nothing, and the plan picks them as for any kernel (and KILN_TUNE may tune them)."""
+  if not device.startswith("CPU"): return None
+  from kiln.codegen.opt import Target, heuristic_opts
+  from kiln.codegen.prepare import prepare
+  from kiln.codegen.registry import get_runtime
+  target = getattr(get_runtime(device).renderer, "target", None)  # what the renderer's lowering picks its options for
+  if not isinstance(target, Target): return None
+  try: prepared = prepare(ast)[0]
+  except IRError: return None  # the plan's build reports it, as for any kernel
+  opts = heuristic_opts(prepared, target, reassociate=True)
+  return opts if opts != heuristic_opts(prepared, target) else None
+
+
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True) -> Compiled:
   from kiln.executor import Buffer, ExecutionPlanBuilder
   device = str(DeviceSpec.parse(device))
@@ -292,7 +309,7 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
       if (prev := inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
       inputs[n.arg.name] = _Input(n.arg.name, bufs[n], n.shape, n.dtype.np)
     return bufs[n]
-  for k in kernels: pb.add_kernel(k.ast, [buf_of(s) for s in k.slots])
+  for k in kernels: pb.add_kernel(k.ast, [buf_of(s) for s in k.slots], opts=_reassociated_opts(k.ast, device))
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
   variables_ = _variables(toposort(uniq), inputs)
   plan = pb.build()
