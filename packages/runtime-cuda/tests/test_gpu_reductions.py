@@ -167,6 +167,34 @@ def test_full_reduction_runs_again():
     assert out[0] == n * (k + 1)
 
 
+def test_few_long_rows_are_cut_over_blocks_per_row():
+  # 3 rows of 10^6: 244 blocks per row on the grid's x, the rows on y; each row its own slots and done count
+  rows, n = 3, 10**6
+  x = np.random.default_rng(9).standard_normal((rows, n)).astype(np.float32)
+  spec, got, want = run(kernels.reduce_sum((rows, n), dtypes.float32, axes=1), [np.zeros(rows, np.float32), x.ravel()])
+  assert spec.applied_opts == ["GROUP(axis=1, 256)", "BLOCKS(axis=1, 244)"] and spec.global_size == (244, rows, 1)
+  assert_sums_close(dtypes.float32, got[0], want[0], np.abs(x).sum(1), 1e-6)
+  # explicit options: 2 x 3 rows on y and z, 5 blocks each
+  x6 = np.random.default_rng(10).integers(-1000, 1000, (2, 3, 7000)).astype(np.int32)
+  ast = kernels.reduce_sum((2, 3, 7000), dtypes.int32, axes=2)
+  spec, got, want = run(ast, [np.zeros(6, np.int32), x6.ravel()], opts=[Opt(OptOps.GROUP, 2, 128), Opt(OptOps.BLOCKS, 2, 5)])
+  assert spec.global_size == (5, 3, 2) and np.array_equal(got[0], want[0])
+
+
+def test_full_variance_two_trees_in_one_block():
+  # the mean and the sum of squares about it: two GROUPs of one block (BLOCKS takes one REDUCE only)
+  n = 100000
+  x = np.random.default_rng(11).standard_normal(n).astype(np.float32) + 3
+  bx = kernels.buffer(1, dtypes.float32, (n,))
+  r1, r2 = UOp.range(n, 0, AxisType.REDUCE), UOp.range(n, 1, AxisType.REDUCE)
+  mean = bx.index(r1).load().reduce(Ops.ADD, r1) * (1.0 / n)
+  d = bx.index(r2).load() - mean
+  ast = UOp.sink(kernels.buffer(0, dtypes.float32, (1,)).index(0).store((d * d).reduce(Ops.ADD, r2) * (1.0 / n)), name="variance")
+  spec, got, want = run(ast, [np.zeros(1, np.float32), x])
+  assert spec.applied_opts == ["GROUP(axis=0, 256)", "GROUP(axis=1, 256)"]
+  assert abs(got[0][0] - x.astype(np.float64).var()) <= 1e-5 and abs(got[0][0] - want[0][0]) <= 1e-4
+
+
 @pytest.mark.parametrize("n", [1, 63, 64, 5000])
 def test_small_full_sums(n):
   x = np.arange(n, dtype=np.float32)
@@ -258,8 +286,10 @@ def test_option_checks():
   with pytest.raises(CodegenError, match="varies along SPREAD"):  # a matmul's k tree would run inside its columns' gate
     r.render(kernels.matmul(8, 100, 64), [Opt(OptOps.GROUP, 2, 64), Opt(OptOps.SPREAD, 1, 64)])
   with pytest.raises(CodegenError, match="BLOCKS"): r.render(kernels.reduce_sum((4096,), dtypes.float32), [Opt(OptOps.BLOCKS, 0, 4)])
-  with pytest.raises(CodegenError, match="one full reduction"):
-    r.render(kernels.reduce_sum((8, 4096), dtypes.float32, axes=1), [Opt(OptOps.GROUP, 1, 64), Opt(OptOps.BLOCKS, 1, 4)])
+  with pytest.raises(CodegenError, match="BLOCKS cannot be combined with SPREAD"):
+    r.render(sm, [Opt(OptOps.GROUP, 2, 64), Opt(OptOps.GROUP, 3, 64), Opt(OptOps.SPREAD, 1, 64), Opt(OptOps.BLOCKS, 3, 2)])
+  with pytest.raises(CodegenError, match="GROUP needs every output axis on the grid"):  # rows on y and z: constant sizes only
+    r.render(kernels.reduce_sum((UOp.variable("m", 1, 8), 4096), dtypes.float32, axes=1), [Opt(OptOps.GROUP, 1, 64), Opt(OptOps.BLOCKS, 1, 4)])
 
 
 # ---- the emulator's shuffles ----

@@ -33,14 +33,16 @@ class GpuGrid:
     return self.special("lidx0", n)
 
   def grid_blocks(self, n: int) -> UOp:
-    """BLOCKS: n blocks share a full reduction (it has no output axes, so the grid's x is free); returns this block's index."""
+    """BLOCKS: n blocks share each row's reduction along the grid's x (the rows, if any, are on y and z); returns this
+    block's index among them."""
     self.grid[0] = n
     return self.special("gidx0", n)
 
   def axes(self, out: list[UOp], subst: dict[UOp, UOp]) -> list[tuple[int, UOp, UOp, UOp]]:
     """(dim, range, end, blocks) for the output axes that go to the grid: up to three, innermost first."""
     res: list[tuple[int, UOp, UOp, UOp]] = []
-    for dim, r in enumerate(reversed(out[-3:])):
+    first = 1 if any(p.blocks for p in self.ctx.plans.values()) else 0  # BLOCKS: the grid's x holds a row's slices
+    for dim, r in enumerate(reversed(out[-(3 - first):]), start=first):
       size = axis_size(r)
       if dim > 0 and (size is None or size > self.ctx.target.max_grid[dim]): break
       end, p = substitute(r.src[0], subst), self.ctx.plans[r]

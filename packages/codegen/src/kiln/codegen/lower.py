@@ -162,8 +162,6 @@ class Lowerer:
       raise CodegenError("a THREAD split needs a kernel whose stores share one loop nest")
     if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
       raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
-    if any(p.blocks for p in ctx.plans.values()) and any(axes for axes in groups):  # the grid's x is the blocks' slices
-      raise CodegenError("BLOCKS cuts one full reduction per kernel (no output axes); a row reduction takes a block per row")
     if ctx.gpu and len(groups) > 1: self.grid.share(groups)  # GPU: size the shared grid for the largest store group
     for axes, sts in groups.items(): self.lower_group(sts, list(axes))
     if unused := sorted(p.rng.arg[0] for p in ctx.plans.values() if p.keep and not any(r.src[1] is p.rng for r in self.red.keep)):

@@ -269,6 +269,8 @@ def _check_gpu_block(plans: dict[UOp, AxisPlan]) -> None:
       raise CodegenError(f"SPREAD(axis={p.rng.arg[0]}, {p.spread}) needs a GROUP of the same amount (the block's threads)")
     if p.blocks and not p.group: raise CodegenError(f"BLOCKS(axis={p.rng.arg[0]}, {p.blocks}) needs a GROUP on the same axis")
   if sum(p.blocks > 0 for p in plans.values()) > 1: raise CodegenError("only one reduce axis can be cut over BLOCKS")
+  # only the last block holds a BLOCKS result, and only its thread 0 stores: a SPREAD's stores are every thread's
+  if any(p.blocks for p in plans.values()) and any(p.spread for p in plans.values()): raise CodegenError("BLOCKS cannot be combined with SPREAD")
 
 
 def _loads(u: UOp) -> list[UOp]: return [x for x in u.toposort() if x.op is Ops.LOAD and x.src[0].op is Ops.INDEX]
@@ -507,14 +509,16 @@ def _gpu_opts(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: list[U
     size = axis_size(inner)
     loc = min(target.local_size, size) if size is not None else target.local_size
     return [Opt(OptOps.LOCAL, inner.arg[0], max(loc, 1))]
-  if len(red_axes) == 1 and len(reduces) == 1 and (axis_size(red_axes[0]) or 1 << 20) >= 64:
-    r, g = red_axes[0], target.local_size
-    opts = [Opt(OptOps.GROUP, r.arg[0], g)]
-    # two stages: many blocks each fold a slice (the whole GPU, not one SM), the last to finish folds their partials
-    if (size := axis_size(r)) is not None and (nb := min(GPU_MAX_BLOCKS, size // (g * GPU_FULL_PER_THREAD))) >= 2:
-      opts.append(Opt(OptOps.BLOCKS, r.arg[0], nb))
-    return opts
-  return []
+  # a full reduction: the block's threads share each REDUCE's axis (a full variance's mean and sum of squares: two trees,
+  # one block); REDUCEs over several axes, or nested along another's axis, keep their loops
+  if not reduces or any(len(red.src) != 2 or free_ranges(red) for red in reduces) or len(red_axes) != len(reduces): return []
+  if max(axis_size(r) or 1 << 20 for r in red_axes) < 64: return []
+  g = target.local_size
+  opts = [Opt(OptOps.GROUP, r.arg[0], g) for r in red_axes]
+  # two stages: many blocks each fold a slice (the whole GPU, not one SM), the last to finish folds their partials
+  if len(reduces) == 1 and (size := axis_size(red_axes[0])) is not None and (nb := min(GPU_MAX_BLOCKS, size // (g * GPU_FULL_PER_THREAD))) >= 2:
+    opts.append(Opt(OptOps.BLOCKS, red_axes[0].arg[0], nb))
+  return opts
 
 
 def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) -> list[Opt] | None:
@@ -538,7 +542,23 @@ def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) 
   if any((axis_size(a) or 1 << 31) > target.max_grid[d] for d, a in enumerate(grid) if d > 0): return None
   longest = None if None in sizes else max(s for s in sizes if s is not None)
   if longest is not None and longest < GPU_MIN_GROUP_ROW: return None
+  if (few := _few_long_rows(rows, rest, reduces, longest, target)) is not None: return few
   g = GPU_WARP
   while g < target.local_size and (longest is None or g * 2 * GPU_PER_THREAD <= longest): g *= 2
   opts = [Opt(OptOps.GROUP, r.arg[0], g) for r in sorted({red.src[1] for red in reduces}, key=lambda a: a.arg[0])]
   return opts + [Opt(OptOps.SPREAD, a.arg[0], g) for a in rest]
+
+
+GPU_FEW_ROWS = 32  # this many rows or fewer, each long enough for two blocks, are cut over blocks too (BLOCKS per row)
+
+
+def _few_long_rows(rows: set[UOp], rest: list[UOp], reduces: list[UOp], longest: int | None, target: Target) -> list[Opt] | None:
+  """A tiny output axis over long rows (2 rows of 10^6): a block per row would leave most of the GPU idle, so each row is
+  cut over blocks as a full reduction is, the rows on the grid's y and z (one REDUCE, at most two row axes, no SPREAD)."""
+  if len(reduces) != 1 or rest or len(rows) > 2 or longest is None: return None
+  n = 1
+  for a in rows: n *= axis_size(a) or GPU_FEW_ROWS + 1
+  g = target.local_size
+  if n > GPU_FEW_ROWS or (nb := min(GPU_MAX_BLOCKS // n, longest // (g * GPU_FULL_PER_THREAD))) < 2: return None
+  r = reduces[0].src[1]
+  return [Opt(OptOps.GROUP, r.arg[0], g), Opt(OptOps.BLOCKS, r.arg[0], nb)]

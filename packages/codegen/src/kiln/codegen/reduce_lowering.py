@@ -154,7 +154,7 @@ class Reductions:
       res[c] = self.group_combine(scope, v, op, dt) if group else v
       if (nb := next((plans[r].blocks for r in ranges if plans[r].blocks), 0)):
         if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
-          raise CodegenError("BLOCKS cuts one full reduction per kernel (no output axes, no unrolled copies)")
+          raise CodegenError("BLOCKS cuts one reduction per kernel, outside any other (no unrolled copies)")
         res[c], self.last_block = self.grid_combine(res[c], op, dt, nb)
     if tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
       assert size is not None
@@ -238,14 +238,18 @@ class Reductions:
   def grid_combine(self, block_result: UOp, op: Ops, dt: DType, nblocks: int) -> tuple[UOp, UOp]:
     """GPU BLOCKS, the second stage: each block leaves its result in a slot of a module-scope array and counts itself done
     (an atomic); the block that counts last folds the slots in block order (thread t the slots t, t + n, ..., then the
-    block's tree), so the bits do not depend on which block finished last. Lowered as a REDUCE over the grid (sources:
-    the block's result, its shared slots, n, the array of nblocks slots); a REDUCE with arg "last" reads whether this
-    block is that one. One launch: the runtime needs no scratch buffer nor a second kernel (ProgramSpec has neither for
+    block's tree), so the bits do not depend on which block finished last. With rows (a tiny output axis on the grid's
+    y and z) each row has its own slots and count. Lowered as a REDUCE over the grid (sources: the block's result, its
+    shared slots, n, the slot array, the done counts, nblocks); a REDUCE with arg "last" reads whether this block is that
+    one. One launch: the runtime needs no scratch buffer nor a second kernel (ProgramSpec has neither for
     the GPU)."""
-    n = self.grid.block[0]
+    n, (gy, gz) = self.grid.block[0], self.grid.grid[1:]
+    assert isinstance(gy, int) and isinstance(gz, int), "the grid's y and z take constant sizes only (GpuGrid.axes)"
     smem = UOp(Ops.DEFINE_LOCAL, dt.ptr(max(1, n // 32)), (), f"red{self.ctx.acc_id()}")
-    slots = UOp(Ops.DEFINE_LOCAL, dt.ptr(nblocks), (), f"grid{self.ctx.acc_id()}")
-    total = UOp(Ops.REDUCE, dt, (block_result, smem, UOp.const(dtypes.index, n), slots), op)
+    k = self.ctx.acc_id()
+    slots = UOp(Ops.DEFINE_LOCAL, dt.ptr(nblocks * gy * gz), (), f"grid{k}")  # row-major: a row's nblocks slots
+    done = UOp(Ops.DEFINE_LOCAL, dtypes.uint32.ptr(gy * gz), (), f"grid{k}_done")
+    total = UOp(Ops.REDUCE, dt, (block_result, smem, UOp.const(dtypes.index, n), slots, done, UOp.const(dtypes.index, nblocks)), op)
     return total, UOp(Ops.REDUCE, dtypes.bool, (total,), "last")
 
 

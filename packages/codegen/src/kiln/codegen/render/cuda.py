@@ -238,10 +238,9 @@ class CUDAPrinter(Printer):
 
   def define_local(self, u: UOp) -> str:
     assert isinstance(u.dtype, PtrDType)
-    if str(u.arg).startswith("grid"):  # BLOCKS: one slot per block and the done count, in global memory for the module's life
+    if str(u.arg).startswith("grid"):  # BLOCKS: a slot per block, a done count per row, in global memory for the module's life
       name = f"kiln_{self.lk.name}_{u.arg}"
-      self.helpers[name] = (f"__device__ {ctype(u.dtype.base)} {name}[{u.dtype.size}];\n__device__ unsigned int {name}_done = 0u;\n"
-                            f"static const int {name}_n = {u.dtype.size};")
+      self.helpers[name] = f"__device__ {ctype(u.dtype.base)} {name}[{u.dtype.size}] = {{0}};"
       return name
     name = f"red{self.n}"
     self.n += 1
@@ -381,7 +380,8 @@ _RED_NAME = {Ops.ADD: "sum", Ops.MAX: "max", Ops.MUL: "prod"}
 # order, then the block tree, and sets the count back to 0 for the next launch. The slots and the count are module-scope
 # __device__ variables: one launch of the kernel at a time (kiln launches a kernel's calls in order on one stream).
 _GRID = ("__device__ __forceinline__ {t} {grid}({t} v, {t}* smem, int n, {t}* parts, unsigned int* done, int nb, bool* last) {{\n"
-         "  __shared__ bool is_last;\n  if (threadIdx.x == 0) {{\n    parts[blockIdx.x] = v;\n    __threadfence();\n"
+         "  __shared__ bool is_last;\n  unsigned int row = blockIdx.y + gridDim.y * blockIdx.z;\n  parts += row * nb;\n  done += row;\n"
+         "  if (threadIdx.x == 0) {{\n    parts[blockIdx.x] = v;\n    __threadfence();\n"
          "    is_last = atomicAdd(done, 1u) == (unsigned int)nb - 1u;\n  }}\n  __syncthreads();\n  *last = is_last;\n"
          "  if (!is_last) return v;\n  __threadfence();\n  {t} acc = {ident};\n"
          "  for (int i = threadIdx.x; i < nb; i += n) {{ {t} a = acc, b = ((volatile {t}*)parts)[i]; acc = {comb}; }}\n"
@@ -415,11 +415,11 @@ def _block_reduce(p: CUDAPrinter, u: UOp) -> str:
   if u.arg == "last": return p.last[u.src[0]]
   if len(u.src) == 3: return f"{_red_helpers(p, u.arg, u.dtype, False)}({p.val(u.src[0])}, {p.val(u.src[1])}, {p.val(u.src[2])})"
   grid = _red_helpers(p, u.arg, u.dtype, True)
-  partial, smem, n, slots = u.src
+  partial, smem, n, slots, done, nb = u.src
   flag = p.last[u] = f"last{p.n}"
   p.n += 1
   p.emit(f"bool {flag};")
-  return f"{grid}({p.val(partial)}, {p.val(smem)}, {p.val(n)}, {p.val(slots)}, &{p.val(slots)}_done, {p.val(slots)}_n, &{flag})"
+  return f"{grid}({p.val(partial)}, {p.val(smem)}, {p.val(n)}, {p.val(slots)}, {p.val(done)}, {p.val(nb)}, &{flag})"
 
 
 def _assigned(f: Callable[[CUDAPrinter, UOp], str], prefix: str = "v") -> Handler:
