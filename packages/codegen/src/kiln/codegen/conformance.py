@@ -178,6 +178,13 @@ def structured_cases() -> list[Case]:
     if dt.name in ("int32", "bfloat16"):
       out.append(_reduce_case(f"sum_{dt.name}_full", kernels.reduce_sum((300,), dt), rng, tol=3e-2 if dt.is_float else None))
   out.append(_reduce_case("sum_rows_group", kernels.reduce_sum((7, 300), f32, 1), rng, opts=[Opt(OptOps.GROUP, 1, 64)], tol=1e-5))
+  # the GPU's cuts (opt._gpu_opts): a full reduction over several blocks (BLOCKS: the last block folds their partials), a few
+  # long rows each over several blocks, rows of a block each with the columns shared by its threads (SPREAD)
+  for f in (kernels.reduce_sum, kernels.reduce_max):
+    out.append(_reduce_case(f"{f.__name__}_full_blocks", f((20000,), f32), rng, lo=0.5, hi=1.5, tol=None if f is kernels.reduce_max else 1e-4))
+  out.append(_reduce_case("sum_int32_full_blocks", kernels.reduce_sum((20000,), dtypes.int32), rng))
+  out.append(_reduce_case("sum_rows_blocks", kernels.reduce_sum((3, 20000), f32, 1), rng, lo=0.5, hi=1.5, tol=1e-4))
+  out.append(_reduce_case("softmax_rows_1024", kernels.softmax((4, 1024), f32), rng, tol=1e-5))
   out.append(_reduce_case("sum_rows_local", kernels.reduce_sum((300, 7), f32, 1), rng))
   out.append(_reduce_case("matmul", kernels.matmul(33, 17, 29), rng))
   out.append(_reduce_case("matmul_batched", kernels.matmul(5, 7, 9, batch=(3,)), rng))
