@@ -128,6 +128,28 @@ def test_layernorm_like_rows():
   assert np.allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["rows", "cols", "both", "full"])
+def test_symbolic_sizes(case):
+  # a symbolic row count (the grid's x), row length (the trees' loops and SPREAD's, gated) or both; a symbolic full max stays
+  # one block (BLOCKS needs a constant size)
+  n, m = UOp.variable("n", 1, 4096), UOp.variable("m", 1, 5000)
+  ast, vals, shape = {"rows": (kernels.softmax((n, 1000), dtypes.float32), {"n": 5}, (5, 1000)),
+                      "cols": (kernels.softmax((7, m), dtypes.float32), {"m": 333}, (7, 333)),
+                      "both": (kernels.reduce_sum((n, m), dtypes.float32, axes=1), {"n": 3, "m": 3001}, (3, 3001)),
+                      "full": (kernels.reduce_max((m,), dtypes.float32), {"m": 4999}, (4999,))}[case]
+  spec = CUDARenderer().render(ast)
+  assert any(o.startswith("GROUP") for o in spec.applied_opts) and not any(o.startswith("BLOCKS") for o in spec.applied_opts)
+  x = np.random.default_rng(12).standard_normal(shape).astype(np.float32).ravel()
+  out = np.zeros(x.size if case in ("rows", "cols") else shape[0] if case == "both" else 1, np.float32)
+  want = [out.copy(), x.copy()]
+  evaluate(ast, want, vals)
+  got = [out.copy(), x.copy()]
+  prog = emulate.EmulatedProgram(spec)
+  v = [vals[k] for k in spec.var_names]
+  prog.kernel(got, v, *prog.sizes(v))
+  assert np.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
 # ---- full reductions: two stages across blocks ----
 
 def test_full_sum_of_a_million_in_two_stages():
