@@ -308,6 +308,9 @@ def test_option_checks():
   with pytest.raises(CodegenError, match="varies along SPREAD"):  # a matmul's k tree would run inside its columns' gate
     r.render(kernels.matmul(8, 100, 64), [Opt(OptOps.GROUP, 2, 64), Opt(OptOps.SPREAD, 1, 64)])
   with pytest.raises(CodegenError, match="BLOCKS"): r.render(kernels.reduce_sum((4096,), dtypes.float32), [Opt(OptOps.BLOCKS, 0, 4)])
+  two = UOp.sink(*(kernels.reduce_sum((8192,), dtypes.float32).src[0].replace(src=(kernels.buffer(k, dtypes.float32, (1,)).index(0),
+                  kernels.reduce_sum((8192,), dtypes.float32).src[0].src[1])) for k in (0, 2)), name="two")
+  with pytest.raises(CodegenError, match="one store"): r.render(two, [Opt(OptOps.GROUP, 0, 64), Opt(OptOps.BLOCKS, 0, 4)])
   with pytest.raises(CodegenError, match="BLOCKS cannot be combined with SPREAD"):
     r.render(sm, [Opt(OptOps.GROUP, 2, 64), Opt(OptOps.GROUP, 3, 64), Opt(OptOps.SPREAD, 1, 64), Opt(OptOps.BLOCKS, 3, 2)])
   with pytest.raises(CodegenError, match="GROUP needs every output axis on the grid"):  # rows on y and z: constant sizes only

@@ -106,6 +106,8 @@ class Lowerer:
       sgate = inside if sgate is None else sgate & inside
     g = max((p.group for p in plans.values()), default=0)
     writer: Scope | None = None  # GROUP without SPREAD: every thread has the result, thread 0 (of the last block) writes it
+    if len(stores) > 1 and any(p.blocks for p in plans.values()):  # the writer opens before a later store's reductions exist
+      raise CodegenError("BLOCKS needs a kernel of one store (only the last block, known after its reduction, may write)")
     for st in stores:
       if gate is not None: st = st.replace(src=(st.src[0], gate_loads(st.src[1], gate)))  # loads hoisted out of the gate read nothing
       st = self.keep(st, subst)
