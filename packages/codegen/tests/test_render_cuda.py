@@ -63,6 +63,25 @@ def test_group_reduction_uses_shared_memory():
   assert spec.applied_opts == ["GROUP(axis=0, 256)"]
 
 
+def test_group_partials_combine_in_a_tree_not_a_serial_fold():
+  # the block's 256 partials: warp butterflies and one slot per warp (8), not 256 slots that thread 0 folds in a loop
+  src = CUDARenderer().render(kernels.reduce_sum((1000,), dtypes.float32)).src
+  assert "__shared__ float red0[8];" in src and "kiln_block_sum_float32(" in src and "__shfl_xor_sync(mask, v, o)" in src
+  assert not re.search(r"for \(int ridx\d+ = 0; ridx\d+ < 256;", src)
+  # softmax's rows: the max and the sum each a tree whose result every thread uses, the columns over the block's threads
+  sm = CUDARenderer().render(kernels.softmax((64, 1024), dtypes.float32))
+  assert sm.global_size == (64, 1, 1) and sm.local_size == (256, 1, 1) and sm.src.count("kiln_block_") >= 4
+  assert "lidx0 == 0" not in sm.src  # every thread stores its own columns
+
+
+def test_full_reduction_over_blocks_declares_module_slots():
+  spec = CUDARenderer().render(kernels.reduce_max((1 << 20,), dtypes.float16))
+  assert spec.applied_opts == ["GROUP(axis=0, 256)", "BLOCKS(axis=0, 256)"] and spec.global_size == (256, 1, 1)
+  assert re.search(r"__device__ float kiln_k_max_grid\d+\[256\] = \{0\};", spec.src)  # half reduces in float registers
+  assert re.search(r"__device__ unsigned int kiln_k_max_grid\d+_done\[1\] = \{0\};", spec.src)
+  assert "atomicAdd(done, 1u)" in spec.src and re.search(r"if \(v\d+\) \{\n\s+data0\[0\]", spec.src)  # thread 0 of the last block
+
+
 def test_gated_grid_reads_nothing_past_the_end():
   # a block past the end of a LOCAL axis must not load: every global load is predicated on the grid gate
   src = CUDARenderer().render(kernels.elementwise(lambda a: a + 1.0, dtypes.float32, ((300,), dtypes.float32))).src
