@@ -151,7 +151,7 @@ class Reductions:
       v = lin.acc_read(accs[c], ctx.acc_id())
       # fold the lanes in a fixed order: a tree where it runs per output element (its cost counts), else lane by lane
       if red_vec: v = tree_fold(op, v) if per_row else seq_fold(op, v)
-      res[c] = self.group_combine(scope, v, op, dt) if group else v
+      res[c] = self.group_combine(v, op, dt) if group else v
       if (nb := next((plans[r].blocks for r in ranges if plans[r].blocks), 0)):
         if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
           raise CodegenError("BLOCKS cuts one reduction per kernel, outside any other (no unrolled copies)")
@@ -227,7 +227,7 @@ class Reductions:
     self.finish_scope = fin
     return fin, out
 
-  def group_combine(self, scope: Scope, partial: UOp, op: Ops, dt: DType) -> UOp:
+  def group_combine(self, partial: UOp, op: Ops, dt: DType) -> UOp:
     """GPU: the block's threads combine their partials in a fixed tree (render/cuda.py's kiln_block_* helpers: warp
     shuffles, then one partial per warp through shared memory) and every thread gets the result. Lowered as a REDUCE of the
     partial over the block, its source a shared array of one slot per warp; the renderer prints the helper call."""
