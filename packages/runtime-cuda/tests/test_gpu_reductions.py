@@ -350,6 +350,16 @@ def test_block_tree_in_both_emulation_modes(mode):
     emulate.emulate(spec.src, spec.name, [out, x.ravel()], [], spec.global_size, spec.local_size, mode=mode)
     outs.append(out)
   assert np.array_equal(outs[0], outs[1]) and np.allclose(outs[0], x.sum(1, dtype=np.float64), rtol=1e-5)
+  # and the grid stage: blocks in turn (threads) or spread over host threads (fibers) give the same bits
+  xs = x.ravel()[:9000].copy()
+  spec = CUDARenderer().render(kernels.reduce_sum((9000,), dtypes.float32))
+  assert any(o.startswith("BLOCKS") for o in spec.applied_opts)
+  full = []
+  for m in emulate.MODES:
+    out = np.zeros(1, np.float32)
+    emulate.emulate(spec.src, spec.name, [out, xs], [], spec.global_size, spec.local_size, mode=m)
+    full.append(out[0])
+  assert full[0] == full[1] and abs(full[0] - xs.sum(dtype=np.float64)) <= 1e-5 * np.abs(xs).sum()
 
 
 # ---- nvcc ----
