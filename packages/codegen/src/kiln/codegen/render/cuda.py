@@ -379,7 +379,10 @@ _RED_NAME = {Ops.ADD: "sum", Ops.MAX: "max", Ops.MUL: "prod"}
 # counts last (the same for all its threads: a shared flag behind a barrier) folds parts[t], parts[t + n], ... per thread in
 # order, then the block tree, and sets the count back to 0 for the next launch. The slots and the count are module-scope
 # __device__ variables: one launch of the kernel at a time (kiln launches a kernel's calls in order on one stream).
-_GRID = ("__device__ __forceinline__ {t} {grid}({t} v, {t}* smem, int n, {t}* parts, unsigned int* done, int nb, bool* last) {{\n"
+# static: a __shared__ (a function-local static under the emulator) in an inline function of external linkage is one symbol
+# across every loaded library (GNU unique), so the emulator's fibers build (thread_local) and threads build of one kernel in
+# one process bound each other's flag and crashed
+_GRID = ("static __device__ __forceinline__ {t} {grid}({t} v, {t}* smem, int n, {t}* parts, unsigned int* done, int nb, bool* last) {{\n"
          "  __shared__ bool is_last;\n  unsigned int row = blockIdx.y + gridDim.y * blockIdx.z;\n  parts += row * nb;\n  done += row;\n"
          "  if (threadIdx.x == 0) {{\n    parts[blockIdx.x] = v;\n    __threadfence();\n"
          "    is_last = atomicAdd(done, 1u) == (unsigned int)nb - 1u;\n  }}\n  __syncthreads();\n  *last = is_last;\n"
