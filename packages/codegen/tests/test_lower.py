@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts
+from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts, reassociated_opts
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes, kernels
 from kiln.ir.analysis import free_ranges
@@ -271,6 +271,7 @@ def test_reassociating_row_sums_vectorise_the_reduce_axis():
   assert upcasts(heuristic_opts(rows, CPU, reassociate=True)) == [(red, 64)]  # four vectors of accumulators
   cols = prepare(kernels.reduce(Ops.ADD, (64, 256), F32, axes=0))[0]
   assert heuristic_opts(cols, CPU, reassociate=True) == heuristic_opts(cols, CPU)
+  assert reassociated_opts(rows, CPU) == heuristic_opts(rows, CPU, reassociate=True) and reassociated_opts(cols, CPU) is None
 
 
 def test_metadata():

@@ -403,6 +403,23 @@ def _contiguous_reduce(reduces: list[UOp], inner: UOp, lanes: int) -> Opt | None
   return Opt(OptOps.UPCAST, r.arg[0], next(m * lanes for m in (4, 2, 1) if size >= m * lanes and size % (m * lanes) < lanes))
 
 
+def reassociable(ast: UOp, target: Target) -> bool:
+  """Whether heuristic_opts(ast, target, reassociate=True) can differ from the default for a prepared AST: a CPU kernel of
+  one store whose single-axis reduction the output's lanes would gather (_contiguous_reduce's own test, no heuristic run)."""
+  stores = [s for s in ast.src if s.op is Ops.STORE]
+  if target.vector_bytes == 0 or len(stores) != 1 or (dt := stores[0].src[1].dtype).kind == "p": return False
+  out_axes = sorted(free_ranges(stores[0]), key=lambda r: r.arg[0])
+  reduces = [u for u in stores[0].toposort() if u.op is Ops.REDUCE]
+  return bool(out_axes) and _contiguous_reduce(reduces, out_axes[-1], max(1, target.vector_bytes // dt.itemsize)) is not None
+
+
+def reassociated_opts(ast: UOp, target: Target) -> list[Opt] | None:
+  """heuristic_opts(ast, target, reassociate=True) for a prepared AST where it differs from the default, else None."""
+  if not reassociable(ast, target): return None
+  opts = heuristic_opts(ast, target, reassociate=True)
+  return opts if opts != heuristic_opts(ast, target) else None
+
+
 def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
   """Element-ops of a kernel: one per output element, and each REDUCE's trip count over the output axes it varies along
   (a row reduce runs once a row, a matmul's once an element). A symbolic axis counts as 1024."""
