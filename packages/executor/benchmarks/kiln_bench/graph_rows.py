@@ -375,8 +375,8 @@ def cnn(b: Bench, r: Row) -> None:
   r.achieved, r.limit = _rate(flops / r.kiln, b.peak), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
   r.checks, r.target = [("onnxruntime", 1.0)], ">= onnxruntime"
   r.note = (f"{len(km.plan.kernels)} kernels (per conv a product tiled as a matmul, its window panels packed, the padding read in place "
-            "by masked loads; the max pools apply BN+relu as they read; global pool with BN+relu; linear); "
-            "batch norm folded at load to a multiply-add; torch column: nn.Sequential, inference_mode (report only)")
+            "by masked loads, bias and relu in its epilogue; plain max pools; global mean pool; linear); batch norm folded into the "
+            "conv's weights and bias at load; torch column: nn.Sequential, inference_mode (report only)")
 
 
 def _rate(flops_s: float, peak: float) -> str:
