@@ -128,9 +128,10 @@ class _Body:
     to inf): the same bits as the exponent-field factors, in one instruction. Lane counts other than 16 are padded with
     zeros or split in halves (n a power of two up to 64, see __init__)."""
     n = self.n if n is None else n
+    def call(a: str, b: str) -> str: return self(f"call {V16} @{SCALEF}({V16} {a}, {V16} {b}, {V16} zeroinitializer, i16 -1, i32 4)")
     if n == 1:
       w = [self(f"insertelement {V16} zeroinitializer, float {a}, i32 0") for a in (v, nf)]
-      return self(f"extractelement {V16} {self(f'call {V16} @{SCALEF}({V16} {w[0]}, {V16} {w[1]}, {V16} zeroinitializer, i16 -1, i32 4)')}, i32 0")
+      return self(f"extractelement {V16} {call(*w)}, i32 0")
     t = f"<{n} x float>"
     if n > 16:  # two halves, each scaled, joined again
       halves = []
@@ -141,10 +142,9 @@ class _Body:
       return self(f"shufflevector {h} {halves[0]}, {h} {halves[1]}, <{n} x i32> <{', '.join(f'i32 {i}' for i in range(n))}>")
     if n < 16:  # padded with zeros (lane n of the second operand) to one zmm, scaled, cut back
       pad = f"<16 x i32> <{', '.join(f'i32 {min(i, n)}' for i in range(16))}>"
-      w = [self(f"shufflevector {t} {a}, {t} zeroinitializer, {pad}") for a in (v, nf)]
-      r = self(f"call {V16} @{SCALEF}({V16} {w[0]}, {V16} {w[1]}, {V16} zeroinitializer, i16 -1, i32 4)")
+      r = call(*[self(f"shufflevector {t} {a}, {t} zeroinitializer, {pad}") for a in (v, nf)])
       return self(f"shufflevector {V16} {r}, {V16} poison, <{n} x i32> <{', '.join(f'i32 {i}' for i in range(n))}>")
-    return self(f"call {V16} @{SCALEF}({V16} {v}, {V16} {nf}, {V16} zeroinitializer, i16 -1, i32 4)")
+    return call(v, nf)
 
   def power(self, x: str, m: int) -> str:  # x^m for m a power of two, by squaring, each made once per helper
     if m == 1: return x

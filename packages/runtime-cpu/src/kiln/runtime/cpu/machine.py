@@ -35,18 +35,18 @@ ARM_CPUS: dict[str, str] = {n: "neon" for n in ("generic", "cortex-a72", "cortex
 
 
 def is_x86(arch: str) -> bool: return arch.lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+def is_arm64(arch: str) -> bool: return arch.lower() in ("aarch64", "arm64")
 
 
 def has_fma(features: str, arch: str) -> bool:
   """Whether an LLVM feature string's CPU has a fused multiply-add (x86: +fma, FMA3; AArch64: always)."""
-  if arch.lower() in ("aarch64", "arm64"): return True
-  return is_x86(arch) and "+fma" in features.split(",")
+  return is_arm64(arch) or (is_x86(arch) and "+fma" in features.split(","))
 
 
 def isa_of(features: str, arch: str) -> tuple[int, int]:
   """(vector bytes, vector registers) an LLVM feature string (+avx2,-avx512f,...) gives."""
   feats = set(features.split(","))
-  if not is_x86(arch): return (16, 32) if arch.lower() in ("aarch64", "arm64") else (16, 16)
+  if not is_x86(arch): return (16, 32) if is_arm64(arch) else (16, 16)
   if "+avx512f" in feats: return 64, 32
   if "+avx" in feats or "+avx2" in feats: return 32, 16
   return 16, 16
@@ -69,7 +69,7 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool
   runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
   if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch))
   name = env.strip().lower()
-  table = X86_CPUS if is_x86(arch) else ARM_CPUS if arch.lower() in ("aarch64", "arm64") else {}
+  table = X86_CPUS if is_x86(arch) else ARM_CPUS if is_arm64(arch) else {}
   if name not in table:
     raise DeviceError(f"KILN_CPU={env!r} is not a CPU kiln can target on {arch}; accepted: {', '.join(sorted(table)) or 'none (unset KILN_CPU)'}")
   vb, regs, needs = _LEVELS[table[name]]

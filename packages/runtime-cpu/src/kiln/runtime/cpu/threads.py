@@ -42,9 +42,9 @@ def step_aside(cpu: int) -> bool:
   migrates it at once, and the old mask is put back so it stays free to move later. Returns whether it moved."""
   if cpu < 0 or current_cpu() != cpu or not hasattr(os, "sched_setaffinity"): return False
   allowed = os.sched_getaffinity(0)
-  if len(allowed - {cpu}) == 0: return False
+  if not (others := allowed - {cpu}): return False
   try:
-    os.sched_setaffinity(0, allowed - {cpu})
+    os.sched_setaffinity(0, others)
     os.sched_setaffinity(0, allowed)
   except OSError: return False  # a mask the OS refuses (cpuset changed under us): stay put
   return True
