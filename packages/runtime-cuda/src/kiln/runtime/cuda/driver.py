@@ -232,22 +232,23 @@ class CUDAAllocator:
         if not lst: del self._cache[sz]
     self._release(evict)
 
+  def _take_cache(self) -> list[Any]:
+    """Every cached block, the cache left empty (the caller frees them)."""
+    mems = [m for lst in self._cache.values() for m in lst]
+    self._cache.clear()
+    self.cached_bytes = 0
+    return mems
+
   def free_cache(self) -> None:
-    with self._lock:
-      mems = [m for lst in self._cache.values() for m in lst]
-      self._cache.clear()
-      self.cached_bytes = 0
+    with self._lock: mems = self._take_cache()
     self._release(mems)
 
   def __del__(self) -> None:
     # the cached blocks are freed here, with our context current, not by pycuda's destructors on whatever thread drops them
+    # (no lock: a finaliser may run inside a locked section of this very thread)
     try:
       if self.guard.ctx is None or not self._cache: return
-      with self.guard.for_free() as alive:
-        for lst in self._cache.values():
-          for m in lst:
-            if alive: m.free()
-        self._cache.clear()
+      self._release(self._take_cache())
     except Exception as e:  # a finaliser has no caller to tell (at interpreter exit the driver may be half torn down): say so
       warnings.warn(f"{self.guard.device}: freeing the allocator's cached blocks failed: {e}", RuntimeWarning, stacklevel=2)
 
@@ -345,8 +346,6 @@ class CUDAProgram:
     for n, v in zip(self.spec.var_names, vals):
       if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: variable {n}={v} does not fit int32")
     return struct.pack(self.fmt, *(int(b) for b in bufs), *(int(v) for v in vals))
-
-  def args(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes: return self.pack(bufs, vals)
 
   def dims(self, vals: Sequence[int], global_size: Sequence[Any] | None = None,
            local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
