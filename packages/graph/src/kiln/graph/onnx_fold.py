@@ -42,8 +42,8 @@ class BatchNormFolds:
     self.bn_of = {p.input[0]: p for p in graph.node if p.op_type == "BatchNormalization" and p.input}
     self.folded: set[str] = set()  # the output names of batch norms folded into their conv
 
-  def _foldable_bn(self, conv: Node, env: dict[str, Value]) -> Any:
-    """The BatchNormalization proto to fold into this Conv, or None (see the module's table)."""
+  def _foldable_bn(self, conv: Node, env: dict[str, Value]) -> tuple[Any, dict[str, Any]] | None:
+    """The BatchNormalization proto to fold into this Conv and its attributes, or None (see the module's table)."""
     out = conv.proto.output[0] if conv.proto.output else ""
     bn = self.bn_of.get(out)
     if bn is None or self.uses[out] != 1 or len(bn.input) < 5: return None
@@ -55,13 +55,13 @@ class BatchNormFolds:
     if not _f32_const(w) or (b is not None and not _f32_const(b)): return None
     assert isinstance(w, np.ndarray)
     if w.ndim < 3 or any(np.shape(env[name]) != (w.shape[0],) for name in bn.input[1:5]): return None
-    return bn
+    return bn, attrs
 
   def conv(self, conv: Node, env: dict[str, Value]) -> None:
     """Scale conv's weight and bias inputs in place by the batch norm that reads it, when it folds."""
-    bn = self._foldable_bn(conv, env)
-    if bn is None: return
-    eps = next((float(self.onnx.helper.get_attribute_value(a)) for a in bn.attribute if a.name == "epsilon"), 1e-5)
+    if (found := self._foldable_bn(conv, env)) is None: return
+    bn, attrs = found
+    eps = float(attrs.get("epsilon", 1e-5))
     sc, beta, mu, var = (np.asarray(env[name], np.float64) for name in bn.input[1:5])
     a = sc / np.sqrt(var + eps)  # as the unfolded batch norm (onnx_ops._batchnorm) computes it
     w = np.asarray(conv.ins[1], np.float64)
