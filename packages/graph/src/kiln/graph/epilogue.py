@@ -24,18 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kiln.graph.dims import is_static
-from kiln.graph.lazy import Node, toposort
+from kiln.graph.lazy import Node, consumers, toposort
 
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
 # read nothing, so each source element is read once
 _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
-
-
-def _readers(nodes: Sequence[Node]) -> dict[Node, list[Node]]:
-  out: dict[Node, list[Node]] = {n: [] for n in nodes}
-  for n in nodes:
-    for s in dict.fromkeys(n.src): out[s].append(n)
-  return out
 
 
 def _is_product(n: Node) -> bool:
@@ -94,7 +87,7 @@ def _fused(r: Node, chain: Sequence[Node], new: Mapping[Node, Node]) -> Node:
 def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:
   """Each node of the graph of outputs -> its node in the rewritten graph (the table in the module's docstring)."""
   nodes = toposort(list(outputs))
-  readers, outs = _readers(nodes), set(outputs)
+  readers, outs = consumers(nodes), set(outputs)
   moves: dict[Node, tuple[Node, list[Node]]] = {}  # the chain's last node -> (the product, the chain)
   for r in nodes:
     if _is_product(r) and (chain := _chain(r, readers, outs)) and _reads_per_element(chain[-1], readers) >= 1:

@@ -21,6 +21,7 @@ product's kernel loops over the matmul's own axes, not the NCHW view its consume
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,14 @@ def prod(xs: Any) -> int:
   for x in xs:
     if not isinstance(x, int | np.integer): raise GraphError(f"a static size was needed, got the symbolic dim {x!r}")
     out *= int(x)
+  return out
+
+
+def consumers(nodes: Sequence[Node]) -> dict[Node, list[Node]]:
+  """Each node's readers among nodes, each once, in nodes' order (the scheduler's epilogue lift and epilogue.py's moves)."""
+  out: dict[Node, list[Node]] = {n: [] for n in nodes}
+  for n in nodes:
+    for s in dict.fromkeys(n.src): out.setdefault(s, []).append(n)
   return out
 
 

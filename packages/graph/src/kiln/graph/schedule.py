@@ -31,7 +31,7 @@ import numpy as np
 from kiln.codegen.spec import DeviceSpec
 from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
 from kiln.graph.epilogue import fuse_epilogues
-from kiln.graph.lazy import GraphError, Node, toposort
+from kiln.graph.lazy import GraphError, Node, consumers, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.ir.analysis import free_ranges_of
 from kiln.ir.dtype import dtypes
@@ -39,13 +39,6 @@ from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
-
-
-def consumers(nodes: Sequence[Node]) -> dict[Node, set[Node]]:
-  out: dict[Node, set[Node]] = {n: set() for n in nodes}
-  for n in nodes:
-    for s in n.src: out.setdefault(s, set()).add(n)
-  return out
 
 
 def _trips(rs: set[UOp]) -> int:
@@ -93,11 +86,11 @@ def _offends(n: Node, uops: set[UOp], an: _Analysis, kernels_of: Mapping[Node, i
   return False
 
 
-def _lift(n: Node, cons: Mapping[Node, set[Node]], realized: set[Node]) -> Node:
+def _lift(n: Node, cons: Mapping[Node, list[Node]], realized: set[Node]) -> Node:
   """A REDUCE to realize takes along its epilogue: sole consumers that are elementwise of the same shape."""
   if n.op != "REDUCE": return n
-  while len(c := cons.get(n, set())) == 1:
-    p = next(iter(c))
+  while len(c := cons.get(n, [])) == 1:
+    p = c[0]
     if p in realized or not (p.op == "ALU" and p.shape == n.shape or p.op == "VIEW" and p.arg[0] == "reshape"): break
     n = p
   while n.op == "VIEW" and n.src: n = n.src[0]  # a trailing reshape stays a view of the buffer
@@ -110,7 +103,7 @@ def _name(n: Node, i: int) -> str:
   return f"g{i}_{tag}"
 
 
-def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, set[Node]], realized: set[Node],
+def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], realized: set[Node],
                kernels_of: Mapping[Node, int] | None) -> set[Node]:
   new: set[Node] = set()
   for k in kernels.values():
