@@ -59,6 +59,8 @@ class Target:
   max_local: int = 1024  # GPU: threads per block
   local_size: int = 256  # GPU: default block size
   max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
+  gpu_arch: int = 0  # GPU: compute capability as major * 10 + minor (90: sm_90); 0 unknown: no tensor-core kernels
+  gpu_sms: int = 0  # GPU: multiprocessors (the tiled matmul sizes its tiles so each gets a block); 0 unknown
   vector_registers: int = 0  # CPU: architectural vector registers (16 AVX2/AVX, 32 AVX-512 and NEON); 0: from vector_bytes
   l1d_bytes: int = 32 << 10  # CPU: per-core L1 data cache
   l2_bytes: int = 1 << 20  # CPU: per-core L2

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
+from kiln.codegen.render import cuda_matmul
 from kiln.codegen.render.base import (
   DIV_EDGES,
   EXACT_FLOAT_OPS,
@@ -71,7 +72,10 @@ _INT = {
 _INT_NO_WRAP = {Ops.NEG: "({t})(-{a0})", Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: "{a0} * {a1}"}  # where bounds prove no overflow
 # bitcast: a value to its raw bits (an integer: "({u}){v}") and raw bits to a value (an integer: "({t})({bits})")
 _TO_BITS = {"float32": "__float_as_uint({v})", "float64": "(unsigned long long)__double_as_longlong({v})",
-            "float16": "__half_as_ushort(__float2half_rn({v}))",  # bfloat16: a NaN's bits are the quiet NaN 0x7FC0 (alu.py's storage form)
+            # float16: a NaN keeps its sign and payload (the GPU's float->half conversion would make every NaN 0x7FFF)
+            "float16": "({v} != {v} ? (unsigned short)(((__float_as_uint({v}) >> 16) & 0x8000u) | 0x7c00u | ((__float_as_uint({v}) >> 13) & 0x3ffu)"
+                       " | ((__float_as_uint({v}) & 0x7fe000u) ? 0u : 0x200u))"
+                       " : __half_as_ushort(__float2half_rn({v})))",  # bfloat16: a NaN's bits are the quiet NaN 0x7FC0 (alu.py's storage form)
             "bfloat16": "({v} != {v} ? (unsigned short)0x7fc0 : (unsigned short)(__float_as_uint({v}) >> 16))"}
 _FROM_BITS = {"bool": "(unsigned char)({bits}) != 0", "float32": "__uint_as_float((unsigned int)({bits}))",
               "float64": "__longlong_as_double((long long)({bits}))", "float16": "__half2float(__ushort_as_half((unsigned short)({bits})))",
@@ -181,10 +185,20 @@ class CUDARenderer:
     self.target = target or Target(device="CUDA", vector_bytes=0, threads=1)
 
   def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec:
+    """opts None: the heuristic's choice, which gives a matrix product the tiled kernel (render/cuda_matmul.py) when it
+    covers it; explicit opts always take the generic lowering they describe."""
+    if opts is None and (tiled := cuda_matmul.program(ast, self.target, _c_kernel_name(str(ast.arg or "kernel")))) is not None:
+      return tiled
     lk = lower(ast, self.target, list(opts) if opts is not None else None)
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", lk.name): lk.name = re.sub(r"\W", "_", lk.name) or "kernel"
-    if lk.name[0].isdigit() or lk.name in _CUDA_NAMES or lk.name.startswith("kiln_"): lk.name = "k_" + lk.name
+    lk.name = _c_kernel_name(lk.name)
     return program_spec(lk, CUDAPrinter(lk).print(), "CUDA", ast)
+
+
+def _c_kernel_name(name: str) -> str:
+  """A kernel name that is a C identifier and clashes with nothing CUDA or kiln's helpers define."""
+  if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name): name = re.sub(r"\W", "_", name) or "kernel"
+  if name[0].isdigit() or name in _CUDA_NAMES or name.startswith("kiln_"): name = "k_" + name
+  return name
 
 
 class CUDAPrinter(Printer):

@@ -26,6 +26,12 @@
 #define __shared__ static thread_local  // one block per host thread at a time: its fibers share it
 #endif
 #define __constant__ static const
+#define __align__(n) __attribute__((aligned(n)))
+
+struct __attribute__((aligned(8))) float2 { float x, y; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x, y, z; };

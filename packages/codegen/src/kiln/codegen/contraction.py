@@ -1,0 +1,111 @@
+"""Recognise a kernel that is one matrix product, C[b, i, j] = cast(sum_k A[b, i, k] * B[b, k, j]), with every index an affine
+function of the ranges, so a renderer can give it a tiled kernel of its own (render/cuda_matmul.py) instead of the generic
+lowering. What matches: one STORE whose value is the REDUCE(ADD) over one range of a product of two loads (each loaded value
+optionally cast to the sum's dtype), optionally cast to the output's dtype; constant sizes; an index made of ranges, constants,
++, - and multiplication by a constant. Anything else (an epilogue, a symbolic size, a gathered index) is None: the generic
+path runs it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir.dtype import DType, PtrDType
+from kiln.ir.ops import AxisType, Ops
+from kiln.ir.uop import UOp
+
+
+@dataclass(frozen=True)
+class Operand:
+  slot: int
+  dtype: DType  # the element type in memory
+  offset: int  # elements from the buffer's start at b = i = j = k = 0
+  batch: tuple[int, ...]  # element stride per batch axis (0: broadcast)
+  rows: int  # stride along the operand's first matrix axis (A: i, B: k, C: i)
+  cols: int  # along the second (A: k, B: j, C: j)
+
+
+@dataclass(frozen=True)
+class Contraction:
+  m: int
+  n: int
+  k: int
+  batch: tuple[int, ...]  # sizes of the batch axes, outermost first
+  a: Operand
+  b: Operand
+  c: Operand
+  acc: DType  # the sum's dtype
+
+  @property
+  def batches(self) -> int:
+    p = 1
+    for s in self.batch: p *= s
+    return p
+
+
+def linear(idx: UOp) -> dict[UOp | None, int] | None:
+  """idx as {range: coefficient, None: constant} when it is affine in ranges with constant coefficients, else None."""
+  memo: dict[UOp, dict[UOp | None, int] | None] = {}
+  for u in idx.toposort():
+    s = [memo.get(x) for x in u.src]
+    if u.op is Ops.CONST and isinstance(u.arg, int) and not isinstance(u.arg, bool): r: dict[UOp | None, int] | None = {None: int(u.arg)}
+    elif u.op is Ops.RANGE: r = {u: 1}
+    elif u.op in (Ops.ADD, Ops.SUB) and None not in s:
+      sign = 1 if u.op is Ops.ADD else -1
+      r = dict(s[0])  # type: ignore[arg-type]
+      for key, v in s[1].items(): r[key] = r.get(key, 0) + sign * v  # type: ignore[union-attr]
+    elif u.op is Ops.MUL and None not in s:
+      const = [x for x in s if x is not None and set(x) == {None}]
+      if not const: r = None
+      else:
+        f, other = const[0][None], s[1] if s[0] is const[0] else s[0]
+        r = {key: v * f for key, v in other.items()}  # type: ignore[union-attr]
+    elif u.op is Ops.CAST and u.dtype.is_int and u.dtype.itemsize >= 4 and s[0] is not None: r = s[0]
+    else: r = None
+    memo[u] = r
+  return memo[idx]
+
+
+def _load(u: UOp, acc: DType) -> tuple[UOp, UOp] | None:
+  """(DEFINE_GLOBAL, index) of a value that is a load, or a load cast to the sum's dtype."""
+  if u.op is Ops.CAST and u.dtype == acc: u = u.src[0]
+  if u.op is not Ops.LOAD or len(u.src) != 1 or u.src[0].op is not Ops.INDEX: return None
+  g, idx = u.src[0].src[0], u.src[0].src[1]
+  if g.op is not Ops.DEFINE_GLOBAL or not isinstance(g.dtype, PtrDType): return None
+  return g, idx
+
+
+def _size(r: UOp) -> int | None: return int(r.src[0].arg) if r.src[0].op is Ops.CONST else None
+
+
+def match(ast: UOp) -> Contraction | None:
+  if ast.op is not Ops.SINK or len(ast.src) != 1 or (st := ast.src[0]).op is not Ops.STORE or st.src[0].op is not Ops.INDEX: return None
+  gc, cidx, val = st.src[0].src[0], st.src[0].src[1], st.src[1]
+  if gc.op is not Ops.DEFINE_GLOBAL or not isinstance(gc.dtype, PtrDType): return None
+  red = val.src[0] if val.op is Ops.CAST else val
+  if red.op is not Ops.REDUCE or red.arg is not Ops.ADD or len(red.src) != 2 or red.src[1].op is not Ops.RANGE: return None
+  kr, prod, acc = red.src[1], red.src[0], red.dtype
+  if not acc.is_float or prod.op is not Ops.MUL: return None
+  la, lb = _load(prod.src[0], acc), _load(prod.src[1], acc)
+  if la is None or lb is None or la[0] is lb[0] or gc in (la[0], lb[0]): return None
+  fc, fa, fb = linear(cidx), linear(la[1]), linear(lb[1])
+  if fc is None or fa is None or fb is None or (kk := _size(kr)) is None: return None
+  outs = [r for r in fc if r is not None]
+  if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None
+  if any(r is not None and r is not kr and r not in fc for f in (fa, fb) for r in f): return None  # every range is an output's or k
+  if fc.get(kr, 0) or not fa.get(kr, 0) or not fb.get(kr, 0): return None
+  i_axes = [r for r in outs if fa.get(r, 0) and not fb.get(r, 0)]
+  j_axes = [r for r in outs if fb.get(r, 0) and not fa.get(r, 0)]
+  if len(i_axes) != 1 or len(j_axes) != 1: return None
+  ri, rj = i_axes[0], j_axes[0]
+  batch = sorted((r for r in outs if r is not ri and r is not rj), key=lambda r: r.arg[0])
+  if not fc.get(ri, 0) or not fc.get(rj, 0): return None
+  # A's row is its i stride, B's its k stride: name them so a and b swap if the product was written B * A
+  if fa.get(ri, 0) == 0: return None
+
+  def operand(g: UOp, f: dict[UOp | None, int], r0: UOp, r1: UOp) -> Operand:
+    assert isinstance(g.dtype, PtrDType)
+    return Operand(slot=int(g.arg), dtype=g.dtype.base, offset=f.get(None, 0), batch=tuple(f.get(r, 0) for r in batch),
+                   rows=f.get(r0, 0), cols=f.get(r1, 0))
+  con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch),
+                    a=operand(la[0], fa, ri, kr), b=operand(lb[0], fb, kr, rj), c=operand(gc, fc, ri, rj), acc=acc)
+  if la[0].dtype.base != lb[0].dtype.base: return None  # type: ignore[union-attr]
+  return con

@@ -1,0 +1,309 @@
+"""Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.contraction recognises.
+
+Two shapes of kernel, both a block of 256 threads per output tile, blocks on the grid's x (tile columns), y (tile rows) and z
+(batch):
+- SIMT (any float input, float32 sums): the block stages BK=8 deep slices of A and B in shared memory (A transposed, so a
+  thread reads its rows as one broadcast), two stages deep; each thread keeps a TMxTN register tile of float32 sums and
+  accumulates with fused multiply-adds; the next slice's global loads (16 bytes where the layout allows) are in flight while
+  the current one is multiplied.
+- MMA (float16 or bfloat16 inputs, float32 sums, sm_80 or newer, both operands row-major with rows a multiple of 8 elements):
+  tensor cores through mma.sync.m16n8k16 on 128x128x32 tiles; 8 warps of 64x32; shared memory filled by cp.async 16 bytes
+  at a time (zero-filled past the edges), two stages; fragments read by ldmatrix (rows padded by 16 bytes: no bank conflicts).
+
+The tensor-core and copy steps are small __device__ functions (kiln_ldmatrix_x4, kiln_ldmatrix_x4_trans, kiln_mma_*,
+kiln_cp_async16, ...): inline PTX under nvcc, and plain C++ warp collectives in the CPU emulation harness
+(kiln.runtime.cuda.emulate, include/kiln_cuda_mma.h), so every kernel shape is checked against the reference without a GPU.
+
+Numerics: the sums are float32 like the reference's, but fused (one rounding per multiply-add) and in another order (per
+thread, per tile, per tensor-core step), so results agree to float32 rounding, not bit for bit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.codegen.contraction import Contraction, Operand, match
+from kiln.codegen.opt import Target
+from kiln.codegen.spec import KernelArg, ProgramSpec
+from kiln.ir.dtype import DType, dtypes
+from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
+from kiln.ir.verify import verify
+
+THREADS = 256
+MIN_DIM = 16  # a product smaller than this along m, n or k keeps the generic kernel: a tile would be mostly idle
+_MEM = {"float32": "float", "float16": "half", "bfloat16": "__nv_bfloat16"}
+_TO_F32 = {"float32": "{v}", "float16": "__half2float({v})", "bfloat16": "__bfloat162float({v})"}
+# float32 sum -> the output's type; bfloat16 NaN is the quiet NaN 0x7FC0, as every kiln bfloat16 result (alu.py)
+_FROM_F32 = {"float32": "{v}", "float16": "__float2half_rn({v})",
+             "bfloat16": "({v} != {v} ? __ushort_as_bfloat16((unsigned short)0x7fc0) : __float2bfloat16_rn({v}))"}
+
+
+@dataclass(frozen=True)
+class Tiling:
+  kind: str  # "simt" or "mma"
+  bm: int
+  bn: int
+  bk: int
+
+  def __str__(self) -> str: return f"TILED_MATMUL({self.kind} {self.bm}x{self.bn}x{self.bk})"
+
+
+def _mma_ok(c: Contraction, target: Target) -> bool:
+  """Tensor cores apply: 16-bit float inputs, float32 sums, sm_80+, k- and n-contiguous rows whose 16-byte chunks align."""
+  if target.gpu_arch < 80 or c.acc != dtypes.float32 or c.a.dtype not in (dtypes.float16, dtypes.bfloat16): return False
+  a, b = c.a, c.b
+  return (a.cols == 1 and b.cols == 1 and c.k % 8 == 0 and c.n % 8 == 0 and a.rows % 8 == 0 and b.rows % 8 == 0
+          and a.offset % 8 == 0 and b.offset % 8 == 0 and all(s % 8 == 0 for s in (*a.batch, *b.batch)))
+
+
+def choose(c: Contraction, target: Target) -> Tiling:
+  """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
+  if _mma_ok(c, target): return Tiling("mma", 128, 128, 32)
+  sms = max(1, target.gpu_sms)
+  for bm, bn in ((128, 128), (128, 64), (64, 64)):
+    if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return Tiling("simt", bm, bn, 8)
+  return Tiling("simt", 64, 64, 8)
+
+
+def applies(c: Contraction | None, target: Target) -> bool:
+  return (c is not None and c.acc == dtypes.float32 and c.a.dtype.name in _MEM and c.c.dtype.name in _FROM_F32
+          and min(c.m, c.n, c.k) >= MIN_DIM and c.batches <= target.max_grid[2])
+
+
+def _batch_offsets(c: Contraction) -> list[str]:
+  """C lines setting long long offA/offB/offC for this block's batch (blockIdx.z split over the batch axes)."""
+  lines = [f"long long offA = {c.a.offset}LL, offB = {c.b.offset}LL, offC = {c.c.offset}LL;"]
+  if not c.batch: return lines
+  lines.append("long long bz = blockIdx.z;")
+  for d in range(len(c.batch) - 1, -1, -1):
+    lines.append(f"{{ long long bi = bz % {c.batch[d]}; bz /= {c.batch[d]};"
+                 f" offA += bi * {c.a.batch[d]}LL; offB += bi * {c.b.batch[d]}LL; offC += bi * {c.c.batch[d]}LL; }}")
+  return lines
+
+
+def _params(c: Contraction, name: str) -> str:
+  slots = sorted({c.a.slot, c.b.slot, c.c.slot})
+  typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
+  ps = [f"{'' if s == c.c.slot else 'const '}{_MEM[typ[s].name]}* __restrict__ data{s}" for s in slots]
+  return f'extern "C" __global__ void __launch_bounds__({THREADS}) {name}({", ".join(ps)})'
+
+
+def _vec(o: Operand, walk_cols: bool, extents: tuple[int, int], per_thread: int) -> int:
+  """Elements per vector load (4, 2 or 1) along the walked tile axis: float32, stride 1 there, the walked extent and every
+  row and batch start a multiple of it, and no more than the tile gives each thread."""
+  if o.dtype != dtypes.float32 or (o.cols if walk_cols else o.rows) != 1: return 1
+  other, extent = (o.rows if walk_cols else o.cols), extents[1 if walk_cols else 0]
+  for v in (4, 2):
+    if v <= per_thread and extent % v == 0 and o.offset % v == 0 and all(s % v == 0 for s in (other, *o.batch)): return v
+  return 1
+
+
+def _vec_load(reg: str, vec: int, ok: str, addr: str) -> str:
+  """One float2/float4 load into reg[it * vec ...], zero where `ok` is false (a whole vector is in or out of bounds)."""
+  lanes = "xyzw"[:vec]
+  return (f"      float{vec} v = {{}};\n      if ({ok}) v = *(const float{vec}*)({addr});\n      "
+          + " ".join(f"{reg}[it * {vec} + {i}] = v.{ch};" for i, ch in enumerate(lanes)))
+
+
+def render_simt(c: Contraction, t: Tiling, name: str) -> str:
+  bm, bn, bk = t.bm, t.bn, t.bk
+  tm, tn = bm // 16, bn // 16
+  a, b, o = c.a, c.b, c.c
+  ta, tb = _MEM[a.dtype.name], _MEM[b.dtype.name]
+  cvt_a, cvt_b = _TO_F32[a.dtype.name], _TO_F32[b.dtype.name]
+  # A tile bm x bk: threads walk k when A's k stride is 1 (else m); float4 when 16-byte loads line up
+  a_k = a.cols == 1 or a.rows != 1  # threads walk k when A's k stride is 1 (or neither stride is 1), else m
+  b_n = b.cols == 1 or b.rows != 1
+  a_vec = _vec(a, a_k, (c.m, c.k), bm * bk // THREADS)
+  b_vec = _vec(b, b_n, (c.k, c.n), bn * bk // THREADS)
+  na, nb = bm * bk // (THREADS * a_vec), bn * bk // (THREADS * b_vec)
+  L: list[str] = []
+  e = L.append
+  e(_params(c, name) + " {")
+  e(f"  __shared__ float As[2][{bk}][{bm}];")
+  e(f"  __shared__ float Bs[2][{bk}][{bn}];")
+  e(f"  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16, m0 = blockIdx.y * {bm}, n0 = blockIdx.x * {bn};")
+  for ln in _batch_offsets(c): e("  " + ln)
+  e(f"  const {ta}* A = data{a.slot} + offA;")
+  e(f"  const {tb}* B = data{b.slot} + offB;")
+  e(f"  float acc[{tm}][{tn}];")
+  e(f"  #pragma unroll\n  for (int i = 0; i < {tm}; i++)\n    #pragma unroll\n    for (int j = 0; j < {tn}; j++) acc[i][j] = 0.0f;")
+  e(f"  float ra[{na * a_vec}], rb[{nb * b_vec}];")
+
+  def tile_coords(n_per: int, vec: int, rows: int, cols: int, walk_cols: bool, it: str) -> str:
+    """r, cc of this thread's it-th load in a rows x cols tile (vec consecutive elements along the walked axis)."""
+    if walk_cols: return f"const int e_ = tid + {it} * {THREADS}, r = e_ / {cols // vec}, cc = (e_ % {cols // vec}) * {vec};"
+    return f"const int e_ = tid + {it} * {THREADS}, cc = e_ / {rows // vec}, r = (e_ % {rows // vec}) * {vec};"
+
+  # loads: A element (m0 + r, k0 + cc); B element (k0 + r, n0 + cc)
+  e("  auto load = [&](int k0) {")
+  e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
+  e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
+  e(f"      const int gm = m0 + r, gk = k0 + cc;")
+  if a_vec > 1: e(_vec_load("ra", a_vec, f"gm < {c.m} && gk < {c.k}", f"A + (long long)gm * {a.rows} + (long long)gk * {a.cols}"))
+  else:
+    e(f"      ra[it] = (gm < {c.m} && gk < {c.k}) ? {cvt_a.format(v=f'A[(long long)gm * {a.rows} + (long long)gk * {a.cols}]')} : 0.0f;")
+  e("    }")
+  e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
+  e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
+  e(f"      const int gk = k0 + r, gn = n0 + cc;")
+  if b_vec > 1: e(_vec_load("rb", b_vec, f"gk < {c.k} && gn < {c.n}", f"B + (long long)gk * {b.rows} + (long long)gn * {b.cols}"))
+  else:
+    e(f"      rb[it] = (gk < {c.k} && gn < {c.n}) ? {cvt_b.format(v=f'B[(long long)gk * {b.rows} + (long long)gn * {b.cols}]')} : 0.0f;")
+  e("    }")
+  e("  };")
+  # stores to shared: A transposed (As[k][m]), B as is (Bs[k][n]); a vector's lanes run along the walked axis
+  e("  auto stash = [&](int s) {")
+  e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
+  e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
+  e(f"      #pragma unroll\n      for (int v = 0; v < {a_vec}; v++) As[s][cc{' + v' if a_k else ''}][r{'' if a_k else ' + v'}] = ra[it * {a_vec} + v];")
+  e("    }")
+  e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
+  e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
+  e(f"      #pragma unroll\n      for (int v = 0; v < {b_vec}; v++) Bs[s][r{'' if b_n else ' + v'}][cc{' + v' if b_n else ''}] = rb[it * {b_vec} + v];")
+  e("    }")
+  e("  };")
+  kt = -(-c.k // bk)
+  e("  load(0);\n  stash(0);\n  __syncthreads();")
+  e(f"  for (int kt = 0; kt < {kt}; kt++) {{")
+  e("    const int s = kt & 1;")
+  e(f"    if (kt + 1 < {kt}) load((kt + 1) * {bk});")
+  e(f"    #pragma unroll\n    for (int kk = 0; kk < {bk}; kk++) {{")
+  e(f"      float fa[{tm}], fb[{tn}];")
+  # a thread's rows: chunks of 4 at ty*4, 64 apart (so a warp's reads are broadcasts and its 16-byte reads hit distinct banks)
+  e(f"      #pragma unroll\n      for (int i = 0; i < {tm}; i++) fa[i] = As[s][kk][(i / 4) * 64 + ty * 4 + (i % 4)];")
+  e(f"      #pragma unroll\n      for (int j = 0; j < {tn}; j++) fb[j] = Bs[s][kk][(j / 4) * 64 + tx * 4 + (j % 4)];")
+  e(f"      #pragma unroll\n      for (int i = 0; i < {tm}; i++)\n        #pragma unroll\n        for (int j = 0; j < {tn}; j++)"
+    " acc[i][j] = fmaf(fa[i], fb[j], acc[i][j]);")
+  e("    }")
+  e(f"    if (kt + 1 < {kt}) stash(s ^ 1);")
+  e("    __syncthreads();")
+  e("  }")
+  e(f"  {_MEM[o.dtype.name]}* C = data{o.slot} + offC;")
+  e(f"  #pragma unroll\n  for (int i = 0; i < {tm}; i++) {{")
+  e("    const int gm = m0 + (i / 4) * 64 + ty * 4 + (i % 4);")
+  e(f"    if (gm >= {c.m}) continue;")
+  e(f"    #pragma unroll\n    for (int j = 0; j < {tn}; j++) {{")
+  e("      const int gn = n0 + (j / 4) * 64 + tx * 4 + (j % 4);")
+  e(f"      if (gn < {c.n}) C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = {_FROM_F32[o.dtype.name].format(v='acc[i][j]')};")
+  e("    }\n  }\n}")
+  return "\n".join(L)
+
+
+_MMA_PTX = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def render_mma(c: Contraction, t: Tiling, name: str) -> str:
+  """128x128x32 tiles, 8 warps as 2 (m) x 4 (n), each 64x32: 4 m16 x 4 n8 tensor-core tiles, two k16 steps per slice."""
+  a, b, o = c.a, c.b, c.c
+  bm, bn, bk = t.bm, t.bn, t.bk
+  lda, ldb = bk + 8, bn + 8  # halves per shared row: +16 bytes so ldmatrix's 8 rows hit 8 distinct bank groups
+  mma = f"kiln_mma_m16n8k16_{_MMA_PTX[a.dtype.name]}"
+  kt = -(-c.k // bk)
+  L: list[str] = []
+  e = L.append
+  e(_params(c, name) + " {")
+  e(f"  __shared__ __align__(16) unsigned short As[2][{bm}][{lda}];")
+  e(f"  __shared__ __align__(16) unsigned short Bs[2][{bk}][{ldb}];")
+  e(f"  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;")
+  e(f"  const int m0 = blockIdx.y * {bm}, n0 = blockIdx.x * {bn};")
+  for ln in _batch_offsets(c): e("  " + ln)
+  e(f"  const unsigned short* A = (const unsigned short*)(data{a.slot} + offA);")
+  e(f"  const unsigned short* B = (const unsigned short*)(data{b.slot} + offB);")
+  e("  float acc[4][4][4];")
+  e("  #pragma unroll\n  for (int i = 0; i < 4; i++)\n    #pragma unroll\n    for (int j = 0; j < 4; j++)\n"
+    "      #pragma unroll\n      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;")
+  # a slice: A 128 rows x 32 halves (4 chunks of 8 per row), B 32 rows x 128 halves (16 chunks per row): 2 chunks per thread each
+  e("  auto load = [&](int s, int k0) {")
+  e("    #pragma unroll\n    for (int it = 0; it < 2; it++) {")
+  e("      const int ca = tid + it * 256, ra = ca >> 2, ka = (ca & 3) * 8, gm = m0 + ra, gk = k0 + ka;")
+  e(f"      const bool oka = gm < {c.m} && gk < {c.k};")
+  e(f"      kiln_cp_async16(&As[s][ra][ka], A + (oka ? (long long)gm * {a.rows} + gk : 0LL), oka);")
+  e("      const int cb = tid + it * 256, rb = cb >> 4, nb = (cb & 15) * 8, gk2 = k0 + rb, gn = n0 + nb;")
+  e(f"      const bool okb = gk2 < {c.k} && gn < {c.n};")
+  e(f"      kiln_cp_async16(&Bs[s][rb][nb], B + (okb ? (long long)gk2 * {b.rows} + gn : 0LL), okb);")
+  e("    }")
+  e("    kiln_cp_async_commit();")
+  e("  };")
+  e("  load(0, 0);")
+  e(f"  for (int kt = 0; kt < {kt}; kt++) {{")
+  e("    const int s = kt & 1;")
+  e(f"    if (kt + 1 < {kt}) {{ load(s ^ 1, (kt + 1) * {bk}); kiln_cp_async_wait1(); }} else kiln_cp_async_wait0();")
+  e("    __syncthreads();")
+  e(f"    #pragma unroll\n    for (int ks = 0; ks < {bk}; ks += 16) {{")
+  e("      unsigned fa[4][4], fb[4][2];")
+  e("      const int q = lane >> 3, r8 = lane & 7;")
+  e("      #pragma unroll\n      for (int i = 0; i < 4; i++)")
+  e("        kiln_ldmatrix_x4(fa[i], &As[s][wm + i * 16 + (q & 1) * 8 + r8][ks + (q >> 1) * 8]);")
+  e("      #pragma unroll\n      for (int j = 0; j < 4; j += 2) {")
+  e("        unsigned t4[4];")
+  e("        kiln_ldmatrix_x4_trans(t4, &Bs[s][ks + (q & 1) * 8 + r8][wn + j * 8 + (q >> 1) * 8]);")
+  e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
+  e("      }")
+  e(f"      #pragma unroll\n      for (int i = 0; i < 4; i++)\n        #pragma unroll\n        for (int j = 0; j < 4; j++) {mma}(acc[i][j], fa[i], fb[j]);")
+  e("    }")
+  e("    __syncthreads();")
+  e("  }")
+  e(f"  {_MEM[o.dtype.name]}* C = data{o.slot} + offC;")
+  e("  const int g = lane >> 2, t2 = (lane & 3) * 2;")
+  e("  #pragma unroll\n  for (int i = 0; i < 4; i++)\n    #pragma unroll\n    for (int j = 0; j < 4; j++)\n"
+    "      #pragma unroll\n      for (int h = 0; h < 4; h++) {")
+  e("        const int gm = m0 + wm + i * 16 + g + (h >> 1) * 8, gn = n0 + wn + j * 8 + t2 + (h & 1);")
+  e(f"        if (gm < {c.m} && gn < {c.n}) C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = "
+    f"{_FROM_F32[o.dtype.name].format(v='acc[i][j][h]')};")
+  e("      }")
+  e("}")
+  return "\n".join(L)
+
+
+# the tensor-core and async-copy steps under nvcc; the emulation harness defines the same names in plain C++
+MMA_PRELUDE = r"""#ifdef __CUDACC__
+__device__ __forceinline__ unsigned kiln_smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void kiln_cp_async16(void* smem, const void* gmem, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(kiln_smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void kiln_cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void kiln_cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kiln_smem_addr(p)));
+}
+__device__ __forceinline__ void kiln_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kiln_smem_addr(p)));
+}
+#define KILN_MMA(NAME, T) __device__ __forceinline__ void NAME(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])); }
+KILN_MMA(kiln_mma_m16n8k16_f16, "f16")
+KILN_MMA(kiln_mma_m16n8k16_bf16, "bf16")
+#else
+#include "kiln_cuda_mma.h"
+#endif
+"""
+
+
+def _header(c: Contraction) -> str:
+  dts = {c.a.dtype.name, c.b.dtype.name, c.c.dtype.name}
+  return "".join(h for d, h in (("float16", "#include <cuda_fp16.h>\n"), ("bfloat16", "#include <cuda_bf16.h>\n")) if d in dts)
+
+
+def program(ast: UOp, target: Target, name: str) -> ProgramSpec | None:
+  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None."""
+  if ast.op is not Ops.SINK: return None
+  verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
+  c = match(ast)
+  if c is None or not applies(c, target): return None
+  t = choose(c, target)
+  body = render_mma(c, t, name) if t.kind == "mma" else render_simt(c, t, name)
+  src = _header(c) + (MMA_PRELUDE if t.kind == "mma" else "") + body + "\n"
+  slots = sorted({c.a.slot, c.b.slot, c.c.slot})
+  typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
+  sizes = {int(u.arg): u.dtype.size for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}  # type: ignore[union-attr]
+  flops = 2 * c.m * c.n * c.k * c.batches
+  mem = c.batches * (c.m * c.k * c.a.dtype.itemsize + c.k * c.n * c.b.dtype.itemsize + c.m * c.n * c.c.dtype.itemsize)
+  return ProgramSpec(name=name, src=src, device="CUDA", ast=ast,  # type: ignore[arg-type]
+                     global_size=(-(-c.n // t.bn), -(-c.m // t.bm), max(1, c.batches)), local_size=(THREADS, 1, 1),
+                     globals=slots, outs=[c.c.slot], ins=[s for s in slots if s != c.c.slot], buf_count=len(slots),
+                     args=[KernelArg(slot=s, dtype=str(typ[s]), size=sizes.get(s, -1)) for s in slots],
+                     applied_opts=[str(t)], flops=flops, mem_bytes=mem)

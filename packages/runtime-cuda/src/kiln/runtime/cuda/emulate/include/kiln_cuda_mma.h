@@ -1,0 +1,67 @@
+// kiln CUDA emulation: the tensor-core and async-copy steps of render/cuda_matmul.py's tiled kernels, as plain C++.
+// ldmatrix and mma.sync are warp collectives: like the shuffles (kiln_cuda_warp.h) every thread leaves its operands in a
+// per-block slot, a barrier, each computes its own registers from its warp's slots as PTX defines the fragments, a barrier.
+// So every thread of the block must make the same calls in the same order (the tiled kernels do). cp.async copies at once
+// (commit and wait are no-ops): a missing wait or barrier does not show here; compute-sanitizer's racecheck on a GPU does.
+#pragma once
+#include <cstring>
+
+namespace kiln_emu {
+struct MmaSlot { unsigned u[6]; const unsigned char* p; };
+#ifdef KILN_EMU_OS_THREADS
+static MmaSlot mma_slots[1024];
+#else
+static thread_local MmaSlot mma_slots[1024];
+#endif
+static inline unsigned lo16(unsigned v) { return v & 0xffffu; }
+static inline unsigned hi16(unsigned v) { return v >> 16; }
+static inline unsigned u32_at(const unsigned char* p) { unsigned v; std::memcpy(&v, p, 4); return v; }
+static inline unsigned u16_at(const unsigned char* p) { unsigned short v; std::memcpy(&v, p, 2); return v; }
+// x4: lanes 8q..8q+7 give the 8 row addresses of matrix q; lane l gets row l/4, 16-bit columns 2(l%4), 2(l%4)+1 of each
+// (.trans: of each matrix's transpose, so original rows 2(l%4) and 2(l%4)+1 at column l/4)
+static inline void ldmatrix_x4(unsigned (&r)[4], const void* p, bool trans) {
+  int t = flat_tid(), lane = t & 31, w = t & ~31;
+  mma_slots[t].p = (const unsigned char*)p;
+  sync();
+  for (int q = 0; q < 4; q++) {
+    if (!trans) r[q] = u32_at(mma_slots[w + 8 * q + lane / 4].p + 4 * (lane % 4));
+    else r[q] = u16_at(mma_slots[w + 8 * q + 2 * (lane % 4)].p + 2 * (lane / 4))
+              | u16_at(mma_slots[w + 8 * q + 2 * (lane % 4) + 1].p + 2 * (lane / 4)) << 16;
+  }
+  sync();
+}
+// m16n8k16, A row-major 16x16 (4 registers of two 16-bit values), B "col" 16x8 (2 registers), float32 C/D 16x8 (4 floats)
+template <float (*Cvt)(uint16_t)> static inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  int t = flat_tid(), lane = t & 31, w = t & ~31;
+  for (int i = 0; i < 4; i++) mma_slots[t].u[i] = a[i];
+  mma_slots[t].u[4] = b[0]; mma_slots[t].u[5] = b[1];
+  sync();
+  int g = lane / 4, c2 = (lane % 4) * 2;
+  for (int h = 0; h < 4; h++) {
+    int row = g + (h / 2) * 8, col = c2 + (h % 2);
+    float acc = d[h];
+    for (int k = 0; k < 16; k++) {
+      unsigned av = mma_slots[w + (row % 8) * 4 + (k % 8) / 2].u[(row >= 8) + 2 * (k >= 8)];
+      unsigned bv = mma_slots[w + col * 4 + (k % 8) / 2].u[4 + (k >= 8)];
+      acc = std::fma(Cvt((uint16_t)(k % 2 ? hi16(av) : lo16(av))), Cvt((uint16_t)(k % 2 ? hi16(bv) : lo16(bv))), acc);
+    }
+    d[h] = acc;
+  }
+  sync();
+}
+}  // namespace kiln_emu
+
+static inline void kiln_cp_async16(void* smem, const void* gmem, bool ok) {
+  if (ok) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+static inline void kiln_cp_async_commit() {}
+static inline void kiln_cp_async_wait0() {}
+static inline void kiln_cp_async_wait1() {}
+static inline void kiln_ldmatrix_x4(unsigned (&r)[4], const void* p) { kiln_emu::ldmatrix_x4(r, p, false); }
+static inline void kiln_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { kiln_emu::ldmatrix_x4(r, p, true); }
+static inline void kiln_mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  kiln_emu::mma_m16n8k16<kiln_emu::f16_to_f32>(d, a, b);
+}
+static inline void kiln_mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  kiln_emu::mma_m16n8k16<kiln_emu::bf16_to_f32>(d, a, b);
+}

@@ -1,0 +1,329 @@
+"""kiln on a real NVIDIA GPU: what scripts/gpu-check runs there (nothing here runs without one).
+
+  python gpu_check.py info         the device, driver, toolkit
+  python gpu_check.py conformance  every conformance kernel compiled for this GPU, run, compared with the reference evaluator
+  python gpu_check.py plans        executor plans on CUDA: matmul + relu, softmax, reductions, against numpy
+  python gpu_check.py probes       driver probes, each in its own process: exit status 0 at process end with no pycuda
+                                   complaint, plans run from worker threads, two runtimes' contexts, a fault's report
+  python gpu_check.py bench        kiln against torch on this GPU (see gpu_bench.py)
+
+Each section prints one line per check ("ok"/"FAIL ...") and exits non-zero when any check failed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+FAILS: list[str] = []
+
+
+def check(name: str, fn: Callable[[], str | None]) -> None:
+  t0 = time.perf_counter()
+  try:
+    msg = fn()
+    print(f"ok    {name} ({time.perf_counter() - t0:.2f} s){': ' + msg if msg else ''}", flush=True)
+  except BaseException as e:  # a check's failure is reported, and the others still run
+    FAILS.append(name)
+    print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+
+
+def info() -> None:
+  from kiln.runtime.cuda.compiler import find_nvcc, nvcc_version
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  d = rt.dev
+  print(f"device: {d.name()} cc {d.compute_capability()} arch {rt.arch}, {d.total_memory() >> 20} MiB,"
+        f" driver {rt.drv.get_driver_version()}, nvcc {nvcc_version(find_nvcc() or 'nvcc')}")
+  attrs = rt.drv.device_attribute
+  print(f"  SMs {d.get_attribute(attrs.MULTIPROCESSOR_COUNT)}, L2 {d.get_attribute(attrs.L2_CACHE_SIZE) >> 20} MiB,"
+        f" smem/block optin {d.get_attribute(attrs.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) >> 10} KiB")
+
+
+def conformance() -> None:
+  from kiln.codegen.conformance import cases, mismatches
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  for case in cases():
+    def one(case=case) -> str | None:
+      spec = rt.renderer.render(case.ast, case.opts)
+      prog = rt.load(rt.compiler.compile(spec))
+      bufs = case.fresh()
+      order = list(spec.globals) if spec.globals else list(range(len(bufs)))
+      dev = [rt.allocator.alloc(max(1, b.nbytes)) for b in (bufs[s] for s in order)]
+      try:
+        for d, s in zip(dev, order): rt.allocator.copyin(d, memoryview(np.ascontiguousarray(bufs[s])).cast("B"))
+        prog([d.ptr for d in dev], [case.var_vals[n] for n in spec.var_names], wait=True)
+        for d, s in zip(dev, order): rt.allocator.copyout(memoryview(bufs[s]).cast("B"), d)
+      finally:
+        for d, s in zip(dev, order): rt.allocator.free(d, max(1, bufs[s].nbytes))
+      if errs := mismatches(case, bufs): raise AssertionError("\n".join(errs[:8]))
+      return None
+    check(f"conformance {case.name}", one)
+  rt.synchronize()
+
+
+def _plan(build: Callable, feeds: dict, want: Callable) -> Callable[[], str]:
+  def run() -> str:
+    plan, ins, out = build()
+    for k, v in feeds.items(): ins[k].copyin(v)
+    plan.execute()
+    got = out.numpy()
+    ref = want(**feeds)
+    err = float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
+    if not err < 1e-5 or not np.isfinite(got).all(): raise AssertionError(f"relative error {err:.3g}")
+    return f"rel err {err:.2g}"
+  return run
+
+
+def _f32_out(ast):
+  """A float16 matmul whose float32 sum is stored as float32 (no rounding to half: the check sees the sum's own error)."""
+  from kiln.ir import UOp
+  from kiln.ir.dtype import dtypes
+  from kiln.ir.ops import Ops
+  st = ast.src[0]
+  g = st.src[0].src[0]
+  g32 = UOp(Ops.DEFINE_GLOBAL, dtypes.float32.ptr(g.dtype.size), (), g.arg)
+  red = st.src[1].src[0]
+  return UOp.sink(g32.index(st.src[0].src[1]).store(red), name="matmul16")
+
+
+def plans() -> None:
+  from kiln.executor import Buffer, ExecutionPlanBuilder
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.ir.ops import Ops
+  rng = np.random.default_rng(0)
+
+  def mm(m: int, n: int, k: int) -> Callable:
+    def build():
+      b = ExecutionPlanBuilder("CUDA")
+      x, w = b.add_buffer(Buffer("CUDA", m * k, dtypes.float32)), b.add_buffer(Buffer("CUDA", k * n, dtypes.float32))
+      h, y = b.add_buffer(Buffer("CUDA", m * n, dtypes.float32)), b.add_buffer(Buffer("CUDA", m * n, dtypes.float32))
+      b.add_kernel(kernels.matmul(m, n, k), [h, x, w])
+      b.add_kernel(kernels.elementwise(lambda v: v.maximum(0.0), dtypes.float32, ((m * n,), dtypes.float32), name="relu"), [y, h])
+      b.set_outputs([y])
+      plan = b.build()
+      return plan, {"a": plan_buf(plan, b, x), "b": plan_buf(plan, b, w)}, plan_buf(plan, b, y)
+    return build
+
+  def plan_buf(plan, b, i):  # the Buffer the builder holds for id i
+    return b.buffers[i]
+
+  for m, n, k in ((64, 64, 64), (1000, 300, 700), (1024, 1024, 1024), (129, 67, 250)):
+    a, bb = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    check(f"plan matmul+relu {m}x{n}x{k}", _plan(mm(m, n, k), {"a": a, "b": bb},
+                                                  lambda a, b: np.maximum(a.astype(np.float64) @ b, 0).reshape(-1)))
+  for m, n, k, batch in ((256, 128, 64, ()), (1000, 136, 520, ()), (64, 64, 64, (3,)), (4096, 4096, 4096, ())):
+    a16 = rng.standard_normal((*batch, m, k)).astype(np.float16)
+    b16 = rng.standard_normal((*batch, k, n)).astype(np.float16)
+    def build16(m=m, n=n, k=k, batch=batch):
+      b = ExecutionPlanBuilder("CUDA")
+      nb = int(np.prod(batch)) if batch else 1
+      x, w = b.add_buffer(Buffer("CUDA", nb * m * k, dtypes.float16)), b.add_buffer(Buffer("CUDA", nb * k * n, dtypes.float16))
+      y = b.add_buffer(Buffer("CUDA", nb * m * n, dtypes.float32))
+      ast = kernels.matmul(m, n, k, dtypes.float16, batch=batch, acc_dtype=dtypes.float32)
+      b.add_kernel(_f32_out(ast), [y, x, w])
+      b.set_outputs([y])
+      return b.build(), {"a": b.buffers[x], "b": b.buffers[w]}, b.buffers[y]
+    check(f"plan matmul f16->f32 {batch}{m}x{n}x{k}", _plan(build16, {"a": a16, "b": b16},
+                                                            lambda a, b: (a.astype(np.float64) @ b.astype(np.float64)).reshape(-1)))
+
+  def single(ast, shape_in, shape_out, ref, name):
+    x = rng.standard_normal(shape_in).astype(np.float32)
+    def build():
+      b = ExecutionPlanBuilder("CUDA")
+      i, o = b.add_buffer(Buffer("CUDA", int(np.prod(shape_in)), dtypes.float32)), b.add_buffer(Buffer("CUDA", int(np.prod(shape_out)), dtypes.float32))
+      b.add_kernel(ast, [o, i])
+      b.set_outputs([o])
+      return b.build(), {"x": b.buffers[i]}, b.buffers[o]
+    check(name, _plan(build, {"x": x}, lambda x: ref(x.astype(np.float64)).reshape(-1)))
+
+  def sm(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+  for rows, cols in ((8192, 128), (4096, 1024), (100, 3000)):
+    single(kernels.softmax((rows, cols), dtypes.float32), (rows, cols), (rows, cols), sm, f"plan softmax {rows}x{cols}")
+    single(kernels.reduce(Ops.ADD, (rows, cols), dtypes.float32, axes=1), (rows, cols), (rows,), lambda x: x.sum(1),
+           f"plan row sum {rows}x{cols}")
+  for n in (1 << 24, 1000003):
+    single(kernels.reduce(Ops.ADD, (n,), dtypes.float32), (n,), (1,), lambda x: x.sum(keepdims=True), f"plan full sum {n}")
+  single(kernels.elementwise(lambda v: v.exp2(), dtypes.float32, ((1 << 22,), dtypes.float32), name="exp2"), (1 << 22,),
+         (1 << 22,), np.exp2, "plan exp2 4M")
+
+
+def _tiled_cases():
+  """(name, m, n, k, batch, dtype) of the tiled matmul shapes checked on the device: edges off every tile size, batches,
+  each input dtype."""
+  return [("simt-odd", 129, 67, 250, (), "float32"), ("simt-small", 16, 16, 16, (), "float32"), ("simt-batch", 100, 96, 72, (2, 3), "float32"),
+          ("simt-big", 1024, 1024, 1024, (), "float32"), ("mma-f16", 1000, 136, 520, (), "float16"), ("mma-f16-batch", 64, 64, 64, (3,), "float16"),
+          ("mma-bf16", 256, 256, 256, (), "bfloat16"), ("mma-f16-edge", 130, 264, 40, (), "float16"), ("simt-f16-odd", 33, 45, 27, (), "float16")]
+
+
+def tiled() -> None:
+  """The tiled matmul kernels (render/cuda_matmul.py) straight through the runtime, outputs poisoned first, against float64."""
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  rng = np.random.default_rng(1)
+  small = os.environ.get("KILN_GPU_CHECK_SMALL") == "1"  # under compute-sanitizer: the big shapes would take minutes
+  for name, m, n, k, batch, dt in _tiled_cases():
+    if small and m * n * k > 1 << 26: continue
+    def one(m=m, n=n, k=k, batch=batch, dt=dt) -> str:
+      kdt = getattr(dtypes, dt)
+      spec = rt.renderer.render(kernels.matmul(m, n, k, kdt, batch=batch, acc_dtype=dtypes.float32))
+      prog = rt.load(rt.compiler.compile(spec))
+      a32, b32 = rng.standard_normal((*batch, m, k)).astype(np.float32), rng.standard_normal((*batch, k, n)).astype(np.float32)
+      if dt == "bfloat16":
+        a, b = (a32.view(np.uint32) >> 16).astype(np.uint16), (b32.view(np.uint32) >> 16).astype(np.uint16)
+        a64, b64 = (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64), (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        out = np.full((*batch, m, n), 0xFFFF, np.uint16)
+      else:
+        a, b = a32.astype(dt), b32.astype(dt)
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        out = np.full((*batch, m, n), np.nan, dt)
+      bufs = {spec.outs[0]: out, spec.ins[0]: a, spec.ins[1]: b}
+      dev = {s: rt.allocator.alloc(x.nbytes) for s, x in bufs.items()}
+      for s, x in bufs.items(): rt.allocator.copyin(dev[s], memoryview(np.ascontiguousarray(x)).cast("B"))
+      t = prog([dev[s].ptr for s in spec.globals], [], wait=True)
+      rt.allocator.copyout(memoryview(out).cast("B"), dev[spec.outs[0]])
+      for s, x in bufs.items(): rt.allocator.free(dev[s], x.nbytes)
+      got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64) if dt == "bfloat16" else out.astype(np.float64)
+      ref = a64 @ b64
+      err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+      tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dt]
+      if not np.isfinite(got).all() or not err < tol: raise AssertionError(f"{spec.applied_opts}: rel err {err:.3g} (tol {tol})")
+      return f"{spec.applied_opts[0]} rel err {err:.2g}, {t * 1e6:.0f} us"
+    check(f"tiled {name} {batch}{m}x{n}x{k} {dt}", one)
+
+
+def sass() -> None:
+  """What nvcc made of the tiled matmuls: registers, spills, and the instructions that should be there (cuobjdump)."""
+  import shutil
+  import tempfile
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  nvcc = shutil.which("nvcc") or "nvcc"
+  for s, dt in ((4096, "float32"), (1024, "float32"), (4096, "float16"), (4096, "bfloat16")):
+    def one(s=s, dt=dt) -> str:
+      spec = rt.renderer.render(kernels.matmul(s, s, s, getattr(dtypes, dt), acc_dtype=dtypes.float32))
+      with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.cu", "w") as f: f.write(spec.src)
+        r = subprocess.run([nvcc, f"-arch={rt.arch}", "-cubin", "-o", f"{d}/k.cubin", "--resource-usage", f"{d}/k.cu"], capture_output=True, text=True)
+        if r.returncode: raise AssertionError(r.stderr[-2000:])
+        sass = subprocess.run([os.path.join(os.path.dirname(nvcc), "cuobjdump"), "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
+      use = [ln.split(" : ", 1)[-1].strip() for ln in r.stderr.splitlines() if "Used" in ln or "spill" in ln]
+      counts = {i: sass.count(i) for i in ("HMMA", "FFMA", "LDSM", "LDGSTS", "LDG.E.128", "LDS.128", "LDL", "STL")}
+      if counts["LDL"] or counts["STL"]: raise AssertionError(f"local memory in the inner loop: {counts}")
+      return f"{spec.applied_opts[0]}: {'; '.join(use)}; {counts}"
+    check(f"sass matmul {s} {dt}", one)
+
+
+PROBE = r"""
+import sys, threading, numpy as np
+from kiln.executor import Buffer, ExecutionPlanBuilder
+from kiln.ir import kernels
+from kiln.ir.dtype import dtypes
+what = sys.argv[1]
+def run_plan(n=4096):
+  b = ExecutionPlanBuilder("CUDA")
+  i, o = b.add_buffer(Buffer("CUDA", n, dtypes.float32)), b.add_buffer(Buffer("CUDA", n, dtypes.float32))
+  b.add_kernel(kernels.elementwise(lambda v: v * 2.0 + 1.0, dtypes.float32, ((n,), dtypes.float32), name="affine"), [o, i])
+  b.set_outputs([o])
+  plan = b.build()
+  x = np.arange(n, dtype=np.float32)
+  b.buffers[i].copyin(x)
+  plan.execute()
+  got = b.buffers[o].numpy()
+  assert (got == x * 2 + 1).all(), got[:8]
+  return plan
+def in_thread(fn):
+  err = []
+  def body():
+    try: fn()
+    except BaseException as e: err.append(e)
+  t = threading.Thread(target=body); t.start(); t.join()
+  if err: raise err[0]
+if what == "main_thread": run_plan()
+elif what == "worker_threads":
+  plan = run_plan()
+  in_thread(run_plan)
+  in_thread(plan.execute)
+  ts = [threading.Thread(target=run_plan) for _ in range(4)]
+  [t.start() for t in ts]; [t.join() for t in ts]
+elif what == "two_runtimes":
+  from kiln.runtime.cuda.driver import CUDARuntime
+  a, b = CUDARuntime("CUDA:0"), CUDARuntime("CUDA:0")
+  x = a.allocator.alloc(64); y = b.allocator.alloc(64)
+  a.allocator.copyin(x, memoryview(bytearray(range(64)))); b.allocator.copy(y, x, 64)
+  out = bytearray(64); b.allocator.copyout(memoryview(out), y)
+  assert out == bytearray(range(64))
+  in_thread(lambda: a.allocator.free(x, 64)); b.allocator.free(y, 64)
+  run_plan()
+elif what == "torch_first":  # the user's torch already made the primary context current
+  import torch
+  t = torch.ones(10, device="cuda")
+  run_plan()
+  assert float(t.sum()) == 10
+elif what == "fault":
+  from kiln.ir import UOp
+  from kiln.ir.errors import DeviceError
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  src = 'extern "C" __global__ void bad(float* p) { p[threadIdx.x] = 1.0f; }'
+  from kiln.runtime.cuda.compiler import CUDACompiler
+  _, binary = rt.compiler.compile_src(src, "bad")
+  mod = None
+  try:
+    with rt.current():
+      mod = rt.drv.module_from_buffer(binary); fn = mod.get_function("bad")
+      import struct
+      fn._launch_kernel((1, 1, 1), (1, 1, 1), struct.pack("=Q", 0), 0, None)
+    rt.synchronize()
+    raise AssertionError("the fault was not reported")
+  except DeviceError as e:
+    assert "illegal" in str(e).lower() and "dead" in str(e), e
+    print("reported:", e)
+  try:
+    run_plan(); raise AssertionError("a plan ran on a dead context")
+  except Exception as e: print("after the fault:", type(e).__name__, str(e)[:200])
+  sys.exit(0)
+print(what, "ok")
+"""
+
+
+def probes() -> None:
+  for what in ("main_thread", "worker_threads", "two_runtimes", "torch_first", "fault"):
+    def one(what=what) -> str:
+      r = subprocess.run([sys.executable, "-c", PROBE, what], capture_output=True, text=True, timeout=300)
+      bad = [ln for ln in r.stderr.splitlines() if "PyCUDA" in ln or "pycuda" in ln.lower() and "warn" in ln.lower()]
+      if what == "fault":  # after a sticky error pycuda's own destructors warn that they could not unload from the dead context
+        bad = [ln for ln in bad if "clean-up operation failed" not in ln]
+      if r.returncode != 0 or bad: raise AssertionError(f"exit {r.returncode}; stdout {r.stdout[-800:]!r}; stderr {r.stderr[-1500:]!r}")
+      return r.stdout.strip().splitlines()[-1][:200] if r.stdout.strip() else ""
+    check(f"probe {what}", one)
+
+
+def main(argv: list[str]) -> int:
+  os.environ.setdefault("KILN_CACHE_DIR", "/tmp/kiln-gpu-cache")
+  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass}
+  for what in argv or ["info", "conformance", "plans", "probes"]:
+    if what.startswith("bench"):  # bench, or bench:ROWS (rows whose names contain ROWS: add, row, soft, mm, launch)
+      sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+      import gpu_bench
+      gpu_bench.main(what.split(":")[1:])
+      continue
+    print(f"== {what}", flush=True)
+    sections[what]()
+  print(f"{len(FAILS)} failed" + (": " + ", ".join(FAILS) if FAILS else ""))
+  return 1 if FAILS else 0
+
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1:]))
