@@ -3,6 +3,7 @@ kernel cache, derives dependencies from buffer hazards, groups ops into levels, 
 and binds each kernel to its buffer addresses, giving an ExecutionPlan."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.opt import Opt
+from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor import tune as tuning
 from kiln.executor.buffer import Buffer, Storage
@@ -18,7 +20,7 @@ from kiln.executor.execution import ExecutionPlan
 from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
 from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
 from kiln.executor.recipe import BufferRecipe, PlanRecipe
-from kiln.executor.schedule import Access, Lifetime, conflict, hazard_deps, levels, plan_reuse
+from kiln.executor.schedule import HOST, Access, Engine, Lifetime, conflict, hazard_deps, levels, plan_reuse, queue_waits
 from kiln.ir.errors import CodegenError, KilnBufferError, PlanError, VariableBoundsError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -29,6 +31,7 @@ from kiln.ir.uop import UOp
 class _KernelOp:
   id: int; ast: UOp; buffers: list[int]; fixedvars: dict[str, int]; deps: list[int]; name: str; opts: list[Opt] | None = None
   tune: bool | None = None
+  device: str | None = None  # where it runs; None: where its buffers are
 
 @dataclass
 class _CopyOp:
@@ -41,6 +44,10 @@ class _ViewOp:
 @dataclass
 class _CustomOp:
   id: int; fn: Callable[..., Any]; buffers: list[int]; outputs: list[int] | None; deps: list[int]
+
+
+class DeviceMismatchError(PlanError):
+  """A kernel's buffers are not all on the device it runs on (add_copy them there first). Names the kernel, slot and buffer."""
 
 
 def _op_label(op: Any) -> str:
@@ -68,22 +75,26 @@ class ExecutionPlanBuilder:
     return len(self.buffers) - 1
 
   def add_kernel(self, ast: UOp, buffers: Sequence[int], fixedvars: Mapping[str, int] | None = None, deps: Sequence[int] | None = None,
-                 opts: Sequence[Opt] | None = None, tune: bool | None = None) -> int:
+                 opts: Sequence[Opt] | None = None, tune: bool | None = None, device: str | DeviceSpec | None = None) -> int:
     """Slot i of the AST binds plan buffer buffers[i]. `opts` replaces the heuristic's optimisation options for this kernel
     ([] means none; the kernel cache keys on them). `tune=True` chooses them by timing candidates at build() on the
     plan's buffers (kiln.executor.tune: it writes the kernel's outputs, within KILN_TUNE_BUDGET seconds, remembered in
-    the cache directory); None follows KILN_TUNE, False never tunes. Returns the op id."""
+    the cache directory); None follows KILN_TUNE, False never tunes. `device` is where it runs (None: where its buffers
+    are); every buffer it binds must be there, else build() raises DeviceMismatchError. Returns the op id."""
     if not isinstance(ast, UOp): raise PlanError(f"add_kernel takes a kernel AST (UOp), got {type(ast).__name__}")
     name = ast.arg if ast.op is Ops.SINK and isinstance(ast.arg, str) else f"kernel{len(self.ops)}"
+    dev = None if device is None else str(DeviceSpec.parse(device))
     if opts is not None:
       if isinstance(opts, (str, bytes)) or not isinstance(opts, Sequence) or not all(isinstance(o, Opt) for o in opts):
         raise PlanError(f"kernel {len(self.ops)} '{name}': opts must be a list of kiln.codegen.opt.Opt, got {opts!r}")
       opts = list(opts)
       if tune: raise PlanError(f"kernel {len(self.ops)} '{name}': tune=True chooses the opts itself; pass opts or tune, not both")
-    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts, tune))
+    self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts, tune, dev))
     return len(self.ops) - 1
 
   def add_copy(self, dst: int, src: int, deps: Sequence[int] | None = None) -> int:
+    """dst <- src, byte for byte (equal byte sizes), between any two devices: host->device, device->host, device->device
+    (on one GPU the device copies it; between two it goes through the host). Returns the op id."""
     if self._in_range(dst) and self._in_range(src) and not self._is_view_target(dst) and not self._is_view_target(src):
       _check_copy(self.buffers[dst], self.buffers[src], dst, src)
     self.ops.append(_CopyOp(len(self.ops), dst, src, list(deps or [])))
@@ -183,12 +194,14 @@ class _Builder:
     # dependencies: hazards on storage byte ranges, plus explicit ones (onto views: nothing to wait for)
     pos = {op.id: i for i, op in enumerate(exec_ops)}
     deps = hazard_deps(accesses)
-    for i, op in enumerate(exec_ops): deps[i] |= {pos[d] for d in op.deps if d in pos}
+    explicit = [{pos[d] for d in op.deps if d in pos} for op in exec_ops]
+    for i in range(len(exec_ops)): deps[i] |= explicit[i]
     lv = levels(deps, [_op_label(op) for op in exec_ops])
     for li, group in enumerate(lv):
       for i in group:
         p = prepared[exec_ops[i].id]
         p.level, p.dependencies = li, sorted(exec_ops[j].id for j in deps[i])
+    lv = self._across_devices(exec_ops, prepared, lv, deps, explicit, accesses)
     op_levels = [[exec_ops[i].id for i in g] for g in lv]
     naive = self._plan_memory(exec_ops, accesses, lv)
     for buf in self.buffers: buf.ensure_allocated()
@@ -209,16 +222,13 @@ class _Builder:
       raise PlanError(f"{label} takes {nslots} buffers (DEFINE_GLOBAL slots 0..{nslots - 1}), got {len(op.buffers)}")
     if not any(u.op is Ops.STORE for u in nodes): raise PlanError(f"{label} has no outputs (it stores to no buffer)")
     binds = {u.src[0].arg[0]: int(u.src[1].arg) for u in nodes if u.op is Ops.BIND}
-    for i, bi in enumerate(op.buffers):
-      buf = self.buffers[bi]
-      if buf.device != self.b.device:
-        raise PlanError(f"{label} slot {i}: buffer {bi} is on {buf.device}, the plan's kernels run on {self.b.device}; add_copy it first")
+    device = self._kernel_device(op, label)
     tuned = op.opts is None and (op.tune or (op.tune is None and self.tune_all))
     try:
       if tuned:  # the stored choice, else the heuristic's kernel now and a search once the buffers exist
-        kernel, origin, known = tuning.compile_choice(op.ast, self.b.device)
+        kernel, origin, known = tuning.compile_choice(op.ast, device)
         if not known: self.to_tune.append(op)
-      else: kernel, origin = compile_kernel_with_origin(op.ast, self.b.device, op.opts)
+      else: kernel, origin = compile_kernel_with_origin(op.ast, device, op.opts)
     except CodegenError as e:
       if op.opts is None: raise
       raise CodegenError(f"{label}: its opts {[str(o) for o in op.opts]} do not fit the kernel: {e}") from e
@@ -243,7 +253,7 @@ class _Builder:
         raise VariableBoundsError(f"{label}: fixed variable {n}={v} is outside bounds [{rv.min}, {rv.max}]")
     fixed = {n: v for n, v in fixed.items() if n in kernel.var_names}
     vals = [fixed[n] if n in fixed else (bounds[n].min if n in bounds else 0) for n in kernel.var_names]
-    pk = PreparedKernel(id=op.id, ast=op.ast, kernel=kernel, device=DeviceSpec.parse(self.b.device),
+    pk = PreparedKernel(id=op.id, ast=op.ast, kernel=kernel, device=DeviceSpec.parse(device),
                         buffer_indices=[op.buffers[s] for s in kernel.globals],
                         output_indices=[i for i, s in enumerate(kernel.globals) if s in kernel.outs], vals=vals, fixedvars=fixed,
                         dependencies=[], buffer_ptrs=[], buffer_ids=[], runtime_vars=[bounds[n] for n in kernel.var_names if n in bounds],
@@ -256,6 +266,24 @@ class _Builder:
       if w: acc.append(Access(buf.storage_id, *buf.byte_range, True))
       if r: acc.append(Access(buf.storage_id, *buf.byte_range, False))
     return pk, acc
+
+  def _kernel_device(self, op: _KernelOp, label: str) -> str:
+    """Where the kernel runs: op.device, else the device all its buffers are on. A buffer elsewhere (or a kernel on a
+    device that only holds data) is a DeviceMismatchError naming the kernel, the slot, the buffer and both devices."""
+    devs = [self.buffers[bi].device for bi in op.buffers]
+    if op.device is not None: dev = op.device
+    elif all(d == self.b.device for d in devs): dev = self.b.device
+    else:  # the buffers decide: the plan's device if one of them is there, else the first output's (slot 0's) device
+      dev = self.b.device if self.b.device in devs else devs[0]
+    for i, (bi, d) in enumerate(zip(op.buffers, devs)):
+      if d != dev:
+        others = sorted(set(devs) - {dev})
+        raise DeviceMismatchError(f"{label} runs on {dev}{'' if op.device is not None else ' (where its other buffers are)'}, but slot {i}: "
+                                  f"buffer {bi} is on {d}; a kernel's buffers must all be on its device (this one's are on "
+                                  f"{', '.join([dev, *others])}): add_copy it first, to a buffer on {dev}")
+    if dev.startswith("DISK"):
+      raise DeviceMismatchError(f"{label}: its buffers are on {dev}, which holds data and runs no kernels: add_copy them to CPU first")
+    return dev
 
   def _tune(self, prepared: dict[int, Any], accesses: list[list[Access]]) -> None:
     """Search the kernels without a stored choice on their allocated buffers; a winner other than the heuristic is
@@ -277,7 +305,58 @@ class _Builder:
     d, s = self._idx(op.dst, f"copy {op.id} dst"), self._idx(op.src, f"copy {op.id} src")
     db, sb = self.buffers[d], self.buffers[s]
     _check_copy(db, sb, d, s)
-    return PreparedCopy(op.id, d, s, db.nbytes, []), [Access(db.storage_id, *db.byte_range, True), Access(sb.storage_id, *sb.byte_range, False)]
+    return (PreparedCopy(op.id, d, s, db.nbytes, [], src_device=sb.device, dst_device=db.device),
+            [Access(db.storage_id, *db.byte_range, True), Access(sb.storage_id, *sb.byte_range, False)])
+
+  # ---- plans across devices ----
+  def _is_async(self, device: str) -> bool:
+    """Does the device run its work after the host has moved on (a CUDA GPU's stream), so another device or the host must
+    wait for it? A runtime may say so with `asynchronous`; by default CUDA is, CPU and DISK are not."""
+    if (known := self._async.get(device)) is None:
+      default = DeviceSpec.parse(device).kind == "CUDA"
+      known = self._async[device] = bool(getattr(get_runtime(device), "asynchronous", default)) if default else False
+    return known
+
+  def _engine(self, op: Any, p: Any) -> Engine:
+    if isinstance(p, PreparedKernel):
+      dev = str(p.device)
+      return Engine(issues=frozenset({dev}), ordered=frozenset({dev})) if self._is_async(dev) else HOST
+    if isinstance(p, PreparedCopy):
+      s, d = p.src_device, p.dst_device
+      sa, da = self._is_async(s), self._is_async(d)
+      if s == d and sa and _device_copy(self.buffers[p.dst], self.buffers[p.src]) is not None:
+        return Engine(issues=frozenset({d}), ordered=frozenset({d}))  # the device copies it, in its own order
+      # through the host: out of the source (returns with the data, after the device's earlier work), into the destination
+      return Engine(issues=frozenset({d} if da else ()), ordered=frozenset({q for q, a in ((s, sa), (d, da)) if a}),
+                    drains=frozenset({s} if sa else ()))
+    return Engine(raw=frozenset(self.buffers[i].device for i in p.buffer_indices if self._is_async(self.buffers[i].device)))
+
+  def _across_devices(self, exec_ops: list, prepared: Mapping[int, Any], lv: list[list[int]], deps: list[set[int]],
+                      explicit: list[set[int]], accesses: list[list[Access]]) -> list[list[int]]:
+    """Plans across devices: each op's engine, the order within a level (in a mixed plan: the device's launches first, then
+    the host's own work, then what waits for a device: copies through the host and host functions on device memory; so the
+    device computes while the host does), and where the host must wait for a device (each op's `waits`). A plan on one
+    device keeps its order and gets no waits unless a host function touches device memory."""
+    self._async: dict[str, bool] = {}
+    engines = [self._engine(op, prepared[op.id]) for op in exec_ops]
+    self._waits: dict[int, list[str]] = {}
+    if not any(e.issues or e.raw for e in engines): return lv
+    homes = {str(p.device) if isinstance(p, PreparedKernel) else "CPU" for p in prepared.values() if not isinstance(p, PreparedCopy)}
+    if len(homes) > 1:  # a mixed plan
+      def rank(i: int) -> int:
+        e = engines[i]
+        op = exec_ops[i]
+        if e.issues and not e.drains and (isinstance(op, _KernelOp) or self.buffers[op.dst].device == self.buffers[op.src].device):
+          return 0  # a launch (or a copy on one device): queued, the host goes on
+        return 2 if (e.ordered or e.raw) else 1  # a copy through the host or a host function on device memory waits: last
+      lv = [sorted(g, key=lambda i: (rank(i), i)) for g in lv]
+    dev_of = {b.storage_id: b.device for b in self.buffers}
+    queue_of = {sid: d for sid, d in dev_of.items() if self._is_async(d)}
+    order = [i for g in lv for i in g]
+    for i, qs in queue_waits(order, deps, explicit, accesses, queue_of, engines).items():
+      prepared[exec_ops[i].id].waits = qs
+      self._waits[exec_ops[i].id] = qs
+    return lv
 
   def _custom(self, op: _CustomOp) -> tuple[PreparedCustomFunction, list[Access]]:
     for i, bi in enumerate(op.buffers): self._idx(bi, f"{_op_label(op)} buffer {i}")
@@ -327,18 +406,30 @@ class _Builder:
         p.buffer_ptrs, p.buffer_ids = [b.ptr for b in bufs], [b.id for b in bufs]
         p.resize()
         p.bound = p.kernel.program.bind(p.buffer_ptrs, p.vals, p.global_size, p.local_size)
-      elif isinstance(p, PreparedCopy): p.run = self._copy_fn(self.buffers[p.dst], self.buffers[p.src])
-      else:
-        args = [self.buffers[i] for i in p.buffer_indices]
-        p.run = lambda fn=p.fn, args=args: fn(*args)
+        continue
+      run: Callable[[], Any]
+      if isinstance(p, PreparedCopy): run = self._copy_fn(self.buffers[p.dst], self.buffers[p.src])
+      else: run = functools.partial(p.fn, *[self.buffers[i] for i in p.buffer_indices])
+      p.run = _after(_syncs(p.waits), run)  # a copy's or host function's waits run inside it (execute_profiled too)
 
   @staticmethod
   def _copy_fn(dst: Buffer, src: Buffer) -> Callable[[], Any]:
     d, s = dst._host_bytes(), src._host_bytes()
     if d is not None and s is not None: return lambda: np.copyto(d, s)
-    tmp = np.empty(src.nbytes, np.uint8)  # staging allocated once, here, not on the fast path
-    if s is not None: return lambda: dst.copyin(s)
-    if d is not None: return lambda: src.copyout(d)
+    if (dev := _device_copy(dst, src)) is not None: return dev
+    # host <-> device through the allocator, on exactly the buffers' bytes (not a view's whole storage)
+    dr, sr = _region(dst), _region(src)
+    if s is not None:
+      if dr is not None:
+        a, m = dst.storage.allocator, memoryview(s)  # type: ignore[arg-type]
+        return lambda: a.copyin(dr, m)
+      return lambda: dst.copyin(s)
+    if d is not None:
+      if sr is not None:
+        a, m = src.storage.allocator, memoryview(d)  # type: ignore[arg-type]
+        return lambda: a.copyout(m, sr)
+      return lambda: src.copyout(d)
+    tmp = np.empty(src.nbytes, np.uint8)  # between two devices through the host: staging allocated once, here, not on the fast path
     return lambda: (src.copyout(tmp), dst.copyin(tmp))
 
   def _steps(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> list[Callable[[], Any]]:
@@ -349,8 +440,46 @@ class _Builder:
       safe = [p for p in ps if isinstance(p, PreparedKernel) and p.kernel.host_parallel_safe and
               (self.b.parallel or (self.b.parallel is None and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
       if self.b.parallel is False or len(safe) < 2: safe = []
-      if safe: steps.append(parallel([p.bound for p in safe if p.bound is not None]))
+      if safe:
+        steps.extend(_syncs(sorted({q for p in safe for q in p.waits})))  # a kernel's waits run before it (the group's before the group)
+        steps.append(parallel([p.bound for p in safe if p.bound is not None]))
       for p in ps:
         if p in safe: continue
-        steps.append(p.bound if isinstance(p, PreparedKernel) and p.bound is not None else p.run)
+        if isinstance(p, PreparedKernel) and p.bound is not None:
+          steps.extend(_syncs(p.waits))
+          steps.append(p.bound)
+        else: steps.append(p.run)
     return steps
+
+
+def _syncs(queues: Sequence[str]) -> list[Callable[[], Any]]:
+  """The calls that wait for each queue's (device's) work so far."""
+  return [get_runtime(q).synchronize for q in queues]
+
+
+def _after(syncs: list[Callable[[], Any]], run: Callable[[], Any]) -> Callable[[], Any]:
+  if not syncs: return run
+  def waited() -> Any:
+    for s in syncs: s()
+    return run()
+  return waited
+
+
+def _region(buf: Buffer) -> Any:
+  """The allocator handle of exactly buf's bytes (its storage's handle, or a view of it where the allocator makes views), or
+  None (then Buffer.copyin/copyout go through the whole storage)."""
+  st = buf.storage
+  if st.handle is None or st.allocator is None: return None
+  if buf.offset == 0 and buf.nbytes == st.nbytes: return st.handle
+  view = getattr(st.allocator, "view", None)
+  return view(st.handle, buf.offset, buf.nbytes) if view is not None else None
+
+
+def _device_copy(dst: Buffer, src: Buffer) -> Callable[[], Any] | None:
+  """A copy the device does itself (both buffers in one device's memory, an allocator with `copy`), or None."""
+  if dst.device != src.device or dst._host_bytes() is not None: return None
+  alloc = dst.storage.allocator
+  if alloc is None or alloc is not src.storage.allocator or getattr(alloc, "copy", None) is None: return None
+  dr, sr = _region(dst), _region(src)
+  if dr is None or sr is None: return None
+  return lambda: alloc.copy(dr, sr, dst.nbytes)

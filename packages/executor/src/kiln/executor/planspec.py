@@ -254,7 +254,7 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   for br in recipe.buffers:
     if br.storage.id not in sids: sids[br.storage.id] = len(stores); stores.append(br.storage)
   fed = {sids[recipe.buffers[b].storage.id] for b in inputs.values()}
-  dev = recipe.device
+  dev = _kernel_device(plan, recipe.device)
   target = target_key(dev, get_runtime(dev))
   buffers = [BufferEntry(storage=sids[br.storage.id], offset=br.offset, size=br.size, dtype=br.dtype.name) for br in recipe.buffers]
   ops = _op_entries(plan, recipe, target)
@@ -289,6 +289,18 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
                     outputs=[io(n, b) for n, b in outputs.items()], variables=dict(plan.var_bounds))
   except ValidationError as e: raise PlanSpecError(f"the plan does not make a valid spec: {e}") from None
   return spec, arrays
+
+
+def _kernel_device(plan: Any, default: str) -> str:
+  """The one device the plan's kernels run on (the spec's device and target key). A plan whose kernels run on two or more
+  devices is refused: a spec carries one target key and one device's object code."""
+  first: dict[str, Any] = {}
+  for pk in plan.kernels: first.setdefault(str(pk.device), pk)
+  if len(first) > 1:
+    where = "; ".join(f"{d} (first: kernel op {pk.id} '{pk.name}')" for d, pk in first.items())
+    raise PlanSpecError(f"this plan's kernels run on {len(first)} devices: {where}. A PlanSpec carries one device's kernels (one "
+                        "target key): export each device's part as its own plan, with the copies between them at the cuts")
+  return next(iter(first), default)
 
 
 def _contents_read(plan: Any, stores: list[Storage], buffers: list[BufferEntry], ops: list[KernelEntry | CopyEntry | ViewEntry]

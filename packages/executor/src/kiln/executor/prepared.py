@@ -41,6 +41,7 @@ class PreparedKernel:
   bound: BoundCall | None = None
   symbolic_sizes: bool = False
   opts: list[Opt] | None = None  # the options it was compiled with (None: the heuristic's; a tuned kernel holds its winner)
+  waits: list[str] = field(default_factory=list)  # devices synchronised before it runs (mixed plans: another device's work it needs)
   _sizes: dict[tuple[int, ...], tuple] = field(default_factory=dict, repr=False)
 
   @property
@@ -61,6 +62,8 @@ class PreparedKernel:
 
 @dataclass(eq=False)
 class PreparedCopy:
+  """dst <- src. Between the host and a device through the device's allocator (ordered after the device's earlier work;
+  returns when the host side is done), on one device by the device itself, between two devices through the host."""
   id: int
   dst: int
   src: int
@@ -68,9 +71,15 @@ class PreparedCopy:
   dependencies: list[int]
   level: int = 0
   run: Callable[[], Any] = lambda: None
+  src_device: str = "CPU"
+  dst_device: str = "CPU"
+  waits: list[str] = field(default_factory=list)  # devices synchronised before it runs
 
   @property
-  def name(self) -> str: return f"copy {self.src}->{self.dst}"
+  def name(self) -> str:
+    on_host = all(d == "CPU" or d.startswith("DISK") for d in (self.src_device, self.dst_device))
+    where = "" if on_host else f" {self.src_device}->{self.dst_device}"
+    return f"copy {self.src}->{self.dst}{where}"
 
 
 @dataclass(eq=False)
@@ -98,6 +107,7 @@ class PreparedCustomFunction:
   dependencies: list[int]
   level: int = 0
   run: Callable[[], Any] = lambda: None
+  waits: list[str] = field(default_factory=list)  # devices synchronised before it runs (it sees their earlier work done)
 
   @property
   def name(self) -> str: return getattr(self.fn, "__name__", "custom")

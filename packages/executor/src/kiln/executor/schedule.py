@@ -2,7 +2,7 @@
 intermediate buffers' memory between ops whose lifetimes do not overlap. Pure functions over op indices."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kiln.ir.errors import PlanError
@@ -39,6 +39,46 @@ def hazard_deps(accesses: Sequence[Sequence[Access]]) -> list[set[int]]:
       (writes if a.write else reads).append((i, a))
     deps.append(d)
   return deps
+
+
+@dataclass(frozen=True)
+class Engine:
+  """How an op meets the plan's asynchronous devices (queues: a CUDA device runs its kernels and device copies in launch order,
+  after the host has moved on). The host runs everything else to completion before the next op."""
+  issues: frozenset[str] = frozenset()  # queues on which it leaves work the host has not waited for (a CUDA kernel, a copy into CUDA)
+  ordered: frozenset[str] = frozenset()  # queues whose earlier work it follows without a host wait (it runs on them, or copies through them)
+  drains: frozenset[str] = frozenset()  # queues whose earlier work is done when it returns (a device->host copy returns with the data)
+  raw: frozenset[str] = frozenset()  # queues whose memory it touches from the host (a host function): it waits for their pending work
+
+
+HOST = Engine()
+
+
+def queue_waits(order: Sequence[int], deps: Sequence[set[int]], explicit: Sequence[set[int]], accesses: Sequence[Sequence[Access]],
+                queue_of: Mapping[int, str], engines: Sequence[Engine]) -> dict[int, list[str]]:
+  """For ops run in `order`, the queues to synchronise before each (op index -> sorted queue names; absent: none).
+
+  An op waits for queue Q when it depends on work still pending on Q and does not follow Q by itself: for a hazard, only
+  where the two ops conflict on memory of Q (a device->host copy's host side is done when it returns, so a CPU kernel
+  overwriting its destination waits for nothing); for an explicit dependency, all the work the other op left on any queue.
+  A host function touching Q's memory waits for whatever is pending there, this run's or the previous run's (memory reuse
+  can hand it memory an earlier op of Q used). `queue_of` maps a storage id to its queue (storages on asynchronous
+  devices only). A wait, or a copy that drains Q, clears Q's pending work."""
+  pending: dict[str, set[int]] = {q: {-1} for e in engines for q in e.issues | e.raw}  # -1: the previous run's work
+  waits: dict[int, list[str]] = {}
+  for i in order:
+    e, need = engines[i], set()
+    for j in deps[i]:
+      ej = engines[j]
+      if not ej.issues: continue
+      if j in explicit[i]: qs = set(ej.issues)
+      else: qs = {queue_of[a.storage] for a in accesses[j] for b in accesses[i] if a.storage in queue_of and conflict([a], [b])} & ej.issues
+      need |= {q for q in qs if q not in e.ordered and j in pending[q]}
+    need |= {q for q in e.raw if q not in e.ordered and pending[q]}
+    if need: waits[i] = sorted(need)
+    for q in need | e.drains: pending.setdefault(q, set()).clear()
+    for q in e.issues: pending[q].add(i)
+  return waits
 
 
 def conflict(a: Sequence[Access], b: Sequence[Access]) -> bool:
