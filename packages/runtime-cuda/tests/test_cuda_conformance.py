@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kiln.codegen.conformance import cases, mismatches
+from kiln.codegen.conformance import cases, for_spec, mismatches
 from kiln.codegen.render import CUDARenderer
 
 from .conftest import requires_cxx
@@ -30,4 +30,4 @@ def test_matches_reference(case, built):
   bufs = case.fresh()
   vals = [case.var_vals[n] for n in spec.var_names]
   prog.kernel(bufs, vals, *prog.sizes(vals))
-  assert not (errs := mismatches(case, bufs)), "\n".join(errs)
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), bufs)), "\n".join(errs)

@@ -420,9 +420,12 @@ def test_renderer_is_imported_lazily(fake, monkeypatch):
 
   class CUDARenderer:
     device = "CUDA"
+
+    def __init__(self, target=None): self.target = target
   mod.CUDARenderer = CUDARenderer  # type: ignore[attr-defined]
   monkeypatch.setitem(sys.modules, "kiln.codegen.render.cuda", mod)
   assert isinstance(rt.renderer, CUDARenderer) and rt.renderer is rt.renderer
+  assert rt.renderer.target.gpu_arch == 10 * rt.cc[0] + rt.cc[1]  # the GPU's own compute capability reaches the renderer
 
 
 # ---- the stand-in itself enforces pycuda's rules (so the tests below can fail) ----
@@ -630,3 +633,50 @@ def test_8_one_nvcc_process_per_kernel(monkeypatch):
   monkeypatch.setattr(cmod.subprocess, "run", counting)
   ptx, binary = CUDACompiler("sm_90", backend="nvcc").compile_src(EW_F32 + "\n// one process\n", "ew_f32")
   assert len(runs) == 1 and ".entry ew_f32(" in ptx and binary[:4] == struct.pack("<I", 0xBA55ED50)
+
+
+# ---- issue 16 (launch overhead): a plan's run makes the context current once, its launches push nothing ----
+def test_9_in_session_launches_push_nothing(fake):
+  rt = CUDARuntime("CUDA:0")
+  prog = rt.load(_compiled())
+  a, b = prog.bind([8, 16, 24], [1, 128]), prog.bind([32, 40, 48], [2, 300])
+  assert a.session == b.session == rt.session  # one session per runtime: the executor enters it once for both
+  n = len(fake)
+  with a.session():
+    a.in_session()
+    b.in_session()
+    b.in_session()
+  assert [c[0] for c in fake[n:]] == ["push", "launch", "launch", "launch", "pop"]
+  assert unpack(fake[n + 1][4]) == (8, 16, 24, 1, 128) and fake[n + 3][2:4] == ((3, 2, 1), (128, 1, 1))
+  drv = sys.modules["pycuda.driver"]
+  assert drv.Context.get_current() is None  # type: ignore[attr-defined]
+  with rt.current():  # a session inside a current context pushes nothing either
+    n = len(fake)
+    with rt.session(): a.in_session()
+    assert [c[0] for c in fake[n:]] == ["launch"]
+  a.set_vals([1, 0])  # an empty grid (n = 0): nothing is launched, in a session or not
+  n = len(fake)
+  with rt.session(): a.in_session()
+  a()
+  assert [c[0] for c in fake[n:]] == ["push", "pop"]
+
+  def worker():  # a session on another thread: that thread's own stack, left empty
+    with b.session(): b.in_session()
+  n = len(fake)
+  run_in_thread(worker)
+  assert [c[0] for c in fake[n:]] == ["push", "launch", "pop"]
+  assert drv._problems() == []  # type: ignore[attr-defined]
+
+
+def test_9_a_fault_in_a_session_is_mapped_and_pops_the_context(fake):
+  rt = CUDARuntime("CUDA:0")
+  prog = rt.load(_compiled())
+  a = prog.bind([8, 16, 24], [1, 128])
+  sys.modules["pycuda.driver"]._fault_next_launch()  # type: ignore[attr-defined]
+  with pytest.raises(RuntimeLaunchError, match="launching kernel k.*device context is dead"):
+    with rt.session():
+      a.in_session()  # the fault shows at the next call, as on a GPU
+      a.in_session()
+  assert sys.modules["pycuda.driver"].Context.get_current() is None and rt.dead is not None  # type: ignore[attr-defined]
+  with pytest.raises(DeviceError, match="device context is dead"):
+    with rt.session(): pass

@@ -294,7 +294,8 @@ def test_float16_sums():
 def test_heuristic_keeps_one_thread_per_output_where_a_tree_does_not_pay():
   r = CUDARenderer()
   assert r.render(kernels.reduce_sum((64, 1000), dtypes.float32, axes=0)).applied_opts[0].startswith("LOCAL")  # a column sum: coalesced
-  assert r.render(kernels.matmul(64, 64, 64)).applied_opts[0].startswith("LOCAL")  # a matmul: not a row reduction
+  assert r.render(kernels.matmul(64, 64, 64)).applied_opts[0].startswith("TILED_MATMUL")  # a matmul: its own tiled kernel
+  assert r.render(kernels.matmul(8, 64, 64)).applied_opts[0].startswith("LOCAL")  # too few rows to tile: not a row reduction
   assert r.render(kernels.reduce_sum((64, 16), dtypes.float32, axes=1)).applied_opts[0].startswith("LOCAL")  # rows under a warp
 
 

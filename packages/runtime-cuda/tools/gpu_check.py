@@ -45,7 +45,7 @@ def info() -> None:
 
 
 def conformance() -> None:
-  from kiln.codegen.conformance import cases, mismatches
+  from kiln.codegen.conformance import cases, for_spec, mismatches
   from kiln.runtime.cuda.driver import CUDARuntime
   rt = CUDARuntime("CUDA:0")
   for case in cases():
@@ -61,7 +61,7 @@ def conformance() -> None:
         for d, s in zip(dev, order): rt.allocator.copyout(memoryview(bufs[s]).cast("B"), d)
       finally:
         for d, s in zip(dev, order): rt.allocator.free(d, max(1, bufs[s].nbytes))
-      if errs := mismatches(case, bufs): raise AssertionError("\n".join(errs[:8]))
+      if errs := mismatches(for_spec(case, spec.applied_opts), bufs): raise AssertionError("\n".join(errs[:8]))
       return None
     check(f"conformance {case.name}", one)
   rt.synchronize()
@@ -226,6 +226,56 @@ def sass() -> None:
     check(f"sass matmul {s} {dt}", one)
 
 
+def mmatune() -> None:
+  """Times tensor-core tilings of the float16 matmul against each other and torch (events, median of 20 after warm-up)."""
+  import statistics
+  import torch
+  from kiln.codegen.render.cuda_matmul import Tiling, program
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+  drv = rt.drv
+  variants = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 128, 32, 2, 4, 4),
+              Tiling("mma", 128, 128, 32, 2, 4, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 3, 8), Tiling("mma", 256, 128, 32, 4, 2, 3, 8),
+              Tiling("mma", 128, 128, 64, 2, 2, 3, 8), Tiling("mma", 128, 128, 32, 2, 2, 4, 8), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
+              Tiling("mma", 256, 128, 64, 4, 2, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 4, 8)]
+  for s_ in (2048, 4096, 8192):
+    a = torch.randn(s_, s_, device="cuda", dtype=torch.float16)
+    b = torch.randn(s_, s_, device="cuda", dtype=torch.float16)
+    out = torch.empty(s_, s_, device="cuda", dtype=torch.float16)
+    ref = (a.float() @ b.float())
+    def timed(fn) -> float:
+      for _ in range(3): fn()
+      ts = []
+      for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(); fn(); e1.record(); e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+      return statistics.median(ts)
+    tt = timed(lambda: a @ b)
+    print(f"f16 {s_}: torch {tt * 1e6:.0f} us ({2 * s_ ** 3 / tt / 1e12:.0f} TFLOP/s)", flush=True)
+    for t in variants:
+      def one(t=t) -> str:
+        spec = program(kernels.matmul(s_, s_, s_, dtypes.float16, acc_dtype=dtypes.float32), rt.target(), "mm", t)
+        binary = rt.compiler.compile(spec).bytes
+        with rt.current():
+          mod = drv.module_from_buffer(binary)
+          fn = mod.get_function("mm")
+          if spec.shared_bytes: fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.shared_bytes)
+          grid, block = tuple(int(x) for x in spec.global_size), tuple(int(x) for x in spec.local_size)
+          import struct
+          args = struct.pack("=QQQ", out.data_ptr(), a.data_ptr(), b.data_ptr())
+          out.fill_(float("nan"))
+          fn._launch_kernel(grid, block, args, spec.shared_bytes, None)
+          torch.cuda.synchronize()
+          err = float((out.float() - ref).norm() / ref.norm())
+          tk = timed(lambda: fn._launch_kernel(grid, block, args, spec.shared_bytes, None))
+        if not err < 2e-3: raise AssertionError(f"rel err {err}")
+        return f"{tk * 1e6:.0f} us ({2 * s_ ** 3 / tk / 1e12:.0f} TFLOP/s, {tt / tk:.2f}x torch), err {err:.1e}"
+      check(f"mma {s_} {t}", one)
+
+
 PROBE = r"""
 import sys, threading, numpy as np
 from kiln.executor import Buffer, ExecutionPlanBuilder
@@ -313,7 +363,7 @@ def probes() -> None:
 
 def main(argv: list[str]) -> int:
   os.environ.setdefault("KILN_CACHE_DIR", "/tmp/kiln-gpu-cache")
-  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass}
+  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune}
   for what in argv or ["info", "conformance", "plans", "probes"]:
     if what.startswith("bench"):  # bench, or bench:ROWS (rows whose names contain ROWS: add, row, soft, mm, launch)
       sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,8 @@
 """The contracts every runtime implements. The executor talks to devices only through these."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -32,6 +33,18 @@ class BoundCall(Protocol):
 
   def __call__(self) -> None: ...
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None: ...
+
+
+@runtime_checkable
+class SessionCall(Protocol):
+  """Optional on a BoundCall, for a runtime whose every call needs setup that a run of many calls can share (CUDA: making the
+  device's context current on this thread). `session()` returns a context manager; inside `with call.session():`,
+  `call.in_session()` runs the kernel without that setup. Calls of one runtime have equal `session`s, so ExecutionPlan enters
+  one session around each run of them (on the thread that runs the plan) and calls in_session; a session must leave this
+  thread as it found it when it exits, normally or by an exception."""
+  session: Callable[[], AbstractContextManager[Any]]
+
+  def in_session(self) -> None: ...
 
 
 @runtime_checkable

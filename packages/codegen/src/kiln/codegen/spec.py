@@ -237,10 +237,12 @@ class BufferSpec(_Model):
 
 
 class KernelArg(_Model):
-  """One buffer argument of a kernel: its DEFINE_GLOBAL slot, element dtype and element count (-1 unknown)."""
+  """One buffer argument of a kernel: its DEFINE_GLOBAL slot, element dtype and element count (-1 unknown); align: the bytes
+  its address must be a multiple of when the kernel needs more than the element's size (16-byte vector loads), else 0."""
   slot: int = Field(ge=0)
   dtype: str
   size: int
+  align: int = Field(default=0, ge=0, le=4096)
 
   @field_validator("dtype")
   @classmethod
@@ -319,6 +321,7 @@ class ProgramSpec(_Model):
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
+  shared_bytes: int = Field(default=0, ge=0, le=1 << 20)  # GPU: dynamic shared memory per block the launch must give
 
   @model_validator(mode="after")
   def _consistent(self) -> ProgramSpec:
@@ -376,6 +379,7 @@ class CompiledSpec(_Model):
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
+  shared_bytes: int = Field(default=0, ge=0, le=1 << 20)  # GPU: dynamic shared memory per block (as ProgramSpec)
   compiler: str = ""
 
   @model_validator(mode="after")
@@ -406,4 +410,4 @@ class CompiledSpec(_Model):
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
                outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
                slots=spec.slots, scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
-               flops=spec.flops, mem_bytes=spec.mem_bytes, compiler=compiler)
+               flops=spec.flops, mem_bytes=spec.mem_bytes, shared_bytes=spec.shared_bytes, compiler=compiler)

@@ -7,8 +7,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
+from kiln.codegen.protocols import SessionCall
 from kiln.codegen.threads import CORE_ID, plan_ended, plan_started
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
@@ -18,6 +20,31 @@ from kiln.executor.recipe import PlanRecipe
 from kiln.ir.errors import PlanError, PlanPoisoned, VariableBoundsError
 
 
+def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = frozenset()
+                 ) -> list[tuple[Callable[[], AbstractContextManager[Any]] | None, list[Callable[[], Any]]]]:
+  """The steps in order, cut into runs of (session, callables). A bound call with a session (SessionCall: a CUDA launch) is
+  called through its in_session inside its runtime's session, entered once per run; a call of another runtime's session
+  starts a new run, so two devices' sessions never nest. The steps whose ids are in `outside` (the user's host functions)
+  run in no session: a session never reaches user code. Any other step (a copy, a CPU kernel) stays in the run around it: it
+  needs no session, or makes its own device's context current and restores it (every runtime's guard does)."""
+  runs: list[tuple[Any, list[Callable[[], Any]]]] = []
+  adoptable = False  # the last run is sessionless and holds no user function (the plan's first steps): a session may take it
+  for s in steps:
+    if id(s) in outside:
+      if not runs or runs[-1][0] is not None: runs.append((None, []))
+      runs[-1][1].append(s)
+      adoptable = False
+    elif isinstance(s, SessionCall):
+      if runs and adoptable: runs[-1] = (s.session, runs[-1][1])
+      elif not runs or runs[-1][0] is None or runs[-1][0] != s.session: runs.append((s.session, []))
+      runs[-1][1].append(s.in_session)
+      adoptable = False
+    else:
+      if not runs: runs, adoptable = [(None, [])], True
+      runs[-1][1].append(s)
+  return runs
+
+
 class ExecutionPlan:
   """A built plan. Safe to share between threads: execute(), set_vars() and execute_with_vars() on one plan are serialised
   (a plan's buffers, bound calls and threaded-reduction scratch are single-use), so each run is whole and consistent."""
@@ -25,7 +52,8 @@ class ExecutionPlan:
   def __init__(self, buffers: list[Buffer], ops: list[PreparedOp], op_levels: list[list[int]], outputs: list[int],
                steps: list[Callable[[], Any]], memory_without_reuse: int):
     self.buffers, self.prepared_ops, self.op_levels, self.outputs = buffers, ops, op_levels, outputs
-    self._steps = steps
+    self._user_fns = frozenset(id(p.run) for p in ops if isinstance(p, PreparedCustomFunction))  # run outside any session
+    self._steps = steps  # (sets _runs)
     by_id = {p.id: p for p in ops}
     self._order: list[PreparedKernel | PreparedCopy | PreparedCustomFunction] = [by_id[i] for g in op_levels for i in g]  # type: ignore[misc]
     self.kernels: list[PreparedKernel] = [p for p in self._order if isinstance(p, PreparedKernel)]
@@ -51,6 +79,14 @@ class ExecutionPlan:
     self.recipe: PlanRecipe | None = None  # what build() made it from (to_spec needs it)
 
   # ---- running ----
+  @property
+  def _steps(self) -> list[Callable[[], Any]]: return self._step_list
+
+  @_steps.setter
+  def _steps(self, steps: list[Callable[[], Any]]) -> None:
+    self._step_list = steps
+    self._runs = session_runs(steps, self._user_fns)  # grouped under their runtimes' sessions (a CUDA plan: one context push a run)
+
   def _check(self) -> None:
     if self._poisoned is not None:
       raise PlanPoisoned(f"this plan failed earlier ({type(self._poisoned).__name__}: {self._poisoned}); rebuild it to run again")
@@ -69,7 +105,12 @@ class ExecutionPlan:
     split = self._split  # kernels split into chunks: the CPU pool's workers may spin between them, only until the run ends
     if split: plan_started()
     try:
-      for s in self._steps: s()
+      for session, run in self._runs:
+        if session is None:
+          for s in run: s()
+        else:
+          with session():
+            for s in run: s()
     except BaseException as e:
       self._poisoned = e
       raise

@@ -119,6 +119,10 @@ def _fmul(t: str, intr: str) -> str:
 
 
 _HELPERS = {
+  # a loaded half: its NaN keeps sign and payload (the GPU's half->float conversion makes every NaN the canonical one)
+  "kiln_h2f": ("__device__ __forceinline__ float kiln_h2f(half h) {\n  unsigned short b = __half_as_ushort(h);\n"
+               "  return (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu)\n"
+               "    ? __uint_as_float(((unsigned int)(b & 0x8000u) << 16) | 0x7f800000u | ((unsigned int)(b & 0x3ffu) << 13)) : __half2float(h);\n}"),
   "kiln_rh": "__device__ __forceinline__ float kiln_rh(float x) { return __half2float(__float2half_rn(x)); }",
   # round to nearest even bfloat16, NaN to the quiet NaN 0x7FC0 (as the reference)
   "kiln_rbf": ("__device__ __forceinline__ float kiln_rbf(float x) {\n  unsigned int b = __float_as_uint(x);\n"
@@ -284,7 +288,7 @@ class CUDAPrinter(Printer):
     v = self.val(idx)
     if idx.op is Ops.DEFINE_ACC: return self.assign(u, v)
     if idx.src[0].op is Ops.DEFINE_GLOBAL:
-      if dt.name == "float16": v = f"__half2float({v})"
+      if dt.name == "float16": v = f"{self.helper('kiln_h2f')}({v})"
       elif dt.name == "bfloat16": v = f"__bfloat162float({v})"
     if len(idx.src) == 3: v = f"{self.val(idx.src[2])} ? {v} : {const_text(dt, 0)}"  # gated: no access when off
     self.assign(u, v)

@@ -43,8 +43,23 @@ class Tiling:
   bm: int
   bn: int
   bk: int
+  warps_m: int = 2  # mma: the block's warps as warps_m x warps_n, each a (bm / warps_m) x (bn / warps_n) warp tile
+  warps_n: int = 4
+  stages: int = 2  # mma: slices in flight (cp.async groups); more than fit 48 KB of static shared memory go dynamic
+  group_m: int = 0  # blocks walk tile rows in groups of this many (0: row by row), so neighbours share B's slices in L2
 
-  def __str__(self) -> str: return f"TILED_MATMUL({self.kind} {self.bm}x{self.bn}x{self.bk})"
+  @property
+  def threads(self) -> int: return THREADS if self.kind == "simt" else 32 * self.warps_m * self.warps_n
+
+  @property
+  def shared_bytes(self) -> int:
+    """mma: shared memory per block (halves, rows padded by 8)."""
+    return 0 if self.kind == "simt" else self.stages * 2 * (self.bm * (self.bk + 8) + self.bk * (self.bn + 8))
+
+  def __str__(self) -> str:
+    if self.kind == "simt": return f"TILED_MATMUL(simt {self.bm}x{self.bn}x{self.bk})"
+    return (f"TILED_MATMUL(mma {self.bm}x{self.bn}x{self.bk} warps {self.warps_m}x{self.warps_n} stages {self.stages}"
+            f"{f' group {self.group_m}' if self.group_m else ''})")
 
 
 def _mma_ok(c: Contraction, target: Target) -> bool:
@@ -57,8 +72,12 @@ def _mma_ok(c: Contraction, target: Target) -> bool:
 
 def choose(c: Contraction, target: Target) -> Tiling:
   """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
-  if _mma_ok(c, target): return Tiling("mma", 128, 128, 32)
   sms = max(1, target.gpu_sms)
+  if _mma_ok(c, target):
+    # measured on an H100 (tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
+    # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
+    if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8)
+    return Tiling("mma", 128, 128, 32, 2, 4, 3)
   for bm, bn in ((128, 128), (128, 64), (64, 64)):
     if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return Tiling("simt", bm, bn, 8)
   return Tiling("simt", 64, 64, 8)
@@ -80,11 +99,11 @@ def _batch_offsets(c: Contraction) -> list[str]:
   return lines
 
 
-def _params(c: Contraction, name: str) -> str:
+def _params(c: Contraction, name: str, threads: int = THREADS) -> str:
   slots = sorted({c.a.slot, c.b.slot, c.c.slot})
   typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
   ps = [f"{'' if s == c.c.slot else 'const '}{_MEM[typ[s].name]}* __restrict__ data{s}" for s in slots]
-  return f'extern "C" __global__ void __launch_bounds__({THREADS}) {name}({", ".join(ps)})'
+  return f'extern "C" __global__ void __launch_bounds__({threads}) {name}({", ".join(ps)})'
 
 
 def _vec(o: Operand, walk_cols: bool, extents: tuple[int, int], per_thread: int) -> int:
@@ -192,60 +211,88 @@ def render_simt(c: Contraction, t: Tiling, name: str) -> str:
 _MMA_PTX = {"float16": "f16", "bfloat16": "bf16"}
 
 
+STATIC_SHARED = 48 << 10  # a block's static shared memory limit; beyond it the kernel declares it dynamic (ProgramSpec.shared_bytes)
+
+
+def _block_origin(c: Contraction, t: Tiling) -> list[str]:
+  """m0, n0 of this block's tile. With group_m, consecutive blocks walk group_m tile rows down before moving right, so the
+  blocks resident together read the same slices of B (and few of A) from L2."""
+  if not t.group_m: return [f"const int m0 = blockIdx.y * {t.bm}, n0 = blockIdx.x * {t.bn};"]
+  tm, tn = -(-c.m // t.bm), -(-c.n // t.bn)
+  return [f"const int bid = blockIdx.y * {tn} + blockIdx.x, per = {t.group_m * tn}, first = (bid / per) * {t.group_m};",
+          f"const int rows = min({tm} - first, {t.group_m});",
+          f"const int m0 = (first + (bid % per) % rows) * {t.bm}, n0 = ((bid % per) / rows) * {t.bn};"]
+
+
 def render_mma(c: Contraction, t: Tiling, name: str) -> str:
-  """128x128x32 tiles, 8 warps as 2 (m) x 4 (n), each 64x32: 4 m16 x 4 n8 tensor-core tiles, two k16 steps per slice."""
+  """Tensor cores: the block's warps_m x warps_n warps each own a warp tile of (bm / warps_m) x (bn / warps_n) outputs as
+  m16 x n8 mma tiles; slices of bk are copied by cp.async `stages` deep (one barrier per slice) and read by ldmatrix."""
   a, b, o = c.a, c.b, c.c
-  bm, bn, bk = t.bm, t.bn, t.bk
+  bm, bn, bk, S = t.bm, t.bn, t.bk, t.stages
+  wtm, wtn = bm // t.warps_m, bn // t.warps_n
+  mt, nt = wtm // 16, wtn // 8
+  assert wtm % 16 == 0 and wtn % 16 == 0 and bk % 16 == 0 and S >= 2, t
   lda, ldb = bk + 8, bn + 8  # halves per shared row: +16 bytes so ldmatrix's 8 rows hit 8 distinct bank groups
+  a_chunks, b_chunks = bm * bk // 8, bk * bn // 8  # 16-byte chunks per slice
+  assert a_chunks % t.threads == 0 and b_chunks % t.threads == 0, t
   mma = f"kiln_mma_m16n8k16_{_MMA_PTX[a.dtype.name]}"
   kt = -(-c.k // bk)
+  stage_a, stage_b = bm * lda, bk * ldb  # halves
   L: list[str] = []
   e = L.append
-  e(_params(c, name) + " {")
-  e(f"  __shared__ __align__(16) unsigned short As[2][{bm}][{lda}];")
-  e(f"  __shared__ __align__(16) unsigned short Bs[2][{bk}][{ldb}];")
-  e(f"  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp >> 2) * 64, wn = (warp & 3) * 32;")
-  e(f"  const int m0 = blockIdx.y * {bm}, n0 = blockIdx.x * {bn};")
+  e(_params(c, name, t.threads) + " {")
+  if t.shared_bytes > STATIC_SHARED: e(f"  KILN_DYNAMIC_SHARED(smem, {t.shared_bytes});")
+  else: e(f"  __shared__ __align__(16) unsigned char smem[{t.shared_bytes}];")
+  e("  unsigned short* As = (unsigned short*)smem;")
+  e(f"  unsigned short* Bs = As + {S * stage_a};")
+  e(f"  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp / {t.warps_n}) * {wtm}, wn = (warp % {t.warps_n}) * {wtn};")
+  for ln in _block_origin(c, t): e("  " + ln)
   for ln in _batch_offsets(c): e("  " + ln)
   e(f"  const unsigned short* A = (const unsigned short*)(data{a.slot} + offA);")
   e(f"  const unsigned short* B = (const unsigned short*)(data{b.slot} + offB);")
-  e("  float acc[4][4][4];")
-  e("  #pragma unroll\n  for (int i = 0; i < 4; i++)\n    #pragma unroll\n    for (int j = 0; j < 4; j++)\n"
+  e(f"  float acc[{mt}][{nt}][4];")
+  e(f"  #pragma unroll\n  for (int i = 0; i < {mt}; i++)\n    #pragma unroll\n    for (int j = 0; j < {nt}; j++)\n"
     "      #pragma unroll\n      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;")
-  # a slice: A 128 rows x 32 halves (4 chunks of 8 per row), B 32 rows x 128 halves (16 chunks per row): 2 chunks per thread each
+  # one slice: A bm rows x bk halves, B bk rows x bn halves, in 16-byte chunks spread over the threads; a group per slice
   e("  auto load = [&](int s, int k0) {")
-  e("    #pragma unroll\n    for (int it = 0; it < 2; it++) {")
-  e("      const int ca = tid + it * 256, ra = ca >> 2, ka = (ca & 3) * 8, gm = m0 + ra, gk = k0 + ka;")
-  e(f"      const bool oka = gm < {c.m} && gk < {c.k};")
-  e(f"      kiln_cp_async16(&As[s][ra][ka], A + (oka ? (long long)gm * {a.rows} + gk : 0LL), oka);")
-  e("      const int cb = tid + it * 256, rb = cb >> 4, nb = (cb & 15) * 8, gk2 = k0 + rb, gn = n0 + nb;")
-  e(f"      const bool okb = gk2 < {c.k} && gn < {c.n};")
-  e(f"      kiln_cp_async16(&Bs[s][rb][nb], B + (okb ? (long long)gk2 * {b.rows} + gn : 0LL), okb);")
+  e(f"    if (k0 < {c.k}) {{")
+  e(f"      #pragma unroll\n      for (int it = 0; it < {a_chunks // t.threads}; it++) {{")
+  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // 8}, kc = (ch % {bk // 8}) * 8, gm = m0 + r, gk = k0 + kc;")
+  e(f"        const bool ok = gm < {c.m} && gk < {c.k};")
+  e(f"        kiln_cp_async16(As + s * {stage_a} + r * {lda} + kc, A + (ok ? (long long)gm * {a.rows} + gk : 0LL), ok);")
+  e("      }")
+  e(f"      #pragma unroll\n      for (int it = 0; it < {b_chunks // t.threads}; it++) {{")
+  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // 8}, nc = (ch % {bn // 8}) * 8, gk = k0 + r, gn = n0 + nc;")
+  e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
+  e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + nc, B + (ok ? (long long)gk * {b.rows} + gn : 0LL), ok);")
+  e("      }")
   e("    }")
-  e("    kiln_cp_async_commit();")
+  e("    kiln_cp_async_commit();  // an empty group past the end keeps the wait counts uniform")
   e("  };")
-  e("  load(0, 0);")
+  e(f"  #pragma unroll\n  for (int s = 0; s < {S - 1}; s++) load(s, s * {bk});")
   e(f"  for (int kt = 0; kt < {kt}; kt++) {{")
-  e("    const int s = kt & 1;")
-  e(f"    if (kt + 1 < {kt}) {{ load(s ^ 1, (kt + 1) * {bk}); kiln_cp_async_wait1(); }} else kiln_cp_async_wait0();")
-  e("    __syncthreads();")
+  e(f"    kiln_cp_async_wait<{S - 2}>();  // this slice's copies are done (this thread's) ...")
+  e("    __syncthreads();  // ... and everyone's; and every warp is past the slice the next load overwrites")
+  e(f"    load((kt + {S - 1}) % {S}, (kt + {S - 1}) * {bk});")
+  e(f"    const unsigned short* as = As + (kt % {S}) * {stage_a};")
+  e(f"    const unsigned short* bs = Bs + (kt % {S}) * {stage_b};")
   e(f"    #pragma unroll\n    for (int ks = 0; ks < {bk}; ks += 16) {{")
-  e("      unsigned fa[4][4], fb[4][2];")
+  e(f"      unsigned fa[{mt}][4], fb[{nt}][2];")
   e("      const int q = lane >> 3, r8 = lane & 7;")
-  e("      #pragma unroll\n      for (int i = 0; i < 4; i++)")
-  e("        kiln_ldmatrix_x4(fa[i], &As[s][wm + i * 16 + (q & 1) * 8 + r8][ks + (q >> 1) * 8]);")
-  e("      #pragma unroll\n      for (int j = 0; j < 4; j += 2) {")
+  e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)")
+  e(f"        kiln_ldmatrix_x4(fa[i], as + (wm + i * 16 + (q & 1) * 8 + r8) * {lda} + ks + (q >> 1) * 8);")
+  e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j += 2) {{")
   e("        unsigned t4[4];")
-  e("        kiln_ldmatrix_x4_trans(t4, &Bs[s][ks + (q & 1) * 8 + r8][wn + j * 8 + (q >> 1) * 8]);")
+  e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
   e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
   e("      }")
-  e(f"      #pragma unroll\n      for (int i = 0; i < 4; i++)\n        #pragma unroll\n        for (int j = 0; j < 4; j++) {mma}(acc[i][j], fa[i], fb[j]);")
+  e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n        for (int j = 0; j < {nt}; j++) {mma}(acc[i][j], fa[i], fb[j]);")
   e("    }")
-  e("    __syncthreads();")
   e("  }")
+  e("  kiln_cp_async_wait<0>();")
   e(f"  {_MEM[o.dtype.name]}* C = data{o.slot} + offC;")
   e("  const int g = lane >> 2, t2 = (lane & 3) * 2;")
-  e("  #pragma unroll\n  for (int i = 0; i < 4; i++)\n    #pragma unroll\n    for (int j = 0; j < 4; j++)\n"
+  e(f"  #pragma unroll\n  for (int i = 0; i < {mt}; i++)\n    #pragma unroll\n    for (int j = 0; j < {nt}; j++)\n"
     "      #pragma unroll\n      for (int h = 0; h < 4; h++) {")
   e("        const int gm = m0 + wm + i * 16 + g + (h >> 1) * 8, gn = n0 + wn + j * 8 + t2 + (h & 1);")
   e(f"        if (gm < {c.m} && gn < {c.n}) C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = "
@@ -262,8 +309,8 @@ __device__ __forceinline__ void kiln_cp_async16(void* smem, const void* gmem, bo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(kiln_smem_addr(smem)), "l"(gmem), "r"(ok ? 16 : 0));
 }
 __device__ __forceinline__ void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void kiln_cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void kiln_cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+template <int N> __device__ __forceinline__ void kiln_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+#define KILN_DYNAMIC_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
 __device__ __forceinline__ void kiln_ldmatrix_x4(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kiln_smem_addr(p)));
@@ -288,13 +335,24 @@ def _header(c: Contraction) -> str:
   return "".join(h for d, h in (("float16", "#include <cuda_fp16.h>\n"), ("bfloat16", "#include <cuda_bf16.h>\n")) if d in dts)
 
 
-def program(ast: UOp, target: Target, name: str) -> ProgramSpec | None:
-  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None."""
+def _align(c: Contraction, t: Tiling, slot: int) -> int:
+  """The byte alignment the tiled kernel's vector accesses need of a buffer: 16 for cp.async chunks and float4 loads, 8 for
+  float2; 0 where the element's own size does."""
+  if slot == c.c.slot: return 0
+  if t.kind == "mma": return 16
+  o, walk = (c.a, c.a.cols == 1 or c.a.rows != 1) if slot == c.a.slot else (c.b, c.b.cols == 1 or c.b.rows != 1)
+  ext = (c.m, c.k) if slot == c.a.slot else (c.k, c.n)
+  v = _vec(o, walk, ext, (t.bm if slot == c.a.slot else t.bn) * t.bk // THREADS)
+  return 4 * v if v > 1 else 0
+
+
+def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -> ProgramSpec | None:
+  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose's."""
   if ast.op is not Ops.SINK: return None
   verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
   c = match(ast)
   if c is None or not applies(c, target): return None
-  t = choose(c, target)
+  t = tiling or choose(c, target)
   body = render_mma(c, t, name) if t.kind == "mma" else render_simt(c, t, name)
   src = _header(c) + (MMA_PRELUDE if t.kind == "mma" else "") + body + "\n"
   slots = sorted({c.a.slot, c.b.slot, c.c.slot})
@@ -303,7 +361,8 @@ def program(ast: UOp, target: Target, name: str) -> ProgramSpec | None:
   flops = 2 * c.m * c.n * c.k * c.batches
   mem = c.batches * (c.m * c.k * c.a.dtype.itemsize + c.k * c.n * c.b.dtype.itemsize + c.m * c.n * c.c.dtype.itemsize)
   return ProgramSpec(name=name, src=src, device="CUDA", ast=ast,  # type: ignore[arg-type]
-                     global_size=(-(-c.n // t.bn), -(-c.m // t.bm), max(1, c.batches)), local_size=(THREADS, 1, 1),
+                     global_size=(-(-c.n // t.bn), -(-c.m // t.bm), max(1, c.batches)), local_size=(t.threads, 1, 1),
                      globals=slots, outs=[c.c.slot], ins=[s for s in slots if s != c.c.slot], buf_count=len(slots),
-                     args=[KernelArg(slot=s, dtype=str(typ[s]), size=sizes.get(s, -1)) for s in slots],
-                     applied_opts=[str(t)], flops=flops, mem_bytes=mem)
+                     args=[KernelArg(slot=s, dtype=str(typ[s]), size=sizes.get(s, -1), align=_align(c, t, s)) for s in slots],
+                     applied_opts=[str(t)], flops=flops, mem_bytes=mem,
+                     shared_bytes=t.shared_bytes if t.shared_bytes > STATIC_SHARED else 0)

@@ -7,7 +7,9 @@ launch, an allocation, a free, a copy, a synchronize -- runs inside `with runtim
 the runtime's own primary context only when it is not already the current one on this thread and pops exactly what it pushed.
 So work from executor worker threads, storage finalisers and LRU eviction on any thread runs in the right context, two GPUs
 (one runtime per CUDA:N, each with its own primary context) never share one, and no thread ends with a pushed context. A
-caller that issues many calls can wrap them in one `with runtime.current():` so the inner ones cost one comparison.
+caller that issues many calls can wrap them in one `with runtime.current():` so the inner ones cost one comparison; an
+ExecutionPlan enters `runtime.session()` (the same guard) once around a run and launches through CUDABoundCall.in_session,
+which skips even that comparison (no context check, push or pop per kernel).
 
 pycuda's exceptions are mapped to kiln's: out of memory (pycuda.driver.MemoryError / CUDA_ERROR_OUT_OF_MEMORY) to a
 DeviceError saying so, a failed launch to RuntimeLaunchError, anything else to DeviceError naming what was being done. The
@@ -304,19 +306,33 @@ def buffer_alignments(spec: CompiledSpec) -> list[int]:
 
 class CUDABoundCall:
   """A launch with fixed buffers: the argument buffer (pointers then int32 variables, as the kernel's parameter struct) and the
-  sizes are packed once, here and in set_vals; a call is one cuLaunchKernel of that buffer."""
+  sizes are packed once, here and in set_vals; a call is one cuLaunchKernel of that buffer.
+
+  Two ways to call it (kiln.codegen.protocols.SessionCall): `bound()` on its own makes the context current around the launch
+  (ContextGuard); `bound.in_session()` inside `with bound.session():` (the runtime's session(), which ExecutionPlan enters
+  once around a whole run) launches with no context check, push or pop."""
 
   def __init__(self, prog: CUDAProgram, bufs: Sequence[int], vals: Sequence[int], global_size: Sequence[Any] | None,
                local_size: Sequence[Any] | None):
     self.prog, self.bufs = prog, [int(b) for b in bufs]
+    self.session = prog.runtime.session  # equal for every call of one runtime: the executor groups them under one session
+    self._errors = prog.runtime.guard.errors
     self.set_vals(vals, global_size, local_size)
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[Any] | None = None, local_size: Sequence[Any] | None = None) -> None:
     self.grid, self.block = self.prog.dims(vals, global_size, local_size)
     self.arg_buf = self.prog.pack(self.bufs, vals)
+    self.empty = 0 in self.grid  # an empty grid runs nothing (CUDA rejects a launch of 0 blocks)
 
   def __call__(self) -> None:
-    if 0 not in self.grid: self.prog.launch(self.grid, self.block, self.arg_buf)
+    if not self.empty: self.prog.launch(self.grid, self.block, self.arg_buf)
+
+  def in_session(self) -> None:
+    """The launch, with this runtime's context already current on this thread: only inside `with self.session():`."""
+    if self.empty: return
+    # prog.fn looked up here, not kept: the function holds its module, which must be unloaded with the program (in context)
+    try: self.prog.fn._launch_kernel(self.grid, self.block, self.arg_buf, 0, None)
+    except self._errors as e: raise self.prog.runtime.guard.failure(e, f"launching kernel {self.prog.name}", launch=True) from e
 
 
 class CUDAProgram:
@@ -443,6 +459,14 @@ class CUDARuntime:
 
   def current(self) -> Any:
     """`with runtime.current():` this device's context is current on this thread inside (pushed and popped only if needed)."""
+    return self.guard()
+
+  def session(self) -> Any:
+    """The executor's hook (kiln.codegen.protocols.SessionCall): `with runtime.session():` around a run of a plan's launches on
+    this thread, which then call their bound calls' in_session (no context check, push or pop each). It is current(): this
+    device's context pushed on entry only when not already current, and popped on exit, so nothing is left pushed when the
+    run returns or raises, and it works from any thread. Inside it, work for another CUDA device pushes and pops its own
+    context (its guard), so this one is on top again after each such call."""
     return self.guard()
 
   def load(self, compiled: CompiledSpec) -> CUDAProgram: return CUDAProgram(self, compiled)

@@ -55,8 +55,8 @@ static inline void kiln_cp_async16(void* smem, const void* gmem, bool ok) {
   if (ok) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
 }
 static inline void kiln_cp_async_commit() {}
-static inline void kiln_cp_async_wait0() {}
-static inline void kiln_cp_async_wait1() {}
+template <int N> static inline void kiln_cp_async_wait() {}
+#define KILN_DYNAMIC_SHARED(name, bytes) __shared__ __align__(16) unsigned char name[bytes]
 static inline void kiln_ldmatrix_x4(unsigned (&r)[4], const void* p) { kiln_emu::ldmatrix_x4(r, p, false); }
 static inline void kiln_ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { kiln_emu::ldmatrix_x4(r, p, true); }
 static inline void kiln_mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {

@@ -1,0 +1,104 @@
+"""CUDA's tiled matmul kernels (kiln.codegen.render.cuda_matmul) under the CPU emulation harness against float64 products:
+every SIMT tile and vector width, the tensor-core kernel at each pipeline depth, warp layout, slice depth and block order the
+heuristic may pick, edges off every tile, batches, float16/bfloat16 inputs and outputs; and nvcc's report on each for sm_90
+(no spills, no stack). What this cannot show: real tensor-core rounding and scheduling (tools/gpu_check.py on a GPU does)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from kiln.codegen.opt import Target
+from kiln.codegen.render.cuda_matmul import Tiling, program
+from kiln.ir import kernels
+from kiln.ir.dtype import dtypes
+from kiln.runtime.cuda.compiler import find_nvcc
+
+from .conftest import requires_cxx, requires_nvcc
+
+emulate = pytest.importorskip("kiln.runtime.cuda.emulate")
+H100 = Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=90, gpu_sms=132)
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+MMA = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
+       Tiling("mma", 128, 128, 64, 2, 2, 4, 4)]
+SIMT = [Tiling("simt", 128, 128, 8), Tiling("simt", 128, 64, 8), Tiling("simt", 64, 64, 8)]
+
+
+def _bits16(x: np.ndarray, dt: str) -> np.ndarray:
+  if dt == "bfloat16": return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated: exact in bf16
+  return x.astype(dt)
+
+
+def _f64(x: np.ndarray, dt: str) -> np.ndarray:
+  if dt == "bfloat16": return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+  return x.astype(np.float64)
+
+
+def run(m: int, n: int, k: int, dt: str, tiling: Tiling | None, batch: tuple[int, ...] = (), out: str | None = None) -> str:
+  """Renders (tiling None: the heuristic's choice), emulates with a poisoned output, compares; returns the applied tiling."""
+  rng = np.random.default_rng(m * 7 + n * 3 + k)
+  kdt = getattr(dtypes, dt)
+  ast = kernels.matmul(m, n, k, kdt, batch=batch, acc_dtype=dtypes.float32)
+  if out is not None and out != dt:  # the float32 sum stored as another dtype
+    from kiln.ir import UOp
+    st = ast.src[0]
+    g = UOp.define_global(0, getattr(dtypes, out).ptr(st.src[0].src[0].dtype.size))
+    ast = UOp.sink(g.index(st.src[0].src[1]).store(st.src[1].src[0].cast(getattr(dtypes, out))), name="mm_out")
+  spec = program(ast, H100, "mm", tiling)
+  assert spec is not None
+  a, b = _bits16(rng.uniform(-2, 2, (*batch, m, k)), dt), _bits16(rng.uniform(-2, 2, (*batch, k, n)), dt)
+  od = out or dt
+  c = np.full((*batch, m, n), 0xFFFF, np.uint16) if od == "bfloat16" else np.full((*batch, m, n), np.nan, od)
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([c, a, b], [], *prog.sizes([]))
+  ref = _f64(a, dt) @ _f64(b, dt)
+  got = _f64(c, od)
+  assert np.isfinite(got).all(), "an output was not written"
+  err = np.abs(got - ref).max() / np.abs(ref).max()
+  assert err < TOL[od], f"{spec.applied_opts}: max error {err:.3g} relative to the largest output"
+  return spec.applied_opts[0]
+
+
+@requires_cxx
+@pytest.mark.parametrize("t", SIMT, ids=str)
+@pytest.mark.parametrize("shape", [(130, 70, 36), (64, 64, 64), (17, 300, 19)], ids=lambda s: "x".join(map(str, s)))
+def test_simt_tiles(t: Tiling, shape: tuple[int, int, int]) -> None:
+  run(*shape, "float32", t)  # 130x70x36: float4 loads with edges; 17x300x19: scalar loads (k odd), many column tiles
+
+
+@requires_cxx
+@pytest.mark.parametrize("t", MMA, ids=str)
+def test_tensor_core_tiles(t: Tiling) -> None:
+  run(200, 136, 72, "float16", t)  # edges on m (not a multiple of the tile), n and k partial tiles, zero-filled copies
+
+
+@requires_cxx
+def test_tensor_core_batch_bfloat16_and_outputs() -> None:
+  assert run(48, 40, 96, "bfloat16", None, batch=(2, 2)).startswith("TILED_MATMUL(mma")
+  run(72, 64, 48, "float16", MMA[1], out="float32")
+  run(72, 64, 48, "float16", MMA[0], out="bfloat16")
+
+
+@requires_cxx
+def test_simt_for_what_tensor_cores_cannot_take() -> None:
+  assert run(40, 30, 50, "float16", None).startswith("TILED_MATMUL(simt")  # k, n not multiples of 8
+  assert run(33, 40, 48, "float32", None, batch=(3,)).startswith("TILED_MATMUL(simt")
+
+
+@requires_nvcc
+@pytest.mark.parametrize("t", MMA + SIMT, ids=str)
+def test_nvcc_builds_them_without_spills(t: Tiling, nvcc_compiler, tmp_path) -> None:
+  dt = "float16" if t.kind == "mma" else "float32"
+  spec = program(kernels.matmul(4096, 4096, 4096, getattr(dtypes, dt), acc_dtype=dtypes.float32), H100, "mm", t)
+  assert spec is not None
+  (tmp_path / "k.cu").write_text(spec.src)
+  r = subprocess.run([find_nvcc() or "nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "--resource-usage",
+                      str(tmp_path / "k.cu")], capture_output=True, text=True, cwd=tmp_path, env={**os.environ})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
+  smem = int(m.group(1)) if (m := re.search(r"(\d+) bytes smem", r.stderr)) else 0
+  assert smem == (0 if spec.shared_bytes else t.shared_bytes or smem)  # dynamic shared memory is not in the static count
