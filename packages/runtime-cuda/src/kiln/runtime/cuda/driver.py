@@ -298,9 +298,14 @@ def launch_dims(spec: CompiledSpec, vals: Sequence[int], global_size: Sequence[A
   return grid, block  # type: ignore[return-value]
 
 
+_STATIC_SHARED = 48 << 10  # shared memory a block gets without asking (cuFuncSetAttribute raises it)
+
+
 def buffer_alignments(spec: CompiledSpec) -> list[int]:
-  """Per buffer argument (globals order), the byte alignment its loads and stores need: its element's size."""
+  """Per buffer argument (globals order), the byte alignment its loads and stores need: its element's size, or more where
+  the kernel says so (KernelArg.align: the tiled matmul's 16-byte loads)."""
   by_slot = {u.arg: max(1, int(getattr(u.dtype, "base", u.dtype).nbytes)) for u in spec.ast.toposort() if u.op.name == "DEFINE_GLOBAL"}
+  for a in spec.args: by_slot[a.slot] = max(by_slot.get(a.slot, 1), a.align)
   return [by_slot.get(s, 1) for s in (spec.globals or range(spec.buf_count))]
 
 
@@ -331,7 +336,7 @@ class CUDABoundCall:
     """The launch, with this runtime's context already current on this thread: only inside `with self.session():`."""
     if self.empty: return
     # prog.fn looked up here, not kept: the function holds its module, which must be unloaded with the program (in context)
-    try: self.prog.fn._launch_kernel(self.grid, self.block, self.arg_buf, 0, None)
+    try: self.prog.fn._launch_kernel(self.grid, self.block, self.arg_buf, self.prog.shared, None)
     except self._errors as e: raise self.prog.runtime.guard.failure(e, f"launching kernel {self.prog.name}", launch=True) from e
 
 
@@ -343,12 +348,15 @@ class CUDAProgram:
     self.runtime, self.spec, self.name, self.drv = runtime, spec, spec.name, runtime.drv
     self.fmt = "=" + "Q" * spec.buf_count + "i" * len(spec.var_names)  # the kernel's parameters: 8-byte pointers, then int32s
     self.align = buffer_alignments(spec)
+    self.shared = int(spec.shared_bytes)  # dynamic shared memory each launch gives a block
     self._dims: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
     g = runtime.guard
     with g():
       try:
         self.module = self.drv.module_from_buffer(spec.bytes)
         self.fn = self.module.get_function(spec.name)
+        if self.shared > _STATIC_SHARED:  # a block may take more than 48 KB of (dynamic) shared memory only once allowed to
+          self.fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared)
       except g.errors as e: raise g.failure(e, f"loading kernel {spec.name}") from e
 
   def pack(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes:
@@ -380,7 +388,7 @@ class CUDAProgram:
     if g.dead is not None: g.check_alive()
     pushed = not g.is_current()
     if pushed: g.ctx.push()
-    try: self.fn._launch_kernel(grid, block, arg_buf, 0, None)
+    try: self.fn._launch_kernel(grid, block, arg_buf, self.shared, None)
     except g.errors as e: raise g.failure(e, f"launching kernel {self.name}", launch=True) from e
     finally:
       if pushed: g.drv.Context.pop()
@@ -437,7 +445,7 @@ class CUDARuntime:
     try:
       self.dev = self.drv.Device(spec.index)
       self.ctx = self.dev.retain_primary_context()
-      major, minor = self.dev.compute_capability()
+      major, minor = self.cc = tuple(self.dev.compute_capability())
     except errors as e: raise DeviceError(f"{self.device}: opening the device failed: {e}") from e
     self.guard = ContextGuard(self.drv, self.ctx, self.device)
     self.arch = os.environ.get("KILN_CUDA_ARCH") or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
@@ -449,8 +457,17 @@ class CUDARuntime:
   def renderer(self) -> Any:
     if self._renderer is None:
       # imported when first needed (a runtime that only runs compiled specs never renders); kiln-codegen is a hard dependency
-      self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer()
+      self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer(self.target())
     return self._renderer
+
+  def target(self) -> Any:
+    """The codegen Target of this GPU: its compute capability (tensor-core kernels from sm_80) and multiprocessor count (the
+    tiled matmul's tile size), read from the device; a driver that cannot say leaves them unknown (0)."""
+    opt = importlib.import_module("kiln.codegen.opt")
+    major, minor = self.cc
+    try: sms = int(self.dev.get_attribute(self.drv.device_attribute.MULTIPROCESSOR_COUNT))
+    except Exception: sms = 0  # the attribute API is missing (a stand-in driver): the renderer assumes nothing
+    return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=sms)
 
   @property
   def dead(self) -> str | None:
