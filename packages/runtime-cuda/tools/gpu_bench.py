@@ -119,9 +119,9 @@ def main(argv: list[str]) -> None:
     x = rng.standard_normal((rows, cols), np.float32)
     tx = torch.from_numpy(x).to(dev)
     k = KilnRun(kernels.reduce(Ops.ADD, (rows, cols), dtypes.float32, axes=1), dtypes.float32, [(rows,), (rows, cols)], [x])
-    row(f"row sum {rows}x{cols}", k, lambda: tx.sum(1), tx.double().sum(1), 1e-5, 4 * rows * cols, "GB/s")
+    row(f"row sum {rows}x{cols}", k, lambda tx=tx: tx.sum(1), tx.double().sum(1), 1e-5, 4 * rows * cols, "GB/s")
     k = KilnRun(kernels.softmax((rows, cols), dtypes.float32), dtypes.float32, [(rows, cols), (rows, cols)], [x])
-    row(f"softmax {rows}x{cols}", k, lambda: torch.softmax(tx, -1), torch.softmax(tx.double(), -1), 1e-5, 8 * rows * cols, "GB/s")
+    row(f"softmax {rows}x{cols}", k, lambda tx=tx: torch.softmax(tx, -1), torch.softmax(tx.double(), -1), 1e-5, 8 * rows * cols, "GB/s")
   for dt, acc in (("float32", dtypes.float32), ("float16", dtypes.float32)):
     for s in (1024, 2048, 4096):
       if only and "mm" not in only: break
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> None:
       ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
       kdt = getattr(dtypes, dt)
       k = KilnRun(kernels.matmul(s, s, s, kdt, acc_dtype=acc), kdt, [(s, s), (s, s), (s, s)], [a, b])
-      row(f"matmul {s} {dt}", k, lambda: ta @ tb, ta.double() @ tb.double(), 1e-5 if dt == "float32" else 2e-3, 2 * s ** 3, "GFLOP/s")
+      row(f"matmul {s} {dt}", k, lambda ta=ta, tb=tb: ta @ tb, ta.double() @ tb.double(), 1e-5 if dt == "float32" else 2e-3, 2 * s ** 3, "GFLOP/s")
 
   if not only or "launch" in only:  # launch overhead per kernel in a plan: 200 tiny dependent kernels
     b = ExecutionPlanBuilder("CUDA")
@@ -148,7 +148,7 @@ def main(argv: list[str]) -> None:
     print(f"launch overhead: kiln {t['kiln'] / 200 * 1e6:.2f} us per kernel in a 200-kernel plan, torch eager {t['torch'] / 200 * 1e6:.2f} us"
           " per op (target 5 us)", flush=True)
     ROWS.append({"row": "launch per kernel", "kiln_us": t["kiln"] / 200 * 1e6, "torch_us": t["torch"] / 200 * 1e6})
-  if (out := os.environ.get("OUT")): 
+  if (out := os.environ.get("OUT")):
     with open(os.path.join(out, "gpu_bench.json"), "w") as f: json.dump({"copy_GBps": copy_bw, "rows": ROWS}, f, indent=1)
 
 

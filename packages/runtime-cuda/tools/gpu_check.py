@@ -5,7 +5,14 @@
   python gpu_check.py plans        executor plans on CUDA: matmul + relu, softmax, reductions, against numpy
   python gpu_check.py probes       driver probes, each in its own process: exit status 0 at process end with no pycuda
                                    complaint, plans run from worker threads, two runtimes' contexts, a fault's report
-  python gpu_check.py bench        kiln against torch on this GPU (see gpu_bench.py)
+  python gpu_check.py tiled        the tiled matmul kernels (SIMT and tensor cores) at edge shapes, against float64
+  python gpu_check.py sass         nvcc's registers/spills and the instructions in the tiled matmuls (cuobjdump)
+  python gpu_check.py mixed        a plan with CPU and CUDA kernels and copies between them (gpu_mixed.py)
+  python gpu_check.py launch       per-kernel cost of a 200-kernel plan (gpu_launch.py)
+  python gpu_check.py mmatune      tensor-core tilings timed against each other and torch (what cuda_matmul.choose follows)
+  python gpu_check.py bench[:ROWS] kiln against torch on this GPU (see gpu_bench.py)
+
+scripts/gpu-check runs them all, and compute-sanitizer's memcheck and racecheck over conformance and tiled.
 
 Each section prints one line per check ("ok"/"FAIL ...") and exits non-zero when any check failed."""
 from __future__ import annotations
@@ -13,7 +20,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -137,7 +143,8 @@ def plans() -> None:
     x = rng.standard_normal(shape_in).astype(np.float32)
     def build():
       b = ExecutionPlanBuilder("CUDA")
-      i, o = b.add_buffer(Buffer("CUDA", int(np.prod(shape_in)), dtypes.float32)), b.add_buffer(Buffer("CUDA", int(np.prod(shape_out)), dtypes.float32))
+      i = b.add_buffer(Buffer("CUDA", int(np.prod(shape_in)), dtypes.float32))
+      o = b.add_buffer(Buffer("CUDA", int(np.prod(shape_out)), dtypes.float32))
       b.add_kernel(ast, [o, i])
       b.set_outputs([o])
       return b.build(), {"x": b.buffers[i]}, b.buffers[o]
@@ -206,6 +213,7 @@ def sass() -> None:
   """What nvcc made of the tiled matmuls: registers, spills, and the instructions that should be there (cuobjdump)."""
   import shutil
   import tempfile
+
   from kiln.ir import kernels
   from kiln.ir.dtype import dtypes
   from kiln.runtime.cuda.driver import CUDARuntime
@@ -216,7 +224,8 @@ def sass() -> None:
       spec = rt.renderer.render(kernels.matmul(s, s, s, getattr(dtypes, dt), acc_dtype=dtypes.float32))
       with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.cu", "w") as f: f.write(spec.src)
-        r = subprocess.run([nvcc, f"-arch={rt.arch}", "-cubin", "-o", f"{d}/k.cubin", "--resource-usage", f"{d}/k.cu"], capture_output=True, text=True)
+        r = subprocess.run([nvcc, f"-arch={rt.arch}", "-cubin", "-o", f"{d}/k.cubin", "--resource-usage", f"{d}/k.cu"],
+                           capture_output=True, text=True)
         if r.returncode: raise AssertionError(r.stderr[-2000:])
         sass = subprocess.run([os.path.join(os.path.dirname(nvcc), "cuobjdump"), "-sass", f"{d}/k.cubin"], capture_output=True, text=True).stdout
       use = [ln.split(" : ", 1)[-1].strip() for ln in r.stderr.splitlines() if "Used" in ln or "spill" in ln]
@@ -228,52 +237,65 @@ def sass() -> None:
 
 def mmatune() -> None:
   """Times tensor-core tilings of the float16 matmul against each other and torch (events, median of 20 after warm-up)."""
-  import statistics
-  import torch
-  from kiln.codegen.render.cuda_matmul import Tiling, program
-  from kiln.ir import kernels
-  from kiln.ir.dtype import dtypes
+  from kiln.codegen.render.cuda_matmul import Tiling
   from kiln.runtime.cuda.driver import CUDARuntime
   rt = CUDARuntime("CUDA:0")
-  drv = rt.drv
   variants = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 128, 32, 2, 4, 4),
               Tiling("mma", 128, 128, 32, 2, 4, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 3, 8), Tiling("mma", 256, 128, 32, 4, 2, 3, 8),
               Tiling("mma", 128, 128, 64, 2, 2, 3, 8), Tiling("mma", 128, 128, 32, 2, 2, 4, 8), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
               Tiling("mma", 256, 128, 64, 4, 2, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 4, 8)]
-  for s_ in (2048, 4096, 8192):
-    a = torch.randn(s_, s_, device="cuda", dtype=torch.float16)
-    b = torch.randn(s_, s_, device="cuda", dtype=torch.float16)
-    out = torch.empty(s_, s_, device="cuda", dtype=torch.float16)
-    ref = (a.float() @ b.float())
-    def timed(fn) -> float:
-      for _ in range(3): fn()
-      ts = []
-      for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(); fn(); e1.record(); e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-      return statistics.median(ts)
-    tt = timed(lambda: a @ b)
-    print(f"f16 {s_}: torch {tt * 1e6:.0f} us ({2 * s_ ** 3 / tt / 1e12:.0f} TFLOP/s)", flush=True)
-    for t in variants:
-      def one(t=t) -> str:
-        spec = program(kernels.matmul(s_, s_, s_, dtypes.float16, acc_dtype=dtypes.float32), rt.target(), "mm", t)
-        binary = rt.compiler.compile(spec).bytes
-        with rt.current():
-          mod = drv.module_from_buffer(binary)
-          fn = mod.get_function("mm")
-          if spec.shared_bytes: fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.shared_bytes)
-          grid, block = tuple(int(x) for x in spec.global_size), tuple(int(x) for x in spec.local_size)
-          import struct
-          args = struct.pack("=QQQ", out.data_ptr(), a.data_ptr(), b.data_ptr())
-          out.fill_(float("nan"))
-          fn._launch_kernel(grid, block, args, spec.shared_bytes, None)
-          torch.cuda.synchronize()
-          err = float((out.float() - ref).norm() / ref.norm())
-          tk = timed(lambda: fn._launch_kernel(grid, block, args, spec.shared_bytes, None))
-        if not err < 2e-3: raise AssertionError(f"rel err {err}")
-        return f"{tk * 1e6:.0f} us ({2 * s_ ** 3 / tk / 1e12:.0f} TFLOP/s, {tt / tk:.2f}x torch), err {err:.1e}"
-      check(f"mma {s_} {t}", one)
+  for s_ in (2048, 4096, 8192): _mmatune_size(rt, s_, variants)
+
+
+def _time_events(fn: Callable[[], object]) -> float:
+  """Median seconds of fn between two CUDA events (torch's), 20 times after 3 warm-ups."""
+  import statistics
+
+  import torch
+  for _ in range(3): fn()
+  ts = []
+  for _ in range(20):
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    ts.append(e0.elapsed_time(e1) * 1e-3)
+  return statistics.median(ts)
+
+
+def _mmatune_size(rt, size: int, variants: list) -> None:
+  import struct
+
+  import torch
+
+  from kiln.codegen.render.cuda_matmul import program
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  drv = rt.drv
+  a = torch.randn(size, size, device="cuda", dtype=torch.float16)
+  b = torch.randn(size, size, device="cuda", dtype=torch.float16)
+  out = torch.empty(size, size, device="cuda", dtype=torch.float16)
+  ref = a.float() @ b.float()
+  tt = _time_events(lambda: a @ b)
+  print(f"f16 {size}: torch {tt * 1e6:.0f} us ({2 * size ** 3 / tt / 1e12:.0f} TFLOP/s)", flush=True)
+  for t in variants:
+    def one(t=t) -> str:
+      spec = program(kernels.matmul(size, size, size, dtypes.float16, acc_dtype=dtypes.float32), rt.target(), "mm", t)
+      binary = rt.compiler.compile(spec).bytes
+      with rt.current():
+        fn = drv.module_from_buffer(binary).get_function("mm")
+        if spec.shared_bytes: fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.shared_bytes)
+        grid, block = tuple(int(x) for x in spec.global_size), tuple(int(x) for x in spec.local_size)
+        args = struct.pack("=QQQ", out.data_ptr(), a.data_ptr(), b.data_ptr())
+        out.fill_(float("nan"))
+        fn._launch_kernel(grid, block, args, spec.shared_bytes, None)
+        torch.cuda.synchronize()
+        err = float((out.float() - ref).norm() / ref.norm())
+        tk = _time_events(lambda: fn._launch_kernel(grid, block, args, spec.shared_bytes, None))
+      if not err < 2e-3: raise AssertionError(f"rel err {err}")
+      return f"{tk * 1e6:.0f} us ({2 * size ** 3 / tk / 1e12:.0f} TFLOP/s, {tt / tk:.2f}x torch), err {err:.1e}"
+    check(f"mma {size} {t}", one)
 
 
 PROBE = r"""
@@ -361,9 +383,29 @@ def probes() -> None:
     check(f"probe {what}", one)
 
 
+def mixed() -> None:
+  """A plan with CPU and CUDA kernels and copies between them (gpu_mixed.py), against numpy."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import gpu_mixed
+  check("mixed CPU/CUDA plan", gpu_mixed.mixed_plan_check)
+
+
+def launch() -> None:
+  """Per-kernel cost of a 200-kernel CUDA plan (gpu_launch.py); the target is 5 us."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import gpu_launch
+
+  def one() -> str:
+    r = gpu_launch.launch_overhead()
+    if not r["output_ok"]: raise AssertionError(f"the chain's output is wrong: {r}")
+    return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
+  check("launch overhead", one)
+
+
 def main(argv: list[str]) -> int:
   os.environ.setdefault("KILN_CACHE_DIR", "/tmp/kiln-gpu-cache")
-  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune}
+  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune,
+              "mixed": mixed, "launch": launch}
   for what in argv or ["info", "conformance", "plans", "probes"]:
     if what.startswith("bench"):  # bench, or bench:ROWS (rows whose names contain ROWS: add, row, soft, mm, launch)
       sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,7 @@ def mixed_plan_check(m: int = 256, k: int = 512, n: int = 384, runs: int = 3, se
   f32 = dtypes.float32
   rng = np.random.default_rng(seed)
   a = rng.standard_normal((m, k)).astype(np.float32)
-  w = rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k)
+  w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
   r = rng.standard_normal(m * n).astype(np.float32)
   b = ExecutionPlanBuilder("CPU")
   ba, bw, br = (b.add_buffer(Buffer.from_numpy(x)) for x in (a, w, r))

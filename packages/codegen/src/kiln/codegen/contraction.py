@@ -98,8 +98,6 @@ def match(ast: UOp) -> Contraction | None:
   ri, rj = i_axes[0], j_axes[0]
   batch = sorted((r for r in outs if r is not ri and r is not rj), key=lambda r: r.arg[0])
   if not fc.get(ri, 0) or not fc.get(rj, 0): return None
-  # A's row is its i stride, B's its k stride: name them so a and b swap if the product was written B * A
-  if fa.get(ri, 0) == 0: return None
 
   def operand(g: UOp, f: dict[UOp | None, int], r0: UOp, r1: UOp) -> Operand:
     assert isinstance(g.dtype, PtrDType)
@@ -107,5 +105,4 @@ def match(ast: UOp) -> Contraction | None:
                    rows=f.get(r0, 0), cols=f.get(r1, 0))
   con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch),
                     a=operand(la[0], fa, ri, kr), b=operand(lb[0], fb, kr, rj), c=operand(gc, fc, ri, rj), acc=acc)
-  if la[0].dtype.base != lb[0].dtype.base: return None  # type: ignore[union-attr]
-  return con
+  return con if con.a.dtype == con.b.dtype else None  # mixed input dtypes: the generic kernel

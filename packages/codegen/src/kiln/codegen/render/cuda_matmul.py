@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kiln.codegen.contraction import Contraction, Operand, match
 from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
-from kiln.ir.dtype import DType, dtypes
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 from kiln.ir.verify import verify
@@ -157,14 +157,14 @@ def render_simt(c: Contraction, t: Tiling, name: str) -> str:
   e("  auto load = [&](int k0) {")
   e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
   e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
-  e(f"      const int gm = m0 + r, gk = k0 + cc;")
+  e("      const int gm = m0 + r, gk = k0 + cc;")
   if a_vec > 1: e(_vec_load("ra", a_vec, f"gm < {c.m} && gk < {c.k}", f"A + (long long)gm * {a.rows} + (long long)gk * {a.cols}"))
   else:
     e(f"      ra[it] = (gm < {c.m} && gk < {c.k}) ? {cvt_a.format(v=f'A[(long long)gm * {a.rows} + (long long)gk * {a.cols}]')} : 0.0f;")
   e("    }")
   e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
   e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
-  e(f"      const int gk = k0 + r, gn = n0 + cc;")
+  e("      const int gk = k0 + r, gn = n0 + cc;")
   if b_vec > 1: e(_vec_load("rb", b_vec, f"gk < {c.k} && gn < {c.n}", f"B + (long long)gk * {b.rows} + (long long)gn * {b.cols}"))
   else:
     e(f"      rb[it] = (gk < {c.k} && gn < {c.n}) ? {cvt_b.format(v=f'B[(long long)gk * {b.rows} + (long long)gn * {b.cols}]')} : 0.0f;")
@@ -174,11 +174,13 @@ def render_simt(c: Contraction, t: Tiling, name: str) -> str:
   e("  auto stash = [&](int s) {")
   e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
   e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
-  e(f"      #pragma unroll\n      for (int v = 0; v < {a_vec}; v++) As[s][cc{' + v' if a_k else ''}][r{'' if a_k else ' + v'}] = ra[it * {a_vec} + v];")
+  a_at = "As[s][cc + v][r]" if a_k else "As[s][cc][r + v]"  # a vector's lanes run along the walked axis
+  e(f"      #pragma unroll\n      for (int v = 0; v < {a_vec}; v++) {a_at} = ra[it * {a_vec} + v];")
   e("    }")
   e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
   e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
-  e(f"      #pragma unroll\n      for (int v = 0; v < {b_vec}; v++) Bs[s][r{'' if b_n else ' + v'}][cc{' + v' if b_n else ''}] = rb[it * {b_vec} + v];")
+  b_at = "Bs[s][r][cc + v]" if b_n else "Bs[s][r + v][cc]"
+  e(f"      #pragma unroll\n      for (int v = 0; v < {b_vec}; v++) {b_at} = rb[it * {b_vec} + v];")
   e("    }")
   e("  };")
   kt = -(-c.k // bk)
@@ -286,7 +288,8 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
   e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
   e("      }")
-  e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n        for (int j = 0; j < {nt}; j++) {mma}(acc[i][j], fa[i], fb[j]);")
+  e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n"
+    f"        for (int j = 0; j < {nt}; j++) {mma}(acc[i][j], fa[i], fb[j]);")
   e("    }")
   e("  }")
   e("  kiln_cp_async_wait<0>();")
@@ -357,7 +360,7 @@ def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -
   src = _header(c) + (MMA_PRELUDE if t.kind == "mma" else "") + body + "\n"
   slots = sorted({c.a.slot, c.b.slot, c.c.slot})
   typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
-  sizes = {int(u.arg): u.dtype.size for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}  # type: ignore[union-attr]
+  sizes = {int(u.arg): u.dtype.size for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL and isinstance(u.dtype, PtrDType)}
   flops = 2 * c.m * c.n * c.k * c.batches
   mem = c.batches * (c.m * c.k * c.a.dtype.itemsize + c.k * c.n * c.b.dtype.itemsize + c.m * c.n * c.c.dtype.itemsize)
   return ProgramSpec(name=name, src=src, device="CUDA", ast=ast,  # type: ignore[arg-type]
