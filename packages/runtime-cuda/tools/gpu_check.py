@@ -240,11 +240,11 @@ def mmatune() -> None:
   from kiln.codegen.render.cuda_matmul import Tiling
   from kiln.runtime.cuda.driver import CUDARuntime
   rt = CUDARuntime("CUDA:0")
-  variants = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 128, 32, 2, 4, 4),
-              Tiling("mma", 128, 128, 32, 2, 4, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 3, 8), Tiling("mma", 256, 128, 32, 4, 2, 3, 8),
-              Tiling("mma", 128, 128, 64, 2, 2, 3, 8), Tiling("mma", 128, 128, 32, 2, 2, 4, 8), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
-              Tiling("mma", 256, 128, 64, 4, 2, 3, 8), Tiling("mma", 128, 256, 32, 2, 4, 4, 8)]
-  for s_ in (2048, 4096, 8192): _mmatune_size(rt, s_, variants)
+  variants = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 128, 64, 2, 2, 3, 8),
+              Tiling("mma", 128, 128, 64, 2, 2, 4, 8), Tiling("mma", 128, 256, 64, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
+              Tiling("mma", 128, 256, 64, 2, 4, 3, 16), Tiling("mma", 128, 256, 64, 2, 4, 4, 8), Tiling("mma", 256, 128, 64, 4, 2, 4, 8)]
+  sizes = [int(x) for x in os.environ.get("KILN_MMATUNE_SIZES", "2048,4096,8192").split(",")]
+  for s_ in sizes: _mmatune_size(rt, s_, variants)
 
 
 def _time_events(fn: Callable[[], object]) -> float:

@@ -99,11 +99,12 @@ def _batch_offsets(c: Contraction) -> list[str]:
   return lines
 
 
-def _params(c: Contraction, name: str, threads: int = THREADS) -> str:
+def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int = 0) -> str:
   slots = sorted({c.a.slot, c.b.slot, c.c.slot})
   typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
   ps = [f"{'' if s == c.c.slot else 'const '}{_MEM[typ[s].name]}* __restrict__ data{s}" for s in slots]
-  return f'extern "C" __global__ void __launch_bounds__({threads}) {name}({", ".join(ps)})'
+  bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
+  return f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({", ".join(ps)})'
 
 
 def _vec(o: Operand, walk_cols: bool, extents: tuple[int, int], per_thread: int) -> int:
@@ -213,6 +214,16 @@ def render_simt(c: Contraction, t: Tiling, name: str) -> str:
 _MMA_PTX = {"float16": "f16", "bfloat16": "bf16"}
 
 
+# a thread's two neighbouring outputs as one store: (type, constructor); bfloat16 keeps its scalar stores (NaN's 0x7FC0)
+_PAIR = {"float32": ("float2", "make_float2"), "float16": ("half2", "__floats2half2_rn")}
+
+
+def _pairs_ok(c: Contraction) -> bool:
+  """Pairs (gn even, gn + 1) line up: C's columns contiguous, an even n, even row and batch strides and offset."""
+  o = c.c
+  return o.cols == 1 and c.n % 2 == 0 and o.offset % 2 == 0 and all(s % 2 == 0 for s in (o.rows, *o.batch))
+
+
 STATIC_SHARED = 48 << 10  # a block's static shared memory limit; beyond it the kernel declares it dynamic (ProgramSpec.shared_bytes)
 
 
@@ -242,7 +253,7 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   stage_a, stage_b = bm * lda, bk * ldb  # halves
   L: list[str] = []
   e = L.append
-  e(_params(c, name, t.threads) + " {")
+  e(_params(c, name, t.threads, 1) + " {")
   if t.shared_bytes > STATIC_SHARED: e(f"  KILN_DYNAMIC_SHARED(smem, {t.shared_bytes});")
   else: e(f"  __shared__ __align__(16) unsigned char smem[{t.shared_bytes}];")
   e("  unsigned short* As = (unsigned short*)smem;")
@@ -296,10 +307,15 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   e(f"  {_MEM[o.dtype.name]}* C = data{o.slot} + offC;")
   e("  const int g = lane >> 2, t2 = (lane & 3) * 2;")
   e(f"  #pragma unroll\n  for (int i = 0; i < {mt}; i++)\n    #pragma unroll\n    for (int j = 0; j < {nt}; j++)\n"
-    "      #pragma unroll\n      for (int h = 0; h < 4; h++) {")
-  e("        const int gm = m0 + wm + i * 16 + g + (h >> 1) * 8, gn = n0 + wn + j * 8 + t2 + (h & 1);")
-  e(f"        if (gm < {c.m} && gn < {c.n}) C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = "
-    f"{_FROM_F32[o.dtype.name].format(v='acc[i][j][h]')};")
+    "      #pragma unroll\n      for (int h = 0; h < 4; h += 2) {")
+  e("        const int gm = m0 + wm + i * 16 + g + (h >> 1) * 8, gn = n0 + wn + j * 8 + t2;")
+  e(f"        if (gm >= {c.m}) continue;")
+  e(f"        {_MEM[o.dtype.name]}* p = C + (long long)gm * {o.rows} + (long long)gn * {o.cols};")
+  if (pair := _PAIR.get(o.dtype.name)) is not None and _pairs_ok(c):  # each thread's two neighbours in one store
+    e(f"        if (gn < {c.n}) *({pair[0]}*)p = {pair[1]}(acc[i][j][h], acc[i][j][h + 1]);")
+  else:
+    e(f"        if (gn < {c.n}) p[0] = {_FROM_F32[o.dtype.name].format(v='acc[i][j][h]')};")
+    e(f"        if (gn + 1 < {c.n}) p[{o.cols}] = {_FROM_F32[o.dtype.name].format(v='acc[i][j][h + 1]')};")
   e("      }")
   e("}")
   return "\n".join(L)
@@ -341,7 +357,7 @@ def _header(c: Contraction) -> str:
 def _align(c: Contraction, t: Tiling, slot: int) -> int:
   """The byte alignment the tiled kernel's vector accesses need of a buffer: 16 for cp.async chunks and float4 loads, 8 for
   float2; 0 where the element's own size does."""
-  if slot == c.c.slot: return 0
+  if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind == "mma" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
   if t.kind == "mma": return 16
   o, walk = (c.a, c.a.cols == 1 or c.a.rows != 1) if slot == c.a.slot else (c.b, c.b.cols == 1 or c.b.rows != 1)
   ext = (c.m, c.k) if slot == c.a.slot else (c.k, c.n)

@@ -149,6 +149,8 @@ KILN_EMU_16BIT_TYPE(__nv_bfloat16, f32_to_bf16, bf16_to_f32)
 typedef __half half;
 typedef __nv_bfloat16 nv_bfloat16;
 struct __half2 { __half x, y; };
+typedef __half2 half2;
+static inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
 
 static inline __half __float2half(float f) { return __half(f); }
