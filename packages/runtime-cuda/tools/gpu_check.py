@@ -235,6 +235,49 @@ def sass() -> None:
     check(f"sass matmul {s} {dt}", one)
 
 
+MMA_PEAK_SRC = r"""
+extern "C" __global__ void __launch_bounds__(256) mma_peak(float* out, int iters) {
+  // 8 independent m16n8k16 accumulations per warp on register operands: the tensor cores' issue rate, no memory traffic
+  unsigned a[4] = {threadIdx.x, threadIdx.x * 3u, threadIdx.x ^ 5u, 7u}, b[2] = {threadIdx.x * 11u, 13u};
+  float d[8][4] = {};
+  for (int it = 0; it < iters; it++) {
+    #pragma unroll
+    for (int q = 0; q < 8; q++)
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                   : "+f"(d[q][0]), "+f"(d[q][1]), "+f"(d[q][2]), "+f"(d[q][3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  float s = 0.f;
+  for (int q = 0; q < 8; q++) s += d[q][0] + d[q][1] + d[q][2] + d[q][3];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
+
+def mmapeak() -> None:
+  """The rate mma.sync m16n8k16 (float16 in, float32 sums) issues at on this GPU with no memory traffic: the ceiling of
+  kiln's tensor-core matmul, against which its measured rate and torch's (wgmma on Hopper) are read."""
+  import struct
+
+  import torch
+
+  from kiln.runtime.cuda.driver import CUDARuntime
+  rt = CUDARuntime("CUDA:0")
+
+  def one() -> str:
+    _, binary = rt.compiler.compile_src(MMA_PEAK_SRC, "mma_peak")
+    sms = rt.target().gpu_sms or 132
+    out = torch.empty(sms * 4 * 256, device="cuda")
+    iters = 4096
+    with rt.current():
+      fn = rt.drv.module_from_buffer(binary).get_function("mma_peak")
+      args = struct.pack("=Qi", out.data_ptr(), iters)
+      t = _time_events(lambda: fn._launch_kernel((sms * 4, 1, 1), (256, 1, 1), args, 0, None))
+    flops = sms * 4 * 8 * 8 * iters * 2 * 16 * 8 * 16  # blocks x warps x mmas per iteration x iterations x 2mnk
+    return f"{flops / t / 1e12:.0f} TFLOP/s ({t * 1e3:.2f} ms)"
+  check("mma.sync peak", one)
+
+
 def mmatune() -> None:
   """Times tensor-core tilings of the float16 matmul against each other and torch (events, median of 20 after warm-up)."""
   from kiln.codegen.render.cuda_matmul import Tiling
@@ -404,7 +447,7 @@ def launch() -> None:
 
 def main(argv: list[str]) -> int:
   os.environ.setdefault("KILN_CACHE_DIR", "/tmp/kiln-gpu-cache")
-  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune,
+  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune, "mmapeak": mmapeak,
               "mixed": mixed, "launch": launch}
   for what in argv or ["info", "conformance", "plans", "probes"]:
     if what.startswith("bench"):  # bench, or bench:ROWS (rows whose names contain ROWS: add, row, soft, mm, launch)
