@@ -447,7 +447,8 @@ def launch() -> None:
 
 def main(argv: list[str]) -> int:
   os.environ.setdefault("KILN_CACHE_DIR", "/tmp/kiln-gpu-cache")
-  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass, "mmatune": mmatune, "mmapeak": mmapeak,
+  sections = {"info": info, "conformance": conformance, "plans": plans, "probes": probes, "tiled": tiled, "sass": sass,
+              "mmatune": mmatune, "mmapeak": mmapeak,
               "mixed": mixed, "launch": launch}
   for what in argv or ["info", "conformance", "plans", "probes"]:
     if what.startswith("bench"):  # bench, or bench:ROWS (rows whose names contain ROWS: add, row, soft, mm, launch)
