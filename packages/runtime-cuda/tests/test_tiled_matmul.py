@@ -21,6 +21,7 @@ from .conftest import requires_cxx, requires_nvcc
 
 emulate = pytest.importorskip("kiln.runtime.cuda.emulate")
 H100 = Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=90, gpu_sms=132)
+TF32 = Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=90, gpu_sms=132, allow_tf32=True)
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 MMA = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
@@ -90,10 +91,10 @@ def test_simt_for_what_tensor_cores_cannot_take() -> None:
 
 
 @requires_nvcc
-@pytest.mark.parametrize("t", MMA + SIMT, ids=str)
+@pytest.mark.parametrize("t", MMA + SIMT + [Tiling("tf32", 128, 128, 32, 2, 4, 3)], ids=str)
 def test_nvcc_builds_them_without_spills(t: Tiling, nvcc_compiler, tmp_path) -> None:
   dt = "float16" if t.kind == "mma" else "float32"
-  spec = program(kernels.matmul(4096, 4096, 4096, getattr(dtypes, dt), acc_dtype=dtypes.float32), H100, "mm", t)
+  spec = program(kernels.matmul(4096, 4096, 4096, getattr(dtypes, dt), acc_dtype=dtypes.float32), TF32 if t.kind == "tf32" else H100, "mm", t)
   assert spec is not None
   (tmp_path / "k.cu").write_text(spec.src)
   r = subprocess.run([find_nvcc() or "nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "--resource-usage",
@@ -102,3 +103,36 @@ def test_nvcc_builds_them_without_spills(t: Tiling, nvcc_compiler, tmp_path) -> 
   assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
   smem = int(m.group(1)) if (m := re.search(r"(\d+) bytes smem", r.stderr)) else 0
   assert smem == (0 if spec.shared_bytes else t.shared_bytes or smem)  # dynamic shared memory is not in the static count
+
+
+@requires_cxx
+@pytest.mark.parametrize("t", [Tiling("tf32", 128, 128, 32, 2, 4, 3), Tiling("tf32", 128, 128, 32, 2, 4, 2)], ids=str)
+def test_tf32_tiles(t: Tiling) -> None:
+  """Opt-in TF32: float32 inputs rounded to 10 mantissa bits, float32 sums; within TF32's error of the float64 product, and
+  measurably not float32-exact (the rounding happens)."""
+  rng = np.random.default_rng(5)
+  m, n, k = 200, 136, 72
+  spec = program(kernels.matmul(m, n, k), TF32, "mm", t)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(tf32")
+  a, b = rng.uniform(-2, 2, (m, k)).astype(np.float32), rng.uniform(-2, 2, (k, n)).astype(np.float32)
+  c = np.full((m, n), np.nan, np.float32)
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([c, a, b], [], *prog.sizes([]))
+  ref = a.astype(np.float64) @ b.astype(np.float64)
+  err = np.abs(c - ref).max() / np.abs(ref).max()
+  assert 1e-6 < err < 2e-3, err
+
+
+def test_tf32_is_opt_in(monkeypatch) -> None:
+  from kiln.codegen.contraction import match
+  from kiln.codegen.render.cuda_matmul import choose
+  from kiln.ir.errors import DeviceError
+  from kiln.runtime.cuda.driver import tf32_allowed
+  c = match(kernels.matmul(1024, 1024, 1024))
+  assert c is not None and choose(c, H100).kind == "simt" and choose(c, TF32).kind == "tf32"
+  monkeypatch.delenv("KILN_CUDA_TF32", raising=False)
+  assert not tf32_allowed()
+  monkeypatch.setenv("KILN_CUDA_TF32", "1")
+  assert tf32_allowed()
+  monkeypatch.setenv("KILN_CUDA_TF32", "maybe")
+  with pytest.raises(DeviceError, match="KILN_CUDA_TF32"): tf32_allowed()

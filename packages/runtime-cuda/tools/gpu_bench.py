@@ -132,6 +132,19 @@ def main(argv: list[str]) -> None:
       k = KilnRun(kernels.matmul(s, s, s, kdt, acc_dtype=acc), kdt, [(s, s), (s, s), (s, s)], [a, b])
       row(f"matmul {s} {dt}", k, lambda ta=ta, tb=tb: ta @ tb, ta.double() @ tb.double(), 1e-5 if dt == "float32" else 2e-3, 2 * s ** 3, "GFLOP/s")
 
+  if not only or "mm" in only:  # opt-in TF32 on both sides (kiln: KILN_CUDA_TF32=1; torch: allow_tf32)
+    s = 4096
+    a, b = rng.standard_normal((s, s)).astype(np.float32), rng.standard_normal((s, s)).astype(np.float32)
+    ta, tb = torch.from_numpy(a).to(dev), torch.from_numpy(b).to(dev)
+    os.environ["KILN_CUDA_TF32"] = "1"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+      k = KilnRun(kernels.matmul(s, s, s), dtypes.float32, [(s, s), (s, s), (s, s)], [a, b])
+      row(f"matmul {s} tf32", k, lambda: ta @ tb, ta.double() @ tb.double(), 2e-3, 2 * s ** 3, "GFLOP/s")
+    finally:
+      os.environ.pop("KILN_CUDA_TF32", None)
+      torch.backends.cuda.matmul.allow_tf32 = False
+
   if not only or "launch" in only:  # launch overhead per kernel in a plan: 200 tiny dependent kernels
     b = ExecutionPlanBuilder("CUDA")
     bufs = [b.add_buffer(Buffer("CUDA", 256, dtypes.float32)) for _ in range(2)]

@@ -168,7 +168,8 @@ def _tiled_cases():
   each input dtype."""
   return [("simt-odd", 129, 67, 250, (), "float32"), ("simt-small", 16, 16, 16, (), "float32"), ("simt-batch", 100, 96, 72, (2, 3), "float32"),
           ("simt-big", 1024, 1024, 1024, (), "float32"), ("mma-f16", 1000, 136, 520, (), "float16"), ("mma-f16-batch", 64, 64, 64, (3,), "float16"),
-          ("mma-bf16", 256, 256, 256, (), "bfloat16"), ("mma-f16-edge", 130, 264, 40, (), "float16"), ("simt-f16-odd", 33, 45, 27, (), "float16")]
+          ("mma-bf16", 256, 256, 256, (), "bfloat16"), ("mma-f16-edge", 130, 264, 40, (), "float16"), ("simt-f16-odd", 33, 45, 27, (), "float16"),
+          ("tf32", 520, 264, 200, (), "float32-tf32"), ("tf32-big", 4096, 4096, 4096, (), "float32-tf32")]
 
 
 def tiled() -> None:
@@ -182,6 +183,9 @@ def tiled() -> None:
   for name, m, n, k, batch, dt in _tiled_cases():
     if small and m * n * k > 1 << 26: continue
     def one(m=m, n=n, k=k, batch=batch, dt=dt) -> str:
+      tf32 = dt == "float32-tf32"  # opt-in TF32 tensor cores for a float32 product
+      os.environ["KILN_CUDA_TF32"] = "1" if tf32 else "0"
+      dt = "float32" if tf32 else dt
       kdt = getattr(dtypes, dt)
       spec = rt.renderer.render(kernels.matmul(m, n, k, kdt, batch=batch, acc_dtype=dtypes.float32))
       prog = rt.load(rt.compiler.compile(spec))
@@ -203,10 +207,12 @@ def tiled() -> None:
       got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64) if dt == "bfloat16" else out.astype(np.float64)
       ref = a64 @ b64
       err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-      tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dt]
+      tol = 2e-3 if tf32 else {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dt]
+      if tf32 and not spec.applied_opts[0].startswith("TILED_MATMUL(tf32"): raise AssertionError(f"not TF32: {spec.applied_opts}")
       if not np.isfinite(got).all() or not err < tol: raise AssertionError(f"{spec.applied_opts}: rel err {err:.3g} (tol {tol})")
       return f"{spec.applied_opts[0]} rel err {err:.2g}, {t * 1e6:.0f} us"
     check(f"tiled {name} {batch}{m}x{n}x{k} {dt}", one)
+  os.environ.pop("KILN_CUDA_TF32", None)
 
 
 def sass() -> None:

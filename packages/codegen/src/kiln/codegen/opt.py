@@ -61,6 +61,7 @@ class Target:
   max_grid: tuple[int, int, int] = (2**31 - 1, 65535, 65535)
   gpu_arch: int = 0  # GPU: compute capability as major * 10 + minor (90: sm_90); 0 unknown: no tensor-core kernels
   gpu_sms: int = 0  # GPU: multiprocessors (the tiled matmul sizes its tiles so each gets a block); 0 unknown
+  allow_tf32: bool = False  # GPU: float32 matmuls may round their inputs to TF32 for tensor cores (opt-in: KILN_CUDA_TF32=1)
   vector_registers: int = 0  # CPU: architectural vector registers (16 AVX2/AVX, 32 AVX-512 and NEON); 0: from vector_bytes
   l1d_bytes: int = 32 << 10  # CPU: per-core L1 data cache
   l2_bytes: int = 1 << 20  # CPU: per-core L2

@@ -39,7 +39,7 @@ _FROM_F32 = {"float32": "{v}", "float16": "__float2half_rn({v})",
 
 @dataclass(frozen=True)
 class Tiling:
-  kind: str  # "simt" or "mma"
+  kind: str  # "simt", "mma" (float16/bfloat16 tensor cores) or "tf32" (float32 inputs rounded to TF32, opt-in)
   bm: int
   bn: int
   bk: int
@@ -52,28 +52,47 @@ class Tiling:
   def threads(self) -> int: return THREADS if self.kind == "simt" else 32 * self.warps_m * self.warps_n
 
   @property
+  def elem(self) -> int:
+    """Bytes of one staged element: 2 for float16/bfloat16, 4 for TF32's float32 (SIMT stages float32 too)."""
+    return 2 if self.kind == "mma" else 4
+
+  @property
+  def pad_a(self) -> int: return 16 // self.elem  # elements added to each shared row of A: 16 bytes, so fragment reads miss no bank
+
+  pad_b = 8  # and of B: 16 bytes for ldmatrix's rows; 32 for TF32's scalar reads (lanes t and t + 1 rows apart)
+
+  @property
   def shared_bytes(self) -> int:
-    """mma: shared memory per block (halves, rows padded by 8)."""
-    return 0 if self.kind == "simt" else self.stages * 2 * (self.bm * (self.bk + 8) + self.bk * (self.bn + 8))
+    """Tensor cores: shared memory per block (every stage's A and B slices, rows padded)."""
+    if self.kind == "simt": return 0
+    return self.stages * self.elem * (self.bm * (self.bk + self.pad_a) + self.bk * (self.bn + self.pad_b))
 
   def __str__(self) -> str:
     if self.kind == "simt": return f"TILED_MATMUL(simt {self.bm}x{self.bn}x{self.bk})"
-    return (f"TILED_MATMUL(mma {self.bm}x{self.bn}x{self.bk} warps {self.warps_m}x{self.warps_n} stages {self.stages}"
+    return (f"TILED_MATMUL({self.kind} {self.bm}x{self.bn}x{self.bk} warps {self.warps_m}x{self.warps_n} stages {self.stages}"
             f"{f' group {self.group_m}' if self.group_m else ''})")
 
 
-def _mma_ok(c: Contraction, target: Target) -> bool:
-  """Tensor cores apply: 16-bit float inputs, float32 sums, sm_80+, k- and n-contiguous rows whose 16-byte chunks align."""
-  if target.gpu_arch < 80 or c.acc != dtypes.float32 or c.a.dtype not in (dtypes.float16, dtypes.bfloat16): return False
+def _mma_kind(c: Contraction, target: Target) -> str | None:
+  """Which tensor-core kernel applies: "mma" for 16-bit float inputs, "tf32" for float32 inputs when the target allows TF32
+  (opt-in: it rounds the inputs to 10 mantissa bits), on sm_80+ with float32 sums, k- and n-contiguous rows whose 16-byte
+  chunks align; else None."""
+  if target.gpu_arch < 80 or c.acc != dtypes.float32: return None
+  if c.a.dtype in (dtypes.float16, dtypes.bfloat16): kind, per = "mma", 8
+  elif c.a.dtype == dtypes.float32 and target.allow_tf32: kind, per = "tf32", 4
+  else: return None
   a, b = c.a, c.b
-  return (a.cols == 1 and b.cols == 1 and c.k % 8 == 0 and c.n % 8 == 0 and a.rows % 8 == 0 and b.rows % 8 == 0
-          and a.offset % 8 == 0 and b.offset % 8 == 0 and all(s % 8 == 0 for s in (*a.batch, *b.batch)))
+  ok = (a.cols == 1 and b.cols == 1 and c.k % per == 0 and c.n % per == 0 and a.rows % per == 0 and b.rows % per == 0
+        and a.offset % per == 0 and b.offset % per == 0 and all(s % per == 0 for s in (*a.batch, *b.batch)))
+  return kind if ok else None
 
 
 def choose(c: Contraction, target: Target) -> Tiling:
   """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
   sms = max(1, target.gpu_sms)
-  if _mma_ok(c, target):
+  if _mma_kind(c, target) == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
+    return Tiling("tf32", 128, 128, 32, 2, 4, 3)
+  if _mma_kind(c, target) == "mma":
     # measured on an H100 (tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
     # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
     if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8)
@@ -239,43 +258,49 @@ def _block_origin(c: Contraction, t: Tiling) -> list[str]:
 
 def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   """Tensor cores: the block's warps_m x warps_n warps each own a warp tile of (bm / warps_m) x (bn / warps_n) outputs as
-  m16 x n8 mma tiles; slices of bk are copied by cp.async `stages` deep (one barrier per slice) and read by ldmatrix."""
+  m16 x n8 mma tiles; slices of bk are copied by cp.async `stages` deep (one barrier per slice). 16-bit inputs: m16n8k16
+  steps with fragments read by ldmatrix. TF32: m16n8k8 steps with fragments read by 32-bit shared loads, each value rounded to
+  TF32 (cvt.rna) as it is read."""
   a, b, o = c.a, c.b, c.c
   bm, bn, bk, S = t.bm, t.bn, t.bk, t.stages
+  tf32 = t.kind == "tf32"
+  ksz = 8 if tf32 else 16  # k of one mma step
+  per = 16 // t.elem  # elements in a 16-byte chunk
   wtm, wtn = bm // t.warps_m, bn // t.warps_n
   mt, nt = wtm // 16, wtn // 8
   assert wtm % 16 == 0 and wtn % 16 == 0 and bk % 16 == 0 and S >= 2, t
-  lda, ldb = bk + 8, bn + 8  # halves per shared row: +16 bytes so ldmatrix's 8 rows hit 8 distinct bank groups
-  a_chunks, b_chunks = bm * bk // 8, bk * bn // 8  # 16-byte chunks per slice
+  lda, ldb = bk + t.pad_a, bn + t.pad_b  # padded shared rows: fragment reads of 8 rows hit distinct banks
+  a_chunks, b_chunks = bm * bk // per, bk * bn // per  # 16-byte chunks per slice
   assert a_chunks % t.threads == 0 and b_chunks % t.threads == 0, t
-  mma = f"kiln_mma_m16n8k16_{_MMA_PTX[a.dtype.name]}"
+  mma = "kiln_mma_m16n8k8_tf32" if tf32 else f"kiln_mma_m16n8k16_{_MMA_PTX[a.dtype.name]}"
+  el = "float" if tf32 else "unsigned short"
   kt = -(-c.k // bk)
-  stage_a, stage_b = bm * lda, bk * ldb  # halves
+  stage_a, stage_b = bm * lda, bk * ldb  # elements
   L: list[str] = []
   e = L.append
   e(_params(c, name, t.threads, 1) + " {")
   if t.shared_bytes > STATIC_SHARED: e(f"  KILN_DYNAMIC_SHARED(smem, {t.shared_bytes});")
   else: e(f"  __shared__ __align__(16) unsigned char smem[{t.shared_bytes}];")
-  e("  unsigned short* As = (unsigned short*)smem;")
-  e(f"  unsigned short* Bs = As + {S * stage_a};")
+  e(f"  {el}* As = ({el}*)smem;")
+  e(f"  {el}* Bs = As + {S * stage_a};")
   e(f"  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = (warp / {t.warps_n}) * {wtm}, wn = (warp % {t.warps_n}) * {wtn};")
   for ln in _block_origin(c, t): e("  " + ln)
   for ln in _batch_offsets(c): e("  " + ln)
-  e(f"  const unsigned short* A = (const unsigned short*)(data{a.slot} + offA);")
-  e(f"  const unsigned short* B = (const unsigned short*)(data{b.slot} + offB);")
+  e(f"  const {el}* A = (const {el}*)(data{a.slot} + offA);")
+  e(f"  const {el}* B = (const {el}*)(data{b.slot} + offB);")
   e(f"  float acc[{mt}][{nt}][4];")
   e(f"  #pragma unroll\n  for (int i = 0; i < {mt}; i++)\n    #pragma unroll\n    for (int j = 0; j < {nt}; j++)\n"
     "      #pragma unroll\n      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;")
-  # one slice: A bm rows x bk halves, B bk rows x bn halves, in 16-byte chunks spread over the threads; a group per slice
+  # one slice: A bm rows x bk, B bk rows x bn, in 16-byte chunks spread over the threads; a cp.async group per slice
   e("  auto load = [&](int s, int k0) {")
   e(f"    if (k0 < {c.k}) {{")
   e(f"      #pragma unroll\n      for (int it = 0; it < {a_chunks // t.threads}; it++) {{")
-  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // 8}, kc = (ch % {bk // 8}) * 8, gm = m0 + r, gk = k0 + kc;")
+  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // per}, kc = (ch % {bk // per}) * {per}, gm = m0 + r, gk = k0 + kc;")
   e(f"        const bool ok = gm < {c.m} && gk < {c.k};")
   e(f"        kiln_cp_async16(As + s * {stage_a} + r * {lda} + kc, A + (ok ? (long long)gm * {a.rows} + gk : 0LL), ok);")
   e("      }")
   e(f"      #pragma unroll\n      for (int it = 0; it < {b_chunks // t.threads}; it++) {{")
-  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // 8}, nc = (ch % {bn // 8}) * 8, gk = k0 + r, gn = n0 + nc;")
+  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // per}, nc = (ch % {bn // per}) * {per}, gk = k0 + r, gn = n0 + nc;")
   e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
   e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + nc, B + (ok ? (long long)gk * {b.rows} + gn : 0LL), ok);")
   e("      }")
@@ -287,18 +312,29 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   e(f"    kiln_cp_async_wait<{S - 2}>();  // this slice's copies are done (this thread's) ...")
   e("    __syncthreads();  // ... and everyone's; and every warp is past the slice the next load overwrites")
   e(f"    load((kt + {S - 1}) % {S}, (kt + {S - 1}) * {bk});")
-  e(f"    const unsigned short* as = As + (kt % {S}) * {stage_a};")
-  e(f"    const unsigned short* bs = Bs + (kt % {S}) * {stage_b};")
-  e(f"    #pragma unroll\n    for (int ks = 0; ks < {bk}; ks += 16) {{")
+  e(f"    const {el}* as = As + (kt % {S}) * {stage_a};")
+  e(f"    const {el}* bs = Bs + (kt % {S}) * {stage_b};")
+  e(f"    #pragma unroll\n    for (int ks = 0; ks < {bk}; ks += {ksz}) {{")
   e(f"      unsigned fa[{mt}][4], fb[{nt}][2];")
-  e("      const int q = lane >> 3, r8 = lane & 7;")
-  e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)")
-  e(f"        kiln_ldmatrix_x4(fa[i], as + (wm + i * 16 + (q & 1) * 8 + r8) * {lda} + ks + (q >> 1) * 8);")
-  e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j += 2) {{")
-  e("        unsigned t4[4];")
-  e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
-  e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
-  e("      }")
+  if tf32:  # the m16n8k8 fragments (PTX ISA): A (g, t) (g+8, t) (g, t+4) (g+8, t+4); B (k t, n g) (k t+4, n g)
+    e("      const int g = lane >> 2, t = lane & 3;")
+    e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++) {{")
+    e(f"        const float* p = as + (wm + i * 16 + g) * {lda} + ks + t;")
+    e(f"        fa[i][0] = kiln_tf32(p[0]); fa[i][1] = kiln_tf32(p[8 * {lda}]); fa[i][2] = kiln_tf32(p[4]); fa[i][3] = kiln_tf32(p[8 * {lda} + 4]);")
+    e("      }")
+    e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j++) {{")
+    e(f"        const float* p = bs + (ks + t) * {ldb} + wn + j * 8 + g;")
+    e(f"        fb[j][0] = kiln_tf32(p[0]); fb[j][1] = kiln_tf32(p[4 * {ldb}]);")
+    e("      }")
+  else:
+    e("      const int q = lane >> 3, r8 = lane & 7;")
+    e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)")
+    e(f"        kiln_ldmatrix_x4(fa[i], as + (wm + i * 16 + (q & 1) * 8 + r8) * {lda} + ks + (q >> 1) * 8);")
+    e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j += 2) {{")
+    e("        unsigned t4[4];")
+    e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
+    e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
+    e("      }")
   e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n"
     f"        for (int j = 0; j < {nt}; j++) {mma}(acc[i][j], fa[i], fb[j]);")
   e("    }")
@@ -341,6 +377,13 @@ __device__ __forceinline__ void kiln_ldmatrix_x4_trans(unsigned (&r)[4], const v
 #define KILN_MMA(NAME, T) __device__ __forceinline__ void NAME(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])); }
+__device__ __forceinline__ unsigned kiln_tf32(float x) {  // round to TF32, to nearest with ties away (cvt.rna)
+  unsigned r; asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ void kiln_mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 KILN_MMA(kiln_mma_m16n8k16_f16, "f16")
 KILN_MMA(kiln_mma_m16n8k16_bf16, "bf16")
 #else
@@ -357,8 +400,8 @@ def _header(c: Contraction) -> str:
 def _align(c: Contraction, t: Tiling, slot: int) -> int:
   """The byte alignment the tiled kernel's vector accesses need of a buffer: 16 for cp.async chunks and float4 loads, 8 for
   float2; 0 where the element's own size does."""
-  if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind == "mma" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
-  if t.kind == "mma": return 16
+  if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind != "simt" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
+  if t.kind != "simt": return 16
   o, walk = (c.a, c.a.cols == 1 or c.a.rows != 1) if slot == c.a.slot else (c.b, c.b.cols == 1 or c.b.rows != 1)
   ext = (c.m, c.k) if slot == c.a.slot else (c.k, c.n)
   v = _vec(o, walk, ext, (t.bm if slot == c.a.slot else t.bn) * t.bk // THREADS)
@@ -372,8 +415,8 @@ def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -
   c = match(ast)
   if c is None or not applies(c, target): return None
   t = tiling or choose(c, target)
-  body = render_mma(c, t, name) if t.kind == "mma" else render_simt(c, t, name)
-  src = _header(c) + (MMA_PRELUDE if t.kind == "mma" else "") + body + "\n"
+  body = render_simt(c, t, name) if t.kind == "simt" else render_mma(c, t, name)
+  src = _header(c) + ("" if t.kind == "simt" else MMA_PRELUDE) + body + "\n"
   slots = sorted({c.a.slot, c.b.slot, c.c.slot})
   typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
   sizes = {int(u.arg): u.dtype.size for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL and isinstance(u.dtype, PtrDType)}

@@ -301,6 +301,15 @@ def launch_dims(spec: CompiledSpec, vals: Sequence[int], global_size: Sequence[A
 _STATIC_SHARED = 48 << 10  # shared memory a block gets without asking (cuFuncSetAttribute raises it)
 
 
+def tf32_allowed() -> bool:
+  """KILN_CUDA_TF32=1: float32 matrix products may use TF32 tensor cores (inputs rounded to 10 mantissa bits, float32 sums;
+  about 3e-4 relative error instead of float32's 1e-6). Off by default, as torch's allow_tf32."""
+  v = os.environ.get("KILN_CUDA_TF32", "0").strip().lower()
+  if v not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+    raise DeviceError(f"KILN_CUDA_TF32 must be 0 or 1, got {v!r}")
+  return v in ("1", "true", "yes", "on")
+
+
 def buffer_alignments(spec: CompiledSpec) -> list[int]:
   """Per buffer argument (globals order), the byte alignment its loads and stores need: its element's size, or more where
   the kernel says so (KernelArg.align: the tiled matmul's 16-byte loads)."""
@@ -455,9 +464,10 @@ class CUDARuntime:
 
   @property
   def renderer(self) -> Any:
-    if self._renderer is None:
+    t = self.target()
+    if self._renderer is None or getattr(self._renderer, "target", t) != t:  # KILN_CUDA_TF32 changed: render for the new target
       # imported when first needed (a runtime that only runs compiled specs never renders); kiln-codegen is a hard dependency
-      self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer(self.target())
+      self._renderer = importlib.import_module("kiln.codegen.render.cuda").CUDARenderer(t)
     return self._renderer
 
   def target(self) -> Any:
@@ -467,7 +477,14 @@ class CUDARuntime:
     major, minor = self.cc
     try: sms = int(self.dev.get_attribute(self.drv.device_attribute.MULTIPROCESSOR_COUNT))
     except Exception: sms = 0  # the attribute API is missing (a stand-in driver): the renderer assumes nothing
-    return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=sms)
+    return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=sms, allow_tf32=tf32_allowed())
+
+  @property
+  def fingerprint(self) -> str:
+    """What code rendered for this GPU depends on beyond the compiler's arch (part of the kernel cache's keys): the tile
+    choices follow the SM count, and KILN_CUDA_TF32 changes float32 matmuls."""
+    t = self.target()
+    return f"{self.device}|sm_{t.gpu_arch}|{t.gpu_sms} SMs|tf32={int(t.allow_tf32)}"
 
   @property
   def dead(self) -> str | None:

@@ -49,7 +49,36 @@ template <float (*Cvt)(uint16_t)> static inline void mma_m16n8k16(float (&d)[4],
   }
   sync();
 }
+// m16n8k8 TF32: A 16x8 (4 registers: (g, t) (g+8, t) (g, t+4) (g+8, t+4)), B 8x8 (2: (k t, n g) (k t+4, n g))
+static inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  int t = flat_tid(), lane = t & 31, w = t & ~31;
+  for (int i = 0; i < 4; i++) mma_slots[t].u[i] = a[i];
+  mma_slots[t].u[4] = b[0]; mma_slots[t].u[5] = b[1];
+  sync();
+  int g = lane / 4, c2 = (lane % 4) * 2;
+  for (int h = 0; h < 4; h++) {
+    int row = g + (h / 2) * 8, col = c2 + (h % 2);
+    float acc = d[h];
+    for (int k = 0; k < 8; k++) {
+      unsigned av = mma_slots[w + (row % 8) * 4 + k % 4].u[(row >= 8) + 2 * (k >= 4)];
+      unsigned bv = mma_slots[w + col * 4 + k % 4].u[4 + (k >= 4)];
+      float x, y;
+      std::memcpy(&x, &av, 4); std::memcpy(&y, &bv, 4);
+      acc = std::fma(x, y, acc);
+    }
+    d[h] = acc;
+  }
+  sync();
+}
 }  // namespace kiln_emu
+
+// round to TF32 (10 mantissa bits), to nearest with ties away from zero, as cvt.rna.tf32.f32; NaN and inf pass through
+static inline unsigned kiln_tf32(float x) {
+  unsigned u; std::memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return u;
+  return (u + 0x1000u) & 0xffffe000u;
+}
+static inline void kiln_mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { kiln_emu::mma_m16n8k8_tf32(d, a, b); }
 
 static inline void kiln_cp_async16(void* smem, const void* gmem, bool ok) {
   if (ok) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
