@@ -278,7 +278,9 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   stage_a, stage_b = bm * lda, bk * ldb  # elements
   L: list[str] = []
   e = L.append
-  e(_params(c, name, t.threads, 1) + " {")
+  # registers: a 64x64 warp tile's 128 sums may take the whole file (one block per SM); smaller tiles are left to ptxas,
+  # which keeps them near 128 (two blocks per SM) without spilling (a cap of 2 blocks spilled 4 bytes)
+  e(_params(c, name, t.threads, 1 if mt * nt * 4 > 64 else 0) + " {")
   if t.shared_bytes > STATIC_SHARED: e(f"  KILN_DYNAMIC_SHARED(smem, {t.shared_bytes});")
   else: e(f"  __shared__ __align__(16) unsigned char smem[{t.shared_bytes}];")
   e(f"  {el}* As = ({el}*)smem;")
