@@ -128,3 +128,20 @@ def test_nvcc_ptx_sm90(rendered):
       assert r.returncode == 0, f"nvcc failed on batch {k}:\n{r.stderr[-4000:]}"
       with open(os.path.join(d, f"batch{k}.ptx")) as f: ptx = f.read()
       for i, s in enumerate(halves[k]): assert f".entry {s.name}_{i}(" in ptx, s.name
+
+
+def test_unroll_of_a_gpu_output_axis_is_refused_not_dropped():
+  """An output axis goes to the grid (one element per thread): UNROLL there was once reported as applied and silently
+  dropped; now it is an error naming the option. On a reduce axis it still unrolls the thread's loop."""
+  from kiln.codegen.opt import Opt, OptOps
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.ir.errors import CodegenError
+  r = CUDARenderer()
+  ew = kernels.elementwise(lambda v: v * 2.0, dtypes.float32, ((4096,), dtypes.float32))
+  with pytest.raises(CodegenError, match=r"UNROLL\(axis=0, 4\): on a GPU an output axis goes to the grid"):
+    r.render(ew, [Opt(OptOps.LOCAL, 0, 128), Opt(OptOps.UNROLL, 0, 4)])
+  rows = kernels.reduce_sum((64, 32), dtypes.float32, 1)
+  plain = r.render(rows, [Opt(OptOps.LOCAL, 0, 64)])
+  unrolled = r.render(rows, [Opt(OptOps.LOCAL, 0, 64), Opt(OptOps.UNROLL, 1, 4)])
+  assert unrolled.src.count("data1[") == 4 * plain.src.count("data1[")  # four loads per trip of the reduce loop

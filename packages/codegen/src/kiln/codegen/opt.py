@@ -257,6 +257,11 @@ def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[
   if any(p.pack and p.kind == "vec" for p in plans.values()):  # a panel is k x lanes of an output axis
     raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")
   _check_gpu_block(plans)
+  if target.vector_bytes == 0:  # GPU output axes go to the grid, one element per thread: an unroll there would be dropped
+    for p in plans.values():
+      if p.kind == "unroll" and p.rng.arg[1] is AxisType.LOOP:
+        raise CodegenError(f"UNROLL(axis={p.rng.arg[0]}, {p.factor}): on a GPU an output axis goes to the grid, one element per "
+                           "thread; UNROLL applies to reduce axes there (use LOCAL for the block's threads)")
   return plans, vec
 
 
