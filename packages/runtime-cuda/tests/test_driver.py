@@ -71,6 +71,10 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
     if (why := state["sticky"].get(ctx.dev)) is not None: raise LogicError(f"{what} failed: {why}")
     return ctx
 
+  def launched(ctx) -> None:
+    """Work was queued in ctx (a launch, or a CUDA graph's: tests/test_graph.py's stand-in libcuda): a pending fault strikes."""
+    if state["fault"] is not None: state["sticky"][ctx.dev], state["fault"] = state["fault"], None
+
   def owner(ptr: int):
     for a in state["allocs"].values():
       if a.valid and a.ptr <= ptr < a.ptr + a.size: return a
@@ -128,8 +132,9 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
       ctx = current("cuLaunchKernel")
       if ctx != self.module.ctx: raise LogicError("cuLaunchKernel failed: invalid resource handle (a function of another context)")
       calls.append(("launch", self.name, tuple(grid), tuple(block), buf))
-      if state["fault"] is not None: state["sticky"][ctx.dev], state["fault"] = state["fault"], None
+      launched(ctx)
     def prepare(self, fmt): calls.append(("prepare", self.name, fmt))  # pycuda's deprecated block-shape interface
+    def set_attribute(self, attr, value): current("cuFuncSetAttribute"); calls.append(("set_attribute", self.name, attr, value))
     def prepared_call(self, grid, block, *args):
       calls.append(("prepared_call", self.name))
       self._launch_kernel(grid, block, args, 0, None)
@@ -200,10 +205,12 @@ def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
   def fault(why: str = FakeFault.ILLEGAL_ADDRESS) -> None: state["fault"] = why
 
   drv.init = lambda: calls.append(("init",))
+  drv.function_attribute = types.SimpleNamespace(MAX_DYNAMIC_SHARED_SIZE_BYTES=8)
   drv.Error, drv.MemoryError, drv.LogicError, drv.LaunchError, drv.RuntimeError = Error, MemoryError, LogicError, LaunchError, RuntimeError
   drv.mem_alloc, drv.Device, drv.Context, drv.Event, drv.DeviceAllocation = mem_alloc, Device, Context, Event, DeviceAllocation
   drv.module_from_buffer, drv.memcpy_htod, drv.memcpy_dtoh, drv.memcpy_dtod = module_from_buffer, memcpy_htod, memcpy_dtoh, memcpy_dtod
   drv._problems, drv._fault_next_launch = check, fault
+  drv._current, drv._launched, drv._problem = current, launched, problems.append  # for the stand-in libcuda of CUDA graphs
   return drv
 
 

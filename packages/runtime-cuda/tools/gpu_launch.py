@@ -8,6 +8,7 @@ the host's speed with."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -17,9 +18,17 @@ from typing import Any
 KERNELS, SIZE = 200, 256
 
 
-def chain_plan(device: str = "CUDA", kernels_n: int = KERNELS, size: int = SIZE) -> tuple[Any, Any]:
+def chain_plan(device: str = "CUDA", kernels_n: int = KERNELS, size: int = SIZE, graphs: bool | None = None) -> tuple[Any, Any]:
   """(plan, output Buffer): kernels_n dependent `v + 1` kernels over two ping-pong float32 buffers of `size` elements (the
-  plan gpu_bench.py's launch row times)."""
+  plan gpu_bench.py's launch row times). graphs=False builds it with CUDA graphs off (KILN_CUDA_GRAPHS=0 while it is
+  built), True with them on, None as the environment says."""
+  if graphs is not None:
+    old = os.environ.get("KILN_CUDA_GRAPHS")
+    os.environ["KILN_CUDA_GRAPHS"] = "1" if graphs else "0"
+    try: return chain_plan(device, kernels_n, size, None)
+    finally:
+      if old is None: os.environ.pop("KILN_CUDA_GRAPHS", None)
+      else: os.environ["KILN_CUDA_GRAPHS"] = old
   import numpy as np
 
   from kiln.executor import Buffer, ExecutionPlanBuilder
@@ -53,29 +62,35 @@ def _interleaved(cases: dict[str, tuple[Callable[[], Any], int, bool]], sync: Ca
 
 def launch_overhead(kernels_n: int = KERNELS, size: int = SIZE, batch: int = 20, rounds: int = 15) -> dict:
   """Per-kernel times of a kernels_n-kernel plan, in microseconds:
-    wall_us       plan.execute() `batch` times between two device syncs, per kernel (what issue 16 measured: 8.11 us, target 5)
-    host_us       one plan.execute() right after a sync, no sync before the clock stops: the host's cost per launch
+    wall_us       plan.execute() `batch` times between two device syncs, per kernel, the plan built with CUDA graphs off
+                  (KILN_CUDA_GRAPHS=0: one launch per kernel; what issue 16 measured: 8.11 us, target 5)
+    host_us       one plan.execute() right after a sync, no sync before the clock stops: the host's cost per launch (graphs off)
+    graph_wall_us, graph_host_us   the same with the plan built with CUDA graphs on (one cuGraphLaunch per execute)
     launch_us     pycuda's Function._launch_kernel alone, the same bound launch repeated inside one current context (the floor)
     guarded_us    the bound call's own __call__ (context check, push/pop when not current) per launch, outside any context
     torch_us      eager torch `y = y + 1` per op on the same host, when torch is importable (wall, synced like wall_us)
-  plus the output check (every element equals kernels_n after one run from zeros) and the device's name."""
+  plus the output checks (every element equals kernels_n after one run from zeros: output_ok with graphs off,
+  graph_output_ok with them on), graph_launches (graph launches the graph plan made: 0 means it fell back to plain
+  launches) and the device's name."""
   import numpy as np
 
   from kiln.codegen import registry
-  plan, out = chain_plan("CUDA", kernels_n, size)
+  plan, out = chain_plan("CUDA", kernels_n, size, graphs=False)
+  gplan, gout = chain_plan("CUDA", kernels_n, size, graphs=True)
   rt = registry.get_runtime("CUDA")
   try:
     import torch
     has_torch = bool(torch.cuda.is_available())
   except ImportError: has_torch = False
   sync: Callable[[], Any] = torch.cuda.synchronize if has_torch else rt.synchronize  # type: ignore[possibly-undefined]
-  plan.execute()
-  rt.synchronize()
-  got = out.numpy()
-  ok = bool(np.all(got == float(kernels_n)))
-  for _ in range(3): plan.execute()  # warm
+  oks = []
+  for p, o in ((plan, out), (gplan, gout)):
+    p.execute()
+    rt.synchronize()
+    oks.append(bool(np.all(o.numpy() == float(kernels_n))))
+    for _ in range(3): p.execute()  # warm
   sync()
-  res: dict[str, Any] = {"device": _device_name(rt), "kernels": kernels_n, "size": size, "output_ok": ok}
+  res: dict[str, Any] = {"device": _device_name(rt), "kernels": kernels_n, "size": size, "output_ok": oks[0], "graph_output_ok": oks[1]}
   bound = plan.kernels[0].bound
   fn, grid, block, arg = bound.prog.fn, bound.grid, bound.block, bound.arg_buf
 
@@ -86,7 +101,8 @@ def launch_overhead(kernels_n: int = KERNELS, size: int = SIZE, batch: int = 20,
   def guarded() -> None:
     for _ in range(kernels_n): bound()
   cases: dict[str, tuple[Callable[[], Any], int, bool]] = {
-    "wall_us": (plan.execute, batch, True), "host_us": (plan.execute, 1, False), "launch_us": (raw, 1, False), "guarded_us": (guarded, 1, False)}
+    "wall_us": (plan.execute, batch, True), "host_us": (plan.execute, 1, False), "graph_wall_us": (gplan.execute, batch, True),
+    "graph_host_us": (gplan.execute, 1, False), "launch_us": (raw, 1, False), "guarded_us": (guarded, 1, False)}
   if has_torch:
     x = torch.zeros(size, device="cuda")
 
@@ -96,6 +112,7 @@ def launch_overhead(kernels_n: int = KERNELS, size: int = SIZE, batch: int = 20,
     torch_chain()
     cases["torch_us"] = (torch_chain, batch, True)
   res.update({k: v * 1e6 for k, v in _interleaved(cases, sync, rounds, kernels_n).items()})
+  res["graph_launches"] = sum(getattr(f, "launches", 0) for _, run in gplan._runs for f in run)
   return res
 
 
@@ -107,4 +124,4 @@ def _device_name(rt: Any) -> str:
 if __name__ == "__main__":
   r = launch_overhead()
   print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
-  sys.exit(0 if r["output_ok"] else 1)
+  sys.exit(0 if r["output_ok"] and r["graph_output_ok"] else 1)

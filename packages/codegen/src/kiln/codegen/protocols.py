@@ -48,6 +48,16 @@ class SessionCall(Protocol):
 
 
 @runtime_checkable
+class GraphCall(Protocol):
+  """Optional on a SessionCall, for a runtime that can record a run of its launches and replay it as one (CUDA graphs).
+  ExecutionPlan hands `graph_calls` each maximal run of this runtime's calls with nothing else between them (in the plan's
+  order); it returns one callable that runs them all, called inside the session in their place, or None (the calls run one
+  by one through in_session). The callable must follow later set_vals of those calls (runtime variables), and must give
+  the same results as the calls run one by one."""
+  graph_calls: Callable[[Sequence[Any]], Callable[[], None] | None]
+
+
+@runtime_checkable
 class Program(Protocol):
   """A loaded kernel. bufs are raw device addresses in `globals` order; vals follow `var_names` (core_id excluded:
   the runtime supplies it). Returns the kernel's time in seconds when wait=True."""

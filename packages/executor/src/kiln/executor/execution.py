@@ -26,8 +26,11 @@ def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = froze
   called through its in_session inside its runtime's session, entered once per run; a call of another runtime's session
   starts a new run, so two devices' sessions never nest. The steps whose ids are in `outside` (the user's host functions)
   run in no session: a session never reaches user code. Any other step (a copy, a CPU kernel) stays in the run around it: it
-  needs no session, or makes its own device's context current and restores it (every runtime's guard does)."""
-  runs: list[tuple[Any, list[Callable[[], Any]]]] = []
+  needs no session, or makes its own device's context current and restores it (every runtime's guard does).
+
+  Inside a run, each stretch of bound calls with nothing else between them is offered to the runtime as a whole (GraphCall,
+  a CUDA graph): where it takes it, one callable replaces the stretch; a copy in the middle splits it in two."""
+  runs: list[tuple[Any, list[Any]]] = []
   adoptable = False  # the last run is sessionless and holds no user function (the plan's first steps): a session may take it
   for s in steps:
     if id(s) in outside:
@@ -37,12 +40,31 @@ def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = froze
     elif isinstance(s, SessionCall):
       if runs and adoptable: runs[-1] = (s.session, runs[-1][1])
       elif not runs or runs[-1][0] is None or runs[-1][0] != s.session: runs.append((s.session, []))
-      runs[-1][1].append(s.in_session)
+      runs[-1][1].append(s)
       adoptable = False
     else:
       if not runs: runs, adoptable = [(None, [])], True
       runs[-1][1].append(s)
-  return runs
+  return [(sess, run if sess is None else _in_session(run)) for sess, run in runs]
+
+
+def _in_session(run: list[Any]) -> list[Callable[[], Any]]:
+  """A session's run as callables: its bound calls' in_session, or one callable per stretch the runtime records as a whole."""
+  out: list[Callable[[], Any]] = []
+  stretch: list[Any] = []
+
+  def flush() -> None:
+    graph = getattr(stretch[0], "graph_calls", None) if stretch else None
+    whole = graph(list(stretch)) if graph is not None else None
+    out.extend([whole] if whole is not None else [c.in_session for c in stretch])
+    stretch.clear()
+  for s in run:
+    if isinstance(s, SessionCall): stretch.append(s)
+    else:
+      flush()
+      out.append(s)
+  flush()
+  return out
 
 
 class ExecutionPlan:

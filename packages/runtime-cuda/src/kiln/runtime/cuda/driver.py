@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from typing import Any
 
 from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
 from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
+from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda.compiler import CUDACompiler
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
@@ -330,6 +332,8 @@ class CUDABoundCall:
                local_size: Sequence[Any] | None):
     self.prog, self.bufs = prog, [int(b) for b in bufs]
     self.session = prog.runtime.session  # equal for every call of one runtime: the executor groups them under one session
+    self.graph_calls = prog.runtime.graph_calls  # kiln.codegen.protocols.GraphCall: a run of these as one CUDA graph
+    self.graph_runs: weakref.WeakSet[cuda_graph.GraphRun] = weakref.WeakSet()  # the graphs holding this launch (told of set_vals)
     self._errors = prog.runtime.guard.errors
     self.set_vals(vals, global_size, local_size)
 
@@ -337,6 +341,7 @@ class CUDABoundCall:
     self.grid, self.block = self.prog.dims(vals, global_size, local_size)
     self.arg_buf = self.prog.pack(self.bufs, vals)
     self.empty = 0 in self.grid  # an empty grid runs nothing (CUDA rejects a launch of 0 blocks)
+    for g in self.graph_runs: g.note_change(self)  # its node is updated before the graph's next launch
 
   def __call__(self) -> None:
     if not self.empty: self.prog.launch(self.grid, self.block, self.arg_buf)
@@ -431,9 +436,24 @@ class CUDAProgram:
            local_size: Sequence[Any] | None = None) -> CUDABoundCall:
     return CUDABoundCall(self, bufs, vals, global_size, local_size)
 
+  def graph_function(self, api: cuda_graph.GraphAPI) -> int:
+    """The CUfunction graph nodes of this kernel launch: pycuda's Function does not expose its handle, so the first graph
+    loads a second copy of the binary through `api` (cuModuleLoadData, in the caller's current context: inside the session),
+    unloaded with this program."""
+    if (hit := self.__dict__.get("_graph_mod")) is None:
+      mod, fn = api.load_function(self.spec.bytes, self.spec.name, self.shared)
+      hit = self._graph_mod = (api, mod, fn)
+    return int(hit[2])
+
   def __del__(self) -> None:
     # unload the module with our context current: pycuda's own destructor, run later on another thread without it, cannot
     # ("module in out-of-thread context could not be cleaned up") and leaks it
+    if (gm := self.__dict__.pop("_graph_mod", None)) is not None:  # the graphs' copy (graphs using it hold this program)
+      try:
+        with self.runtime.guard.for_free() as alive:
+          if alive: gm[0].unload_module(gm[1])
+      except Exception as e:  # a finaliser has no caller to tell: say so
+        warnings.warn(f"{self.runtime.device}: unloading kernel {self.name}'s graph module failed: {e}", RuntimeWarning, stacklevel=2)
     if "module" in self.__dict__: _drop_in_context(self.runtime.guard, self.__dict__, ("fn", "module"))
 
 
@@ -461,6 +481,7 @@ class CUDARuntime:
     self.compiler = CUDACompiler(self.arch)
     self.allocator = CUDAAllocator(self.drv, self.ctx, guard=self.guard)
     self._renderer: Any = None
+    self._graph_api: Any = False  # the GraphAPI over libcuda, None where graphs are unavailable; False: not looked up yet
 
   @property
   def renderer(self) -> Any:
@@ -504,6 +525,22 @@ class CUDARuntime:
     return self.guard()
 
   def load(self, compiled: CompiledSpec) -> CUDAProgram: return CUDAProgram(self, compiled)
+
+  @property
+  def graph_api(self) -> cuda_graph.GraphAPI | None:
+    """libcuda's graph calls (kiln.runtime.cuda.graph), or None: no libcuda in this process, or a stand-in driver."""
+    if self._graph_api is False: self._graph_api = cuda_graph.open_api(self.drv)
+    return self._graph_api  # type: ignore[no-any-return]
+
+  def graph_calls(self, calls: Sequence[Any]) -> cuda_graph.GraphRun | None:
+    """kiln.codegen.protocols.GraphCall: one callable that launches `calls` (this runtime's bound calls, a run of a plan
+    with nothing else between them, in order) as one CUDA graph inside this runtime's session, or None (launch them one by
+    one): graphs off (KILN_CUDA_GRAPHS=0), unavailable, or fewer than GRAPH_MIN_KERNELS launches. The graph is built at its
+    first call, so a plan built with graphs on needs no GPU work until it runs."""
+    if len(calls) < cuda_graph.GRAPH_MIN_KERNELS or not cuda_graph.enabled(): return None
+    if any(getattr(c, "prog", None) is None or c.prog.runtime is not self for c in calls): return None
+    if (api := self.graph_api) is None: return None
+    return cuda_graph.GraphRun(self, api, calls)
 
   def synchronize(self) -> None:
     g = self.guard
