@@ -50,8 +50,27 @@ def test_transposed_operand_matches_with_its_strides() -> None:
   assert c is not None and (c.b.rows, c.b.cols) == (1, 16)
 
 
+def test_epilogues_match_and_name_what_they_read() -> None:
+  relu = match(_mm(32, 32, 32, epilogue=lambda v: v.maximum(0.0)))
+  assert relu is not None and relu.epilogue and relu.extra == ()
+  plain = match(kernels.matmul(32, 32, 32, dtypes.float16, acc_dtype=f32))
+  assert plain is not None and not plain.epilogue  # the cast to the output's dtype alone is no epilogue
+  bias = UOp.define_global(3, f32.ptr(32))
+
+  def with_bias(v: UOp) -> UOp:
+    j = next(u for u in v.toposort() if u.op is Ops.RANGE and u.arg[0] == 1)
+    return (v + bias.index(j).load()).maximum(0.0)
+  c = match(_mm(32, 32, 32, epilogue=with_bias))
+  assert c is not None and c.extra == (3,)
+
+
 def test_what_is_not_one_plain_product_does_not_match() -> None:
-  assert match(_mm(32, 32, 32, epilogue=lambda v: v.maximum(0.0))) is None  # an epilogue: the generic kernel runs it
+  out = UOp.define_global(0, f32.ptr(32 * 32))
+  i0 = UOp.range(32, 0)
+  assert match(_mm(32, 32, 32, epilogue=lambda v: v + out.index(i0 * 32).load())) is None  # reads the output: another thread's
+  r2 = UOp.range(8, 5, AxisType.REDUCE)
+  other = UOp.define_global(4, f32.ptr(8)).index(r2).load().reduce(Ops.ADD, r2)
+  assert match(_mm(32, 32, 32, epilogue=lambda v: v * other)) is None  # a second sum
   assert match(_mm(32, 32, 32, same=True)) is None  # one buffer on both sides
   assert match(_mm(32, 32, 32, a_index=lambda i, kk: i * 32 + kk % 7)) is None  # a gathered index
   assert match(kernels.reduce_sum((64, 64), f32, 1)) is None

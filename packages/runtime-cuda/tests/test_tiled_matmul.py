@@ -136,3 +136,61 @@ def test_tf32_is_opt_in(monkeypatch) -> None:
   assert tf32_allowed()
   monkeypatch.setenv("KILN_CUDA_TF32", "maybe")
   with pytest.raises(DeviceError, match="KILN_CUDA_TF32"): tf32_allowed()
+
+
+def _linear_ast(m: int, n: int, k: int, dt, batch: tuple[int, ...], epilogue, out_dt=None):
+  """out[b, i, j] = epilogue(sum_k A[b, i, k] * B[b, k, j] in float32, bias[j], res[b, i, j]) cast to out_dt: what a model's
+  linear layer fuses (kiln-graph puts bias, activation and residual in the matmul's kernel). Slots: 0 out, 1 A, 2 B, 3 bias
+  (float32), 4 res (out_dt)."""
+  from kiln.ir import UOp
+  from kiln.ir.ops import AxisType, Ops
+  f32 = dtypes.float32
+  out_dt = out_dt or dt
+  nb = int(np.prod(batch)) if batch else 1
+  bs = [UOp.range(s, d) for d, s in enumerate(batch)]
+  i, j, kk = UOp.range(m, len(batch)), UOp.range(n, len(batch) + 1), UOp.range(k, len(batch) + 2, AxisType.REDUCE)
+  flat = 0
+  for d, s in enumerate(batch): flat = flat * s + bs[d]
+  a = UOp.define_global(1, dt.ptr(nb * m * k)).index(flat * (m * k) + i * k + kk).load()
+  b = UOp.define_global(2, dt.ptr(nb * k * n)).index(flat * (k * n) + kk * n + j).load()
+  acc = (a.cast(f32) * b.cast(f32)).reduce(Ops.ADD, kk) if dt != f32 else (a * b).reduce(Ops.ADD, kk)
+  bias = UOp.define_global(3, f32.ptr(n)).index(j).load()
+  res = UOp.define_global(4, out_dt.ptr(nb * m * n)).index(flat * (m * n) + i * n + j).load()
+  v = epilogue(acc, bias, res.cast(f32) if out_dt != f32 else res)
+  return UOp.sink(UOp.define_global(0, out_dt.ptr(nb * m * n)).index(flat * (m * n) + i * n + j).store(v.cast(out_dt)), name="linear")
+
+
+def _gelu(x):
+  return x * 0.5 * ((x * 0.7071067811865476).erf() + 1.0)
+
+
+EPILOGUES = {
+  "bias_relu": lambda acc, bias, res: (acc + bias).maximum(0.0),
+  "bias_gelu_residual": lambda acc, bias, res: _gelu(acc + bias) + res,
+  "scale_tanh": lambda acc, bias, res: (acc * 0.125).tanh() * bias,
+}
+
+
+@requires_cxx
+@pytest.mark.parametrize("name", list(EPILOGUES))
+@pytest.mark.parametrize("dt,tiling", [("float32", None), ("float16", None), ("float16", Tiling("mma", 128, 128, 32, 2, 4, 2))],
+                         ids=["simt", "mma", "mma-2stage"])
+def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
+  """Epilogues run in the tiled kernel's store loop, printed by the CUDA printer's own tables (kiln's arithmetic), against the
+  reference evaluator with the tiled sum's tolerance; the output is poisoned first, and every case is tiled (not generic)."""
+  from kiln.codegen.conformance import Case, for_spec, mismatches
+  kdt = getattr(dtypes, dt)
+  batch = (2,) if name == "bias_gelu_residual" else ()
+  ast = _linear_ast(72, 48, 40, kdt, batch, EPILOGUES[name])
+  spec = program(ast, H100, "linear", tiling)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(" + ("simt" if dt == "float32" else "mma"))
+  rng = np.random.default_rng(len(name))
+  bufs = []
+  for g in sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg):
+    n_, gdt = g.dtype.size, g.dtype.base.name
+    bufs.append(np.full(n_, np.nan, gdt) if g.arg == 0 else rng.uniform(-1, 1, n_).astype(gdt))
+  case = Case(name, ast, bufs)
+  got = case.fresh()
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)

@@ -1,15 +1,15 @@
 """Recognise a kernel that is one matrix product, C[b, i, j] = cast(sum_k A[b, i, k] * B[b, k, j]), with every index an affine
 function of the ranges, so a renderer can give it a tiled kernel of its own (render/cuda_matmul.py) instead of the generic
-lowering. What matches: one STORE whose value is the REDUCE(ADD) over one range of a product of two loads (each loaded value
-optionally cast to the sum's dtype), optionally cast to the output's dtype; constant sizes; an index made of ranges, constants,
-+, - and multiplication by a constant. Anything else (an epilogue, a symbolic size, a gathered index) is None: the generic
-path runs it."""
+lowering. What matches: one STORE whose value is an elementwise epilogue f (bias, activation, residual, the cast to the
+output's dtype; loads indexed by the output ranges) of one REDUCE(ADD) over one range of a product of two loads (each loaded
+value optionally cast to the sum's dtype); constant sizes; an index made of ranges, constants, +, - and multiplication by a
+constant. Anything else (a second sum, a symbolic size, a gathered index) is None: the generic path runs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kiln.ir.dtype import DType, PtrDType
-from kiln.ir.ops import AxisType, Ops
+from kiln.ir.ops import AxisType, GroupOp, Ops
 from kiln.ir.uop import UOp
 
 
@@ -33,6 +33,18 @@ class Contraction:
   b: Operand
   c: Operand
   acc: DType  # the sum's dtype
+  # the stored value as an expression of the sum (`reduce`) and of loads indexed by the output ranges only (bias, residual,
+  # activation, the cast to the output's dtype); its ranges: i, j and the batch axes (`ranges`, in that order)
+  value: UOp | None = None
+  reduce: UOp | None = None
+  ranges: tuple[UOp, ...] = ()
+  extra: tuple[int, ...] = ()  # slots the epilogue reads
+
+  @property
+  def epilogue(self) -> bool:
+    """More than the sum cast to the output's dtype."""
+    v = self.value
+    return v is not None and v is not self.reduce and not (v.op is Ops.CAST and v.src[0] is self.reduce)
 
   @property
   def batches(self) -> int:
@@ -76,12 +88,39 @@ def _load(u: UOp, acc: DType) -> tuple[UOp, UOp] | None:
 def _size(r: UOp) -> int | None: return int(r.src[0].arg) if r.src[0].op is Ops.CONST else None
 
 
+# what an epilogue may hold besides the sum: values the CUDA printer renders per output element
+_EPILOGUE_OPS = GroupOp.ALU | {Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.LOAD, Ops.INDEX, Ops.DEFINE_GLOBAL, Ops.RANGE}
+
+
+def _epilogue(val: UOp, outs: set[UOp], gc: UOp) -> tuple[UOp, list[UOp]] | None:
+  """(the one REDUCE the stored value is built on, the epilogue's other globals), when everything else in it is elementwise
+  on loads indexed by output ranges only (not the output buffer itself: another thread's element may not be written yet)."""
+  reduces: list[UOp] = []
+  globals_: list[UOp] = []
+  seen: set[UOp] = set()
+  stack = [val]
+  while stack:
+    u = stack.pop()
+    if u in seen: continue
+    seen.add(u)
+    if u.op is Ops.REDUCE:
+      reduces.append(u)
+      continue  # the sum's own subtree is the contraction's
+    if u.op not in _EPILOGUE_OPS: return None
+    if u.op is Ops.RANGE and u not in outs: return None
+    if u.op is Ops.INDEX and (len(u.src) != 2 or u.src[0].op is not Ops.DEFINE_GLOBAL or u.src[0] is gc): return None
+    if u.op is Ops.DEFINE_GLOBAL and u not in globals_: globals_.append(u)
+    stack.extend(u.src)
+  return (reduces[0], globals_) if len(reduces) == 1 else None
+
+
 def match(ast: UOp) -> Contraction | None:
   if ast.op is not Ops.SINK or len(ast.src) != 1 or (st := ast.src[0]).op is not Ops.STORE or st.src[0].op is not Ops.INDEX: return None
   gc, cidx, val = st.src[0].src[0], st.src[0].src[1], st.src[1]
-  if gc.op is not Ops.DEFINE_GLOBAL or not isinstance(gc.dtype, PtrDType): return None
-  red = val.src[0] if val.op is Ops.CAST else val
-  if red.op is not Ops.REDUCE or red.arg is not Ops.ADD or len(red.src) != 2 or red.src[1].op is not Ops.RANGE: return None
+  if gc.op is not Ops.DEFINE_GLOBAL or not isinstance(gc.dtype, PtrDType) or (fc0 := linear(cidx)) is None: return None
+  if (ep := _epilogue(val, {r for r in fc0 if r is not None}, gc)) is None: return None
+  red, extra = ep
+  if red.arg is not Ops.ADD or len(red.src) != 2 or red.src[1].op is not Ops.RANGE: return None
   kr, prod, acc = red.src[1], red.src[0], red.dtype
   if not acc.is_float or prod.op is not Ops.MUL: return None
   la, lb = _load(prod.src[0], acc), _load(prod.src[1], acc)
@@ -103,6 +142,8 @@ def match(ast: UOp) -> Contraction | None:
     assert isinstance(g.dtype, PtrDType)
     return Operand(slot=int(g.arg), dtype=g.dtype.base, offset=f.get(None, 0), batch=tuple(f.get(r, 0) for r in batch),
                    rows=f.get(r0, 0), cols=f.get(r1, 0))
+  if any(g in (la[0], lb[0]) for g in extra): return None  # an operand read again in the epilogue: keep it simple, generic
   con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch),
-                    a=operand(la[0], fa, ri, kr), b=operand(lb[0], fb, kr, rj), c=operand(gc, fc, ri, rj), acc=acc)
+                    a=operand(la[0], fa, ri, kr), b=operand(lb[0], fb, kr, rj), c=operand(gc, fc, ri, rj), acc=acc,
+                    value=val, reduce=red, ranges=(ri, rj, *batch), extra=tuple(int(g.arg) for g in extra))
   return con if con.a.dtype == con.b.dtype else None  # mixed input dtypes: the generic kernel

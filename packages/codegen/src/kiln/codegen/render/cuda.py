@@ -466,3 +466,23 @@ _CASTS: dict[str, Callable[[CUDAPrinter, str, DType, DType], str]] = {
   "sat": lambda p, v, src, dst: f"{p.helper(f'kiln_sat_{_sfx(dst)}')}((double){v})",
   "to_float": CUDAPrinter.cast_to_float, "float": CUDAPrinter.cast_float,
 }
+
+
+class EpiloguePrinter(CUDAPrinter):
+  """Prints an elementwise expression (a tiled matmul's epilogue: cuda_matmul.py) with the same op tables and helpers as a
+  whole kernel, so its arithmetic is kiln's; the caller names the sum and the ranges first (self.names) and collects
+  self.lines and self.helpers."""
+
+  def __init__(self, start: int = 0) -> None:
+    Printer.__init__(self, None)  # type: ignore[arg-type]  # no lowered kernel: values only
+    self.depth, self.n = 0, start
+    self.last, self.written = {}, set()
+
+  def expr(self, value: UOp, stop: UOp) -> str:
+    """Renders value's nodes above `stop` (the sum, named by the caller) in order; returns value's C expression."""
+    inner = set(stop.toposort())
+    for u in value.toposort():
+      if u in self.names or u.op is Ops.CONST or (u in inner and u is not stop): continue
+      if u.op is Ops.DEFINE_GLOBAL: self.names[u] = f"data{u.arg}"
+      else: self.render(u)
+    return self.val(value)

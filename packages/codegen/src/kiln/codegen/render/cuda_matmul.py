@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kiln.codegen.contraction import Contraction, Operand, match
 from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
-from kiln.ir.dtype import PtrDType, dtypes
+from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 from kiln.ir.verify import verify
@@ -108,19 +108,45 @@ def applies(c: Contraction | None, target: Target) -> bool:
 
 
 def _batch_offsets(c: Contraction) -> list[str]:
-  """C lines setting long long offA/offB/offC for this block's batch (blockIdx.z split over the batch axes)."""
+  """C lines setting long long offA/offB/offC for this block's batch (blockIdx.z split over the batch axes, each axis's
+  index kept as bidx<d> for the epilogue)."""
   lines = [f"long long offA = {c.a.offset}LL, offB = {c.b.offset}LL, offC = {c.c.offset}LL;"]
   if not c.batch: return lines
   lines.append("long long bz = blockIdx.z;")
   for d in range(len(c.batch) - 1, -1, -1):
-    lines.append(f"{{ long long bi = bz % {c.batch[d]}; bz /= {c.batch[d]};"
-                 f" offA += bi * {c.a.batch[d]}LL; offB += bi * {c.b.batch[d]}LL; offC += bi * {c.c.batch[d]}LL; }}")
+    lines.append(f"const long long bidx{d} = bz % {c.batch[d]}; bz /= {c.batch[d]};"
+                 f" offA += bidx{d} * {c.a.batch[d]}LL; offB += bidx{d} * {c.b.batch[d]}LL; offC += bidx{d} * {c.c.batch[d]}LL;")
   return lines
 
 
-def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int = 0) -> str:
-  slots = sorted({c.a.slot, c.b.slot, c.c.slot})
+def _stored(c: Contraction, acc: str, j: str, indent: str, helpers: dict[str, str], start: int) -> tuple[list[str], str, int]:
+  """(lines computing the value stored for output (gm, j) from the sum `acc`, its C expression, the next temporary number):
+  the epilogue printed by the CUDA printer's own tables (kiln's arithmetic), loads at the output's own indices. Without an
+  epilogue the sum itself (the store converts it to the output's type)."""
+  if not c.epilogue or c.value is None or c.reduce is None: return [], acc, start
+  from kiln.codegen.render.cuda import EpiloguePrinter  # cuda.py imports this module: a local import breaks the cycle
+  p = EpiloguePrinter(start)
+  p.names[c.reduce] = acc
+  ri, rj, *rb = c.ranges
+  p.names[ri], p.names[rj] = "gm", j
+  for d, r in enumerate(rb): p.names[r] = f"((int)bidx{d})"
+  v = p.expr(c.value, c.reduce)
+  helpers.update(p.helpers)
+  return [indent + ln for ln in p.lines], v, p.n
+
+
+def _slot_types(c: Contraction) -> dict[int, DType]:
+  """Every buffer the kernel takes (the operands, the output, the epilogue's loads) and its element type."""
   typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
+  if c.extra and c.value is not None:
+    for u in c.value.toposort():
+      if u.op is Ops.DEFINE_GLOBAL and isinstance(u.dtype, PtrDType) and int(u.arg) in c.extra: typ[int(u.arg)] = u.dtype.base
+  return typ
+
+
+def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int = 0) -> str:
+  typ = _slot_types(c)
+  slots = sorted(typ)
   ps = [f"{'' if s == c.c.slot else 'const '}{_MEM[typ[s].name]}* __restrict__ data{s}" for s in slots]
   bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
   return f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({", ".join(ps)})'
@@ -143,7 +169,7 @@ def _vec_load(reg: str, vec: int, ok: str, addr: str) -> str:
           + " ".join(f"{reg}[it * {vec} + {i}] = v.{ch};" for i, ch in enumerate(lanes)))
 
 
-def render_simt(c: Contraction, t: Tiling, name: str) -> str:
+def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -> str:
   bm, bn, bk = t.bm, t.bn, t.bk
   tm, tn = bm // 16, bn // 16
   a, b, o = c.a, c.b, c.c
@@ -225,7 +251,10 @@ def render_simt(c: Contraction, t: Tiling, name: str) -> str:
   e(f"    if (gm >= {c.m}) continue;")
   e(f"    #pragma unroll\n    for (int j = 0; j < {tn}; j++) {{")
   e("      const int gn = n0 + (j / 4) * 64 + tx * 4 + (j % 4);")
-  e(f"      if (gn < {c.n}) C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = {_FROM_F32[o.dtype.name].format(v='acc[i][j]')};")
+  e(f"      if (gn >= {c.n}) continue;")
+  lines, v, _ = _stored(c, "acc[i][j]", "gn", "      ", helpers, 0)
+  L.extend(lines)
+  e(f"      C[(long long)gm * {o.rows} + (long long)gn * {o.cols}] = {_FROM_F32[o.dtype.name].format(v=v)};")
   e("    }\n  }\n}")
   return "\n".join(L)
 
@@ -256,7 +285,7 @@ def _block_origin(c: Contraction, t: Tiling) -> list[str]:
           f"const int m0 = (first + (bid % per) % rows) * {t.bm}, n0 = ((bid % per) / rows) * {t.bn};"]
 
 
-def render_mma(c: Contraction, t: Tiling, name: str) -> str:
+def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -> str:
   """Tensor cores: the block's warps_m x warps_n warps each own a warp tile of (bm / warps_m) x (bn / warps_n) outputs as
   m16 x n8 mma tiles; slices of bk are copied by cp.async `stages` deep (one barrier per slice). 16-bit inputs: m16n8k16
   steps with fragments read by ldmatrix. TF32: m16n8k8 steps with fragments read by 32-bit shared loads, each value rounded to
@@ -349,11 +378,23 @@ def render_mma(c: Contraction, t: Tiling, name: str) -> str:
   e("        const int gm = m0 + wm + i * 16 + g + (h >> 1) * 8, gn = n0 + wn + j * 8 + t2;")
   e(f"        if (gm >= {c.m}) continue;")
   e(f"        {_MEM[o.dtype.name]}* p = C + (long long)gm * {o.rows} + (long long)gn * {o.cols};")
+  lines0, v0, nxt = _stored(c, "acc[i][j][h]", "gn", "        ", helpers, 0)
   if (pair := _PAIR.get(o.dtype.name)) is not None and _pairs_ok(c):  # each thread's two neighbours in one store
-    e(f"        if (gn < {c.n}) *({pair[0]}*)p = {pair[1]}(acc[i][j][h], acc[i][j][h + 1]);")
+    lines1, v1, _ = _stored(c, "acc[i][j][h + 1]", "(gn + 1)", "        ", helpers, nxt)
+    e(f"        if (gn < {c.n}) {{")
+    L.extend(lines0 + lines1)
+    e(f"          *({pair[0]}*)p = {pair[1]}({v0}, {v1});")
+    e("        }")
   else:
-    e(f"        if (gn < {c.n}) p[0] = {_FROM_F32[o.dtype.name].format(v='acc[i][j][h]')};")
-    e(f"        if (gn + 1 < {c.n}) p[{o.cols}] = {_FROM_F32[o.dtype.name].format(v='acc[i][j][h + 1]')};")
+    e(f"        if (gn < {c.n}) {{")
+    L.extend(lines0)
+    e(f"          p[0] = {_FROM_F32[o.dtype.name].format(v=v0)};")
+    e("        }")
+    lines1, v1, _ = _stored(c, "acc[i][j][h + 1]", "(gn + 1)", "        ", helpers, nxt)
+    e(f"        if (gn + 1 < {c.n}) {{")
+    L.extend(lines1)
+    e(f"          p[{o.cols}] = {_FROM_F32[o.dtype.name].format(v=v1)};")
+    e("        }")
   e("      }")
   e("}")
   return "\n".join(L)
@@ -395,13 +436,14 @@ KILN_MMA(kiln_mma_m16n8k16_bf16, "bf16")
 
 
 def _header(c: Contraction) -> str:
-  dts = {c.a.dtype.name, c.b.dtype.name, c.c.dtype.name}
+  dts = {d.name for d in _slot_types(c).values()} | ({u.dtype.scalar().name for u in c.value.toposort()} if c.value is not None else set())
   return "".join(h for d, h in (("float16", "#include <cuda_fp16.h>\n"), ("bfloat16", "#include <cuda_bf16.h>\n")) if d in dts)
 
 
 def _align(c: Contraction, t: Tiling, slot: int) -> int:
   """The byte alignment the tiled kernel's vector accesses need of a buffer: 16 for cp.async chunks and float4 loads, 8 for
   float2; 0 where the element's own size does."""
+  if slot not in (c.a.slot, c.b.slot, c.c.slot): return 0  # the epilogue's loads: one element at a time
   if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind != "simt" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
   if t.kind != "simt": return 16
   o, walk = (c.a, c.a.cols == 1 or c.a.rows != 1) if slot == c.a.slot else (c.b, c.b.cols == 1 or c.b.rows != 1)
@@ -417,10 +459,11 @@ def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -
   c = match(ast)
   if c is None or not applies(c, target): return None
   t = tiling or choose(c, target)
-  body = render_simt(c, t, name) if t.kind == "simt" else render_mma(c, t, name)
-  src = _header(c) + ("" if t.kind == "simt" else MMA_PRELUDE) + body + "\n"
-  slots = sorted({c.a.slot, c.b.slot, c.c.slot})
-  typ = {c.a.slot: c.a.dtype, c.b.slot: c.b.dtype, c.c.slot: c.c.dtype}
+  helpers: dict[str, str] = {}
+  body = render_simt(c, t, name, helpers) if t.kind == "simt" else render_mma(c, t, name, helpers)
+  src = _header(c) + ("" if t.kind == "simt" else MMA_PRELUDE) + "".join(h + "\n" for h in helpers.values()) + body + "\n"
+  typ = _slot_types(c)
+  slots = sorted(typ)
   sizes = {int(u.arg): u.dtype.size for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL and isinstance(u.dtype, PtrDType)}
   flops = 2 * c.m * c.n * c.k * c.batches
   mem = c.batches * (c.m * c.k * c.a.dtype.itemsize + c.k * c.n * c.b.dtype.itemsize + c.m * c.n * c.c.dtype.itemsize)
