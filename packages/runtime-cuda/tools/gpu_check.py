@@ -213,6 +213,41 @@ def tiled() -> None:
       return f"{spec.applied_opts[0]} rel err {err:.2g}, {t * 1e6:.0f} us"
     check(f"tiled {name} {batch}{m}x{n}x{k} {dt}", one)
   os.environ.pop("KILN_CUDA_TF32", None)
+  for dt in ("float32", "float16"):
+    check(f"tiled epilogue bias+gelu+residual (2,)520x264x200 {dt}", lambda dt=dt: _epilogue_case(rt, rng, dt))
+
+
+def _epilogue_case(rt, rng, dt: str, m: int = 520, n: int = 264, k: int = 200, nb: int = 2) -> str:
+  """out = gelu(A @ B + bias) + res, batched, as kiln-graph fuses a linear layer: the tiled kernel's epilogue on the device."""
+  import math
+
+  from kiln.ir import UOp
+  from kiln.ir.dtype import dtypes
+  from kiln.ir.ops import AxisType, Ops
+  f32, kdt = dtypes.float32, getattr(dtypes, dt)
+  bi, i, j, kk = UOp.range(nb, 0), UOp.range(m, 1), UOp.range(n, 2), UOp.range(k, 3, AxisType.REDUCE)
+  a = UOp.define_global(1, kdt.ptr(nb * m * k)).index(bi * (m * k) + i * k + kk).load()
+  b = UOp.define_global(2, kdt.ptr(nb * k * n)).index(bi * (k * n) + kk * n + j).load()
+  acc = (a.cast(f32) * b.cast(f32)).reduce(Ops.ADD, kk) if kdt != f32 else (a * b).reduce(Ops.ADD, kk)
+  x = acc + UOp.define_global(3, f32.ptr(n)).index(j).load()
+  res = UOp.define_global(4, kdt.ptr(nb * m * n)).index(bi * (m * n) + i * n + j).load()
+  v = x * 0.5 * ((x * 0.7071067811865476).erf() + 1.0) + (res.cast(f32) if kdt != f32 else res)
+  ast = UOp.sink(UOp.define_global(0, kdt.ptr(nb * m * n)).index(bi * (m * n) + i * n + j).store(v.cast(kdt)), name="linear_gelu")
+  spec = rt.renderer.render(ast)
+  if not spec.applied_opts[0].startswith("TILED_MATMUL"): raise AssertionError(f"not tiled: {spec.applied_opts}")
+  prog = rt.load(rt.compiler.compile(spec))
+  host = {1: rng.standard_normal((nb, m, k)).astype(dt), 2: rng.standard_normal((nb, k, n)).astype(dt),
+          3: rng.standard_normal(n).astype(np.float32), 4: rng.standard_normal((nb, m, n)).astype(dt), 0: np.full((nb, m, n), np.nan, dt)}
+  dev = {s_: rt.allocator.alloc(x_.nbytes) for s_, x_ in host.items()}
+  for s_, x_ in host.items(): rt.allocator.copyin(dev[s_], memoryview(np.ascontiguousarray(x_)).cast("B"))
+  prog([dev[s_].ptr for s_ in spec.globals], [], wait=True)
+  rt.allocator.copyout(memoryview(host[0]).cast("B"), dev[0])
+  for s_, x_ in host.items(): rt.allocator.free(dev[s_], x_.nbytes)
+  xr = host[1].astype(np.float64) @ host[2].astype(np.float64) + host[3]
+  ref = xr * 0.5 * (np.vectorize(math.erf)(xr / math.sqrt(2)) + 1) + host[4].astype(np.float64)
+  err = float(np.abs(host[0].astype(np.float64) - ref).max() / np.abs(ref).max())
+  if not np.isfinite(host[0]).all() or not err < (1e-5 if dt == "float32" else 4e-3): raise AssertionError(f"{spec.applied_opts}: error {err:.3g}")
+  return f"{spec.applied_opts[0]}: max error {err:.2g} of the largest output"
 
 
 def sass() -> None:
