@@ -79,3 +79,20 @@ def test_cuda_plan_round_trip(fake_cuda) -> None:
   cache.clear_memory_cache()
   PortablePlan(back, arrays, code="compile", verify=False)
   assert cache.cache_stats()["compiles"] == compiles + 2
+
+
+def test_tf32_switch_is_part_of_the_kernel_cache_key(fake_cuda, monkeypatch) -> None:
+  """KILN_CUDA_TF32 changes what a float32 matmul renders to, so flipping it mid-process must not reuse the other kernel from
+  the memory cache (a bench once timed the float32 kernel under the TF32 row), nor from the disk cache (the fingerprint)."""
+  from kiln.codegen import registry
+  from kiln.executor.cache import compile_kernel
+  ast = kernels.matmul(256, 256, 256)
+  monkeypatch.delenv("KILN_CUDA_TF32", raising=False)
+  plain = compile_kernel(ast, "CUDA")
+  monkeypatch.setenv("KILN_CUDA_TF32", "1")
+  tf32 = compile_kernel(ast, "CUDA")
+  assert tf32 is not plain
+  assert "tf32" in tf32.compiled.applied_opts[0] and "tf32" not in plain.compiled.applied_opts[0]
+  assert "tf32=1" in registry.get_runtime("CUDA").fingerprint
+  monkeypatch.setenv("KILN_CUDA_TF32", "0")
+  assert compile_kernel(ast, "CUDA") is plain

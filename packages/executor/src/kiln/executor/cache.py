@@ -245,10 +245,16 @@ def disk_store(dkey: str, compiled: CompiledSpec) -> None:
 def opts_key(opts: Sequence[Any] | None) -> str: return "" if opts is None else "opts:" + repr(list(opts))
 
 
+def variant_key(dev: str) -> str:
+  """What a runtime renders differently for within one process (CUDA: KILN_CUDA_TF32), part of the memory cache's keys as the
+  target key is of the disk cache's; empty for most."""
+  return str(getattr(get_runtime(dev), "cache_variant", ""))
+
+
 def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> tuple[CachedKernel, Origin]:
   """Memory cache -> disk cache -> render + compile. Returns the kernel and where it came from."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  key = ast.key + opts_key(opts)
+  key = ast.key + opts_key(opts) + variant_key(dev)
   if (hit := _kernels.get((key, dev))) is not None:
     _stats["memory_hits"] += 1
     return hit, "memory"
@@ -282,7 +288,7 @@ def adopt_kernel(ast: UOp, device: str | DeviceSpec, opts: Sequence[Any] | None,
   """Put a kernel compiled outside the cache (the tuner's winner) in it under (ast, opts): in memory, and on disk unless
   KILN_CACHE=0, so compile_kernel(ast, device, opts) finds it. An entry already there wins (every caller shares one)."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  ck.key = ast.key + opts_key(opts)
+  ck.key = ast.key + opts_key(opts) + variant_key(dev)
   got = get_or_compile_kernel(ck.key, dev, lambda: ck)
   if got is ck and disk_cache_enabled() and ck.compiled is not None:
     disk_store(disk_key(ast.key, dev, get_runtime(dev), opts_key(opts)), ck.compiled)

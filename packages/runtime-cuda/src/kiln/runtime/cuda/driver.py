@@ -501,6 +501,12 @@ class CUDARuntime:
     return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=sms, allow_tf32=tf32_allowed())
 
   @property
+  def cache_variant(self) -> str:
+    """What this runtime renders differently within one process: float32 matmuls under KILN_CUDA_TF32 (the executor's memory
+    cache keys kernels by it, so switching TF32 on mid-process does not reuse the float32 kernels, nor off the TF32 ones)."""
+    return "|tf32" if tf32_allowed() else ""
+
+  @property
   def fingerprint(self) -> str:
     """What code rendered for this GPU depends on beyond the compiler's arch (part of the kernel cache's keys): the tile
     choices follow the SM count, and KILN_CUDA_TF32 changes float32 matmuls."""
