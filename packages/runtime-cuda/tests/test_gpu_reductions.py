@@ -78,6 +78,31 @@ def tree_model(parts: np.ndarray, op) -> np.ndarray:
   return fly(np.array([v[32 * (lane % nw)] for lane in range(32)], v.dtype), nw)
 
 
+@pytest.mark.parametrize("rows", [32, 37, 1000])
+@pytest.mark.parametrize("kind", ["sum", "max", "softmax"])
+def test_short_rows_stack_in_a_block(rows, kind):
+  """Rows of one warp each: a block stacks local_size / 32 of them on threadIdx.y (an SM holds at most 32 blocks, so a block of
+  one warp would leave half its threads idle), the last block's extra rows gated off, each warp's tree its own shuffles."""
+  cols = 100
+  x = np.random.default_rng(rows).standard_normal((rows, cols)).astype(np.float32)
+  ast = {"sum": kernels.reduce_sum((rows, cols), dtypes.float32, axes=1), "max": kernels.reduce_max((rows, cols), dtypes.float32, axes=1),
+         "softmax": kernels.softmax((rows, cols), dtypes.float32)}[kind]
+  out = np.full(rows * (cols if kind == "softmax" else 1), np.nan, np.float32)
+  spec, got, want = run(ast, [out, x.ravel()])
+  assert "LOCAL(axis=0, 8)" in spec.applied_opts and spec.local_size == (32, 8, 1) and spec.global_size == (-(-rows // 8), 1, 1)
+  if kind == "max": assert np.array_equal(got[0], want[0])  # max is exact whatever the order
+  elif kind == "sum": assert_sums_close(dtypes.float32, got[0], want[0], np.abs(x).sum(1), 1e-6)
+  else: assert np.allclose(got[0], want[0], rtol=1e-5, atol=1e-7) and not np.isnan(got[0]).any()
+
+
+def test_a_group_stacks_rows_only_as_one_warp_per_row():
+  from kiln.ir.errors import CodegenError
+  r = CUDARenderer()
+  rows = kernels.reduce_sum((64, 300), dtypes.float32, axes=1)
+  with pytest.raises(CodegenError, match="one warp per row"): r.render(rows, [Opt(OptOps.GROUP, 1, 64), Opt(OptOps.LOCAL, 0, 4)])
+  assert r.render(rows, [Opt(OptOps.GROUP, 1, 32), Opt(OptOps.LOCAL, 0, 4)]).local_size == (32, 4, 1)
+
+
 def test_row_sum_is_the_fixed_tree_bit_for_bit():
   # the GROUP's order: thread t folds t, t + g, ... in order, then the tree; modelled in float32 it gives the same bits
   rows, n, g = 3, 1000, 128

@@ -189,6 +189,9 @@ def structured_cases() -> list[Case]:
   out.append(_reduce_case("sum_rows_blocks", kernels.reduce_sum((3, 20000), f32, 1), rng, lo=0.5, hi=1.5, tol=1e-4))
   out.append(_reduce_case("softmax_rows_1024", kernels.softmax((4, 1024), f32), rng, tol=1e-5))
   out.append(_reduce_case("sum_rows_local", kernels.reduce_sum((300, 7), f32, 1), rng))
+  # short rows, many of them: a GPU block stacks 8 rows of one warp each, the last block's extra rows gated off
+  out.append(_reduce_case("sum_rows_stacked", kernels.reduce_sum((100, 64), f32, 1), rng, tol=1e-5))
+  out.append(_reduce_case("softmax_rows_stacked", kernels.softmax((45, 96), f32), rng, tol=1e-5))
   out.append(_reduce_case("matmul", kernels.matmul(33, 17, 29), rng))
   out.append(_reduce_case("matmul_batched", kernels.matmul(5, 7, 9, batch=(3,)), rng))
   out.append(_reduce_case("matmul_f16_acc32", kernels.matmul(9, 10, 11, dtype=dtypes.float16, acc_dtype=f32), rng))

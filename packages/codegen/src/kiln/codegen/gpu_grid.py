@@ -69,8 +69,10 @@ class GpuGrid:
       if (empty := blocks.op is Ops.CONST and blocks.arg < 1): blocks = UOp.const(dtypes.index, 1)  # an empty axis: one block, gated off
       gid = self.special(f"gidx{dim}", blocks)
       if p.local:
-        expr = gid * p.local + self.special(f"lidx{dim}", p.local)
-        self.block[dim] = p.local
+        # beside a GROUP (its lanes are threadIdx.x) the stacked rows are threadIdx.y (opt: one warp per row, one LOCAL axis)
+        td = 1 if any(q.group for q in self.ctx.plans.values()) else dim
+        expr = gid * p.local + self.special(f"lidx{td}", p.local)
+        self.block[td] = p.local
         if size is None or size % p.local or blocks is not nblocks or empty: gate = (expr < end) if gate is None else gate & (expr < end)
       else:
         expr = gid

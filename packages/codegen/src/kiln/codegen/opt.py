@@ -269,9 +269,13 @@ def _check_gpu_block(plans: dict[UOp, AxisPlan]) -> None:
   """One block shape per kernel: every GROUP (softmax has two: max and sum) and SPREAD names the same thread count."""
   groups = [p for p in plans.values() if p.group]
   if len({p.group for p in groups}) > 1: raise CodegenError(f"GROUPs of one kernel share its block: got amounts {sorted({p.group for p in groups})}")
-  # a GROUP's tree needs every thread of the block, each its own lane of the reduce axis
-  if groups and any(p.local for p in plans.values()):
-    raise CodegenError("GROUP cannot be combined with LOCAL (the block's threads share the reductions; SPREAD shares an output axis)")
+  # a GROUP's tree needs every thread of the block, each its own lane of the reduce axis; except a one-warp GROUP (its tree is
+  # shuffles inside the warp), which may stack rows in the block: LOCAL on one output axis puts that many rows on threadIdx.y
+  locals_ = [p for p in plans.values() if p.local]
+  if groups and locals_ and (groups[0].group != GPU_WARP or len(locals_) > 1 or locals_[0].rng.arg[1] is not AxisType.LOOP
+                             or locals_[0].local * GPU_WARP > 1024):
+    raise CodegenError("GROUP combines with LOCAL only as one warp per row (GROUP 32) and LOCAL on one output axis, the rows a block "
+                       "stacks (the block's threads share the reductions; SPREAD shares an output axis)")
   for p in plans.values():
     if p.spread and (not groups or p.spread != groups[0].group):
       raise CodegenError(f"SPREAD(axis={p.rng.arg[0]}, {p.spread}) needs a GROUP of the same amount (the block's threads)")
@@ -571,7 +575,12 @@ def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) 
   g = GPU_WARP
   while g < target.local_size and (longest is None or g * 2 * GPU_PER_THREAD <= longest): g *= 2
   opts = [Opt(OptOps.GROUP, r.arg[0], g) for r in sorted({red.src[1] for red in reduces}, key=lambda a: a.arg[0])]
-  return opts + [Opt(OptOps.SPREAD, a.arg[0], g) for a in rest]
+  opts += [Opt(OptOps.SPREAD, a.arg[0], g) for a in rest]
+  # short rows (one warp each): a block of one warp is tiny and short-lived (an SM holds at most 32 blocks: half its threads),
+  # so a block stacks local_size / 32 rows of the grid's row axis, one warp each (threadIdx.y)
+  stack = target.local_size // GPU_WARP
+  if g == GPU_WARP and stack > 1 and (n := axis_size(grid[0])) is not None and n >= 4 * stack: opts.append(Opt(OptOps.LOCAL, grid[0].arg[0], stack))
+  return opts
 
 
 GPU_FEW_ROWS = 32  # this many rows or fewer, each long enough for two blocks, are cut over blocks too (BLOCKS per row)
