@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import struct
-import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,14 +123,7 @@ def gpu(monkeypatch, tmp_path):
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0), ndev=2)
   state = _streamed(drv, {"relu": _relu_model(M * N), "add": _add_model(M * N)})
-  pkg = types.ModuleType("pycuda")
-  pkg.driver = drv  # type: ignore[attr-defined]
-  monkeypatch.setitem(sys.modules, "pycuda", pkg)
-  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
-  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
-  monkeypatch.setenv("KILN_CACHE", "0")
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  registry.unregister_runtime("CUDA")
+  mod.install_standin(monkeypatch, tmp_path, drv)
   cache.clear_memory_cache()
   yield calls, state
   registry.unregister_runtime("CUDA")

@@ -4,8 +4,6 @@ kernels on the same grid with the same buffers' roles; code="compile" compiles t
 from __future__ import annotations
 
 import importlib.util
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +27,7 @@ def fake_cuda(monkeypatch, tmp_path):
   spec.loader.exec_module(mod)
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0))
-  pkg = types.ModuleType("pycuda")
-  pkg.driver = drv  # type: ignore[attr-defined]
-  monkeypatch.setitem(sys.modules, "pycuda", pkg)
-  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
-  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
-  monkeypatch.setenv("KILN_CACHE", "0")
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  registry.unregister_runtime("CUDA")
+  mod.install_standin(monkeypatch, tmp_path, drv)
   cache.clear_memory_cache()
   yield calls
   registry.unregister_runtime("CUDA")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +36,7 @@ def fake_cuda(monkeypatch, tmp_path):
   drv_tests, graph_tests = _load("kiln_cuda_driver_tests_graph_runs", "test_driver.py"), _load("kiln_cuda_graph_tests_runs", "test_graph.py")
   calls: list = []
   drv = drv_tests.make_fake_driver(calls, cc=(9, 0))
-  pkg = types.ModuleType("pycuda")
-  pkg.driver = drv  # type: ignore[attr-defined]
-  monkeypatch.setitem(sys.modules, "pycuda", pkg)
-  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
-  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
-  monkeypatch.setenv("KILN_CACHE", "0")
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  drv_tests.install_standin(monkeypatch, tmp_path, drv)
   lib = graph_tests.install_fake_graphs(monkeypatch, drv, calls)
   registry.unregister_runtime("CUDA")
   cache.clear_memory_cache()

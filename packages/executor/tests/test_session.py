@@ -4,9 +4,7 @@ and pop per kernel). The CUDA plan runs over the recording stand-in for pycuda.d
 from __future__ import annotations
 
 import importlib.util
-import sys
 import threading
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,14 +67,7 @@ def fake_cuda(monkeypatch, tmp_path):
   spec.loader.exec_module(mod)
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0))
-  pkg = types.ModuleType("pycuda")
-  pkg.driver = drv  # type: ignore[attr-defined]
-  monkeypatch.setitem(sys.modules, "pycuda", pkg)
-  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
-  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
-  monkeypatch.setenv("KILN_CACHE", "0")
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  registry.unregister_runtime("CUDA")
+  mod.install_standin(monkeypatch, tmp_path, drv)
   cache.clear_memory_cache()
   yield calls, drv
   registry.unregister_runtime("CUDA")

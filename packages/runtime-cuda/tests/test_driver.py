@@ -31,6 +31,20 @@ class FakeFault:
   ILLEGAL_ADDRESS = "an illegal memory access was encountered"
 
 
+def install_standin(monkeypatch, tmp_path, drv) -> None:
+  """Make `drv` (a make_fake_driver stand-in) the pycuda.driver this process imports, with kiln's disk cache off and private
+  and the CUDA runtime registered afresh. Tests elsewhere load this file by path and call it from their fixtures (clearing
+  the executor's memory cache themselves: this layer does not import the executor)."""
+  pkg = types.ModuleType("pycuda")
+  pkg.driver = drv  # type: ignore[attr-defined]
+  monkeypatch.setitem(sys.modules, "pycuda", pkg)
+  monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+  monkeypatch.delenv("KILN_CUDA_ARCH", raising=False)
+  monkeypatch.setenv("KILN_CACHE", "0")
+  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  devmod.unregister_runtime("CUDA")
+
+
 def make_fake_driver(calls: list, cc=(8, 6), ndev=1, mem_limit=None):
   """A stand-in for pycuda.driver that records every call and enforces pycuda's context rules (read from pycuda 2026.1's
   src/cpp/cuda.hpp): a context stack per host thread (threading.local); a thread, or the process, that ends with a context

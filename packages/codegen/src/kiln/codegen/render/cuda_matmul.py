@@ -199,22 +199,23 @@ def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -
     if walk_cols: return f"const int e_ = tid + {it} * {THREADS}, r = e_ / {cols // vec}, cc = (e_ % {cols // vec}) * {vec};"
     return f"const int e_ = tid + {it} * {THREADS}, cc = e_ / {rows // vec}, r = (e_ % {rows // vec}) * {vec};"
 
+  def global_loads(reg: str, n: int, vec: int, rows: int, cols: int, walk: bool, at: tuple[str, str], ok: str, ptr: str, o: Operand,
+                   cvt: str) -> None:
+    """This thread's n loads (vec elements each) of a rows x cols slice into reg: tile element (r, cc) is the operand's
+    element (at[0], at[1]) (C declarations), in bounds where `ok`."""
+    e(f"    #pragma unroll\n    for (int it = 0; it < {n}; it++) {{")
+    e("      " + tile_coords(n, vec, rows, cols, walk, "it"))
+    e(f"      const int {at[0]}, {at[1]};")
+    rv, cv = (x.split(" = ")[0] for x in at)
+    addr = f"{ptr} + (long long){rv} * {o.rows} + (long long){cv} * {o.cols}"
+    if vec > 1: e(_vec_load(reg, vec, ok, addr))
+    else: e(f"      {reg}[it] = ({ok}) ? {cvt.format(v=f'*({addr})')} : 0.0f;")
+    e("    }")
+
   # loads: A element (m0 + r, k0 + cc); B element (k0 + r, n0 + cc)
   e("  auto load = [&](int k0) {")
-  e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
-  e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
-  e("      const int gm = m0 + r, gk = k0 + cc;")
-  if a_vec > 1: e(_vec_load("ra", a_vec, f"gm < {c.m} && gk < {c.k}", f"A + (long long)gm * {a.rows} + (long long)gk * {a.cols}"))
-  else:
-    e(f"      ra[it] = (gm < {c.m} && gk < {c.k}) ? {cvt_a.format(v=f'A[(long long)gm * {a.rows} + (long long)gk * {a.cols}]')} : 0.0f;")
-  e("    }")
-  e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
-  e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
-  e("      const int gk = k0 + r, gn = n0 + cc;")
-  if b_vec > 1: e(_vec_load("rb", b_vec, f"gk < {c.k} && gn < {c.n}", f"B + (long long)gk * {b.rows} + (long long)gn * {b.cols}"))
-  else:
-    e(f"      rb[it] = (gk < {c.k} && gn < {c.n}) ? {cvt_b.format(v=f'B[(long long)gk * {b.rows} + (long long)gn * {b.cols}]')} : 0.0f;")
-  e("    }")
+  global_loads("ra", na, a_vec, bm, bk, a_k, ("gm = m0 + r", "gk = k0 + cc"), f"gm < {c.m} && gk < {c.k}", "A", a, cvt_a)
+  global_loads("rb", nb, b_vec, bk, bn, b_n, ("gk = k0 + r", "gn = n0 + cc"), f"gk < {c.k} && gn < {c.n}", "B", b, cvt_b)
   e("  };")
   # stores to shared: A transposed (As[k][m]), B as is (Bs[k][n]); a vector's lanes run along the walked axis
   e("  auto stash = [&](int s) {")

@@ -30,8 +30,10 @@ static inline void ldmatrix_x4(unsigned (&r)[4], const void* p, bool trans) {
   }
   sync();
 }
-// m16n8k16, A row-major 16x16 (4 registers of two 16-bit values), B "col" 16x8 (2 registers), float32 C/D 16x8 (4 floats)
-template <float (*Cvt)(uint16_t)> static inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+// d (16x8 float32: lane l holds rows l/4 and l/4+8, columns 2(l%4) and 2(l%4)+1) += A (16xK) B (Kx8), the warp's A and B
+// elements read from the lanes' posted fragments by va(slots, row, k) and vb(slots, k, col), as the PTX ISA lays them out
+template <int K, typename VA, typename VB>
+static inline void mma_warp(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], VA va, VB vb) {
   int t = flat_tid(), lane = t & 31, w = t & ~31;
   for (int i = 0; i < 4; i++) mma_slots[t].u[i] = a[i];
   mma_slots[t].u[4] = b[0]; mma_slots[t].u[5] = b[1];
@@ -40,35 +42,23 @@ template <float (*Cvt)(uint16_t)> static inline void mma_m16n8k16(float (&d)[4],
   for (int h = 0; h < 4; h++) {
     int row = g + (h / 2) * 8, col = c2 + (h % 2);
     float acc = d[h];
-    for (int k = 0; k < 16; k++) {
-      unsigned av = mma_slots[w + (row % 8) * 4 + (k % 8) / 2].u[(row >= 8) + 2 * (k >= 8)];
-      unsigned bv = mma_slots[w + col * 4 + (k % 8) / 2].u[4 + (k >= 8)];
-      acc = std::fma(Cvt((uint16_t)(k % 2 ? hi16(av) : lo16(av))), Cvt((uint16_t)(k % 2 ? hi16(bv) : lo16(bv))), acc);
-    }
+    for (int k = 0; k < K; k++) acc = std::fma(va(mma_slots + w, row, k), vb(mma_slots + w, k, col), acc);
     d[h] = acc;
   }
   sync();
 }
-// m16n8k8 TF32: A 16x8 (4 registers: (g, t) (g+8, t) (g, t+4) (g+8, t+4)), B 8x8 (2: (k t, n g) (k t+4, n g))
+// m16n8k16 16-bit: A registers (g, 2t..) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..), two values each (low half first); B (k 2t.., n g)
+// (k 2t+8.., n g)
+template <float (*Cvt)(uint16_t)> static inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  auto half = [](unsigned v, int k) { return Cvt((uint16_t)(k % 2 ? hi16(v) : lo16(v))); };
+  mma_warp<16>(d, a, b, [&](const MmaSlot* s, int row, int k) { return half(s[(row % 8) * 4 + (k % 8) / 2].u[(row >= 8) + 2 * (k >= 8)], k); },
+               [&](const MmaSlot* s, int k, int col) { return half(s[col * 4 + (k % 8) / 2].u[4 + (k >= 8)], k); });
+}
+// m16n8k8 TF32: A (g, t) (g+8, t) (g, t+4) (g+8, t+4), B (k t, n g) (k t+4, n g), one float32 (already TF32) each
 static inline void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  int t = flat_tid(), lane = t & 31, w = t & ~31;
-  for (int i = 0; i < 4; i++) mma_slots[t].u[i] = a[i];
-  mma_slots[t].u[4] = b[0]; mma_slots[t].u[5] = b[1];
-  sync();
-  int g = lane / 4, c2 = (lane % 4) * 2;
-  for (int h = 0; h < 4; h++) {
-    int row = g + (h / 2) * 8, col = c2 + (h % 2);
-    float acc = d[h];
-    for (int k = 0; k < 8; k++) {
-      unsigned av = mma_slots[w + (row % 8) * 4 + k % 4].u[(row >= 8) + 2 * (k >= 4)];
-      unsigned bv = mma_slots[w + col * 4 + k % 4].u[4 + (k >= 4)];
-      float x, y;
-      std::memcpy(&x, &av, 4); std::memcpy(&y, &bv, 4);
-      acc = std::fma(x, y, acc);
-    }
-    d[h] = acc;
-  }
-  sync();
+  auto f32 = [](unsigned v) { float x; std::memcpy(&x, &v, 4); return x; };
+  mma_warp<8>(d, a, b, [&](const MmaSlot* s, int row, int k) { return f32(s[(row % 8) * 4 + k % 4].u[(row >= 8) + 2 * (k >= 4)]); },
+              [&](const MmaSlot* s, int k, int col) { return f32(s[col * 4 + k % 4].u[4 + (k >= 4)]); });
 }
 }  // namespace kiln_emu
 
