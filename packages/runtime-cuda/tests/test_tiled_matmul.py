@@ -91,10 +91,13 @@ def test_simt_for_what_tensor_cores_cannot_take() -> None:
 
 
 @requires_nvcc
-@pytest.mark.parametrize("t", MMA + SIMT + [Tiling("tf32", 128, 128, 32, 2, 4, 3)], ids=str)
+@pytest.mark.parametrize("t", MMA + SIMT + [Tiling("tf32", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=True),
+                               Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=True)], ids=str)
 def test_nvcc_builds_them_without_spills(t: Tiling, nvcc_compiler, tmp_path) -> None:
   dt = "float16" if t.kind == "mma" else "float32"
-  spec = program(kernels.matmul(4096, 4096, 4096, getattr(dtypes, dt), acc_dtype=dtypes.float32), TF32 if t.kind == "tf32" else H100, "mm", t)
+  kdt = getattr(dtypes, dt)
+  ast = _matmul_bt(4096, 4096, 4096, kdt) if t.b_kmajor else kernels.matmul(4096, 4096, 4096, kdt, acc_dtype=dtypes.float32)
+  spec = program(ast, TF32 if t.kind == "tf32" else H100, "mm", t)
   assert spec is not None
   (tmp_path / "k.cu").write_text(spec.src)
   r = subprocess.run([find_nvcc() or "nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "--resource-usage",
@@ -194,3 +197,39 @@ def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
   prog = emulate.EmulatedProgram(spec)
   prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
   assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+
+
+def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):
+  """C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]: B stored transposed (k contiguous), as ONNX Gemm's transB reads it."""
+  from kiln.ir import UOp
+  from kiln.ir.ops import AxisType, Ops
+  f32 = dtypes.float32
+  bi, i, j, kk = UOp.range(batch, 0), UOp.range(m, 1), UOp.range(n, 2), UOp.range(k, 3, AxisType.REDUCE)
+  a = UOp.define_global(1, dt.ptr(batch * m * k)).index(bi * (m * k) + i * k + kk).load()
+  b = UOp.define_global(2, dt.ptr(batch * n * k)).index(bi * (n * k) + j * k + kk).load()
+  acc = (a * b).reduce(Ops.ADD, kk) if dt == f32 else (a.cast(f32) * b.cast(f32)).reduce(Ops.ADD, kk)
+  return UOp.sink(UOp.define_global(0, dt.ptr(batch * m * n)).index(bi * (m * n) + i * n + j).store(acc.cast(dt) if dt != f32 else acc), name="mm_bt")
+
+
+@requires_cxx
+@pytest.mark.parametrize("dt,t", [
+  ("float16", None), ("bfloat16", None), ("float16", Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=True)),
+  ("float32", Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=True))], ids=["f16", "bf16", "f16-128x256", "tf32"])
+def test_tensor_cores_take_a_transposed_b(dt: str, t) -> None:
+  """B with k contiguous stages n-major like A and is read by plain ldmatrix (TF32: scalar reads along k)."""
+  from kiln.codegen.contraction import match
+  m, n, k, nb = 200, 136, 72, 2
+  ast = _matmul_bt(m, n, k, getattr(dtypes, dt), nb)
+  c = match(ast)
+  assert c is not None and (c.b.rows, c.b.cols) == (1, k)
+  spec = program(ast, TF32, "mm_bt", t)
+  assert spec is not None and "B k-major" in spec.applied_opts[0]
+  rng = np.random.default_rng(9)
+  a, b = _bits16(rng.uniform(-2, 2, (nb, m, k)), dt) if dt != "float32" else rng.uniform(-2, 2, (nb, m, k)).astype(np.float32), \
+    _bits16(rng.uniform(-2, 2, (nb, n, k)), dt) if dt != "float32" else rng.uniform(-2, 2, (nb, n, k)).astype(np.float32)
+  out = np.full((nb, m, n), 0xFFFF, np.uint16) if dt == "bfloat16" else np.full((nb, m, n), np.nan, dt)
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([out, a, b], [], *prog.sizes([]))
+  ref = _f64(a, dt) @ np.swapaxes(_f64(b, dt), 1, 2)
+  err = np.abs(_f64(out, dt) - ref).max() / np.abs(ref).max()
+  assert np.isfinite(_f64(out, dt)).all() and err < (2e-3 if dt == "float32" else TOL[dt]), (spec.applied_opts, err)

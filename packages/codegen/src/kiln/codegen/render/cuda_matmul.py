@@ -47,6 +47,7 @@ class Tiling:
   warps_n: int = 4
   stages: int = 2  # mma: slices in flight (cp.async groups); more than fit 48 KB of static shared memory go dynamic
   group_m: int = 0  # blocks walk tile rows in groups of this many (0: row by row), so neighbours share B's slices in L2
+  b_kmajor: bool = False  # tensor cores: B's k is contiguous (B^T stored, ONNX Gemm's transB): staged n-major like A
 
   @property
   def threads(self) -> int: return THREADS if self.kind == "simt" else 32 * self.warps_m * self.warps_n
@@ -65,12 +66,17 @@ class Tiling:
   def shared_bytes(self) -> int:
     """Tensor cores: shared memory per block (every stage's A and B slices, rows padded)."""
     if self.kind == "simt": return 0
-    return self.stages * self.elem * (self.bm * (self.bk + self.pad_a) + self.bk * (self.bn + self.pad_b))
+    return self.stages * self.elem * (self.bm * (self.bk + self.pad_a) + self.b_stage_elems)
+
+  @property
+  def b_stage_elems(self) -> int:
+    """B's slice in shared memory: bk rows of bn (padded), or for a k-major B bn rows of bk (padded like A's)."""
+    return self.bn * (self.bk + self.pad_a) if self.b_kmajor else self.bk * (self.bn + self.pad_b)
 
   def __str__(self) -> str:
     if self.kind == "simt": return f"TILED_MATMUL(simt {self.bm}x{self.bn}x{self.bk})"
     return (f"TILED_MATMUL({self.kind} {self.bm}x{self.bn}x{self.bk} warps {self.warps_m}x{self.warps_n} stages {self.stages}"
-            f"{f' group {self.group_m}' if self.group_m else ''})")
+            f"{f' group {self.group_m}' if self.group_m else ''}{' B k-major' if self.b_kmajor else ''})")
 
 
 def _mma_kind(c: Contraction, target: Target) -> str | None:
@@ -82,21 +88,27 @@ def _mma_kind(c: Contraction, target: Target) -> str | None:
   elif c.a.dtype == dtypes.float32 and target.allow_tf32: kind, per = "tf32", 4
   else: return None
   a, b = c.a, c.b
-  ok = (a.cols == 1 and b.cols == 1 and c.k % per == 0 and c.n % per == 0 and a.rows % per == 0 and b.rows % per == 0
+  # B in 16-byte chunks along n (row-major) or along k (B^T stored): its other stride and every start a multiple of a chunk
+  b_ok = (b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)
+  ok = (a.cols == 1 and b_ok and c.k % per == 0 and c.n % per == 0 and a.rows % per == 0
         and a.offset % per == 0 and b.offset % per == 0 and all(s % per == 0 for s in (*a.batch, *b.batch)))
   return kind if ok else None
+
+
+def _b_kmajor(c: Contraction) -> bool: return c.b.rows == 1 and c.b.cols != 1
 
 
 def choose(c: Contraction, target: Target) -> Tiling:
   """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
   sms = max(1, target.gpu_sms)
+  km = _b_kmajor(c)
   if _mma_kind(c, target) == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
-    return Tiling("tf32", 128, 128, 32, 2, 4, 3)
+    return Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=km)
   if _mma_kind(c, target) == "mma":
     # measured on an H100 (tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
     # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
-    if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8)
-    return Tiling("mma", 128, 128, 32, 2, 4, 3)
+    if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=km)
+    return Tiling("mma", 128, 128, 32, 2, 4, 3, b_kmajor=km)
   for bm, bn in ((128, 128), (128, 64), (64, 64)):
     if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return Tiling("simt", bm, bn, 8)
   return Tiling("simt", 64, 64, 8)
@@ -299,13 +311,15 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
   wtm, wtn = bm // t.warps_m, bn // t.warps_n
   mt, nt = wtm // 16, wtn // 8
   assert wtm % 16 == 0 and wtn % 16 == 0 and bk % 16 == 0 and S >= 2, t
-  lda, ldb = bk + t.pad_a, bn + t.pad_b  # padded shared rows: fragment reads of 8 rows hit distinct banks
+  km = t.b_kmajor
+  assert km == _b_kmajor(c), t
+  lda, ldb = bk + t.pad_a, (bk + t.pad_a if km else bn + t.pad_b)  # padded shared rows: 8 rows' fragment reads miss no bank
   a_chunks, b_chunks = bm * bk // per, bk * bn // per  # 16-byte chunks per slice
   assert a_chunks % t.threads == 0 and b_chunks % t.threads == 0, t
   mma = "kiln_mma_m16n8k8_tf32" if tf32 else f"kiln_mma_m16n8k16_{_MMA_PTX[a.dtype.name]}"
   el = "float" if tf32 else "unsigned short"
   kt = -(-c.k // bk)
-  stage_a, stage_b = bm * lda, bk * ldb  # elements
+  stage_a, stage_b = bm * lda, t.b_stage_elems  # elements
   L: list[str] = []
   e = L.append
   # registers: a 64x64 warp tile's 128 sums may take the whole file (one block per SM); smaller tiles are left to ptxas,
@@ -332,9 +346,14 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
   e(f"        kiln_cp_async16(As + s * {stage_a} + r * {lda} + kc, A + (ok ? (long long)gm * {a.rows} + gk : 0LL), ok);")
   e("      }")
   e(f"      #pragma unroll\n      for (int it = 0; it < {b_chunks // t.threads}; it++) {{")
-  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // per}, nc = (ch % {bn // per}) * {per}, gk = k0 + r, gn = n0 + nc;")
-  e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
-  e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + nc, B + (ok ? (long long)gk * {b.rows} + gn : 0LL), ok);")
+  if km:  # B's rows are n, k contiguous (B^T stored): chunks along k, as A's
+    e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // per}, kc = (ch % {bk // per}) * {per}, gn = n0 + r, gk = k0 + kc;")
+    e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
+    e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + kc, B + (ok ? (long long)gn * {b.cols} + gk : 0LL), ok);")
+  else:
+    e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // per}, nc = (ch % {bn // per}) * {per}, gk = k0 + r, gn = n0 + nc;")
+    e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
+    e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + nc, B + (ok ? (long long)gk * {b.rows} + gn : 0LL), ok);")
   e("      }")
   e("    }")
   e("    kiln_cp_async_commit();  // an empty group past the end keeps the wait counts uniform")
@@ -355,8 +374,12 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
     e(f"        fa[i][0] = kiln_tf32(p[0]); fa[i][1] = kiln_tf32(p[8 * {lda}]); fa[i][2] = kiln_tf32(p[4]); fa[i][3] = kiln_tf32(p[8 * {lda} + 4]);")
     e("      }")
     e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j++) {{")
-    e(f"        const float* p = bs + (ks + t) * {ldb} + wn + j * 8 + g;")
-    e(f"        fb[j][0] = kiln_tf32(p[0]); fb[j][1] = kiln_tf32(p[4 * {ldb}]);")
+    if km:
+      e(f"        const float* p = bs + (wn + j * 8 + g) * {ldb} + ks + t;")
+      e("        fb[j][0] = kiln_tf32(p[0]); fb[j][1] = kiln_tf32(p[4]);")
+    else:
+      e(f"        const float* p = bs + (ks + t) * {ldb} + wn + j * 8 + g;")
+      e(f"        fb[j][0] = kiln_tf32(p[0]); fb[j][1] = kiln_tf32(p[4 * {ldb}]);")
     e("      }")
   else:
     e("      const int q = lane >> 3, r8 = lane & 7;")
@@ -364,7 +387,10 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
     e(f"        kiln_ldmatrix_x4(fa[i], as + (wm + i * 16 + (q & 1) * 8 + r8) * {lda} + ks + (q >> 1) * 8);")
     e(f"      #pragma unroll\n      for (int j = 0; j < {nt}; j += 2) {{")
     e("        unsigned t4[4];")
-    e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
+    if km:  # n-major rows: plain ldmatrix gives the "col" fragments (matrices: n 0-7 k 0-7, n 0-7 k 8-15, n 8-15 ...)
+      e(f"        kiln_ldmatrix_x4(t4, bs + (wn + j * 8 + (q >> 1) * 8 + r8) * {ldb} + ks + (q & 1) * 8);")
+    else:
+      e(f"        kiln_ldmatrix_x4_trans(t4, bs + (ks + (q & 1) * 8 + r8) * {ldb} + wn + j * 8 + (q >> 1) * 8);")
     e("        fb[j][0] = t4[0]; fb[j][1] = t4[1]; fb[j + 1][0] = t4[2]; fb[j + 1][1] = t4[3];")
     e("      }")
   e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n"
