@@ -1,4 +1,4 @@
-"""Recognise a kernel that is one matrix product, C[b, i, j] = cast(sum_k A[b, i, k] * B[b, k, j]), with every index an affine
+"""Recognise a kernel that is one matrix product, C[b, i, j] = f(sum_k A[b, i, k] * B[b, k, j], ...), with every index an affine
 function of the ranges, so a renderer can give it a tiled kernel of its own (render/cuda_matmul.py) instead of the generic
 lowering. What matches: one STORE whose value is an elementwise epilogue f (bias, activation, residual, the cast to the
 output's dtype; loads indexed by the output ranges) of one REDUCE(ADD) over one range of a product of two loads (each loaded
@@ -117,17 +117,17 @@ def _epilogue(val: UOp, outs: set[UOp], gc: UOp) -> tuple[UOp, list[UOp]] | None
 def match(ast: UOp) -> Contraction | None:
   if ast.op is not Ops.SINK or len(ast.src) != 1 or (st := ast.src[0]).op is not Ops.STORE or st.src[0].op is not Ops.INDEX: return None
   gc, cidx, val = st.src[0].src[0], st.src[0].src[1], st.src[1]
-  if gc.op is not Ops.DEFINE_GLOBAL or not isinstance(gc.dtype, PtrDType) or (fc0 := linear(cidx)) is None: return None
-  if (ep := _epilogue(val, {r for r in fc0 if r is not None}, gc)) is None: return None
+  if gc.op is not Ops.DEFINE_GLOBAL or not isinstance(gc.dtype, PtrDType) or (fc := linear(cidx)) is None: return None
+  outs = [r for r in fc if r is not None]
+  if (ep := _epilogue(val, set(outs), gc)) is None: return None
   red, extra = ep
   if red.arg is not Ops.ADD or len(red.src) != 2 or red.src[1].op is not Ops.RANGE: return None
   kr, prod, acc = red.src[1], red.src[0], red.dtype
   if not acc.is_float or prod.op is not Ops.MUL: return None
   la, lb = _load(prod.src[0], acc), _load(prod.src[1], acc)
   if la is None or lb is None or la[0] is lb[0] or gc in (la[0], lb[0]): return None
-  fc, fa, fb = linear(cidx), linear(la[1]), linear(lb[1])
-  if fc is None or fa is None or fb is None or (kk := _size(kr)) is None: return None
-  outs = [r for r in fc if r is not None]
+  fa, fb = linear(la[1]), linear(lb[1])
+  if fa is None or fb is None or (kk := _size(kr)) is None: return None
   if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None
   if any(r is not None and r is not kr and r not in fc for f in (fa, fb) for r in f): return None  # every range is an output's or k
   if fc.get(kr, 0) or not fa.get(kr, 0) or not fb.get(kr, 0): return None

@@ -1,14 +1,15 @@
-"""Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.contraction recognises.
-
-Two shapes of kernel, both a block of 256 threads per output tile, blocks on the grid's x (tile columns), y (tile rows) and z
-(batch):
-- SIMT (any float input, float32 sums): the block stages BK=8 deep slices of A and B in shared memory (A transposed, so a
-  thread reads its rows as one broadcast), two stages deep; each thread keeps a TMxTN register tile of float32 sums and
-  accumulates with fused multiply-adds; the next slice's global loads (16 bytes where the layout allows) are in flight while
-  the current one is multiplied.
-- MMA (float16 or bfloat16 inputs, float32 sums, sm_80 or newer, both operands row-major with rows a multiple of 8 elements):
-  tensor cores through mma.sync.m16n8k16 on 128x128x32 tiles; 8 warps of 64x32; shared memory filled by cp.async 16 bytes
-  at a time (zero-filled past the edges), two stages; fragments read by ldmatrix (rows padded by 16 bytes: no bank conflicts).
+"""Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.contraction recognises. Blocks sit on the grid's x (tile
+columns), y (tile rows) and z (batch); `choose` picks the tile from the GPU (Target.gpu_arch, gpu_sms, allow_tf32):
+- SIMT (any float input, float32 sums; 256 threads): BMxBNx8 slices of A and B in shared memory two stages deep (A
+  transposed, so a thread reads its rows as one broadcast); each thread keeps an 8x8, 8x4 or 4x4 register tile of float32
+  sums, accumulated with fused multiply-adds; the next slice's global loads (float4/float2 where the layout allows) are in
+  flight while the current one is multiplied.
+- MMA (float16 or bfloat16 inputs, float32 sums, sm_80 or newer, rows in 16-byte chunks; B n- or k-contiguous): tensor
+  cores through mma.sync.m16n8k16, warps_m x warps_n warps per block; slices filled by cp.async 16 bytes at a time
+  (zero-filled past the edges), `stages` deep with one barrier per slice; fragments read by ldmatrix from rows padded by 16
+  bytes (no bank conflicts); dynamic shared memory past 48 KB.
+- TF32 (float32 inputs, opt-in): the same pipeline with mma.sync.m16n8k8.tf32, fragments read by 32-bit shared loads.
+An elementwise epilogue (bias, activation, residual, the output cast) runs in the store loop.
 
 The tensor-core and copy steps are small __device__ functions (kiln_ldmatrix_x4, kiln_ldmatrix_x4_trans, kiln_mma_*,
 kiln_cp_async16, ...): inline PTX under nvcc, and plain C++ warp collectives in the CPU emulation harness
@@ -101,10 +102,10 @@ def _b_kmajor(c: Contraction) -> bool: return c.b.rows == 1 and c.b.cols != 1
 def choose(c: Contraction, target: Target) -> Tiling:
   """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
   sms = max(1, target.gpu_sms)
-  km = _b_kmajor(c)
-  if _mma_kind(c, target) == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
+  km, kind = _b_kmajor(c), _mma_kind(c, target)
+  if kind == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
     return Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=km)
-  if _mma_kind(c, target) == "mma":
+  if kind == "mma":
     # measured on an H100 (tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
     # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
     if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=km)
@@ -174,6 +175,14 @@ def _vec(o: Operand, walk_cols: bool, extents: tuple[int, int], per_thread: int)
   return 1
 
 
+def _simt_loads(c: Contraction, t: Tiling, o: Operand) -> tuple[bool, int]:
+  """How the SIMT kernel loads operand o (c.a or c.b): whether its threads walk the tile's second axis (A: k, B: n; the one
+  with stride 1, or it when neither is), and the elements per vector load."""
+  is_a = o is c.a
+  walk = o.cols == 1 or o.rows != 1
+  return walk, _vec(o, walk, (c.m, c.k) if is_a else (c.k, c.n), (t.bm if is_a else t.bn) * t.bk // THREADS)
+
+
 def _vec_load(reg: str, vec: int, ok: str, addr: str) -> str:
   """One float2/float4 load into reg[it * vec ...], zero where `ok` is false (a whole vector is in or out of bounds)."""
   lanes = "xyzw"[:vec]
@@ -187,11 +196,7 @@ def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -
   a, b, o = c.a, c.b, c.c
   ta, tb = _MEM[a.dtype.name], _MEM[b.dtype.name]
   cvt_a, cvt_b = _TO_F32[a.dtype.name], _TO_F32[b.dtype.name]
-  # A tile bm x bk: threads walk k when A's k stride is 1 (else m); float4 when 16-byte loads line up
-  a_k = a.cols == 1 or a.rows != 1  # threads walk k when A's k stride is 1 (or neither stride is 1), else m
-  b_n = b.cols == 1 or b.rows != 1
-  a_vec = _vec(a, a_k, (c.m, c.k), bm * bk // THREADS)
-  b_vec = _vec(b, b_n, (c.k, c.n), bn * bk // THREADS)
+  (a_k, a_vec), (b_n, b_vec) = _simt_loads(c, t, a), _simt_loads(c, t, b)
   na, nb = bm * bk // (THREADS * a_vec), bn * bk // (THREADS * b_vec)
   L: list[str] = []
   e = L.append
@@ -206,19 +211,19 @@ def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -
   e(f"  #pragma unroll\n  for (int i = 0; i < {tm}; i++)\n    #pragma unroll\n    for (int j = 0; j < {tn}; j++) acc[i][j] = 0.0f;")
   e(f"  float ra[{na * a_vec}], rb[{nb * b_vec}];")
 
-  def tile_coords(n_per: int, vec: int, rows: int, cols: int, walk_cols: bool, it: str) -> str:
+  def tile_coords(vec: int, rows: int, cols: int, walk_cols: bool, it: str) -> str:
     """r, cc of this thread's it-th load in a rows x cols tile (vec consecutive elements along the walked axis)."""
     if walk_cols: return f"const int e_ = tid + {it} * {THREADS}, r = e_ / {cols // vec}, cc = (e_ % {cols // vec}) * {vec};"
     return f"const int e_ = tid + {it} * {THREADS}, cc = e_ / {rows // vec}, r = (e_ % {rows // vec}) * {vec};"
 
-  def global_loads(reg: str, n: int, vec: int, rows: int, cols: int, walk: bool, at: tuple[str, str], ok: str, ptr: str, o: Operand,
-                   cvt: str) -> None:
+  def global_loads(reg: str, n: int, vec: int, rows: int, cols: int, walk: bool, at: tuple[tuple[str, str], tuple[str, str]], ok: str,
+                   ptr: str, o: Operand, cvt: str) -> None:
     """This thread's n loads (vec elements each) of a rows x cols slice into reg: tile element (r, cc) is the operand's
-    element (at[0], at[1]) (C declarations), in bounds where `ok`."""
+    element (row, col), at = ((row name, its expression), (col name, its expression)), in bounds where `ok`."""
+    (rv, re_), (cv, ce) = at
     e(f"    #pragma unroll\n    for (int it = 0; it < {n}; it++) {{")
-    e("      " + tile_coords(n, vec, rows, cols, walk, "it"))
-    e(f"      const int {at[0]}, {at[1]};")
-    rv, cv = (x.split(" = ")[0] for x in at)
+    e("      " + tile_coords(vec, rows, cols, walk, "it"))
+    e(f"      const int {rv} = {re_}, {cv} = {ce};")
     addr = f"{ptr} + (long long){rv} * {o.rows} + (long long){cv} * {o.cols}"
     if vec > 1: e(_vec_load(reg, vec, ok, addr))
     else: e(f"      {reg}[it] = ({ok}) ? {cvt.format(v=f'*({addr})')} : 0.0f;")
@@ -226,18 +231,18 @@ def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -
 
   # loads: A element (m0 + r, k0 + cc); B element (k0 + r, n0 + cc)
   e("  auto load = [&](int k0) {")
-  global_loads("ra", na, a_vec, bm, bk, a_k, ("gm = m0 + r", "gk = k0 + cc"), f"gm < {c.m} && gk < {c.k}", "A", a, cvt_a)
-  global_loads("rb", nb, b_vec, bk, bn, b_n, ("gk = k0 + r", "gn = n0 + cc"), f"gk < {c.k} && gn < {c.n}", "B", b, cvt_b)
+  global_loads("ra", na, a_vec, bm, bk, a_k, (("gm", "m0 + r"), ("gk", "k0 + cc")), f"gm < {c.m} && gk < {c.k}", "A", a, cvt_a)
+  global_loads("rb", nb, b_vec, bk, bn, b_n, (("gk", "k0 + r"), ("gn", "n0 + cc")), f"gk < {c.k} && gn < {c.n}", "B", b, cvt_b)
   e("  };")
   # stores to shared: A transposed (As[k][m]), B as is (Bs[k][n]); a vector's lanes run along the walked axis
   e("  auto stash = [&](int s) {")
   e(f"    #pragma unroll\n    for (int it = 0; it < {na}; it++) {{")
-  e("      " + tile_coords(na, a_vec, bm, bk, a_k, "it"))
+  e("      " + tile_coords(a_vec, bm, bk, a_k, "it"))
   a_at = "As[s][cc + v][r]" if a_k else "As[s][cc][r + v]"  # a vector's lanes run along the walked axis
   e(f"      #pragma unroll\n      for (int v = 0; v < {a_vec}; v++) {a_at} = ra[it * {a_vec} + v];")
   e("    }")
   e(f"    #pragma unroll\n    for (int it = 0; it < {nb}; it++) {{")
-  e("      " + tile_coords(nb, b_vec, bk, bn, b_n, "it"))
+  e("      " + tile_coords(b_vec, bk, bn, b_n, "it"))
   b_at = "Bs[s][r][cc + v]" if b_n else "Bs[s][r + v][cc]"
   e(f"      #pragma unroll\n      for (int v = 0; v < {b_vec}; v++) {b_at} = rb[it * {b_vec} + v];")
   e("    }")
@@ -337,24 +342,22 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
   e(f"  float acc[{mt}][{nt}][4];")
   e(f"  #pragma unroll\n  for (int i = 0; i < {mt}; i++)\n    #pragma unroll\n    for (int j = 0; j < {nt}; j++)\n"
     "      #pragma unroll\n      for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;")
+  def copies(dst: str, stage: int, ld: int, chunks: int, width: int, row: tuple[str, str, int], col: tuple[str, str, int], stride: int,
+             src: str) -> None:
+    """This thread's cp.async chunks of one slice: shared rows of `width` elements, chunk (r, cc) holding the operand's row
+    `row` and columns from `col` on (each: name, expression of r or cc, bound), `stride` elements between its rows."""
+    (rv, rx, rb), (cv, cx, cb) = row, col
+    e(f"      #pragma unroll\n      for (int it = 0; it < {chunks // t.threads}; it++) {{")
+    e(f"        const int ch = tid + it * {t.threads}, r = ch / {width // per}, cc = (ch % {width // per}) * {per}, {rv} = {rx}, {cv} = {cx};")
+    e(f"        const bool ok = {rv} < {rb} && {cv} < {cb};")
+    e(f"        kiln_cp_async16({dst} + s * {stage} + r * {ld} + cc, {src} + (ok ? (long long){rv} * {stride} + {cv} : 0LL), ok);")
+    e("      }")
   # one slice: A bm rows x bk, B bk rows x bn, in 16-byte chunks spread over the threads; a cp.async group per slice
   e("  auto load = [&](int s, int k0) {")
   e(f"    if (k0 < {c.k}) {{")
-  e(f"      #pragma unroll\n      for (int it = 0; it < {a_chunks // t.threads}; it++) {{")
-  e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // per}, kc = (ch % {bk // per}) * {per}, gm = m0 + r, gk = k0 + kc;")
-  e(f"        const bool ok = gm < {c.m} && gk < {c.k};")
-  e(f"        kiln_cp_async16(As + s * {stage_a} + r * {lda} + kc, A + (ok ? (long long)gm * {a.rows} + gk : 0LL), ok);")
-  e("      }")
-  e(f"      #pragma unroll\n      for (int it = 0; it < {b_chunks // t.threads}; it++) {{")
-  if km:  # B's rows are n, k contiguous (B^T stored): chunks along k, as A's
-    e(f"        const int ch = tid + it * {t.threads}, r = ch / {bk // per}, kc = (ch % {bk // per}) * {per}, gn = n0 + r, gk = k0 + kc;")
-    e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
-    e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + kc, B + (ok ? (long long)gn * {b.cols} + gk : 0LL), ok);")
-  else:
-    e(f"        const int ch = tid + it * {t.threads}, r = ch / {bn // per}, nc = (ch % {bn // per}) * {per}, gk = k0 + r, gn = n0 + nc;")
-    e(f"        const bool ok = gk < {c.k} && gn < {c.n};")
-    e(f"        kiln_cp_async16(Bs + s * {stage_b} + r * {ldb} + nc, B + (ok ? (long long)gk * {b.rows} + gn : 0LL), ok);")
-  e("      }")
+  copies("As", stage_a, lda, a_chunks, bk, ("gm", "m0 + r", c.m), ("gk", "k0 + cc", c.k), a.rows, "A")
+  if km: copies("Bs", stage_b, ldb, b_chunks, bk, ("gn", "n0 + r", c.n), ("gk", "k0 + cc", c.k), b.cols, "B")  # B^T: rows n, k along them
+  else: copies("Bs", stage_b, ldb, b_chunks, bn, ("gk", "k0 + r", c.k), ("gn", "n0 + cc", c.n), b.rows, "B")
   e("    }")
   e("    kiln_cp_async_commit();  // an empty group past the end keeps the wait counts uniform")
   e("  };")
@@ -473,9 +476,7 @@ def _align(c: Contraction, t: Tiling, slot: int) -> int:
   if slot not in (c.a.slot, c.b.slot, c.c.slot): return 0  # the epilogue's loads: one element at a time
   if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind != "simt" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
   if t.kind != "simt": return 16
-  o, walk = (c.a, c.a.cols == 1 or c.a.rows != 1) if slot == c.a.slot else (c.b, c.b.cols == 1 or c.b.rows != 1)
-  ext = (c.m, c.k) if slot == c.a.slot else (c.k, c.n)
-  v = _vec(o, walk, ext, (t.bm if slot == c.a.slot else t.bn) * t.bk // THREADS)
+  v = _simt_loads(c, t, c.a if slot == c.a.slot else c.b)[1]
   return 4 * v if v > 1 else 0
 
 

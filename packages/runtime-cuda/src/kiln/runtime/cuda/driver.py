@@ -477,6 +477,8 @@ class CUDARuntime:
       major, minor = self.cc = tuple(self.dev.compute_capability())
     except errors as e: raise DeviceError(f"{self.device}: opening the device failed: {e}") from e
     self.guard = ContextGuard(self.drv, self.ctx, self.device)
+    try: self.sms = int(self.dev.get_attribute(self.drv.device_attribute.MULTIPROCESSOR_COUNT))  # read once: it never changes
+    except Exception: self.sms = 0  # the attribute API is missing (a stand-in driver): the renderer assumes nothing
     self.arch = os.environ.get("KILN_CUDA_ARCH") or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
     self.compiler = CUDACompiler(self.arch)
     self.allocator = CUDAAllocator(self.drv, self.ctx, guard=self.guard)
@@ -496,9 +498,7 @@ class CUDARuntime:
     tiled matmul's tile size), read from the device; a driver that cannot say leaves them unknown (0)."""
     opt = importlib.import_module("kiln.codegen.opt")
     major, minor = self.cc
-    try: sms = int(self.dev.get_attribute(self.drv.device_attribute.MULTIPROCESSOR_COUNT))
-    except Exception: sms = 0  # the attribute API is missing (a stand-in driver): the renderer assumes nothing
-    return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=sms, allow_tf32=tf32_allowed())
+    return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=self.sms, allow_tf32=tf32_allowed())
 
   @property
   def cache_variant(self) -> str:
