@@ -50,6 +50,21 @@ def info() -> None:
         f" smem/block optin {d.get_attribute(attrs.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) >> 10} KiB")
 
 
+def _run_spec(rt, spec, bufs: dict[int, np.ndarray], vals: list[int] | None = None) -> float:
+  """Compile and load spec, run it once on copies of bufs (slot -> host array) and copy every buffer back into its array;
+  the kernel's seconds (CUDA events)."""
+  prog = rt.load(rt.compiler.compile(spec))
+  order = list(spec.globals) if spec.globals else sorted(bufs)
+  dev = {s: rt.allocator.alloc(max(1, bufs[s].nbytes)) for s in order}
+  try:
+    for s in order: rt.allocator.copyin(dev[s], memoryview(np.ascontiguousarray(bufs[s])).cast("B"))
+    t = prog([dev[s].ptr for s in order], vals or [], wait=True)
+    for s in order: rt.allocator.copyout(memoryview(bufs[s]).cast("B"), dev[s])
+  finally:
+    for s in order: rt.allocator.free(dev[s], max(1, bufs[s].nbytes))
+  return float(t or 0.0)
+
+
 def conformance() -> None:
   from kiln.codegen.conformance import cases, for_spec, mismatches
   from kiln.runtime.cuda.driver import CUDARuntime
@@ -57,16 +72,8 @@ def conformance() -> None:
   for case in cases():
     def one(case=case) -> str | None:
       spec = rt.renderer.render(case.ast, case.opts)
-      prog = rt.load(rt.compiler.compile(spec))
       bufs = case.fresh()
-      order = list(spec.globals) if spec.globals else list(range(len(bufs)))
-      dev = [rt.allocator.alloc(max(1, b.nbytes)) for b in (bufs[s] for s in order)]
-      try:
-        for d, s in zip(dev, order): rt.allocator.copyin(d, memoryview(np.ascontiguousarray(bufs[s])).cast("B"))
-        prog([d.ptr for d in dev], [case.var_vals[n] for n in spec.var_names], wait=True)
-        for d, s in zip(dev, order): rt.allocator.copyout(memoryview(bufs[s]).cast("B"), d)
-      finally:
-        for d, s in zip(dev, order): rt.allocator.free(d, max(1, bufs[s].nbytes))
+      _run_spec(rt, spec, dict(enumerate(bufs)), [case.var_vals[n] for n in spec.var_names])
       if errs := mismatches(for_spec(case, spec.applied_opts), bufs): raise AssertionError("\n".join(errs[:8]))
       return None
     check(f"conformance {case.name}", one)
@@ -188,7 +195,6 @@ def tiled() -> None:
       dt = "float32" if tf32 else dt
       kdt = getattr(dtypes, dt)
       spec = rt.renderer.render(kernels.matmul(m, n, k, kdt, batch=batch, acc_dtype=dtypes.float32))
-      prog = rt.load(rt.compiler.compile(spec))
       a32, b32 = rng.standard_normal((*batch, m, k)).astype(np.float32), rng.standard_normal((*batch, k, n)).astype(np.float32)
       if dt == "bfloat16":
         a, b = (a32.view(np.uint32) >> 16).astype(np.uint16), (b32.view(np.uint32) >> 16).astype(np.uint16)
@@ -198,12 +204,7 @@ def tiled() -> None:
         a, b = a32.astype(dt), b32.astype(dt)
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         out = np.full((*batch, m, n), np.nan, dt)
-      bufs = {spec.outs[0]: out, spec.ins[0]: a, spec.ins[1]: b}
-      dev = {s: rt.allocator.alloc(x.nbytes) for s, x in bufs.items()}
-      for s, x in bufs.items(): rt.allocator.copyin(dev[s], memoryview(np.ascontiguousarray(x)).cast("B"))
-      t = prog([dev[s].ptr for s in spec.globals], [], wait=True)
-      rt.allocator.copyout(memoryview(out).cast("B"), dev[spec.outs[0]])
-      for s, x in bufs.items(): rt.allocator.free(dev[s], x.nbytes)
+      t = _run_spec(rt, spec, {spec.outs[0]: out, spec.ins[0]: a, spec.ins[1]: b})
       got = (out.astype(np.uint32) << 16).view(np.float32).astype(np.float64) if dt == "bfloat16" else out.astype(np.float64)
       ref = a64 @ b64
       err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -235,14 +236,9 @@ def _epilogue_case(rt, rng, dt: str, m: int = 520, n: int = 264, k: int = 200, n
   ast = UOp.sink(UOp.define_global(0, kdt.ptr(nb * m * n)).index(bi * (m * n) + i * n + j).store(v.cast(kdt)), name="linear_gelu")
   spec = rt.renderer.render(ast)
   if not spec.applied_opts[0].startswith("TILED_MATMUL"): raise AssertionError(f"not tiled: {spec.applied_opts}")
-  prog = rt.load(rt.compiler.compile(spec))
   host = {1: rng.standard_normal((nb, m, k)).astype(dt), 2: rng.standard_normal((nb, k, n)).astype(dt),
           3: rng.standard_normal(n).astype(np.float32), 4: rng.standard_normal((nb, m, n)).astype(dt), 0: np.full((nb, m, n), np.nan, dt)}
-  dev = {s_: rt.allocator.alloc(x_.nbytes) for s_, x_ in host.items()}
-  for s_, x_ in host.items(): rt.allocator.copyin(dev[s_], memoryview(np.ascontiguousarray(x_)).cast("B"))
-  prog([dev[s_].ptr for s_ in spec.globals], [], wait=True)
-  rt.allocator.copyout(memoryview(host[0]).cast("B"), dev[0])
-  for s_, x_ in host.items(): rt.allocator.free(dev[s_], x_.nbytes)
+  _run_spec(rt, spec, host)
   xr = host[1].astype(np.float64) @ host[2].astype(np.float64) + host[3]
   ref = xr * 0.5 * (np.vectorize(math.erf)(xr / math.sqrt(2)) + 1) + host[4].astype(np.float64)
   err = float(np.abs(host[0].astype(np.float64) - ref).max() / np.abs(ref).max())
