@@ -72,10 +72,7 @@ _INT = {
 _INT_NO_WRAP = {Ops.NEG: "({t})(-{a0})", Ops.ADD: "{a0} + {a1}", Ops.SUB: "{a0} - {a1}", Ops.MUL: "{a0} * {a1}"}  # where bounds prove no overflow
 # bitcast: a value to its raw bits (an integer: "({u}){v}") and raw bits to a value (an integer: "({t})({bits})")
 _TO_BITS = {"float32": "__float_as_uint({v})", "float64": "(unsigned long long)__double_as_longlong({v})",
-            # float16: a NaN keeps its sign and payload (the GPU's float->half conversion would make every NaN 0x7FFF)
-            "float16": "({v} != {v} ? (unsigned short)(((__float_as_uint({v}) >> 16) & 0x8000u) | 0x7c00u | ((__float_as_uint({v}) >> 13) & 0x3ffu)"
-                       " | ((__float_as_uint({v}) & 0x7fe000u) ? 0u : 0x200u))"
-                       " : __half_as_ushort(__float2half_rn({v})))",  # bfloat16: a NaN's bits are the quiet NaN 0x7FC0 (alu.py's storage form)
+            "float16": "kiln_f2h_bits({v})",  # bfloat16: a NaN's bits are the quiet NaN 0x7FC0 (alu.py's storage form)
             "bfloat16": "({v} != {v} ? (unsigned short)0x7fc0 : (unsigned short)(__float_as_uint({v}) >> 16))"}
 _FROM_BITS = {"bool": "(unsigned char)({bits}) != 0", "float32": "__uint_as_float((unsigned int)({bits}))",
               "float64": "__longlong_as_double((long long)({bits}))", "float16": "__half2float(__ushort_as_half((unsigned short)({bits})))",
@@ -123,6 +120,10 @@ _HELPERS = {
   "kiln_h2f": ("__device__ __forceinline__ float kiln_h2f(half h) {\n  unsigned short b = __half_as_ushort(h);\n"
                "  return (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu)\n"
                "    ? __uint_as_float(((unsigned int)(b & 0x8000u) << 16) | 0x7f800000u | ((unsigned int)(b & 0x3ffu) << 13)) : __half2float(h);\n}"),
+  # and back, to a half's bits: a NaN keeps its sign and payload (the GPU's float->half conversion makes every NaN 0x7FFF)
+  "kiln_f2h_bits": ("__device__ __forceinline__ unsigned short kiln_f2h_bits(float x) {\n  unsigned int b = __float_as_uint(x);\n"
+                    "  return x != x ? (unsigned short)(((b >> 16) & 0x8000u) | 0x7c00u | ((b >> 13) & 0x3ffu) | ((b & 0x7fe000u) ? 0u : 0x200u))\n"
+                    "    : __half_as_ushort(__float2half_rn(x));\n}"),
   "kiln_rh": "__device__ __forceinline__ float kiln_rh(float x) { return __half2float(__float2half_rn(x)); }",
   # round to nearest even bfloat16, NaN to the quiet NaN 0x7FC0 (as the reference)
   "kiln_rbf": ("__device__ __forceinline__ float kiln_rbf(float x) {\n  unsigned int b = __float_as_uint(x);\n"
@@ -369,6 +370,7 @@ class CUDAPrinter(Printer):
   def bitcast(self, u: UOp) -> str:
     src, dst = u.src[0].dtype, u.dtype
     v = self.val(u.src[0])
+    if src.name == "float16": self.helper("kiln_f2h_bits")  # the table's float16 entry calls it
     bits = _TO_BITS.get(src.name, "({u}){v}").format(v=v, u=_utype(src) if src.itemsize >= 4 else "unsigned int")
     return _FROM_BITS.get(dst.name, "({t})({bits})").format(bits=bits, t=ctype(dst))
 
