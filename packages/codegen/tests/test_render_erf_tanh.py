@@ -67,7 +67,7 @@ def test_fma_helper_fuses_its_polynomials(op: Ops) -> None:
   assert seqs[0] and all(s == seqs[0] for s in seqs), seqs
   src = LLVMRenderer(Target(device="CPU", vector_bytes=32, fma=True)).render(kernel(op, dtypes.float32)).src
   decls = re.findall(r"declare .*@llvm\.fma\.(v\d+f32)\(", src)
-  helpers = re.findall(rf"define internal .*@kiln\.{op.name.lower()}\.f32\.(\d+)\.fma\(", src)
+  helpers = re.findall(rf"define internal .*@kiln\.{op.name.lower()}\.f32\.(\d+)\.fma(?:\.rn)?\(", src)
   assert len(decls) == len(set(decls)) == len(helpers) == 1 and decls[0] == f"v{helpers[0]}f32", (decls, helpers)
 
 
@@ -85,3 +85,23 @@ def test_avx512_helpers_scale_by_vscalef(op: Ops) -> None:
   assert not llvm_math.has_scalef(Target(device="CPU", vector_bytes=32)) and not llvm_math.has_scalef(Target(device="CUDA", vector_bytes=0))
   src = LLVMRenderer(Target(device="CPU", vector_bytes=64, fma=True)).render(kernel(op, dtypes.float32)).src
   assert src.count(f"declare <16 x float> @{llvm_math.SCALEF}(") == 1, src[:2000]
+
+
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH])
+def test_round_by_roundeven_where_one_instruction(op: Ops) -> None:
+  """AVX (and wider) and AArch64 targets round n = round(x) by llvm.roundeven (roundps/frintn: one instruction) instead of the MAGIC
+  add and subtract, declared once per kernel; 16-byte x86 targets (SSE2, x86-64-v2) keep the add; fewer instructions either way
+  (test_vector_math.py checks the bits are the same)."""
+  def ops(text: str) -> list[str]: return re.findall(r"= (\w+) ", text)
+  for n in (1, 8, 16):
+    name, text = llvm_math.helper(op, n, fma=True, rounds=True)
+    assert name.endswith(".rn") and f"@llvm.roundeven.{llvm_math.fma_suffix(n)}(" in text and llvm_math.double_hex(llvm_math.MAGIC) not in text
+    assert len(ops(text)) < len(ops(llvm_math.helper(op, n, fma=True)[1])), (op, n)
+  assert not llvm_math.helper(Ops.LOG2, 8, rounds=True)[0].endswith(".rn")  # LOG2 rounds nothing
+  shapes = ((16, 16), (16, 32), (32, 16), (64, 32))  # (vector bytes, registers): SSE2/v2, AArch64, AVX/AVX2, AVX-512
+  on = {(vb, regs): llvm_math.has_round(Target(device="CPU", vector_bytes=vb, vector_registers=regs)) for vb, regs in shapes}
+  assert on == {(16, 16): False, (16, 32): True, (32, 16): True, (64, 32): True}
+  assert not llvm_math.has_round(Target(device="CUDA", vector_bytes=0))
+  src = LLVMRenderer(Target(device="CPU", vector_bytes=32, fma=True)).render(kernel(op, dtypes.float32)).src
+  assert len(re.findall(r"declare .*@llvm\.roundeven\.", src)) == 1, src[:2000]
+  assert "roundeven" not in LLVMRenderer(Target(device="CPU", vector_bytes=16, fma=False)).render(kernel(op, dtypes.float32)).src

@@ -120,6 +120,24 @@ def test_avx512_scalef_gives_the_same_bits(op: Ops, fma: bool) -> None:
     assert (got.view(np.uint32) == want.view(np.uint32)).all(), (op, fma, x[:len(got)][got.view(np.uint32) != want.view(np.uint32)][:8])
 
 
+@pytest.mark.parametrize("fma", [False, True], ids=["nofma", "fma"])
+@pytest.mark.parametrize("op", [Ops.EXP2, Ops.ERF, Ops.TANH], ids=["EXP2", "ERF", "TANH"])
+def test_roundeven_gives_the_same_bits(op: Ops, fma: bool) -> None:
+  """n = round(x) by llvm.roundeven (one instruction on AVX and AArch64 targets: llvm_math.has_round) and by the MAGIC add (16-byte
+  x86 targets): every bit equal over the sweep, scalar and vectorised, with and without FMA."""
+  if not llvm_math.has_round(RENDERERS[fma].target): pytest.skip("the host's target has no one-instruction round: both are the MAGIC add")
+  x = sweep(op)
+  magic = LLVMRenderer(dataclasses.replace(RT.target, fma=fma, vector_bytes=16, vector_registers=16))
+  assert not llvm_math.has_round(magic.target)
+  for opts in ([], None):
+    spec = magic.render(kernel(op, dtypes.float32, len(x)), opts=opts)
+    assert "roundeven" not in spec.src
+    want = np.zeros_like(x)
+    RT.load(RT.compiler.compile(spec))([want.ctypes.data, x.ctypes.data], [])
+    got = run(op, dtypes.float32, x, opts is None, fma)
+    assert (got.view(np.uint32) == want.view(np.uint32)).all(), (op, fma, x[got.view(np.uint32) != want.view(np.uint32)][:8])
+
+
 def test_scalar_and_vector_agree(results: tuple[Ops, np.ndarray, np.ndarray, np.ndarray]) -> None:
   op, x, scalar, vector = results
   assert (scalar.view(np.uint32) == vector.view(np.uint32)).all(), x[scalar.view(np.uint32) != vector.view(np.uint32)][:8]

@@ -74,6 +74,14 @@ def has_scalef(target: Any) -> bool:
   return getattr(target, "device", "") == "CPU" and getattr(target, "vector_bytes", 0) >= 64
 
 
+def has_round(target: Any) -> bool:
+  """A one-instruction round to nearest even (llvm.roundeven): SSE4.1's roundps, which every x86 CPU with AVX has (kiln's
+  machine model names no SSE4.1 level of its own, so 16-byte x86 targets keep the MAGIC add), and AArch64's frintn (the
+  only CPU with 32 registers of 16 bytes)."""
+  vb, regs = getattr(target, "vector_bytes", 0), getattr(target, "vector_registers", 0)
+  return getattr(target, "device", "") == "CPU" and (vb >= 32 or (vb == 16 and regs == 32))
+
+
 def fma_suffix(n: int) -> str: return "f32" if n == 1 else f"v{n}f32"  # llvm.fma's on n floats (the caller declares it)
 def vtype(t: str, n: int) -> str: return t if n == 1 else f"<{n} x {t}>"
 def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
@@ -81,8 +89,9 @@ def _sp(t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join(
 
 class _Body:
   """The instructions of one helper: each call appends `%vK = text` and names its result."""
-  def __init__(self, n: int, fma: bool = False, scalef: bool = False):
+  def __init__(self, n: int, fma: bool = False, scalef: bool = False, rounds: bool = False):
     self.n, self.fma, self.scalef, self.lines, self.k = n, fma, scalef and n & (n - 1) == 0 and n <= 64, list[str](), 0
+    self.rounds = rounds  # llvm.roundeven is one instruction (has_round): n = round(x) without the MAGIC add
     self.F, self.I, self.B, self.D, self.L = (vtype(t, n) for t in ("float", "i32", "i1", "double", "i64"))
     self.powers: dict[tuple[str, int], str] = {}
 
@@ -155,18 +164,25 @@ class _Body:
     return "\n".join([f"define internal {self.F} @{name}({self.F} %x) alwaysinline {{", *self.lines, f"  ret {self.F} {ret}", "}"])
 
 
-def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tuple[str, str, str]:
-  """x = n + f for |x| < 2^22 (NaN gives NaN): n = round(x) by the MAGIC add, f = x - n exact in [-1/2, 1/2]. Returns 2^f by
-  poly (EXP2_POLY: within [0.7, 1.42]), t = x + MAGIC (n is in its low bits: _int_n) and n as a float."""
-  t = b(f"fadd {b.F} {x}, {b.f(MAGIC)}")
-  nf = b(f"fsub {b.F} {t}, {b.f(MAGIC)}")
+def _exp2_reduced(b: _Body, x: str, poly: tuple[float, ...] = EXP2_POLY) -> tuple[str, str, str | None]:
+  """x = n + f for |x| < 2^22 (NaN gives NaN): n = round(x), ties to even, f = x - n exact in [-1/2, 1/2]. Returns 2^f by
+  poly (EXP2_POLY: within [0.7, 1.42]), n as a float and t = x + MAGIC (n in its low bits, for _int_n; None where n came
+  from llvm.roundeven, one instruction instead of the add and subtract). Both give the same f: they differ only in the sign of
+  a zero n (roundeven(-0.3) is -0), and x - (-0) = x - 0, 2^-0 = 2^0."""
+  if b.rounds: t, nf = None, b(f"call {b.F} @llvm.roundeven.{fma_suffix(b.n)}({b.F} {x})")
+  else:
+    t = b(f"fadd {b.F} {x}, {b.f(MAGIC)}")
+    nf = b(f"fsub {b.F} {t}, {b.f(MAGIC)}")
   f = b(f"fsub {b.F} {x}, {nf}")
   if b.fma: p = b.mad(f, b.estrin(f, poly), b.f(1.0))  # 1 + f*P(f), the last step one rounding
   else: p = b(f"fadd {b.F} {b.estrin(f, (0.0, *poly))}, {b.f(1.0)}")  # 1 + (f*c0 + f^2*c1 + ...): f*P by Estrin, then the 1
-  return p, t, nf
+  return p, nf, t
 
 
-def _int_n(b: _Body, t: str) -> str: return b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")  # n as i32
+def _int_n(b: _Body, nf: str, t: str | None) -> str:
+  """n as i32: converted from its float, or read from t's low bits (t = x + MAGIC)."""
+  if t is None: return b(f"fptosi {b.F} {nf} to {b.I}")
+  return b(f"sub {b.I} {b(f'bitcast {b.F} {t} to {b.I}')}, {b.i(MAGIC_BITS)}")
 
 
 def _pow2(b: _Body, n: str) -> str:  # 2^n from its exponent field, n in [-126, 127]
@@ -179,16 +195,16 @@ def exp2_f32(b: _Body) -> str:
   both normal: the first product is exact, so the second rounds once, to a denormal, 0 or inf where IEEE does."""
   lo = b(f"select {b.B} {b(f'fcmp ole {b.F} %x, {b.f(EXP2_FLUSH)}')}, {b.F} {b.f(EXP2_LO)}, {b.F} %x")
   x = b(f"select {b.B} {b(f'fcmp ogt {b.F} {lo}, {b.f(EXP2_HI)}')}, {b.F} {b.f(EXP2_HI)}, {b.F} {lo}")
-  p, t, nf = _exp2_reduced(b, x)
+  p, nf, t = _exp2_reduced(b, x)
   if b.scalef: return b.scale(p, nf)
-  n = _int_n(b, t)
+  n = _int_n(b, nf, t)
   n1 = b(f"ashr {b.I} {n}, {b.i(1)}")
   return b(f"fmul {b.F} {b(f'fmul {b.F} {p}, {_pow2(b, n1)}')}, {_pow2(b, b(f'sub {b.I} {n}, {n1}'))}")
 
 
 def _exp2_mid(b: _Body, x: str) -> str:  # 2^x for x in [-24, 30] (or NaN): one scale factor
-  p, t, nf = _exp2_reduced(b, x)
-  return b.scale(p, nf) if b.scalef else b(f"fmul {b.F} {p}, {_pow2(b, _int_n(b, t))}")
+  p, nf, t = _exp2_reduced(b, x)
+  return b.scale(p, nf) if b.scalef else b(f"fmul {b.F} {p}, {_pow2(b, _int_n(b, nf, t))}")
 
 
 def log2_f32(b: _Body) -> str:
@@ -224,10 +240,10 @@ def _odd(b: _Body, split: float, top: float, small: Callable[[_Body, str], str],
 
 def _erf_large(b: _Body, a: str, z: str) -> str:  # 1 - exp(-a^2) * ERFC_SCALED(v); erfc <= 0.21 here, so 1 - erfc loses nothing
   v = b(f"fdiv {b.F} {b(f'fsub {b.F} {a}, {b.f(ERFC_V)}')}, {b(f'fadd {b.F} {a}, {b.f(ERFC_V)}')}")
-  p, t, nf = _exp2_reduced(b, b(f"fmul {b.F} {z}, {b.f(-LOG2E_F)}"), ERF_EXP2)
+  p, nf, t = _exp2_reduced(b, b(f"fmul {b.F} {z}, {b.f(-LOG2E_F)}"), ERF_EXP2)
   q = b.estrin(v, ERFC_SCALED)
   # 2^n * P(v) is exact: p * (2^n * P) is (p * 2^n) * P, sooner
-  sr = b.scale(q, nf) if b.scalef else b(f"fmul {b.F} {_pow2(b, _int_n(b, t))}, {q}")
+  sr = b.scale(q, nf) if b.scalef else b(f"fmul {b.F} {_pow2(b, _int_n(b, nf, t))}, {q}")
   return b(f"fsub {b.F} {b.f(1.0)}, {b(f'fmul {b.F} {p}, {sr}')}")
 
 
@@ -248,11 +264,11 @@ INTRINSIC = {Ops.EXP2: "llvm.exp2", Ops.LOG2: "llvm.log2"}  # float64: libm thro
 LIBM = {Ops.ERF: "erf", Ops.TANH: "tanh"}  # float64: libm, called lane by lane (LLVM has no intrinsic to do it)
 
 
-def helper(op: Ops, n: int, fma: bool = False, scalef: bool = False) -> tuple[str, str]:
-  """The name and definition of op's float32 helper on n lanes (fused multiply-adds in its polynomials with `fma`, 2^n scaling
-  by AVX-512's vscalefps with `scalef`: the same bits, fewer instructions)."""
-  b = _Body(n, fma, scalef)
-  name = f"kiln.{op.name.lower()}.f32.{n}{'.fma' if fma else ''}{'.sc' if b.scalef else ''}"
+def helper(op: Ops, n: int, fma: bool = False, scalef: bool = False, rounds: bool = False) -> tuple[str, str]:
+  """The name and definition of op's float32 helper on n lanes (fused multiply-adds in its polynomials with `fma`; 2^n scaling
+  by AVX-512's vscalefps with `scalef` and n by llvm.roundeven with `rounds`: the same bits, fewer instructions)."""
+  b = _Body(n, fma, scalef, rounds and op is not Ops.LOG2)  # LOG2 rounds nothing
+  name = f"kiln.{op.name.lower()}.f32.{n}{'.fma' if fma else ''}{'.sc' if b.scalef else ''}{'.rn' if b.rounds else ''}"
   return name, b.define(name, BODIES[op](b))
 
 
@@ -264,8 +280,9 @@ def render(p: Any, op: Ops, s: Any, t: str, n: int, a: list[str], guard: bool) -
   if "double" in t: fn = p.intrinsic(f"{INTRINSIC[op]}.{'f64' if n == 1 else f'v{n}f64'}", t, [t])
   else:
     fma, scalef = bool(getattr(p.target, "fma", False)), has_scalef(p.target)
-    name, text = helper(op, n, fma, scalef)
+    name, text = helper(op, n, fma, scalef, has_round(p.target))
     if fma: p.intrinsic(f"llvm.fma.{fma_suffix(n)}", t, [t, t, t])  # the helper's, declared once in the module
+    if "@llvm.roundeven." in text: p.intrinsic(f"llvm.roundeven.{fma_suffix(n)}", t, [t])
     if SCALEF in text: p.intrinsic(SCALEF, V16, [V16, V16, V16, "i16", "i32"])
     p.helpers.setdefault(name, text)
     fn = f"@{name}"
