@@ -60,7 +60,8 @@ def test_keep_computes_exp_once() -> None:
   opts = heuristic(ast)
   t = Target(vector_bytes=32)
   def exps(o: list[Opt]) -> int: return sum(u.op is Ops.EXP2 for u in lower(ast, t, o).uops)
-  assert exps(opts) == 1 and exps([o for o in opts if o.op is not OptOps.KEEP]) == 2
+  copies = int(np.prod([o.amount for o in opts if o.op is OptOps.UNROLL]))  # rows interleaved: one exp per row copy
+  assert copies == 2 and exps(opts) == copies and exps([o for o in opts if o.op is not OptOps.KEEP]) == 2 * copies
 
 
 def test_keep_with_scalar_loops_and_an_unroll_of_its_axis() -> None:
@@ -76,12 +77,41 @@ def test_keep_with_scalar_loops_and_an_unroll_of_its_axis() -> None:
   np.testing.assert_allclose(got, np_softmax(x), rtol=2e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("shape,unrolls", [((8, 128), {0: 2}), ((6, 40), {0: 3}), ((4, 6, 24), {0: 2, 1: 3}), ((2, 4, 16), {1: 4})])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_keep_under_an_unrolled_output_axis(shape: tuple[int, ...], unrolls: dict[int, int], threads: int) -> None:
+  """Rows interleaved (an UNROLL of output axes the kept REDUCE varies along): each unrolled copy keeps its own row of the
+  per-thread scratch, so the results are bit-identical with the rows computed twice, nothing is written past the output,
+  and the scratch holds one row per copy."""
+  x = (np.random.default_rng(len(shape)).standard_normal(shape) * 4).astype(np.float32)
+  ast = kernels.softmax(shape, F32)
+  red = [u for u in ast.toposort() if u.op is Ops.REDUCE and u.arg is Ops.ADD][0].src[1].arg[0]
+  base = [Opt(OptOps.UNROLL, a, n) for a, n in unrolls.items()] + ([Opt(OptOps.THREAD, 0, 2)] if threads > 1 else [])
+  kept, applied = run(ast, x, base + [Opt(OptOps.KEEP, red, 1)])
+  assert any(a.startswith("KEEP") for a in applied), applied
+  plain, _ = run(ast, x, base)
+  assert np.array_equal(kept, plain)
+  np.testing.assert_allclose(kept, np_softmax(x.reshape(-1, shape[-1])).reshape(shape), rtol=2e-6, atol=1e-9)
+  copies = int(np.prod(list(unrolls.values())))
+  spec = RT.renderer.render(ast, opts=base + [Opt(OptOps.KEEP, red, 1)])
+  assert spec.scratch_bytes >= copies * shape[-1] * 4 * (1 if threads == 1 else min(threads, RT.target.threads)), spec.scratch_bytes
+
+
+def test_short_kept_rows_are_interleaved_in_pairs() -> None:
+  """The heuristic unrolls the row axis by 2 where a kept row is at most KEEP_ROW_VECTORS vectors and the rows are even in
+  number (opt._interleaved_rows): softmax rows of 128 on 8 lanes (16 vectors), not rows of 256, an odd row count, or a
+  layernorm-like body that keeps nothing."""
+  def unrolls(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(o.axis, o.amount) for o in heuristic(kernels.softmax(shape, F32)) if o.op is OptOps.UNROLL]
+  assert unrolls((64, 128)) == [(0, 2)] and unrolls((4, 6, 64)) == [(1, 2)]
+  assert unrolls((64, 256)) == [] and unrolls((63, 128)) == [] and unrolls((3, 5, 64)) == []
+
+
 def test_keep_refused_where_it_cannot_apply() -> None:
   t = Target(vector_bytes=32)
   sm = kernels.softmax((8, 64), F32)
   red = [u for u in sm.toposort() if u.op is Ops.REDUCE and u.arg is Ops.ADD][0].src[1].arg[0]
   with pytest.raises(CodegenError, match="KEEP needs a reduce axis"): lower(sm, t, [Opt(OptOps.KEEP, 0, 1)])
-  with pytest.raises(CodegenError, match="unrolled along an output axis"): lower(sm, t, [Opt(OptOps.UNROLL, 0, 2), Opt(OptOps.KEEP, red, 1)])
   rs = kernels.reduce_sum((8, 64), F32, 1, keepdims=True)
   rax = [u for u in rs.toposort() if u.op is Ops.REDUCE][0].src[1].arg[0]
   with pytest.raises(CodegenError, match="no store computes again"): lower(rs, t, [Opt(OptOps.KEEP, rax, 1)])

@@ -22,7 +22,7 @@ from kiln.codegen.pack import Packer, scratch_ptr
 from kiln.codegen.prepare import drop_empty, estimate, min_elements, peel, prepare
 from kiln.codegen.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
-from kiln.ir.dtype import PtrDType
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
@@ -141,16 +141,19 @@ class Lowerer:
 
   def keep(self, st: UOp, subst: dict[UOp, UOp]) -> UOp:
     """KEEP: the store's values that a kept REDUCE computes too read them from the REDUCE's scratch row (reduce_lowering
-    writes it). Each kept REDUCE gets its row once, on first sight; a KEEP no store can use is refused at the end."""
+    writes it). Each kept REDUCE gets its rows once, on first sight: one per unrolled copy of it (an UNROLLed output axis
+    it varies along: rows interleaved for their latency), the copy's row picked by its unroll variables, which each copy
+    turns into its constants. A KEEP no store can use is refused at the end."""
     twins: dict[UOp, UOp] = {}
     for red in (u for u in st.toposort() if u.op is Ops.REDUCE and len(u.src) == 2 and self.ctx.plans[u.src[1]].keep):
       if not (found := kept_twins(st, red)): continue
-      if unroll_vars(substitute(red, subst), {}):  # one row per unrolled copy would be needed
-        raise CodegenError(f"KEEP on axis {red.src[1].arg[0]}: its REDUCE is unrolled along an output axis; drop the UNROLL or the KEEP")
       if red not in self.red.keep:
         size = axis_size(red.src[1])
         assert size is not None
-        self.red.keep[red] = (scratch_ptr(red.dtype), self.pack.reserve(size, red.dtype))
+        row, stride = UOp.const(dtypes.index, 0), size
+        for v in reversed(unroll_vars(substitute(red, subst), {})):  # copy (c0, c1, ...) -> its row, row-major
+          row, stride = row + v * stride, stride * (v.arg[2] + 1)
+        self.red.keep[red] = (scratch_ptr(red.dtype), simp(self.pack.reserve(stride, red.dtype) + row))
       ptr, base = self.red.keep[red]
       twins |= {t: UOp(Ops.LOAD, t.dtype, (ptr.index(base + j),)) for t, j in found.items()}
     return st.replace(src=(st.src[0], substitute(st.src[1], twins))) if twins else st
