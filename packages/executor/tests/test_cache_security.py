@@ -120,7 +120,30 @@ def test_entry_of_an_older_kiln_is_a_miss(trt, capsys):
   debug.set_level(1)
   _check_add1(ast, "compiled")
   assert "carries no MAC" in capsys.readouterr().err
-  assert json.loads(p.read_text())["format"] == 2 and _check_add1(ast, "disk")  # overwritten
+  assert json.loads(p.read_text())["format"] == 3 and _check_add1(ast, "disk")  # overwritten
+
+
+def test_entries_hold_no_ast_and_one_that_does_is_refused(trt, capsys):
+  """An entry stores the spec without its AST (the key names it; the caller's is used, not one rebuilt from JSON). A
+  format-2 entry (the AST as JSON) is a miss, and so is a format-3 entry whose spec carries an AST of its own, even sealed
+  with the user's key: the AST a kernel runs under is always the caller's."""
+  ast = _add1(trt)
+  _check_add1(ast, "compiled")
+  p, dkey = _entry(ast)
+  env = json.loads(p.read_text())
+  spec = json.loads(env["spec"])
+  assert env["format"] == 3 and "ast" not in spec and spec["name"]
+  other = _add1(trt, "sec_other")
+  for fmt, extra in ((2, {}), (3, {"ast": json.loads(get_runtime("CPU").renderer.render(other).model_dump_json())["ast"]})):
+    env2 = {"format": fmt, "key": dkey, "spec": json.dumps({**spec, **extra})}
+    DiskCache("kernels", "kernel cache").store_json(p.name, env2)
+    debug.set_level(1)
+    try: _check_add1(ast, "compiled")
+    finally: debug.set_level(0)
+    assert "not used" in capsys.readouterr().err
+  assert _check_add1(ast, "disk") == "disk"  # the refused entries were overwritten by good ones
+  with pytest.raises(ValueError, match="must start with its AST's key"):
+    cache.disk_store(cache.disk_key(other.key, "CPU", get_runtime("CPU"), ""), cache.compile_kernel(ast).compiled)
 
 
 def test_entry_written_with_another_key_file(trt, tmp_path, monkeypatch):

@@ -190,6 +190,16 @@ class _Model(BaseModel):
     doc = load_json_document(json_data, MAX_SPEC_BYTES, "MAX_SPEC_BYTES", f"{cls.__name__} JSON")
     return cls.model_validate(doc, strict=strict, extra=extra, context=context, by_alias=by_alias, by_name=by_name)
 
+  @classmethod
+  def model_validate_json_with(cls, json_data: str | bytes | bytearray, **known: Any) -> Self:
+    """Untrusted JSON, as model_validate_json, whose missing fields the caller supplies from what it holds (the disk cache
+    stores a kernel's spec without its AST: the entry's key names the AST, and the caller has it in hand, so it is neither
+    stored twice nor rebuilt from JSON). JSON that holds one of those fields is refused."""
+    doc = load_json_document(json_data, MAX_SPEC_BYTES, "MAX_SPEC_BYTES", f"{cls.__name__} JSON")
+    if isinstance(doc, dict) and (both := sorted(set(doc) & set(known))):
+      raise ValueError(f"{cls.__name__} JSON holds {both}, which the caller supplies")
+    return cls.model_validate({**doc, **known} if isinstance(doc, dict) else doc)
+
   def _update(self, **changes: Any) -> None:
     """Change several fields at once, validated as a whole: a rejected change leaves the model as it was."""
     new = type(self).model_validate({**dict(self), **changes})
