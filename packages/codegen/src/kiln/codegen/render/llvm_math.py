@@ -16,6 +16,8 @@ evaluates there and rounds once (also within 1 ulp).
 
 On AVX-512 targets 2^f * 2^n is one vscalefps (_Body.scale) instead of exponent-field factors and multiplies: IEEE's single
 rounding of the exact product either way, so the same bits (test_vector_math checks it on AVX-512 hosts) in fewer instructions.
+Where rounding to nearest even is one instruction (has_round: AVX and up, AArch64) n = round(x) is llvm.roundeven instead of the
+MAGIC add and subtract: the same bits again (test_vector_math compares the two over the sweep).
 """
 from __future__ import annotations
 
