@@ -59,17 +59,18 @@ def test_heuristic_leaves_other_kernels_alone():
 def test_ir_accumulates_vectors_in_the_row_loop():
   src = LLVMRenderer(AVX2).render(kernels.softmax((64, 128), dtypes.float32)).src
   bodies = [b for b in loop_bodies(src).values() if "phi" in b]
-  # the max: 128 / 32 = 4 trips, one <32 x float> (four AVX2 registers) per trip; the sum of exps: 8 trips of two registers
-  assert any("icmp slt i32 %r" in b and ", 4\n" in b and "@llvm.maximum.v32f32" in b for b in bodies), src
+  # the max: 128 / 32 = 4 trips, one <32 x float> (four AVX2 registers) per trip, on its bits (max_bits: a signed and two
+  # unsigned maxima); the sum of exps: 8 trips of two registers
+  assert any("icmp slt i32 %r" in b and ", 4\n" in b and "@llvm.smax.v32i32" in b and "@llvm.umax.v32i32" in b for b in bodies), src
   assert any("icmp slt i32 %r" in b and ", 8\n" in b and "fadd <16 x float>" in b for b in bodies), src
-  assert "alloca <32 x float>" in src
+  assert "alloca <32 x i32>" in src and "@llvm.maximum.v32f32" not in src
   # no scalar loop over the row's elements is left
   assert not re.search(r"icmp slt i32 %r\d+, 128\n", src)
 
 
 def test_ir_folds_in_a_tree_and_finishes_the_tail():
   src = LLVMRenderer(AVX2).render(kernels.softmax((64, 100), dtypes.float32)).src
-  for w in (16, 8, 4, 2): assert f"fadd <{w} x float>" in src and f"@llvm.maximum.v{w}f32(" in src
+  for w in (16, 8, 4, 2): assert f"fadd <{w} x float>" in src and f"@llvm.smax.v{w}i32(" in src and f"@llvm.umax.v{w}i32(" in src
   # 100 = 3 x 32 + 4 for the max, 6 x 16 + 4 for the sum of exps: vector loops of 3 and 6 trips, scalar ones of 4
   # continuing from the fold
   trips = re.findall(r"icmp slt i32 %r\d+, (\d+)", src)

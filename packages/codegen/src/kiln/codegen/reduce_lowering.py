@@ -5,6 +5,7 @@ order and finishes a width that does not divide its axis with a scalar tail loop
 call and folds the partials in a finishing call; a GPU GROUP folds a block's partials through shared memory."""
 from __future__ import annotations
 
+from kiln.codegen import max_bits
 from kiln.codegen.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
@@ -110,10 +111,14 @@ class Reductions:
       if scope is not lin.root or self.finish_scope is not None:
         raise CodegenError("only one full reduction per kernel can be split over threads")
       work = lin.open_if(scope, ctx.core(tp.threads, finish=True) < tp.threads)
-    accs = {}
+    # a float32 MAX into vectors accumulates on its bits (max_bits), unless threads fold its partials
+    bits = max_bits.applies(op, dt, ctx.gpu, acc_dt.count) and tp is None and not group
+    accs: dict = {}
     for c in copies:
-      accs[c] = UOp(Ops.DEFINE_ACC, acc_dt, (UOp.const(acc_dt, identity(op, dt)),), ctx.acc_id())
-      lin.emit(work, accs[c])
+      starts = max_bits.starts(acc_dt.count) if bits else [UOp.const(acc_dt, identity(op, dt))]
+      accs[c] = [UOp(Ops.DEFINE_ACC, s.dtype, (s,), ctx.acc_id()) for s in starts]
+      for a in accs[c]: lin.emit(work, a)
+      if not bits: accs[c] = accs[c][0]
     # loops over the reduce axes, innermost last
     inner, rsubst, lscopes = work, dict(subst), dict(loop_scopes)
     gate: UOp | None = None
@@ -148,9 +153,11 @@ class Reductions:
     if tp is not None: scope, accs = self.thread_combine(work, scope, accs, acc_dt, op, tp.threads)
     res = {}
     for c in copies:
-      v = lin.acc_read(accs[c], ctx.acc_id())
-      # fold the lanes in a fixed order: a tree where it runs per output element (its cost counts), else lane by lane
-      if red_vec: v = tree_fold(op, v) if per_row else seq_fold(op, v)
+      fold = (tree_fold if per_row else seq_fold) if red_vec else (lambda _, x: x)
+      # fold the lanes in a fixed order: a tree where it runs per output element (its cost counts), else lane by lane;
+      # max_bits' three fold as integers (exact in any order), then make the float once
+      if bits: v = max_bits.result(*(fold(op, lin.acc_read(a, ctx.acc_id())) for a in accs[c]))
+      else: v = fold(op, lin.acc_read(accs[c], ctx.acc_id()))
       res[c] = self.group_combine(v, op, dt) if group else v
       if (nb := next((plans[r].blocks for r in ranges if plans[r].blocks), 0)):
         if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
@@ -196,6 +203,10 @@ class Reductions:
           st = self.instantiate(UOp(Ops.STORE, dtypes.void, (kept, body)), {**dict(zip(out_vars, c)), **dict(zip(red_vars, rc))}, vec)
           for one in (st.src if st.op is Ops.SINK else (st,)): self.ctx.lin.emit(inner, one)
         acc = accs[c]
+        if isinstance(acc, list):  # max_bits' three accumulators
+          cur3 = [self.ctx.lin.acc_read(a, self.ctx.acc_id()) for a in acc]
+          for a, n in zip(acc, max_bits.steps(cur3, bcast(v, acc[0].dtype.count))): self.ctx.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (a, n)))
+          continue
         cur = self.ctx.lin.acc_read(acc, self.ctx.acc_id())
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
           new = UOp(Ops.FMA, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
