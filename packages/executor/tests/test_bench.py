@@ -202,3 +202,21 @@ def test_judged_on_the_median_round_and_disagreeing_rounds_are_shown():
   r.judge()
   assert r.paired("torch") == pytest.approx(0.875) and r.status == "NEAR", r
   assert "vs torch 0.80-1.10x" in r.spread and "limit 64-100%" in r.spread, r.spread
+
+
+def test_isa_hold_reads_applies_and_reports(monkeypatch):
+  """--isa avx2 (kiln_bench.isa): found in argv either way, refused when unknown, applied once (the restarted process sees
+  its mark and goes on), and the report line names what each peer is held to, warning when a setting changed since."""
+  from kiln_bench import isa
+  assert isa.requested(["--only", "x", "--isa", "avx2"]) == "avx2" and isa.requested(["--isa=avx2"]) == "avx2"
+  assert isa.requested(["--only", "isa"]) is None
+  monkeypatch.delenv(isa.MARK, raising=False)
+  with pytest.raises(SystemExit, match="--isa must be one of avx2"): isa.apply_and_restart(["--isa", "avx512"])
+  assert isa.describe() is None
+  monkeypatch.setenv(isa.MARK, "avx2")
+  for k, v in isa.SETTINGS["avx2"][0].items(): monkeypatch.setenv(k, v)
+  isa.apply_and_restart(["--isa", "avx2"])  # already applied: returns instead of exec'ing again
+  line = isa.describe()
+  assert line is not None and "OPENBLAS_CORETYPE=Haswell" in line and "ATEN_CPU_CAPABILITY=avx2" in line and "WARNING" not in line
+  monkeypatch.setenv("KILN_CPU", "x86-64-v4")
+  assert "changed since the start: KILN_CPU" in (isa.describe() or "")

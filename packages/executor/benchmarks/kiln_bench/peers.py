@@ -66,7 +66,8 @@ def _load_torch_ort(p: Peers) -> None:
     import torch
     torch.set_num_threads(p.threads)
     p.torch = torch
-    p.notes["torch"] = f"torch {torch.__version__} on the CPU, {torch.get_num_threads()} threads (set_num_threads), no_grad, float32"
+    cap = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: "?")()
+    p.notes["torch"] = f"torch {torch.__version__} on the CPU ({cap}), {torch.get_num_threads()} threads (set_num_threads), no_grad, float32"
   except ImportError: p.notes["torch"] = MISSING.format("torch")
   try:
     import onnxruntime

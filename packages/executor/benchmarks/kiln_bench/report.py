@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln_bench.harness import GB
+from kiln_bench.isa import SETTINGS as ISA_SETTINGS
+from kiln_bench.isa import describe as isa_held
 from kiln_bench.limits import vector_lanes
 from kiln_bench.rows import SLACK, Bench, table
 
@@ -26,7 +28,8 @@ from kiln_bench.rows import SLACK, Bench, table
 def blas_info() -> str:
   env = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
   envs = ", ".join(f"{k}={v}" for k, v in env.items())
-  warn = f"  WARNING: {envs} is set: numpy's OpenBLAS may run a slower kernel (scripts/bench unsets it)" if env else ""
+  held = isa_held() is not None
+  warn = f"  WARNING: {envs} is set: numpy's OpenBLAS may run a slower kernel (scripts/bench unsets it)" if env and not held else ""
   try:
     from threadpoolctl import threadpool_info
     libs = [f"{i.get('internal_api')} {i.get('version')} kernel {i.get('architecture') or '?'}, {i.get('num_threads')} threads"
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
   ap.add_argument("--no-fail", action="store_true", help="exit 0 even when a target is missed (wrong results still fail)")
   ap.add_argument("--only", metavar="PATTERN", help="run only the rows whose work matches PATTERN (a regular expression, any case)")
+  ap.add_argument("--isa", choices=sorted(ISA_SETTINGS), help="hold kiln and its peers to this ISA (run.py applies it before any import)")
   ap.add_argument("--sizes-scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests: tiny sizes
   args = ap.parse_args(argv)
   if args.sizes_scale <= 0: ap.error("--sizes-scale must be positive")
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f"kiln bench{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
         f"{cpu_name()}, {os.cpu_count()} cores, {isa}; kiln on {b.threads} threads (KILN_THREADS)")
   print(f"  {blas_info()}")
+  if args.isa and isa_held() is None: print(f"  WARNING: --isa {args.isa} was not applied (run the bench through run.py or scripts/bench)")
+  if (held := isa_held()) is not None: print(f"  {held}")
   load = max(load0, os.getloadavg()[0])
   if load > (os.cpu_count() or 1) * 0.75:
     print(f"  WARNING: load average {load:.1f} on {os.cpu_count()} cores: other work shares the CPU, so multi-threaded times (numpy's "
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
   rc = 1 if wrong or (missed and not args.no_fail) else 0
   if args.json:
     Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "threads": b.threads, "quick": args.quick, "sizes_scale": args.sizes_scale,
-                                           "blas": blas_info(), "peers": b.peers.notes, "limits": b.info,
+                                           "blas": blas_info(), "isa": isa_held(), "peers": b.peers.notes, "limits": b.info,
                                            "rows": [asdict(r) for r in b.rows], "exit_code": rc}, indent=1))
   return rc
 
