@@ -8,17 +8,19 @@ before a cuMemcpyHtoD or cuMemcpyDtoH (which CUDA orders after the stream's earl
 done). So results flow as on a GPU, and a host read of device memory that skipped a wait sees stale bytes."""
 from __future__ import annotations
 
-import importlib.util
+import os
 import struct
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kiln.codegen import registry
-from kiln.executor import Buffer, ExecutionPlanBuilder, cache
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_standin import driver_tests, installed  # noqa: E402
+
+from kiln.executor import Buffer, ExecutionPlanBuilder
 from kiln.executor.builder import DeviceMismatchError
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
@@ -26,7 +28,6 @@ from kiln.ir.errors import PlanSpecError
 from kiln.runtime.cuda.compiler import find_nvcc
 
 pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
-_DRIVER_TESTS = Path(__file__).resolve().parents[1] / "packages" / "runtime-cuda" / "tests" / "test_driver.py"
 M, K, N = 8, 16, 32
 f32 = dtypes.float32
 
@@ -116,19 +117,11 @@ def _relu_model(n: int) -> Callable[[Callable[[int, int], np.ndarray], bytes], N
 
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
-  spec = importlib.util.spec_from_file_location("kiln_cuda_driver_tests", _DRIVER_TESTS)
-  assert spec is not None and spec.loader is not None
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = driver_tests()
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0), ndev=2)
   state = _streamed(drv, {"relu": _relu_model(M * N), "add": _add_model(M * N)})
-  mod.install_standin(monkeypatch, tmp_path, drv)
-  cache.clear_memory_cache()
-  yield calls, state
-  registry.unregister_runtime("CUDA")
-  cache.clear_memory_cache()
-  assert drv._problems() == []  # pycuda's context rules held
+  with installed(mod, monkeypatch, tmp_path, drv): yield calls, state
 
 
 def _events(calls: list) -> list[str]:

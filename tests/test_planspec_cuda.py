@@ -3,11 +3,14 @@ here): the kernels are compiled with nvcc once, the rebuild loads the spec's cub
 kernels on the same grid with the same buffers' roles; code="compile" compiles them again."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import os
+import sys
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cuda_standin import driver_tests, installed  # noqa: E402
 
 from kiln.codegen import registry
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan, cache
@@ -16,23 +19,14 @@ from kiln.ir.dtype import dtypes
 from kiln.runtime.cuda.compiler import find_nvcc
 
 pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc (CUDA toolkit) is not installed")
-_DRIVER_TESTS = Path(__file__).resolve().parents[1] / "packages" / "runtime-cuda" / "tests" / "test_driver.py"
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path):
-  spec = importlib.util.spec_from_file_location("kiln_cuda_driver_tests", _DRIVER_TESTS)
-  assert spec is not None and spec.loader is not None
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = driver_tests()
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0))
-  mod.install_standin(monkeypatch, tmp_path, drv)
-  cache.clear_memory_cache()
-  yield calls
-  registry.unregister_runtime("CUDA")
-  cache.clear_memory_cache()
-  assert drv._problems() == []  # pycuda's context rules held: no context left pushed, no frees refused
+  with installed(mod, monkeypatch, tmp_path, drv): yield calls
 
 
 def _launches(calls: list) -> list[tuple]:
@@ -75,7 +69,6 @@ def test_cuda_plan_round_trip(fake_cuda) -> None:
 def test_tf32_switch_is_part_of_the_kernel_cache_key(fake_cuda, monkeypatch) -> None:
   """KILN_CUDA_TF32 changes what a float32 matmul renders to, so flipping it mid-process must not reuse the other kernel from
   the memory cache (a bench once timed the float32 kernel under the TF32 row), nor from the disk cache (the fingerprint)."""
-  from kiln.codegen import registry
   from kiln.executor.cache import compile_kernel
   ast = kernels.matmul(256, 256, 256)
   monkeypatch.delenv("KILN_CUDA_TF32", raising=False)

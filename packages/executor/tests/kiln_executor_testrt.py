@@ -7,9 +7,12 @@ for every run, and can sleep or fail on request (BEHAVIOR) so scheduling and poi
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,22 @@ BEHAVIOR: dict[str, dict[str, Any]] = {}  # kernel name -> {"sleep": s, "fail": 
 EVENTS: list[tuple[str, float, float, tuple[int, ...], tuple[int, ...]]] = []
 STATS = {"compiles": 0, "loads": 0, "allocs": 0, "frees": 0}
 _lock = threading.Lock()
+
+
+CUDA_TESTS = Path(__file__).resolve().parents[2] / "runtime-cuda" / "tests"  # kiln-runtime-cuda's tests, beside its tools/
+
+
+def cuda_test_module(file: str) -> ModuleType:
+  """kiln-runtime-cuda's tests/<file> (test_driver.py: its pycuda.driver stand-in; test_graph.py: libcuda's graph calls),
+  loaded by path, as it is no installed module. Skips the calling test where kiln-runtime-cuda or nvcc is missing."""
+  if importlib.util.find_spec("kiln.runtime.cuda") is None: pytest.skip("kiln-runtime-cuda is not installed")
+  from kiln.runtime.cuda.compiler import find_nvcc
+  if find_nvcc() is None: pytest.skip("nvcc (CUDA toolkit) is not installed")
+  spec = importlib.util.spec_from_file_location(f"kiln_cuda_tests_{Path(file).stem}", CUDA_TESTS / file)
+  assert spec is not None and spec.loader is not None
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def reset() -> None:

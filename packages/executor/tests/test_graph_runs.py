@@ -4,12 +4,11 @@ stand-in of kiln-runtime-cuda's tests/test_driver.py and the libcuda graph stand
 from __future__ import annotations
 
 import gc
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from kiln_executor_testrt import CUDA_TESTS, cuda_test_module
 
 from kiln.codegen import registry
 from kiln.executor import Buffer, ExecutionPlanBuilder, cache
@@ -17,23 +16,10 @@ from kiln.executor.execution import session_runs
 from kiln.ir import UOp, kernels
 from kiln.ir.dtype import dtypes
 
-_TESTS = Path(__file__).resolve().parents[2] / "runtime-cuda" / "tests"
-
-
-def _load(name: str, file: str):
-  spec = importlib.util.spec_from_file_location(name, _TESTS / file)
-  assert spec is not None and spec.loader is not None
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
 
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path):
-  if importlib.util.find_spec("kiln.runtime.cuda") is None: pytest.skip("kiln-runtime-cuda is not installed")
-  from kiln.runtime.cuda.compiler import find_nvcc
-  if find_nvcc() is None: pytest.skip("nvcc (CUDA toolkit) is not installed")
-  drv_tests, graph_tests = _load("kiln_cuda_driver_tests_graph_runs", "test_driver.py"), _load("kiln_cuda_graph_tests_runs", "test_graph.py")
+  drv_tests, graph_tests = cuda_test_module("test_driver.py"), cuda_test_module("test_graph.py")
   calls: list = []
   drv = drv_tests.make_fake_driver(calls, cc=(9, 0))
   drv_tests.install_standin(monkeypatch, tmp_path, drv)
@@ -211,7 +197,7 @@ def test_gpu_launch_tool_times_both_modes(fake_cuda, monkeypatch) -> None:
   """tools/gpu_launch.py runs over the stand-ins (its timings and output checks mean something only on a GPU: the stand-in
   moves no bytes): it reports graph_wall_us beside wall_us, and its graph plan made graph launches."""
   calls, drv, lib = fake_cuda
-  monkeypatch.syspath_prepend(str(_TESTS.parent / "tools"))
+  monkeypatch.syspath_prepend(str(CUDA_TESTS.parent / "tools"))
   monkeypatch.setitem(sys.modules, "torch", None)  # no torch: the runtime's own synchronize
   import gpu_launch
   r = gpu_launch.launch_overhead(kernels_n=8, size=256, batch=1, rounds=1)

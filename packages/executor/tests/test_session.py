@@ -3,21 +3,18 @@ calls them through in_session, instead of each launch making its device's contex
 and pop per kernel). The CUDA plan runs over the recording stand-in for pycuda.driver from kiln-runtime-cuda's tests."""
 from __future__ import annotations
 
-import importlib.util
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
+from kiln_executor_testrt import cuda_test_module
 
 from kiln.codegen import registry
 from kiln.executor import Buffer, ExecutionPlanBuilder, cache
 from kiln.executor.execution import session_runs
 from kiln.ir.dtype import dtypes
-
-_DRIVER_TESTS = Path(__file__).resolve().parents[2] / "runtime-cuda" / "tests" / "test_driver.py"
 
 
 class _Call:
@@ -58,13 +55,7 @@ def test_session_runs_groups_by_runtime_and_keeps_user_code_outside() -> None:
 
 @pytest.fixture
 def fake_cuda(monkeypatch, tmp_path):
-  if importlib.util.find_spec("kiln.runtime.cuda") is None: pytest.skip("kiln-runtime-cuda is not installed")
-  from kiln.runtime.cuda.compiler import find_nvcc
-  if find_nvcc() is None: pytest.skip("nvcc (CUDA toolkit) is not installed")
-  spec = importlib.util.spec_from_file_location("kiln_cuda_driver_tests_session", _DRIVER_TESTS)
-  assert spec is not None and spec.loader is not None
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = cuda_test_module("test_driver.py")
   calls: list = []
   drv = mod.make_fake_driver(calls, cc=(9, 0))
   mod.install_standin(monkeypatch, tmp_path, drv)
