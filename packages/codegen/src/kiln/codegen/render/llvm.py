@@ -2,9 +2,10 @@
 
 ABI: `void NAME(ptr data<slot>..., i32 <var>...[, ptr scratch])`: buffers in slot order (noalias, aligned to their
 element), then variables in var_names order, then the per-call scratch when it has one. A kernel split into chunks takes
-`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (claim_loop). Values of bool are i1 in registers and i8 in
-memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16 in memory; float16 ops compute in
-float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
+`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (claim_loop); its
+`NAME.task(ptr args, i32 slot)` takes the same arguments from an int64 block, for the runtime's native pool. Values of
+bool are i1 in registers and i8 in memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16
+in memory; float16 ops compute in float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
 except transcendental functions (libm, or llvm_math's own float32 code) and reductions that UPCAST their reduce axis (summed in another order).
 """
 from __future__ import annotations
@@ -136,7 +137,18 @@ def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, 
   lines += ["  br label %next", "next:", "  %c = atomicrmw add ptr %claim, i32 1 monotonic",
             f"  %more = icmp slt i32 %c, {chunks}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
             "  br label %next", "done:", "  ret void", "}"]
-  return lines
+  return lines + task_entry(name, [*args, "i32 %slot", "ptr %claim", *(["ptr %scratch"] if scratch else [])])
+
+
+def task_entry(name: str, args: list[str]) -> list[str]:
+  """`void NAME.task(ptr args, i32 slot)`: the entry's arguments from an int64 block (every one but the slot, in order),
+  for the runtime's native pool, which calls any kernel's threads through this one signature."""
+  lines = [f"define void @{name}.task(ptr %args, i32 %slot) #0 {{", "entry:"]
+  for i, a in enumerate(x for x in args if x != "i32 %slot"):
+    ty, reg = a.split()
+    lines += [f"  %a{i}.p = getelementptr i64, ptr %args, i64 {i}", f"  %a{i} = load i64, ptr %a{i}.p, align 8",
+              f"  {reg} = {'inttoptr' if ty == 'ptr' else 'trunc'} i64 %a{i} to {ty}"]
+  return [*lines, f"  call void @{name}({', '.join(args)})", "  ret void", "}"]
 
 
 class LLVMRenderer:
@@ -153,7 +165,9 @@ class LLVMRenderer:
     src = LLVMPrinter(lk, self.target).print()
     # the symbol carries a hash of the code, so kernels of one name but different code can share a JIT engine
     entry = f"{lk.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
-    spec = program_spec(lk, src.replace(f"define void @{lk.name}(", f"define void @{entry}(", 1), "CPU", ast)
+    # the entry and (split kernels) its task entry take the hashed name; NAME.chunk is internal
+    src = src.replace(f"@{lk.name}(", f"@{entry}(").replace(f"@{lk.name}.task(", f"@{entry}.task(")
+    spec = program_spec(lk, src, "CPU", ast)
     spec.entry_point = entry
     return spec
 

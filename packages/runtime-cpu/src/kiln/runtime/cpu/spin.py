@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import platform
 import time
+from collections.abc import Callable
+from functools import cache
 
 import llvmlite.binding as llvm
 
@@ -66,24 +68,37 @@ def spin_us() -> int:
   return us if us is not None else DEFAULT_SPIN_US
 
 
+@cache
+def _cycle_code() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], int], Callable[[], int]]:
+  init_llvm()
+  decl, relax = _RELAX.get(platform.machine().lower(), ("", ""))
+  mod = llvm.parse_assembly(_IR.format(decl=decl, relax=relax))
+  mod.verify()
+  engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine())  # owns the code
+  engine.finalize_object()
+  spin = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)(
+    engine.get_function_address("kiln_spin"))
+  cycles = ctypes.CFUNCTYPE(ctypes.c_int64)(engine.get_function_address("kiln_cycles"))
+  return engine, spin, cycles
+
+
+@cache
+def cycles_per_us() -> float:
+  """The cycle counter's rate, measured once against the monotonic clock over 2 ms (0 where the counter does not run)."""
+  cycles = _cycle_code()[2]
+  t0, c0 = time.perf_counter(), cycles()
+  time.sleep(0.002)
+  t1, c1 = time.perf_counter(), cycles()
+  return max(c1 - c0, 0) / max((t1 - t0) * 1e6, 1e-9)
+
+
 class Spinner:
   """The compiled spin and the cycle counter's rate (measured once, against the monotonic clock over 2 ms):
   `wait(gen, seen, active)` returns True when new work was posted while it spun."""
 
   def __init__(self, us: int):
-    init_llvm()
-    decl, relax = _RELAX.get(platform.machine().lower(), ("", ""))
-    mod = llvm.parse_assembly(_IR.format(decl=decl, relax=relax))
-    mod.verify()
-    self._engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine())  # owns the code
-    self._engine.finalize_object()
-    self.fn = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)(
-      self._engine.get_function_address("kiln_spin"))
-    cycles = ctypes.CFUNCTYPE(ctypes.c_int64)(self._engine.get_function_address("kiln_cycles"))
-    t0, c0 = time.perf_counter(), cycles()
-    time.sleep(0.002)
-    t1, c1 = time.perf_counter(), cycles()
-    self.ticks = int(us * max(c1 - c0, 0) / max((t1 - t0) * 1e6, 1e-9))  # 0 where the counter does not run: no spin
+    self.fn = _cycle_code()[1]
+    self.ticks = int(us * cycles_per_us())  # 0 where the counter does not run: no spin
 
   def wait(self, gen: int, seen: int, active: int) -> bool:
     """Spin (GIL released) until the int32 at `gen` is no longer `seen` (True), the one at `active` is 0 or time is up."""

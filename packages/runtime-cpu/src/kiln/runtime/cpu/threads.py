@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import queue
 import threading
 from collections.abc import Callable, Sequence
 
 from kiln.codegen.threads import plans_running_address, thread_count
+from kiln.runtime.cpu.native_pool import NativePool, native_pool_supported
 from kiln.runtime.cpu.spin import Spinner, spin_us
 
 
@@ -111,16 +113,32 @@ class WorkerPool:
     if b.error is not None: raise b.error
 
 
-_pool: WorkerPool | None = None
+_pool: WorkerPool | NativePool | None = None
 _pool_lock = threading.Lock()
+POOL_KINDS = ("native", "python")
 
 
-def get_pool() -> WorkerPool:
-  """The process's pool (KILN_THREADS threads, KILN_SPIN_US), made on first use; a child made by fork() makes its own."""
+def pool_kind() -> str:
+  """KILN_POOL: `native` (the default where native_pool_supported(): workers that never take the GIL) or `python`."""
+  kind = os.environ.get("KILN_POOL") or ("native" if native_pool_supported() else "python")
+  if kind not in POOL_KINDS: raise ValueError(f"KILN_POOL must be one of {', '.join(POOL_KINDS)}, got {kind!r}")
+  if kind == "native" and not native_pool_supported():
+    raise ValueError(f"KILN_POOL=native needs Linux on x86-64 or AArch64 (this is {platform.system()} on {platform.machine()})")
+  return kind
+
+
+def new_pool(size: int, spin: int = 0, kind: str | None = None) -> WorkerPool | NativePool:
+  """A pool of `size` threads (the caller one of them) of `kind` (default: KILN_POOL's)."""
+  return (NativePool if (kind or pool_kind()) == "native" else WorkerPool)(size, spin)
+
+
+def get_pool() -> WorkerPool | NativePool:
+  """The process's pool (KILN_THREADS threads, KILN_SPIN_US, KILN_POOL), made on first use; a child made by fork() makes
+  its own."""
   global _pool
   if (p := _pool) is not None: return p
   with _pool_lock:
-    if _pool is None: _pool = WorkerPool(thread_count(), spin_us())
+    if _pool is None: _pool = new_pool(thread_count(), spin_us())
     return _pool
 
 
