@@ -1,5 +1,6 @@
-"""A persistent worker pool: a split kernel's calls (one per thread, each claiming chunks) run over it with the GIL
-released, the caller working too.
+"""The process's worker pool (`get_pool`): a split kernel's calls (one per thread, each claiming chunks) run over it with
+the GIL released, the caller working too. KILN_POOL picks its kind: `native` (native_pool.py, the default where it
+builds: workers that never take the GIL) or `python`, the queue-based `WorkerPool` below.
 
 The policy (docs/architecture.md, "The thread split"): a worker that has finished its part of a kernel spins briefly
 (KILN_SPIN_US, native code, GIL released) only while a plan is running, since the plan's next kernel is certain to
