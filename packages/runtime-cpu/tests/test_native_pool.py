@@ -1,6 +1,6 @@
 """The native worker loop (issue 21): workers that claim and run a split kernel's calls without the GIL. Every post's
 calls run exactly once however fast posts follow each other; workers run beside the caller while another Python thread
-holds the GIL; a second caller while the pool is busy runs its calls itself; the task entry the renderer emits runs the
+holds the GIL; a second caller while the pool is busy waits its turn; the task entry the renderer emits runs the
 kernel as its entry does; KILN_POOL picks the pool; close() lets the workers go.
 
 The tasks below are a few lines of LLVM IR with the task signature (`void task(ptr args, i32 slot)`), so each test sees
@@ -20,7 +20,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.ir import dtypes, kernels, reference
 from kiln.runtime.cpu import threads as threads_mod
 from kiln.runtime.cpu.compiler import init_llvm
-from kiln.runtime.cpu.native_pool import NativePool, native_pool_supported
+from kiln.runtime.cpu.native_pool import BUSY, NativePool, native_pool_supported
 
 pytestmark = pytest.mark.skipif(not native_pool_supported(), reason="the native pool is Linux on x86-64 or AArch64 only")
 
@@ -121,7 +121,7 @@ def test_every_call_of_every_post_runs_once(tasks: dict[str, int], pools: dict[i
   want = np.zeros(8, np.int64)
   for i in range(posts):
     calls = 1 + i % 4
-    assert pool.run_task(tasks["count"], counts.ctypes.data, calls)
+    pool.run_task(tasks["count"], counts.ctypes.data, calls)
     want[:calls] += 1
   assert counts.tolist() == want.tolist()
 
@@ -139,27 +139,44 @@ def test_workers_run_beside_the_caller_while_python_holds_the_gil(tasks: dict[st
     for _ in range(20):
       block = np.zeros(16, np.int64)
       block[8] = size
-      assert pools[size].run_task(tasks["meet"], block.ctypes.data, size)
+      pools[size].run_task(tasks["meet"], block.ctypes.data, size)
       assert block[9:9 + size].tolist() == [1] * size, block
   finally:
     stop.set()
     t.join()
 
 
-def test_a_second_caller_runs_its_calls_itself(tasks: dict[str, int], pools: dict[int, NativePool]) -> None:
-  """While one caller's kernel has the pool, another Python thread's kernel runs in place: all its calls, none lost."""
-  pool, hold = pools[2], np.zeros(8, np.int64)
+def test_a_second_caller_waits_its_turn(tasks: dict[str, int], pools: dict[int, NativePool]) -> None:
+  """While one Python thread's kernel has the pool, another's waits (GIL released) and then runs, all its calls once."""
+  pool, hold, counts = pools[2], np.zeros(8, np.int64), np.zeros(8, np.int64)
   first = threading.Thread(target=pool.run_task, args=(tasks["hold"], hold.ctypes.data, 1))
   first.start()
   deadline = time.monotonic() + 5
-  while ctypes.c_int32.from_address(pool.address + 256).value == 0 and time.monotonic() < deadline: time.sleep(0.001)
-  counts = np.zeros(8, np.int64)
-  try: assert not pool.run_task(tasks["count"], counts.ctypes.data, 3)  # busy: here
+  while ctypes.c_int32.from_address(pool.address + BUSY).value == 0 and time.monotonic() < deadline: time.sleep(0.001)
+  second = threading.Thread(target=pool.run_task, args=(tasks["count"], counts.ctypes.data, 3))
+  second.start()
+  time.sleep(0.05)  # the GIL is free meanwhile (this thread runs), and the second kernel has not started
+  try: assert counts[:3].tolist() == [0, 0, 0] and second.is_alive()
   finally: hold[0] = 1
   first.join(10)
-  assert counts[:3].tolist() == [1, 1, 1] and hold[1] == 1
-  assert pool.run_task(tasks["count"], counts.ctypes.data, 2)  # free again: over the pool
-  assert counts[:3].tolist() == [2, 2, 1]
+  second.join(10)
+  assert not second.is_alive() and counts[:3].tolist() == [1, 1, 1] and hold[1] == 1
+  assert ctypes.c_int32.from_address(pool.address + BUSY).value == 0  # free again, no sleeper left marked
+
+
+def test_python_threads_posting_at_once_each_get_every_call(tasks: dict[str, int], pools: dict[int, NativePool]) -> None:
+  """Four Python threads post 500 kernels each on one pool: every call of every post runs once, and nobody is left
+  asleep (a lost wake-up would hang a thread: the join's deadline fails it instead)."""
+  pool, posts = pools[3], 500
+  counts = [np.zeros(8, np.int64) for _ in range(4)]
+  def poster(c: np.ndarray) -> None:
+    for i in range(posts): pool.run_task(tasks["count"], c.ctypes.data, 1 + i % 3)
+  ts = [threading.Thread(target=poster, args=(c,)) for c in counts]
+  for t in ts: t.start()
+  for t in ts: t.join(60)
+  assert not any(t.is_alive() for t in ts), "a poster never finished"
+  want = [sum(1 for i in range(posts) if 1 + i % 3 > s) for s in range(3)]
+  assert all(c[:3].tolist() == want for c in counts), [c[:3] for c in counts]
 
 
 def test_the_task_entry_runs_the_kernel_as_its_entry_does() -> None:
