@@ -186,6 +186,9 @@ class ExecutionPlan:
   def _run_profiled(self, print_lines: bool) -> Profile:
     prof = Profile()
     t_start = time.perf_counter()
+    # a running plan, as in _execute: otherwise the pool's workers sleep between kernels, and every split kernel's time
+    # would include waking them (a one-kernel softmax profiled at twice its time in the plan)
+    if self._split: plan_started()
     try:
       for p in self._order:
         if not isinstance(p, PreparedKernel):
@@ -201,6 +204,8 @@ class ExecutionPlan:
     except BaseException as e:
       self._poisoned = e
       raise
+    finally:
+      if self._split: plan_ended()
     return prof
 
   # ---- portable form (kiln.executor.planspec) ----
