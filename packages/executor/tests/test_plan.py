@@ -342,16 +342,16 @@ def test_a_plan_counts_as_running_only_inside_execute():
   from kiln.ir import kernels
   ast = kernels.elementwise(lambda a: a + 1.0, dtypes.float32, ((n,), dtypes.float32))
   seen: list[int] = []
-  for fn in (lambda y: seen.append(running.value), lambda y: 1 / 0):
-    b = ExecutionPlanBuilder()
-    x, y = b.add_buffer(Buffer("CPU", n, dtypes.float32).copyin(np.ones(n, np.float32))), b.add_buffer(Buffer("CPU", n, dtypes.float32))
-    b.add_kernel(ast, [y, x])
-    b.add_custom(fn, [y], outputs=[])
-    b.set_outputs([y])
-    plan = b.build()
-    assert running.value == 0 and plan.kernels[0].kernel.threads > 1
-    for run in (plan.execute, plan.execute_profiled):  # a profiled run too: its times are the plan's, workers awake
-      try: run()
+  for profiled in (False, True):  # a profiled run too: its times are the plan's, workers awake
+    for fn in (lambda y: seen.append(running.value), lambda y: 1 / 0):
+      b = ExecutionPlanBuilder()
+      x, y = b.add_buffer(Buffer("CPU", n, dtypes.float32).copyin(np.ones(n, np.float32))), b.add_buffer(Buffer("CPU", n, dtypes.float32))
+      b.add_kernel(ast, [y, x])
+      b.add_custom(fn, [y], outputs=[])
+      b.set_outputs([y])
+      plan = b.build()
+      assert running.value == 0 and plan.kernels[0].kernel.threads > 1
+      try: plan.execute_profiled() if profiled else plan.execute()
       except ZeroDivisionError: pass
       assert running.value == 0
   assert seen == [1, 1]
