@@ -11,7 +11,18 @@ import pytest
 from kiln.ir import DeviceError
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu
 from kiln.runtime.cpu.device import CPURuntime, cpu_target
-from kiln.runtime.cpu.machine import ARM_CPUS, DEFAULT_CACHES, X86_CPUS, choose_cpu, has_fma, is_x86, isa_of, read_caches, stream_store_bytes
+from kiln.runtime.cpu.machine import (
+  ARM_CPUS,
+  DEFAULT_CACHES,
+  X86_CPUS,
+  choose_cpu,
+  has_fma,
+  has_round,
+  is_x86,
+  isa_of,
+  read_caches,
+  stream_store_bytes,
+)
 
 X86 = is_x86(platform.machine())
 AVX2_HOST = ("x86_64", "+avx2,+fma,+bmi2,+avx,+sse4.2,+popcnt,+sse2,-avx512f")
@@ -61,6 +72,16 @@ def test_fma_follows_the_cpu(name: str, fma: bool) -> None:
   assert has_fma("+neon", "aarch64") and not has_fma("+avx2,-fma", "x86_64")
 
 
+@pytest.mark.parametrize("name,rounds", [("x86-64", False), ("core2", False), ("x86-64-v2", True), ("nehalem", True), ("sandybridge", True),
+                                         ("x86-64-v3", True), ("znver4", True)])
+def test_one_instruction_round_follows_the_cpu(name: str, rounds: bool) -> None:
+  """The vector maths rounds with llvm.roundeven only where it is one instruction (SSE4.1's roundps, AArch64's frintn): from the
+  host's LLVM features, or the level KILN_CPU names; SSE2 alone keeps the MAGIC add."""
+  assert choose_cpu(AVX512_HOST, "x86_64", name).round is rounds
+  assert choose_cpu(AVX2_HOST, "x86_64", None).round and not choose_cpu(("core2", "+sse2,+ssse3,-sse4.1"), "x86_64", None).round
+  assert has_round("+neon", "aarch64") and has_round("+sse4.1,+sse2", "x86_64") and not has_round("+sse2,-sse4.1", "x86_64")
+
+
 def test_target_and_cache_key_carry_fma(monkeypatch: pytest.MonkeyPatch) -> None:
   """Code with and without fused maths differs in the last bit: the Target says which, and the disk cache key tells them apart."""
   if not X86: pytest.skip("x86 CPU names")
@@ -70,7 +91,9 @@ def test_target_and_cache_key_carry_fma(monkeypatch: pytest.MonkeyPatch) -> None
     rt = CPURuntime()
     assert rt.target.fma is (name == "x86-64-v3")
     keys[name] = rt.compiler.cache_key
-  assert keys["x86-64-v2"].endswith("|fma0") and keys["x86-64-v3"].endswith("|fma1")
+  assert "|fma0|" in keys["x86-64-v2"] and "|fma1|" in keys["x86-64-v3"]
+  monkeypatch.setenv("KILN_CPU", "x86-64")
+  assert not CPURuntime().target.round and CPURuntime().compiler.cache_key.endswith("|round0") and keys["x86-64-v2"].endswith("|round1")
 
 
 def test_kiln_cpu_errors_name_the_value_and_what_is_accepted() -> None:

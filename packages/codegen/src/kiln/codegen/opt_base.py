@@ -62,6 +62,7 @@ class Target:
   l3_bytes: int = 32 << 20  # CPU: the last-level cache cpu0 shares
   cores: int = 1  # CPU: cores this process may run on
   fma: bool = False  # CPU: a fused multiply-add exists; the vector maths (render/llvm_math.py) then fuses its polynomials
+  round: bool = False  # CPU: rounding to nearest even is one instruction (SSE4.1 roundps, AArch64 frintn): the vector maths use it
 
   def __post_init__(self) -> None:
     if self.vector_registers == 0: object.__setattr__(self, "vector_registers", 32 if self.vector_bytes >= 64 else 16)

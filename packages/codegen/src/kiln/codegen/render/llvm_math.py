@@ -16,7 +16,7 @@ evaluates there and rounds once (also within 1 ulp).
 
 On AVX-512 targets 2^f * 2^n is one vscalefps (_Body.scale) instead of exponent-field factors and multiplies: IEEE's single
 rounding of the exact product either way, so the same bits (test_vector_math checks it on AVX-512 hosts) in fewer instructions.
-Where rounding to nearest even is one instruction (has_round: AVX and up, AArch64) n = round(x) is llvm.roundeven instead of the
+Where rounding to nearest even is one instruction (has_round: SSE4.1 and up, AArch64) n = round(x) is llvm.roundeven instead of the
 MAGIC add and subtract: the same bits again (test_vector_math compares the two over the sweep).
 """
 from __future__ import annotations
@@ -77,11 +77,9 @@ def has_scalef(target: Any) -> bool:
 
 
 def has_round(target: Any) -> bool:
-  """A one-instruction round to nearest even (llvm.roundeven): SSE4.1's roundps, which every x86 CPU with AVX has (kiln's
-  machine model names no SSE4.1 level of its own, so 16-byte x86 targets keep the MAGIC add), and AArch64's frintn (the
-  only CPU with 32 registers of 16 bytes)."""
-  vb, regs = getattr(target, "vector_bytes", 0), getattr(target, "vector_registers", 0)
-  return getattr(target, "device", "") == "CPU" and (vb >= 32 or (vb == 16 and regs == 32))
+  """A one-instruction round to nearest even (llvm.roundeven): the machine model's Target.round (SSE4.1's roundps, so
+  x86-64-v2 and up; AArch64's frintn). Without it (SSE2 only) llvm.roundeven would be a libm call: the MAGIC add instead."""
+  return getattr(target, "device", "") == "CPU" and bool(getattr(target, "round", False))
 
 
 def fma_suffix(n: int) -> str: return "f32" if n == 1 else f"v{n}f32"  # llvm.fma's on n floats (the caller declares it)

@@ -26,7 +26,8 @@ def cpu_target(choice: CPUChoice | None = None) -> Target:
   """The machine model: vector width and registers of the CPU compiled for (the host, or KILN_CPU), the caches sysfs
   reports, the cores this process may use."""
   c, caches = choice or target_cpu(), HOST_CACHES
-  return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, fma=c.fma, threads=thread_count(),
+  return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, fma=c.fma, round=c.round,
+                threads=thread_count(),
                 stream_store_bytes=stream_store_bytes(caches) if is_x86(platform.machine()) else 0, l1d_bytes=caches[1], l2_bytes=caches[2],
                 l3_bytes=caches[3], cores=available_cores())
 
@@ -42,7 +43,8 @@ class CPURuntime:
     self.target = cpu_target(self.compiler.choice)
     self.renderer = LLVMRenderer(self.target)
     t = self.target  # the render choices live in the code too
-    self.compiler.cache_key += f"|vec{t.vector_bytes}|regs{t.vector_registers}|threads{t.threads}|stream{t.stream_store_bytes}|fma{int(t.fma)}"
+    self.compiler.cache_key += (f"|vec{t.vector_bytes}|regs{t.vector_registers}|threads{t.threads}|stream{t.stream_store_bytes}"
+                                f"|fma{int(t.fma)}|round{int(t.round)}")
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 

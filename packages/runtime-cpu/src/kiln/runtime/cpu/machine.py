@@ -21,6 +21,8 @@ _LEVELS: dict[str, tuple[int, int, tuple[str, ...]]] = {
 # levels whose every CPU has a fused multiply-add: x86-64-v3 requires FMA3, every AVX-512 CPU has it, AArch64 has it in its base ISA.
 # AVX alone (Sandy Bridge, Bulldozer's FMA4 aside) has none
 FMA_LEVELS = frozenset({"v3", "v4", "neon"})
+ROUND_LEVELS = frozenset({"v2", "avx", "v3", "v4", "neon"})  # SSE4.1 (roundps) and up; every AArch64 (frintn)
+_ROUND_FEATURES = frozenset({"+sse4.1", "+sse4.2", "+avx", "+avx2", "+avx512f"})  # an x86 feature string with any of these has roundps
 # the LLVM cpu names KILN_CPU accepts, per host architecture (tests/test_machine.py checks LLVM knows every one)
 X86_CPUS: dict[str, str] = {
   "x86-64": "sse2", "core2": "sse2", "x86-64-v2": "v2", "nehalem": "v2", "westmere": "v2", "sandybridge": "avx", "ivybridge": "avx",
@@ -43,6 +45,12 @@ def has_fma(features: str, arch: str) -> bool:
   return is_arm64(arch) or (is_x86(arch) and "+fma" in features.split(","))
 
 
+def has_round(features: str, arch: str) -> bool:
+  """Whether an LLVM feature string's CPU rounds to nearest even in one instruction (x86: SSE4.1's roundps, which every
+  later level has too; AArch64: always, frintn)."""
+  return is_arm64(arch) or (is_x86(arch) and bool(_ROUND_FEATURES & set(features.split(","))))
+
+
 def isa_of(features: str, arch: str) -> tuple[int, int]:
   """(vector bytes, vector registers) an LLVM feature string (+avx2,-avx512f,...) gives."""
   feats = set(features.split(","))
@@ -61,13 +69,14 @@ class CPUChoice:
   vector_bytes: int
   vector_registers: int
   fma: bool = False  # a fused multiply-add the vector maths may use (llvm_math): its results differ in the last bit from mul+add
+  round: bool = False  # a one-instruction round to nearest even the vector maths may use (llvm_math): the same bits either way
 
 
 def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool = True) -> CPUChoice:
   """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
   on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process. With
   runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
-  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch))
+  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch), has_round(host[1], arch))
   name = env.strip().lower()
   table = X86_CPUS if is_x86(arch) else ARM_CPUS if is_arm64(arch) else {}
   if name not in table:
@@ -76,7 +85,7 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool
   host_feats = set(host[1].split(","))
   if runnable and (missing := [f for f in needs if f"+{f}" not in host_feats]):
     raise DeviceError(f"KILN_CPU={env!r} needs {', '.join(missing)}, which this CPU ({host[0]}) lacks: its code could not run here")
-  return CPUChoice(name, "", True, vb, regs, table[name] in FMA_LEVELS)
+  return CPUChoice(name, "", True, vb, regs, table[name] in FMA_LEVELS, table[name] in ROUND_LEVELS)
 
 
 def _size(text: str) -> int:
