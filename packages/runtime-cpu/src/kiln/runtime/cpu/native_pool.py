@@ -33,10 +33,9 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.spin import spin_ir
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
-_RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
-          "aarch64": ("declare void @llvm.aarch64.hint(i32)", "call void @llvm.aarch64.hint(i32 1)")}
 _LIBC_SYMBOLS = ("syscall", "sched_getcpu", "sched_getaffinity", "sched_setaffinity")
 
 # the pool's shared words, each group on a 64-byte line of its own (every claim writes WORD, every call's end LEFT)
@@ -48,8 +47,6 @@ BUSY = 256  # 1 while a caller's post runs
 POOL_BYTES = 320
 
 _IR = """
-{decl}
-declare i64 @llvm.readcyclecounter()
 declare i64 @syscall(i64, ...)
 declare i32 @sched_getcpu()
 declare i32 @sched_getaffinity(i32, i64, ptr)
@@ -167,28 +164,14 @@ top:
 look:
   %g = load atomic i32, ptr %genp seq_cst, align 4
   %posted = icmp ne i32 %g, %seen
-  br i1 %posted, label %work, label %spin_start
-spin_start:
-  %t0 = call i64 @llvm.readcyclecounter()
-  br label %spin
+  br i1 %posted, label %work, label %spin
 spin:
-  %i = phi i64 [ 0, %spin_start ], [ %i1, %spin_wait ]
+  %came = call i32 @kiln_spin(ptr %genp, i32 %seen, ptr %plans, i64 %ticks)
+  %now = icmp ne i32 %came, 0
+  br i1 %now, label %spun, label %sleep
+spun:
   %g2 = load atomic i32, ptr %genp seq_cst, align 4
-  %posted2 = icmp ne i32 %g2, %seen
-  br i1 %posted2, label %work, label %spin_plan
-spin_plan:
-  %a = load atomic i32, ptr %plans monotonic, align 4
-  %idle = icmp eq i32 %a, 0
-  br i1 %idle, label %sleep, label %spin_wait
-spin_wait:
-  {relax}
-  %t = call i64 @llvm.readcyclecounter()
-  %spent = sub i64 %t, %t0
-  %i1 = add i64 %i, 1
-  %late = icmp uge i64 %spent, %ticks
-  %many = icmp uge i64 %i1, %ticks
-  %over = or i1 %late, %many
-  br i1 %over, label %sleep, label %spin
+  br label %work
 sleep:
   %s0 = atomicrmw add ptr %sleepp, i32 1 seq_cst
   %g3 = load atomic i32, ptr %genp seq_cst, align 4
@@ -206,7 +189,7 @@ awake:
 slept:
   br label %top
 work:
-  %gw = phi i32 [ %g, %look ], [ %g2, %spin ]
+  %gw = phi i32 [ %g, %look ], [ %g2, %spun ]
   br i1 %woke, label %aside, label %claim
 aside:
   call void @step_aside(ptr %pool)
@@ -278,22 +261,16 @@ wake:
   br label %work
 work:
   call void @claim_calls(ptr %pool, i32 %g)
-  %t0 = call i64 @llvm.readcyclecounter()
   br label %spin
 spin:
-  %i = phi i64 [ 0, %work ], [ %i1, %spin_wait ]
+  ; the last calls end soon: spin while `left` keeps changing (%busyp, ours and non-zero, keeps kiln_spin going), then sleep
   %l = load atomic i32, ptr %leftp seq_cst, align 4
   %done = icmp eq i32 %l, 0
   br i1 %done, label %finish, label %spin_wait
 spin_wait:
-  {relax}
-  %t = call i64 @llvm.readcyclecounter()
-  %spent = sub i64 %t, %t0
-  %i1 = add i64 %i, 1
-  %late = icmp uge i64 %spent, %ticks
-  %many = icmp uge i64 %i1, %ticks
-  %over = or i1 %late, %many
-  br i1 %over, label %block, label %spin
+  %moved = call i32 @kiln_spin(ptr %leftp, i32 %l, ptr %busyp, i64 %ticks)
+  %again = icmp ne i32 %moved, 0
+  br i1 %again, label %spin, label %block
 block:
   store atomic i32 1, ptr %waitp seq_cst, align 4
   br label %block_loop
@@ -339,10 +316,9 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
   libc = ctypes.CDLL(None)
   for name in _LIBC_SYMBOLS: llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
   arch = platform.machine().lower()
-  decl, relax = _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
   offsets = dict(gen=GEN, sleepers=SLEEPERS, stop=STOP, task=TASK, args=ARGS, ncalls=NCALLS, cpu=CPU, word=WORD,
                  left=LEFT, waiting=WAITING, busy=BUSY)
-  engine = _engine(_IR.format(decl=decl, relax=relax, futex=_SYS_FUTEX[arch], **offsets))
+  engine = _engine(spin_ir() + _IR.format(futex=_SYS_FUTEX[arch], **offsets))  # the pool's waits are spin.py's kiln_spin
   return engine, engine.get_function_address("kiln_pool_worker"), engine.get_function_address("kiln_pool_run")
 
 

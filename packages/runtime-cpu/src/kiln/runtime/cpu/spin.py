@@ -68,11 +68,17 @@ def spin_us() -> int:
   return us if us is not None else DEFAULT_SPIN_US
 
 
+def spin_ir() -> str:
+  """The IR of kiln_spin and kiln_cycles for this machine (the native pool builds its waits on kiln_spin too)."""
+  arch = platform.machine().lower()
+  decl, relax = _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
+  return _IR.format(decl=decl, relax=relax)
+
+
 @cache
 def _cycle_code() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], int], Callable[[], int]]:
   init_llvm()
-  decl, relax = _RELAX.get(platform.machine().lower(), ("", ""))
-  mod = llvm.parse_assembly(_IR.format(decl=decl, relax=relax))
+  mod = llvm.parse_assembly(spin_ir())
   mod.verify()
   engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine())  # owns the code
   engine.finalize_object()
