@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 import threading
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -43,7 +44,11 @@ GEN, SLEEPERS, STOP = 0, 4, 8  # posts so far (the workers' futex word), workers
 TASK, ARGS, NCALLS, CPU = 64, 72, 80, 84  # the post: the kernel's task entry, its argument block, calls, the caller's CPU
 WORD = 128  # (generation << 32) | next call to claim
 LEFT, WAITING = 192, 196  # calls not yet returned (the caller's futex word), 1: the caller sleeps on LEFT
-BUSY = 256  # 1 while a caller's post runs
+BUSY = 256  # 0 free, 1 while a caller's post runs, 2 with another caller asleep for it
+# each word's name in the IR below (a pointer to it in the pool) and its offset
+_FIELDS = {"gen": ("genp", GEN), "sleepers": ("sleepp", SLEEPERS), "stop": ("stopp", STOP), "task": ("taskp", TASK),
+           "args": ("argsp", ARGS), "ncalls": ("ncp", NCALLS), "cpu": ("cpup", CPU), "word": ("wordp", WORD), "left": ("leftp", LEFT),
+           "waiting": ("waitp", WAITING), "busy": ("busyp", BUSY)}
 POOL_BYTES = 320
 
 _IR = """
@@ -68,7 +73,7 @@ define private void @futex_wake(ptr %a, i32 %n) {{
 ; put the mask back, so the thread stays free to move later
 define private void @step_aside(ptr %pool) {{
 entry:
-  %cpup = getelementptr i8, ptr %pool, i64 {cpu}
+{geps:cpu}
   %cpu = load atomic i32, ptr %cpup seq_cst, align 4
   %here = call i32 @sched_getcpu()
   %same = icmp eq i32 %here, %cpu
@@ -106,12 +111,7 @@ stay:
 ; take calls of post %g until none is left or a newer post replaced it
 define private void @claim_calls(ptr %pool, i32 %g) {{
 entry:
-  %wordp = getelementptr i8, ptr %pool, i64 {word}
-  %taskp = getelementptr i8, ptr %pool, i64 {task}
-  %argsp = getelementptr i8, ptr %pool, i64 {args}
-  %ncp = getelementptr i8, ptr %pool, i64 {ncalls}
-  %leftp = getelementptr i8, ptr %pool, i64 {left}
-  %waitp = getelementptr i8, ptr %pool, i64 {waiting}
+{geps:word,task,args,ncalls,left,waiting}
   br label %loop
 loop:
   %w = load atomic i64, ptr %wordp seq_cst, align 8
@@ -151,9 +151,7 @@ done:
 ; %ticks of the cycle counter (and %ticks rounds, should the counter not run), else sleep on the generation word
 define void @kiln_pool_worker(ptr %pool, ptr %plans, i64 %ticks, i32 %seen0) {{
 entry:
-  %genp = getelementptr i8, ptr %pool, i64 {gen}
-  %sleepp = getelementptr i8, ptr %pool, i64 {sleepers}
-  %stopp = getelementptr i8, ptr %pool, i64 {stop}
+{geps:gen,sleepers,stop}
   br label %top
 top:
   %seen = phi i32 [ %seen0, %entry ], [ %seen, %slept ], [ %gw, %worked ]
@@ -208,11 +206,7 @@ exit:
 ; futex mutex as in Drepper's "Futexes Are Tricky")
 define void @kiln_pool_run(ptr %pool, ptr %task, ptr %args, i32 %n, i64 %ticks) {{
 entry:
-  %genp = getelementptr i8, ptr %pool, i64 {gen}
-  %sleepp = getelementptr i8, ptr %pool, i64 {sleepers}
-  %busyp = getelementptr i8, ptr %pool, i64 {busy}
-  %leftp = getelementptr i8, ptr %pool, i64 {left}
-  %waitp = getelementptr i8, ptr %pool, i64 {waiting}
+{geps:gen,sleepers,busy,left,waiting}
   %cx = cmpxchg ptr %busyp, i32 0, i32 1 seq_cst seq_cst
   %c0 = extractvalue {{ i32, i1 }} %cx, 0
   %free = icmp eq i32 %c0, 0
@@ -230,11 +224,7 @@ lock_wait:
   %got2 = icmp eq i32 %c2, 0
   br i1 %got2, label %post, label %lock_wait
 post:
-  %taskp = getelementptr i8, ptr %pool, i64 {task}
-  %argsp = getelementptr i8, ptr %pool, i64 {args}
-  %ncp = getelementptr i8, ptr %pool, i64 {ncalls}
-  %cpup = getelementptr i8, ptr %pool, i64 {cpu}
-  %wordp = getelementptr i8, ptr %pool, i64 {word}
+{geps:task,args,ncalls,cpu,word}
   %g0 = load atomic i32, ptr %genp seq_cst, align 4
   %g = add i32 %g0, 1
   %g64 = zext i32 %g to i64
@@ -316,9 +306,9 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
   libc = ctypes.CDLL(None)
   for name in _LIBC_SYMBOLS: llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
   arch = platform.machine().lower()
-  offsets = dict(gen=GEN, sleepers=SLEEPERS, stop=STOP, task=TASK, args=ARGS, ncalls=NCALLS, cpu=CPU, word=WORD,
-                 left=LEFT, waiting=WAITING, busy=BUSY)
-  engine = _engine(spin_ir() + _IR.format(futex=_SYS_FUTEX[arch], **offsets))  # the pool's waits are spin.py's kiln_spin
+  # {geps:a,b}: the pointers to those words, as the function that holds it names them
+  geps = lambda m: "\n".join(f"  %{_FIELDS[f][0]} = getelementptr i8, ptr %pool, i64 {_FIELDS[f][1]}" for f in m.group(1).split(","))  # noqa: E731
+  engine = _engine(spin_ir() + re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch]))  # waits: spin.py's kiln_spin
   return engine, engine.get_function_address("kiln_pool_worker"), engine.get_function_address("kiln_pool_run")
 
 
