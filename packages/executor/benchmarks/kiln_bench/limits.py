@@ -58,12 +58,12 @@ def vector_lanes() -> tuple[int, str]:
 
 def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, threads: int, inputs: int = 1) -> Any:
   """Compile a hand-written LLVM IR chunk (data0 out, data1.. in, core_id: the chunk) with kiln's CPU runtime, one chunk
-  per thread, claimed as kiln's split kernels claim theirs (render.llvm.claim_loop's ABI: slot, claim counter), reusing
+  per thread, claimed as kiln's split kernels claim theirs (render.llvm_claim.claim_loop's ABI: slot, claim counter), reusing
   the signature of a template elementwise kernel of n elements cut into `threads` chunks. The bench's machine limits are
   measured this way."""
   from kiln.codegen.opt import Opt, OptOps
   from kiln.codegen.registry import get_runtime
-  from kiln.codegen.render.llvm import claim_loop
+  from kiln.codegen.render.llvm_claim import claim_loop
   params = [f"ptr noalias align 4 %data{i}" for i in range(inputs + 1)]
   attrs = f'nounwind "prefer-vector-width"="{lanes * 32}" "min-legal-vector-width"="{lanes * 32}"'
   src = "\n".join([decls, "", f"define internal void @{name}.chunk({', '.join(params)}, i32 %core_id) #1 {{", *body, "}",

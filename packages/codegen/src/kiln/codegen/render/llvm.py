@@ -2,7 +2,7 @@
 
 ABI: `void NAME(ptr data<slot>..., i32 <var>...[, ptr scratch])`: buffers in slot order (noalias, aligned to their
 element), then variables in var_names order, then the per-call scratch when it has one. A kernel split into chunks takes
-`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (claim_loop); its
+`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (llvm_claim.claim_loop); its
 `NAME.task(ptr args, i32 slot)` takes the same arguments from an int64 block, for the runtime's native pool. Values of
 bool are i1 in registers and i8 in memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16
 in memory; float16 ops compute in float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
@@ -30,6 +30,7 @@ from kiln.codegen.render.base import (
   shift_mask,
   skip,
 )
+from kiln.codegen.render.llvm_claim import claim_loop
 from kiln.codegen.render.llvm_math import double_hex, vtype
 from kiln.codegen.spec import ProgramSpec
 from kiln.codegen.threads import CORE_ID
@@ -115,40 +116,6 @@ def const_text(dt: DType, v: int | float | bool) -> str:
   if dt.is_int: return str(int(v))
   f = float(v)
   return double_hex(f)  # a NaN keeps its sign and payload: a folded 0*inf is the hardware's negative NaN, as alu.py computes it
-
-
-def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, slot_bytes: int = 0, scratch: bool = False) -> list[str]:
-  """The entry of a kernel split into `chunks` chunks: `void NAME(params..., i32 slot, ptr claim[, ptr scratch])`, where
-  `params` are the chunk body's own buffer and variable parameters. Each thread the runtime runs calls it with its own
-  slot; it takes chunk after chunk from the shared counter at `claim` (an atomic add: whoever is free takes the next)
-  until none is left, handing each to NAME.chunk (with its slot's `slot_bytes` of the scratch when those are per
-  thread). slot -1 is the finishing call (`finish`): chunk == chunks folds a split reduction's partials."""
-  args = [f"{p.split()[0]} {p.split()[-1]}" for p in params]  # "ptr noalias align 4 %data0" is passed as "ptr %data0"
-  def call(chunk: str, scr: str) -> str:
-    return f"  call void @{name}.chunk({', '.join([*args, f'i32 {chunk}', *([f'ptr {scr}'] if scratch else [])])})"
-  entry_params = [*params, "i32 %slot", "ptr %claim", *(["ptr noalias %scratch"] if scratch else [])]
-  lines = [f"define void @{name}({', '.join(entry_params)}) #0 {{", "entry:", "  %fin = icmp slt i32 %slot, 0",
-           "  br i1 %fin, label %finish, label %start", "finish:", *([call(str(chunks), "%scratch")] if finish else []),
-           "  ret void", "start:"]
-  mine = "%scratch"
-  if slot_bytes and scratch:  # PACK panels and KEEP rows: each slot's own
-    lines += ["  %slot64 = sext i32 %slot to i64", f"  %off = mul i64 %slot64, {slot_bytes}", "  %mine = getelementptr i8, ptr %scratch, i64 %off"]
-    mine = "%mine"
-  lines += ["  br label %next", "next:", "  %c = atomicrmw add ptr %claim, i32 1 monotonic",
-            f"  %more = icmp slt i32 %c, {chunks}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
-            "  br label %next", "done:", "  ret void", "}"]
-  return lines + task_entry(name, [*args, "i32 %slot", "ptr %claim", *(["ptr %scratch"] if scratch else [])])
-
-
-def task_entry(name: str, args: list[str]) -> list[str]:
-  """`void NAME.task(ptr args, i32 slot)`: the entry's arguments from an int64 block (every one but the slot, in order),
-  for the runtime's native pool, which calls any kernel's threads through this one signature."""
-  lines = [f"define void @{name}.task(ptr %args, i32 %slot) #0 {{", "entry:"]
-  for i, a in enumerate(x for x in args if x != "i32 %slot"):
-    ty, reg = a.split()
-    lines += [f"  %a{i}.p = getelementptr i64, ptr %args, i64 {i}", f"  %a{i} = load i64, ptr %a{i}.p, align 8",
-              f"  {reg} = {'inttoptr' if ty == 'ptr' else 'trunc'} i64 %a{i} to {ty}"]
-  return [*lines, f"  call void @{name}({', '.join(args)})", "  ret void", "}"]
 
 
 class LLVMRenderer:

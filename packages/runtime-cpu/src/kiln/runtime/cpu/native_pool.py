@@ -18,7 +18,7 @@ is busy sleeps until it is free (two Python threads each running a matmul plan: 
 calls in place beside the pool, 3 threads on 2 cores, against 86 ms for the same calls one after another).
 
 A call is made through the kernel's task entry, which the LLVM renderer emits beside the entry of every split kernel
-(`render.llvm.claim_loop`): `NAME.task(ptr args, i32 slot)` unpacks an int64 argument block (buffers, variables, the
+(`render.llvm_claim`): `NAME.task(ptr args, i32 slot)` unpacks an int64 argument block (buffers, variables, the
 chunk counter, the scratch) into the entry's own argument types and calls it with `slot`."""
 from __future__ import annotations
 
