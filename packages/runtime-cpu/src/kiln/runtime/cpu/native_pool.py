@@ -315,6 +315,7 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32)
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
 
+
 class NativePool:
   """`size - 1` workers in the native loop, the caller working too. `spin` as for the Python pool: microseconds a
   worker spins for the next post while a plan runs (0: it sleeps at once). `wait_us`: how long the caller spins for its
