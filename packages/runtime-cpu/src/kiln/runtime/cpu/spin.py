@@ -80,7 +80,9 @@ def _cycle_code() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], 
   init_llvm()
   mod = llvm.parse_assembly(spin_ir())
   mod.verify()
-  engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine())  # owns the code
+  # codegen level 0: these few lines are loads, pauses and a counter read, and O2's 15-25 ms of code generation came
+  # straight out of the first split kernel's call in every process
+  engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine(opt=0))  # owns the code
   engine.finalize_object()
   spin = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)(
     engine.get_function_address("kiln_spin"))
