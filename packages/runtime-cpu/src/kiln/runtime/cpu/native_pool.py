@@ -346,10 +346,12 @@ class NativePool:
     waits its turn (GIL released): two kernels at once would put more threads than cores on the kernels' chunks."""
     self._run(self.address, task, args, calls, self._wait_ticks)
 
-  def run(self, fn: Callable[..., object], args: Sequence[tuple]) -> None:
-    """Call fn(*a) for every a in args, here, one after another: for a split kernel without a task entry (object code
-    from before there was one), whose first call then claims every chunk."""
-    for a in args: fn(*a)
+  def run_kernel(self, fn: Callable[..., object], args: Sequence[tuple], task: int, block: int) -> None:
+    """A split kernel's calls: through its task entry over the pool; without one (object code from before there was
+    one) fn(*a) for every a in args, here, one after another (the first call then claims every chunk)."""
+    if task: self.run_task(task, block, len(args))
+    else:
+      for a in args: fn(*a)
 
   def close(self, timeout: float = 5.0) -> None:
     """Let the workers return (they must be idle: no run in progress) and wait for them."""

@@ -18,7 +18,6 @@ from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu.compiler import init_llvm
 from kiln.runtime.cpu.guard import guard_enabled, guarded_array
-from kiln.runtime.cpu.native_pool import NativePool
 from kiln.runtime.cpu.threads import get_pool
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
@@ -113,11 +112,10 @@ class CPUProgram:
         self._engine.add_object_file(llvm.ObjectFileRef.from_data(compiled.bytes))
         self._engine.finalize_object()
         addr = self._engine.get_function_address(self.entry)
+      # a split kernel's task entry, for the native pool (0 in object code from before it existed: the caller alone runs it)
+      lookup = self._engine.get_function_address if self._engine is not None else shared_engine().address
+      self.task = lookup(self.entry + ".task") if addr and self.threads > 1 else 0
     if not addr: raise CompileError(f"kernel {self.name}: symbol {self.entry} not found in its object code")
-    # a split kernel's task entry, for the native pool (0 in object code from before it existed: the Python pool runs it)
-    with _engine_lock:
-      self.task = (self._engine.get_function_address(self.entry + ".task") if self._engine is not None
-                   else shared_engine().address(self.entry + ".task")) if self.threads > 1 else 0
     self.scratch_bytes = compiled.scratch_bytes  # per-call scratch: a threaded reduction's partials, packed panels
     self.finish_call = compiled.finish  # a threaded reduction's finishing call (core_id == threads)
     self.slots = compiled.slots  # a split kernel's threads with scratch of their own (0: any number of threads)
@@ -166,7 +164,7 @@ class CPUBoundCall:
   thread of the pool claims chunks from this call's counter until none is left, so a thread whose core is busy with
   other work takes fewer). A bound call owns its scratch and counter, so two bound calls of one program may run at
   once; one bound call may not."""
-  __slots__ = ("prog", "bufs", "args", "scratch", "finish", "claim", "block")
+  __slots__ = ("prog", "bufs", "args", "scratch", "finish", "claim", "block", "block_at")
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs = prog, bufs
@@ -177,6 +175,7 @@ class CPUBoundCall:
     # a split kernel's chunk counter, alone on its cache line (every claim writes it; a neighbour there would bounce)
     self.claim = _line() if prog.threads > 1 else None
     self.block: np.ndarray | None = None
+    self.block_at = 0  # its address: the native pool's way in (0: none)
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
@@ -189,6 +188,7 @@ class CPUBoundCall:
       self.args: tuple | list[tuple] = [(*base, w, claim, *extra) for w in range(workers)]
       # the task entry's int64 block (the native pool's way in): the same arguments but the slot
       self.block = np.array([*base, claim, *extra], np.int64) if self.prog.task else None
+      self.block_at = self.block.ctypes.data if self.block is not None else 0
       self.finish = (*base, -1, claim, *extra) if self.prog.finish_call else None
     else: self.args, self.finish = (*base, *extra), None
 
@@ -198,9 +198,7 @@ class CPUBoundCall:
   def __call__(self) -> None:
     if self.claim is not None:
       self.claim[0] = 0
-      pool = get_pool()
-      if self.block is not None and isinstance(pool, NativePool): pool.run_task(self.prog.task, self.block.ctypes.data, len(self.args))
-      else: pool.run(self.prog.fn, self.args)  # type: ignore[arg-type]
+      get_pool().run_kernel(self.prog.fn, self.args, self.prog.task, self.block_at)  # type: ignore[arg-type]
     else: self.prog.fn(*self.args)
     if self.finish is not None: self.prog.fn(*self.finish)
 

@@ -100,6 +100,10 @@ class WorkerPool:
       # inside a plan the next kernel follows within microseconds: wait for it awake, not asleep
       if self.spinner is not None: self.spinner.wait(gen, seen, plans)
 
+  def run_kernel(self, fn: Callable[..., object], args: Sequence[tuple], task: int, block: int) -> None:
+    """A split kernel's calls, fn(*a) for every a in args, over the pool (the native pool's task entry and block unused)."""
+    self.run(fn, args)
+
   def run(self, fn: Callable[..., object], args: Sequence[tuple]) -> None:
     """Call fn(*a) for every a in args, spread over the pool; returns when all are done; re-raises a call's error."""
     if len(args) == 1 or self.size == 1:
