@@ -34,7 +34,7 @@ import llvmlite.binding as llvm
 import numpy as np
 
 from kiln.runtime.cpu.compiler import init_llvm
-from kiln.runtime.cpu.spin import spin_ir
+from kiln.runtime.cpu.spin import spin_address
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 _LIBC_SYMBOLS = ("syscall", "sched_getcpu", "sched_getaffinity", "sched_setaffinity")
@@ -52,6 +52,7 @@ _FIELDS = {"gen": ("genp", GEN), "sleepers": ("sleepp", SLEEPERS), "stop": ("sto
 POOL_BYTES = 320
 
 _IR = """
+declare i32 @kiln_spin(ptr, i32, ptr, i64)
 declare i64 @syscall(i64, ...)
 declare i32 @sched_getcpu()
 declare i32 @sched_getaffinity(i32, i64, ptr)
@@ -307,10 +308,11 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
   init_llvm()
   libc = ctypes.CDLL(None)
   for name in _LIBC_SYMBOLS: llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
+  llvm.add_symbol("kiln_spin", spin_address())  # spin.py's, compiled once (the pool measures the cycle rate with it anyway)
   arch = platform.machine().lower()
   # {geps:a,b}: the pointers to those words, as the function that holds it names them
   geps = lambda m: "\n".join(f"  %{_FIELDS[f][0]} = getelementptr i8, ptr %pool, i64 {_FIELDS[f][1]}" for f in m.group(1).split(","))  # noqa: E731
-  engine = _engine(spin_ir() + re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch]))  # waits: spin.py's kiln_spin
+  engine = _engine(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch]))
   return engine, engine.get_function_address("kiln_pool_worker"), engine.get_function_address("kiln_pool_run")
 
 

@@ -69,7 +69,7 @@ def spin_us() -> int:
 
 
 def spin_ir() -> str:
-  """The IR of kiln_spin and kiln_cycles for this machine (the native pool builds its waits on kiln_spin too)."""
+  """The IR of kiln_spin and kiln_cycles for this machine."""
   arch = platform.machine().lower()
   decl, relax = _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
   return _IR.format(decl=decl, relax=relax)
@@ -88,6 +88,11 @@ def _cycle_code() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], 
     engine.get_function_address("kiln_spin"))
   cycles = ctypes.CFUNCTYPE(ctypes.c_int64)(engine.get_function_address("kiln_cycles"))
   return engine, spin, cycles
+
+
+def spin_address() -> int:
+  """Where the compiled kiln_spin is: the native pool's waits call this one, not a copy of their own."""
+  return _cycle_code()[0].get_function_address("kiln_spin")  # type: ignore[no-any-return]
 
 
 @cache
