@@ -38,7 +38,10 @@ class Timing:
   budget: float = 2.0
   warm_seconds: float = 0.3  # a contender's first block: busy at least this long (and t.warmups calls) before it is timed
   rounds: int = 5  # at most; fewer (down to min_rounds) when the slowest contender's calls would not fit (interleaved)
-  settle_seconds: float = 0.1  # each later block: busy this long (and one call) first, so the last contender's spinners settle
+  # each later block: busy this long (and one call) first, so the last contender's spinners settle. OpenBLAS's worker spins
+  # for 100 ms after a call: a 1024 matmul took 13.3-14.4 ms (kiln; AVX2 build 14.8-16.5) in the 100 ms after numpy's
+  # a @ b, 9.8-10.9 from then on (2-core Zen 4), so 0.1 s left the first timed calls on its edge
+  settle_seconds: float = 0.15
   min_rounds: int = 3
 
 
@@ -72,7 +75,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], t: Timing,
   drops out of the remaining rounds, its calls discarded, when on_error is given (called with its name and the
   error); else the error propagates.
 
-  Blocks, not calls round-robin: OpenBLAS's and numba's worker threads keep spinning for a while (~0.1 s) after a
+  Blocks, not calls round-robin: OpenBLAS's and numba's worker threads keep spinning for a while (0.1 s) after a
   call, and on 2 cores they took one from whichever ran next (kiln's threaded matmul measured 150 GFLOP/s round-robin,
   280-290 on its own); the busy start of each block is where they settle. Not after a pause either: an idle spell
   puts this VM's vCPUs to sleep, and a 16M sum on 2 threads then took 2.4 ms a run instead of 1.3 for a while. The

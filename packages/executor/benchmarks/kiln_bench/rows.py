@@ -183,7 +183,7 @@ class Bench:
     self.args, self.scale = args, args.sizes_scale
     # per contender, over all its rounds (harness.Timing); peers are timed like kiln, in the same rounds
     # (the first warm-up makes one call at least: each contender has run once already, in its row's check)
-    self.t = Timing(1, 3, 0.3, 0.15, rounds=3, settle_seconds=0.05) if args.quick else Timing(1, 15, 2.0, 0.3, rounds=5, settle_seconds=0.1)
+    self.t = Timing(1, 3, 0.3, 0.15, rounds=3, settle_seconds=0.05) if args.quick else Timing(1, 15, 2.0, 0.3, rounds=5)
     self.rows: list[Row] = []
     self.info: dict[str, Any] = {}
     self.threads = thread_count()
