@@ -4,10 +4,11 @@ float32 bit pattern (2^24 of them, every 256th) plus edge values, scalar and vec
 Truth: numpy's float64 exp2/log2/tanh and math.erf rounded once to float32 (for ERF and TANH that is also the reference). EXP2, ERF
 and TANH compute in float32 (range reduction, polynomials, 2^n from exponent bits; no double), LOG2 in double with one rounding.
 Each is within 1 ulp of the truth and gives exactly its NaN, +-inf, +-0 and denormals. Measured outside this suite, same code
-(Horner's rule): 1 ulp off at 0.41% of inputs for EXP2 (every float32 bit pattern), 0.30% for TANH (every 4th) and 8.4% for ERF (every 64th) (about 17% of |x| < 0.9, where
-x + x*P(x^2) rounds twice, none past 4); LOG2 at 1 in 10^5 of this sweep. The fused variant (Target.fma, RENDERERS[True]) measured
-0.21% (EXP2), 0.29% (TANH, both every 4th pattern) and 8.4% (ERF, every 64th), none over 1; both variants run every test here, and AVX-512's
-vscalefps path must give their bits exactly. The reference (kiln.ir.reference: numpy's float32 exp2 and log2) is not correctly
+(Horner's rule): 1 ulp off at 0.41% of inputs for EXP2 (every float32 bit pattern), 0.30% for TANH (every 4th) and 8.4%
+for ERF (every 64th; about 17% of |x| < 0.9, where x + x*P(x^2) rounds twice, none past 4); LOG2 at 1 in 10^5 of this sweep.
+The fused variant (Target.fma, RENDERERS[True]) measured 0.21% (EXP2), 0.29% (TANH, both every 4th pattern) and 8.4% (ERF,
+every 64th), none over 1; both variants run every test here, and AVX-512's vscalefps path must give their bits exactly.
+The reference (kiln.ir.reference: numpy's float32 exp2 and log2) is not correctly
 rounded everywhere: on an AVX-512 x86-64 host with numpy 2.4 it is up to 3 ulp (EXP2, outputs near FLT_MAX
 and in the denormals) and 2 ulp (LOG2, near x = 0.72) from the truth, so against it the bound is REF_BOUND (on this suite's AVX2
 host numpy is within 1 of the truth and the distance measured 1). test_erf_tanh.py sweeps ERF and TANH against a decimal truth as

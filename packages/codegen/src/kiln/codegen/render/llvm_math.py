@@ -11,8 +11,8 @@ every target with FMA gives the same bits, and so does every target without.
 EXP2, ERF and TANH compute in float32 (<n x float> and <n x i32>, the full vector width): range reduction, near-minimax
 polynomials (Horner's rule) and 2^n built from exponent bits. Each is within 1 ulp of the correctly rounded result, measured over
 float32 bit patterns (off by 1 at 0.41% of inputs for EXP2 over all of them, 8.4% for ERF over every 64th, 0.30% for TANH over
-every 4th; with FMA 0.21%, 8.4% and 0.29%, EXP2 over every 4th); test_vector_math.py (both variants) and test_erf_tanh.py enforce it. LOG2 widens to double,
-evaluates there and rounds once (also within 1 ulp).
+every 4th; with FMA 0.21%, 8.4% and 0.29%, EXP2 over every 4th); test_vector_math.py (both variants) and test_erf_tanh.py
+enforce it. LOG2 widens to double, evaluates there and rounds once (also within 1 ulp).
 
 On AVX-512 targets 2^f * 2^n is one vscalefps (_Body.scale) instead of exponent-field factors and multiplies: IEEE's single
 rounding of the exact product either way, so the same bits (test_vector_math checks it on AVX-512 hosts) in fewer instructions.
