@@ -1,0 +1,48 @@
+"""The ONNX tests' shared pieces: a one-graph model from onnx.helper nodes, and the check of kiln.graph.onnx against
+onnxruntime on it (onnxruntime is the reference, as numpy is for kernels). Importing this module skips the test module
+that imports it where onnx or onnxruntime is missing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from kiln.graph import onnx as konnx  # noqa: E402
+
+RNG = np.random.default_rng(3)
+NP2ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64, np.dtype(np.bool_): TensorProto.BOOL,
+           np.dtype(np.int32): TensorProto.INT32}
+N = helper.make_node
+
+
+def f32(*shape: int, lo: float = -2, hi: float = 2) -> np.ndarray: return RNG.uniform(lo, hi, shape).astype(np.float32)
+
+
+def model(nodes: list, feeds: dict[str, np.ndarray], outs: dict[str, np.dtype], inits: dict[str, np.ndarray] | None = None,
+          opset: int = 17) -> onnx.ModelProto:
+  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, NP2ONNX[v.dtype], v.shape) for k, v in feeds.items()],
+                        [helper.make_tensor_value_info(k, NP2ONNX[np.dtype(d)], None) for k, d in outs.items()],
+                        [numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+  m.ir_version = 8
+  inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(m).graph.value_info}
+  for o in m.graph.output:  # the checker wants an output's shape: take the inferred one
+    if o.name in inferred: o.CopyFrom(inferred[o.name])
+    else: o.type.tensor_type.shape.SetInParent()
+  return m
+
+
+def check(m: onnx.ModelProto, feeds: dict[str, np.ndarray], tol: float = 1e-5, kernels: int | None = None) -> konnx.Model:
+  want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+  km = konnx.load(m)
+  got = km.run(feeds)
+  for name, w in zip([o.name for o in m.graph.output], want):
+    g = got[name]
+    assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+    if w.dtype.kind == "f": np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    else: np.testing.assert_array_equal(g, w)
+  if kernels is not None: assert km.plan is not None and len(km.plan.kernels) == kernels, km.summary()
+  return km
