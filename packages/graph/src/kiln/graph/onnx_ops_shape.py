@@ -1,4 +1,211 @@
 """The ONNX padding, tiling, masking, index-reduction, normalisation and extra reduction operators beyond onnx_ops' core
 set, built from kiln.graph Tensor ops and registered in onnx_ops.OPS with the attributes each understands (onnx.py imports
-this module for that)."""
+this module for that). Every size, count and axis they take must be known at load time (kiln has no data-dependent shapes);
+a run-time one is an ONNXError naming the node."""
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kiln.graph import dims as sym
+from kiln.graph.onnx_ops import Node, Value, _axes_of, _norm, _op
+from kiln.graph.tensor import Tensor
+
+
+def _static(n: Node, x: Tensor, axes: list[int] | range, why: str) -> list[int]:
+  """The sizes of x's axes, which must be fixed (a symbolic dim is refused, naming the node)."""
+  out = []
+  for a in axes:
+    d = x.shape[a]
+    if not isinstance(d, int): raise n.error(f"axis {a} of {x.shape} is symbolic ({sym.fmt(d)}): {why} needs a fixed size")
+    out.append(d)
+  return out
+
+
+# ---- Pad: constant, edge and reflect modes; negative pads crop ----
+def _pad_axis(x: Tensor, a: int, before: int, after: int, mode: str, n: Node) -> Tensor:
+  d = x.shape[a]
+  assert isinstance(d, int)
+  if before < 0 or after < 0:  # a negative pad removes elements
+    x = x.slice([max(-before, 0)], [d - max(-after, 0)], [a])
+    d -= max(-before, 0) + max(-after, 0)
+    before, after = max(before, 0), max(after, 0)
+  if before == after == 0: return x
+  if d == 0: raise n.error(f"mode {mode!r} cannot pad axis {a}: it has no elements left")
+  parts = []
+  if mode == "edge":
+    def edge(i: int, k: int) -> Tensor:
+      e = x.slice([i], [i + 1], [a])
+      return e.expand(tuple(k if j == a else s for j, s in enumerate(e.shape)))
+    parts = [edge(0, before)] * bool(before) + [x] + [edge(d - 1, after)] * bool(after)
+  else:  # reflect: the mirror image without the edge element itself (numpy's "reflect")
+    if before >= d or after >= d: raise n.error(f"mode 'reflect' pads of ({before}, {after}) need axis {a} longer than the pad, got {d}")
+    if before: parts.append(x.slice([before], [0], [a], [-1]))
+    parts.append(x)
+    # the end, Python's way: -(d + 1) runs through element 0, where d - 2 - after would be -1 (the last)
+    if after: parts.append(x.slice([d - 2], [d - 2 - after if d - 2 - after >= 0 else -(d + 1)], [a], [-1]))
+  return Tensor.cat(parts, a)
+
+
+def _pad(n: Node) -> Value:
+  x = n.t(0)
+  mode = n.attr("mode", "constant")
+  if mode not in ("constant", "edge", "reflect"): raise n.error(f"attribute mode={mode!r} is not supported (constant, edge, reflect)")
+  if n.opset < 11: pads, value, axes = list(n.attr("pads") or []), float(n.attr("value", 0.0)), None
+  else:
+    pads = [int(v) for v in n.const(1, "pads").reshape(-1)]
+    cv = n.opt_const(2, "constant_value")
+    value = 0.0 if cv is None else cv.reshape(-1)[0].item()
+    ax = n.opt_const(3, "axes")
+    axes = None if ax is None else [_norm(int(v), x.ndim, n) for v in ax.reshape(-1)]
+  axes = list(range(x.ndim)) if axes is None else axes
+  if len(pads) != 2 * len(axes): raise n.error(f"{len(pads)} pads for {len(axes)} axes (two per axis: all befores, then all afters)")
+  per = dict(zip(axes, zip(pads[:len(axes)], pads[len(axes):])))
+  _static(n, x, [a for a, (b, e) in per.items() if b or e], "Pad")
+  if mode == "constant" and all(b >= 0 and e >= 0 for b, e in per.values()):
+    return x.pad([per.get(a, (0, 0)) for a in range(x.ndim)], value)
+  for a, (b, e) in per.items():
+    if mode == "constant":
+      x = _pad_axis(x, a, min(b, 0), min(e, 0), mode, n)  # crop first, then pad with the value
+      x = x.pad([(max(b, 0), max(e, 0)) if j == a else (0, 0) for j in range(x.ndim)], value)
+    else: x = _pad_axis(x, a, b, e, mode, n)
+  return x
+
+
+def _tile(n: Node) -> Value:
+  x = n.t(0)
+  reps = [int(r) for r in n.const(1, "repeats").reshape(-1)]
+  if len(reps) != x.ndim or any(r < 0 for r in reps): raise n.error(f"repeats {reps} do not fit rank {x.ndim} (one count >= 0 per axis)")
+  if 0 in reps: raise n.error(f"repeats {reps} make an empty tensor (not supported)")
+  _static(n, x, [a for a, r in enumerate(reps) if r != 1], "Tile")
+  for a, r in enumerate(reps):  # the axis gets a new outer axis of r copies, then the two merge
+    if r == 1: continue
+    u = x.unsqueeze(a)
+    u = u.expand(tuple(r if j == a else s for j, s in enumerate(u.shape)))
+    x = u.reshape(tuple(x.shape[:a]) + (r * x.shape[a],) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
+  return x
+
+
+def _trilu(n: Node) -> Value:
+  x = n.t(0)
+  if x.ndim < 2: raise n.error(f"input {x.shape} needs rank >= 2")
+  rows, cols = _static(n, x, [x.ndim - 2, x.ndim - 1], "Trilu")
+  k = n.opt_const(1, "k")
+  kk = 0 if k is None else int(k.reshape(-1)[0])
+  i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+  keep = (j - i >= kk) if n.attr("upper", 1) else (j - i <= kk)
+  return Tensor(keep).where(x, Tensor.full((), 0, x.dtype))
+
+
+def _argext(kind: str) -> Callable[[Node], Value]:
+  """ArgMax/ArgMin: the first (or, with select_last_index, the last) index of the axis' extreme, as int64. NaN compares
+  with nothing here, so a slice holding NaN gives the index of its largest (smallest) number, where onnxruntime's may differ."""
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    a = _norm(n.attr("axis", 0), x.ndim, n)
+    keep, last = bool(n.attr("keepdims", 1)), bool(n.attr("select_last_index", 0))
+    (d,) = _static(n, x, [a], kind)
+    ext = x.max(a, keepdims=True) if kind == "ArgMax" else x.min(a, keepdims=True)
+    iota = Tensor(np.arange(d, dtype=np.int64).reshape(tuple(d if j == a else 1 for j in range(x.ndim))))
+    hit = x.eq(ext)
+    idx = hit.where(iota, Tensor.full((), -1, np.int64)).max(a, keepdims=keep) if last else \
+        hit.where(iota, Tensor.full((), d, np.int64)).min(a, keepdims=keep)
+    return idx
+  return run
+
+
+def _instance_norm(n: Node) -> Value:
+  x = n.t(0)
+  if x.ndim < 3: raise n.error(f"input {x.shape} needs rank >= 3 (N, C, spatial...)")
+  shape = (1, -1) + (1,) * (x.ndim - 2)
+  y = x.layernorm(None, None, tuple(range(2, x.ndim)), float(n.attr("epsilon", 1e-5)))
+  return y * n.t(1).reshape(shape) + n.t(2).reshape(shape)
+
+
+def _lp_norm(n: Node) -> Value:
+  x = n.t(0).float()
+  a, p = _norm(n.attr("axis", -1), x.ndim, n), int(n.attr("p", 2))
+  if p == 1: return x / x.abs().sum(a, keepdims=True)
+  if p == 2: return x / (x * x).sum(a, keepdims=True).sqrt()
+  raise n.error(f"attribute p={p} is not supported (1, 2)")
+
+
+# ---- reductions made of others ----
+def _log_sum_exp(x: Tensor, ax: tuple[int, ...], keep: bool) -> Tensor:
+  """log(sum(exp(x))) around the max, so a large x does not overflow exp; an all -inf slice gives -inf, not NaN."""
+  m = x.max(ax, keepdims=True)
+  safe = m.eq(float("-inf")).where(0.0, m)
+  out = (x - safe).exp().sum(ax, keepdims=True).log() + safe
+  return out if keep else out.squeeze(ax)
+
+
+REDUCERS: dict[str, Callable[[Tensor, tuple[int, ...], bool], Tensor]] = {
+  "ReduceL1": lambda x, ax, k: x.abs().sum(ax, k),
+  "ReduceL2": lambda x, ax, k: (x.float() * x.float()).sum(ax, k).sqrt(),
+  "ReduceSumSquare": lambda x, ax, k: (x * x).sum(ax, k),
+  "ReduceLogSum": lambda x, ax, k: x.float().sum(ax, k).log(),
+  "ReduceLogSumExp": lambda x, ax, k: _log_sum_exp(x.float(), ax, k),
+}
+
+
+def _reduce_by(op: str) -> Callable[[Node], Value]:
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    axes = _axes_of(n, 18)
+    if not axes:
+      if n.attr("noop_with_empty_axes", 0): return x
+      axes = list(range(x.ndim))
+    return REDUCERS[op](x, tuple(_norm(a, x.ndim, n) for a in axes), bool(n.attr("keepdims", 1)))
+  return run
+
+
+def _cumsum(n: Node) -> Value:
+  """A prefix sum as a masked sum over a second copy of the axis: out[i] = sum of x[j] for j <= i (j < i exclusive; the
+  mirror for reverse). O(L^2) work for an axis of L, which is what position ids from an attention mask need; the sums
+  run in index order, as onnxruntime's do."""
+  x = n.t(0)
+  a = _norm(int(n.const(1, "axis").reshape(-1)[0]), x.ndim, n)
+  (d,) = _static(n, x, [a], "CumSum")
+  i, j = np.arange(d)[:, None], np.arange(d)[None, :]
+  excl, rev = bool(n.attr("exclusive", 0)), bool(n.attr("reverse", 0))
+  mask = (j > i if excl else j >= i) if rev else (j < i if excl else j <= i)
+  order = [k for k in range(x.ndim) if k != a] + [a]
+  xt = x.permute(order).unsqueeze(-2)  # (..., 1, L): x[..., j]
+  xt = xt.expand(tuple(xt.shape[:-2]) + (d, d))
+  s = Tensor(mask).where(xt, Tensor.full((), 0, x.dtype)).sum(-1)  # (..., L): over j for each i
+  return s.permute([order.index(k) for k in range(x.ndim)])
+
+
+def _size(n: Node) -> Value:
+  x = n.ins[0]
+  shape = x.shape if x is not None else ()
+  if not sym.is_static(shape): raise n.error(f"input {shape} has symbolic dims: its Size is known only at run time (not supported)")
+  return np.asarray(int(np.prod(sym.static_shape("Size", shape), dtype=np.int64)), np.int64)
+
+
+def _depth_space(to_space: bool) -> Callable[[Node], Value]:
+  """DepthToSpace (DCR or CRD) and SpaceToDepth on NCHW, as a reshape, a permute and a reshape."""
+  def run(n: Node) -> Value:
+    x = n.t(0)
+    if x.ndim != 4: raise n.error(f"input {x.shape} must be NCHW (rank 4)")
+    b = int(n.attr("blocksize", 0))
+    if b < 1: raise n.error("attribute blocksize is required (>= 1)")
+    N, C, H, W = _static(n, x, range(4), n.op)
+    if to_space:
+      if C % (b * b): raise n.error(f"channels {C} are not a multiple of blocksize^2 = {b * b}")
+      c = C // (b * b)
+      if n.attr("mode", "DCR") == "DCR": return x.reshape(N, b, b, c, H, W).permute(0, 3, 4, 1, 5, 2).reshape(N, c, H * b, W * b)
+      if n.attr("mode") != "CRD": raise n.error(f"attribute mode={n.attr('mode')!r} is not supported (DCR, CRD)")
+      return x.reshape(N, c, b, b, H, W).permute(0, 1, 4, 2, 5, 3).reshape(N, c, H * b, W * b)
+    if H % b or W % b: raise n.error(f"spatial {H}x{W} is not a multiple of blocksize {b}")
+    return x.reshape(N, C, H // b, b, W // b, b).permute(0, 3, 5, 1, 2, 4).reshape(N, C * b * b, H // b, W // b)
+  return run
+
+
+_op("Pad", _pad, "mode pads value"); _op("Tile", _tile); _op("Trilu", _trilu, "upper")
+_op("ArgMax", _argext("ArgMax"), "axis keepdims select_last_index"); _op("ArgMin", _argext("ArgMin"), "axis keepdims select_last_index")
+_op("InstanceNormalization", _instance_norm, "epsilon"); _op("LpNormalization", _lp_norm, "axis p")
+for _name in REDUCERS: _op(_name, _reduce_by(_name), "axes keepdims noop_with_empty_axes")
+_op("CumSum", _cumsum, "exclusive reverse"); _op("Size", _size)
+_op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize")

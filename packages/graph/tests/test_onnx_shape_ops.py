@@ -1,0 +1,126 @@
+"""kiln.graph.onnx's padding, tiling, masking, index-reduction, normalisation and extra reduction operators
+(onnx_ops_shape.py) against onnxruntime: each alone with its attributes and opset forms, edge cases, and refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+from onnx_case import RNG, N, check, f32, model  # noqa: E402
+
+from kiln.graph import ONNXError  # noqa: E402
+from kiln.graph import onnx as konnx  # noqa: E402
+
+X = f32(2, 3, 5, 4)
+
+
+def i64(*v: int) -> np.ndarray: return np.asarray(v, np.int64)
+
+
+@pytest.mark.parametrize("mode", ["constant", "edge", "reflect"])
+@pytest.mark.parametrize("pads", [(0, 1, 2, 1, 0, 2, 1, 0), (0, 0, 1, 0, 0, 0, 2, 3), (0, -1, 1, -2, 0, 1, -2, 1)])
+def test_pad_modes_and_negative_pads(mode: str, pads: tuple[int, ...]) -> None:
+  check(model([N("Pad", ["x", "p", "c"], ["y"], mode=mode)], {"x": X}, {"y": np.float32},
+              {"p": i64(*pads), "c": np.asarray(1.5, np.float32)}, opset=13), {"x": X})
+
+
+def test_pad_axes_input_and_old_opset() -> None:
+  check(model([N("Pad", ["x", "p", "", "ax"], ["y"], mode="reflect")], {"x": X}, {"y": np.float32},
+              {"p": i64(2, 1, 1, 3), "ax": i64(-1, 2)}, opset=18), {"x": X})
+  check(model([N("Pad", ["x"], ["y"], pads=[0, 0, 1, 2, 0, 0, 3, 0], value=-2.0)], {"x": X}, {"y": np.float32}, opset=10), {"x": X})
+
+
+def test_pad_refusals() -> None:
+  with pytest.raises(ONNXError, match=r"Pad.*mode='wrap'"):
+    konnx.load(model([N("Pad", ["x", "p"], ["y"], mode="wrap")], {"x": X}, {"y": np.float32}, {"p": i64(*[1] * 8)}, opset=19))
+  with pytest.raises(ONNXError, match=r"reflect.*longer than the pad"):
+    konnx.load(model([N("Pad", ["x", "p"], ["y"], mode="reflect")], {"x": X}, {"y": np.float32}, {"p": i64(0, 0, 0, 5, 0, 0, 0, 0)}, opset=13))
+
+
+@pytest.mark.parametrize("reps", [(1, 2, 1, 3), (2, 1, 1, 1), (3, 2, 2, 1)])
+def test_tile(reps: tuple[int, ...]) -> None:
+  check(model([N("Tile", ["x", "r"], ["y"])], {"x": X}, {"y": np.float32}, {"r": i64(*reps)}), {"x": X})
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+@pytest.mark.parametrize("k", [None, 0, 2, -1, -7])
+def test_trilu(upper: int, k: int | None) -> None:
+  inits = {} if k is None else {"k": i64(k)}
+  check(model([N("Trilu", ["x"] + ([] if k is None else ["k"]), ["y"], upper=upper)], {"x": X}, {"y": np.float32}, inits, opset=14), {"x": X})
+
+
+def test_trilu_causal_mask_in_attention_scores() -> None:
+  # the way exported decoders build a causal mask: Trilu over a constant of ones, then Where on the scores
+  s = f32(2, 6, 6)
+  nodes = [N("Trilu", ["ones", "k"], ["tri"], upper=1), N("Cast", ["tri"], ["m"], to=onnx.TensorProto.BOOL),
+           N("Where", ["m", "ninf", "s"], ["masked"]), N("Softmax", ["masked"], ["y"], axis=-1)]
+  check(model(nodes, {"s": s}, {"y": np.float32}, {"ones": np.ones((6, 6), np.float32), "k": i64(1), "ninf": np.asarray(-1e9, np.float32)},
+              opset=14), {"s": s})
+
+
+@pytest.mark.parametrize("op", ["ArgMax", "ArgMin"])
+@pytest.mark.parametrize("axis,keepdims,last", [(0, 1, 0), (-1, 0, 0), (2, 1, 1), (1, 0, 1)])
+def test_argmax_argmin(op: str, axis: int, keepdims: int, last: int) -> None:
+  x = RNG.integers(-3, 4, (2, 3, 5, 4)).astype(np.float32)  # small integers: ties, where first and last index differ
+  check(model([N(op, ["x"], ["y"], axis=axis, keepdims=keepdims, select_last_index=last)], {"x": x}, {"y": np.int64}), {"x": x})
+
+
+def test_instance_and_lp_normalization() -> None:
+  sc, b = f32(3), f32(3)
+  check(model([N("InstanceNormalization", ["x", "s", "b"], ["y"], epsilon=1e-3)], {"x": X}, {"y": np.float32}, {"s": sc, "b": b}), {"x": X}, tol=1e-4)
+  for p in (1, 2):
+    check(model([N("LpNormalization", ["x"], ["y"], axis=1, p=p)], {"x": X}, {"y": np.float32}), {"x": X})
+
+
+@pytest.mark.parametrize("op", ["ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"])
+@pytest.mark.parametrize("opset,keepdims", [(13, 1), (13, 0), (18, 1)])
+def test_extra_reductions(op: str, opset: int, keepdims: int) -> None:
+  x = f32(2, 3, 5, lo=0.1, hi=3) if op == "ReduceLogSum" else f32(2, 3, 5, lo=-3, hi=3)
+  if opset < 18: m = model([N(op, ["x"], ["y"], axes=[1, -1], keepdims=keepdims)], {"x": x}, {"y": np.float32}, opset=opset)
+  else: m = model([N(op, ["x", "ax"], ["y"], keepdims=keepdims)], {"x": x}, {"y": np.float32}, {"ax": i64(1, -1)}, opset=opset)
+  check(m, {"x": x}, tol=1e-5)
+
+
+def test_reduce_log_sum_exp_large_and_all_reduced() -> None:
+  x = f32(4, 6, lo=-2, hi=2) * 100  # exp of these would overflow float32 without the max taken out
+  check(model([N("ReduceLogSumExp", ["x"], ["y"], axes=[1], keepdims=0)], {"x": x}, {"y": np.float32}, opset=13), {"x": x}, tol=1e-5)
+  check(model([N("ReduceL2", ["x"], ["y"], keepdims=0)], {"x": x}, {"y": np.float32}, opset=13), {"x": x}, tol=1e-5)
+
+
+@pytest.mark.parametrize("exclusive,reverse", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("axis", [0, -1])
+def test_cumsum(exclusive: int, reverse: int, axis: int) -> None:
+  x = f32(3, 7)
+  check(model([N("CumSum", ["x", "a"], ["y"], exclusive=exclusive, reverse=reverse)], {"x": x}, {"y": np.float32}, {"a": i64(axis)}), {"x": x})
+
+
+def test_cumsum_position_ids_from_an_attention_mask() -> None:
+  # HF-style position ids: cumsum(mask, -1) * mask - 1, all int64
+  mask = np.asarray([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], np.int64)
+  nodes = [N("CumSum", ["m", "a"], ["c"]), N("Mul", ["c", "m"], ["cm"]), N("Sub", ["cm", "one"], ["y"])]
+  check(model(nodes, {"m": mask}, {"y": np.int64}, {"a": i64(-1), "one": i64(1)}), {"m": mask})
+
+
+def test_size_folds_and_feeds_arithmetic() -> None:
+  nodes = [N("Size", ["x"], ["n"]), N("Cast", ["n"], ["nf"], to=onnx.TensorProto.FLOAT), N("Div", ["x", "nf"], ["y"])]
+  km = check(model(nodes, {"x": X}, {"y": np.float32}), {"x": X})
+  assert km.plan is not None and len(km.plan.kernels) == 1
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_depth_to_space_and_back(mode: str) -> None:
+  x = f32(2, 8, 3, 4)
+  check(model([N("DepthToSpace", ["x"], ["y"], blocksize=2, mode=mode)], {"x": x}, {"y": np.float32}), {"x": x})
+  check(model([N("SpaceToDepth", ["x"], ["y"], blocksize=2)], {"x": X[:, :, :4]}, {"y": np.float32}), {"x": X[:, :, :4].copy()})
+
+
+def test_refusals_name_the_node() -> None:
+  with pytest.raises(ONNXError, match=r"node t \(Tile.*repeats"):
+    konnx.load(model([N("Tile", ["x", "r"], ["y"], name="t")], {"x": X}, {"y": np.float32}, {"r": i64(1, 2)}))
+  with pytest.raises(ONNXError, match=r"LpNormalization.*p=3"):
+    konnx.load(model([N("LpNormalization", ["x"], ["y"], p=3)], {"x": X}, {"y": np.float32}))
+  with pytest.raises(ONNXError, match=r"Trilu.*rank >= 2"):
+    konnx.load(model([N("Trilu", ["x"], ["y"])], {"x": f32(5)}, {"y": np.float32}, opset=14))
+  with pytest.raises(ONNXError, match=r"Tile.*input 1 \(repeats\) must be a constant"):
+    konnx.load(model([N("Tile", ["x", "r"], ["y"])], {"x": X, "r": i64(1, 1, 1, 2)}, {"y": np.float32}))
