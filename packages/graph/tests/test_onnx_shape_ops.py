@@ -124,3 +124,23 @@ def test_refusals_name_the_node() -> None:
     konnx.load(model([N("Trilu", ["x"], ["y"])], {"x": f32(5)}, {"y": np.float32}, opset=14))
   with pytest.raises(ONNXError, match=r"Tile.*input 1 \(repeats\) must be a constant"):
     konnx.load(model([N("Tile", ["x", "r"], ["y"])], {"x": X, "r": i64(1, 1, 1, 2)}, {"y": np.float32}))
+
+
+EINSUMS = {"ij,jk->ik": [(3, 4), (4, 5)], "bij,bjk->bik": [(2, 3, 4), (2, 4, 5)], "bhqd,bhkd->bhqk": [(2, 3, 5, 4), (2, 3, 6, 4)],
+           "i,i->": [(7,), (7,)], "ij->ji": [(3, 4)], "ij->": [(3, 4)], "...ij,...jk->...ik": [(2, 1, 3, 4), (1, 5, 4, 2)],
+           "...j,...j->...": [(2, 3, 4), (2, 3, 4)],
+           "ij,jk": [(3, 4), (4, 5)], "i,j->ij": [(3,), (4,)], "ij,jk,kl->il": [(2, 3), (3, 4), (4, 5)], "bid,bjd->bij": [(2, 5, 3), (2, 4, 3)],
+           "abc->ca": [(2, 3, 4)], "ik,kj->ji": [(3, 4), (4, 2)]}
+
+
+@pytest.mark.parametrize("eq", list(EINSUMS))
+def test_einsum(eq: str) -> None:
+  feeds = {f"x{i}": f32(*s) for i, s in enumerate(EINSUMS[eq])}
+  check(model([N("Einsum", list(feeds), ["y"], equation=eq)], feeds, {"y": np.float32}), feeds, tol=1e-5)
+
+
+def test_einsum_two_operands_is_one_kernel_and_refusals() -> None:
+  feeds = {"a": f32(2, 3, 8, 4), "b": f32(2, 3, 8, 4)}
+  check(model([N("Einsum", ["a", "b"], ["y"], equation="bhqd,bhkd->bhqk")], feeds, {"y": np.float32}), feeds, kernels=1)
+  with pytest.raises(ONNXError, match=r"Einsum.*repeats a letter"):
+    konnx.load(model([N("Einsum", ["x"], ["y"], equation="ii->i")], {"x": f32(3, 3)}, {"y": np.float32}))

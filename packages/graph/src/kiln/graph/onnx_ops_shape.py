@@ -203,9 +203,64 @@ def _depth_space(to_space: bool) -> Callable[[Node], Value]:
   return run
 
 
+
+# ---- Einsum: one broadcast product summed over the contracted letters (the graph Tensor.matmul builds) ----
+def _einsum_terms(n: Node, ops: list[Tensor]) -> tuple[list[str], str]:
+  """The equation's operand terms and output, each letter one axis: '...' becomes placeholder letters (right-aligned,
+  numpy's broadcasting), an implicit output is the broadcast dims then the letters used once, in alphabetical order."""
+  eq = str(n.attr("equation") or "").replace(" ", "")
+  lhs, arrow, rhs = eq.partition("->")
+  terms = lhs.split(",")
+  if not eq or len(terms) != len(ops): raise n.error(f"equation {eq!r} does not name {len(ops)} operands")
+  dots = [op.ndim - (len(t) - 3) if "..." in t else 0 for t, op in zip(terms, ops)]
+  width = max(dots, default=0)
+  ph = "".join(chr(0x391 + i) for i in range(width))  # Greek capitals: never einsum letters
+  out_terms = []
+  for t, op, k in zip(terms, ops, dots):
+    t = t.replace("...", ph[width - k:]) if "..." in t else t
+    if not t.isalpha() or len(t) != op.ndim: raise n.error(f"term {t!r} of {eq!r} does not fit operand {op.shape}")
+    if len(set(t)) != len(t): raise n.error(f"term {t!r} repeats a letter (a diagonal): not supported")
+    out_terms.append(t)
+  if arrow: out = rhs.replace("...", ph)
+  else:
+    once = [c for c in sorted(set("".join(out_terms))) if "".join(out_terms).count(c) == 1 and c not in ph]
+    out = ph + "".join(once)
+  if (out and not out.isalpha()) or len(set(out)) != len(out) or any(c not in "".join(out_terms) for c in out):
+    raise n.error(f"output {rhs!r} of {eq!r} names a letter twice or one no operand has")
+  return out_terms, out
+
+
+def _einsum(n: Node) -> Value:
+  ops = [n.t(i) for i in range(len(n.ins))]
+  if not ops: raise n.error("no operands")
+  terms, out = _einsum_terms(n, ops)
+  sizes: dict[str, int] = {}
+  for t, op in zip(terms, ops):
+    for c, d in zip(t, _static(n, op, range(op.ndim), "Einsum")):
+      if sizes.get(c, 1) not in (1, d) and d != 1: raise n.error(f"letter {c!r} has sizes {sizes[c]} and {d}")
+      sizes[c] = max(sizes.get(c, 1), d)
+  summed = [c for c in dict.fromkeys("".join(terms)) if c not in out]
+  if len(ops) == 2:  # matmul's layout, (batch, rows, contracted, columns): the codegen tiles it as a matrix product
+    a, b = terms
+    full = [c for c in out if c in a and c in b] + [c for c in out if c in a and c not in b] + summed + [c for c in out if c not in a]
+  else: full = list(out) + summed
+  prod: Tensor | None = None
+  for t, op in zip(terms, ops):
+    mine = sorted(t, key=full.index)
+    x = op.permute([t.index(c) for c in mine]) if list(mine) != list(t) else op
+    x = x.reshape(tuple(x.shape[mine.index(c)] if c in t else 1 for c in full))  # its letters in place, 1 for the others
+    x = x.expand(tuple(sizes[c] for c in full))
+    prod = x if prod is None else prod * x
+  assert prod is not None
+  if summed: prod = prod.sum(tuple(full.index(c) for c in summed))
+  kept = [c for c in full if c not in summed]
+  return prod.permute([kept.index(c) for c in out]) if kept != list(out) else prod
+
+
 _op("Pad", _pad, "mode pads value"); _op("Tile", _tile); _op("Trilu", _trilu, "upper")
 _op("ArgMax", _argext("ArgMax"), "axis keepdims select_last_index"); _op("ArgMin", _argext("ArgMin"), "axis keepdims select_last_index")
 _op("InstanceNormalization", _instance_norm, "epsilon"); _op("LpNormalization", _lp_norm, "axis p")
 for _name in REDUCERS: _op(_name, _reduce_by(_name), "axes keepdims noop_with_empty_axes")
 _op("CumSum", _cumsum, "exclusive reverse"); _op("Size", _size)
 _op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize")
+_op("Einsum", _einsum, "equation")
