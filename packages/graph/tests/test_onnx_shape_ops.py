@@ -144,3 +144,20 @@ def test_einsum_two_operands_is_one_kernel_and_refusals() -> None:
   check(model([N("Einsum", ["a", "b"], ["y"], equation="bhqd,bhkd->bhqk")], feeds, {"y": np.float32}), feeds, kernels=1)
   with pytest.raises(ONNXError, match=r"Einsum.*repeats a letter"):
     konnx.load(model([N("Einsum", ["x"], ["y"], equation="ii->i")], {"x": f32(3, 3)}, {"y": np.float32}))
+
+
+@pytest.mark.parametrize("ctm,near", [("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")])
+@pytest.mark.parametrize("scales", [(1, 1, 2, 2), (1, 1, 3, 1), (1, 2, 1, 4)])
+def test_resize_nearest_whole_scales(ctm: str, near: str, scales: tuple[int, ...]) -> None:
+  check(model([N("Resize", ["x", "", "s"], ["y"], mode="nearest", coordinate_transformation_mode=ctm, nearest_mode=near)], {"x": X},
+              {"y": np.float32}, {"s": np.asarray(scales, np.float32)}, opset=13), {"x": X})
+
+
+def test_resize_sizes_axes_and_refusals() -> None:
+  check(model([N("Resize", ["x", "", "", "sz"], ["y"], mode="nearest")], {"x": X}, {"y": np.float32}, {"sz": i64(2, 3, 10, 12)}, opset=13), {"x": X})
+  check(model([N("Resize", ["x", "", "s"], ["y"], mode="nearest", axes=[2, 3])], {"x": X}, {"y": np.float32},
+              {"s": np.asarray([2, 3], np.float32)}, opset=18), {"x": X})
+  for attrs, scales, why in [({"mode": "linear"}, (1, 1, 2, 2), "mode='linear'"), ({"mode": "nearest"}, (1, 1, 1.5, 2), "whole number"),
+                             ({"mode": "nearest", "coordinate_transformation_mode": "align_corners"}, (1, 1, 2, 2), "align_corners")]:
+    with pytest.raises(ONNXError, match=rf"Resize.*{why}"):
+      konnx.load(model([N("Resize", ["x", "", "s"], ["y"], **attrs)], {"x": X}, {"y": np.float32}, {"s": np.asarray(scales, np.float32)}, opset=13))

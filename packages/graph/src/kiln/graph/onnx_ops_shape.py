@@ -256,6 +256,42 @@ def _einsum(n: Node) -> Value:
   kept = [c for c in full if c not in summed]
   return prod.permute([kept.index(c) for c in out]) if kept != list(out) else prod
 
+# ---- Resize: nearest neighbour at whole scale factors, where it is each element repeated ----
+# (antialias, cubic_coeff_a, exclude_outside and extrapolation_value change nothing there: accepted, unused)
+# (coordinate_transformation_mode, nearest_mode) pairs that map output i to input i // s for every whole scale s:
+# asymmetric floors i / s; half_pixel's (i + 0.5) / s - 0.5 is never a tie, so either rounding gives i // s
+RESIZE_REPEATS = {("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("half_pixel", "round_prefer_ceil"),
+                  ("pytorch_half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")}
+
+
+def _resize(n: Node) -> Value:
+  x = n.t(0)
+  mode, ctm, near = n.attr("mode", "nearest"), n.attr("coordinate_transformation_mode", "half_pixel"), n.attr("nearest_mode", "round_prefer_floor")
+  if n.opset < 11: ctm, near = "asymmetric", "floor"  # Resize-10 (and Upsample) had only these
+  if mode != "nearest": raise n.error(f"attribute mode={mode!r} is not supported (nearest at whole scale factors only)")
+  if (ctm, near) not in RESIZE_REPEATS:
+    raise n.error(f"coordinate_transformation_mode={ctm!r} with nearest_mode={near!r} is not supported (not a plain repeat)")
+  sizes_in = _static(n, x, range(x.ndim), "Resize")
+  scales = n.opt_const(1 if n.opset < 11 else 2, "scales")
+  sizes = None if n.opset < 11 else n.opt_const(3, "sizes")
+  if n.attr("keep_aspect_ratio_policy", "stretch") != "stretch": raise n.error("keep_aspect_ratio_policy other than stretch is not supported")
+  axes = [_norm(a, x.ndim, n) for a in (n.attr("axes") or range(x.ndim))]  # opset 18: scales or sizes for these axes only
+  if sizes is not None and sizes.size: given = [int(o) / sizes_in[a] for o, a in zip(sizes.reshape(-1), axes)]
+  elif scales is not None and scales.size: given = [float(f) for f in scales.reshape(-1)]
+  else: raise n.error("needs scales or sizes")
+  if len(given) != len(axes): raise n.error(f"{len(given)} scales or sizes for {len(axes)} axes")
+  factors = [1.0] * x.ndim
+  for a, f in zip(axes, given): factors[a] = f
+  if len(factors) != x.ndim or any(f < 1 or f != int(f) for f in factors):
+    raise n.error(f"scale factors {factors} are not one whole number >= 1 per axis of {x.shape} (downsampling and fractions are not supported)")
+  for a, f in enumerate(int(f) for f in factors):  # each element f times in a row: a new axis after it, merged
+    if f == 1: continue
+    u = x.unsqueeze(a + 1)
+    u = u.expand(tuple(f if j == a + 1 else d for j, d in enumerate(u.shape)))
+    x = u.reshape(tuple(x.shape[:a]) + (x.shape[a] * f,) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
+  return x
+
+
 
 _op("Pad", _pad, "mode pads value"); _op("Tile", _tile); _op("Trilu", _trilu, "upper")
 _op("ArgMax", _argext("ArgMax"), "axis keepdims select_last_index"); _op("ArgMin", _argext("ArgMin"), "axis keepdims select_last_index")
@@ -264,3 +300,5 @@ for _name in REDUCERS: _op(_name, _reduce_by(_name), "axes keepdims noop_with_em
 _op("CumSum", _cumsum, "exclusive reverse"); _op("Size", _size)
 _op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize")
 _op("Einsum", _einsum, "equation")
+_op("Resize", _resize, "antialias axes coordinate_transformation_mode cubic_coeff_a exclude_outside extrapolation_value "
+    "keep_aspect_ratio_policy mode nearest_mode")
