@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from kiln.graph.lazy import GraphError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
@@ -115,7 +117,7 @@ def static_shape(op: str, shape: Sequence[Dim]) -> tuple[int, ...]:
 
 
 def fmt(d: Dim) -> str:
-  if isinstance(d, int): return str(d)
+  if isinstance(d, int | np.integer): return str(int(d))
   c, vs = mono(d)
   return "*".join([v.arg[0] for v in vs] + ([str(c)] if c != 1 else []))
 

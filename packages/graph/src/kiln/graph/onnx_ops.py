@@ -189,7 +189,9 @@ SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat":
 def check_shape_value(n: Node) -> None:
   """A shape value with a symbolic dim reaches only the ops that move it around and Reshape's shape input."""
   for i, v in enumerate(n.ins):
-    if isinstance(v, np.ndarray) and v.dtype == object:
+    if isinstance(v, np.ndarray) and v.dtype == object and not any(isinstance(d, UOp) for d in v.reshape(-1)):
+      n.ins[i] = v.astype(np.int64)  # every dim turned out fixed: a plain shape
+    elif isinstance(v, np.ndarray) and v.dtype == object:
       ok = SHAPE_VALUE_OPS.get(n.op, ())
       if ok is not None and i not in ok:
         raise n.error(f"input {i} holds the symbolic dims of a Shape ({', '.join(sym.fmt(d) for d in v.reshape(-1))}), which only "
@@ -304,11 +306,11 @@ def _gather(n: Node) -> Value:
   a = _norm(n.attr("axis", 0), nd, n)
   if isinstance(x, np.ndarray) and isinstance(i, np.ndarray):
     r = np.take(x, i, a)
-    if not isinstance(r, np.ndarray):  # one element of a shape value: numpy hands back the UOp itself
+    if isinstance(r, UOp):  # one symbolic element of a shape value: numpy hands back the UOp itself
       r0 = np.empty((), object)
       r0[()] = r
       return r0
-    return r
+    return np.asarray(r)  # a plain number (numpy's scalar for one element) stays a number array
   return n.t(0).gather(n.t(1), a)
 
 
