@@ -26,8 +26,8 @@ def _ew(tfn: TFn, nfn: NFn, floats: bool = True) -> Callable[[Node], Value]:
   """A handler: nfn when every given input is a numpy constant (folded at load time), else tfn on Tensors. floats: ONNX's
   type constraint allows float inputs only; any other is refused by name rather than computed in a type the op lacks."""
   def run(n: Node) -> Value:
-    given = [v for v in n.ins if v is not None]
-    if given and all(isinstance(v, np.ndarray) for v in given):
+    given = [v for v in n.ins if isinstance(v, np.ndarray)]
+    if given and len(given) == sum(v is not None for v in n.ins):
       if floats and given[0].dtype.kind != "f": raise n.error(f"needs a float input, got {given[0].dtype}")
       _fold_limit(n, given)
       with np.errstate(all="ignore"): out = np.asarray(nfn(n, *n.ins))
@@ -98,9 +98,9 @@ def _np_selu(n: Node, x: np.ndarray) -> np.ndarray:
   return np.where(x > 0, x, np.exp(np.minimum(x, 0)) * a - a) * g
 
 
-def _celu(n: Node, x: Tensor) -> Tensor:  # max(0, x) + min(0, a (e^(x/a) - 1)); with a > 0 the min is a (e^(min(x, 0)/a) - 1)
+def _celu(n: Node, x: Tensor) -> Tensor:  # ONNX's formula as written: an e^(x/a) that overflows is dropped by the min (inf -> 0)
   a = float(n.attr("alpha", 1.0))
-  return x.maximum(0.0) + ((x.minimum(0.0) / a).exp() - 1.0) * a
+  return x.maximum(0.0) + (((x / a).exp() - 1.0) * a).minimum(0.0)
 
 
 def _np_celu(n: Node, x: np.ndarray) -> np.ndarray:
@@ -196,10 +196,10 @@ def _np_xor(n: Node, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # ---- Cos ----
 def _cos(n: Node, x: Tensor) -> Tensor:
-  """1 - 2 sin^2(x/2), computed in float64 (x/2 is exact) and rounded back: its absolute error is a few 1e-16 for every x, so
-  a float16/bfloat16/float32 result is within an ulp also beside cos's zeros, where the same formula in float32 is off by
-  ~2e-7 absolute (measured against numpy's double cos). Shifting by pi/2 instead (sin(x + pi/2)) loses |x| 2^-53, all of
-  it past |x| ~ 1e16. A float64 x keeps that absolute error (a few 1e-16), relative next to the zeros."""
+  """1 - 2 sin^2(x/2), computed in float64 (x/2 is exact) and rounded back: absolute error a few 1e-16 for any x, so a float32
+  result is correctly rounded (<= 0.5 ulp against numpy's double cos over 1.4M inputs of every magnitude), beside cos's zeros
+  too, where the formula in float32 is off by ~2e-7 absolute and sin(x + pi/2) loses |x| 2^-53 (all of it past |x| ~ 1e16).
+  A float64 x gets that absolute error (3e-16 measured), so only relative accuracy next to the zeros suffers."""
   s = (x.cast(dtypes.float64) * 0.5).sin()
   return (1.0 - s * s * 2.0).cast(x.dtype)
 
@@ -229,8 +229,8 @@ def _mod(n: Node) -> Value:
   fmod = int(n.attr("fmod", 0))
   a, b = n.ins[0], n.ins[1]
   if a is None or b is None: raise n.error("needs two inputs")
-  if a.dtype.kind == "f" if isinstance(a, np.ndarray) else a.dtype.is_float:
-    if not fmod: raise n.error("fmod=0 on float inputs: ONNX requires fmod=1 for floats")
+  is_float = a.dtype.kind == "f" if isinstance(a, np.ndarray) else a.dtype.is_float
+  if is_float and not fmod: raise n.error("fmod=0 on float inputs: ONNX requires fmod=1 for floats")
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
     _fold_limit(n, [a, b])
     with np.errstate(all="ignore"): return np.asarray((np.fmod if fmod else np.mod)(a, b)).astype(a.dtype)
