@@ -1,7 +1,8 @@
 """What a user who exports a PyTorch model to ONNX can run on kiln today: common torch modules (vision, attention,
 activations, reductions, padding, recurrent) exported with torch.onnx.export (the TorchScript exporter, opset 17), loaded
 with kiln.graph.onnx and run against onnxruntime on the same file. Needs torch and onnxruntime: run it in the bench
-environment (`scripts/export-check`), never in the dev or test one. Prints one line per model: OK with the largest
+environment (`scripts/export-check`), never in the dev or test one. Each model is exported twice: with fixed sizes, and with
+a dynamic batch (and sequence, where it has one) loaded with bounds and run at two sizes. Prints one line per export: OK with the largest
 difference from onnxruntime and the kernel count, REFUSED with kiln's error (an operator or attribute kiln does not
 support), or WRONG. Exits 1 when any result is WRONG or kiln fails with anything but its own typed error."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 TOL = 1e-4  # absolute, on outputs of magnitude ~1-10
 
 
-def models(torch: Any) -> dict[str, Callable[[], tuple[Any, tuple[Any, ...]]]]:
+def models(torch: Any) -> dict[str, Callable[[], tuple[Any, tuple[Any, ...], tuple[str, ...]]]]:
   nn, F = torch.nn, torch.nn.functional
 
   class ResBlock(nn.Module):
@@ -102,20 +103,27 @@ def models(torch: Any) -> dict[str, Callable[[], tuple[Any, tuple[Any, ...]]]]:
 
   r = torch.randn
   mask = torch.cat([torch.ones(2, 12, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64)], 1)
+  seq = ("batch", "seq")  # inputs whose axis 1 is a sequence: exported dynamic too
   return {
-    "ResNet-style CNN (conv, batch norm, relu, max pool, adaptive average pool, linear)": lambda: (ResNetish(), (r(2, 3, 64, 64),)),
-    "MobileNetV3 block (depthwise conv, relu6, hardswish, hardsigmoid squeeze-excite)": lambda: (MobileBlock(), (r(2, 16, 16, 16),)),
-    "UNet-style block (GroupNorm, leaky relu, nearest interpolate, concat)": lambda: (UNetish(), (r(2, 3, 32, 32),)),
-    "GPT block (causal tril mask, masked_fill -inf, softmax, GELU tanh)": lambda: (GPTBlock(), (r(2, 16, 64),)),
-    "scaled_dot_product_attention, is_causal": lambda: (SDPA(), (r(2, 4, 16, 8), r(2, 4, 16, 8), r(2, 4, 16, 8))),
-    "einsum and cumsum": lambda: (EinsumCumsum(), (r(3, 4, 8),)),
+    "ResNet-style CNN (conv, batch norm, relu, max pool, adaptive average pool, linear)": lambda: (ResNetish(), (r(2, 3, 64, 64),), ()),
+    "MobileNetV3 block (depthwise conv, relu6, hardswish, hardsigmoid squeeze-excite)": lambda: (MobileBlock(), (r(2, 16, 16, 16),), ()),
+    "UNet-style block (GroupNorm, leaky relu, nearest interpolate, concat)": lambda: (UNetish(), (r(2, 3, 32, 32),), ()),
+    "GPT block (causal tril mask, masked_fill -inf, softmax, GELU tanh)": lambda: (GPTBlock(), (r(2, 16, 64),), seq),
+    "scaled_dot_product_attention, is_causal": lambda: (SDPA(), (r(2, 4, 16, 8), r(2, 4, 16, 8), r(2, 4, 16, 8)), ()),
+    "einsum and cumsum": lambda: (EinsumCumsum(), (r(3, 4, 8),), ()),
     "activations (elu, selu, softplus, mish, prelu, silu, clamp, softsign, floor, ceil, round, sign, cos, sin)":
-      lambda: (Activations(), (r(2, 6, 5) * 3,)),
-    "reductions (argmax, logsumexp, norm, amax, std)": lambda: (Reductions(), (r(3, 4, 7),)),
-    "reflect and replicate padding, repeat": lambda: (PadRepeat(), (r(2, 3, 5, 6),)),
-    "embedding with position ids from a mask's cumsum": lambda: (EmbedPositions(), (torch.randint(0, 100, (2, 16)), mask)),
-    "LSTM": lambda: (LSTM(), (r(2, 5, 8),)),
+      lambda: (Activations(), (r(2, 6, 5) * 3,), ()),
+    "reductions (argmax, logsumexp, norm, amax, std)": lambda: (Reductions(), (r(3, 4, 7),), ()),
+    "reflect and replicate padding, repeat": lambda: (PadRepeat(), (r(2, 3, 5, 6),), ()),
+    "embedding with position ids from a mask's cumsum": lambda: (EmbedPositions(), (torch.randint(0, 100, (2, 16)), mask), seq),
+    "LSTM": lambda: (LSTM(), (r(2, 5, 8),), ()),
   }
+
+
+def resized(a: np.ndarray, dyn: tuple[str, ...]) -> np.ndarray:
+  """Another size for a dynamic export's second run: one more batch row (the first again), three fewer sequence steps."""
+  out = np.concatenate([a, a[:1]], 0)
+  return out[:, :-3] if "seq" in dyn else out
 
 
 def main() -> int:
@@ -128,35 +136,45 @@ def main() -> int:
   torch.manual_seed(0)
   bad = 0
   for name, make in models(torch).items():
-    m, args = make()
+    m, args, seqdims = make()
     m.eval()
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
+    names = [f"in{i}" for i in range(len(args))]
+    for dynamic in (False, True):
+      dyn = tuple(seqdims) or ("batch",)
+      axes = {k: {i: d for i, d in enumerate(dyn)} for k in names} if dynamic else None
+      buf = io.BytesIO()
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+          with torch.no_grad(): torch.onnx.export(m, args, buf, dynamo=False, opset_version=17, input_names=names, dynamic_axes=axes)
+        except Exception as e:
+          print(f"EXPORT FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          break
+      data = buf.getvalue()
+      ops = " ".join(sorted({n.op_type for n in onnx.load_from_string(data).graph.node}))
+      feeds = [{k: a.numpy() for k, a in zip(names, args)}]
+      if dynamic: feeds.append({k: resized(v, dyn) for k, v in feeds[0].items()})
+      label = f"{name}{' (dynamic ' + ', '.join(dyn) + ')' if dynamic else ''}"
       try:
-        with torch.no_grad(): torch.onnx.export(m, args, buf, dynamo=False, opset_version=17, input_names=[f"in{i}" for i in range(len(args))])
-      except Exception as e:
-        print(f"EXPORT FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        km = konnx.load(data, dims={"batch": (1, 8), "seq": (1, 16)} if dynamic else None)
+        errs, shapes_ok = [], True
+        for f in feeds:
+          want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, f)
+          got = list(km.run(f).values())
+          errs += [float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))) for g, w in zip(got, want)]
+          shapes_ok &= all(g.shape == w.shape for g, w in zip(got, want))
+      except ONNXError as e:
+        print(f"REFUSED  {label}: {str(e).splitlines()[0][:160]}\n         ops: {ops}")
         continue
-    data = buf.getvalue()
-    ops = " ".join(sorted({n.op_type for n in onnx.load_from_string(data).graph.node}))
-    feeds = {f"in{i}": a.numpy() for i, a in enumerate(args)}
-    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)
-    try:
-      km = konnx.load(data)
-      got = list(km.run(feeds).values())
-    except ONNXError as e:
-      print(f"REFUSED  {name}: {str(e).splitlines()[0][:160]}\n         ops: {ops}")
-      continue
-    except Exception as e:  # anything but kiln's own typed error is a bug
-      bad += 1
-      print(f"FAILED   {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}\n         ops: {ops}")
-      continue
-    err = max(float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))) for g, w in zip(got, want))
-    ok = err <= TOL and all(g.shape == w.shape for g, w in zip(got, want))
-    bad += not ok
-    kernels = len(km.plan.kernels) if km.plan else 0
-    print(f"{'OK' if ok else 'WRONG':8} {name}: max |kiln - onnxruntime| {err:.1e}, {kernels} kernels\n         ops: {ops}")
+      except Exception as e:  # anything but kiln's own typed error is a bug
+        bad += 1
+        print(f"FAILED   {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}\n         ops: {ops}")
+        continue
+      ok = max(errs) <= TOL and shapes_ok
+      bad += not ok
+      kernels = len(km.plan.kernels) if km.plan else 0
+      sizes = f", at {len(feeds)} sizes" if dynamic else ""
+      print(f"{'OK' if ok else 'WRONG':8} {label}: max |kiln - onnxruntime| {max(errs):.1e}, {kernels} kernels{sizes}\n         ops: {ops}")
   return 1 if bad else 0
 
 

@@ -8,6 +8,7 @@ A node is one of a few kinds (the scheduler renders each as UOps, see render.py)
 |---------|-------------------|---------------------------------------|-------------------------------------------------------------|
 | BUFFER  | -                 | `Source` (numpy data or an input name) | data that lives in a plan buffer                            |
 | CONST   | -                 | Python number, or a symbolic dim (UOp) | a scalar of shape (), broadcast by VIEW expand              |
+| IOTA    | -                 | -                                      | 0, 1, ..., n-1 along its one axis (n may be symbolic)       |
 | ALU     | 1-3 of one shape  | `Ops` (CAST: the target in dtype)      | elementwise                                                 |
 | REDUCE  | 1                 | (Ops.ADD/MUL/MAX, axes)                | reduced axes kept as size 1 (keepdims)                       |
 | VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |

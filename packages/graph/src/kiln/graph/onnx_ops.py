@@ -183,7 +183,8 @@ def _shape(n: Node) -> Value:
 
 
 # the ops that may take a shape value holding symbolic dims (an object array), and at which input
-SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat": None, "Slice": (0,), "Identity": (0,), "Reshape": (1,)}
+SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat": None, "Slice": (0,), "Identity": (0,), "Reshape": (1,),
+                   "ConstantOfShape": (0,), "Range": (1,)}
 
 
 def check_shape_value(n: Node) -> None:
@@ -195,7 +196,8 @@ def check_shape_value(n: Node) -> None:
       ok = SHAPE_VALUE_OPS.get(n.op, ())
       if ok is not None and i not in ok:
         raise n.error(f"input {i} holds the symbolic dims of a Shape ({', '.join(sym.fmt(d) for d in v.reshape(-1))}), which only "
-                      "Gather, Unsqueeze, Squeeze, Concat, Slice and Reshape's shape input take; give those dims fixed sizes")
+                      "Gather, Unsqueeze, Squeeze, Concat, Slice, Reshape's shape, ConstantOfShape and Range's limit take; "
+                      "give those dims fixed sizes")
 
 
 def _reshape(n: Node) -> Value:
@@ -333,14 +335,20 @@ def _constant(n: Node, onnx: Any) -> Value:
 
 
 def _constant_of_shape(n: Node, onnx: Any) -> Value:
-  shape = tuple(int(s) for s in n.const(0, "shape").reshape(-1))
+  raw = n.const(0, "shape").reshape(-1)
   v = n.attr("value")
   val = onnx.numpy_helper.to_array(v).reshape(-1) if v is not None else np.zeros(1, np.float32)
-  return np.full(shape, val[0], val.dtype)
+  if raw.dtype == object:  # a shape with symbolic dims (torch.ones(T, T) for a dynamic T): a broadcast constant, nothing stored
+    return Tensor.full(tuple(d if isinstance(d, UOp) else int(d) for d in raw), val[0].item(), val.dtype)
+  return np.full(tuple(int(s) for s in raw), val[0], val.dtype)
 
 
 def _range(n: Node) -> Value:
   s, e, d = (n.const(i, w) for i, w in enumerate(("start", "limit", "delta")))
+  if e.dtype == object:  # a symbolic limit (torch.arange(T) for a dynamic T): the loop's own index, step 1 only
+    lim = e.reshape(-1)[0]
+    if d.item() != 1 or s.dtype.kind not in "iu": raise n.error("a symbolic limit needs an integer start and delta 1")
+    return Tensor.arange(lim - int(s.item()), s.dtype) + int(s.item()) if s.item() else Tensor.arange(lim, s.dtype)
   return np.arange(s.item(), e.item(), d.item()).astype(s.dtype)
 
 

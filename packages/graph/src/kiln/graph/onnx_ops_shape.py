@@ -11,6 +11,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.onnx_ops import Node, Value, _axes_of, _norm, _op
 from kiln.graph.tensor import Tensor
+from kiln.ir.kernels import Dim
 
 
 def _static(n: Node, x: Tensor, axes: list[int] | range, why: str) -> list[int]:
@@ -66,6 +67,7 @@ def _pad(n: Node) -> Value:
   if mode == "constant" and all(b >= 0 and e >= 0 for b, e in per.values()):
     return x.pad([per.get(a, (0, 0)) for a in range(x.ndim)], value)
   for a, (b, e) in per.items():
+    if b == e == 0: continue  # an axis left alone may be symbolic (a batch)
     if mode == "constant":
       x = _pad_axis(x, a, min(b, 0), min(e, 0), mode, n)  # crop first, then pad with the value
       x = x.pad([(max(b, 0), max(e, 0)) if j == a else (0, 0) for j in range(x.ndim)], value)
@@ -90,12 +92,16 @@ def _tile(n: Node) -> Value:
 def _trilu(n: Node) -> Value:
   x = n.t(0)
   if x.ndim < 2: raise n.error(f"input {x.shape} needs rank >= 2")
-  rows, cols = _static(n, x, [x.ndim - 2, x.ndim - 1], "Trilu")
   k = n.opt_const(1, "k")
   kk = 0 if k is None else int(k.reshape(-1)[0])
-  i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
-  keep = (j - i >= kk) if n.attr("upper", 1) else (j - i <= kk)
-  return Tensor(keep).where(x, Tensor.full((), 0, x.dtype))
+  d = _diagonals(x.shape[-2], x.shape[-1])
+  keep = (d > kk - 1) if n.attr("upper", 1) else (d < kk + 1)
+  return keep.where(x, Tensor.full((), 0, x.dtype))
+
+
+def _diagonals(rows: Dim, cols: Dim) -> Tensor:
+  """j - i over a (rows, cols) grid, from the loops' own indices (either size may be symbolic: a dynamic sequence)."""
+  return Tensor.arange(cols).reshape(1, cols) - Tensor.arange(rows).reshape(rows, 1)
 
 
 def _argext(kind: str) -> Callable[[Node], Value]:
@@ -166,14 +172,14 @@ def _cumsum(n: Node) -> Value:
   run in index order, as onnxruntime's do."""
   x = n.t(0)
   a = _norm(int(n.const(1, "axis").reshape(-1)[0]), x.ndim, n)
-  (d,) = _static(n, x, [a], "CumSum")
-  i, j = np.arange(d)[:, None], np.arange(d)[None, :]
+  d = x.shape[a]
+  dj = _diagonals(d, d)  # j - i
   excl, rev = bool(n.attr("exclusive", 0)), bool(n.attr("reverse", 0))
-  mask = (j > i if excl else j >= i) if rev else (j < i if excl else j <= i)
+  mask = (dj > 0 if excl else dj > -1) if rev else (dj < 0 if excl else dj < 1)
   order = [k for k in range(x.ndim) if k != a] + [a]
   xt = x.permute(order).unsqueeze(-2)  # (..., 1, L): x[..., j]
   xt = xt.expand(tuple(xt.shape[:-2]) + (d, d))
-  s = Tensor(mask).where(xt, Tensor.full((), 0, x.dtype)).sum(-1)  # (..., L): over j for each i
+  s = mask.where(xt, Tensor.full((), 0, x.dtype)).sum(-1)  # (..., L): over j for each i
   return s.permute([order.index(k) for k in range(x.ndim)])
 
 
@@ -234,11 +240,12 @@ def _einsum(n: Node) -> Value:
   ops = [n.t(i) for i in range(len(n.ins))]
   if not ops: raise n.error("no operands")
   terms, out = _einsum_terms(n, ops)
-  sizes: dict[str, int] = {}
+  sizes: dict[str, Dim] = {}  # a symbolic dim (batch, seq) is one UOp wherever it stands, so the same letter matches
   for t, op in zip(terms, ops):
-    for c, d in zip(t, _static(n, op, range(op.ndim), "Einsum")):
-      if sizes.get(c, 1) not in (1, d) and d != 1: raise n.error(f"letter {c!r} has sizes {sizes[c]} and {d}")
-      sizes[c] = max(sizes.get(c, 1), d)
+    for c, d in zip(t, op.shape):
+      if sizes.get(c, 1) != 1 and d != 1 and sizes[c] is not d and sizes[c] != d:
+        raise n.error(f"letter {c!r} has sizes {sym.fmt(sizes[c])} and {sym.fmt(d)}")
+      if d != 1 or c not in sizes: sizes[c] = d
   summed = [c for c in dict.fromkeys("".join(terms)) if c not in out]
   if len(ops) == 2:  # matmul's layout, (batch, rows, contracted, columns): the codegen tiles it as a matrix product
     a, b = terms
@@ -271,12 +278,12 @@ def _resize(n: Node) -> Value:
   if mode != "nearest": raise n.error(f"attribute mode={mode!r} is not supported (nearest at whole scale factors only)")
   if (ctm, near) not in RESIZE_REPEATS:
     raise n.error(f"coordinate_transformation_mode={ctm!r} with nearest_mode={near!r} is not supported (not a plain repeat)")
-  sizes_in = _static(n, x, range(x.ndim), "Resize")
   scales = n.opt_const(1 if n.opset < 11 else 2, "scales")
   sizes = None if n.opset < 11 else n.opt_const(3, "sizes")
   if n.attr("keep_aspect_ratio_policy", "stretch") != "stretch": raise n.error("keep_aspect_ratio_policy other than stretch is not supported")
   axes = [_norm(a, x.ndim, n) for a in (n.attr("axes") or range(x.ndim))]  # opset 18: scales or sizes for these axes only
-  if sizes is not None and sizes.size: given = [int(o) / sizes_in[a] for o, a in zip(sizes.reshape(-1), axes)]
+  if sizes is not None and sizes.size:  # the input's size must be known on the axes whose output size is given
+    given = [int(o) / _static(n, x, [a], "Resize with sizes")[0] for o, a in zip(sizes.reshape(-1), axes)]
   elif scales is not None and scales.size: given = [float(f) for f in scales.reshape(-1)]
   else: raise n.error("needs scales or sizes")
   if len(given) != len(axes): raise n.error(f"{len(given)} scales or sizes for {len(axes)} axes")
@@ -284,6 +291,7 @@ def _resize(n: Node) -> Value:
   for a, f in zip(axes, given): factors[a] = f
   if len(factors) != x.ndim or any(f < 1 or f != int(f) for f in factors):
     raise n.error(f"scale factors {factors} are not one whole number >= 1 per axis of {x.shape} (downsampling and fractions are not supported)")
+  _static(n, x, [a for a, f in enumerate(factors) if f != 1], "Resize")  # the scaled axes; a batch axis may stay symbolic
   for a, f in enumerate(int(f) for f in factors):  # each element f times in a row: a new axis after it, merged
     if f == 1: continue
     u = x.unsqueeze(a + 1)

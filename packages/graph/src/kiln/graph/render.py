@@ -176,6 +176,7 @@ class Renderer:
 
   def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
     if n.op == "BUFFER": return self._global(n).index(self.splits.flat(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
+    if n.op == "IOTA": return idx[0].cast(n.dtype)  # the element's own index along the one axis
     if n.op == "CONST": return n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)  # a UOp: a symbolic dim's value
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]

@@ -92,6 +92,11 @@ class Tensor:
     return Tensor(Node("BUFFER", (), Source(name=name), tuple(shp), to_dtype(dtype)))
 
   @staticmethod
+  def arange(n: Dim, dtype: DTypeLike = dtypes.int64) -> Tensor:
+    """0, 1, ..., n-1 (n a symbolic dim too: the values are the loop's own index, nothing is stored)."""
+    return Tensor(Node("IOTA", (), None, (n,), to_dtype(dtype)))
+
+  @staticmethod
   def dim_value(d: Dim, dtype: DTypeLike = dtypes.float32) -> Tensor:
     """A scalar holding a dim's size: a symbolic dim's value at run time (mean over a symbolic axis divides by it)."""
     dt = to_dtype(dtype)
