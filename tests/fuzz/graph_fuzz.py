@@ -166,7 +166,11 @@ def check_program(prog: Program) -> str | None:
 
 # ---- random ONNX graphs against onnxruntime ----
 ONNX_OPS = ["Relu", "Tanh", "Sigmoid", "Erf", "Abs", "Neg", "Add", "Mul", "Sub", "Softmax", "ReduceMean", "ReduceMax", "Transpose",
-            "MatMul", "LayerNormalization", "Concat", "Slice", "Where", "Unsqueeze"]
+            "MatMul", "LayerNormalization", "Concat", "Slice", "Where", "Unsqueeze",
+            # continuous ones only (a Floor or Sign after a last-bit difference upstream would differ by a whole step)
+            "LeakyRelu", "Elu", "Softplus", "HardSwish", "Mish", "Cos", "Softsign", "HardSigmoid", "ReduceLogSumExp", "ReduceL2", "CumSum",
+            "Trilu"]
+REDUCES = ("ReduceMean", "ReduceMax", "ReduceLogSumExp", "ReduceL2")  # axes as an input (opset 18), keepdims drawn
 
 
 @st.composite
@@ -178,8 +182,11 @@ def onnx_chains(draw: Callable) -> tuple[tuple[int, ...], int, list[tuple[str, d
   for _ in range(draw(st.integers(1, 6))):
     op = draw(st.sampled_from(ONNX_OPS))
     p: dict[str, Any] = {}
-    if op in ("Softmax", "ReduceMean", "ReduceMax", "Concat"): p["axis"] = draw(st.integers(-len(cur), len(cur) - 1))
-    if op in ("ReduceMean", "ReduceMax"): p["keep"] = draw(st.booleans()) or len(cur) <= 1
+    if op in ("Softmax", "Concat", "CumSum", *REDUCES): p["axis"] = draw(st.integers(-len(cur), len(cur) - 1))
+    if op in REDUCES: p["keep"] = draw(st.booleans()) or len(cur) <= 1
+    if op == "Trilu":
+      if len(cur) < 2: continue
+      p["upper"], p["k"] = draw(st.integers(0, 1)), draw(st.integers(-3, 3))
     if op == "Transpose": p["perm"] = draw(st.permutations(range(len(cur))))
     if op == "MatMul": p["n"] = draw(st.integers(1, 5))
     if op == "Slice":
@@ -195,7 +202,7 @@ def onnx_chains(draw: Callable) -> tuple[tuple[int, ...], int, list[tuple[str, d
 
 
 def _onnx_shape(op: str, p: dict[str, Any], s: list[int]) -> list[int]:
-  if op in ("ReduceMean", "ReduceMax"):
+  if op in REDUCES:
     a = p["axis"] % len(s)
     return [1 if i == a else n for i, n in enumerate(s)] if p["keep"] else [n for i, n in enumerate(s) if i != a]
   if op == "Transpose": return [s[i] for i in p["perm"]]
@@ -222,7 +229,7 @@ def onnx_model(shape: tuple[int, ...], steps: list[tuple[str, dict[str, Any]]]) 
       c = _const(tuple(shp[-1:]), i)
       inits.append(numpy_helper.from_array(c, f"c{i}")); ins.append(f"c{i}")
     elif op == "Softmax": attrs["axis"] = p["axis"]
-    elif op in ("ReduceMean", "ReduceMax"):
+    elif op in REDUCES:
       inits.append(numpy_helper.from_array(np.asarray([p["axis"]], np.int64), f"a{i}")); ins.append(f"a{i}"); attrs["keepdims"] = int(p["keep"])
     elif op == "Transpose": attrs["perm"] = list(p["perm"])
     elif op == "MatMul":
@@ -240,6 +247,8 @@ def onnx_model(shape: tuple[int, ...], steps: list[tuple[str, dict[str, Any]]]) 
       ins = [f"m{i}", cur, f"h{i}"]
     elif op == "Unsqueeze":
       inits.append(numpy_helper.from_array(np.asarray([p["axis"]], np.int64), f"u{i}")); ins.append(f"u{i}")
+    elif op == "CumSum": ins.append(const(f"cs{i}", np.asarray(p["axis"], np.int64)))
+    elif op == "Trilu": ins.append(const(f"k{i}", np.asarray(p["k"], np.int64))); attrs["upper"] = p["upper"]
     nodes.append(helper.make_node(op, ins, [out], **attrs))
     cur, shp = out, _onnx_shape(op, p, shp)
   g = helper.make_graph(nodes, "fuzz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
