@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import onnx_limits as lim
-from kiln.graph import onnx_ops_act, onnx_ops_shape  # noqa: F401  (they register their operators in OPS)
+from kiln.graph import onnx_ops_act, onnx_ops_rnn, onnx_ops_shape  # noqa: F401  (they register their operators in OPS)
 from kiln.graph.lazy import GraphError, ONNXError
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
