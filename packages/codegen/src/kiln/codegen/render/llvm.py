@@ -69,6 +69,12 @@ _BY_ONE = {Ops.IDIV: "a", Ops.MOD: "0"}  # what an edge divisor replaced by 1 yi
 _EDGE_VALUE = {"-a": "sub {t} {zero}, {a0}"}  # the other edge results, computed apart
 
 
+def _positive_zero(u: UOp) -> bool:
+  """A float constant +0.0, or a vector of them (not -0.0: max(-0, x) differs from max(+0, x) at x = -0)."""
+  cs = u.src if u.op is Ops.VECTORIZE else (u,)
+  return all(c.op is Ops.CONST and isinstance(c.arg, float) and c.arg == 0 and str(c.arg)[0] != "-" for c in cs)
+
+
 def no_signed_wrap(u: UOp) -> bool:
   """A scalar signed ADD/SUB/MUL whose exact result, from its operands' bounds, fits its type: rendered `nsw`, so LLVM may
   widen an i32 index sum to the pointer width term by term and share one base pointer among rows that differ by a
@@ -374,6 +380,12 @@ class LLVMPrinter(Printer):
     if op is Ops.WHERE:
       r = self.tmp()
       self.emit(f"{r} = select {self.tv(u.src[0])}, {self.tv(u.src[1])}, {self.tv(u.src[2])}")
+      return r
+    if op is Ops.MAX and s.name in ("float32", "float64") and (z := [x for x in u.src if _positive_zero(x)]):
+      # max(x, +0) (ReLU) as select(x <= 0, +0, x): llvm.maximum's bits (NaN: x itself; -0: +0) in 2 instructions, not 3
+      x, r, c = next((v for v in u.src if v is not z[0]), z[0]), self.tmp(), self.tmp()
+      self.emit(f"{c} = fcmp ole {self.tv(x)}, {self.val(z[0])}")
+      self.emit(f"{r} = select {vtype('i1', src_dt.count)} {c}, {self.tv(z[0])}, {self.tv(x)}")
       return r
     if s.is_float and s.name in ("float16", "bfloat16"):  # compute in float, round once per op
       vals = [self.val(x) for x in u.src]
