@@ -1,3 +1,300 @@
 """The ONNX recurrent operators (LSTM, GRU, RNN), unrolled over a sequence of fixed length into kiln.graph Tensor ops and
-registered in onnx_ops.OPS (onnx.py imports this module for that)."""
+registered in onnx_ops.OPS (onnx.py imports this module for that).
+
+The input projection X @ W^T (+ the biases that sit outside the recurrence) is one matmul over every time step, before
+the loop; each step then does only H_{t-1} @ R^T and the gate maths. The directions of a bidirectional node run side by
+side as a leading axis of size 2 (the reverse one reads the projection backwards), so one batched matmul per step serves
+both. Each step's state is realized (Tensor.contiguous): the next step's matmul reads it whole, and an inlined state would
+recompute every earlier step. The sequence length must be fixed (a symbolic one is refused, naming the node); the batch may
+be symbolic. sequence_lens is accepted only as a constant equal to the full length for every batch entry: kiln has no
+data-dependent loop counts."""
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.graph.onnx_ops import Node, _op
+from kiln.graph.onnx_ops_shape import _static
+from kiln.graph.tensor import Tensor
+from kiln.ir.kernels import Dim
+
+# ---- the activation functions: name (matched without case, as onnxruntime does) -> (f(x, alpha, beta), how many
+# alphas and betas it consumes from activation_alpha/activation_beta, their defaults). The spec's defaults are those of
+# the ONNX operator of that name; where onnxruntime uses 0 instead (ThresholdedRelu) or no operator is left to say
+# (Affine, ScaledTanh), the default is None: the value must be given, so kiln never silently differs from either.
+_Fn = Callable[[Tensor, float, float], Tensor]
+_ACTS: dict[str, tuple[str, _Fn, int, int, float | None, float | None]] = {
+  "relu": ("Relu", lambda x, a, b: x.relu(), 0, 0, 0.0, 0.0),
+  "tanh": ("Tanh", lambda x, a, b: x.tanh(), 0, 0, 0.0, 0.0),
+  "sigmoid": ("Sigmoid", lambda x, a, b: x.sigmoid(), 0, 0, 0.0, 0.0),
+  "affine": ("Affine", lambda x, a, b: x * a + b, 1, 1, None, None),
+  "leakyrelu": ("LeakyRelu", lambda x, a, b: (x < 0).where(x * a, x), 1, 0, 0.01, 0.0),
+  "thresholdedrelu": ("ThresholdedRelu", lambda x, a, b: (x > a).where(x, 0.0), 1, 0, None, 0.0),
+  "scaledtanh": ("ScaledTanh", lambda x, a, b: (x * b).tanh() * a, 1, 1, None, None),
+  "hardsigmoid": ("HardSigmoid", lambda x, a, b: (x * a + b).maximum(0.0).minimum(1.0), 1, 1, 0.2, 0.5),
+  "elu": ("Elu", lambda x, a, b: (x < 0).where((x.exp() - 1.0) * a, x), 1, 0, 1.0, 0.0),
+  "softsign": ("Softsign", lambda x, a, b: x / (x.abs() + 1.0), 0, 0, 0.0, 0.0),
+  # log(1 + e^x) as max(x, 0) + log(1 + e^-|x|): e^x does not overflow for a large x
+  "softplus": ("Softplus", lambda x, a, b: x.maximum(0.0) + ((-x.abs()).exp() + 1.0).log(), 0, 0, 0.0, 0.0),
+}
+Act = tuple[str, float, float]  # (key of _ACTS, alpha, beta): comparable, so equal directions apply one function
+
+
+def _activations(n: Node, defaults: list[str], dirs: int) -> list[list[Act]]:
+  """The node's activation functions per direction (all of them named, as the spec and onnxruntime want), each with its
+  alpha and beta: activation_alpha/beta are consumed in order by the functions that take them (the spec's rule)."""
+  raw = n.attr("activations")
+  names = [s.decode() if isinstance(s, bytes) else str(s) for s in raw] if raw else defaults * dirs
+  if len(names) != len(defaults) * dirs:
+    raise n.error(f"attribute activations has {len(names)} names, {n.op} takes {len(defaults)} per direction ({len(defaults) * dirs} here)")
+  alphas, betas = [float(a) for a in n.attr("activation_alpha") or []], [float(b) for b in n.attr("activation_beta") or []]
+  out: list[Act] = []
+  for name in names:
+    key = name.lower()
+    if key not in _ACTS:
+      raise n.error(f"activation {name!r} is not supported ({', '.join(v[0] for v in _ACTS.values())})")
+    _, _, na, nb, da, db = _ACTS[key]
+    a = alphas.pop(0) if na and alphas else da
+    b = betas.pop(0) if nb and betas else db
+    if a is None or b is None:
+      raise n.error(f"activation {name!r} needs its {'alpha' if a is None else 'beta'} in activation_{'alpha' if a is None else 'beta'}: "
+                    "the spec's default and onnxruntime's (0) differ, or there is none")
+    out.append((key, a, b))
+  k = len(defaults)
+  return [out[d * k:(d + 1) * k] for d in range(dirs)]
+
+
+def _act(fs: list[Act], x: Tensor) -> Tensor:
+  """Apply each direction's function to its slice of x (directions on axis 0); one application when they agree."""
+  if all(f == fs[0] for f in fs):
+    key, a, b = fs[0]
+    return _ACTS[key][1](x, a, b)
+  return Tensor.cat([_ACTS[k][1](x[d:d + 1], a, b) for d, (k, a, b) in enumerate(fs)], 0)
+
+
+def _clip(x: Tensor, c: float | None) -> Tensor:
+  return x if c is None else x.maximum(-c).minimum(c)
+
+
+# ---- what every recurrent op shares: shapes, directions, the input projection, the outputs ----
+@dataclass
+class _Seq:
+  x: Tensor  # time-major (T, batch, input)
+  steps: int  # T
+  hidden: int
+  rev: list[bool]  # per direction: does it step backwards?
+  layout: int
+  clip: float | None
+
+  @property
+  def dirs(self) -> int: return len(self.rev)
+
+
+def _setup(n: Node, gates: int) -> _Seq:
+  direction = n.attr("direction", "forward")
+  if direction not in ("forward", "reverse", "bidirectional"):
+    raise n.error(f"attribute direction={direction!r} is not supported (forward, reverse, bidirectional)")
+  rev = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}[direction]
+  layout = int(n.attr("layout", 0))
+  if layout not in (0, 1): raise n.error(f"attribute layout={layout} is not supported (0, 1)")
+  x = n.t(0)
+  if x.ndim != 3 or not x.dtype.is_float: raise n.error(f"input X {x.shape} {x.dtype.name} must be a float tensor of rank 3")
+  x = x.permute(1, 0, 2) if layout else x  # layout 1 is batch-major: made time-major, the steps walk axis 0
+  (steps,) = _static(n, x, [0], "the sequence length (the recurrence is unrolled step by step)")
+  if steps < 1: raise n.error(f"input X {x.shape} has an empty sequence (not supported)")
+  w, r = n.t(1), n.t(2)
+  hidden = r.shape[-1]
+  if not isinstance(hidden, int) or r.shape != (len(rev), gates * hidden, hidden) or w.shape != (len(rev), gates * hidden, x.shape[2]):
+    raise n.error(f"W {w.shape} and R {r.shape} do not fit {len(rev)} direction(s) of {gates} gates over input {x.shape[2]}")
+  if n.attr("hidden_size", hidden) != hidden: raise n.error(f"attribute hidden_size={n.attr('hidden_size')} differs from R's {hidden}")
+  clip = n.attr("clip")
+  if clip is not None and not (math.isfinite(clip) and clip > 0): raise n.error(f"attribute clip={clip} must be a positive number")
+  _check_lengths(n, steps, x.shape[1])
+  return _Seq(x, steps, hidden, rev, layout, None if clip is None else float(clip))
+
+
+def _check_lengths(n: Node, steps: int, batch: Dim) -> None:
+  """sequence_lens (input 4) may only say what kiln does anyway: every batch entry runs all the steps."""
+  v = n.ins[4] if len(n.ins) > 4 else None
+  if v is None: return
+  name = n.proto.input[4]
+  if isinstance(v, Tensor):
+    raise n.error(f"input 4 sequence_lens ({name!r}) is computed at run time: kiln unrolls a fixed {steps} steps for every batch "
+                  "entry and has no data-dependent lengths (give it as a constant of the full length, or leave it out)")
+  if v.ndim != 1 or np.any(v != steps) or (isinstance(batch, int) and v.size != batch):
+    raise n.error(f"input 4 sequence_lens ({name!r}) = {v.tolist()} is not the full length {steps} for each of the batch's "
+                  "entries: kiln has no data-dependent lengths")
+
+
+def _opt(n: Node, i: int) -> Tensor | None:
+  return n.t(i) if i < len(n.ins) and n.ins[i] is not None else None
+
+
+def _initial(n: Node, i: int, s: _Seq) -> Tensor | None:
+  """initial_h / initial_c as (directions, batch, hidden); None where omitted or all zeros (step 0 then skips its
+  matmul: torch exports zeros, and a broadcast constant would otherwise feed a reduction as a kernel of its own)."""
+  shape = (s.dirs, s.x.shape[1], s.hidden)
+  v = _opt(n, i)
+  if v is None or _zero(v): return None
+  v = v.permute(1, 0, 2) if s.layout and v.ndim == 3 else v
+  if v.shape != shape: raise n.error(f"input {i} ({n.proto.input[i]!r}) has shape {v.shape}, expected {shape} (layout {s.layout} aside)")
+  return v.contiguous()  # a buffer the first step's matmul reads plainly
+
+
+def _zero(v: Tensor) -> bool:
+  """Is v a constant zero (a zero CONST or constant buffer, seen through reshapes, expands, permutes and slices)?"""
+  node = v.node
+  while node.op == "VIEW" and node.arg[0] != "pad": node = node.src[0]
+  if node.op == "CONST": return isinstance(node.arg, int | float) and node.arg == 0
+  return node.op == "BUFFER" and node.arg.data is not None and not np.any(node.arg.data)
+
+
+def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
+  """X @ W^T (+ bias) for every step at once, (directions, T, batch, gates*hidden): one matmul, realized, which every
+  step's kernel reads its slice of."""
+  wt = n.t(1).permute(0, 2, 1).unsqueeze(1)  # (D, 1, input, G*H)
+  p = s.x.unsqueeze(0) @ wt
+  if bias is not None: p = p + bias.reshape(s.dirs, 1, 1, -1)
+  return p.contiguous()
+
+
+def _bias(n: Node, s: _Seq, gates: int) -> tuple[Tensor, Tensor] | None:
+  """B split into its input-side (Wb) and recurrent-side (Rb) halves, each (directions, gates*hidden)."""
+  b = _opt(n, 3)
+  if b is None: return None
+  gh = gates * s.hidden
+  if b.shape != (s.dirs, 2 * gh): raise n.error(f"input B has shape {b.shape}, expected {(s.dirs, 2 * gh)}")
+  return b[:, :gh], b[:, gh:]
+
+
+def _step_input(p: Tensor, s: _Seq, t: int) -> Tensor:
+  """Step t's projection, (directions, batch, G*H): the reverse direction reads time T-1-t."""
+  parts = [p[d:d + 1, s.steps - 1 - t if r else t] for d, r in enumerate(s.rev)]
+  return parts[0] if len(parts) == 1 else Tensor.cat(parts, 0)
+
+
+def _outputs(s: _Seq, hs: list[Tensor], finals: list[Tensor]) -> list[Tensor]:
+  """Y (T, D, batch, H) in time order per direction (layout 1: (batch, T, D, H)), then the final states (D, batch, H)
+  (layout 1: (batch, D, H))."""
+  ys = Tensor.stack(hs, 0)  # step order
+  if any(s.rev): ys = Tensor.cat([ys[::-1, d:d + 1] if r else ys[:, d:d + 1] for d, r in enumerate(s.rev)], 1)
+  if s.layout: return [ys.permute(2, 0, 1, 3)] + [f.permute(1, 0, 2) for f in finals]
+  return [ys] + finals
+
+
+def _gate(g: Tensor, k: int, h: int) -> Tensor: return g[..., k * h:(k + 1) * h]
+
+
+def _recurrent_t(n: Node) -> Tensor: return n.t(2).permute(0, 2, 1)  # R^T: (D, hidden, G*H), for h @ R^T
+
+
+def _plus(a: Tensor, b: Tensor | None) -> Tensor: return a if b is None else a + b
+
+
+def _gates(x: Tensor, h: Tensor | None, rt: Tensor) -> Tensor:
+  """x + h @ R^T, realized: the gate maths reads it at several offsets. A zero h (the first step from a zero state) adds
+  nothing, and x, a slice of the realized projection, is read as it is."""
+  return x if h is None else (x + h @ rt).contiguous()
+
+
+# ---- LSTM: gates i, o, f, c ----
+def _lstm(n: Node) -> list[Tensor]:
+  s = _setup(n, 4)
+  fs = _activations(n, ["Sigmoid", "Tanh", "Tanh"], s.dirs)
+  f_, g_, h_ = ([d[k] for d in fs] for k in range(3))
+  coupled = bool(n.attr("input_forget", 0))
+  wb_rb = _bias(n, s, 4)
+  p = _project(n, s, None if wb_rb is None else wb_rb[0] + wb_rb[1])
+  peep = _peepholes(n, s)
+  rt, hid = _recurrent_t(n), s.hidden
+  h, c = _initial(n, 5, s), _initial(n, 6, s)
+  hs = []
+  for t in range(s.steps):
+    g = _gates(_step_input(p, s, t), h, rt)
+    gi, go, gf, gc = (_gate(g, k, hid) for k in range(4))
+    if peep is not None and c is not None: gi, gf = gi + peep[0] * c, gf + peep[2] * c
+    i = _act(f_, _clip(gi, s.clip))
+    f = 1.0 - i if coupled else _act(f_, _clip(gf, s.clip))  # input_forget: the forget gate is 1 - the input gate
+    c_new = _plus(i * _act(g_, _clip(gc, s.clip)), None if c is None else f * c)
+    if peep is not None: go = go + peep[1] * c_new
+    h_new = _act(f_, _clip(go, s.clip)) * _act(h_, c_new)
+    state = Tensor.stack([c_new, h_new], 0).contiguous()  # one kernel for both (h recomputes c's few flops inline)
+    c, h = state[0], state[1]
+    hs.append(h)
+  assert h is not None and c is not None  # steps >= 1
+  return _outputs(s, hs, [h, c])
+
+def _peepholes(n: Node, s: _Seq) -> list[Tensor] | None:
+  """P's i, o, f parts, each (directions, 1, hidden) to broadcast over the batch."""
+  pp = _opt(n, 7)
+  if pp is None: return None
+  if pp.shape != (s.dirs, 3 * s.hidden): raise n.error(f"input P has shape {pp.shape}, expected {(s.dirs, 3 * s.hidden)}")
+  return [_gate(pp, k, s.hidden).unsqueeze(1) for k in range(3)]
+
+
+# ---- GRU: gates z, r, h ----
+def _gru(n: Node) -> list[Tensor]:
+  s = _setup(n, 3)
+  fs = _activations(n, ["Sigmoid", "Tanh"], s.dirs)
+  f_, g_ = [d[0] for d in fs], [d[1] for d in fs]
+  lbr = int(n.attr("linear_before_reset", 0))
+  if lbr not in (0, 1): raise n.error(f"attribute linear_before_reset={lbr} is not supported (0, 1)")
+  wb_rb = _bias(n, s, 3)
+  # Rb_h sits inside r * (...) with linear_before_reset=1, so then only Wb joins the projection
+  p = _project(n, s, None if wb_rb is None else wb_rb[0] if lbr else wb_rb[0] + wb_rb[1])
+  rb = None if wb_rb is None or not lbr else wb_rb[1].unsqueeze(1)
+  rt, h = _recurrent_t(n), _initial(n, 5, s)
+  hs = []
+  for t in range(s.steps):
+    step = _gru_step_lbr if lbr else _gru_step
+    h = step(s, _step_input(p, s, t), h, rt, rb, f_, g_)
+    hs.append(h)
+  assert h is not None  # steps >= 1
+  return _outputs(s, hs, [h])
+
+
+def _gru_step(s: _Seq, x: Tensor, h: Tensor | None, rt: Tensor, rb: Tensor | None, f_: list[Act], g_: list[Act]) -> Tensor:
+  """linear_before_reset=0: the candidate's matmul reads r * H_{t-1}, so it waits for the z, r matmul."""
+  hid = s.hidden
+  zr = _gates(_gate(x, 0, 2 * hid), h, rt[..., :2 * hid])
+  z, r = _act(f_, _clip(_gate(zr, 0, hid), s.clip)), _act(f_, _clip(_gate(zr, 1, hid), s.clip))
+  rh = None if h is None else (r * h).contiguous()  # it feeds a matmul: computed once, not per step of the reduction
+  cand = _act(g_, _clip(_plus(_gate(x, 2, hid), None if rh is None else rh @ rt[..., 2 * hid:]), s.clip))
+  return _plus((1.0 - z) * cand, None if h is None else z * h).contiguous()
+
+
+def _gru_step_lbr(s: _Seq, x: Tensor, h: Tensor | None, rt: Tensor, rb: Tensor | None, f_: list[Act], g_: list[Act]) -> Tensor:
+  """linear_before_reset=1: one matmul for all three gates, the reset applied to H_{t-1} @ R_h^T + Rb_h."""
+  hid = s.hidden
+  g = rb if h is None else _plus(h @ rt, rb).contiguous()
+  part = (lambda k: None) if g is None else (lambda k: _gate(g, k, hid))  # noqa: E731
+  z = _act(f_, _clip(_plus(_gate(x, 0, hid), part(0)), s.clip))
+  r = _act(f_, _clip(_plus(_gate(x, 1, hid), part(1)), s.clip))
+  rg = part(2)
+  cand = _act(g_, _clip(_plus(_gate(x, 2, hid), None if rg is None else r * rg), s.clip))
+  return _plus((1.0 - z) * cand, None if h is None else z * h).contiguous()
+
+
+# ---- RNN: one gate ----
+def _rnn(n: Node) -> list[Tensor]:
+  s = _setup(n, 1)
+  f_ = [d[0] for d in _activations(n, ["Tanh"], s.dirs)]
+  wb_rb = _bias(n, s, 1)
+  p = _project(n, s, None if wb_rb is None else wb_rb[0] + wb_rb[1])
+  rt, h = _recurrent_t(n), _initial(n, 5, s)
+  hs = []
+  for t in range(s.steps):
+    x = _step_input(p, s, t)
+    h = _act(f_, _clip(_plus(x, None if h is None else h @ rt), s.clip)).contiguous()
+    hs.append(h)
+  assert h is not None  # steps >= 1
+  return _outputs(s, hs, [h])
+
+
+_COMMON = "activation_alpha activation_beta activations clip direction hidden_size layout"
+_op("LSTM", _lstm, _COMMON + " input_forget")
+_op("GRU", _gru, _COMMON + " linear_before_reset")
+_op("RNN", _rnn, _COMMON)
