@@ -190,9 +190,9 @@ SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat":
 def check_shape_value(n: Node) -> None:
   """A shape value with a symbolic dim reaches only the ops that move it around and Reshape's shape input."""
   for i, v in enumerate(n.ins):
-    if isinstance(v, np.ndarray) and v.dtype == object and not any(isinstance(d, UOp) for d in v.reshape(-1)):
-      n.ins[i] = v.astype(np.int64)  # every dim turned out fixed: a plain shape
-    elif isinstance(v, np.ndarray) and v.dtype == object:
+    if not (isinstance(v, np.ndarray) and v.dtype == object): continue
+    if not any(isinstance(d, UOp) for d in v.reshape(-1)): n.ins[i] = v.astype(np.int64)  # every dim turned out fixed: a plain shape
+    else:
       ok = SHAPE_VALUE_OPS.get(n.op, ())
       if ok is not None and i not in ok:
         raise n.error(f"input {i} holds the symbolic dims of a Shape ({', '.join(sym.fmt(d) for d in v.reshape(-1))}), which only "

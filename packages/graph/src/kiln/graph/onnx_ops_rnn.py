@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.graph.onnx_ops import Node, _op
+from kiln.graph.onnx_ops_act import _hard_sigmoid, _softplus
 from kiln.graph.onnx_ops_shape import _static
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
@@ -34,11 +35,10 @@ _ACTS: dict[str, tuple[str, _Fn, int, int, float | None, float | None]] = {
   "leakyrelu": ("LeakyRelu", lambda x, a, b: (x < 0).where(x * a, x), 1, 0, 0.01, 0.0),
   "thresholdedrelu": ("ThresholdedRelu", lambda x, a, b: (x > a).where(x, 0.0), 1, 0, None, 0.0),
   "scaledtanh": ("ScaledTanh", lambda x, a, b: (x * b).tanh() * a, 1, 1, None, None),
-  "hardsigmoid": ("HardSigmoid", lambda x, a, b: (x * a + b).maximum(0.0).minimum(1.0), 1, 1, 0.2, 0.5),
+  "hardsigmoid": ("HardSigmoid", _hard_sigmoid, 1, 1, 0.2, 0.5),
   "elu": ("Elu", lambda x, a, b: (x < 0).where((x.exp() - 1.0) * a, x), 1, 0, 1.0, 0.0),
   "softsign": ("Softsign", lambda x, a, b: x / (x.abs() + 1.0), 0, 0, 0.0, 0.0),
-  # log(1 + e^x) as max(x, 0) + log(1 + e^-|x|): e^x does not overflow for a large x
-  "softplus": ("Softplus", lambda x, a, b: x.maximum(0.0) + ((-x.abs()).exp() + 1.0).log(), 0, 0, 0.0, 0.0),
+  "softplus": ("Softplus", lambda x, a, b: _softplus(x), 0, 0, 0.0, 0.0),  # the Softplus operator's own (no overflow, tail kept)
 }
 Act = tuple[str, float, float]  # (key of _ACTS, alpha, beta): comparable, so equal directions apply one function
 

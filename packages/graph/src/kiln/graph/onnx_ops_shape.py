@@ -81,12 +81,18 @@ def _tile(n: Node) -> Value:
   if len(reps) != x.ndim or any(r < 0 for r in reps): raise n.error(f"repeats {reps} do not fit rank {x.ndim} (one count >= 0 per axis)")
   if 0 in reps: raise n.error(f"repeats {reps} make an empty tensor (not supported)")
   _static(n, x, [a for a, r in enumerate(reps) if r != 1], "Tile")
-  for a, r in enumerate(reps):  # the axis gets a new outer axis of r copies, then the two merge
-    if r == 1: continue
-    u = x.unsqueeze(a)
-    u = u.expand(tuple(r if j == a else s for j, s in enumerate(u.shape)))
-    x = u.reshape(tuple(x.shape[:a]) + (r * x.shape[a],) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
+  for a, r in enumerate(reps): x = _repeat(x, a, r, each=False)
   return x
+
+
+def _repeat(x: Tensor, a: int, r: int, each: bool) -> Tensor:
+  """Axis a repeated r times: the whole axis r times over (Tile), or each element r times in a row (Resize, each=True):
+  a new axis of r copies before (or after) it, expanded, and the two merged by a reshape."""
+  if r == 1: return x
+  k = a + 1 if each else a
+  u = x.unsqueeze(k)
+  u = u.expand(tuple(r if j == k else s for j, s in enumerate(u.shape)))
+  return u.reshape(tuple(x.shape[:a]) + (x.shape[a] * r,) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
 
 
 def _trilu(n: Node) -> Value:
@@ -292,11 +298,7 @@ def _resize(n: Node) -> Value:
   if len(factors) != x.ndim or any(f < 1 or f != int(f) for f in factors):
     raise n.error(f"scale factors {factors} are not one whole number >= 1 per axis of {x.shape} (downsampling and fractions are not supported)")
   _static(n, x, [a for a, f in enumerate(factors) if f != 1], "Resize")  # the scaled axes; a batch axis may stay symbolic
-  for a, f in enumerate(int(f) for f in factors):  # each element f times in a row: a new axis after it, merged
-    if f == 1: continue
-    u = x.unsqueeze(a + 1)
-    u = u.expand(tuple(f if j == a + 1 else d for j, d in enumerate(u.shape)))
-    x = u.reshape(tuple(x.shape[:a]) + (x.shape[a] * f,) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
+  for a, f in enumerate(factors): x = _repeat(x, a, int(f), each=True)
   return x
 
 

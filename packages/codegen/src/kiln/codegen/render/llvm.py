@@ -11,6 +11,7 @@ except transcendental functions (libm, or llvm_math's own float32 code) and redu
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -72,7 +73,7 @@ _EDGE_VALUE = {"-a": "sub {t} {zero}, {a0}"}  # the other edge results, computed
 def _positive_zero(u: UOp) -> bool:
   """A float constant +0.0, or a vector of them (not -0.0: max(-0, x) differs from max(+0, x) at x = -0)."""
   cs = u.src if u.op is Ops.VECTORIZE else (u,)
-  return all(c.op is Ops.CONST and isinstance(c.arg, float) and c.arg == 0 and str(c.arg)[0] != "-" for c in cs)
+  return all(c.op is Ops.CONST and isinstance(c.arg, float) and c.arg == 0 and math.copysign(1.0, c.arg) > 0 for c in cs)
 
 
 def no_signed_wrap(u: UOp) -> bool:
