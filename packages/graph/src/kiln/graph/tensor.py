@@ -427,6 +427,8 @@ class Tensor:
     pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
     if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {self.shape}")
     x, w = self._coerce(weight)
+    from kiln.graph import winograd  # (it builds on Tensor)
+    if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
     ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
     xp = x.pad(((0, 0), (0, 0), *pads))
     if cg == 1 and og == 1: return _window_conv(xp, w, st, dl, groups, bias)

@@ -1,0 +1,83 @@
+"""Winograd F(4x4, 3x3): a 3x3, stride-1 convolution as 36 products per 4x4 output tile instead of 144 (Lavin & Gray,
+"Fast Algorithms for Convolutional Neural Networks", 2015), built from kiln's own products so each step gets the matmul
+options (register tile, packed panel, threads).
+
+| step             | what it computes                                             | as                                               |
+|------------------|--------------------------------------------------------------|--------------------------------------------------|
+| weight transform | U[e] = (G (x) G) g per (out, in) channel pair: (36, O, C)    | numpy at build for a weight array, else a product |
+| input transform  | V[e] = (B^T (x) B^T) d per 6x6 window d, 4 apart: (36, C, NT) | a product over the window view (pad read in place) |
+| batched product  | M[e] = U[e] @ V[e]: (36, O, NT), T the tiles of one image     | the matmul path                                  |
+| output transform | Y = (A^T (x) A^T) M: (16, O * NT), bias in its epilogue       | a product over the 36 e                          |
+| read back        | y[n, o, 4ty + r, 4tx + s] = Y[4r + s, o, n, ty, tx]           | a view, no copy; the edge past the map cropped   |
+
+The bench CNN's 3x3 convs (2-core Zen 4, AVX-512, hot): 32->64 over 16x16 maps, batch 32, with its 2x2 max pool 1.52 ->
+1.28-1.33 ms; 64->128 over 8x8 1.44 -> 0.87 ms. The price is accuracy: the transforms' constants (1/24, 8, ...) round, so
+a sum over C channels is off by about 1e-5 of its magnitude (the direct product: about 1e-6); F(2x2, 3x3) is closer
+(3e-6) but its 16 products per 4 outputs made conv1 no faster than the direct product here. KILN_WINOGRAD=0 turns
+it off (the direct product everywhere, e.g. to compare bits with another engine)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from kiln.graph.dims import is_static, static_shape
+from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import dtypes
+
+TILE = 4  # outputs per tile side: F(4x4, 3x3)
+WINDOW = TILE + 2  # input window side
+MIN_CHANNELS = 16  # the batched product's inner length (C) and rows (O): below it the transforms cost more than they save
+_BT = np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+                [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], np.float64)
+_G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+               [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64)
+_AT = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], np.float64)
+# the 2-d transforms as one matrix each, over a window (or tile) flattened row by row: kron(X, X) vec(d) = vec(X d X^T)
+INPUT_T = np.kron(_BT, _BT).astype(np.float32)  # (36, 36)
+OUTPUT_T = np.kron(_AT, _AT).astype(np.float32)  # (16, 36)
+WEIGHT_T = np.kron(_G, _G)  # (36, 9), float64: applied once in numpy where the weight is an array
+
+
+def enabled() -> bool:
+  return os.environ.get("KILN_WINOGRAD", "1") != "0"
+
+
+def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
+  """Whether conv2d takes the Winograd path: float32, static shapes, a 3x3 kernel at stride and dilation 1, one group,
+  at least MIN_CHANNELS in and out, and an output of at least one tile each way."""
+  if not enabled() or x.dtype != dtypes.float32 or w.dtype != dtypes.float32 or x.ndim != 4 or w.ndim != 4: return False
+  if not (is_static(x.shape) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
+  if any(s != 1 for s in stride) or any(d != 1 for d in dilation) or any(b < 0 or a < 0 for b, a in pads): return False
+  o, c = static_shape("conv (weight)", w.shape)[:2]
+  out = [n + b + a - 2 for n, (b, a) in zip(static_shape("conv", x.shape)[2:], pads)]
+  return min(o, c) >= MIN_CHANNELS and min(out) >= TILE
+
+
+def weight_transform(w: Tensor) -> Tensor:
+  """U (36, O, C) from the weight (O, C, 3, 3): in float64 numpy for a weight array, else as a product each run."""
+  o, c = static_shape("conv (weight)", w.shape)[:2]
+  if w.node.op == "BUFFER" and w.node.arg.data is not None:
+    u = WEIGHT_T @ np.asarray(w.node.arg.data, np.float64).reshape(o * c, 9).T  # (36, O*C)
+    return Tensor(u.reshape(WINDOW * WINDOW, o, c).astype(np.float32))
+  return (Tensor(WEIGHT_T.astype(np.float32)) @ w.reshape(o * c, 9).T).reshape(WINDOW * WINDOW, o, c)
+
+
+def conv3x3(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], bias: Tensor | None) -> Tensor:
+  """y = conv2d(x, w, bias, padding=pads) for a case `fits` accepts; x is read in place under its padding."""
+  n, c, h, wd = static_shape("conv", x.shape)
+  o = static_shape("conv (weight)", w.shape)[0]
+  (pt, pb), (pl, pr) = pads
+  ho, wo = h + pt + pb - 2, wd + pl + pr - 2
+  th, tw = -(-ho // TILE), -(-wo // TILE)
+  nt = n * th * tw
+  # the map padded to whole tiles (the extra rows and columns read as zeros, their outputs cropped below)
+  xp = x.contiguous().pad(((0, 0), (0, 0), (pt, pb + TILE * th - ho), (pl, pr + TILE * tw - wo)))
+  cols = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 1, 0, 2, 3).reshape(WINDOW * WINDOW, c * nt)
+  v = (Tensor(INPUT_T) @ cols).reshape(WINDOW * WINDOW, c, nt)
+  m = (weight_transform(w) @ v).reshape(WINDOW * WINDOW, o * nt)
+  y = (Tensor(OUTPUT_T) @ m).contiguous().reshape(TILE, TILE, o, n, th, tw)
+  if bias is not None: y = y + bias.reshape(1, 1, o, 1, 1, 1)  # in the output transform's epilogue (epilogue.py)
+  y = y.permute(3, 2, 4, 0, 5, 1).reshape(n, o, TILE * th, TILE * tw)
+  return y if (TILE * th, TILE * tw) == (ho, wo) else y[:, :, :ho, :wo]

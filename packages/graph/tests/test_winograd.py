@@ -1,0 +1,130 @@
+"""Winograd F(4x4, 3x3) (winograd.py): the transform matrices' algebra in float64, conv2d through it against a float64
+numpy convolution and against the direct product (KILN_WINOGRAD=0), the cases it refuses, its kernels (three products,
+the bias in the last one's epilogue, no kernel for a weight array's transform), and an ONNX Conv -> Relu -> MaxPool
+chain through it against onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_conv import conv_ref, matmul_kernels
+
+from kiln.graph import Tensor, compile, winograd
+
+RNG = np.random.default_rng(44)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+def correlate3(d: np.ndarray, g: np.ndarray) -> np.ndarray:
+  """The 4x4 valid cross-correlation of a 6x6 window with a 3x3 kernel."""
+  return np.array([[(d[i:i + 3, j:j + 3] * g).sum() for j in range(4)] for i in range(4)])
+
+
+def test_transforms_compute_the_correlation_exactly() -> None:
+  """A^T [(G g G^T) * (B^T d B)] A is the correlation of d with g, in float64 to rounding (a wrong sign or constant in
+  any of the three matrices is off by O(1)); the float32 kron tables are the float64 ones rounded."""
+  rng = np.random.default_rng(3)
+  for _ in range(20):
+    d, g = rng.standard_normal((6, 6)), rng.standard_normal((3, 3))
+    u = (winograd.WEIGHT_T @ g.reshape(9)).reshape(6, 6)
+    v = (winograd.INPUT_T.astype(np.float64) @ d.reshape(36)).reshape(6, 6)
+    y = (winograd.OUTPUT_T.astype(np.float64) @ (u * v).reshape(36)).reshape(4, 4)
+    np.testing.assert_allclose(y, correlate3(d, g), rtol=1e-12, atol=1e-12)
+
+
+CASES = [  # x shape, out channels, pads ((top, bottom), (left, right)), bias
+  ((2, 16, 8, 8), 16, ((1, 1), (1, 1)), True),
+  ((1, 32, 16, 16), 24, ((1, 1), (1, 1)), False),
+  ((3, 16, 7, 9), 32, ((1, 1), (1, 1)), True),  # maps that are not whole tiles: the edge tiles cropped
+  ((2, 20, 10, 6), 16, ((0, 0), (0, 0)), True),  # no padding: an 8x4 output
+  ((1, 16, 9, 11), 17, ((2, 0), (0, 3)), True),  # uneven pads
+  ((2, 64, 4, 4), 64, ((1, 1), (1, 1)), False),  # one tile per image
+]
+
+
+@pytest.mark.parametrize("xs,o,pads,bias", CASES)
+def test_conv_matches_numpy_and_the_direct_product(monkeypatch, xs, o, pads, bias) -> None:
+  x, w = rand(*xs), rand(o, xs[1], 3, 3)
+  b = rand(o) if bias else None
+  assert winograd.fits(Tensor(x), Tensor(w), pads, [1, 1], [1, 1], 1)
+  want = conv_ref(x, w, b, [1, 1], list(pads), [1, 1], 1)
+  got, kernels = {}, {}
+  for flag in ("1", "0"):
+    monkeypatch.setenv("KILN_WINOGRAD", flag)
+    c = compile([Tensor.input("x", xs).conv2d(Tensor(w), None if b is None else Tensor(b), 1, list(pads))])
+    got[flag], kernels[flag] = c.run({"x": x})[0], c.kernel_count
+    assert got[flag].shape == want.shape
+  assert kernels["1"] == kernels["0"] + 2  # the input and output transforms
+  # F(4x4, 3x3) rounds its transform constants: about 1e-5 of the magnitude of a sum over the channels
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got["1"], want, rtol=0, atol=3e-5 * scale)
+  np.testing.assert_allclose(got["0"], want, rtol=0, atol=3e-6 * scale)
+
+
+def test_kernels_bias_in_the_epilogue_and_the_weight_transformed_at_build() -> None:
+  """Three products and no other kernel for a weight array (its transform done in numpy at build; the bias added in the
+  output transform's kernel, read back through a view); a weight fed at run time is transformed by one more product."""
+  xs = (2, 16, 8, 8)
+  x = Tensor.input("x", xs)
+  c = compile([x.conv2d(Tensor(rand(32, 16, 3, 3)), Tensor(rand(32)), padding=1).relu().max_pool((2, 2))])
+  assert c.kernel_count == 4 and len(matmul_kernels(c)) == 3, c.plan.describe()  # + the max pool
+  wt = Tensor.input("w", (32, 16, 3, 3))
+  c = compile([x.conv2d(wt, padding=1)])
+  assert len(matmul_kernels(c)) == 4, c.plan.describe()
+  xn, wn = rand(*xs), rand(32, 16, 3, 3)
+  want = conv_ref(xn, wn, None, [1, 1], [(1, 1)] * 2, [1, 1], 1)
+  np.testing.assert_allclose(c.run({"x": xn, "w": wn})[0], want, rtol=0, atol=3e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("why,xs,ws,st,dl,groups,pads", [
+  ("stride 2", (1, 16, 8, 8), (16, 16, 3, 3), [2, 2], [1, 1], 1, [(1, 1)] * 2),
+  ("dilation 2", (1, 16, 8, 8), (16, 16, 3, 3), [1, 1], [2, 2], 1, [(1, 1)] * 2),
+  ("groups", (1, 32, 8, 8), (32, 16, 3, 3), [1, 1], [1, 1], 2, [(1, 1)] * 2),
+  ("5x5 kernel", (1, 16, 8, 8), (16, 16, 5, 5), [1, 1], [1, 1], 1, [(2, 2)] * 2),
+  ("3x1 kernel", (1, 16, 8, 8), (16, 16, 3, 1), [1, 1], [1, 1], 1, [(1, 1), (0, 0)]),
+  ("few input channels", (1, 8, 8, 8), (16, 8, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("few output channels", (1, 16, 8, 8), (8, 16, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("output under one tile", (1, 16, 5, 5), (16, 16, 3, 3), [1, 1], [1, 1], 1, [(0, 0)] * 2),
+])
+def test_refused_cases_take_the_direct_product(why, xs, ws, st, dl, groups, pads) -> None:
+  x, w = rand(*xs), rand(*ws)
+  assert not winograd.fits(Tensor(x), Tensor(w), pads, st, dl, groups), why
+  c = compile([Tensor.input("x", xs).conv2d(Tensor(w), None, st, pads, dl, groups)])
+  assert len(matmul_kernels(c)) <= 1, (why, c.plan.describe())  # (a tiny one is no matmul for the heuristic either)
+  want = conv_ref(x, w, None, st, pads, dl, groups)
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_refused_dtypes_symbolic_batch_and_the_switch(monkeypatch) -> None:
+  w = Tensor(rand(16, 16, 3, 3))
+  args = ([(1, 1)] * 2, [1, 1], [1, 1], 1)
+  assert winograd.fits(Tensor(rand(1, 16, 8, 8)), w, *args)
+  assert not winograd.fits(Tensor(rand(1, 16, 8, 8).astype(np.float64)), Tensor(rand(16, 16, 3, 3).astype(np.float64)), *args)
+  assert not winograd.fits(Tensor.input("x", ("batch", 16, 8, 8), dims={"batch": (1, 4)}), w, *args)
+  monkeypatch.setenv("KILN_WINOGRAD", "0")
+  assert not winograd.fits(Tensor(rand(1, 16, 8, 8)), w, *args)
+
+
+def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
+  """Conv (bias) -> Relu -> MaxPool -> Conv -> GlobalAveragePool, both convs through Winograd, against onnxruntime."""
+  onnx = pytest.importorskip("onnx")
+  ort = pytest.importorskip("onnxruntime")
+  from onnx import TensorProto, helper
+
+  from kiln.graph import onnx as konnx
+  w1, b1, w2 = rand(32, 16, 3, 3), rand(32), rand(48, 32, 3, 3)
+  init = [helper.make_tensor(n, TensorProto.FLOAT, a.shape, a.ravel()) for n, a in (("w1", w1), ("b1", b1), ("w2", w2))]
+  nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+           helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+           helper.make_node("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]), helper.make_node("GlobalAveragePool", ["c2"], ["y"])]
+  g = helper.make_graph(nodes, "wino", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16, 12, 12])],
+                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 48, 1, 1])], init)
+  model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  model.ir_version = 8
+  onnx.checker.check_model(model)
+  x = rand(4, 16, 12, 12)
+  want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+  km = konnx.load(model)
+  assert len(matmul_kernels(km.compiled)) == 6, km.plan.describe()
+  np.testing.assert_allclose(km.run({"x": x})["y"], want, rtol=0, atol=3e-5 * np.abs(want).max())
