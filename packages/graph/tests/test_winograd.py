@@ -34,12 +34,12 @@ def test_transforms_compute_the_correlation_exactly() -> None:
 
 
 CASES = [  # x shape, out channels, pads ((top, bottom), (left, right)), bias
-  ((2, 16, 8, 8), 16, ((1, 1), (1, 1)), True),
-  ((1, 32, 16, 16), 24, ((1, 1), (1, 1)), False),
-  ((3, 16, 7, 9), 32, ((1, 1), (1, 1)), True),  # maps that are not whole tiles: the edge tiles cropped
-  ((2, 20, 10, 6), 16, ((0, 0), (0, 0)), True),  # no padding: an 8x4 output
-  ((1, 16, 9, 11), 17, ((2, 0), (0, 3)), True),  # uneven pads
-  ((2, 64, 4, 4), 64, ((1, 1), (1, 1)), False),  # one tile per image
+  ((4, 32, 8, 8), 64, ((1, 1), (1, 1)), True),
+  ((1, 48, 16, 16), 48, ((1, 1), (1, 1)), False),
+  ((3, 32, 7, 9), 64, ((1, 1), (1, 1)), True),  # maps that are not whole tiles: the edge tiles cropped
+  ((8, 40, 10, 6), 64, ((0, 0), (0, 0)), True),  # no padding: an 8x4 output
+  ((2, 64, 9, 11), 65, ((2, 0), (0, 3)), True),  # uneven pads
+  ((16, 64, 4, 4), 64, ((1, 1), (1, 1)), False),  # one tile per image
 ]
 
 
@@ -55,7 +55,9 @@ def test_conv_matches_numpy_and_the_direct_product(monkeypatch, xs, o, pads, bia
     c = compile([Tensor.input("x", xs).conv2d(Tensor(w), None if b is None else Tensor(b), 1, list(pads))])
     got[flag], kernels[flag] = c.run({"x": x})[0], c.kernel_count
     assert got[flag].shape == want.shape
-  assert kernels["1"] == kernels["0"] + 2  # the input and output transforms
+  # the input transform, the products, the output transform, the tiles put back (and a bias that is the graph's output:
+  # an output is never an epilogue, the direct product's either)
+  assert kernels["1"] == 4 + bias, kernels
   # F(4x4, 3x3) rounds its transform constants: about 1e-5 of the magnitude of a sum over the channels
   scale = np.abs(want).max()
   np.testing.assert_allclose(got["1"], want, rtol=0, atol=3e-5 * scale)
@@ -63,16 +65,16 @@ def test_conv_matches_numpy_and_the_direct_product(monkeypatch, xs, o, pads, bia
 
 
 def test_kernels_bias_in_the_epilogue_and_the_weight_transformed_at_build() -> None:
-  """Three products and no other kernel for a weight array (its transform done in numpy at build; the bias added in the
-  output transform's kernel, read back through a view); a weight fed at run time is transformed by one more product."""
-  xs = (2, 16, 8, 8)
+  """Three products and the copy that puts the tiles back in order, the bias and relu in its epilogue, for a weight
+  array (its transform done in numpy at build); a weight fed at run time is transformed by one more product."""
+  xs = (4, 32, 8, 8)
   x = Tensor.input("x", xs)
-  c = compile([x.conv2d(Tensor(rand(32, 16, 3, 3)), Tensor(rand(32)), padding=1).relu().max_pool((2, 2))])
-  assert c.kernel_count == 4 and len(matmul_kernels(c)) == 3, c.plan.describe()  # + the max pool
-  wt = Tensor.input("w", (32, 16, 3, 3))
+  c = compile([x.conv2d(Tensor(rand(64, 32, 3, 3)), Tensor(rand(64)), padding=1).relu().max_pool((2, 2))])
+  assert c.kernel_count == 5 and len(matmul_kernels(c)) == 3, c.plan.describe()  # + the max pool
+  wt = Tensor.input("w", (64, 32, 3, 3))
   c = compile([x.conv2d(wt, padding=1)])
   assert len(matmul_kernels(c)) == 4, c.plan.describe()
-  xn, wn = rand(*xs), rand(32, 16, 3, 3)
+  xn, wn = rand(*xs), rand(64, 32, 3, 3)
   want = conv_ref(xn, wn, None, [1, 1], [(1, 1)] * 2, [1, 1], 1)
   np.testing.assert_allclose(c.run({"x": xn, "w": wn})[0], want, rtol=0, atol=3e-5 * np.abs(want).max())
 
@@ -83,9 +85,11 @@ def test_kernels_bias_in_the_epilogue_and_the_weight_transformed_at_build() -> N
   ("groups", (1, 32, 8, 8), (32, 16, 3, 3), [1, 1], [1, 1], 2, [(1, 1)] * 2),
   ("5x5 kernel", (1, 16, 8, 8), (16, 16, 5, 5), [1, 1], [1, 1], 1, [(2, 2)] * 2),
   ("3x1 kernel", (1, 16, 8, 8), (16, 16, 3, 1), [1, 1], [1, 1], 1, [(1, 1), (0, 0)]),
-  ("few input channels", (1, 8, 8, 8), (16, 8, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
-  ("few output channels", (1, 16, 8, 8), (8, 16, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
-  ("output under one tile", (1, 16, 5, 5), (16, 16, 3, 3), [1, 1], [1, 1], 1, [(0, 0)] * 2),
+  ("few input channels", (4, 8, 8, 8), (128, 8, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("few output channels", (4, 128, 8, 8), (8, 128, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("16 -> 16 channels", (4, 16, 8, 8), (16, 16, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("few tiles", (1, 64, 8, 8), (64, 64, 3, 3), [1, 1], [1, 1], 1, [(1, 1)] * 2),
+  ("output under one tile", (16, 64, 5, 5), (64, 64, 3, 3), [1, 1], [1, 1], 1, [(0, 0)] * 2),
 ])
 def test_refused_cases_take_the_direct_product(why, xs, ws, st, dl, groups, pads) -> None:
   x, w = rand(*xs), rand(*ws)
@@ -97,13 +101,19 @@ def test_refused_cases_take_the_direct_product(why, xs, ws, st, dl, groups, pads
 
 
 def test_refused_dtypes_symbolic_batch_and_the_switch(monkeypatch) -> None:
-  w = Tensor(rand(16, 16, 3, 3))
+  w = Tensor(rand(64, 64, 3, 3))
   args = ([(1, 1)] * 2, [1, 1], [1, 1], 1)
-  assert winograd.fits(Tensor(rand(1, 16, 8, 8)), w, *args)
-  assert not winograd.fits(Tensor(rand(1, 16, 8, 8).astype(np.float64)), Tensor(rand(16, 16, 3, 3).astype(np.float64)), *args)
-  assert not winograd.fits(Tensor.input("x", ("batch", 16, 8, 8), dims={"batch": (1, 4)}), w, *args)
+  assert winograd.fits(Tensor(rand(4, 64, 8, 8)), w, *args)
+  assert not winograd.fits(Tensor(rand(4, 64, 8, 8).astype(np.float64)), Tensor(rand(64, 64, 3, 3).astype(np.float64)), *args)
+  assert not winograd.fits(Tensor.input("x", ("batch", 64, 8, 8), dims={"batch": (4, 8)}), w, *args)
   monkeypatch.setenv("KILN_WINOGRAD", "0")
-  assert not winograd.fits(Tensor(rand(1, 16, 8, 8)), w, *args)
+  assert not winograd.fits(Tensor(rand(4, 64, 8, 8)), w, *args)
+
+
+def test_cost_rule() -> None:
+  """Channels where the measured direct conv won (16 -> 16, 16 -> 32, 32 -> 32) are refused; 32 -> 64 and more taken."""
+  assert not any(winograd.saves(c, o) for c, o in ((16, 16), (16, 32), (32, 16), (32, 32), (3, 512), (512, 8)))
+  assert all(winograd.saves(c, o) for c, o in ((32, 64), (48, 48), (64, 64), (64, 128), (256, 256), (512, 512)))
 
 
 def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
@@ -113,17 +123,17 @@ def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
   from onnx import TensorProto, helper
 
   from kiln.graph import onnx as konnx
-  w1, b1, w2 = rand(32, 16, 3, 3), rand(32), rand(48, 32, 3, 3)
+  w1, b1, w2 = rand(64, 32, 3, 3), rand(64), rand(96, 64, 3, 3)
   init = [helper.make_tensor(n, TensorProto.FLOAT, a.shape, a.ravel()) for n, a in (("w1", w1), ("b1", b1), ("w2", w2))]
   nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
            helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
            helper.make_node("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]), helper.make_node("GlobalAveragePool", ["c2"], ["y"])]
-  g = helper.make_graph(nodes, "wino", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16, 12, 12])],
-                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 48, 1, 1])], init)
+  g = helper.make_graph(nodes, "wino", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 32, 16, 16])],
+                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 96, 1, 1])], init)
   model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
   model.ir_version = 8
   onnx.checker.check_model(model)
-  x = rand(4, 16, 12, 12)
+  x = rand(4, 32, 16, 16)
   want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
   km = konnx.load(model)
   assert len(matmul_kernels(km.compiled)) == 6, km.plan.describe()

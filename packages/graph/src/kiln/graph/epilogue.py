@@ -32,9 +32,10 @@ _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
 
 
 def _is_product(n: Node) -> bool:
-  """A realized reduction: a REDUCE marked realized, or a realized view of one (Tensor.contiguous of a conv's product)."""
+  """A realized reduction: a REDUCE marked realized, or a realized view of one (Tensor.contiguous of a conv's product; a
+  Winograd conv's tiles put back in NCHW order and cropped: reshapes, a permute, a slice, whose copy takes the chain)."""
   if not n.realize or not is_static(n.shape): return False  # (a conv's product is static; symbolic reshapes are left alone)
-  while n.op == "VIEW" and n.arg[0] == "reshape": n = n.src[0]
+  while n.op == "VIEW" and n.arg[0] in ("reshape", "permute", "shrink"): n = n.src[0]
   return n.op == "REDUCE"
 
 
