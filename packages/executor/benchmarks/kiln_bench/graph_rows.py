@@ -374,9 +374,11 @@ def cnn(b: Bench, r: Row) -> None:
     if i < len(chans) - 2: hw //= 2
   r.achieved, r.limit = _rate(flops / r.kiln, b.peak), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
   r.checks, r.target = [("onnxruntime", 1.0)], ">= onnxruntime"
-  r.note = (f"{len(km.plan.kernels)} kernels (per conv a product tiled as a matmul, its window panels packed, the padding read in place "
-            "by masked loads, bias and relu in its epilogue; plain max pools; global mean pool; linear); batch norm folded into the "
-            "conv's weights and bias at load; torch column: nn.Sequential, inference_mode (report only)")
+  r.note = (f"{len(km.plan.kernels)} kernels (the 3-channel conv a product tiled as a matmul, its window panels packed, the padding "
+            "read in place by masked loads, bias and relu in its epilogue; the others Winograd F(4x4, 3x3): input transform, 36 batched "
+            "products, output transform, a copy back to NCHW with bias and relu; plain max pools; global mean pool; linear); batch "
+            "norm folded into the conv's weights and bias at load; 'achieved' counts the direct convolution's multiply-adds (Winograd "
+            "does fewer, so it can pass the FMA limit); torch column: nn.Sequential, inference_mode (report only)")
 
 
 def _rate(flops_s: float, peak: float) -> str:
