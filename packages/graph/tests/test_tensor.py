@@ -219,3 +219,27 @@ def test_a_graph_too_deep_to_render_is_a_typed_error() -> None:
     t = (t * 1.0001).relu()
     if i % 100 == 99: t = t.contiguous()
   close(run(t), np.full(4, 1.0001 ** 400))
+
+
+def test_repeated_layers_compile_once(monkeypatch) -> None:
+  """Kernel names say what a kernel does and over what shape (not its place in the plan), so layers of the same shape with
+  other weights render the same AST and the kernel cache compiles each kernel once: three layers compile what one does."""
+  from kiln.executor import cache_stats
+  from kiln.executor.cache import clear_memory_cache
+  monkeypatch.setenv("KILN_CACHE", "0")  # no disk cache: every kernel not in memory is compiled here
+  rng = np.random.default_rng(8)
+  def layers(n: int) -> tuple[Tensor, int]:
+    x = Tensor.input("x", (16, 24))
+    for _ in range(n):
+      w, b = (Tensor(rng.standard_normal(s).astype(np.float32)) for s in ((24, 24), (24,)))
+      x = (x @ w + b).gelu().layernorm()
+    c = compile([x])
+    return x, c.kernel_count
+  clear_memory_cache()
+  before = cache_stats()["compiles"]
+  _, one = layers(1)
+  first = cache_stats()["compiles"] - before
+  clear_memory_cache()
+  before = cache_stats()["compiles"]
+  _, three = layers(3)
+  assert three == 3 * one and cache_stats()["compiles"] - before == first, (one, three, first)

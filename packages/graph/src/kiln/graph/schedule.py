@@ -97,10 +97,12 @@ def _lift(n: Node, cons: Mapping[Node, list[Node]], realized: set[Node]) -> Node
   return n
 
 
-def _name(n: Node, i: int) -> str:
+def _name(n: Node) -> str:
+  """What the kernel does and over what shape, not where it sits in the plan: the name is part of the AST the kernel cache
+  keys on, so the same kernel twice (a transformer's layers, an RNN's steps) is compiled once."""
   kinds = {m.op for m in n.toposort()}
   tag = "reduce" if "REDUCE" in kinds else "gather" if "GATHER" in kinds else "elementwise"
-  return f"g{i}_{tag}"
+  return f"{tag}_{'x'.join(str(d) if isinstance(d, int) else 'n' for d in n.shape) or '1'}"  # n: a symbolic dim
 
 
 def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], realized: set[Node],
@@ -134,7 +136,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000)
   for _ in range(max_rounds):
     for n in sorted(realized, key=order.__getitem__):  # a kernel is rendered again only when a node it inlined got realized
       if n.op != "BUFFER" and (n not in kernels or any(m in realized for m in kernels[n].rendered if m is not n)):
-        kernels[n] = Renderer(n, realized).kernel(_name(n, order[n]))
+        kernels[n] = Renderer(n, realized).kernel(_name(n))
     kernels_of: dict[Node, int] = {}
     for k in kernels.values():
       for n in k.rendered:
