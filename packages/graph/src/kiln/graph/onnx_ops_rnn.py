@@ -153,10 +153,12 @@ def _zero(v: Tensor) -> bool:
 
 
 def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
-  """X @ W^T (+ bias) for every step at once, (directions, T, batch, gates*hidden): one matmul, realized, which every
-  step's kernel reads its slice of."""
+  """X @ W^T (+ bias) for every step at once, (directions, T, batch, gates*hidden) in step order (a reverse direction's
+  time reversed): one matmul, realized. Step t reads p[:, t], the same place for every direction, so the steps' kernels
+  read one window each (windows.py) and are one kernel to the kernel cache."""
   wt = n.t(1).permute(0, 2, 1).unsqueeze(1)  # (D, 1, input, G*H)
-  p = s.x.unsqueeze(0) @ wt
+  xs = [s.x[::-1] if r else s.x for r in s.rev]
+  p = (xs[0].unsqueeze(0) if len(xs) == 1 else Tensor.stack(xs, 0)) @ wt
   if bias is not None: p = p + bias.reshape(s.dirs, 1, 1, -1)
   return p.contiguous()
 
@@ -170,10 +172,9 @@ def _bias(n: Node, s: _Seq, gates: int) -> tuple[Tensor, Tensor] | None:
   return b[:, :gh], b[:, gh:]
 
 
-def _step_input(p: Tensor, s: _Seq, t: int) -> Tensor:
-  """Step t's projection, (directions, batch, G*H): the reverse direction reads time T-1-t."""
-  parts = [p[d:d + 1, s.steps - 1 - t if r else t] for d, r in enumerate(s.rev)]
-  return parts[0] if len(parts) == 1 else Tensor.cat(parts, 0)
+def _step_input(p: Tensor, t: int) -> Tensor:
+  """Step t's projection, (directions, batch, G*H) (the projection is in step order: _project)."""
+  return p[:, t]
 
 
 def _outputs(s: _Seq, hs: list[Tensor], finals: list[Tensor]) -> list[Tensor]:
@@ -213,7 +214,7 @@ def _lstm(n: Node) -> list[Tensor]:
   h, c = _initial(n, 5, s), _initial(n, 6, s)
   hs = []
   for t in range(s.steps):
-    g = _gates(_step_input(p, s, t), h, rt)
+    g = _gates(_step_input(p, t), h, rt)
     gi, go, gf, gc = (_gate(g, k, hid) for k in range(4))
     if peep is not None and c is not None: gi, gf = gi + peep[0] * c, gf + peep[2] * c
     i = _act(f_, _clip(gi, s.clip))
@@ -250,7 +251,7 @@ def _gru(n: Node) -> list[Tensor]:
   hs = []
   for t in range(s.steps):
     step = _gru_step_lbr if lbr else _gru_step
-    h = step(s, _step_input(p, s, t), h, rt, rb, f_, g_)
+    h = step(s, _step_input(p, t), h, rt, rb, f_, g_)
     hs.append(h)
   assert h is not None  # steps >= 1
   return _outputs(s, hs, [h])
@@ -287,7 +288,7 @@ def _rnn(n: Node) -> list[Tensor]:
   rt, h = _recurrent_t(n), _initial(n, 5, s)
   hs = []
   for t in range(s.steps):
-    x = _step_input(p, s, t)
+    x = _step_input(p, t)
     h = _act(f_, _clip(_plus(x, None if h is None else h @ rt), s.clip)).contiguous()
     hs.append(h)
   assert h is not None  # steps >= 1

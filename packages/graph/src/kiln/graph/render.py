@@ -136,15 +136,22 @@ class Renderer:
       g = self.globals[n] = UOp.define_global(self.slots.index(n), n.dtype.ptr(n.max_numel))
     return g
 
-  def kernel(self, name: str) -> Kernel:
+  def kernel(self) -> Kernel:
     n = self.node
     idx = tuple(ZERO if d == 1 else self._range(d, AxisType.LOOP) for d in n.shape)
     out = self._global(n)
     val = self.render(n, idx, top=True)
     if val.dtype != n.dtype: val = val.cast(n.dtype)
-    ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=name)
+    ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
     ast, slots = self._drop_unread(ast)
     return Kernel(n, ast, slots, self.rendered, offenders=self.offenders)
+
+  def _name(self) -> str:
+    """What the kernel does and over what shape, not where it sits in the plan: the name is part of the AST the kernel
+    cache keys on, so the same kernel twice (a transformer's layers, an RNN's steps) is compiled once."""
+    kinds = {m.op for m in self.rendered} | {self.node.op}
+    tag = "reduce" if "REDUCE" in kinds else "gather" if "GATHER" in kinds else "elementwise"
+    return f"{tag}_{'x'.join(str(d) if isinstance(d, int) else 'n' for d in self.node.shape) or '1'}"  # n: a symbolic dim
 
   def _drop_unread(self, ast: UOp) -> tuple[UOp, list[Node]]:
     """The slots the AST still reads, renumbered in order: a value that folded away (a slice of nothing but a pad's

@@ -33,8 +33,9 @@ from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.lazy import GraphError, Node, consumers, toposort
 from kiln.graph.render import Kernel, Renderer
+from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
-from kiln.ir.dtype import dtypes
+from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
@@ -97,14 +98,6 @@ def _lift(n: Node, cons: Mapping[Node, list[Node]], realized: set[Node]) -> Node
   return n
 
 
-def _name(n: Node) -> str:
-  """What the kernel does and over what shape, not where it sits in the plan: the name is part of the AST the kernel cache
-  keys on, so the same kernel twice (a transformer's layers, an RNN's steps) is compiled once."""
-  kinds = {m.op for m in n.toposort()}
-  tag = "reduce" if "REDUCE" in kinds else "gather" if "GATHER" in kinds else "elementwise"
-  return f"{tag}_{'x'.join(str(d) if isinstance(d, int) else 'n' for d in n.shape) or '1'}"  # n: a symbolic dim
-
-
 def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], realized: set[Node],
                kernels_of: Mapping[Node, int] | None) -> set[Node]:
   new: set[Node] = set()
@@ -136,7 +129,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000)
   for _ in range(max_rounds):
     for n in sorted(realized, key=order.__getitem__):  # a kernel is rendered again only when a node it inlined got realized
       if n.op != "BUFFER" and (n not in kernels or any(m in realized for m in kernels[n].rendered if m is not n)):
-        kernels[n] = Renderer(n, realized).kernel(_name(n))
+        kernels[n] = Renderer(n, realized).kernel()
     kernels_of: dict[Node, int] = {}
     for k in kernels.values():
       for n in k.rendered:
@@ -316,7 +309,16 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
       if (prev := inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
       inputs[n.arg.name] = _Input(n.arg.name, bufs[n], n.shape, n.dtype.np)
     return bufs[n]
-  for k in kernels: pb.add_kernel(k.ast, [buf_of(s) for s in k.slots], opts=_reassociated_opts(k.ast, device))
+  views: dict[tuple[int, Window], int] = {}
+  def view_of(base: int, w: Window, dtype: DType) -> int:  # one plan buffer per (buffer, window), however many kernels read it
+    if (base, w) not in views:
+      views[base, w] = pb.add_buffer(Buffer(device, w[1], dtype))
+      pb.add_view(views[base, w], base, w[0] * dtype.itemsize, w[1] * dtype.itemsize)
+    return views[base, w]
+  for k in kernels:
+    ast, wins = read_windows(k.ast)
+    slots = [view_of(buf_of(s), wins[i], s.dtype) if i in wins else buf_of(s) for i, s in enumerate(k.slots)]
+    pb.add_kernel(ast, slots, opts=_reassociated_opts(ast, device))
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
   variables_ = _variables(toposort(uniq), inputs)
   plan = pb.build()
