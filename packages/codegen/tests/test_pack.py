@@ -63,3 +63,11 @@ def test_runs_split_a_window_row_over_output_rows() -> None:
   assert [(at, n) for _, at, (_, n) in runs(contiguous, lane, 32)] == [(0, 32)]
   strided = x.index(p * 2).load()  # not contiguous in any run: all lanes, gathered
   assert [(at, n) for _, at, (_, n) in runs(strided, lane, 32)] == [(0, 32)]
+
+
+def test_a_panel_one_row_tile_reads_is_not_packed() -> None:
+  """PACK only where at least two row tiles read the panel: with one (an RNN step's 8 rows of H @ R^T) each element is
+  read once either way, and the copy is all cost."""
+  from kiln.ir import kernels
+  def packs(m: int) -> bool: return any(o.op is OptOps.PACK for o in heuristic_opts(kernels.matmul(m, 512, 128), CPU))
+  assert not packs(8) and packs(16) and packs(1024)

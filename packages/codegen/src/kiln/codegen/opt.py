@@ -90,8 +90,11 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if u > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
-    ksize = axis_size(k)
-    if ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))
+    ksize, rows = axis_size(k), axis_size(outer)
+    # a panel read by one row tile only (an RNN step's 8 rows of H @ R^T) is copied for nothing: each element once either way
+    # (the 200-step bidirectional LSTM's gate kernels packed 512 KB of R^T a step: 12 -> 10 ms a run)
+    reused = rows is None or rows > max(u, 1)
+    if reused and ksize is not None and ksize * w * dt.itemsize * max(target.threads, 1) <= (8 << 20): opts.append(Opt(OptOps.PACK, k.arg[0], 1))
     if dt.is_float and dt.itemsize >= 4: opts.append(Opt(OptOps.FMA, k.arg[0], 1))
     out_axes = [vec_axis] + [a for a in out_axes if a is not vec_axis]  # thread the outermost loop
     # ... unless a batch axis (neither rows nor columns: a conv's images, attention's heads) has more units than the

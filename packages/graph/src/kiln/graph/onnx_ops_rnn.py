@@ -180,10 +180,23 @@ def _step_input(p: Tensor, t: int) -> Tensor:
 def _outputs(s: _Seq, hs: list[Tensor], finals: list[Tensor]) -> list[Tensor]:
   """Y (T, D, batch, H) in time order per direction (layout 1: (batch, T, D, H)), then the final states (D, batch, H)
   (layout 1: (batch, D, H))."""
-  ys = Tensor.stack(hs, 0)  # step order
+  ys = _stack_tree(hs)  # step order
   if any(s.rev): ys = Tensor.cat([ys[::-1, d:d + 1] if r else ys[:, d:d + 1] for d, r in enumerate(s.rev)], 1)
   if s.layout: return [ys.permute(2, 0, 1, 3)] + [f.permute(1, 0, 2) for f in finals]
   return [ys] + finals
+
+
+STACK_GROUP = 16  # states per stacking kernel (a concatenation evaluates one select per piece for every element)
+
+
+def _stack_tree(hs: list[Tensor]) -> Tensor:
+  """Tensor.stack(hs, 0) as a tree of stacks of at most STACK_GROUP pieces, each level realized: one stack of every step
+  selects among T pieces per element (a 200-step bidirectional LSTM's Y, 200x2x8x128: 5.4 ms, against 3.5 ms for all of
+  onnxruntime's run); groups of 16 copy Y twice at 16 selects an element. Groups of one size are one kernel to the cache."""
+  parts = [h.unsqueeze(0) for h in hs]
+  while len(parts) > STACK_GROUP:
+    parts = [Tensor.cat(parts[i:i + STACK_GROUP], 0).contiguous() for i in range(0, len(parts), STACK_GROUP)]
+  return Tensor.cat(parts, 0)
 
 
 def _gate(g: Tensor, k: int, h: int) -> Tensor: return g[..., k * h:(k + 1) * h]
