@@ -138,3 +138,25 @@ def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
   km = konnx.load(model)
   assert len(matmul_kernels(km.compiled)) == 6, km.plan.describe()
   np.testing.assert_allclose(km.run({"x": x})["y"], want, rtol=0, atol=3e-5 * np.abs(want).max())
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(n=st.integers(1, 4), c=st.sampled_from([24, 32, 40]), o=st.sampled_from([64, 72, 96]), h=st.integers(4, 13), w=st.integers(4, 13),
+       pads=st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), st.integers(0, 2)), bias=st.booleans(),
+       relu=st.booleans())
+def test_random_convs_against_numpy(n: int, c: int, o: int, h: int, w: int, pads: tuple[int, int, int, int], bias: bool, relu: bool) -> None:
+  """Random maps, pads and channel counts the cost rule takes (or, with few tiles, refuses: then the direct product), with
+  an epilogue or not, against the float64 reference."""
+  pp = [(pads[0], pads[1]), (pads[2], pads[3])]
+  if h + pads[0] + pads[1] < 3 or w + pads[2] + pads[3] < 3: return
+  x, wt = RNG.uniform(-1, 1, (n, c, h, w)).astype(np.float32), RNG.uniform(-1, 1, (o, c, 3, 3)).astype(np.float32)
+  b = RNG.uniform(-1, 1, o).astype(np.float32) if bias else None
+  y = Tensor.input("x", x.shape).conv2d(Tensor(wt), None if b is None else Tensor(b), 1, pp)
+  got = compile([y.relu() if relu else y]).run({"x": x})[0]
+  want = conv_ref(x, wt, b, [1, 1], pp, [1, 1], 1)
+  want = np.maximum(want, 0) if relu else want
+  np.testing.assert_allclose(got, want, rtol=0, atol=3e-5 * max(np.abs(want).max(), 1e-3))
