@@ -30,7 +30,9 @@ def test_what_stays_in_place() -> None:
   base = (x * 2.0).contiguous()
   first = base[0:3] + 1.0  # read from element 0: no window
   padded = base.pad(((2, 0), (0, 0)))[1:4] - 1.0  # a zero row, then rows 0..1 of base: a gated index, from before 0
-  c = compile([first, padded])
+  # rows 14..15 of base and a zero row: gated, from past the end (a fuzz find: the window ran past the buffer)
+  tail = base.pad(((0, 1), (0, 0)))[14:17] * 3.0
+  c = compile([first, padded, tail])
   for k in c.kernels:
     if k.node is base.node: continue
     ast, wins = read_windows(k.ast)
@@ -39,6 +41,7 @@ def test_what_stays_in_place() -> None:
   got = c.run({"x": xn})
   np.testing.assert_allclose(got[0], xn[0:3] * 2 + 1, rtol=1e-6)
   np.testing.assert_allclose(got[1], np.concatenate([np.zeros((1, 8), np.float32), xn[0:2] * 2]) - 1, rtol=1e-6)
+  np.testing.assert_allclose(got[2], np.concatenate([xn[14:16] * 2, np.zeros((1, 8), np.float32)]) * 3, rtol=1e-6)
 
 
 def test_a_window_under_a_symbolic_dim() -> None:

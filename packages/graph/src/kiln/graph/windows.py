@@ -8,8 +8,9 @@ bidirectional LSTM: 403 kernels, each compiled).
 | slot s: the buffer (n elements), read at i in [lo, hi] | slot s: a view of hi - lo + 1 elements at lo, read at i - lo |
 
 The window comes from the bounds of every index into the slot (the symbolic simplifier's vmin/vmax, so it holds for
-any value of a runtime variable); a gated index (a pad's bounds test) has the bounds of the unclamped index, so a
-window starting at 0 or before leaves the slot alone. Only slots the kernel reads and never writes move."""
+any value of a runtime variable). A slot read through a gated index (a pad's bounds test: the raw index may run past
+either end, the gate keeps the lanes out) stays whole, as does one the kernel writes, one read from element 0, and one
+whose bounds leave the buffer (no window is ever larger than what it views)."""
 from __future__ import annotations
 
 from kiln.ir.dtype import PtrDType
@@ -31,9 +32,10 @@ def read_windows(ast: UOp) -> tuple[UOp, dict[int, Window]]:
   windows: dict[int, Window] = {}
   mapping: dict[UOp, UOp] = {}
   for slot, idxs in by_slot.items():
-    lo, hi = min(i.src[1].vmin for i in idxs), max(i.src[1].vmax for i in idxs)
     g = idxs[0].src[0]
-    if not (isinstance(lo, int) and isinstance(hi, int)) or lo <= 0 or not isinstance(g.dtype, PtrDType): continue
+    if any(len(i.src) > 2 for i in idxs) or not isinstance(g.dtype, PtrDType): continue  # gated: the raw index may leave the buffer
+    lo, hi = min(i.src[1].vmin for i in idxs), max(i.src[1].vmax for i in idxs)
+    if not (isinstance(lo, int) and isinstance(hi, int)) or lo <= 0 or (g.dtype.size > 0 and hi >= g.dtype.size): continue
     windows[slot] = (lo, hi - lo + 1)
     view = UOp.define_global(slot, g.dtype.base.ptr(hi - lo + 1))
     for i in idxs: mapping[i] = view.index(simplify(i.src[1] - lo), *i.src[2:])
