@@ -176,9 +176,10 @@ def test_long_sequence() -> None:
 def test_kernels_per_step() -> None:
   # the input projection is one kernel for all steps; each step is H @ R^T with its gate maths (RNN: 1 kernel; LSTM: the
   # gates, then c and h together), the first step of a zero state has no matmul; both directions share every kernel (and
-  # the projection of both reads X and X reversed in time, stacked by a kernel of its own: each step then reads one window)
+  # the projection of both reads X and X reversed in time, stacked by a kernel of its own: each step then reads one window;
+  # and Y is stacked in step order before the reverse direction's half is read backwards: 2 kernels more)
   for direction in ("forward", "bidirectional"):
-    rev = direction == "bidirectional"
+    rev = 2 * (direction == "bidirectional")
     check(*rnn_model("RNN", direction, outs=["Y", "Y_h"]), kernels=rev + 1 + T + 1)  # + Y's concat
     check(*rnn_model("LSTM", direction, outs=["Y"]), kernels=rev + 1 + 1 + 2 * (T - 1) + 1)
 

@@ -156,7 +156,7 @@ def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
   """X @ W^T (+ bias) for every step at once, (directions, T, batch, gates*hidden) in step order (a reverse direction's
   time reversed): one matmul, realized. Step t reads p[:, t], the same place for every direction, so the steps' kernels
   read one window each (windows.py) and are one kernel to the kernel cache."""
-  wt = n.t(1).permute(0, 2, 1).unsqueeze(1)  # (D, 1, input, G*H)
+  wt = _transposed(n.t(1)).unsqueeze(1)  # (D, 1, input, G*H)
   xs = [s.x[::-1] if r else s.x for r in s.rev]
   p = (xs[0].unsqueeze(0) if len(xs) == 1 else Tensor.stack(xs, 0)) @ wt
   if bias is not None: p = p + bias.reshape(s.dirs, 1, 1, -1)
@@ -181,7 +181,9 @@ def _outputs(s: _Seq, hs: list[Tensor], finals: list[Tensor]) -> list[Tensor]:
   """Y (T, D, batch, H) in time order per direction (layout 1: (batch, T, D, H)), then the final states (D, batch, H)
   (layout 1: (batch, D, H))."""
   ys = _stack_tree(hs)  # step order
-  if any(s.rev): ys = Tensor.cat([ys[::-1, d:d + 1] if r else ys[:, d:d + 1] for d, r in enumerate(s.rev)], 1)
+  if any(s.rev):  # (realized first: the reversal's two pieces would each repeat the stack's selects)
+    ys = ys.contiguous()
+    ys = Tensor.cat([ys[::-1, d:d + 1] if r else ys[:, d:d + 1] for d, r in enumerate(s.rev)], 1)
   if s.layout: return [ys.permute(2, 0, 1, 3)] + [f.permute(1, 0, 2) for f in finals]
   return [ys] + finals
 
@@ -202,7 +204,14 @@ def _stack_tree(hs: list[Tensor]) -> Tensor:
 def _gate(g: Tensor, k: int, h: int) -> Tensor: return g[..., k * h:(k + 1) * h]
 
 
-def _recurrent_t(n: Node) -> Tensor: return n.t(2).permute(0, 2, 1)  # R^T: (D, hidden, G*H), for h @ R^T
+def _transposed(w: Tensor) -> Tensor:
+  """W^T over the last two axes in a buffer of its own: read through the transposed view, a product loads its vector of
+  columns with a stride of a row (a weight array is transposed in numpy at load, any other weight once a run)."""
+  if w.node.op == "BUFFER" and w.node.arg.data is not None: return Tensor(np.ascontiguousarray(np.swapaxes(w.node.arg.data, -1, -2)))
+  return w.transpose(-1, -2).contiguous()
+
+
+def _recurrent_t(n: Node) -> Tensor: return _transposed(n.t(2))  # R^T: (D, hidden, G*H), for h @ R^T
 
 
 def _plus(a: Tensor, b: Tensor | None) -> Tensor: return a if b is None else a + b
