@@ -84,6 +84,23 @@ def test_round_trip_runs_bit_identical(cache_dir) -> None:
   np.testing.assert_allclose(want.reshape(64, 16), np.maximum(x @ w1, 0) @ w2, rtol=1e-4, atol=1e-4)
 
 
+def test_repeated_kernels_share_one_text(cache_dir) -> None:
+  """Entries of one kernel (the same AST on other buffers: a model's repeated layers) carry the same text object and
+  seal, so a pickled spec (what Ray ships) holds the object code once; the JSON and a rebuild are unchanged."""
+  import pickle
+  b = ExecutionPlanBuilder("CPU")
+  bufs = [b.add_buffer(Buffer("CPU", 64 * 64, dtypes.float32)) for _ in range(5)]
+  w = b.add_buffer(Buffer.from_numpy(RNG.standard_normal((64, 64)).astype(np.float32)))
+  for i in range(4): b.add_kernel(kernels.matmul(64, 64, 64), [bufs[i + 1], bufs[i], w])
+  b.set_outputs([bufs[4]])
+  spec = b.build().to_spec()
+  texts = [op.compiled for op in spec.ops if op.kind == "kernel"]
+  assert len(texts) == 4 and all(t is texts[0] for t in texts) and len({op.seal for op in spec.ops if op.kind == "kernel"}) == 1
+  one = len(pickle.dumps(texts[0]))
+  assert len(pickle.dumps(spec)) < one * 2, (len(pickle.dumps(spec)), one)  # four entries, one copy of the code
+  assert PlanSpec.from_json(spec.to_json()) == spec
+
+
 def test_explicit_opts_travel_and_are_kept(cache_dir) -> None:
   w1, w2 = _weights()
   opts = [Opt(OptOps.UPCAST, 1, 8)]

@@ -323,6 +323,9 @@ def _op_entries(plan: Any, recipe: Any, target: str) -> list[KernelEntry | CopyE
   prepared = {p.id: p for p in plan.prepared_ops}
   key = _seal_key()
   out: list[KernelEntry | CopyEntry | ViewEntry] = []
+  # one text and seal per distinct kernel, the same str object in every entry that runs it: a pickled spec (what Ray
+  # ships to a worker) then holds each object code once (a BERT encoder: 56 entries, 10 distinct kernels, 2.9 -> 0.5 MB)
+  texts: dict[int, tuple[str, str | None]] = {}
   for op in recipe.ops:
     kind = type(op).__name__
     if kind == "_CustomOp":
@@ -334,10 +337,12 @@ def _op_entries(plan: Any, recipe: Any, target: str) -> list[KernelEntry | CopyE
       pk = prepared[op.id]
       assert isinstance(pk, PreparedKernel)
       if pk.kernel.compiled is None: raise PlanSpecError(f"kernel op {op.id} '{pk.name}' has no compiled spec to carry")
-      text = pk.kernel.compiled.model_dump_json()
+      if (hit := texts.get(id(pk.kernel.compiled))) is None:
+        text = pk.kernel.compiled.model_dump_json()
+        hit = texts[id(pk.kernel.compiled)] = (text, None if key is None else _seal(key, target, text))
       opts = None if pk.opts is None else [OptEntry(op=o.op.name, axis=o.axis, amount=o.amount) for o in pk.opts]
       out.append(KernelEntry(id=op.id, buffers=list(op.buffers), fixedvars=dict(op.fixedvars), deps=list(op.deps), opts=opts,
-                             compiled=text, seal=None if key is None else _seal(key, target, text)))
+                             compiled=hit[0], seal=hit[1]))
   return out
 
 
