@@ -64,6 +64,11 @@ class Node:
   def __repr__(self) -> str: return f"Node({self.op} {self.arg if self.op != 'BUFFER' else ''} {self.shape} {self.dtype.name} #{self.id})"
 
   @property
+  def data(self) -> np.ndarray | None:
+    """The array a constant BUFFER holds (a weight), else None (an input, or anything computed)."""
+    return self.arg.data if self.op == "BUFFER" else None
+
+  @property
   def numel(self) -> int: return prod(self.shape)  # static shapes only (a GraphError names a symbolic dim)
 
   @property

@@ -149,7 +149,7 @@ def _zero(v: Tensor) -> bool:
   node = v.node
   while node.op == "VIEW" and node.arg[0] != "pad": node = node.src[0]
   if node.op == "CONST": return isinstance(node.arg, int | float) and node.arg == 0
-  return node.op == "BUFFER" and node.arg.data is not None and not np.any(node.arg.data)
+  return node.data is not None and not np.any(node.data)
 
 
 def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
@@ -207,7 +207,7 @@ def _gate(g: Tensor, k: int, h: int) -> Tensor: return g[..., k * h:(k + 1) * h]
 def _transposed(w: Tensor) -> Tensor:
   """W^T over the last two axes in a buffer of its own: read through the transposed view, a product loads its vector of
   columns with a stride of a row (a weight array is transposed in numpy at load, any other weight once a run)."""
-  if w.node.op == "BUFFER" and w.node.arg.data is not None: return Tensor(np.ascontiguousarray(np.swapaxes(w.node.arg.data, -1, -2)))
+  if (data := w.node.data) is not None: return Tensor(np.ascontiguousarray(np.swapaxes(data, -1, -2)))
   return w.transpose(-1, -2).contiguous()
 
 

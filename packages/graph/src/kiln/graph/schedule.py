@@ -302,7 +302,7 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
     if n.max_numel > dtypes.index.max and not is_static(n.shape):  # kernels index in int32: the bounds must keep every index in it
       raise GraphError(f"a {n.op} node of shape {fmt_shape(n.shape)} has {n.max_numel} elements at the dims' upper bounds, more than a "
                        f"{dtypes.index.name} index reaches ({dtypes.index.max}): lower the bounds")
-    if n.op == "BUFFER" and n.arg.data is not None: b = Buffer.from_numpy(np.ascontiguousarray(n.arg.data), device, n.dtype)  # bf16: uint16 in numpy
+    if (data := n.data) is not None: b = Buffer.from_numpy(np.ascontiguousarray(data), device, n.dtype)  # bf16: uint16 in numpy
     else: b = Buffer(device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
     bufs[n] = pb.add_buffer(b)
     if n.op == "BUFFER" and n.arg.name is not None:

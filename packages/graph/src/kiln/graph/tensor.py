@@ -120,7 +120,7 @@ class Tensor:
 
   # ---- realizing ----
   def numpy(self, feeds: Mapping[str, np.ndarray] | None = None, device: str = "CPU") -> np.ndarray:
-    if self.node.op == "BUFFER" and self.node.arg.data is not None: return self.node.arg.data.copy()
+    if (data := self.node.data) is not None: return data.copy()
     return compile([self], device).run(feeds)[0]
 
   # ---- elementwise ----
@@ -559,7 +559,7 @@ class Tensor:
 def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
   """t reshaped to shape, read with a flat index: a weight array is reshaped in numpy, anything else realized (the
   reshape's index // and % would otherwise sit in a matmul's inner loop)."""
-  if t.node.op == "BUFFER" and t.node.arg.data is not None: return Tensor(t.node.arg.data.reshape(shape))
+  if (data := t.node.data) is not None: return Tensor(data.reshape(shape))
   return t.reshape(shape).contiguous()
 
 

@@ -57,9 +57,17 @@ def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence
   if not (is_static(x.shape) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
   if any(s != 1 for s in stride) or any(d != 1 for d in dilation) or any(b < 0 or a < 0 for b, a in pads): return False
   o, c = static_shape("conv (weight)", w.shape)[:2]
-  n, out = static_shape("conv", x.shape)[0], [d + b + a - 2 for d, (b, a) in zip(static_shape("conv", x.shape)[2:], pads)]
-  tiles = n * -(-out[0] // TILE) * -(-out[1] // TILE)
-  return min(out) >= TILE and tiles >= MIN_TILES and saves(c, o)
+  n = static_shape("conv", x.shape)[0]
+  ho, wo, th, tw = _grid(x, pads)
+  return min(ho, wo) >= TILE and n * th * tw >= MIN_TILES and saves(c, o)
+
+
+def _grid(x: Tensor, pads: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
+  """(output rows, output columns, tile rows, tile columns) of a 3x3 stride-1 conv of x under pads."""
+  h, w = static_shape("conv", x.shape)[2:]
+  (pt, pb), (pl, pr) = pads
+  ho, wo = h + pt + pb - 2, w + pl + pr - 2
+  return ho, wo, -(-ho // TILE), -(-wo // TILE)
 
 
 def saves(c: int, o: int) -> bool:
@@ -73,19 +81,18 @@ def saves(c: int, o: int) -> bool:
 def weight_transform(w: Tensor) -> Tensor:
   """U (36, O, C) from the weight (O, C, 3, 3): in float64 numpy for a weight array, else as a product each run."""
   o, c = static_shape("conv (weight)", w.shape)[:2]
-  if w.node.op == "BUFFER" and w.node.arg.data is not None:
-    u = WEIGHT_T @ np.asarray(w.node.arg.data, np.float64).reshape(o * c, 9).T  # (36, O*C)
+  if (data := w.node.data) is not None:
+    u = WEIGHT_T @ np.asarray(data, np.float64).reshape(o * c, 9).T  # (36, O*C)
     return Tensor(u.reshape(WINDOW * WINDOW, o, c).astype(np.float32))
   return (Tensor(WEIGHT_T.astype(np.float32)) @ w.reshape(o * c, 9).T).reshape(WINDOW * WINDOW, o, c)
 
 
 def conv3x3(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], bias: Tensor | None) -> Tensor:
   """y = conv2d(x, w, bias, padding=pads) for a case `fits` accepts; x is read in place under its padding."""
-  n, c, h, wd = static_shape("conv", x.shape)
+  n, c = static_shape("conv", x.shape)[:2]
   o = static_shape("conv (weight)", w.shape)[0]
   (pt, pb), (pl, pr) = pads
-  ho, wo = h + pt + pb - 2, wd + pl + pr - 2
-  th, tw = -(-ho // TILE), -(-wo // TILE)
+  ho, wo, th, tw = _grid(x, pads)
   nt = n * th * tw
   # the map padded to whole tiles (the extra rows and columns read as zeros, their outputs cropped below)
   xp = x.contiguous().pad(((0, 0), (0, 0), (pt, pb + TILE * th - ho), (pl, pr + TILE * tw - wo)))
