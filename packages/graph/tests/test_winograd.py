@@ -1,6 +1,6 @@
 """Winograd F(4x4, 3x3) (winograd.py): the transform matrices' algebra in float64, conv2d through it against a float64
-numpy convolution and against the direct product (KILN_WINOGRAD=0), the cases it refuses, its kernels (three products,
-the bias in the last one's epilogue, no kernel for a weight array's transform), and an ONNX Conv -> Relu -> MaxPool
+numpy convolution and against the direct product (KILN_WINOGRAD=0), the cases it refuses, its kernels (two transforms of
+stacked sums around one product, the bias in the copy back's epilogue, no kernel for a weight array's transform), and an ONNX Conv -> Relu -> MaxPool
 chain through it against onnxruntime."""
 from __future__ import annotations
 
@@ -23,14 +23,27 @@ def correlate3(d: np.ndarray, g: np.ndarray) -> np.ndarray:
 
 def test_transforms_compute_the_correlation_exactly() -> None:
   """A^T [(G g G^T) * (B^T d B)] A is the correlation of d with g, in float64 to rounding (a wrong sign or constant in
-  any of the three matrices is off by O(1)); the float32 kron tables are the float64 ones rounded."""
+  any of the three matrices is off by O(1)); the weight's kron table is G g G^T flattened."""
   rng = np.random.default_rng(3)
+  bt, at = winograd._BT, winograd._AT
   for _ in range(20):
     d, g = rng.standard_normal((6, 6)), rng.standard_normal((3, 3))
     u = (winograd.WEIGHT_T @ g.reshape(9)).reshape(6, 6)
-    v = (winograd.INPUT_T.astype(np.float64) @ d.reshape(36)).reshape(6, 6)
-    y = (winograd.OUTPUT_T.astype(np.float64) @ (u * v).reshape(36)).reshape(4, 4)
+    np.testing.assert_allclose(u, winograd._G @ g @ winograd._G.T, rtol=1e-12, atol=1e-12)
+    y = at @ (u * (bt @ d @ bt.T)) @ at.T
     np.testing.assert_allclose(y, correlate3(d, g), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("x", ["_BT", "_AT"])
+def test_transform_kernel_is_x_d_xt(x: str) -> None:
+  """transform(X, d) on a grid of tensors, run as a kernel: X d X^T per element, flattened row by row (the stacked sums
+  skip zero coefficients and turn +-1 into adds: a wrong skip or sign is off by O(1)); the stack axis unrolled whole."""
+  xm = getattr(winograd, x)
+  d = RNG.uniform(-1, 1, (6, 6, 200)).astype(np.float32)
+  c = compile([winograd.transform(xm, [[Tensor(d[a, b]) for b in range(6)] for a in range(6)])])
+  want = np.einsum("ia,abk,jb->ijk", xm, d.astype(np.float64), xm).reshape(-1, 200)
+  np.testing.assert_allclose(c.run()[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert c.kernel_count == 1
 
 
 CASES = [  # x shape, out channels, pads ((top, bottom), (left, right)), bias
@@ -65,15 +78,16 @@ def test_conv_matches_numpy_and_the_direct_product(monkeypatch, xs, o, pads, bia
 
 
 def test_kernels_bias_in_the_epilogue_and_the_weight_transformed_at_build() -> None:
-  """Three products and the copy that puts the tiles back in order, the bias and relu in its epilogue, for a weight
-  array (its transform done in numpy at build); a weight fed at run time is transformed by one more product."""
+  """The input transform, one product, the output transform and the copy that puts the tiles back in order, the bias
+  and relu in its epilogue, for a weight array (its transform done in numpy at build); a weight fed at run time is
+  transformed by one more product."""
   xs = (4, 32, 8, 8)
   x = Tensor.input("x", xs)
   c = compile([x.conv2d(Tensor(rand(64, 32, 3, 3)), Tensor(rand(64)), padding=1).relu().max_pool((2, 2))])
-  assert c.kernel_count == 5 and len(matmul_kernels(c)) == 3, c.plan.describe()  # + the max pool
+  assert c.kernel_count == 5 and len(matmul_kernels(c)) == 1, c.plan.describe()  # + the max pool
   wt = Tensor.input("w", (64, 32, 3, 3))
   c = compile([x.conv2d(wt, padding=1)])
-  assert len(matmul_kernels(c)) == 4, c.plan.describe()
+  assert len(matmul_kernels(c)) == 2, c.plan.describe()
   xn, wn = rand(*xs), rand(64, 32, 3, 3)
   want = conv_ref(xn, wn, None, [1, 1], [(1, 1)] * 2, [1, 1], 1)
   np.testing.assert_allclose(c.run({"x": xn, "w": wn})[0], want, rtol=0, atol=3e-5 * np.abs(want).max())
@@ -111,9 +125,10 @@ def test_refused_dtypes_symbolic_batch_and_the_switch(monkeypatch) -> None:
 
 
 def test_cost_rule() -> None:
-  """Channels where the measured direct conv won (16 -> 16, 16 -> 32, 32 -> 32) are refused; 32 -> 64 and more taken."""
-  assert not any(winograd.saves(c, o) for c, o in ((16, 16), (16, 32), (32, 16), (32, 32), (3, 512), (512, 8)))
-  assert all(winograd.saves(c, o) for c, o in ((32, 64), (48, 48), (64, 64), (64, 128), (256, 256), (512, 512)))
+  """Channels where the measured direct conv won or tied (16 -> 16, 16 -> 32, 8 -> 16, 3 -> 32) are refused; 32 -> 32
+  and more taken."""
+  assert not any(winograd.saves(c, o) for c, o in ((16, 16), (16, 32), (32, 16), (8, 16), (3, 32), (3, 512), (512, 8)))
+  assert all(winograd.saves(c, o) for c, o in ((32, 32), (32, 64), (48, 48), (64, 64), (64, 128), (256, 256), (512, 512)))
 
 
 def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
@@ -136,7 +151,7 @@ def test_onnx_conv_relu_pool_against_onnxruntime() -> None:
   x = rand(4, 32, 16, 16)
   want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
   km = konnx.load(model)
-  assert len(matmul_kernels(km.compiled)) == 6, km.plan.describe()
+  assert len(matmul_kernels(km.compiled)) == 2, km.plan.describe()  # one product per conv
   np.testing.assert_allclose(km.run({"x": x})["y"], want, rtol=0, atol=3e-5 * np.abs(want).max())
 
 

@@ -5,9 +5,9 @@ options (register tile, packed panel, threads).
 | step             | what it computes                                             | as                                               |
 |------------------|--------------------------------------------------------------|--------------------------------------------------|
 | weight transform | U[e] = (G (x) G) g per (out, in) channel pair: (36, O, C)    | numpy at build for a weight array, else a product |
-| input transform  | V[e] = (B^T (x) B^T) d per 6x6 window d, 4 apart: (36, C, NT) | a product over the window view (pad read in place) |
+| input transform  | V = B^T d B per 6x6 window d, 4 apart: (36, C, NT)            | 36 stacked sums of window elements (`transform`) |
 | batched product  | M[e] = U[e] @ V[e]: (36, O, NT), T the tiles of one image     | the matmul path                                  |
-| output transform | Y = (A^T (x) A^T) M: (16, O * NT)                            | a product over the 36 e                          |
+| output transform | Y = A^T M A per tile: (16, O * NT)                           | 16 stacked sums of M's planes (`transform`)      |
 | read back        | y[n, o, 4ty + r, 4tx + s] = Y[4r + s, o, n, ty, tx], cropped | a copy; the bias (and what follows) its epilogue |
 
 Against the direct product (conv + bias + relu + a mean over the maps, 2-core Zen 4, hot; AVX-512, then KILN_CPU=x86-64-v3):
@@ -40,10 +40,9 @@ _BT = np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
 _G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
                [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64)
 _AT = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], np.float64)
-# the 2-d transforms as one matrix each, over a window (or tile) flattened row by row: kron(X, X) vec(d) = vec(X d X^T)
-INPUT_T = np.kron(_BT, _BT).astype(np.float32)  # (36, 36)
-OUTPUT_T = np.kron(_AT, _AT).astype(np.float32)  # (16, 36)
-WEIGHT_T = np.kron(_G, _G)  # (36, 9), float64: applied once in numpy where the weight is an array
+# the weight's 2-d transform as one matrix over the kernel flattened row by row: kron(G, G) vec(g) = vec(G g G^T); float64,
+# applied once in numpy where the weight is an array
+WEIGHT_T = np.kron(_G, _G)  # (36, 9)
 
 
 def enabled() -> bool:
@@ -72,10 +71,12 @@ def _grid(x: Tensor, pads: Sequence[tuple[int, int]]) -> tuple[int, int, int, in
 
 def saves(c: int, o: int) -> bool:
   """The cost rule: per tile, the direct product does 144 multiply-adds per (in, out) channel pair and Winograd 36, so it
-  saves 108 C O; its transforms are dense products of 36 x 36 per input channel and 16 x 36 per output channel, which run
-  from memory, not registers: count them twice. Measured on the bench's shapes (2-core Zen 4): 16 -> 16 and 16 -> 32
-  channels 0.84x and 0.91x the direct conv, refused here; 32 -> 64 1.12x, 64 -> 128 1.66x, 256 -> 256 1.98x, taken."""
-  return 108 * c * o >= 2 * (36 * 36 * c + 16 * 36 * o)
+  saves 108 C O; against that, the transforms and the products' 36 planes of tiles run from memory, about 1296
+  multiply-adds' time per input and per output channel (fitted to the measured crossover): it pays when the harmonic
+  mean of C and O is at least 24. Measured (conv + bias + relu + mean, batch 32, 2-core Zen 4, direct / Winograd):
+  16 -> 16 over 32x32 maps 1.01x, 16 -> 32 0.91x, 8 -> 16 0.81x, 3 -> 32 0.44x, refused here; 32 -> 32 over 16x16 1.33x,
+  32 -> 64 1.53x, 64 -> 64 over 8x8 1.93x, 512 -> 512 over 7x7 at batch 4 2.56x, taken."""
+  return 108 * c * o >= 1296 * (c + o)
 
 
 def weight_transform(w: Tensor) -> Tensor:
@@ -87,6 +88,28 @@ def weight_transform(w: Tensor) -> Tensor:
   return (Tensor(WEIGHT_T.astype(np.float32)) @ w.reshape(o * c, 9).T).reshape(WINDOW * WINDOW, o, c)
 
 
+def _sum(coefs: np.ndarray, terms: Sequence[Tensor]) -> Tensor:
+  """sum(c * t) over the nonzero coefficients, a +-1 a plain add or subtract: the transforms' matrices are mostly 0, +-1."""
+  acc: Tensor | None = None
+  for k, t in zip(coefs.tolist(), terms):
+    if k == 0: continue
+    if acc is None: acc = t if k == 1 else -t if k == -1 else t * k
+    else: acc = acc + t if k == 1 else acc - t if k == -1 else acc + t * k
+  assert acc is not None  # every row of _BT and _AT has a nonzero
+  return acc
+
+
+def transform(x: np.ndarray, d: Sequence[Sequence[Tensor]]) -> Tensor:
+  """X d X^T for a square grid d of tensors (one per window element, each over channels and tiles), as one stack of
+  X.shape[0]**2 sums: rows first, then columns, each row sum shared by the sums that read it. Its kernel is elementwise;
+  the optimiser unrolls the stacked axis whole (opt._selected_axes), so each output element is its own few adds: the
+  input transform's 36 x 36 and the output transform's 16 x 36 as dense products did 4-5x the arithmetic and ran at
+  half the speed (0.30 -> 0.15 ms on 32 maps of 16x16 at batch 32)."""
+  k = range(x.shape[1])
+  rows = [[_sum(x[i], [d[a][b] for a in k]) for b in k] for i in range(x.shape[0])]  # (X d)[i][b]
+  return Tensor.stack([_sum(x[j], rows[i]) for i in range(x.shape[0]) for j in range(x.shape[0])], 0)
+
+
 def conv3x3(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], bias: Tensor | None) -> Tensor:
   """y = conv2d(x, w, bias, padding=pads) for a case `fits` accepts; x is read in place under its padding."""
   n, c = static_shape("conv", x.shape)[:2]
@@ -96,10 +119,11 @@ def conv3x3(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], bias: Tensor 
   nt = n * th * tw
   # the map padded to whole tiles (the extra rows and columns read as zeros, their outputs cropped below)
   xp = x.contiguous().pad(((0, 0), (0, 0), (pt, pb + TILE * th - ho), (pl, pr + TILE * tw - wo)))
-  cols = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 1, 0, 2, 3).reshape(WINDOW * WINDOW, c * nt)
-  v = (Tensor(INPUT_T) @ cols).reshape(WINDOW * WINDOW, c, nt)
-  m = (weight_transform(w) @ v).reshape(WINDOW * WINDOW, o * nt)
-  y = (Tensor(OUTPUT_T) @ m).contiguous().reshape(TILE, TILE, o, n, th, tw)
+  win = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 1, 0, 2, 3)  # (6, 6, C, N, TH, TW)
+  # each window element flattened over (C, tiles): the stack is then (36, C * tiles), its inner axis long enough to vectorise
+  v = transform(_BT, [[win[a, b].reshape(c * nt) for b in range(WINDOW)] for a in range(WINDOW)]).reshape(WINDOW * WINDOW, c, nt)
+  m = (weight_transform(w) @ v).reshape(WINDOW, WINDOW, o * nt)
+  y = transform(_AT, [[m[a, b] for b in range(WINDOW)] for a in range(WINDOW)]).contiguous().reshape(TILE, TILE, o, n, th, tw)
   y = y.permute(3, 2, 4, 0, 5, 1).reshape(n, o, TILE * th, TILE * tw)
   # the tiles put back in NCHW order, cropped, in a buffer of their own: what follows (bias, batch norm, relu) runs in this
   # copy's kernel (epilogue.py) and its readers read plain rows (a mean over the tiled view gathered: 0.55 ms against
