@@ -476,3 +476,28 @@ def test_small_reduce_windows_unroll_whole():
   assert Opt(OptOps.UNROLL, 3, 2) in opts and Opt(OptOps.UNROLL, 4, 2) in opts
   assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(pool(5), CPU))
   assert not any(o.op is OptOps.UNROLL and o.axis == 2 and o.amount > 2 for o in heuristic_opts(matmul(64, 64, 3), CPU))
+
+
+def stacked(pieces: int, rest: int = 4096, pad: bool = False) -> UOp:
+  """out[e, i] = piece e at i: a stack of `pieces` rows as a chain of selects on e (what kiln.graph renders for a CAT of
+  rows), piece k being x[i] * (k + 1); pad: WHERE(e < 1, x[i], 0) instead, a pad's zeros."""
+  out, x = UOp.define_global(0, F32.ptr(pieces * rest)), UOp.define_global(1, F32.ptr(rest))
+  e, i = UOp.range(pieces, 0), UOp.range(rest, 1)
+  v = x.index(i).load()
+  if pad: val = (e < 1).where(v, UOp.const(F32, 0.0))
+  else:
+    val = v * float(pieces)
+    for k in reversed(range(pieces - 1)): val = (e < k + 1).where(v * float(k + 1), val)
+  return UOp.sink(out.index(e * rest + i).store(val), name=f"stack{pieces}")
+
+
+def test_an_axis_that_selects_among_stacked_pieces_unrolls_whole():
+  """A small output axis that a chain of selects tests (a stack) is unrolled whole, so each copy's chain folds to its own
+  piece, and the thread split moves to the next axis; a pad's select (one arm a constant) and a stack past SELECT_UNROLL
+  copies keep their loop. (Values: kiln-graph's test_winograd runs stacks through it against numpy.)"""
+  from kiln.codegen.opt import SELECT_UNROLL
+  opts = heuristic_opts(stacked(36), CPU)
+  assert Opt(OptOps.UNROLL, 0, 36) in opts and not any(o.op is OptOps.THREAD and o.axis == 0 for o in opts), opts
+  assert any(o.op is OptOps.THREAD and o.axis == 1 for o in opts), opts
+  assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(stacked(2, pad=True), CPU))
+  assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(stacked(SELECT_UNROLL + 1, rest=64), CPU))
