@@ -133,44 +133,8 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     g = bcast(vec_of[gate[0]], w)  # the lanes' gates: a masked load reads only the lanes whose gate is on, zero elsewhere
     return UOp(Ops.LOAD, dt.vec(w), (UOp(Ops.INDEX, buf.dtype, (buf, first, g)),))
   idxs = _lanes(idx, lane, w)
-  if not gate and (found := _runs(idxs)) is not None:
-    runs, offs = found
-    # lanes that read a few contiguous runs (Winograd's tiles put back in rows: 4 floats from each of 4 planes): one
-    # vector load a run, the lanes picked out of them (shuffles), not w scalar loads
-    loads = [UOp(Ops.LOAD, dt.vec(n) if n > 1 else dt, (buf.index(simp(idxs[0] + at) if at else idxs[0]),)) for at, n in runs]
-    starts = [at for at, _ in runs]
-    def pick(off: int) -> UOp:
-      k = max(j for j, at in enumerate(starts) if at <= off)
-      return loads[k] if runs[k][1] == 1 else UOp(Ops.GEP, dt, (loads[k],), off - starts[k])
-    return UOp(Ops.VECTORIZE, dt.vec(w), tuple(pick(off) for off in offs))
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
-
-
-MIN_RUN = 4  # lanes per contiguous run, on average, for a gather to load its runs as vectors (_runs)
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _offsets(idxs: tuple[UOp, ...]) -> tuple[int, ...] | None:
-  """Each lane's index less lane 0's, where all are constants; else None."""
-  out = []
-  for i in idxs:
-    d = simp(i - idxs[0])
-    if d.op is not Ops.CONST: return None
-    out.append(int(d.arg))
-  return tuple(out)
-
-
-def _runs(idxs: tuple[UOp, ...]) -> tuple[list[tuple[int, int]], tuple[int, ...]] | None:
-  """(offset from lane 0's index, length) of each maximal run of consecutive elements the lanes read, and each lane's
-  offset, where the lanes' indices differ by constants and the runs average MIN_RUN lanes or more (else a gather is as
-  good): every element of a run is some lane's, so the loads read nothing the lanes do not."""
-  if (offs := _offsets(idxs)) is None: return None
-  runs: list[tuple[int, int]] = []
-  for o in sorted(set(offs)):
-    if runs and runs[-1][0] + runs[-1][1] == o: runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-    else: runs.append((o, 1))
-  return (runs, offs) if len(runs) * MIN_RUN <= len(idxs) else None
 
 
 def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
