@@ -11,8 +11,9 @@ options (register tile, packed panel, threads).
 | read back        | y[n, o, 4ty + r, 4tx + s] = Y[4r + s, o, n, ty, tx], cropped | a copy; the bias (and what follows) its epilogue |
 
 Against the direct product (conv + bias + relu + a mean over the maps, 2-core Zen 4, hot; AVX-512, then KILN_CPU=x86-64-v3):
-32->64 over 16x16 maps at batch 32 1.12x / 1.18x, 64->128 over 8x8 1.66x / 1.59x, two 64->64 over 56x56 1.46x / 1.54x,
-two 256->256 over 14x14 1.98x / 1.65x; the bench CNN 3.24 -> 2.33-2.55 ms (onnxruntime 2.83-2.89).
+32->32 over 16x16 maps at batch 32 1.33x / 1.16x, 32->64 1.53x / 1.24x, 64->64 over 8x8 1.93x / 1.61x, 512->512 over 7x7
+at batch 4 2.56x / 2.03x, 64->64 over 56x56 at batch 1 1.95x / 2.14x; the bench CNN 3.24 (direct) -> 2.33-2.55 (the
+transforms as dense products) -> 2.17-2.39 ms (onnxruntime 2.94-2.96).
 
 The price is accuracy: the transforms' constants (1/24, 8, ...) round, so a sum over C channels is off by about 1e-5 of
 its magnitude (the direct product: about 1e-6); F(2x2, 3x3) is closer (3e-6) but its 16 products per 4 outputs made
@@ -75,7 +76,8 @@ def saves(c: int, o: int) -> bool:
   multiply-adds' time per input and per output channel (fitted to the measured crossover): it pays when the harmonic
   mean of C and O is at least 24. Measured (conv + bias + relu + mean, batch 32, 2-core Zen 4, direct / Winograd):
   16 -> 16 over 32x32 maps 1.01x, 16 -> 32 0.91x, 8 -> 16 0.81x, 3 -> 32 0.44x, refused here; 32 -> 32 over 16x16 1.33x,
-  32 -> 64 1.53x, 64 -> 64 over 8x8 1.93x, 512 -> 512 over 7x7 at batch 4 2.56x, taken."""
+  32 -> 64 1.53x, 64 -> 64 over 8x8 1.93x, 512 -> 512 over 7x7 at batch 4 2.56x, taken. Held to AVX2 the same split:
+  0.60-0.75x refused, 1.16-2.03x taken."""
   return 108 * c * o >= 1296 * (c + o)
 
 
