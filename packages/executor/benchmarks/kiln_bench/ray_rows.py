@@ -76,7 +76,9 @@ def replicas(b: Bench, r: Row, pipe: Row) -> None:
   try:
     # all fleets stay up so rounds can alternate: 5 workers on Ray's 2 logical CPUs, so each asks for 0.4 of one (Ray does
     # not pin cores; an idle fleet's workers wait in their queues while another fleet runs)
-    place = {"num_cpus": 0.4}
+    # (a cluster this process joined before, as the distributed tests' two 1-CPU nodes in the same pytest session: as
+    # much of one as fits all five workers on its smallest node, so none waits for resources that never free up)
+    place = {"num_cpus": 0.4 if started else min(0.4, min(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]) / 5)}
     fleets: dict[Any, Any] = {k: serve(spec, replicas=k, weights=weights, placement=place, ready_timeout=120) for k in (1, 2)}
     fleets["pipe"] = pipeline(spec, stages=2, weights=weights, placement=place, ready_timeout=120)
     for k, f in fleets.items():  # correct first: every replica's answers against this process's plan
