@@ -119,9 +119,29 @@ def test_refused_dtypes_symbolic_batch_and_the_switch(monkeypatch) -> None:
   args = ([(1, 1)] * 2, [1, 1], [1, 1], 1)
   assert winograd.fits(Tensor(rand(4, 64, 8, 8)), w, *args)
   assert not winograd.fits(Tensor(rand(4, 64, 8, 8).astype(np.float64)), Tensor(rand(64, 64, 3, 3).astype(np.float64)), *args)
+  # a symbolic batch: one image's tiles are the columns, so 8x8 maps (4 tiles) keep the direct product, 16x16 (16) take it
   assert not winograd.fits(Tensor.input("x", ("batch", 64, 8, 8), dims={"batch": (4, 8)}), w, *args)
+  assert winograd.fits(Tensor.input("x", ("batch", 64, 16, 16), dims={"batch": (4, 8)}), w, *args)
   monkeypatch.setenv("KILN_WINOGRAD", "0")
   assert not winograd.fits(Tensor(rand(4, 64, 8, 8)), w, *args)
+
+
+@pytest.mark.parametrize("hw,pads", [((16, 16), ((1, 1), (1, 1))), ((18, 21), ((1, 1), (0, 2)))])
+def test_symbolic_batch_one_compile_every_size(hw: tuple[int, int], pads) -> None:
+  """Under a symbolic batch the images stay an outer axis of every step (one image's tiles the product's columns): one
+  compile runs batches of 1, 3 and 5 against numpy, through one product kernel (the Winograd plan, not the direct one);
+  maps that are not whole tiles are cropped."""
+  w, b = rand(48, 40, 3, 3), rand(48)
+  x = Tensor.input("x", ("batch", 40, *hw), dims={"batch": (1, 8)})
+  assert winograd.fits(x, Tensor(w), pads, [1, 1], [1, 1], 1)
+  c = compile([x.conv2d(Tensor(w), Tensor(b), 1, list(pads)).relu()])
+  assert len(matmul_kernels(c)) == 1 and c.kernel_count == 5, c.plan.describe()  # (+ the bias and relu: an output is no epilogue)
+  for n in (1, 3, 5):
+    xn = rand(n, 40, *hw)
+    want = np.maximum(conv_ref(xn, w, b, [1, 1], list(pads), [1, 1], 1), 0)
+    got = c.run({"x": xn})[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-5 * np.abs(want).max())
 
 
 def test_cost_rule() -> None:

@@ -18,8 +18,11 @@ transforms as dense products) -> 2.17-2.39 ms (onnxruntime 2.94-2.96).
 The price is accuracy: the transforms' constants (1/24, 8, ...) round, so a sum over C channels is off by about 1e-5 of
 its magnitude (the direct product: about 1e-6); F(2x2, 3x3) is closer (3e-6) but its 16 products per 4 outputs made
 conv1 no faster than the direct product here. KILN_WINOGRAD=0 turns it off (the direct product everywhere, e.g. to
-compare bits with another engine). A symbolic batch keeps the direct product: the batched product's columns (images x
-tiles) would be a symbolic loop, which the codegen neither vectorises nor tiles."""
+compare bits with another engine). Under a symbolic batch (a torch export's dynamic batch axis) the images stay an
+outer loop of every step and one image's tiles are the product's columns, since the codegen neither vectorises nor tiles
+a symbolic loop: it takes maps of at least MIN_IMAGE_TILES tiles (4x4 tiles: 13x13 maps and up). Measured against the direct product,
+batch 8 of one compile (AVX-512 / AVX2): 64->64 over 56x56 1.51x, 128->128 over 28x28 2.08x, 256->256 over 14x14
+2.77x / 2.07x, 32->64 over 16x16 at batch 32 1.93x; 64->128 over 8x8 (4 tiles) 1.08x, refused."""
 from __future__ import annotations
 
 import os
@@ -36,6 +39,9 @@ WINDOW = TILE + 2  # input window side
 # tiles (the batched product's columns) at least one float32 vector of the widest target: 512 channels over one 7x7
 # map (4 tiles) ran 0.72x the direct conv, over four (16 tiles) 2.2x
 MIN_TILES = 16
+# under a symbolic batch the columns are one image's tiles: at least one vector of the widest target (16x16 maps: 16 tiles,
+# 256 channels 2.77x the direct product; 8x8 maps' 4 tiles gained 1.08-1.11x at 128-256 channels, too little to take)
+MIN_IMAGE_TILES = 16
 _BT = np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
                 [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], np.float64)
 _G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
@@ -54,17 +60,18 @@ def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence
   """Whether conv2d takes the Winograd path: float32, static shapes, a 3x3 kernel at stride and dilation 1, one group,
   an output of at least one tile each way and MIN_TILES in all, and channels enough that it saves (the cost rule)."""
   if not enabled() or x.dtype != dtypes.float32 or w.dtype != dtypes.float32 or x.ndim != 4 or w.ndim != 4: return False
-  if not (is_static(x.shape) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
+  if not (is_static(x.shape[1:]) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
   if any(s != 1 for s in stride) or any(d != 1 for d in dilation) or any(b < 0 or a < 0 for b, a in pads): return False
   o, c = static_shape("conv (weight)", w.shape)[:2]
-  n = static_shape("conv", x.shape)[0]
   ho, wo, th, tw = _grid(x, pads)
-  return min(ho, wo) >= TILE and n * th * tw >= MIN_TILES and saves(c, o)
+  # a symbolic batch: each image's tiles are the product's columns (the images a batch loop), so one image needs them all
+  tiles = th * tw if not is_static(x.shape[:1]) else static_shape("conv", x.shape)[0] * th * tw
+  return min(ho, wo) >= TILE and tiles >= (MIN_IMAGE_TILES if not is_static(x.shape[:1]) else MIN_TILES) and saves(c, o)
 
 
 def _grid(x: Tensor, pads: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
   """(output rows, output columns, tile rows, tile columns) of a 3x3 stride-1 conv of x under pads."""
-  h, w = static_shape("conv", x.shape)[2:]
+  h, w = static_shape("conv", x.shape[2:])
   (pt, pb), (pl, pr) = pads
   ho, wo = h + pt + pb - 2, w + pl + pr - 2
   return ho, wo, -(-ho // TILE), -(-wo // TILE)
@@ -113,20 +120,32 @@ def transform(x: np.ndarray, d: Sequence[Sequence[Tensor]]) -> Tensor:
 
 
 def conv3x3(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], bias: Tensor | None) -> Tensor:
-  """y = conv2d(x, w, bias, padding=pads) for a case `fits` accepts; x is read in place under its padding."""
-  n, c = static_shape("conv", x.shape)[:2]
+  """y = conv2d(x, w, bias, padding=pads) for a case `fits` accepts; x is read in place under its padding. A static batch
+  makes all images' tiles one product's columns; a symbolic batch (N, a runtime variable) keeps the images an outer axis
+  of every step, each image's tiles the columns, so the inner axes stay static (vectorised, tiled)."""
+  n = x.shape[0]
+  c = static_shape("conv", x.shape[1:])[0]
   o = static_shape("conv (weight)", w.shape)[0]
   (pt, pb), (pl, pr) = pads
   ho, wo, th, tw = _grid(x, pads)
-  nt = n * th * tw
+  t, e = th * tw, WINDOW * WINDOW
   # the map padded to whole tiles (the extra rows and columns read as zeros, their outputs cropped below)
   xp = x.contiguous().pad(((0, 0), (0, 0), (pt, pb + TILE * th - ho), (pl, pr + TILE * tw - wo)))
-  win = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 1, 0, 2, 3)  # (6, 6, C, N, TH, TW)
-  # each window element flattened over (C, tiles): the stack is then (36, C * tiles), its inner axis long enough to vectorise
-  v = transform(_BT, [[win[a, b].reshape(c * nt) for b in range(WINDOW)] for a in range(WINDOW)]).reshape(WINDOW * WINDOW, c, nt)
-  m = (weight_transform(w) @ v).reshape(WINDOW, WINDOW, o * nt)
-  y = transform(_AT, [[m[a, b] for b in range(WINDOW)] for a in range(WINDOW)]).contiguous().reshape(TILE, TILE, o, n, th, tw)
-  y = y.permute(3, 2, 4, 0, 5, 1).reshape(n, o, TILE * th, TILE * tw)
+  if isinstance(n, int):
+    nt = n * t
+    win = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 1, 0, 2, 3)  # (6, 6, C, N, TH, TW)
+    # each window element flattened over (C, tiles): the stack is then (36, C * tiles), its inner axis long enough to vectorise
+    v = transform(_BT, [[win[a, b].reshape(c * nt) for b in range(WINDOW)] for a in range(WINDOW)]).reshape(e, c, nt)
+    m = (weight_transform(w) @ v).reshape(WINDOW, WINDOW, o * nt)
+    y = transform(_AT, [[m[a, b] for b in range(WINDOW)] for a in range(WINDOW)]).contiguous().reshape(TILE, TILE, o, n, th, tw)
+    y = y.permute(3, 2, 4, 0, 5, 1)
+  else:
+    win = xp.windows((WINDOW, WINDOW), (TILE, TILE)).permute(4, 5, 0, 1, 2, 3)  # (6, 6, N, C, TH, TW)
+    v = transform(_BT, [[win[a, b].reshape(n, c * t) for b in range(WINDOW)] for a in range(WINDOW)]).reshape(e, n, c, t)
+    m = (weight_transform(w).reshape(e, 1, o, c) @ v).reshape(WINDOW, WINDOW, n, o * t)  # (36, N, O, T): images a batch axis
+    y = transform(_AT, [[m[a, b] for b in range(WINDOW)] for a in range(WINDOW)]).contiguous().reshape(TILE, TILE, n, o, th, tw)
+    y = y.permute(2, 3, 4, 0, 5, 1)
+  y = y.reshape(n, o, TILE * th, TILE * tw)
   # the tiles put back in NCHW order, cropped, in a buffer of their own: what follows (bias, batch norm, relu) runs in this
   # copy's kernel (epilogue.py) and its readers read plain rows (a mean over the tiled view gathered: 0.55 ms against
   # 0.05 ms for the copy's reader plus 0.16 ms for the copy, 32x64 maps of 16x16)
