@@ -501,3 +501,19 @@ def test_an_axis_that_selects_among_stacked_pieces_unrolls_whole():
   assert any(o.op is OptOps.THREAD and o.axis == 1 for o in opts), opts
   assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(stacked(2, pad=True), CPU))
   assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(stacked(SELECT_UNROLL + 1, rest=64), CPU))
+
+
+def test_an_unrolled_copy_of_a_stack_holds_only_its_own_piece():
+  """expand.unrolled folds a select whose integer test the copy's constants decide, so each copy of a stack's axis holds
+  its own piece (the others are not in its graph for the lowering to walk); a float compare of constants keeps its select."""
+  from kiln.codegen.expand import unrolled
+  v = UOp(Ops.DEFINE_VAR, dtypes.index, (), ("unroll.0", 0, 2))
+  x = UOp.define_global(1, F32.ptr(16))
+  p = [x.index(UOp.const(dtypes.index, k)).load() * float(k + 1) for k in range(3)]
+  chain = (v < 1).where(p[0], (v < 2).where(p[1], p[2]))
+  for k in range(3):
+    got = unrolled(chain, {v: k})
+    assert got is p[k] and not any(n.op is Ops.WHERE for n in got.toposort())
+  test = UOp(Ops.CMPLT, dtypes.bool, (UOp.const(F32, 1.0), UOp.const(F32, 2.0)))  # raw: the builder would fold it
+  f = UOp(Ops.WHERE, F32, (test, p[0] + v.cast(F32), p[1]))
+  assert any(n.op is Ops.WHERE for n in unrolled(f, {v: 1}).toposort())
