@@ -113,3 +113,29 @@ def test_is_multiple_proves_only_what_holds():
   assert not is_multiple(r * 16 + 4, 16) and not is_multiple(s * 1000 + r * 16, 16) and not is_multiple(r, 2)
   assert not is_multiple(r * 12, 12)  # not a power of two: wraparound could break it, so unproven
   assert is_multiple(r * 3, 1) and is_multiple(UOp.const(dtypes.int32, 64), 64)
+
+
+def test_simplify_shares_results_between_calls(monkeypatch):
+  """simplify keeps each node's fixed point between calls (graph_rewrite's memo): the same index at another lane rewrites
+  only the nodes the lane reaches (fewer rule lookups than the first), and gives what a fresh rewrite gives. Past the
+  bound the memo is a new dict, never cleared in place (a call in another thread keeps the one it took)."""
+  import kiln.ir.symbolic as sym
+  from kiln.ir.rewrite import graph_rewrite
+  monkeypatch.setattr(sym, "_SIMPLIFIED", {})
+  a, b = UOp.variable("a", 0, 100), UOp.variable("b", 0, 7)
+  base = ((a * 16 + b) // 4 * 3 + (a * 16 + b) % 4) * 5 + 7
+  looked: list[UOp] = []
+  orig = sym.symbolic.rewrite
+  monkeypatch.setattr(sym.symbolic, "rewrite", lambda u, ctx=None: looked.append(u) or orig(u, ctx))
+  got, per_call = [], []
+  for lane in range(4):
+    n = len(looked)
+    got.append(simplify(base + lane))
+    per_call.append(len(looked) - n)
+  monkeypatch.setattr(sym.symbolic, "rewrite", orig)
+  assert got == [graph_rewrite(base + lane, sym.symbolic) for lane in range(4)]
+  assert base in sym._SIMPLIFIED and max(per_call[1:]) < per_call[0], per_call  # the shared part rewritten once
+  old = sym._SIMPLIFIED
+  monkeypatch.setattr(sym, "_SIMPLIFIED_MAX", 0)
+  simplify(base + 9)
+  assert sym._SIMPLIFIED is not old and len(old) > 0

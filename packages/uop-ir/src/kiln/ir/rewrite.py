@@ -139,15 +139,19 @@ class PatternMatcher:
     return None
 
 
-def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: bool = False, max_rewrites: int | None = None) -> UOp:
+def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: bool = False, max_rewrites: int | None = None,
+                  memo: dict[UOp, UOp] | None = None) -> UOp:
   """Rewrite every node of root's graph to a fixed point, without recursion.
 
   Default: a node is rewritten after its sources (so rules see simplified operands). bottom_up=True: a node is rewritten
   before its sources are visited (rules see the original operands, as a top-down pass). Either way a replacement is
   itself processed until nothing changes. A rewrite that comes back to a node still being rewritten (a -> b -> a) raises
   RewriteError at once; more than max_rewrites replacements (a rule set that grows the graph forever) raises it too.
+  memo: each node's fixed point, shared between calls with the same pm and no ctx (the result is then a function of the
+  node alone: UOps are interned, their variables' bounds in their args), so a graph that shares most of its nodes with
+  an earlier one (the same index at another vector lane) rewrites only what differs.
   """
-  replace: dict[UOp, UOp] = {}
+  replace: dict[UOp, UOp] = memo if memo is not None else {}
   active: set[UOp] = set()  # nodes whose result is being computed: meeting one again means its result depends on itself
   limit = max_rewrites if max_rewrites is not None else 100_000 + 50 * len(root.toposort())
   rewrites = 0

@@ -456,9 +456,17 @@ symbolic = _FloatsApart((folding + PatternMatcher([(UPat(GroupOp.ALU | {Ops.CAST
                         folding + logic)
 
 
+_SIMPLIFIED: dict[UOp, UOp] = {}  # every node's fixed point under `symbolic` (graph_rewrite's memo), bounded below
+_SIMPLIFIED_MAX = 1 << 16  # entries; past it a new dict (never cleared in place: a call in another thread keeps its own)
+
+
 def simplify(u: UOp) -> UOp:
-  """u rewritten by the `symbolic` table to a fixed point; the value is unchanged at every point within the variables' bounds."""
-  return graph_rewrite(u, symbolic)
+  """u rewritten by the `symbolic` table to a fixed point; the value is unchanged at every point within the variables' bounds.
+  Results are shared between calls: lowering simplifies one index at each of 16 lanes, most of its nodes the same
+  (a Winograd input transform's 36 window loads: ~1,100 calls)."""
+  global _SIMPLIFIED
+  if len(_SIMPLIFIED) > _SIMPLIFIED_MAX: _SIMPLIFIED = {}
+  return graph_rewrite(u, symbolic, memo=_SIMPLIFIED)
 
 
 def is_multiple(u: UOp, k: int) -> bool:
