@@ -57,16 +57,18 @@ def enabled() -> bool:
 
 
 def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
-  """Whether conv2d takes the Winograd path: float32, static shapes, a 3x3 kernel at stride and dilation 1, one group,
-  an output of at least one tile each way and MIN_TILES in all, and channels enough that it saves (the cost rule)."""
+  """Whether conv2d takes the Winograd path: float32, static channels and maps (the batch may be symbolic), a 3x3 kernel at
+  stride and dilation 1, one group, an output of at least one tile each way and MIN_TILES in all (MIN_IMAGE_TILES per
+  image under a symbolic batch), and channels enough that it saves (the cost rule)."""
   if not enabled() or x.dtype != dtypes.float32 or w.dtype != dtypes.float32 or x.ndim != 4 or w.ndim != 4: return False
   if not (is_static(x.shape[1:]) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
   if any(s != 1 for s in stride) or any(d != 1 for d in dilation) or any(b < 0 or a < 0 for b, a in pads): return False
   o, c = static_shape("conv (weight)", w.shape)[:2]
   ho, wo, th, tw = _grid(x, pads)
   # a symbolic batch: each image's tiles are the product's columns (the images a batch loop), so one image needs them all
-  tiles = th * tw if not is_static(x.shape[:1]) else static_shape("conv", x.shape)[0] * th * tw
-  return min(ho, wo) >= TILE and tiles >= (MIN_IMAGE_TILES if not is_static(x.shape[:1]) else MIN_TILES) and saves(c, o)
+  if not is_static(x.shape[:1]): tiles, least = th * tw, MIN_IMAGE_TILES
+  else: tiles, least = static_shape("conv", x.shape)[0] * th * tw, MIN_TILES
+  return min(ho, wo) >= TILE and tiles >= least and saves(c, o)
 
 
 def _grid(x: Tensor, pads: Sequence[tuple[int, int]]) -> tuple[int, int, int, int]:
