@@ -14,11 +14,9 @@ from kiln.ir.rewrite import substitute
 from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 
-
-@functools.lru_cache(maxsize=1 << 14)
-def simp(u: UOp) -> UOp:
-  # lowering simplifies the same small index graphs again and again (per lane, per unrolled copy): UOps are interned, so memoise
-  return simplify(u)
+# lowering simplifies the same small index graphs again and again (per lane, per unrolled copy): simplify keeps every
+# node's result between calls (its memo), so a repeated graph costs one lookup
+simp = simplify
 
 
 def simplify_indices(u: UOp) -> UOp:

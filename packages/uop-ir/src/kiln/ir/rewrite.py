@@ -151,6 +151,7 @@ def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: boo
   node alone: UOps are interned, their variables' bounds in their args), so a graph that shares most of its nodes with
   an earlier one (the same index at another vector lane) rewrites only what differs.
   """
+  if memo is not None and (done := memo.get(root)) is not None: return done  # (not even a walk of the graph for the limit)
   replace: dict[UOp, UOp] = memo if memo is not None else {}
   active: set[UOp] = set()  # nodes whose result is being computed: meeting one again means its result depends on itself
   limit = max_rewrites if max_rewrites is not None else 100_000 + 50 * len(root.toposort())
