@@ -194,7 +194,10 @@ STACK_GROUP = 16  # states per stacking kernel (a concatenation evaluates one se
 def _stack_tree(hs: list[Tensor]) -> Tensor:
   """Tensor.stack(hs, 0) as a tree of stacks of at most STACK_GROUP pieces, each level realized: one stack of every step
   selects among T pieces per element (a 200-step bidirectional LSTM's Y, 200x2x8x128: 5.4 ms, against 3.5 ms for all of
-  onnxruntime's run); groups of 16 copy Y twice at 16 selects an element. Groups of one size are one kernel to the cache."""
+  onnxruntime's run). A group of 16 single steps is a stack axis the optimiser unrolls whole (opt._selected_axes: no
+  select left), the level above selects among at most T / 16 groups. Groups of one size are one kernel to the cache.
+  (A stack longer than the unroll's 64 copies is what still needs the tree: the general fix is a kernel writing into its
+  window of the consumer's buffer.)"""
   parts = [h.unsqueeze(0) for h in hs]
   while len(parts) > STACK_GROUP:
     parts = [Tensor.cat(parts[i:i + STACK_GROUP], 0).contiguous() for i in range(0, len(parts), STACK_GROUP)]
