@@ -10,7 +10,6 @@ is refused at load time with the node, the op and the attribute named. Needs the
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 from kiln.graph import onnx_limits as lim
 from kiln.graph import onnx_ops_act, onnx_ops_rnn, onnx_ops_shape  # noqa: F401  (they register their operators in OPS)
 from kiln.graph.lazy import GraphError, ONNXError
+from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
 from kiln.graph.schedule import Compiled
@@ -33,51 +33,6 @@ def _onnx() -> Any:
   except ImportError as e:
     raise ONNXError('loading ONNX models needs the onnx package: pip install "kiln-graph[onnx]"') from e
   return onnx
-
-
-# ---- initializers stored as external data: mapped, never read in ----
-_EXTERNAL_KEYS = {"location", "offset", "length", "checksum", "basepath"}
-
-
-def _external(init: Any, base: str | None, onnx: Any) -> np.ndarray:
-  """An initializer whose bytes live in a file beside the model, as a read-only numpy.memmap of exactly its region (no
-  read until a kernel touches a page). The model is untrusted: the location must stay inside the model's directory, and
-  offset and length must be integers that fit the file and match the tensor's dims and dtype."""
-  where = f"initializer {init.name!r} (external data)"
-  if base is None: raise ONNXError(f"{where}: external data needs the model's path (load it from a file, not bytes or a ModelProto)")
-  info: dict[str, str] = {}
-  for e in init.external_data:
-    if e.key not in _EXTERNAL_KEYS: raise ONNXError(f"{where}: unknown external_data key {e.key!r}")
-    info[e.key] = e.value
-  loc = info.get("location", "")
-  if not loc or os.path.isabs(loc) or ".." in loc.replace("\\", "/").split("/"):
-    raise ONNXError(f"{where}: location {loc!r} must be a relative path inside the model's directory")
-  path = os.path.realpath(os.path.join(base, loc))
-  if os.path.commonpath([path, os.path.realpath(base)]) != os.path.realpath(base):
-    raise ONNXError(f"{where}: location {loc!r} leaves the model's directory")
-  if not os.path.isfile(path): raise ONNXError(f"{where}: data file {loc!r} does not exist")
-  try: dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
-  except Exception as e: raise ONNXError(f"{where}: element type {init.data_type} is not supported") from e
-  if dt.kind not in "biuf" or init.data_type == onnx.TensorProto.BFLOAT16: raise ONNXError(f"{where}: element type {dt} is not supported")
-  dims = [int(d) for d in init.dims]
-  lim.check_shape(where, dims, dt.itemsize)
-  need = math.prod(dims) * dt.itemsize  # Python ints: np.prod wrapped dims [2**32, 2**32] to 0 bytes
-  def field(key: str, default: int | None) -> int | None:
-    if key not in info: return default
-    try: v = int(info[key])
-    except ValueError: raise ONNXError(f"{where}: {key} {info[key]!r} is not an integer") from None
-    if v < 0: raise ONNXError(f"{where}: {key} {v} is negative")
-    return v
-  offset, length = field("offset", 0), field("length", None)
-  assert offset is not None
-  if length is not None and length != need:
-    raise ONNXError(f"{where}: length {length} bytes, but dims {dims} of {dt} take {need}")
-  size = os.path.getsize(path)
-  if offset + need > size:
-    raise ONNXError(f"{where}: bytes {offset}..{offset + need} of {loc!r} are needed, the file has {size} (truncated or a bad offset)")
-  if need == 0: return np.zeros(dims, dt)
-  try: return np.memmap(path, dtype=dt.newbyteorder("<"), mode="r", offset=offset, shape=tuple(dims))
-  except (OSError, ValueError) as e: raise ONNXError(f"{where}: cannot map {loc!r}: {e}") from None  # e.g. too many maps
 
 
 class Model:
@@ -136,22 +91,22 @@ class Model:
 
 
 def _check(onnx: Any, m: Any) -> None:
-  """onnx.checker on the model, its external initializers' file entries hidden meanwhile: the checker would resolve them
-  against the working directory; _external checks them against the model's own directory instead."""
+  """onnx.checker on the model, the file entries of its external tensors (initializers and attributes) hidden meanwhile:
+  the checker would resolve them against the working directory; onnx_external resolves them against the model's own."""
   hidden = []
-  for init in m.graph.initializer:
-    if init.data_location == onnx.TensorProto.EXTERNAL:
-      hidden.append((init, [(e.key, e.value) for e in init.external_data], list(init.dims)))
-      del init.external_data[:], init.dims[:]
-      init.data_location = onnx.TensorProto.DEFAULT
-      init.raw_data = b"\0" * 16  # a scalar stands in (the checker wants a value field of the declared size; no copy of the file)
+  for t, _ in model_tensors(m.graph):
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+      hidden.append((t, [(e.key, e.value) for e in t.external_data], list(t.dims)))
+      del t.external_data[:], t.dims[:]
+      t.data_location = onnx.TensorProto.DEFAULT
+      t.raw_data = b"\0" * 16  # a scalar stands in (the checker wants a value field of the declared size; no copy of the file)
   try: onnx.checker.check_model(m)
   finally:
-    for init, entries, dims in hidden:
-      init.data_location = onnx.TensorProto.EXTERNAL
-      init.ClearField("raw_data")
-      init.dims.extend(dims)
-      for k, v in entries: init.external_data.add(key=k, value=v)
+    for t, entries, dims in hidden:
+      t.data_location = onnx.TensorProto.EXTERNAL
+      t.ClearField("raw_data")
+      t.dims.extend(dims)
+      for k, v in entries: t.external_data.add(key=k, value=v)
 
 
 def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None) -> Model:
@@ -179,12 +134,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
   g = m.graph
   env: dict[str, Value] = {}
-  for init in g.initializer:
-    if init.data_location == onnx.TensorProto.EXTERNAL:
-      env[init.name] = _external(init, base, onnx)
-      continue
-    try: env[init.name] = onnx.numpy_helper.to_array(init).copy()
-    except Exception as e: raise ONNXError(f"initializer {init.name!r} cannot be read: {e}") from e
+  stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
+  for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
   inputs = []
   for vi in g.input:
     if vi.name in env: continue
@@ -215,7 +166,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
     if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
     fn, allowed = OPS[proto.op_type]
-    n = Node(proto, env, opset, onnx)
+    n = Node(proto, env, opset, onnx, stored)
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
     check_shape_value(n)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from typing import Any
 
 import numpy as np
 
+from kiln.graph.files import open_regular
 from kiln.graph.lazy import ONNXError
 from kiln.ir.serialize import MAX_BUFFER_BYTES
 
@@ -45,11 +45,9 @@ def limit(what: str, value: int, name: str, maximum: int) -> None:
 def read_model(onnx: Any, path: str) -> Any:
   """The ModelProto in the file at path, read at most MAX_MODEL_BYTES: a regular file (opened without blocking, so a FIFO
   cannot hang it), its size checked by fstat before a byte is read. The format follows the extension, as onnx.load's."""
-  try: fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-  except OSError as e: raise ONNXError(f"not a valid ONNX model: cannot open {path!r}: {e.strerror}") from None
+  fd = open_regular(path, "the model file", ONNXError)
   try:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode): raise ONNXError(f"{path!r} is not a regular file (a FIFO, device or directory cannot hold a model)")
     limit(f"{path!r}: the model file's size in bytes", st.st_size, "MAX_MODEL_BYTES", MAX_MODEL_BYTES)
     chunks, got = [], 0
     while chunk := os.read(fd, min(1 << 24, MAX_MODEL_BYTES + 1 - got)):  # the file may grow after fstat: never past the limit

@@ -9,6 +9,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.lazy import ONNXError
+from kiln.graph.onnx_external import Tensors
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 from kiln.ir.uop import UOp
@@ -18,8 +19,9 @@ Value = Tensor | np.ndarray
 
 class Node:
   """One ONNX node while it is converted: its inputs (None for an omitted optional one), attributes, and opset."""
-  def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any):
+  def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any, stored: Tensors | None = None):
     self.proto, self.op, self.name, self.opset = proto, proto.op_type, proto.name or f"<{proto.op_type}>", opset
+    self.stored = stored or Tensors(onnx, None)
     self.ins: list[Value | None] = []
     for n in proto.input:
       if n == "": self.ins.append(None)
@@ -46,6 +48,10 @@ class Node:
     v = self.ins[i] if i < len(self.ins) else None
     if v is None: raise self.error(f"input {i} is missing")
     return v if isinstance(v, Tensor) else Tensor(np.asarray(v))
+
+  def tensor(self, name: str) -> np.ndarray:
+    """A tensor attribute's value, read as every stored tensor is (onnx_external: external data stays in the model's directory)."""
+    return self.stored.array(self.attr(name), f"node {self.name} ({self.op}): attribute {name!r}")
 
   def error(self, msg: str) -> ONNXError: return ONNXError(f"node {self.name} ({self.op}, opset {self.opset}): {msg}")
 
@@ -329,15 +335,14 @@ def _constant(n: Node, onnx: Any) -> Value:
   for k in ("value", "value_float", "value_floats", "value_int", "value_ints"):
     if k in n.attrs:
       v = n.attr(k)
-      if k == "value": return onnx.numpy_helper.to_array(v).copy()
+      if k == "value": return n.tensor(k)
       return np.asarray(v, np.float32 if "float" in k else np.int64)
   raise n.error(f"attribute {sorted(n.attrs)[0] if n.attrs else '(none)'} is not supported (value, value_float(s), value_int(s))")
 
 
 def _constant_of_shape(n: Node, onnx: Any) -> Value:
   raw = n.const(0, "shape").reshape(-1)
-  v = n.attr("value")
-  val = onnx.numpy_helper.to_array(v).reshape(-1) if v is not None else np.zeros(1, np.float32)
+  val = n.tensor("value").reshape(-1) if "value" in n.attrs else np.zeros(1, np.float32)
   if raw.dtype == object:  # a shape with symbolic dims (torch.ones(T, T) for a dynamic T): a broadcast constant, nothing stored
     return Tensor.full(tuple(d if isinstance(d, UOp) else int(d) for d in raw), val[0].item(), val.dtype)
   return np.full(tuple(int(s) for s in raw), val[0], val.dtype)
