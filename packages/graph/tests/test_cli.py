@@ -2,6 +2,7 @@
 ONNX model in tmp_path: outputs' statistics, --out, --profile, symbolic dims, and bad input as one line with exit code 2."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -83,9 +84,10 @@ def test_symbolic_dims_from_inputs_or_flag(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("case,needle", [
-  ("missing_file", "no such file"), ("unknown_name", "has no input 'q'"), ("wrong_shape", "has shape (2, 5)"),
+  ("missing_file", "the file does not exist"), ("fifo_input", "the file is a FIFO"), ("dir_model", "is a directory"),
+  ("fifo_model", "is a FIFO"), ("future_opset", "opset 99"), ("unknown_device", "DeviceError"), ("unknown_name", "has no input 'q'"), ("wrong_shape", "has shape (2, 5)"),
   ("wrong_rank", "rank 2"), ("not_given", "is not given"), ("bad_pair", "NAME=VALUE"), ("not_npy", "not a readable .npy"),
-  ("missing_model", "no such model file"), ("bad_model", "not a valid ONNX model"), ("bad_dims", "must be an integer"),
+  ("missing_model", "the model file does not exist"), ("bad_model", "not a valid ONNX model"), ("bad_dims", "must be an integer"),
   ("wrong_dtype", "dtype"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case: str, needle: str) -> None:
@@ -99,8 +101,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case: str, needle: str) 
           "wrong_rank": [m, "-i", f"x={npy(tmp_path, 'x1.npy', np.zeros(4, np.float32))}"], "not_given": [m],
           "bad_pair": [m, "-i", x], "not_npy": [m, "-i", f"x={junk}"], "missing_model": [str(tmp_path / "nope.onnx"), "-i", f"x={x}"],
           "bad_model": [str(bad_model), "-i", f"x={x}"], "bad_dims": [m, "-i", f"x={x}", "--dims", "batch=two"],
-          "wrong_dtype": [m, "-i", f"x={npy(tmp_path, 'xb.npy', np.zeros((2, 4), np.bool_))}"]}[case]
-  assert cli.main(args) == 2
+          "wrong_dtype": [m, "-i", f"x={npy(tmp_path, 'xb.npy', np.zeros((2, 4), np.bool_))}"]}.get(case)
+  if case == "fifo_input": os.mkfifo(tmp_path / "fifo.npy")
+  if case == "fifo_model": os.mkfifo(tmp_path / "fifo.onnx")
+  if case == "future_opset":
+    proto = onnx.load(m)
+    proto.opset_import[0].version = 99
+    onnx.save(proto, m)
+  args = {"fifo_input": [m, "-i", f"x={tmp_path / 'fifo.npy'}"], "dir_model": [str(tmp_path), "-i", f"x={x}"],
+          "fifo_model": [str(tmp_path / "fifo.onnx"), "-i", f"x={x}"], "future_opset": [m, "-i", f"x={x}"],
+          "unknown_device": [m, "-i", f"x={x}", "--device", "NOPE"]}.get(case, args)
+  assert args is not None
+  assert cli.main(args) == 2  # a FIFO must not block: the test would hang
   cap = capsys.readouterr()
   assert cap.err.startswith("kiln run: error:") and needle in cap.err, cap.err
   assert "Traceback" not in cap.err and len(cap.err.strip().splitlines()) == 1

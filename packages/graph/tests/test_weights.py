@@ -164,7 +164,7 @@ def test_hostile_header_lengths(tmp_path):
   with pytest.raises(WeightsError, match="big.safetensors: no safetensors header length"): safetensors_metadata(big)
   trunc = raw_file(tmp_path / "trunc.safetensors", {"a": F32}, hlen=4096)
   with pytest.raises(WeightsError, match="trunc.safetensors is truncated: header length 4096"): load_safetensors(trunc)
-  with pytest.raises(WeightsError, match="cannot open safetensors file .*missing"): load_safetensors(tmp_path / "missing.safetensors")
+  with pytest.raises(WeightsError, match="safetensors file does not exist .*missing"): load_safetensors(tmp_path / "missing.safetensors")
   cut = raw_file(tmp_path / "cut.safetensors", {"a": F32}, bytes(12))  # data section 4 bytes short
   with pytest.raises(WeightsError, match="cut.safetensors: tensor 'a': data_offsets .* outside the data section"): load_safetensors(cut)
 
@@ -183,7 +183,7 @@ def test_hostile_npy_is_a_weights_error(tmp_path):
   for name, match in [("f", "Fortran-order"), ("o", "Python objects"), ("be", "not in this machine's byte order"),
                       ("c", "complex64 has no kiln dtype"), ("e", r"shape \(0, 3\) is empty"),
                       ("t", "t.npy is truncated: header says 800 data bytes"), ("junk", "junk.npy is not a readable .npy file"),
-                      ("neg", r"shape \(-2, 3\) is not a tuple"), ("missing", "cannot open .npy file .*missing.npy")]:
+                      ("neg", r"shape \(-2, 3\) is not a tuple"), ("missing", ".npy file does not exist .*missing.npy")]:
     with pytest.raises(WeightsError, match=match) as e: load_npy(tmp_path / f"{name}.npy")
     assert f"{name}.npy" in str(e.value)
 

@@ -17,6 +17,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import DeviceSpec
 from kiln.ir.dtype import DType, dtypes, parse_dtype
 from kiln.ir.errors import KilnBufferError
+from kiln.ir.files import open_regular
 
 _ids = itertools.count()
 _ids_lock = threading.Lock()
@@ -224,10 +225,12 @@ class Buffer:
   def from_npy(path: str | os.PathLike) -> Buffer:
     """The array in a .npy file as a read-only DISK buffer (mmap, no read until used); add_copy it to the CPU to compute on it."""
     p = os.fspath(path)
-    with open(p, "rb") as f:
-      version = np.lib.format.read_magic(f)
-      read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-      shape, fortran, dt = read(f, max_header_size=1 << 20)
+    with os.fdopen(open_regular(p, ".npy file", KilnBufferError), "rb") as f:
+      try:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dt = read(f, max_header_size=1 << 20)
+      except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e: raise KilnBufferError(f"{p} is not a readable .npy file: {e}") from None
       offset = f.tell()
     if fortran and len(shape) > 1: raise KilnBufferError(f"{p}: Fortran-ordered arrays are not supported; save it C-ordered")
     n = int(np.prod(shape)) if shape else 1

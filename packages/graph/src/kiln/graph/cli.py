@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.graph.lazy import GraphError
+from kiln.ir.errors import KilnError
+from kiln.ir.files import open_regular
 
 
 class UsageError(Exception):
@@ -39,8 +41,9 @@ def _read_inputs(items: Sequence[str]) -> dict[str, np.ndarray]:
   for name, path in _pairs(items, "--input"):
     if name in feeds: raise UsageError(f"input {name!r} is given twice")
     p = Path(path)
-    if not p.is_file(): raise UsageError(f"input {name!r}: no such file {path}")
-    try: a = np.load(p, allow_pickle=False)  # a .npy file is untrusted: no pickles
+    fd = open_regular(p, f"input {name!r}: the file", UsageError)  # a FIFO would hang np.load
+    try:
+      with os.fdopen(fd, "rb") as f: a = np.load(f, allow_pickle=False)  # a .npy file is untrusted: no pickles
     except Exception as e: raise UsageError(f"input {name!r}: {path} is not a readable .npy file ({type(e).__name__}: {e})") from e
     if not isinstance(a, np.ndarray): raise UsageError(f"input {name!r}: {path} holds several arrays (an .npz); give one .npy per input")
     feeds[name] = a
@@ -57,13 +60,12 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
   return out
 
 
-def _model_inputs(path: str) -> list[tuple[str, list[int | str]]]:
-  """The model's graph inputs (not initializers) and their dims, a name for a symbolic one; read without external data."""
-  import onnx
-  m = onnx.load(path, load_external_data=False)
-  inits = {i.name for i in m.graph.initializer}
+def _model_inputs(m: object) -> list[tuple[str, list[int | str]]]:
+  """The model's graph inputs (not initializers) and their dims, a name for a symbolic one."""
+  g = m.graph  # type: ignore[attr-defined]
+  inits = {i.name for i in g.initializer}
   return [(vi.name, [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in vi.type.tensor_type.shape.dim])
-          for vi in m.graph.input if vi.name not in inits]
+          for vi in g.input if vi.name not in inits]
 
 
 def _check_feeds(inputs: list[tuple[str, list[int | str]]], feeds: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, int]:
@@ -102,15 +104,11 @@ def _file_name(name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
   from kiln.graph import onnx as konnx
-  if not os.path.isfile(args.model): raise UsageError(f"no such model file {args.model}")
   feeds = _read_inputs(args.input)
-  try: inputs = _model_inputs(args.model)
-  except Exception as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    raise UsageError(f"{args.model} is not a valid ONNX model ({type(e).__name__}: {first})") from e
-  dims = _check_feeds(inputs, feeds, _dims(args.dims))
+  proto, directory = konnx.read(args.model)  # read once, through every size and file check
+  dims = _check_feeds(_model_inputs(proto), feeds, _dims(args.dims))
   t0 = time.perf_counter()
-  model = konnx.load(args.model, device=args.device, dims=dims)
+  model = konnx.load(proto, device=args.device, dims=dims, directory=directory)
   t1 = time.perf_counter()
   outs = model.run(feeds)
   t2 = time.perf_counter()
@@ -154,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try: return run(args)
   except UsageError as e: msg = str(e)
   except GraphError as e: msg = str(e)  # ONNXError too: the model cannot be loaded, or a feed does not fit it
+  except KilnError as e: msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"  # a layer below: device, memory, cache
   except OSError as e: msg = f"{type(e).__name__}: {e}"  # --out not writable, a file vanished
   print(f"kiln run: error: {msg}", file=sys.stderr)
   return 2

@@ -109,16 +109,13 @@ def _check(onnx: Any, m: Any) -> None:
       for k, v in entries: t.external_data.add(key=k, value=v)
 
 
-def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None) -> Model:
-  """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
-
-  dims gives every named (dim_param) input dim either a fixed size, e.g. {"seq": 128}, or bounds, e.g. {"batch": (1, 64)}:
-  a symbolic dim, a runtime variable, so the one compiled model runs every size within them (read off the fed arrays).
-  A model that folds its own Shape over a symbolic dim at load time is refused (ONNXError naming the node)."""
+def read(model: Any, directory: str | os.PathLike[str] | None = None) -> tuple[Any, str | None]:
+  """The checked ModelProto of a path, bytes or a ModelProto, and the directory its external data lies in (a path's own
+  directory, else `directory`, else None: no external data). Every limit of onnx_limits, then onnx.checker."""
   onnx = _onnx()
-  base: str | None = None
+  base = None if directory is None else os.path.abspath(os.fspath(directory))
   try:
-    if isinstance(model, (str, os.PathLike)):  # external data is mapped below, never read in here
+    if isinstance(model, (str, os.PathLike)):  # external data is mapped by onnx_external, never read in here
       m = lim.read_model(onnx, os.fspath(model))
       base = os.path.dirname(os.path.abspath(os.fspath(model)))
     elif isinstance(model, (bytes, bytearray)):
@@ -127,10 +124,24 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     elif isinstance(model, onnx.ModelProto): m = model
     else: raise ONNXError(f"load takes a path, bytes or an onnx.ModelProto, got {type(model).__name__}")
     lim.check_model(onnx, m)
+    lim.check_opset(onnx, m)
     _check(onnx, m)
   except ONNXError: raise
-  except Exception as e:  # a model is untrusted input: protobuf decode errors, checker failures, missing files
+  except Exception as e:  # a model is untrusted input: protobuf decode errors, checker failures
     raise ONNXError(f"not a valid ONNX model: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+  return m, base
+
+
+def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None,
+         directory: str | os.PathLike[str] | None = None) -> Model:
+  """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
+
+  dims gives every named (dim_param) input dim either a fixed size, e.g. {"seq": 128}, or bounds, e.g. {"batch": (1, 64)}:
+  a symbolic dim, a runtime variable, so the one compiled model runs every size within them (read off the fed arrays).
+  A model that folds its own Shape over a symbolic dim at load time is refused (ONNXError naming the node). directory:
+  where the external data of a model given as bytes or a ModelProto lies (a path's own directory is used for a path)."""
+  onnx = _onnx()
+  m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
   g = m.graph
   env: dict[str, Value] = {}

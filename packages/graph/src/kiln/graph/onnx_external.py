@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import onnx_limits as lim
-from kiln.graph.files import open_regular
+from kiln.ir.files import open_regular
 from kiln.graph.lazy import ONNXError
 
 EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})

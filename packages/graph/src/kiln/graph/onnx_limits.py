@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.graph.files import open_regular
+from kiln.ir.files import open_regular
 from kiln.graph.lazy import ONNXError
 from kiln.ir.serialize import MAX_BUFFER_BYTES
 
@@ -124,6 +124,15 @@ def check_model(onnx: Any, m: Any) -> None:
     d = 1 + max((depth.get(i, 0) for i in node.input), default=0)
     limit(f"{label}: the graph's depth", d, "MAX_DEPTH", MAX_DEPTH)
     for o in node.output: depth[o] = d
+
+
+def check_opset(onnx: Any, m: Any) -> None:
+  """The default domain's opset is one the installed onnx defines: an operator's meaning changes between opsets, and a
+  model from the future would be read with rules that may not be its own."""
+  newest = int(onnx.defs.onnx_opset_version())
+  for o in m.opset_import:
+    if o.domain in ("", "ai.onnx") and not 1 <= o.version <= newest:
+      raise ONNXError(f"the model imports opset {o.version} of the default domain; kiln reads opsets 1..{newest} (the installed onnx's newest)")
 
 
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",

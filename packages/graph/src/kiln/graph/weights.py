@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.lib.format as npformat
 
+from kiln.ir.files import open_regular, regular_size
 from kiln.graph.lazy import GraphError, Node, Source
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
@@ -97,9 +98,7 @@ def npy_region(path: str | os.PathLike[str]) -> tuple[int, tuple[int, ...], DTyp
   """(data offset, shape, kiln dtype) of a C-order .npy file, from its header, with the checks disk.py's npy_region makes
   (kiln.graph cannot import the runtime) plus byte order, negative dims and the dtype kiln computes on."""
   p = os.path.abspath(os.fspath(path))
-  try: f = open(p, "rb")
-  except OSError as e: raise WeightsError(f"cannot open .npy file {p}: {e.strerror}") from None
-  with f:
+  with os.fdopen(open_regular(p, ".npy file", WeightsError), "rb") as f:
     try: shape, fortran, dt = _npy_header(f)
     except (ValueError, OSError, SyntaxError, KeyError, TypeError, struct.error, UnicodeDecodeError, MemoryError, RecursionError) as e:
       raise WeightsError(f"{p} is not a readable .npy file: {e}") from None
@@ -193,8 +192,7 @@ def load_safetensors(path: str | os.PathLike[str], names: Iterable[str] | None =
   "__metadata__": {str: str}}, then the data section; offsets count from its start. BF16 tensors hold their uint16 bit
   patterns (`Tensor.numpy()` of one gives the bits; `.cast("float32")` computes on them)."""
   p = os.path.abspath(os.fspath(path))
-  try: flen = os.stat(p).st_size
-  except OSError as e: raise WeightsError(f"cannot open safetensors file {p}: {e.strerror}") from None
+  flen = regular_size(p, "safetensors file", WeightsError)
   if flen < 8: raise WeightsError(f"{p}: {flen} bytes is too short for a safetensors file (an 8-byte header length first)")
   mem = _map(p, flen, dtypes.uint8, 0)  # the whole file, once; each tensor is a view of it
   (hlen,) = struct.unpack("<Q", mem[:8].tobytes())
@@ -218,7 +216,7 @@ def safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
   """The __metadata__ of a safetensors file (its header checked as load_safetensors checks it)."""
   p = os.path.abspath(os.fspath(path))
   try:
-    with open(p, "rb") as f:
+    with os.fdopen(open_regular(p, "safetensors file", WeightsError), "rb") as f:
       raw = f.read(8)
       hlen = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
       if not 0 <= hlen <= MAX_HEADER_BYTES: raise WeightsError(f"{p}: no safetensors header length, or one over {MAX_HEADER_BYTES} bytes")

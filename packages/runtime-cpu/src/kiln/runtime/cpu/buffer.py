@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kiln.ir.errors import KilnBufferError
+from kiln.ir.files import open_regular
 
 ALIGN = 64  # cache line and AVX-512 vector width: every Cpu buffer starts on this boundary
 
@@ -135,8 +136,7 @@ class MmapBuffer(RawBuffer):
     self.path, self.device = os.fspath(path), f"DISK:{os.fspath(path)}"
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
       raise KilnBufferError(f"{self.device}: offset must be a non-negative int, got {offset!r}")
-    try: fd = os.open(self.path, os.O_RDONLY)
-    except OSError as e: raise KilnBufferError(f"{self.device}: cannot open file for mapping: {e.strerror}") from None
+    fd = open_regular(self.path, f"{self.device}: the file to map", KilnBufferError)
     try:
       flen = os.fstat(fd).st_size
       if size is None:

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.lib.format as npformat
 
 from kiln.ir.errors import KilnBufferError
+from kiln.ir.files import open_regular
 from kiln.runtime.cpu.buffer import MmapBuffer, RawBuffer, check_size
 
 
@@ -40,9 +41,7 @@ def _read_header_3_0(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
 def npy_region(path: Any) -> tuple[int, int, np.dtype, tuple[int, ...]]:
   """(data offset, data nbytes, dtype, shape) of a C-order .npy file, from its header alone."""
   p = disk_path(path)
-  try: f = open(p, "rb")
-  except OSError as e: raise KilnBufferError(f"cannot open .npy file {p}: {e.strerror}") from None
-  with f:
+  with os.fdopen(open_regular(p, ".npy file", KilnBufferError), "rb") as f:
     try:
       version = npformat.read_magic(f)
       if version == (1, 0): shape, fortran, dtype = npformat.read_array_header_1_0(f)

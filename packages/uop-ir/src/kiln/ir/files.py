@@ -1,4 +1,5 @@
-"""Opening a file kiln was handed (a model, its external data, a weights file, an input array): untrusted until checked.
+"""Opening a file kiln was handed (a model, its external data, a weights file, a .npy array): untrusted until checked.
+Every layer that opens such a file does it here.
 
 `open_regular` opens without blocking (a FIFO would hang a plain open or read forever), then refuses anything that is not
 a regular file, naming what it is, before a byte is read. Every failure is the caller's typed error, never an OSError or
