@@ -84,3 +84,47 @@ def test_attribute_external_data_is_checked_before_any_read(tmp_path) -> None:
 def test_a_model_from_bytes_may_not_name_external_files(tmp_path) -> None:
   m = _constant_model("Constant", _external_tensor("v", [4], "d.bin"))
   with pytest.raises(ONNXError, match="external data needs the model's path"): konnx.load(m.SerializeToString())
+
+
+# ---- item 4: smaller wrong answers ----
+@pytest.mark.parametrize("op", ["AveragePool", "MaxPool"])
+def test_pool_pads_as_large_as_the_kernel_are_refused(op: str) -> None:
+  """A window of nothing but padding has no max and a mean of 0/0 (NaN came back); onnxruntime refuses such pads too."""
+  x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])
+  y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 6, 6])
+  m = _model([helper.make_node(op, ["x"], ["y"], kernel_shape=[2, 2], pads=[2, 2, 2, 2])], [x], [y])
+  with pytest.raises(ONNXError, match=r"pads \[2, 2, 2, 2\] must each be smaller than the kernel \[2, 2\]"): konnx.load(m)
+  ok = _model([helper.make_node(op, ["x"], ["y"], kernel_shape=[3, 3], pads=[2, 2, 2, 2])], [x], [y])
+  out = konnx.load(ok).run({"x": np.ones((1, 1, 4, 4), np.float32)})["y"]
+  assert np.isfinite(out).all() and out.shape == (1, 1, 6, 6)
+
+
+def test_cast_to_bfloat16_is_the_same_folded_or_computed() -> None:
+  """kiln's numpy form of bfloat16 is its uint16 bits: a Cast folded at load gave ml_dtypes' bfloat16 instead."""
+  x = np.array([1.5, 3.14159, -2.0, 1e-3], np.float32)
+  y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [4])
+  cast = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)
+  folded = konnx.load(_model([cast], [], [y], [numpy_helper.from_array(x, "x")])).run({})["y"]
+  computed = konnx.load(_model([cast], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])], [y])).run({"x": x})["y"]
+  assert folded.dtype == computed.dtype == np.uint16
+  np.testing.assert_array_equal(folded, computed)
+  np.testing.assert_array_equal(computed, [0x3FC0, 0x4049, 0xC000, 0x3A83])  # round to nearest even
+
+
+def test_cast_to_an_undefined_type_is_an_onnx_error() -> None:
+  x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy")
+  with pytest.raises(ONNXError, match="attribute to=0 names no element type"):
+    konnx.load(_model([helper.make_node("Cast", ["x"], ["y"], to=0)], [x], [y]))
+
+
+def test_an_input_with_an_initializer_of_its_name_cannot_be_fed_another_value() -> None:
+  """The initializer is the input's default (ONNX IR >= 4); kiln folds it in, so a fed value that differs is refused
+  instead of being ignored silently."""
+  w = np.array([1.0, 2.0], np.float32)
+  x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy")
+  wi = helper.make_tensor_value_info("w", TensorProto.FLOAT, [2])
+  km = konnx.load(_model([helper.make_node("Add", ["x", "w"], ["y"])], [x, wi], [y], [numpy_helper.from_array(w, "w")]))
+  one = np.ones(2, np.float32)
+  np.testing.assert_array_equal(km.run({"x": one})["y"], one + w)
+  np.testing.assert_array_equal(km.run({"x": one, "w": w.copy()})["y"], one + w)
+  with pytest.raises(ONNXError, match="model input 'w' has a value in the model"): km.run({"x": one, "w": np.zeros(2, np.float32)})

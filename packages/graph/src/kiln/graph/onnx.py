@@ -40,9 +40,11 @@ class Model:
   constant), `summary()`."""
 
   def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value]], compiled: Compiled | None,
-               nodes: int, opset: int):
+               nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None):
     self.inputs, self.output_names, self.compiled, self.nodes, self.opset = inputs, [n for n, _ in outputs], compiled, nodes, opset
-    self._consts = {n: v for n, v in outputs if isinstance(v, np.ndarray)}
+    self.defaults = dict(defaults or {})  # graph inputs an initializer of the same name gives a value: folded in at load
+    # a folded bfloat16 (ml_dtypes') comes back as its uint16 bits, as a computed one does (kiln's numpy form of bfloat16)
+    self._consts = {n: v.view(np.uint16) if v.dtype.name == "bfloat16" else v for n, v in outputs if isinstance(v, np.ndarray)}
     self._computed = [n for n, v in outputs if isinstance(v, Tensor)]
 
   @property
@@ -58,6 +60,10 @@ class Model:
   def _run(self, feeds: Mapping[str, np.ndarray], profile: bool) -> tuple[dict[str, np.ndarray], Any]:
     for name, shape, dt in self.inputs:
       if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
+    for name, value in self.defaults.items():
+      if name in feeds and not np.array_equal(np.asarray(feeds[name]), value):
+        raise ONNXError(f"model input {name!r} has a value in the model (an initializer of the same name), which kiln folds in at load "
+                        "time: it cannot be fed another value (remove the initializer, or the input, from the model)")
     prof = None
     try:
       got: list[np.ndarray] = []
@@ -147,9 +153,11 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   env: dict[str, Value] = {}
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
-  inputs = []
+  inputs, defaults = [], {}
   for vi in g.input:
-    if vi.name in env: continue
+    if vi.name in env:  # an initializer gives it a default (ONNX IR >= 4): kiln folds that in, and refuses another value at run time
+      if isinstance(env[vi.name], np.ndarray): defaults[vi.name] = env[vi.name]
+      continue
     tt = vi.type.tensor_type
     try: dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
     except Exception as e: raise ONNXError(f"input {vi.name!r} has an unsupported element type {tt.elem_type}") from e
@@ -185,7 +193,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
     try: out = n.t(0) if folds.passes_through(proto) else fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
-    except (IRError, ValueError, TypeError, IndexError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
+    except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
       raise n.error(f"{type(e).__name__}: {e}") from e
     except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
     outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
@@ -205,4 +213,4 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
   except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)
     raise ONNXError("compiling the model failed: a chain of fused operations is too deep for kiln.graph's renderer") from None
-  return Model(inputs, outputs, compiled, len(g.node), opset)
+  return Model(inputs, outputs, compiled, len(g.node), opset, defaults)

@@ -279,7 +279,9 @@ def _split(n: Node) -> list[Value]:
 
 
 def _cast(n: Node, onnx: Any) -> Value:
-  to = onnx.helper.tensor_dtype_to_np_dtype(n.attr("to"))
+  code = n.attr("to")
+  try: to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(code))
+  except (KeyError, TypeError, ValueError): raise n.error(f"attribute to={code!r} names no element type") from None
   x = n.ins[0]
   if isinstance(x, np.ndarray): return x.astype(to)
   return n.t(0).cast(to)
@@ -412,6 +414,8 @@ def _pool(kind: str) -> Callable[[Node], Value]:
     if not kernel: raise n.error("attribute kernel_shape is required")
     if n.attr("storage_order", 0): raise n.error("attribute storage_order=1 is not supported")
     st, dl, pads = _spatial(n, x, kernel)
+    if any(p >= k for k, pair in zip(kernel, pads) for p in pair):  # a window of nothing but padding: no max, a mean of 0/0
+      raise n.error(f"pads {[p for pair in zip(*pads) for p in pair]} must each be smaller than the kernel {kernel} (as onnxruntime requires)")
     if kind == "max": return x.max_pool(kernel, st, pads, dl)
     return x.avg_pool(kernel, st, pads, bool(n.attr("count_include_pad", 0)), dl)
   return run
