@@ -137,7 +137,7 @@ def test_refusals_name_node_op_attribute(tmp_path) -> None:
   bad = tmp_path / "bad.onnx"
   bad.write_bytes(b"not a protobuf at all" * 10)
   with pytest.raises(ONNXError, match="not a valid ONNX model"): konnx.load(str(bad))
-  with pytest.raises(ONNXError, match="not a valid ONNX model"): konnx.load(str(tmp_path / "missing.onnx"))
+  with pytest.raises(ONNXError, match="the model file does not exist"): konnx.load(str(tmp_path / "missing.onnx"))
   m = model([N("Relu", ["x"], ["y"])], {"x": x}, {"y": np.float32})
   m.graph.node[0].input[0] = "nope"
   with pytest.raises(ONNXError): konnx.load(m)

@@ -128,3 +128,64 @@ def test_an_input_with_an_initializer_of_its_name_cannot_be_fed_another_value() 
   np.testing.assert_array_equal(km.run({"x": one})["y"], one + w)
   np.testing.assert_array_equal(km.run({"x": one, "w": w.copy()})["y"], one + w)
   with pytest.raises(ONNXError, match="model input 'w' has a value in the model"): km.run({"x": one, "w": np.zeros(2, np.float32)})
+
+
+# ---- items 5 and 6: one budget for the work a load may do ----
+def _fold_model(nodes, inits) -> bytes:
+  return _model(nodes, [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])], inits).SerializeToString()
+
+
+def test_a_gather_of_constants_cannot_fold_into_a_billion_elements() -> None:
+  """A few kilobytes of model made 4.2 GB at load before: Gather's output is bounded before numpy makes it."""
+  shape = numpy_helper.from_array(np.array([1 << 20], np.int64), "s")
+  data = numpy_helper.from_array(np.ones((1, 1024), np.float32), "d")
+  zeros = helper.make_node("ConstantOfShape", ["s"], ["i"], value=numpy_helper.from_array(np.zeros(1, np.int64)))
+  b = _fold_model([zeros, helper.make_node("Gather", ["d", "i"], ["y"], axis=0)], [shape, data])
+  assert len(b) < 8192
+  with pytest.raises(ONNXError, match=r"\(Gather\): a load-time fold's element count is 1073741824, over MAX_FOLDED_ELEMENTS"):
+    konnx.load(b)
+
+
+def test_a_concat_of_constants_is_bounded_by_its_sum() -> None:
+  piece = numpy_helper.from_array(np.ones(1 << 20, np.float32), "p")
+  b = _fold_model([helper.make_node("Concat", ["p"] * 200, ["y"], axis=0)], [piece])
+  with pytest.raises(ONNXError, match=r"\(Concat\): a load-time fold's element count is 209715200, over MAX_FOLDED_ELEMENTS"):
+    konnx.load(b)
+
+
+def test_all_folds_of_a_model_share_one_budget(monkeypatch) -> None:
+  """Each fold under MAX_FOLDED_ELEMENTS, together over MAX_FOLDED_BYTES (lowered here to keep the test small)."""
+  from kiln.graph import onnx_limits as lim
+  monkeypatch.setattr(lim, "MAX_FOLDED_BYTES", 1 << 20)
+  shape = numpy_helper.from_array(np.array([1 << 15], np.int64), "s")  # 256 KiB of float64 a fold
+  nodes = [helper.make_node("ConstantOfShape", ["s"], [f"c{k}"], value=numpy_helper.from_array(np.ones(1, np.float64))) for k in range(6)]
+  nodes.append(helper.make_node("Concat", [f"c{k}" for k in range(6)], ["y"], axis=0))
+  with pytest.raises(ONNXError, match=r"load-time folds would make \d+ bytes in all, over MAX_FOLDED_BYTES = 1048576 plus twice the 8 bytes"):
+    konnx.load(_fold_model(nodes, [shape]))
+  konnx.load(_fold_model(nodes[:2] + [helper.make_node("Concat", ["c0", "c1"], ["y"], axis=0)], [shape]))  # within it: loads
+
+
+def _lstm_model(steps: int, direction: str = "forward") -> onnx.ModelProto:
+  d, hidden, width = 2 if direction == "bidirectional" else 1, 4, 3
+  rng = np.random.default_rng(1)
+  w = numpy_helper.from_array(rng.standard_normal((d, 4 * hidden, width)).astype(np.float32), "W")
+  r = numpy_helper.from_array(rng.standard_normal((d, 4 * hidden, hidden)).astype(np.float32), "R")
+  return _model([helper.make_node("LSTM", ["x", "W", "R"], ["y"], hidden_size=hidden, direction=direction)],
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, 1, width])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [steps, d, 1, hidden])], [w, r])
+
+
+def test_a_long_recurrence_is_refused_before_it_unrolls() -> None:
+  """A 20,000-step LSTM was still loading after 60 s at 1.7 GB: the steps are counted before any is built."""
+  import time
+  t0 = time.perf_counter()
+  with pytest.raises(ONNXError, match=r"\(LSTM\): the time steps the model's recurrent nodes unroll in all is 20000, over MAX_UNROLLED_STEPS = 4096"):
+    konnx.load(_lstm_model(20_000))
+  assert time.perf_counter() - t0 < 5
+
+
+def test_recurrent_steps_count_across_directions_and_nodes(monkeypatch) -> None:
+  from kiln.graph import onnx_limits as lim
+  monkeypatch.setattr(lim, "MAX_UNROLLED_STEPS", 10)
+  konnx.load(_lstm_model(5, "bidirectional"))  # 10 steps: at the limit
+  with pytest.raises(ONNXError, match="unroll in all is 12, over MAX_UNROLLED_STEPS = 10"): konnx.load(_lstm_model(6, "bidirectional"))

@@ -152,6 +152,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   g = m.graph
   env: dict[str, Value] = {}
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
+  budget = lim.LoadBudget(lim.stored_bytes(onnx, g))
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
   inputs, defaults = [], {}
   for vi in g.input:
@@ -185,11 +186,11 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
     if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
     fn, allowed = OPS[proto.op_type]
-    n = Node(proto, env, opset, onnx, stored)
+    n = Node(proto, env, opset, onnx, stored, budget)
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
     check_shape_value(n)
-    lim.check_fold(proto.op_type, n.ins, label)
+    lim.check_fold(proto.op_type, n.ins, label, n.attrs, budget)
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
     try: out = n.t(0) if folds.passes_through(proto) else fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
     except ONNXError: raise
@@ -198,6 +199,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
     outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
     for o in outs: lim.check_value(label, o)
+    budget.fold(label, outs)
     names = [o for o in proto.output if o]
     if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
     for name, v in zip(proto.output, outs):

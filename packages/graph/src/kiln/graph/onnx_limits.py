@@ -10,7 +10,13 @@ converted. Each is an ONNXError naming the limit and the value:
   MAX_TENSOR_BYTES      2**47       an input, initializer or node output (kiln.ir.serialize.MAX_BUFFER_BYTES: the address
                                     space); dims are non-negative and multiplied as Python ints, so a product cannot wrap
   MAX_FOLDED_ELEMENTS   2**27       elements a load-time fold with numpy may make beyond the largest input it was handed
-                                    (ConstantOfShape, Range, Expand, broadcasting of constants): <= 1 GiB of 8-byte values
+                                    (ConstantOfShape, Range, Expand, Gather, Concat, broadcasting of constants): <= 1 GiB of
+                                    8-byte values
+  MAX_FOLDED_BYTES      1 GiB       bytes all the load-time folds of one model may make together, plus twice the bytes of
+                                    the tensors the model stores (so a model that casts or transposes its own weights at
+                                    load still loads): ten folds each under MAX_FOLDED_ELEMENTS cannot add up to more
+  MAX_UNROLLED_STEPS    4096        time steps the recurrent nodes (LSTM, GRU, RNN) of one model unroll together, each
+                                    direction counted: every step is a few kernels to build and compile
   MAX_ATTRIBUTE_ITEMS   2**20       ints, floats or strings of one attribute
   MAX_ATTRIBUTE_BYTES   2**20       a string attribute (and each string of a list)
 An initializer stored in the model must hold exactly its dims' worth of data.
@@ -34,6 +40,8 @@ MAX_NAME_BYTES = 4096
 MAX_RANK = 32
 MAX_TENSOR_BYTES = MAX_BUFFER_BYTES
 MAX_FOLDED_ELEMENTS = 1 << 27
+MAX_FOLDED_BYTES = 1 << 30
+MAX_UNROLLED_STEPS = 4096
 MAX_ATTRIBUTE_ITEMS = 1 << 20
 MAX_ATTRIBUTE_BYTES = 1 << 20
 
@@ -142,10 +150,11 @@ _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Equa
 def _elements(v: Any) -> int: return math.prod(int(d) for d in v.shape)
 
 
-def check_fold(op: str, ins: list[Any], label: str) -> None:
+def check_fold(op: str, ins: list[Any], label: str, attrs: Any = None, budget: LoadBudget | None = None) -> None:
   """Before a node whose inputs are all constants is folded with numpy: the elements it would make, bounded from its inputs'
-  values (ConstantOfShape, Range, Expand) or shapes (broadcasting: each aligned dim's largest, which also bounds a matmul),
-  beyond the largest input it was handed, within MAX_FOLDED_ELEMENTS."""
+  values (ConstantOfShape, Range, Expand), shapes (broadcasting: each aligned dim's largest, which also bounds a matmul;
+  Concat: their sum) or both (Gather: the indices' count times a slice of the data, along `attrs`' axis), beyond the
+  largest input it was handed, within MAX_FOLDED_ELEMENTS, and (at 8 bytes an element) within what `budget` has left."""
   arrs = [x for x in ins if x is not None]
   if not arrs or not all(isinstance(x, np.ndarray) for x in arrs): return
   if any(x.dtype == object for x in arrs): return  # a symbolic shape: nothing folds (ConstantOfShape/Range become lazy Tensors)
@@ -157,6 +166,12 @@ def check_fold(op: str, ins: list[Any], label: str) -> None:
     dims = [[max(math.ceil((e - s) / d), 0)]]
   elif op == "Expand" and len(arrs) == 2: dims = [list(arrs[0].shape), [int(x) for x in arrs[1].reshape(-1)]]
   elif op in _BROADCASTING: dims = [list(x.shape) for x in arrs]
+  elif op == "Concat": dims = [[sum(_elements(x) for x in arrs)]]
+  elif op == "Gather" and len(arrs) == 2:
+    data, ind = arrs
+    axis = int((attrs or {}).get("axis", 0))
+    if not -data.ndim <= axis < data.ndim: return  # the converter names a bad axis itself
+    dims = [list(data.shape[:axis % data.ndim]) + list(ind.shape) + list(data.shape[axis % data.ndim + 1:])]
   else: return  # the rest make at most about what they are handed (MemoryError stays the backstop)
   if any(x < 0 for ds in dims for x in ds): return  # numpy refuses a negative dim itself, allocating nothing
   rank = max(len(ds) for ds in dims)
@@ -164,6 +179,34 @@ def check_fold(op: str, ins: list[Any], label: str) -> None:
   bound = math.prod(max([ds[len(ds) - rank + k] for ds in dims if len(ds) - rank + k >= 0], default=1) for k in range(rank))
   if bound > max((_elements(x) for x in arrs), default=0):
     limit(f"{label}: a load-time fold's element count", bound, "MAX_FOLDED_ELEMENTS", MAX_FOLDED_ELEMENTS)
+    if budget is not None: budget.check(label, budget.folded + 8 * bound)  # before numpy allocates it
+
+
+def stored_bytes(onnx: Any, g: Any) -> int:
+  """The bytes of the tensors a graph stores as initializers (in the model or as external data), from their dims."""
+  return sum(math.prod(int(d) for d in t.dims) * _itemsize(onnx, t.data_type) for t in g.initializer)
+
+
+class LoadBudget:
+  """What loading one model may make in all, across its nodes: bytes of folded constants (MAX_FOLDED_BYTES, plus twice
+  the bytes the model stores) and unrolled recurrence steps (MAX_UNROLLED_STEPS)."""
+
+  def __init__(self, stored_bytes: int = 0):
+    self.fold_limit, self.folded, self.steps = MAX_FOLDED_BYTES + 2 * stored_bytes, 0, 0
+
+  def fold(self, label: str, outs: list[Any]) -> None:
+    """Count a fold's new arrays (a view of another, as a Reshape's, makes nothing new)."""
+    self.folded += sum(o.nbytes for o in outs if isinstance(o, np.ndarray) and o.base is None)
+    self.check(label, self.folded)
+
+  def check(self, label: str, total: int) -> None:
+    if total > self.fold_limit:
+      raise ONNXError(f"{label}: the model's load-time folds would make {total} bytes in all, over MAX_FOLDED_BYTES = {MAX_FOLDED_BYTES} "
+                      f"plus twice the {(self.fold_limit - MAX_FOLDED_BYTES) // 2} bytes the model stores")
+
+  def unroll(self, label: str, steps: int) -> None:
+    self.steps += steps
+    limit(f"{label}: the time steps the model's recurrent nodes unroll in all", self.steps, "MAX_UNROLLED_STEPS", MAX_UNROLLED_STEPS)
 
 
 def check_value(label: str, v: Any) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
+from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 from kiln.ir.uop import UOp
@@ -19,9 +20,11 @@ Value = Tensor | np.ndarray
 
 class Node:
   """One ONNX node while it is converted: its inputs (None for an omitted optional one), attributes, and opset."""
-  def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any, stored: Tensors | None = None):
+  def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any, stored: Tensors | None = None,
+               budget: LoadBudget | None = None):
     self.proto, self.op, self.name, self.opset = proto, proto.op_type, proto.name or f"<{proto.op_type}>", opset
     self.stored = stored or Tensors(onnx, None)
+    self.budget = budget or LoadBudget()  # what the whole model's load may make: shared by all its nodes
     self.ins: list[Value | None] = []
     for n in proto.input:
       if n == "": self.ins.append(None)

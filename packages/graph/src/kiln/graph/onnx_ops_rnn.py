@@ -105,6 +105,7 @@ def _setup(n: Node, gates: int) -> _Seq:
   x = x.permute(1, 0, 2) if layout else x  # layout 1 is batch-major: made time-major, the steps walk axis 0
   (steps,) = _static(n, x, [0], "the sequence length (the recurrence is unrolled step by step)")
   if steps < 1: raise n.error(f"input X {x.shape} has an empty sequence (not supported)")
+  n.budget.unroll(f"node {n.name} ({n.op})", steps * len(rev))  # before a step is built: each is a few kernels
   w, r = n.t(1), n.t(2)
   hidden = r.shape[-1]
   if not isinstance(hidden, int) or r.shape != (len(rev), gates * hidden, hidden) or w.shape != (len(rev), gates * hidden, x.shape[2]):
