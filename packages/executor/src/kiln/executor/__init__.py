@@ -2,6 +2,7 @@
 from kiln.executor.buffer import Buffer, copy_buffer
 from kiln.executor.builder import ExecutionPlanBuilder
 from kiln.executor.cache import CachedKernel, cache_stats, compile_kernel, compile_kernel_with_origin, get_or_compile_kernel
+from kiln.executor.checks import PlanCheckError
 from kiln.executor.execution import ExecutionPlan
 from kiln.executor.planspec import PlanSpec
 from kiln.executor.portable import PortablePlan
@@ -11,4 +12,4 @@ from kiln.executor.version import __version__
 
 __all__ = ["Buffer", "copy_buffer", "CachedKernel", "cache_stats", "compile_kernel", "compile_kernel_with_origin", "get_or_compile_kernel",
            "ExecutionPlan", "ExecutionPlanBuilder", "PreparedBufferView", "PreparedCopy", "PreparedCustomFunction", "PreparedKernel",
-           "RuntimeVar", "PlanSpec", "PortablePlan", "Profile", "ProfileRecord", "write_chrome_trace", "__version__"]
+           "RuntimeVar", "PlanSpec", "PortablePlan", "PlanCheckError", "Profile", "ProfileRecord", "write_chrome_trace", "__version__"]

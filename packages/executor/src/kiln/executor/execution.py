@@ -6,7 +6,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -216,9 +216,10 @@ class ExecutionPlan:
     return self.export(inputs, outputs, shapes)[0]
 
   def export(self, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
-             shapes: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+             shapes: Mapping[str, Any] | None = None, checks: Sequence[tuple[int, str]] = ()) -> tuple[Any, dict[str, Any]]:
+    """checks: (buffer, message) pairs, outputs of the plan that a rebuilt plan reads after each run (kiln.executor.checks)."""
     from kiln.executor.planspec import export
-    return export(self, inputs, outputs, shapes)
+    return export(self, inputs, outputs, shapes, checks=checks)
 
   # ---- reading ----
   @property

@@ -4,8 +4,8 @@ Stage k runs ops [cuts[k-1], cuts[k]) of the plan, in order. What crosses a cut 
 stage touches that an earlier stage wrote (unless the stage first overwrites all of it) comes in as an *activation*,
 the storage's raw bytes under the name `ACTIVATION + <storage index>`, and the stage that writes it hands it on. The
 plan's named inputs go to each stage that touches them, its weights only to the stages that read them, and each named
-output comes from the last stage that writes it. Running the stages in order on the same inputs therefore does exactly
-what the whole plan does, kernel for kernel: the outputs are bit-identical.
+output (and each check, kiln.executor.checks) comes from the last stage that writes it. Running the stages in order on
+the same inputs therefore does exactly what the whole plan does, kernel for kernel: the outputs are bit-identical.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kiln.executor.buffer import to_dtype
-from kiln.executor.planspec import BufferEntry, CopyEntry, IOEntry, KernelEntry, PlanSpec, StorageEntry, ViewEntry
+from kiln.executor.planspec import BufferEntry, CheckEntry, CopyEntry, IOEntry, KernelEntry, PlanSpec, StorageEntry, ViewEntry
 from kiln.executor.spec_access import accesses, compiled_doc, first_reads, places
 from kiln.ir.errors import PlanSpecError
 
@@ -71,33 +71,35 @@ def split(spec: PlanSpec, cuts: int | Sequence[int]) -> list[PlanSpec]:
   written = [{a.storage for op in accs for a in op if a.write} for accs in stage_accs]
   needs_old = [first_reads(accs) for accs in stage_accs]  # touched, and not first overwritten whole
   inputs_at = {where[io.buffer][0]: io for io in spec.inputs}
-  owner: dict[str, int] = {}
-  for io in spec.outputs:
-    st = where[io.buffer][0]
+  def owner(buffer: int) -> int:
+    st = where[buffer][0]
     writers = [k for k in range(nst) if st in written[k]]
-    owner[io.name] = writers[-1] if writers else max([k for k in range(nst) if st in touched[k]], default=nst - 1)
+    return writers[-1] if writers else max([k for k in range(nst) if st in touched[k]], default=nst - 1)
+  out_at = [owner(io.buffer) for io in spec.outputs]
+  check_at = [owner(c.buffer) for c in spec.checks]
   stages = []
   for k in range(nst):
     earlier = set().union(*written[:k]) if k else set()
     later = set().union(*touched[k + 1:]) if k + 1 < nst else set()
     act_in = sorted(earlier & needs_old[k])
     act_out = sorted(written[k] & later)
-    outs = [io for io in spec.outputs if owner[io.name] == k]
+    outs = [io for io, at in zip(spec.outputs, out_at) if at == k]
+    checks = [c for c, at in zip(spec.checks, check_at) if at == k]
     ins = [io for st, io in inputs_at.items() if st in touched[k] and st not in earlier]
     if not outs and not act_out: raise PlanSpecError(f"stage {k} (ops {bounds[k]}..{bounds[k + 1] - 1}) writes nothing that is used later")
-    stages.append(_stage(spec, range(bounds[k], bounds[k + 1]), act_in, act_out, ins, outs, earlier, where))
+    stages.append(_stage(spec, range(bounds[k], bounds[k + 1]), act_in, act_out, ins, outs, checks, earlier, where))
   return stages
 
 
 def _stage(spec: PlanSpec, ops: range, act_in: list[int], act_out: list[int], ins: list[IOEntry], outs: list[IOEntry],
-           earlier: set[int], where: Mapping[int, tuple[int, int, int]]) -> PlanSpec:
+           checks: list[CheckEntry], earlier: set[int], where: Mapping[int, tuple[int, int, int]]) -> PlanSpec:
   used: list[int] = []  # original buffer indices, in first-use order
   def use(b: int) -> None:
     if b not in used: used.append(b)
   own = [spec.ops[i] for i in ops if not isinstance(spec.ops[i], ViewEntry)]
   for op in own:
     for b in (op.buffers if isinstance(op, KernelEntry) else [op.dst, op.src]): use(b)  # type: ignore[union-attr]
-  for io in [*ins, *outs]: use(io.buffer)
+  for b in [*(io.buffer for io in [*ins, *outs]), *(c.buffer for c in checks)]: use(b)
   views: list[ViewEntry] = []
   pending = [op for op in spec.ops if isinstance(op, ViewEntry)]
   grew = True
@@ -138,7 +140,8 @@ def _stage(spec: PlanSpec, ops: range, act_in: list[int], act_out: list[int], in
   def act(s: int) -> IOEntry: return IOEntry(name=f"{ACTIVATION}{s}", buffer=act_bufs[s], shape=[spec.storages[s].nbytes], dtype="uint8")
   return PlanSpec(device=spec.device, target=spec.target, parallel=spec.parallel, reuse_memory=spec.reuse_memory, storages=st_entries,
                   buffers=buffers, ops=new_ops, inputs=[*(moved(e) for e in ins), *(act(s) for s in act_in)],
-                  outputs=[*(moved(e) for e in outs), *(act(s) for s in act_out)], variables=dict(spec.variables))
+                  outputs=[*(moved(e) for e in outs), *(act(s) for s in act_out)], variables=dict(spec.variables),
+                  checks=[c.model_copy(update={"buffer": bnew[c.buffer]}) for c in checks])
 
 
 def run_in_order(spec: PlanSpec, stages: Sequence[Any], feeds: Mapping[str, Any], vars: Mapping[str, int] | None = None) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage, to_dtype
 from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, opts_key, target_key, variant_key
+from kiln.executor.checks import MAX_MESSAGE
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.errors import KilnError, PlanSpecError
 from kiln.ir.serialize import load_json_document
@@ -141,6 +142,13 @@ class IOEntry(_Entry):
   dtype: str
 
 
+class CheckEntry(_Entry):
+  """A check (kiln.executor.checks): plan buffer `buffer` must hold only zeros after each run, else `message` is raised
+  with the offending value in place of its last `{value}`. Not an output: a run returns only the named outputs."""
+  buffer: int = Field(ge=0)
+  message: str = Field(min_length=1, max_length=MAX_MESSAGE)
+
+
 class PlanSpec(_Entry):
   format: Literal[1] = FORMAT
   device: str
@@ -153,6 +161,7 @@ class PlanSpec(_Entry):
   inputs: list[IOEntry] = Field(default_factory=list)
   outputs: list[IOEntry]
   variables: dict[str, tuple[int, int]] = Field(default_factory=dict)
+  checks: list[CheckEntry] = Field(default_factory=list)  # left out of the JSON when empty: the format of a spec without any
 
   @model_validator(mode="after")
   def _consistent(self) -> PlanSpec:
@@ -181,9 +190,10 @@ class PlanSpec(_Entry):
       if io.name in outs: raise ValueError(f"two outputs are named {io.name!r}")
       outs.add(io.name)
     if not self.outputs: raise ValueError("a plan spec needs at least one output")
+    if bad := [c.buffer for c in self.checks if c.buffer >= nb]: raise ValueError(f"checks name buffers {bad}; the spec has {nb}")
     return self
 
-  def to_json(self) -> str: return self.model_dump_json()
+  def to_json(self) -> str: return self.model_dump_json(exclude=None if self.checks else {"checks"})
 
   @classmethod
   def from_json(cls, text: str | bytes) -> PlanSpec:
@@ -235,19 +245,23 @@ def _contents(st: Storage) -> np.ndarray:
 
 
 def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
-           shapes: Mapping[str, Sequence[Dim]] | None = None, digest_files: bool = True) -> tuple[PlanSpec, dict[str, np.ndarray]]:
+           shapes: Mapping[str, Sequence[Dim]] | None = None, digest_files: bool = True,
+           checks: Sequence[tuple[int, str]] = ()) -> tuple[PlanSpec, dict[str, np.ndarray]]:
   """The plan's PlanSpec and the arrays its object weights name (read-only uint8 views, zero-copy on the host).
   `inputs`/`outputs` name plan buffers (default: no inputs, the plan's outputs as output0, output1, ...); `shapes` gives an
-  input's or output's shape (ints, or names of the plan's variables; default: the flat buffer)."""
+  input's or output's shape (ints, or names of the plan's variables; default: the flat buffer); `checks` are (buffer,
+  message) pairs (kiln.executor.checks), plan outputs that are not named outputs."""
   recipe = plan.recipe
   if recipe is None: raise PlanSpecError("this plan has no build record: only a plan built by ExecutionPlanBuilder.build() can be written as a spec")
   inputs = dict(inputs or {})
   outputs = dict(outputs) if outputs is not None else {f"output{i}": b for i, b in enumerate(recipe.outputs)}
   nb = len(recipe.buffers)
-  for what, m in (("input", inputs), ("output", outputs)):
+  for what, m in (("input", inputs), ("output", outputs), ("check", {msg: b for b, msg in checks})):
     if bad := {n: b for n, b in m.items() if not isinstance(b, int) or not 0 <= b < nb}:
       raise PlanSpecError(f"{what}s {bad} name buffers outside the plan's 0..{nb - 1}")
-  if missing := sorted(set(recipe.outputs) - set(outputs.values())):
+  if loose := sorted({b for b, _ in checks} - set(recipe.outputs)):  # else the memory planner may have given it to another buffer
+    raise PlanSpecError(f"checks name buffers {loose} that are not outputs of the plan (set_outputs)")
+  if missing := sorted(set(recipe.outputs) - set(outputs.values()) - {b for b, _ in checks}):
     raise PlanSpecError(f"plan outputs {missing} have no name in outputs=")
   sids: dict[int, int] = {}
   stores: list[Storage] = []
@@ -286,7 +300,8 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   try:
     spec = PlanSpec(device=dev, target=target, parallel=recipe.parallel, reuse_memory=recipe.reuse_memory,
                     storages=storages, buffers=buffers, ops=ops, inputs=[io(n, b) for n, b in inputs.items()],
-                    outputs=[io(n, b) for n, b in outputs.items()], variables=dict(plan.var_bounds))
+                    outputs=[io(n, b) for n, b in outputs.items()], variables=dict(plan.var_bounds),
+                    checks=[CheckEntry(buffer=b, message=msg) for b, msg in checks])
   except ValidationError as e: raise PlanSpecError(f"the plan does not make a valid spec: {e}") from None
   return spec, arrays
 
@@ -427,5 +442,5 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
       b.add_kernel(compiled.ast, op.buffers, op.fixedvars, op.deps, opts=opts, tune=False)
     elif isinstance(op, CopyEntry): b.add_copy(op.dst, op.src, op.deps)
     else: b.add_view(op.out, op.base, op.byte_offset, op.byte_size)
-  b.set_outputs(list(dict.fromkeys(o.buffer for o in spec.outputs)))
+  b.set_outputs(list(dict.fromkeys([*(o.buffer for o in spec.outputs), *(c.buffer for c in spec.checks)])))  # kept, never reused
   return b

@@ -1,7 +1,8 @@
 """A plan rebuilt from a PlanSpec, run by name: `PortablePlan(spec, weights).run({input: array}) -> {output: array}`.
 
 Inputs are copied into their buffers (a symbolic dim below its bound fills the buffer's front), each runtime variable
-is read off the inputs' shapes (or given), and outputs come back at their actual shape as fresh arrays."""
+is read off the inputs' shapes (or given), and outputs come back at their actual shape as fresh arrays. The spec's checks
+are read after each run: a nonzero one is a PlanCheckError (kiln.executor.checks), and no outputs come back."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kiln.executor.buffer import to_dtype
+from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import CodePolicy, IOEntry, PlanSpec, builder_from_spec, dim_value
 from kiln.executor.profile import Profile
 from kiln.ir.errors import PlanSpecError, VariableBoundsError
@@ -65,6 +67,7 @@ class PortablePlan:
     self.plan = builder_from_spec(spec, weights, code, verify).build()
     self.input_names = [i.name for i in spec.inputs]
     self.output_names = [o.name for o in spec.outputs]
+    self._checks = CheckReader(self.plan.buffers, [(c.buffer, c.message) for c in spec.checks])
 
   def _feed(self, feeds: Mapping[str, Any], given: Mapping[str, int] | None) -> dict[str, int]:
     arrays, vals = check_feeds(self.spec, feeds, given)
@@ -92,6 +95,7 @@ class PortablePlan:
       vals = self._feed(feeds or {}, vars)
       if vals: self.plan.execute_with_vars(vals)
       else: self.plan.execute()
+      self._checks.raise_failed()
       return {o.name: self._read(o, vals) for o in self.spec.outputs}
 
   def run_profiled(self, feeds: Mapping[str, Any] | None = None, vars: Mapping[str, int] | None = None) -> tuple[dict[str, np.ndarray], Profile]:
@@ -99,4 +103,5 @@ class PortablePlan:
       vals = self._feed(feeds or {}, vars)
       if vals: self.plan.set_vars(vals)
       prof = self.plan.execute_profiled()
+      self._checks.raise_failed()
       return {o.name: self._read(o, vals) for o in self.spec.outputs}, prof
