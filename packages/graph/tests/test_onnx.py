@@ -219,8 +219,8 @@ def test_bert_encoder(hid: int, heads: int) -> None:
   mask = np.ones((bs, s), np.int64)
   mask[1, 11:] = 0
   km = check(m, {"ids": ids, "mask": mask}, 2e-4)
-  # embedding + layernorm, the additive mask, 9 per layer (the hand-fused plan's count), the masked mean pooling
-  assert len(km.plan.kernels) == 1 + 1 + 9 * layers + 1, km.summary()
+  # embedding + layernorm, the additive mask, 9 per layer (the hand-fused plan's count), the masked mean pooling, the ids' range check
+  assert len(km.plan.kernels) == 1 + 1 + 9 * layers + 1 + 1, km.summary()
 
 
 # ---- convolutions and pooling ----

@@ -12,7 +12,7 @@ A node is one of a few kinds (the scheduler renders each as UOps, see render.py)
 | ALU     | 1-3 of one shape  | `Ops` (CAST: the target in dtype)      | elementwise                                                 |
 | REDUCE  | 1                 | (Ops.ADD/MUL/MAX, axes)                | reduced axes kept as size 1 (keepdims)                       |
 | VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |
-| GATHER  | table, indices    | axis                                   | table[..., indices, ...]: data-dependent index, clamped      |
+| GATHER  | table, indices    | (axis, label)                          | table[..., indices, ...]: data-dependent index (index_check.py) |
 | CAT     | 1+                | axis                                   | pieces side by side along axis                               |
 
 Any node may carry `realize=True` (Tensor.contiguous): the scheduler gives it a buffer of its own whatever its consumers.
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.executor.checks import PlanCheckError
 from kiln.ir.dtype import DType
 from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
@@ -41,6 +42,12 @@ class GraphError(IRError):
 
 class ONNXError(GraphError):
   """An ONNX model could not be loaded: malformed, failing onnx.checker, or using an operator or attribute kiln does not support."""
+
+
+class IndexOutOfRangeError(GraphError, PlanCheckError):
+  """An index outside its axis's [-n, n) (a Gather's, as onnxruntime refuses it): the message names the node, the index and the
+  range, `.value` is the index. Raised when the gather is made for constant indices, else after the run that read it (the
+  plan stays usable: the next run with good indices succeeds). Also a PlanCheckError, what an exported plan raises."""
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.graph import onnx_limits as lim
 from kiln.graph import onnx_ops_act, onnx_ops_rnn, onnx_ops_shape  # noqa: F401  (they register their operators in OPS)
-from kiln.graph.lazy import GraphError, ONNXError
+from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
@@ -70,6 +70,7 @@ class Model:
       if self.compiled is None: pass
       elif profile: got, prof = self.compiled.run_profiled(feeds)
       else: got = self.compiled.run(feeds)
+    except IndexOutOfRangeError: raise  # typed: it names the node and the index already
     except GraphError as e: raise ONNXError(str(e)) from e
     out = dict(zip(self._computed, got))
     return {n: out[n] if n in out else self._consts[n].copy() for n in self.output_names}, prof

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
@@ -317,6 +318,8 @@ def _gather(n: Node) -> Value:
   x, i = n.ins[0], n.ins[1]
   nd = x.ndim if x is not None else 0
   a = _norm(n.attr("axis", 0), nd, n)
+  if x is not None and isinstance(i, np.ndarray) and isinstance(size := x.shape[a], int) and (bad := bad_index(i, size)) is not None:
+    raise n.error(f"index {bad} {out_of_range(size)} (axis {a} of data {tuple(x.shape)})")  # as onnxruntime refuses it
   if isinstance(x, np.ndarray) and isinstance(i, np.ndarray):
     r = np.take(x, i, a)
     if isinstance(r, UOp):  # one symbolic element of a shape value: numpy hands back the UOp itself
@@ -324,7 +327,7 @@ def _gather(n: Node) -> Value:
       r0[()] = r
       return r0
     return np.asarray(r)  # a plain number (numpy's scalar for one element) stays a number array
-  return n.t(0).gather(n.t(1), a)
+  return n.t(0).gather(n.t(1), a, name=f"node {n.name} ({n.op})")
 
 
 def _flatten(n: Node) -> Value:

@@ -198,10 +198,12 @@ class Renderer:
     if n.op == "VIEW": return self._view(n, idx)
     if n.op == "GATHER":
       table, ind = n.src
-      ax, k = n.arg, len(ind.shape)
+      (ax, _), k = n.arg, len(ind.shape)
       iv = self.render(ind, idx[ax:ax + k]).cast(dtypes.index)
       size = table.shape[ax]
-      iv = _clamp((iv < 0).where(iv + size, iv), size)  # negative indices count from the end; out of range reads the edge
+      # negative indices count from the end; the clamp keeps an index out of range inside the table's memory, and the
+      # plan's check of these indices (index_check.py) makes that run an IndexOutOfRangeError, never a clamped answer
+      iv = _clamp((iv < 0).where(iv + size, iv), size)
       return self.render(table, (*idx[:ax], iv, *idx[ax + k:]))
     if n.op == "CAT":
       ax = n.arg

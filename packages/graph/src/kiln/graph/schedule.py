@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
+from kiln.executor.checks import CheckReader
 from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
 from kiln.graph.epilogue import fuse_epilogues
-from kiln.graph.lazy import GraphError, Node, consumers, toposort
+from kiln.graph.index_check import gather_checks
+from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, consumers, toposort
 from kiln.graph.render import Kernel, Renderer
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
@@ -152,12 +154,17 @@ class Compiled:
 
   A graph with symbolic dims is compiled once for every size in their bounds: run() reads each variable's value off the
   fed arrays' shapes, checks it against the other inputs and the bounds, and runs the plan with those values (no
-  kernel is compiled again); the outputs come back at the actual size."""
+  kernel is compiled again); the outputs come back at the actual size.
+
+  `checks` are (plan buffer, message) pairs read after every run (index_check.py: a Gather's indices); a nonzero one
+  is an IndexOutOfRangeError instead of the outputs."""
 
   def __init__(self, plan, inputs: list[_Input], outputs: list[tuple[int, tuple[Dim, ...]]], kernels: list[Kernel],  # type: ignore[no-untyped-def]
-               variables: Mapping[str, UOp] | None = None):
+               variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = ()):
     self.plan, self.inputs, self.outputs, self.kernels = plan, inputs, outputs, kernels
     self.variables: dict[str, UOp] = dict(variables or {})  # name -> UOp.variable(name, lo, hi)
+    self.checks = list(checks)
+    self._checks = CheckReader(plan.buffers, self.checks)
 
   @property
   def kernel_count(self) -> int: return len(self.plan.kernels)
@@ -166,6 +173,7 @@ class Compiled:
     vals = self._feed(feeds)
     if self.variables: self.plan.execute_with_vars(vals)
     else: self.plan.execute()
+    self._checks.raise_failed(IndexOutOfRangeError)
     return self._outputs(vals)
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], Any]:
@@ -173,17 +181,19 @@ class Compiled:
     vals = self._feed(feeds)
     if self.variables: self.plan.set_vars(vals)
     prof = self.plan.execute_profiled()
+    self._checks.raise_failed(IndexOutOfRangeError)
     return self._outputs(vals), prof
 
   def export(self, output_names: Sequence[str] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
     """The compiled graph as a kiln.executor PlanSpec (inputs by name, outputs as output_names or output0, ...; symbolic
-    dims by their variables' names) and the arrays its weights name: rebuild it with kiln.executor.PortablePlan."""
+    dims by their variables' names) and the arrays its weights name: rebuild it with kiln.executor.PortablePlan. The
+    checks travel with it: the rebuilt plan raises kiln.executor's PlanCheckError with the same message."""
     names = list(output_names) if output_names is not None else [f"output{i}" for i in range(len(self.outputs))]
     if len(names) != len(self.outputs): raise GraphError(f"{len(names)} output names for {len(self.outputs)} outputs")
     outs, shapes = {}, {}
     for n, (b, s) in zip(names, self.outputs): outs[n], shapes[n] = b, [_spec_dim(d) for d in s]
     for i in self.inputs: shapes[i.name] = [_spec_dim(d) for d in i.shape]
-    return self.plan.export({i.name: i.buf for i in self.inputs}, outs, shapes)  # type: ignore[no-any-return]
+    return self.plan.export({i.name: i.buf for i in self.inputs}, outs, shapes, self.checks)  # type: ignore[no-any-return]
 
   def to_spec(self, output_names: Sequence[str] | None = None) -> Any: return self.export(output_names)[0]
 
@@ -289,7 +299,8 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   if fuse:
     new = fuse_epilogues(outs)
     outs = [new[o] for o in outs]
-  uniq = list(dict.fromkeys(outs))
+  checks = gather_checks(toposort(outs))
+  uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs]))  # the checks' kernels first: a pipeline's first stage runs them
   try: kernels = schedule(uniq, fuse)
   except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
     raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
@@ -322,4 +333,4 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
   variables_ = _variables(toposort(uniq), inputs)
   plan = pb.build()
-  return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels, variables_)
+  return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels, variables_, [(bufs[c], m) for c, m in checks])

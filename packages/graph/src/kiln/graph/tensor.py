@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph.index_check import gather_node
 from kiln.graph.lazy import GraphError, Node, Source, prod
 from kiln.graph.schedule import Compiled, compile_nodes
 from kiln.ir.dtype import DType, dtypes, least_upper_dtype
@@ -499,13 +500,13 @@ class Tensor:
     return out
 
   # ---- indexing by data ----
-  def gather(self, indices: Tensor, axis: int = 0) -> Tensor:
-    """numpy.take(self, indices, axis): negative indices count from the end; an index outside [-n, n) reads the nearest edge."""
+  def gather(self, indices: Tensor, axis: int = 0, name: str | None = None) -> Tensor:
+    """numpy.take(self, indices, axis): negative indices count from the end; an index outside [-n, n) is an
+    IndexOutOfRangeError naming the gather (`name`) and the index: at once for constant indices, else after the run."""
     if not indices.dtype.is_int: raise GraphError(f"gather: indices must be integers, got {indices.dtype.name} {indices.shape}")
     a = _norm_axis(axis, self.ndim, "gather", self.shape)
     sym.require_static("gather", self.shape, [a], "as the table's gathered axis")
-    shape = self.shape[:a] + indices.shape + self.shape[a + 1:]
-    return Tensor(Node("GATHER", (self.node, indices.node), a, shape, self.dtype))
+    return Tensor(gather_node(self.node, indices.node, a, self.shape[:a] + indices.shape + self.shape[a + 1:], name))
   def embedding(self, ids: Tensor) -> Tensor: return self.gather(ids, 0)
 
   # ---- linear algebra ----
