@@ -189,3 +189,41 @@ def test_recurrent_steps_count_across_directions_and_nodes(monkeypatch) -> None:
   monkeypatch.setattr(lim, "MAX_UNROLLED_STEPS", 10)
   konnx.load(_lstm_model(5, "bidirectional"))  # 10 steps: at the limit
   with pytest.raises(ONNXError, match="unroll in all is 12, over MAX_UNROLLED_STEPS = 10"): konnx.load(_lstm_model(6, "bidirectional"))
+
+
+# ---- item 8: a mapped weights file truncated after load ----
+_TRUNCATE = r"""
+import os, sys
+import numpy as np
+from kiln.graph import weights, onnx as konnx
+from kiln.graph.tensor import compile
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "safetensors":
+  weights.save_safetensors(path, {"w": np.ones((512, 512), np.float32)})
+  run = compile([(weights.load_safetensors(path)["w"] * 2.0).sum(0)]).run
+  data = path
+else:
+  run, data = (lambda m: lambda: m.run({}))(konnx.load(path)), os.path.join(os.path.dirname(path), "weights.bin")
+run()
+os.truncate(data, 64)
+try: run()
+except Exception as e: print(type(e).__name__, e)
+else: print("ran")
+"""
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "onnx"])
+def test_a_weights_file_truncated_after_load_is_a_typed_error_not_sigbus(tmp_path, kind: str) -> None:
+  """The plan reads the file's pages in place; a page lost to truncation would SIGBUS the process. In a subprocess, so a
+  regression fails this test instead of killing the test run."""
+  import subprocess
+  import sys
+  if kind == "onnx":
+    w = numpy_helper.from_array(np.ones((512, 512), np.float32), "w")
+    m = _model([helper.make_node("ReduceSum", ["w"], ["y"], keepdims=0)], [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [w])
+    path = str(tmp_path / "m.onnx")
+    onnx.save_model(m, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
+  else: path = str(tmp_path / "w.safetensors")
+  r = subprocess.run([sys.executable, "-c", _TRUNCATE, kind, path], capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+  assert r.stdout.startswith("MappedFileError a weights file this plan reads in place was truncated from"), r.stdout

@@ -72,7 +72,7 @@ class Storage:
     if self._host is False: self._host = self.allocator.as_numpy(self.handle, np.uint8, self.nbytes, 0)
     if (arr := self._host) is None: return None
     assert isinstance(arr, np.ndarray)
-    return np.asarray(_KeepAlive(arr, self))  # the array's base holds this storage, so it outlives every Buffer
+    return np.asarray(KeepAlive(arr, self))  # the array's base holds this storage, so it outlives every Buffer
 
   def __del__(self) -> None:
     if self.handle is not None and self.allocator is not None:
@@ -81,12 +81,12 @@ class Storage:
       self.handle, self._host = None, False
 
 
-class _KeepAlive:
+class KeepAlive:
   """Exposes an array's memory through __array_interface__ while holding a reference to the owning storage."""
-  __slots__ = ("__array_interface__", "_arr", "_owner")
+  __slots__ = ("__array_interface__", "array", "_owner")
 
   def __init__(self, arr: np.ndarray, owner: Any):
-    self.__array_interface__, self._arr, self._owner = arr.__array_interface__, arr, owner
+    self.__array_interface__, self.array, self._owner = arr.__array_interface__, arr, owner
 
 
 def _bytes_of(data: Any, dtype: DType | None = None, what: str = "copyin") -> np.ndarray:

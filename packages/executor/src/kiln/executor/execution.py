@@ -14,6 +14,7 @@ from kiln.codegen.protocols import SessionCall
 from kiln.codegen.threads import CORE_ID, plan_ended, plan_started
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
+from kiln.executor.mapped import MappedFiles
 from kiln.executor.prepared import PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp
 from kiln.executor.profile import Profile, ProfileRecord
 from kiln.executor.recipe import PlanRecipe
@@ -99,6 +100,8 @@ class ExecutionPlan:
     self.memory_bytes = sum(s.nbytes for s in storages.values())  # the plan's peak buffer memory (all of it lives as long as the plan)
     self.memory_bytes_without_reuse = memory_without_reuse
     self.recipe: PlanRecipe | None = None  # what build() made it from (to_spec needs it)
+    self._mapped = MappedFiles(s.external if s.external is not None else getattr(s.handle, "memoryview", lambda: None)()
+                               for s in storages.values() if s.external is not None or s.device.startswith("DISK"))
 
   # ---- running ----
   @property
@@ -121,6 +124,7 @@ class ExecutionPlan:
 
   def _execute(self) -> None:
     if self._poisoned is not None or self._unbound: self._check()
+    if self._mapped: self._mapped.check()  # a truncated weights file: a typed error here, not SIGBUS in a kernel
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
       return
@@ -184,6 +188,7 @@ class ExecutionPlan:
     return prof
 
   def _run_profiled(self, print_lines: bool) -> Profile:
+    if self._mapped: self._mapped.check()
     prof = Profile()
     t_start = time.perf_counter()
     # a running plan, as in _execute: otherwise the pool's workers sleep between kernels, and every split kernel's time

@@ -226,7 +226,7 @@ def _file_of(st: Storage) -> tuple[str, int] | None:
   if st.external is None: return None
   start = int(st.external.ctypes.data)
   a: Any = st.external
-  for _ in range(64):  # the .base chain of a view of a map ends at the owning DISK storage (through its _KeepAlive)
+  for _ in range(64):  # the .base chain of a view of a map ends at the owning DISK storage (through its KeepAlive)
     owner = getattr(a, "_owner", None)
     if isinstance(owner, Storage) and owner.device.startswith("DISK:"):
       mapped = owner.host_array()

@@ -74,3 +74,8 @@ class VariableBoundsError(KilnError, ValueError):
 
 class CacheError(KilnError):
   """The kernel cache was misused (the disk cache itself never raises on a bad entry: it recompiles)."""
+
+
+class MappedFileError(KilnBufferError):
+  """A file a plan reads through a memory map shrank after it was mapped: reading the lost pages would kill the process
+  (SIGBUS), so the plan refuses to run. The message names the file's size then and now."""
