@@ -209,7 +209,7 @@ CASES = [
   ("disk-file-shorter-than-asked", KilnBufferError, r"data\.bin", lambda tmp_path: Buffer(f"DISK:{disk_file(tmp_path, 16)}", 8, "float32").numpy()),
   ("disk-offset-past-end", KilnBufferError, r"data.bin: region offset=64 .*larger than the file \(length 16 bytes\)",
    lambda tmp_path: Buffer(f"DISK:{disk_file(tmp_path, 16)}", 2, "float32", options={"offset": 64}).numpy()),
-  ("disk-missing-file", KilnBufferError, r"nope.bin: the file to map does not exist", lambda tmp_path: Buffer(f"DISK:{tmp_path}/nope.bin", 2, "float32").numpy()),
+  ("disk-missing-file", KilnBufferError, r"file to map does not exist", lambda tmp_path: Buffer(f"DISK:{tmp_path}/nope.bin", 2, "float32").numpy()),
   ("disk-write", KilnBufferError, r"read-only", lambda tmp_path: Buffer(f"DISK:{disk_file(tmp_path)}", 4, "float32").copyin(np.zeros(4, np.float32))),
   ("disk-copy-into", KilnBufferError, r"read-only",
    lambda tmp_path: copy_buffer(Buffer(f"DISK:{disk_file(tmp_path)}", 4, "float32"), Buffer.from_numpy(np.zeros(4, np.float32)))),

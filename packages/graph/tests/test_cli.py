@@ -85,9 +85,11 @@ def test_symbolic_dims_from_inputs_or_flag(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("case,needle", [
   ("missing_file", "the file does not exist"), ("fifo_input", "the file is a FIFO"), ("dir_model", "is a directory"),
-  ("fifo_model", "is a FIFO"), ("future_opset", "opset 99"), ("unknown_device", "DeviceError"), ("unknown_name", "has no input 'q'"), ("wrong_shape", "has shape (2, 5)"),
+  ("fifo_model", "is a FIFO"), ("future_opset", "opset 99"), ("unknown_device", "DeviceError"),
+  ("unknown_name", "has no input 'q'"), ("wrong_shape", "has shape (2, 5)"),
   ("wrong_rank", "rank 2"), ("not_given", "is not given"), ("bad_pair", "NAME=VALUE"), ("not_npy", "not a readable .npy"),
-  ("missing_model", "the model file does not exist"), ("bad_model", "not a valid ONNX model"), ("bad_dims", "must be an integer"),
+  ("missing_model", "the model file does not exist"), ("bad_model", "not a valid ONNX model"),
+  ("bad_dims", "must be an integer"),
   ("wrong_dtype", "dtype"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case: str, needle: str) -> None:

@@ -152,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try: return run(args)
   except UsageError as e: msg = str(e)
   except GraphError as e: msg = str(e)  # ONNXError too: the model cannot be loaded, or a feed does not fit it
-  except KilnError as e: msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"  # a layer below: device, memory, cache
+  except KilnError as e:  # a layer below: device, memory, cache
+    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
   except OSError as e: msg = f"{type(e).__name__}: {e}"  # --out not writable, a file vanished
   print(f"kiln run: error: {msg}", file=sys.stderr)
   return 2

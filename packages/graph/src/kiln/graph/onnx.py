@@ -155,10 +155,11 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
   budget = lim.LoadBudget(lim.stored_bytes(onnx, g))
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
-  inputs, defaults = [], {}
+  inputs: list[tuple[str, tuple[int | str, ...], np.dtype]] = []
+  defaults: dict[str, np.ndarray] = {}
   for vi in g.input:
     if vi.name in env:  # an initializer gives it a default (ONNX IR >= 4): kiln folds that in, and refuses another value at run time
-      if isinstance(env[vi.name], np.ndarray): defaults[vi.name] = env[vi.name]
+      if isinstance(value := env[vi.name], np.ndarray): defaults[vi.name] = value
       continue
     tt = vi.type.tensor_type
     try: dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)

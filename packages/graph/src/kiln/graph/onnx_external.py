@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import onnx_limits as lim
-from kiln.ir.files import open_regular
 from kiln.graph.lazy import ONNXError
+from kiln.ir.files import open_regular
 
 EXTERNAL_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})
 

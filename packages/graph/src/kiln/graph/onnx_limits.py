@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.ir.files import open_regular
 from kiln.graph.lazy import ONNXError
+from kiln.ir.files import open_regular
 from kiln.ir.serialize import MAX_BUFFER_BYTES
 
 MAX_MODEL_BYTES = (1 << 31) - 1

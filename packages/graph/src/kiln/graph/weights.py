@@ -30,11 +30,11 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.lib.format as npformat
 
-from kiln.ir.files import open_regular, regular_size
 from kiln.graph.lazy import GraphError, Node, Source
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import DeviceError, KilnBufferError
+from kiln.ir.files import open_regular, regular_size
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference reader's limit on a safetensors header
 MAX_NAME_BYTES = 1024  # longer tensor names are refused (real ones are well under 256)
