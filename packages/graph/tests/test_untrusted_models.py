@@ -227,3 +227,18 @@ def test_a_weights_file_truncated_after_load_is_a_typed_error_not_sigbus(tmp_pat
   r = subprocess.run([sys.executable, "-c", _TRUNCATE, kind, path], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
   assert r.stdout.startswith("MappedFileError a weights file this plan reads in place was truncated from"), r.stdout
+
+
+# ---- item 9: every exception that leaves kiln is a kiln error ----
+def test_misuse_of_the_python_api_is_a_kiln_error(tmp_path) -> None:
+  from kiln.graph import weights
+  from kiln.ir.errors import KilnError
+  x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy")
+  km = konnx.load(_model([helper.make_node("Relu", ["x"], ["y"])], [x], [y]))
+  cases = [(lambda: km.run(None), "run takes a mapping"),  # type: ignore[arg-type]
+           (lambda: weights.save_safetensors(tmp_path, {"w": np.zeros(3, np.float32)}), "cannot write safetensors file"),
+           (lambda: weights.load_npy(3), "path must be a str or os.PathLike, got int"),  # type: ignore[arg-type]
+           (lambda: weights.load_safetensors(tmp_path), "safetensors file is a directory"),
+           (lambda: konnx.load(str(tmp_path / "a\0b.onnx")), "holds a NUL byte")]
+  for call, needle in cases:
+    with pytest.raises(KilnError, match=needle): call()

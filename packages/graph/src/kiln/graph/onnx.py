@@ -58,6 +58,7 @@ class Model:
     return self._run(feeds, True)
 
   def _run(self, feeds: Mapping[str, np.ndarray], profile: bool) -> tuple[dict[str, np.ndarray], Any]:
+    if not isinstance(feeds, Mapping): raise ONNXError(f"run takes a mapping of input name -> array, got {type(feeds).__name__}")
     for name, shape, dt in self.inputs:
       if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
     for name, value in self.defaults.items():

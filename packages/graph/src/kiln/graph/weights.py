@@ -68,6 +68,11 @@ def _map(path: str, nbytes: int, dtype: DType, offset: int) -> np.ndarray:
   except DeviceError as e: raise WeightsError(f"{path}: the DISK device is not available ({e})") from None
 
 
+def _abspath(path: Any) -> str:
+  try: return os.path.abspath(os.fspath(path))
+  except TypeError: raise WeightsError(f"a weights file's path must be a str or os.PathLike, got {type(path).__name__}") from None
+
+
 def _check_bool(arr: np.ndarray, where: str) -> None:
   if arr.size and int(arr.view(np.uint8).max()) > 1: raise WeightsError(f"{where}: BOOL data holds bytes other than 0 and 1")
 
@@ -97,7 +102,7 @@ def _kiln_dtype(dt: np.dtype, where: str) -> DType:
 def npy_region(path: str | os.PathLike[str]) -> tuple[int, tuple[int, ...], DType]:
   """(data offset, shape, kiln dtype) of a C-order .npy file, from its header, with the checks disk.py's npy_region makes
   (kiln.graph cannot import the runtime) plus byte order, negative dims and the dtype kiln computes on."""
-  p = os.path.abspath(os.fspath(path))
+  p = _abspath(path)
   with os.fdopen(open_regular(p, ".npy file", WeightsError), "rb") as f:
     try: shape, fortran, dt = _npy_header(f)
     except (ValueError, OSError, SyntaxError, KeyError, TypeError, struct.error, UnicodeDecodeError, MemoryError, RecursionError) as e:
@@ -118,7 +123,7 @@ def npy_region(path: str | os.PathLike[str]) -> tuple[int, tuple[int, ...], DTyp
 def load_npy(path: str | os.PathLike[str]) -> Tensor:
   """The array in a .npy file as a constant Tensor over its mapped data region (a read-only DISK buffer, no read)."""
   offset, shape, dt = npy_region(path)
-  p = os.path.abspath(os.fspath(path))
+  p = _abspath(path)
   arr = _map(p, math.prod(shape) * dt.itemsize, dt, offset).reshape(shape)
   if dt == dtypes.bool: _check_bool(arr, p)
   return _weight(arr, dt)
@@ -191,7 +196,7 @@ def load_safetensors(path: str | os.PathLike[str], names: Iterable[str] | None =
   Layout: an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]},
   "__metadata__": {str: str}}, then the data section; offsets count from its start. BF16 tensors hold their uint16 bit
   patterns (`Tensor.numpy()` of one gives the bits; `.cast("float32")` computes on them)."""
-  p = os.path.abspath(os.fspath(path))
+  p = _abspath(path)
   flen = regular_size(p, "safetensors file", WeightsError)
   if flen < 8: raise WeightsError(f"{p}: {flen} bytes is too short for a safetensors file (an 8-byte header length first)")
   mem = _map(p, flen, dtypes.uint8, 0)  # the whole file, once; each tensor is a view of it
@@ -214,7 +219,7 @@ def load_safetensors(path: str | os.PathLike[str], names: Iterable[str] | None =
 
 def safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
   """The __metadata__ of a safetensors file (its header checked as load_safetensors checks it)."""
-  p = os.path.abspath(os.fspath(path))
+  p = _abspath(path)
   try:
     with os.fdopen(open_regular(p, "safetensors file", WeightsError), "rb") as f:
       raw = f.read(8)
@@ -247,9 +252,11 @@ def save_safetensors(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarr
     pos += a.nbytes
   head = json.dumps(header, separators=(",", ":")).encode("utf-8")
   head += b" " * (-len(head) % 8)
-  with open(os.fspath(path), "wb") as f:
-    f.write(struct.pack("<Q", len(head)) + head)
-    for _, a, _ in items: f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+  try:
+    with open(_abspath(path), "wb") as f:
+      f.write(struct.pack("<Q", len(head)) + head)
+      for _, a, _ in items: f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+  except (OSError, ValueError) as e: raise WeightsError(f"cannot write safetensors file {path}: {e}") from None
 
 
 # ---- where a file's pages are (Linux) ----
