@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.codegen import index_width
 from kiln.codegen.expand import combos, gate_loads, simp, unroll_vars
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
@@ -205,6 +206,9 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
   """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program."""
   if ast.op is not Ops.SINK: raise CodegenError(f"a kernel is a SINK of STOREs, got {ast.op}")
   verify(ast)
+  name = ast.arg if isinstance(ast.arg, str) else "kernel"
+  if (wide := index_width.needs_wide(ast)) is not None:
+    raise CodegenError(f"kernel {name}: {index_width.describe(wide)} needs 64-bit index arithmetic, which codegen does not render yet")
   prepared, loops = prepare(ast)
   chosen = heuristic_opts(prepared, target) if opts is None else list(opts)
   tails: set[UOp] = set()
@@ -215,6 +219,8 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
   lk = Lowerer(prepared, target, chosen, loops, tails).lower()
   # a buffer read only under a range of constant size 0 keeps its parameter (callers pass every slot the kernel names)
   if lost := _globals(ast) - _globals(drop_empty(ast)): lk.globals = sorted(set(lk.globals) | lost, key=lambda g: g.arg)
+  if (bad := index_width.wrap_risk(lk.uops)) is not None:
+    raise CodegenError(f"kernel {name}: index arithmetic {index_width.describe(bad)} may pass int32 and wrap")
   return lk
 
 

@@ -137,7 +137,8 @@ class dtypes:
   float = float32
   double = float64
   int = int32
-  index = int32  # the dtype of ranges and index arithmetic
+  index = int32  # the dtype of ranges and index arithmetic while every value fits (index_dtype: int64 past it)
+  index64 = int64  # ranges and index arithmetic that can pass int32 (a 2**31-element reduction)
 
   @staticmethod
   def all() -> tuple[DType, ...]: return ALL_DTYPES
@@ -156,6 +157,12 @@ class dtypes:
     if isinstance(x, int): return dtypes.int32
     if isinstance(x, float): return dtypes.float32
     raise IRTypeError(f"cannot make a kiln constant from {type(x).__name__} {x!r}")
+
+
+def index_dtype(lo: int, hi: int) -> DType:
+  """The dtype for index values in [lo, hi]: dtypes.index (int32) when they fit it, so small kernels keep 32-bit index
+  arithmetic, else dtypes.index64."""
+  return dtypes.index if dtypes.index.min <= lo and hi <= dtypes.index.max else dtypes.index64
 
 
 ALL_DTYPES: Final[tuple[DType, ...]] = (dtypes.bool, dtypes.int8, dtypes.int16, dtypes.int32, dtypes.int64, dtypes.uint8,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from kiln.ir.dtype import ConstLike, DType, dtypes
+from kiln.ir.dtype import ConstLike, DType, dtypes, index_dtype
 from kiln.ir.errors import IRError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -62,18 +62,30 @@ def numel(shape: Sequence[Dim]) -> Dim:
 
 def buffer(slot: int, dtype: DType, shape: Sequence[Dim]) -> UOp:
   n = max_numel(shape)
-  if n > dtypes.index.max: raise IRError(f"a buffer of shape {tuple(shape)} has {n} elements, more than a {dtypes.index} index reaches")
+  if n > dtypes.index64.max: raise IRError(f"a buffer of shape {tuple(shape)} has {n} elements, more than a {dtypes.index64} index reaches")
   return UOp.define_global(slot, dtype.ptr(n))
 
 
 def flat_index(idx: Sequence[UOp | int], shape: Sequence[Dim]) -> UOp:
-  """Row-major flat index of the n-d index idx into shape (size-1 dims are skipped, which broadcasts them)."""
+  """Row-major flat index of the n-d index idx into shape (size-1 dims are skipped, which broadcasts them). Built in
+  dtypes.index while the bounds of every product and partial sum fit int32, in dtypes.index64 from the first that does
+  not (an int32 stride past 2**31, or a sum past it, would wrap)."""
   out: UOp | int = 0
   stride: Dim = 1
   for i, d in zip(reversed(idx), reversed(shape)):
-    if not _is1(d) and not (isinstance(i, int) and i == 0): out = i * stride + out
+    if not _is1(d) and not (isinstance(i, int) and i == 0): out = _madd(i, stride, out)
     stride = d * stride if isinstance(d, UOp) else stride * d
-  return out if isinstance(out, UOp) else UOp.const(dtypes.index, out)
+  return out if isinstance(out, UOp) else UOp.const(index_dtype(out, out), out)
+
+
+def _madd(i: UOp | int, stride: Dim, acc: UOp | int) -> UOp | int:
+  """i * stride + acc, in int64 when the bounds of the product or the sum pass int32."""
+  if isinstance(i, int) and isinstance(stride, int) and isinstance(acc, int): return i * stride + acc
+  u, s, a = (x if isinstance(x, UOp) else UOp.const(index_dtype(x, x), x) for x in (i, stride, acc))
+  ends = [int(x) * int(y) for x in (u.vmin, u.vmax) for y in (s.vmin, s.vmax)]
+  if index_dtype(min(ends) + min(int(a.vmin), 0), max(ends) + max(int(a.vmax), 0)) == dtypes.index64:
+    u, s, a = (x.cast(dtypes.index64) for x in (u, s, a))
+  return u * s + a
 
 
 class _Axes:

@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.ir.alu import cast as alu_cast
 from kiln.ir.bounds import compute_bounds
-from kiln.ir.dtype import ConstLike, DType, PtrDType, dtypes, least_upper_dtype, truncate_value
+from kiln.ir.dtype import ConstLike, DType, PtrDType, dtypes, index_dtype, least_upper_dtype, truncate_value
 from kiln.ir.errors import IRError, IRTypeError
 from kiln.ir.fold import fold_alu
 from kiln.ir.ops import AxisType, GroupOp, Ops
@@ -172,17 +172,17 @@ class UOp(metaclass=UOpMetaClass):
     return UOp(Ops.DEFINE_VAR, dtype, (), (name, min_val, max_val))
 
   @staticmethod
-  def range(end: UOp | int, axis_id: int, axis_type: AxisType = AxisType.LOOP) -> UOp:
-    e = end if isinstance(end, UOp) else UOp.const(dtypes.index, end)
-    if not e.dtype.is_int: raise IRTypeError(f"range end must be an integer, got {e.dtype}")
-    if e.dtype != dtypes.index: e = e.cast(dtypes.index)
+  def range(end: UOp | int, axis_id: int, axis_type: AxisType = AxisType.LOOP, dtype: DType | None = None) -> UOp:
+    """A loop over [0, end): of dtypes.index while end fits int32, else dtypes.index64 (index_dtype, from end's bounds), or
+    of `dtype` (a range standing in for another keeps its dtype)."""
+    e = _index_value(end, dtype, "range end")
     if not isinstance(axis_type, AxisType): raise IRError(f"axis_type must be an AxisType, got {axis_type!r}")
-    return UOp(Ops.RANGE, dtypes.index, (e,), (axis_id, axis_type))
+    return UOp(Ops.RANGE, e.dtype, (e,), (axis_id, axis_type))
 
   @staticmethod
-  def special(name: str, size: UOp | int) -> UOp:
-    s = size if isinstance(size, UOp) else UOp.const(dtypes.index, size)
-    return UOp(Ops.SPECIAL, dtypes.index, (s,), name)
+  def special(name: str, size: UOp | int, dtype: DType | None = None) -> UOp:
+    s = _index_value(size, dtype, "special size")
+    return UOp(Ops.SPECIAL, s.dtype, (s,), name)
 
   @staticmethod
   def sink(*srcs: UOp, name: str | None = None) -> UOp: return UOp(Ops.SINK, dtypes.void, tuple(srcs), name)
@@ -196,9 +196,8 @@ class UOp(metaclass=UOpMetaClass):
   # ---- memory ----
   def index(self, idx: UOp | int, gate: UOp | None = None) -> UOp:
     if not isinstance(self.dtype, PtrDType): raise IRTypeError(f"index() needs a buffer (pointer dtype), got {self.dtype}")
-    i = idx if isinstance(idx, UOp) else UOp.const(dtypes.index, idx)
-    if not i.dtype.is_int or i.dtype.count != 1: raise IRTypeError(f"index must be a scalar integer, got {i.dtype}")
-    if i.dtype != dtypes.index: i = i.cast(dtypes.index)
+    if isinstance(idx, UOp) and (not idx.dtype.is_int or idx.dtype.count != 1): raise IRTypeError(f"index must be a scalar integer, got {idx.dtype}")
+    i = _index_value(idx, None, "index")
     if gate is None: return UOp(Ops.INDEX, self.dtype, (self, i))
     if gate.dtype != dtypes.bool: raise IRTypeError(f"index gate must be bool, got {gate.dtype}")
     return UOp(Ops.INDEX, self.dtype, (self, i, gate))
@@ -347,6 +346,19 @@ class UOp(metaclass=UOpMetaClass):
     return sorted((u for u in self.toposort() if u.op is Ops.RANGE), key=lambda r: r.arg[0])
   def variables(self) -> list[UOp]:
     return sorted((u for u in self.toposort() if u.op is Ops.DEFINE_VAR), key=lambda v: v.arg[0])
+
+
+def _index_value(x: UOp | int, dtype: DType | None, what: str) -> UOp:
+  """x as an index value, never wrapped: in `dtype`, else in index_dtype of its bounds (int32 while they fit, so a small
+  kernel's indices stay 32-bit; int64 past it, where a cast to int32 would wrap)."""
+  if isinstance(x, UOp):
+    if not x.dtype.is_int: raise IRTypeError(f"{what} must be an integer, got {x.dtype}")
+    dt = dtype or index_dtype(int(x.vmin), int(x.vmax))
+    return x if x.dtype == dt else x.cast(dt)
+  if isinstance(x, bool) or not isinstance(x, int): raise IRTypeError(f"{what} must be an int or an integer UOp, got {x!r}")
+  dt = dtype or index_dtype(x, x)
+  if not dt.min <= x <= dt.max: raise IRError(f"{what} {x} does not fit {dt}")
+  return UOp.const(dt, x)
 
 
 def _cast_const(v: ConstLike, src: DType, dst: DType) -> ConstLike:

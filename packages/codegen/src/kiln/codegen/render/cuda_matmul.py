@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.codegen import index_width
 from kiln.codegen.contraction import Contraction, Operand, match
 from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
@@ -116,8 +117,9 @@ def choose(c: Contraction, target: Target) -> Tiling:
 
 
 def applies(c: Contraction | None, target: Target) -> bool:
+  # a matrix's element offsets are C ints in the tiled kernel (only the batch offsets are long long)
   return (c is not None and c.acc == dtypes.float32 and c.a.dtype.name in _MEM and c.c.dtype.name in _FROM_F32
-          and min(c.m, c.n, c.k) >= MIN_DIM and c.batches <= target.max_grid[2])
+          and min(c.m, c.n, c.k) >= MIN_DIM and c.batches <= target.max_grid[2] and max(c.m * c.k, c.k * c.n, c.m * c.n) <= dtypes.index.max)
 
 
 def _batch_offsets(c: Contraction) -> list[str]:
@@ -484,6 +486,7 @@ def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -
   """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose's."""
   if ast.op is not Ops.SINK: return None
   verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
+  if index_width.needs_wide(ast) is not None: return None  # 64-bit index arithmetic: the generic lowering's
   c = match(ast)
   if c is None or not applies(c, target): return None
   t = tiling or choose(c, target)

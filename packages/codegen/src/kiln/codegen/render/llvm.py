@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from kiln.codegen.index_width import exact_ends
 from kiln.codegen.lower import LoweredKernel, lower
 from kiln.codegen.opt import Opt, Target
 from kiln.codegen.render import llvm_math, llvm_stream
@@ -81,11 +82,8 @@ def no_signed_wrap(u: UOp) -> bool:
   widen an i32 index sum to the pointer width term by term and share one base pointer among rows that differ by a
   constant (a 6-row register tile over attention's scores kept 12 row addresses in registers and spilled them without)."""
   dt = u.dtype
-  if dt.count != 1 or not dt.is_int or dt.is_unsigned or dt.is_bool or len(u.src) != 2: return False
-  a, b = u.src
-  lo, hi = ((a.vmin + b.vmin, a.vmax + b.vmax) if u.op is Ops.ADD else (a.vmin - b.vmax, a.vmax - b.vmin) if u.op is Ops.SUB else
-            (min(c := [a.vmin * b.vmin, a.vmin * b.vmax, a.vmax * b.vmin, a.vmax * b.vmax]), max(c)))
-  return dt.min <= lo and hi <= dt.max
+  if dt.is_unsigned or len(u.src) != 2 or (ends := exact_ends(u)) is None: return False
+  return dt.min <= ends[0] and ends[1] <= dt.max
 
 
 class _Cast(NamedTuple):
