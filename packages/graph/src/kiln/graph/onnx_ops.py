@@ -12,6 +12,7 @@ from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
+from kiln.graph.power import np_power
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 from kiln.ir.uop import UOp
@@ -105,9 +106,9 @@ def _div(n: Node) -> Value:
 
 def _pow(n: Node) -> Value:
   a, b = n.ins[0], n.ins[1]
-  if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.power(a, b).astype(a.dtype)
-  if isinstance(b, np.ndarray) and b.size == 1: return n.t(0).pow(float(b.reshape(-1)[0]))
-  return n.t(0).pow(n.t(1).cast(n.t(0).dtype))
+  if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np_power(a, b)
+  if isinstance(b, np.ndarray) and b.size == 1 and b.dtype.kind in "iuf": return n.t(0).pow(b.reshape(-1)[0].item())
+  return n.t(0).pow(n.t(1))
 
 
 def _unary(name: str) -> Callable[[Node], Value]:
@@ -334,7 +335,7 @@ def _flatten(n: Node) -> Value:
   x = n.t(0) if not isinstance(n.ins[0], np.ndarray) else n.ins[0]
   a = n.attr("axis", 1)
   if not -x.ndim <= a <= x.ndim: raise n.error(f"axis {a} is out of range for rank {x.ndim}")
-  a = a % (x.ndim + 1) if a < 0 else a
+  a = a + x.ndim if a < 0 else a  # ONNX: a negative axis counts from the rank (-1: all but the last dim in the first)
   if isinstance(x, Tensor): return x.reshape(sym.mul(*x.shape[:a]), sym.mul(*x.shape[a:]))
   return x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), int(np.prod(x.shape[a:], dtype=np.int64)))
 

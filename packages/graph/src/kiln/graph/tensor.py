@@ -214,21 +214,11 @@ class Tensor:
     return self._alu(Ops.WHERE, a, b, dtype=a.dtype)
 
   def pow(self, p: Any) -> Tensor:
-    if isinstance(p, Tensor): return (self.float().log2() * p).exp2()
-    if not isinstance(p, int | float) or isinstance(p, bool): raise GraphError(f"pow: exponent must be a number or a Tensor, got {p!r}")
-    if p == 0: return Tensor.full(self.shape, 1, self.dtype)
-    if p == 1: return self
-    if p == 2: return self * self
-    if p == 3: return self * self * self
-    if p == 0.5: return self.sqrt()
-    if p == -0.5: return self.rsqrt()
-    if p == -1: return self.reciprocal()
-    if float(p).is_integer() and p > 0:  # odd and even integer powers keep the sign rule of real powers
-      r = self
-      for _ in range(int(p) - 1): r = r * self
-      return r
-    x = self.float()
-    return (x.log2() * p).exp2()  # negative bases give NaN, as numpy's float power does
+    """self ** p in self's dtype, with the rules of numpy and C's pow (kiln.graph.power): a negative base to an integer
+    power keeps its sign, integer powers of integers are exact."""
+    from kiln.graph.power import power
+    if not isinstance(p, Tensor | int | float) or isinstance(p, bool): raise GraphError(f"pow: exponent must be a number or a Tensor, got {p!r}")
+    return power(self, p)
   def __pow__(self, p: Any) -> Tensor: return self.pow(p)
 
   # ---- reductions ----
