@@ -9,34 +9,19 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from encoder import encoder, feeds  # noqa: E402
+from encoder import encoder, feeds, same  # noqa: E402
 
-from kiln.distributed import DistributedError, NoWorkerLeft, Placement, merged_trace, pipeline, serve, write_trace  # noqa: E402
+from kiln.distributed import DistributedError, NoWorkerLeft, Placement, PlacementError, RequestsFailed, merged_trace, pipeline, serve, write_trace  # noqa: E402
 from kiln.executor import PlanSpec, PortablePlan  # noqa: E402
 from kiln.executor.planspec import KernelEntry  # noqa: E402
 from kiln.ir.errors import PlanSpecError, VariableBoundsError  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def bert():
-  """The 6-layer encoder compiled here, its spec and weights, and its single-host outputs at batch 3."""
-  c = encoder()
-  spec, weights = c.export(["pooled", "hidden"])
-  f = feeds(3)
-  want = dict(zip(["pooled", "hidden"], c.run(f)))
-  return spec, weights, f, want
-
-
-def _same(got: dict, want: dict) -> None:
-  assert sorted(got) == sorted(want)
-  for k in want: np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_spec_round_trips_through_json(bert) -> None:
   spec, weights, f, want = bert
   assert spec.kernel_count() > 40 and [i.name for i in spec.inputs] == ["ids", "mask"]
   assert spec.outputs[0].shape == ["batch", 64] and spec.variables == {"batch": (1, 8)}
-  _same(PortablePlan(PlanSpec.from_json(spec.to_json()), weights).run(f), want)
+  same(PortablePlan(PlanSpec.from_json(spec.to_json()), weights).run(f), want)
 
 
 def test_pipeline_two_hosts_bit_identical_and_compiles_nothing(cluster, bert, tmp_path) -> None:
@@ -44,7 +29,7 @@ def test_pipeline_two_hosts_bit_identical_and_compiles_nothing(cluster, bert, tm
   hosts = [Placement(resources={"host0": 1}), Placement(resources={"host1": 1})]
   with pipeline(spec, stages=2, weights=weights, placement=hosts) as p:
     assert len(p.stages) == 2 and all(n > 0 for n in p.activation_bytes()[:1])
-    _same(p.run(f), want)
+    same(p.run(f), want)
     info = p.info()
     assert len({i["node_id"] for i in info}) == 2  # one stage per simulated host
     # every kernel from the spec's object code, none compiled: one load per distinct kernel (repeated layers share one)
@@ -54,7 +39,7 @@ def test_pipeline_two_hosts_bit_identical_and_compiles_nothing(cluster, bert, tm
     # several requests overlap in the pipeline, each with its own batch size; results in order
     reqs = [feeds(b, seed=b) for b in (1, 4, 2, 8, 5)]
     c = encoder()
-    for got, r in zip(p.map(reqs, progress_bar=False), reqs): _same(got, dict(zip(["pooled", "hidden"], c.run(r))))
+    for got, r in zip(p.map(reqs, progress_bar=False), reqs): same(got, dict(zip(["pooled", "hidden"], c.run(r))))
     trace = p.trace(f)
     lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert lanes == {0: "stage-0", 1: "stage-1"}
@@ -69,12 +54,12 @@ def test_replicas_spread_requests_in_order(cluster, bert, capsys) -> None:
   reqs = [feeds(b, seed=10 + i) for i, b in enumerate((2, 3, 1, 8, 4, 2, 6, 3))]
   with serve(spec, replicas=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as r:
     got = r.map(reqs, progress_bar=False)
-    for g, q in zip(got, reqs): _same(g, dict(zip(["pooled", "hidden"], c.run(q))))
+    for g, q in zip(got, reqs): same(g, dict(zip(["pooled", "hidden"], c.run(q))))
     runs = [i["runs"] for i in r.info()]
     assert sum(runs) == len(reqs) and min(runs) >= 1  # both replicas took work
     # one request's batch cut over both replicas gives the whole batch's result
     big = feeds(8, seed=99)
-    _same(r.run(big, shard=True), dict(zip(["pooled", "hidden"], c.run(big))))
+    same(r.run(big, shard=True), dict(zip(["pooled", "hidden"], c.run(big))))
     trace = merged_trace([])
     assert trace["traceEvents"] == []
     r.map(reqs[:3], progress_bar=True)  # a terminal gets a tqdm bar (asked for here: the tests' stderr is no terminal)
@@ -107,9 +92,9 @@ def test_a_dying_replica_loses_no_request(cluster, bert) -> None:
     got = r.map(reqs, progress_bar=False, on_result=kill_after_three)
     assert sorted(seen) == list(range(len(reqs))) and len(got) == len(reqs)
     assert r.retried >= 1  # the killed replica's requests were sent again
-    for g, w in zip(got, wants): _same(g, w)
+    for g, w in zip(got, wants): same(g, w)
     assert len(_wait_back(r)) == 2  # Ray restarted it and it rebuilt its plan
-    _same(r.run(f), want)
+    same(r.run(f), want)
 
 
 def test_a_dying_stage_loses_no_request(cluster, bert) -> None:
@@ -122,16 +107,16 @@ def test_a_dying_stage_loses_no_request(cluster, bert) -> None:
       if i == 1: ray.kill(p.actors[1], no_restart=False)  # requests 2.. are in the pipeline (window 4)
     got = p.map(reqs, progress_bar=False, on_result=kill_second_stage)
     assert p.retried >= 1
-    for g, w in zip(got, wants): _same(g, w)
-    _same(p.run(f), want)
+    for g, w in zip(got, wants): same(g, w)
+    same(p.run(f), want)
 
 
 def test_no_replica_left_is_a_typed_error(cluster, bert) -> None:
   spec, weights, f, _ = bert
   r = serve(spec, replicas=1, weights=weights, placement={"resources": {"host1": 1}}, retries=1)
   ray.kill(r.actors[0], no_restart=True)
-  with pytest.raises(NoWorkerLeft, match="replica-0") as e: r.run(f)
-  assert e.value.workers == ["replica-0", "replica-0"]
+  with pytest.raises(NoWorkerLeft, match="failed 2 times, on replica-0;") as e: r.run(f)
+  assert e.value.workers == ["replica-0"]  # each worker once, however often the request failed on it
   r.shutdown()
   with pytest.raises(DistributedError, match="shut down"): r.run(f)
 
@@ -142,15 +127,23 @@ def test_placement_by_node_and_by_resources(cluster, bert) -> None:
   assert len(nodes) == 2
   with serve(spec, replicas=2, weights=weights, placement=[Placement(node_id=nodes[1]), Placement(node_id=nodes[0])]) as r:
     assert [i["node_id"] for i in r.info()] == [nodes[1], nodes[0]]
-    _same(r.run(f), want)
+    same(r.run(f), want)
   host_of = {n["NodeID"]: next(k for k in n["Resources"] if k.startswith("host")) for n in ray.nodes() if n["Alive"]}
   with pipeline(spec, stages=2, weights=weights, placement=[{"resources": {"host1": 1}}, {"resources": {"host0": 1}}]) as p:
     assert [host_of[i["node_id"]] for i in p.info()] == ["host1", "host0"]
-  # no node has a GPU or a host2: the worker cannot start, and the error says so instead of waiting forever
-  with pytest.raises(DistributedError, match="did not start within"):
-    serve(spec, replicas=1, weights=weights, placement=Placement(num_gpus=1), ready_timeout=3)
-  with pytest.raises(DistributedError, match="replica-0 did not start within"):
-    serve(spec, replicas=1, weights=weights, placement={"resources": {"host2": 1}}, ready_timeout=3)
+  # no node has a GPU or a host2: the worker cannot start, and the error says so at once, with what the cluster has
+  t0 = time.perf_counter()
+  with pytest.raises(PlacementError, match=r"replica-0 asks for CPU 1, GPU 1, and no node has that; the cluster has CPU 2, host0 1, host1 1"):
+    serve(spec, replicas=1, weights=weights, placement=Placement(num_gpus=1))
+  with pytest.raises(PlacementError, match="replica-0 asks for CPU 1, host2 1, and no node has that"):
+    serve(spec, replicas=1, weights=weights, placement={"resources": {"host2": 1}})
+  with pytest.raises(PlacementError, match="is pinned to node 0123, which is not an alive node"):
+    pipeline(spec, stages=2, weights=weights, placement=[{}, {"node_id": "0123"}])
+  assert time.perf_counter() - t0 < 5
+  # it fits the cluster but not now (another fleet holds host1): that waits, up to ready_timeout, and says what is free
+  with serve(spec, replicas=1, weights=weights, placement={"resources": {"host1": 1}}):
+    with pytest.raises(DistributedError, match=r"replica-0 did not start within 1 s: it asks for CPU 1, host1 1, .*free now: CPU 1, host0 1"):
+      serve(spec, replicas=1, weights=weights, placement={"resources": {"host1": 1}}, ready_timeout=1)
 
 
 def test_bad_arguments(cluster, bert) -> None:
@@ -161,15 +154,20 @@ def test_bad_arguments(cluster, bert) -> None:
     x = np.arange(32, dtype=np.float32).reshape(4, 8) - 16
     np.testing.assert_array_equal(r.run({"x": x})["y"], np.maximum(x, 0))
     with pytest.raises(DistributedError, match="first dim to be one runtime variable"): r.run({"x": x}, shard=True)
-    # bad requests fail in the caller, typed, before anything is sent (and the good ones before them are not run)
+    # bad requests fail in the caller, typed, and are never sent; the good ones run
     runs = r.info()[0]["runs"]
-    with pytest.raises(PlanSpecError, match="dim 1"): r.map([{"x": x}, {"x": x[:, :7]}])
+    with pytest.raises(RequestsFailed, match="1 of 2 requests failed") as e: r.map([{"x": x}, {"x": x[:, :7]}])
+    assert list(e.value.errors) == [1] and isinstance(e.value.errors[1], PlanSpecError) and "dim 1" in str(e.value.errors[1])
+    np.testing.assert_array_equal(e.value.results[0]["y"], np.maximum(x, 0))
     with pytest.raises(PlanSpecError, match=r"feeds \['z'\] are not inputs"): r.run({"x": x, "z": x})
-    assert r.info()[0]["runs"] == runs
+    with pytest.raises(PlanSpecError, match="is not an array"): r.run({"x": [[1.0], [1.0, 2.0]]})
+    with pytest.raises(PlanSpecError, match="a request is a mapping"): r.run(x)  # type: ignore[arg-type]
+    assert r.info()[0]["runs"] == runs + 1
   with pipeline(spec, stages=2, weights=weights) as p:
     with pytest.raises(VariableBoundsError, match=r"dim 0 \(batch\) is 9, outside the bounds \[1, 8\]"): p.run(feeds(9))
   with pytest.raises(DistributedError, match="PlanSpec"): serve({"not": "a spec"}, replicas=1)  # type: ignore[arg-type]
   with pytest.raises(DistributedError, match="positive"): serve(spec, replicas=0)
   with pytest.raises(DistributedError, match="placements for"): pipeline(spec, stages=2, weights=weights, placement=[{}])
+  with pytest.raises(DistributedError, match="bad placement {'num_cpu': 1}"): serve(spec, replicas=1, placement={"num_cpu": 1})
   with pytest.raises(DistributedError, match="did not start"):  # a weight missing: the worker says which
     serve(spec, replicas=1, weights={})
