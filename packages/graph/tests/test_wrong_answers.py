@@ -71,3 +71,12 @@ def test_int_pow_by_a_tensor_is_exact_and_wraps_like_multiplication() -> None:
   got = Tensor(x).pow(Tensor(e)).numpy()
   want = np.array([3**39, (-3)**39, 2**62, 7**20, -1, 1, 1, 0, 1], np.int64)
   np.testing.assert_array_equal(got, want)
+
+
+def test_tensor_pow_promotes_as_numpy_does() -> None:
+  """Tensor.pow follows numpy: an int to a float power is float (ONNX's Pow keeps the base's type instead)."""
+  x = np.array([4, 9, 2], np.int32)
+  got = Tensor(x).pow(0.5).numpy()
+  assert got.dtype.kind == "f"
+  np.testing.assert_allclose(got, [2.0, 3.0, np.sqrt(2.0)], rtol=1e-6)
+  assert Tensor(x).pow(3).numpy().dtype == np.int32

@@ -12,7 +12,7 @@ from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
-from kiln.graph.power import np_power
+from kiln.graph.power import np_power, power
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 from kiln.ir.uop import UOp
@@ -107,8 +107,8 @@ def _div(n: Node) -> Value:
 def _pow(n: Node) -> Value:
   a, b = n.ins[0], n.ins[1]
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np_power(a, b)
-  if isinstance(b, np.ndarray) and b.size == 1 and b.dtype.kind in "iuf": return n.t(0).pow(b.reshape(-1)[0].item())
-  return n.t(0).pow(n.t(1))
+  if isinstance(b, np.ndarray) and b.size == 1 and b.dtype.kind in "iuf": return power(n.t(0), b.reshape(-1)[0].item())
+  return power(n.t(0), n.t(1))  # in the base's dtype, as ONNX's Pow (Tensor.pow promotes as numpy does)
 
 
 def _unary(name: str) -> Callable[[Node], Value]:

@@ -214,11 +214,12 @@ class Tensor:
     return self._alu(Ops.WHERE, a, b, dtype=a.dtype)
 
   def pow(self, p: Any) -> Tensor:
-    """self ** p in self's dtype, with the rules of numpy and C's pow (kiln.graph.power): a negative base to an integer
-    power keeps its sign, integer powers of integers are exact."""
+    """self ** p as numpy computes it (kiln.graph.power): an integer to an integer power stays an integer, exact; with a
+    float on either side the result is float; a negative base to an integer power keeps its sign."""
     from kiln.graph.power import power
     if not isinstance(p, Tensor | int | float) or isinstance(p, bool): raise GraphError(f"pow: exponent must be a number or a Tensor, got {p!r}")
-    return power(self, p)
+    floating = isinstance(p, float) or (isinstance(p, Tensor) and p.dtype.is_float)
+    return power(self.float() if floating else self, p)
   def __pow__(self, p: Any) -> Tensor: return self.pow(p)
 
   # ---- reductions ----
