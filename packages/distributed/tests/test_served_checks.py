@@ -1,5 +1,5 @@
 """A served model refuses an out-of-vocab token id (issue 41 item 3): the Gather's check travels in the spec, the worker's
-PortablePlan raises PlanCheckError, and Ray hands it to the caller as that type (RayTaskError made an instance of it)."""
+PortablePlan raises PlanCheckError, and the worker hands it back in that request's place as the PlanCheckError itself (kiln.distributed never lets a RayTaskError out)."""
 from __future__ import annotations
 
 import numpy as np
