@@ -1,5 +1,6 @@
 """A served model refuses an out-of-vocab token id (issue 41 item 3): the Gather's check travels in the spec, the worker's
-PortablePlan raises PlanCheckError, and the worker hands it back in that request's place as the PlanCheckError itself (kiln.distributed never lets a RayTaskError out)."""
+PortablePlan raises PlanCheckError, and the worker hands it back in that request's place as the PlanCheckError itself
+(kiln.distributed never lets a RayTaskError out)."""
 from __future__ import annotations
 
 import numpy as np
