@@ -248,6 +248,8 @@ class Tensor:
 
   def reshape(self, *shape: Any) -> Tensor:
     shp = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else list(shape)
+    if any(isinstance(d, bool) or not isinstance(d, int | np.integer | UOp) for d in shp):
+      raise GraphError(f"reshape: dims must be ints, got {tuple(shp)}")
     if shp.count(-1) > 1: raise GraphError(f"reshape: at most one -1 in {tuple(shp)}")
     if not sym.is_static(self.shape) or not sym.is_static(shp): return self._reshape_symbolic(shp)
     numel = prod(self.shape)
