@@ -242,3 +242,13 @@ def test_misuse_of_the_python_api_is_a_kiln_error(tmp_path) -> None:
            (lambda: konnx.load(str(tmp_path / "a\0b.onnx")), "holds a NUL byte")]
   for call, needle in cases:
     with pytest.raises(KilnError, match=needle): call()
+
+
+def test_a_feed_the_model_does_not_take_is_refused_by_name() -> None:
+  """A misspelt input was ignored (and the real one reported as not fed, never naming the misspelling)."""
+  x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("src", "y"))
+  km = konnx.load(_model([helper.make_node("Relu", ["src"], ["y"])], [x], [y]))
+  one = np.ones(2, np.float32)
+  with pytest.raises(ONNXError, match=r"the model has no input 'srC' \(did you mean 'src'\?\); its inputs: src"): km.run({"srC": one})
+  with pytest.raises(ONNXError, match="no input 'extra'"): km.run({"src": one, "extra": one})
+  np.testing.assert_array_equal(km.run({"src": one})["y"], one)

@@ -10,6 +10,7 @@ is refused at load time with the node, the op and the attribute named. Needs the
 """
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -59,6 +60,11 @@ class Model:
 
   def _run(self, feeds: Mapping[str, np.ndarray], profile: bool) -> tuple[dict[str, np.ndarray], Any]:
     if not isinstance(feeds, Mapping): raise ONNXError(f"run takes a mapping of input name -> array, got {type(feeds).__name__}")
+    names = [n for n, _, _ in self.inputs] + list(self.defaults)
+    if unknown := [k for k in feeds if k not in names]:  # a misspelt name would otherwise be ignored
+      near = {k: difflib.get_close_matches(str(k), names, 1) for k in unknown}
+      raise ONNXError("the model has no input " + ", ".join(f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown)
+                      + f"; its inputs: {', '.join(names) or 'none'}")
     for name, shape, dt in self.inputs:
       if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
     for name, value in self.defaults.items():
