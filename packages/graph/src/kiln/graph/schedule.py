@@ -331,6 +331,9 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
     slots = [view_of(buf_of(s), wins[i], s.dtype) if i in wins else buf_of(s) for i, s in enumerate(k.slots)]
     pb.add_kernel(ast, slots, opts=_reassociated_opts(ast, device))
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
-  variables_ = _variables(toposort(uniq), inputs)
+  nodes = toposort(uniq)
+  for n in nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
+    if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): buf_of(n)
+  variables_ = _variables(nodes, inputs)
   plan = pb.build()
   return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels, variables_, [(bufs[c], m) for c, m in checks])
