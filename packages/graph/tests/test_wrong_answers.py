@@ -80,3 +80,10 @@ def test_tensor_pow_promotes_as_numpy_does() -> None:
   assert got.dtype.kind == "f"
   np.testing.assert_allclose(got, [2.0, 3.0, np.sqrt(2.0)], rtol=1e-6)
   assert Tensor(x).pow(3).numpy().dtype == np.int32
+
+
+def test_permute_takes_numpy_ints() -> None:
+  x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+  order = np.random.default_rng(0).permutation(3)  # numpy int64 axes
+  np.testing.assert_array_equal(Tensor(x).permute(order).numpy(), x.transpose(order))
+  np.testing.assert_array_equal(Tensor(x).permute(*order).numpy(), x.transpose(order))

@@ -277,7 +277,8 @@ class Tensor:
     return self if new == self.shape else self._view("reshape", new, new)
 
   def permute(self, *order: Any) -> Tensor:
-    o = tuple(order[0]) if len(order) == 1 and isinstance(order[0], (tuple, list)) else tuple(order)
+    o = tuple(order[0]) if len(order) == 1 and isinstance(order[0], (tuple, list, np.ndarray)) else tuple(order)
+    o = tuple(int(a) if isinstance(a, np.integer) else a for a in o)  # numpy's ints (a permutation from rng) are axes too
     if sorted(a % max(self.ndim, 1) if isinstance(a, int) and -self.ndim <= a < self.ndim else -99 for a in o) != list(range(self.ndim)):
       raise GraphError(f"permute: {o} is not a permutation of the {self.ndim} axes of {self.shape}")
     o = tuple(a % self.ndim for a in o)
