@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kiln.codegen.opt_base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
 from kiln.ir.analysis import exact_int_bounds, free_ranges
-from kiln.ir.dtype import dtypes
+from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
@@ -34,9 +34,9 @@ class AxisPlan:
   ev: UOp | None = None  # the expand variable (lane or unroll copy)
 
 
-def expand_var(axis_id: int, kind: str, amount: int) -> UOp:
-  # not an identifier, so it can never clash with a user variable
-  return UOp(Ops.DEFINE_VAR, dtypes.index, (), (f"{kind}.{axis_id}", 0, amount - 1))
+def expand_var(axis_id: int, kind: str, amount: int, dtype: DType = dtypes.index) -> UOp:
+  # not an identifier, so it can never clash with a user variable; of its range's dtype, so its sums need no casts
+  return UOp(Ops.DEFINE_VAR, dtype, (), (f"{kind}.{axis_id}", 0, amount - 1))
 
 
 # one rule per option: check it against its axis's plan and the target, then record it in the plan (vec_taken: an
@@ -53,7 +53,7 @@ def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
       raise CodegenError(f"{o}: only one axis can be vectorised among the output axes (a reduce axis may take its own UPCAST)")
     if t.vector_bytes == 0: raise CodegenError(f"{o}: {t.device} takes no UPCAST (no explicit vectors)")
   p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
-  p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount)
+  p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount, p.rng.dtype)
 
 
 def _thread(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:

@@ -61,7 +61,7 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
   its own piece instead of every piece for LLVM to fold (a stack of 64 twelve-op pieces: 3.7 -> 1.6 s to compile). Integer
   tests only: a float compare of constants keeps its select (NaN's order is the renderer's business)."""
   if not combo: return u
-  m: dict[UOp, UOp] = {v: UOp.const(dtypes.index, c) for v, c in combo.items()}
+  m: dict[UOp, UOp] = {v: UOp.const(v.dtype, c) for v, c in combo.items()}
   out: dict[UOp, UOp] = {}
   for n in u.toposort():
     if n in m: out[n] = m[n]; continue
@@ -83,7 +83,7 @@ def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
   out: dict[UOp, UOp] = {}
   for n in u.toposort():
     if n is lane:
-      out[n] = UOp(Ops.VECTORIZE, dtypes.index.vec(w), tuple(UOp.const(dtypes.index, i) for i in range(w)))
+      out[n] = UOp(Ops.VECTORIZE, lane.dtype.vec(w), tuple(UOp.const(lane.dtype, i) for i in range(w)))
       vdep.add(n)
       continue
     if not any(s in vdep for s in n.src) or n.op in (Ops.GEP, Ops.DEFINE_ACC) or (n.op is Ops.LOAD and n.src[0].op is Ops.DEFINE_ACC):
@@ -109,7 +109,7 @@ def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
 def _lanes(idx: UOp, lane: UOp, w: int) -> tuple[UOp, ...]:
   # memoised: unrolled copies share most of their loads (a Winograd transform's 36 outputs read one window), and each
   # gathered load costs w substitutions and simplifications
-  return tuple(simp(substitute(idx, {lane: UOp.const(dtypes.index, i)})) for i in range(w))
+  return tuple(simp(substitute(idx, {lane: UOp.const(lane.dtype, i)})) for i in range(w))
 
 
 STRIDE_LOADS = (2, 3, 4)  # lane strides loaded as one masked span (at most 64 elements) and shuffled
@@ -131,13 +131,13 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
   c = affine_coeff(idx, lane)
   if vec_of is not None and not gate and c in STRIDE_LOADS and c * w <= 64:
     # the span's elements at every c-th lane only are read (the mask), so it never reads past the last lane's element
-    first = simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))
+    first = simp(substitute(idx, {lane: UOp.const(lane.dtype, 0)}))
     o = _phase(first, c)
     mask = UOp(Ops.VECTORIZE, dtypes.bool.vec(c * w), tuple(UOp.const(dtypes.bool, i % c == o) for i in range(c * w)))
     span = UOp(Ops.LOAD, dt.vec(c * w), (UOp(Ops.INDEX, buf.dtype, (buf, simp(first - o) if o else first, mask)),))
     return UOp(Ops.VECTORIZE, dt.vec(w), tuple(UOp(Ops.GEP, dt, (span,), i * c + o) for i in range(w)))
   if c == 1 and (not gate or vec_of is not None):
-    first = simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))
+    first = simp(substitute(idx, {lane: UOp.const(lane.dtype, 0)}))
     if not gate: return UOp(Ops.LOAD, dt.vec(w), (buf.index(first),))
     assert vec_of is not None
     g = bcast(vec_of[gate[0]], w)  # the lanes' gates: a masked load reads only the lanes whose gate is on, zero elsewhere
@@ -151,7 +151,7 @@ def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
   buf, idx, *gate = st.src[0].src
   val = bcast(val, w)
   if not gate and affine_coeff(idx, lane) == 1:
-    return UOp(Ops.STORE, dtypes.void, (buf.index(simp(substitute(idx, {lane: UOp.const(dtypes.index, 0)}))), val))
+    return UOp(Ops.STORE, dtypes.void, (buf.index(simp(substitute(idx, {lane: UOp.const(lane.dtype, 0)}))), val))
   idxs = _lanes(idx, lane, w)
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.SINK, dtypes.void, tuple(UOp(Ops.STORE, dtypes.void, (buf.index(i, g), UOp(Ops.GEP, val.dtype.scalar(), (val,), l)))

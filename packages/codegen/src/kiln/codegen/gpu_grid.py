@@ -6,9 +6,8 @@ from collections.abc import Iterable
 
 from kiln.codegen.expand import simp
 from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx
+from kiln.codegen.loops import LowerCtx, ceil_div
 from kiln.codegen.opt import axis_size
-from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
@@ -24,8 +23,8 @@ class GpuGrid:
     self.floor: Scope | None = None  # a gated store's reduces go inside its gate, so threads past the end load nothing
 
   def special(self, name: str, size: int | UOp) -> UOp:
-    s = size if isinstance(size, UOp) else UOp.const(dtypes.index, size)
-    return self.specials.setdefault(name, UOp(Ops.SPECIAL, dtypes.index, (simp(s),), name))
+    s = size if isinstance(size, UOp) else UOp.const(self.ctx.idx, size)
+    return self.specials.setdefault(name, UOp(Ops.SPECIAL, self.ctx.idx, (simp(s.cast(self.ctx.idx)),), name))
 
   def group_lane(self, n: int) -> UOp:
     """GROUP: n threads of the block share a reduce axis; returns this thread's lane among them."""
@@ -43,10 +42,11 @@ class GpuGrid:
     res: list[tuple[int, UOp, UOp, UOp]] = []
     first = 1 if any(p.blocks for p in self.ctx.plans.values()) else 0  # BLOCKS: the grid's x holds a row's slices
     for dim, r in enumerate(reversed(out[-(3 - first):]), start=first):
-      size = axis_size(r)
+      size, p = axis_size(r), self.ctx.plans[r]
       if dim > 0 and (size is None or size > self.ctx.target.max_grid[dim]): break
-      end, p = substitute(r.src[0], subst), self.ctx.plans[r]
-      res.append((dim, r, end, (end + (p.local - 1)) // p.local if p.local else end))
+      if size is not None and -(-size // max(p.local, 1)) > self.ctx.target.max_grid[dim]: break  # more blocks than a grid has (past 2**31): a loop
+      end = substitute(r.src[0], subst)
+      res.append((dim, r, end, ceil_div(end, p.local) if p.local else end))
     return res
 
   def share(self, groups: Iterable[tuple[UOp, ...]]) -> None:
@@ -66,7 +66,7 @@ class GpuGrid:
     for dim, r, end, nblocks in mapped:
       p, size = self.ctx.plans[r], axis_size(r)
       blocks = self.blocks.get(dim, nblocks)  # store groups of different sizes share one grid: it spans the largest
-      if (empty := blocks.op is Ops.CONST and blocks.arg < 1): blocks = UOp.const(dtypes.index, 1)  # an empty axis: one block, gated off
+      if (empty := blocks.op is Ops.CONST and blocks.arg < 1): blocks = UOp.const(blocks.dtype, 1)  # an empty axis: one block, gated off
       gid = self.special(f"gidx{dim}", blocks)
       if p.local:
         # beside a GROUP (its lanes are threadIdx.x) the stacked rows are threadIdx.y (opt: one warp per row, one LOCAL axis)

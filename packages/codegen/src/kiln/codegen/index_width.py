@@ -9,12 +9,13 @@ arithmetic is checked (wrap_risk) after lowering. A risk in a narrow kernel lowe
 one is arithmetic the AST itself asked to wrap in 32 bits, and a CodegenError instead of a wrong answer."""
 from __future__ import annotations
 
-from kiln.ir.dtype import DType
+from kiln.ir.dtype import DType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 # leaves whose value is data, not index arithmetic: an index computed from a load (a gather's) is the front end's to bound
 _DATA = frozenset({Ops.LOAD, Ops.DEFINE_ACC, Ops.DEFINE_GLOBAL})
+_WRAPS = frozenset({Ops.ADD, Ops.SUB, Ops.MUL, Ops.NEG, Ops.IDIV, Ops.SHL, Ops.CAST})  # the ops may_wrap can say yes to
 
 
 def exact_ends(u: UOp) -> tuple[int, int] | None:
@@ -53,7 +54,7 @@ def index_roots(uops: list[UOp]) -> list[UOp]:
   """The index arithmetic of a lowered program: every loop's bounds, every buffer offset and every grid size."""
   roots: list[UOp] = []
   for u in uops:
-    if u.op in (Ops.RANGE, Ops.SPECIAL): roots += u.src
+    if u.op is Ops.RANGE or u.op is Ops.SPECIAL: roots += u.src
     elif u.op is Ops.INDEX and u.src[0].op is Ops.DEFINE_GLOBAL: roots.append(u.src[1])
   return roots
 
@@ -61,12 +62,11 @@ def index_roots(uops: list[UOp]) -> list[UOp]:
 def wrap_risk(uops: list[UOp]) -> UOp | None:
   """The first node of the program's index arithmetic (index_roots) that is computed from ranges, grid indices,
   variables and constants alone and may wrap (may_wrap); None when there is none."""
-  roots = index_roots(uops)
-  if not roots: return None
   pure: dict[UOp, bool] = {}
-  for n in UOp.sink(*roots).toposort(lambda x: x.op not in _DATA):
-    pure[n] = not (n.op is Ops.SPECIAL and not n.src) and all(pure.get(s, False) for s in n.src)
-    if pure[n] and may_wrap(n): return n
+  for root in index_roots(uops):
+    for n in root.toposort(lambda x: x not in pure and x.op not in _DATA):  # each node once, over all the roots
+      pure[n] = not (n.op is Ops.SPECIAL and not n.src) and all(pure.get(s, False) for s in n.src)
+      if pure[n] and n.op in _WRAPS and may_wrap(n): return n
   return None
 
 
@@ -76,6 +76,40 @@ def needs_wide(ast: UOp) -> UOp | None:
   for u in ast.toposort():
     if (u.op is Ops.RANGE and u.dtype.itemsize == 8) or (u.op is Ops.INDEX and u.src[1].dtype.itemsize == 8): return u
   return None
+
+
+# integer ops whose int64 result is the narrower one's whenever that one does not wrap (may_wrap): widened as they are
+_SAME_WIDE = frozenset({Ops.ADD, Ops.SUB, Ops.MUL, Ops.NEG, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.AND, Ops.OR, Ops.XOR, Ops.WHERE})
+
+
+def widen(ast: UOp) -> UOp:
+  """The kernel with 64-bit index arithmetic and the same values: every range int64, and every integer an index or a
+  range end is computed from rebuilt in int64 where that gives the same value (a signed op that cannot wrap in its own
+  dtype, a cast that keeps every value), else computed in its own dtype and then widened (so a wrap the AST asks for
+  stays one, as the reference evaluator computes it). Everything else keeps its dtype: a value stored, compared or cast
+  to a float reads a range as its int64 one cast back."""
+  wide: dict[UOp, UOp] = {}
+  narrow: dict[UOp, UOp] = {}
+  for u in ast.toposort():
+    if u.op is Ops.RANGE:
+      wide[u] = UOp(Ops.RANGE, dtypes.index64, (wide[u.src[0]],), u.arg)
+      narrow[u] = wide[u] if u.dtype == dtypes.index64 else UOp(Ops.CAST, u.dtype, (wide[u],))
+      continue
+    src = tuple(narrow[s] for s in u.src)
+    if u.op is Ops.INDEX: src = (src[0], wide[u.src[1]], *src[2:])
+    elif u.op is Ops.REDUCE: src = (src[0], *(wide[r] for r in u.src[1:]))
+    narrow[u] = u if all(a is b for a, b in zip(src, u.src)) else u.replace(src=src)
+    if u.dtype.is_int and u.dtype.count == 1: wide[u] = _wide(u, wide, narrow)
+  return narrow[ast]
+
+
+def _wide(u: UOp, wide: dict[UOp, UOp], narrow: dict[UOp, UOp]) -> UOp:
+  signed = u.dtype in (dtypes.int32, dtypes.int64)
+  if u.op is Ops.CONST and signed: return UOp.const(dtypes.index64, u.arg)
+  if signed and u.op in _SAME_WIDE and not may_wrap(u):
+    return UOp(u.op, dtypes.index64, tuple(narrow[s] if s.dtype.is_bool else wide[s] for s in u.src))
+  if signed and u.op is Ops.CAST and u.src[0] in wide and not may_wrap(u): return wide[u.src[0]]  # it kept every value
+  return narrow[u].cast(dtypes.index64)
 
 
 def describe(u: UOp) -> str:

@@ -17,13 +17,13 @@ from kiln.codegen import index_width
 from kiln.codegen.expand import combos, gate_loads, simp, unroll_vars
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx
+from kiln.codegen.loops import LowerCtx, ceil_div
 from kiln.codegen.opt import Opt, Target, axis_size, heuristic_opts, kept_twins, plan_axes
 from kiln.codegen.pack import Packer, scratch_ptr
 from kiln.codegen.prepare import drop_empty, estimate, min_elements, peel, prepare
 from kiln.codegen.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
-from kiln.ir.dtype import PtrDType, dtypes
+from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
@@ -51,19 +51,20 @@ class LoweredKernel:
   slot_bytes: int = 0  # CPU: the bytes of one such scratch (a multiple of 64)
   flops: int = 0
   mem_bytes: int = 0
+  index: DType = dtypes.index  # the dtype of its loops and index arithmetic: dtypes.index64 where the bounds need it (index_width)
 
 
 class Lowerer:
   """Lowers one prepared kernel: checks the options into axis plans, groups the stores by their loop nests and lowers
   each group (grid, loops, packed panels, gates, reduces, stores)."""
-  def __init__(self, ast: UOp, target: Target, opts: list[Opt], store_loops: dict[UOp, set[UOp]], tails: set[UOp]):
+  def __init__(self, ast: UOp, target: Target, opts: list[Opt], store_loops: dict[UOp, set[UOp]], tails: set[UOp], idx: DType = dtypes.index):
     self.ast, self.target, self.opts = ast, target, opts
     self.tails = tails  # stores that are the scalar tail of a peeled vector axis (core 0 runs them)
     self.stores = [s for s in ast.src if s.op is Ops.STORE]
     self.loops_of = store_loops or {st: free_ranges(st) for st in self.stores}  # taken before simplification could drop one
     self.ranges = sorted({n for n in ast.toposort() if n.op is Ops.RANGE} | {r for rs in self.loops_of.values() for r in rs}, key=lambda r: r.arg[0])
     plans, vec = plan_axes(self.ranges, opts, target)
-    self.ctx = LowerCtx(target, plans, vec)
+    self.ctx = LowerCtx(target, plans, vec, idx)
     self.grid = GpuGrid(self.ctx)
     self.pack = Packer(self.ctx)
     self.red = Reductions(self.ctx, self.grid, self.pack)
@@ -129,7 +130,7 @@ class Lowerer:
     """SPREAD: a loop over the axis in steps of the block, each thread at its own lane, then a gate for the last step."""
     ctx, p = self.ctx, self.ctx.plans[r]
     end = substitute(r.src[0], subst)
-    inner = ctx.lin.open(scope, lv := ctx.count_loop(simp((end + (p.spread - 1)) // p.spread)))
+    inner = ctx.lin.open(scope, lv := ctx.count_loop(simp(ceil_div(end, p.spread))))
     expr = lv * p.spread + self.grid.group_lane(p.spread)
     return ctx.lin.open_if(inner, simp(expr < end)), expr
 
@@ -151,7 +152,7 @@ class Lowerer:
       if red not in self.red.keep:
         size = axis_size(red.src[1])
         assert size is not None
-        row, stride = UOp.const(dtypes.index, 0), size
+        row, stride = UOp.const(self.ctx.idx, 0), size
         for v in reversed(unroll_vars(substitute(red, subst), {})):  # copy (c0, c1, ...) -> its row, row-major
           row, stride = row + v * stride, stride * (v.arg[2] + 1)
         self.red.keep[red] = (scratch_ptr(red.dtype), simp(self.pack.reserve(stride, red.dtype) + row))
@@ -180,7 +181,7 @@ class Lowerer:
     ins = sorted({n.src[0].src[0].arg for n in ast.toposort() if n.op is Ops.LOAD and n.src[0].op is Ops.INDEX})
     threads = threaded[0].threads if threaded else 1
     lk = LoweredKernel(name=ast.arg if isinstance(ast.arg, str) else "kernel", uops=uops, globals=globals_, vars=vars_, opts=self.opts,
-                       threads=threads, outs=outs, ins=ins)
+                       threads=threads, outs=outs, ins=ins, index=self.ctx.idx)
     if ctx.gpu:
       lk.global_size, lk.local_size = tuple(self.grid.grid), tuple(self.grid.block)  # type: ignore[assignment]
     elif threads > 1: lk.global_size = (threads, 1, 1)
@@ -203,24 +204,33 @@ class Lowerer:
 
 
 def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKernel:
-  """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program."""
+  """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program, its index arithmetic
+  32-bit unless its bounds need 64 (index_width): a kernel whose AST has an int64 range or index is lowered wide; one
+  whose lowered loops would pass int32 (a THREAD split's chunk bounds near 2**31) is lowered again wide."""
   if ast.op is not Ops.SINK: raise CodegenError(f"a kernel is a SINK of STOREs, got {ast.op}")
   verify(ast)
-  name = ast.arg if isinstance(ast.arg, str) else "kernel"
-  if (wide := index_width.needs_wide(ast)) is not None:
-    raise CodegenError(f"kernel {name}: {index_width.describe(wide)} needs 64-bit index arithmetic, which codegen does not render yet")
+  wide = index_width.needs_wide(ast) is not None
+  lk = _lower(ast, target, opts, wide)
+  if not wide and index_width.wrap_risk(lk.uops) is not None: lk = _lower(ast, target, opts, True)
+  if (bad := index_width.wrap_risk(lk.uops)) is not None:  # 32-bit arithmetic the AST itself asks for: never a silent wrap
+    raise CodegenError(f"kernel {lk.name}: index arithmetic {index_width.describe(bad)} may pass {bad.dtype} and wrap; "
+                       "build it in int64 (UOp.range, index and kernels.flat_index pick int64 from the bounds)")
+  return lk
+
+
+def _lower(given: UOp, target: Target, opts: list[Opt] | None, wide: bool) -> LoweredKernel:
+  ast = index_width.widen(given) if wide else given
   prepared, loops = prepare(ast)
   chosen = heuristic_opts(prepared, target) if opts is None else list(opts)
   tails: set[UOp] = set()
   if target.vector_bytes and (peeled := peel(ast, chosen)) is not None:
     ast, n_main = peeled
+    if not wide and index_width.needs_wide(ast) is not None: return _lower(given, target, chosen, True)  # tiles past 2**31
     prepared, loops = prepare(ast)
     tails = set([s for s in prepared.src if s.op is Ops.STORE][n_main:])
-  lk = Lowerer(prepared, target, chosen, loops, tails).lower()
+  lk = Lowerer(prepared, target, chosen, loops, tails, dtypes.index64 if wide else dtypes.index).lower()
   # a buffer read only under a range of constant size 0 keeps its parameter (callers pass every slot the kernel names)
   if lost := _globals(ast) - _globals(drop_empty(ast)): lk.globals = sorted(set(lk.globals) | lost, key=lambda g: g.arg)
-  if (bad := index_width.wrap_risk(lk.uops)) is not None:
-    raise CodegenError(f"kernel {name}: index arithmetic {index_width.describe(bad)} may pass int32 and wrap")
   return lk
 
 

@@ -31,7 +31,7 @@ class Packer:
     """`elements` of dt in the calling thread's scratch: the index of the first. Each thread that claims chunks gets a
     scratch of its own (the split kernel's entry offsets the pointer by its slot), reused chunk after chunk."""
     if self.dtype not in (None, dt): raise CodegenError(f"per-thread scratch of {self.dtype.name} cannot hold {dt.name} too")
-    base = UOp.const(dtypes.index, self.used)
+    base = UOp.const(self.ctx.idx, self.used)
     self.used += elements
     self.dtype = dt
     return base
@@ -102,8 +102,8 @@ def runs(src: UOp, lane: UOp, w: int) -> list[tuple[UOp, int, tuple[UOp, int]]]:
   if all(affine(i, lane) for i in idxs): return [(src, 0, (lane, w))]
   n = w // 2
   while n >= 4 and w % n == 0:
-    j = UOp(Ops.DEFINE_VAR, dtypes.index, (), (f"{lane.arg[0]}.run", 0, n - 1))  # not an identifier, as expand_var's
-    pieces = [simp(substitute(src, {lane: j + UOp.const(dtypes.index, s * n)})) for s in range(w // n)]
+    j = UOp(Ops.DEFINE_VAR, lane.dtype, (), (f"{lane.arg[0]}.run", 0, n - 1))  # not an identifier, as expand_var's
+    pieces = [simp(substitute(src, {lane: j + s * n})) for s in range(w // n)]
     if all(affine(u.src[0].src[1], j) for p in pieces for u in p.toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX):
       return [(p, s * n, (j, n)) for s, p in enumerate(pieces)]
     n //= 2
@@ -122,6 +122,6 @@ def unroll_rows(ld: UOp, k: UOp, size: int) -> int:
   if not divides(ld, k): return 1
   for m in range(2, min(size, UNROLL_ROWS) + 1):
     if size % m: continue
-    qm = UOp(Ops.DEFINE_VAR, dtypes.index, (), ("pack.q", 0, size // m - 1))
+    qm = UOp(Ops.DEFINE_VAR, k.dtype, (), ("pack.q", 0, size // m - 1))
     if not any(divides(simp(substitute(ld, {k: qm * m + c})), qm) for c in range(m)): return m
   return 1

@@ -33,7 +33,7 @@ def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
   one element becomes the constant 0 (so a sum kept as shape (1,) is a full reduction the optimiser can split)."""
   ast = drop_empty(ast)
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
-  ones = {r: UOp.const(dtypes.index, 0) for s in ast.src if s.op is Ops.STORE for r in free_ranges(s)
+  ones = {r: UOp.const(r.dtype, 0) for s in ast.src if s.op is Ops.STORE for r in free_ranges(s)
           if r.src[0].op is Ops.CONST and r.src[0].arg == 1 and r not in reduced}
   if ones: ast = substitute(ast, ones)
   orig = [s for s in ast.src if s.op is Ops.STORE]
@@ -63,15 +63,16 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
     for r, w in split:
       size = axis_size(r)
       assert size is not None
-      big = UOp.range(-(-size // w) * w, r.arg[0], r.arg[1])
-      shifted[r] = (big - big % w).minimum(size - w) + big % w
+      n = -(-size // w) * w  # past int32 for an axis just under 2**31: that range is int64, its shifted index is r's dtype
+      big = UOp.range(n, r.arg[0], r.arg[1], r.dtype if n <= r.dtype.max else dtypes.index64)
+      shifted[r] = ((big - big % w).minimum(size - w) + big % w).cast(r.dtype)
     return UOp.sink(*[substitute(s, shifted) for s in stores], *others, name=ast.arg), len(stores)
   r, w = split[0]
   size = axis_size(r)
   assert size is not None
   main_n = size - size % w
-  main = UOp.range(main_n, r.arg[0], r.arg[1])
-  tail = UOp.range(size - main_n, max(ranges) + 1, r.arg[1])
+  main = UOp.range(main_n, r.arg[0], r.arg[1], r.dtype)  # of r's dtype: they stand in for r in its index arithmetic
+  tail = UOp.range(size - main_n, max(ranges) + 1, r.arg[1], r.dtype)
   mains = [substitute(s, {r: main}) for s in stores]
   tails = [substitute(s, {r: tail + main_n}) for s in stores if r in free_ranges(s)]
   return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)

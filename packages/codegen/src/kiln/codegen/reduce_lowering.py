@@ -9,7 +9,7 @@ from kiln.codegen import max_bits
 from kiln.codegen.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
 from kiln.codegen.gpu_grid import GpuGrid
 from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx
+from kiln.codegen.loops import LowerCtx, ceil_div
 from kiln.codegen.opt import axis_size
 from kiln.codegen.pack import Packer
 from kiln.ir.analysis import free_ranges, identity
@@ -131,7 +131,7 @@ class Reductions:
         lid = self.grid.group_lane(p.group)
         end = substitute(r.src[0], rsubst)
         step = p.group * max(p.blocks, 1)  # BLOCKS: block b takes the slices b, b + blocks, ... of g elements each
-        trips = (end + (step - 1)) // step
+        trips = ceil_div(end, step)
         inner = lin.open(inner, lv := ctx.count_loop(simp(trips)))
         rsubst[r] = (lv * p.blocks + self.grid.grid_blocks(p.blocks)) * p.group + lid if p.blocks else lv * p.group + lid
         gate = rsubst[r] < end

@@ -252,7 +252,7 @@ class CUDAPrinter(Printer):
   # ---- control flow and registers ----
   def special(self, u: UOp) -> str:
     if u.arg not in _SPECIAL: raise CodegenError(f"the CUDA renderer has no {u.arg} (core_id is a CPU thread index)")
-    self.emit(f"int {u.arg} = {_SPECIAL[u.arg]}; /* {self.size_text(u.src[0])} */")
+    self.emit(f"{ctype(u.dtype)} {u.arg} = {_SPECIAL[u.arg]}; /* {self.size_text(u.src[0])} */")  # long long in a wide kernel
     return str(u.arg)
 
   def define_local(self, u: UOp) -> str:
@@ -268,7 +268,7 @@ class CUDAPrinter(Printer):
 
   def range(self, u: UOp) -> str:
     name = f"ridx{u.arg[0]}"
-    self.emit(f"for (int {name} = {self.val(u.src[0])}; {name} < {self.val(u.src[1])}; {name}++) {{")
+    self.emit(f"for ({ctype(u.dtype)} {name} = {self.val(u.src[0])}; {name} < {self.val(u.src[1])}; {name}++) {{")
     self.depth += 1
     return name
 

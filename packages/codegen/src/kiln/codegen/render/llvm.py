@@ -212,7 +212,7 @@ class LLVMPrinter(Printer):
   # ---- control flow and registers ----
   def special(self, u: UOp) -> str:
     if u.arg != CORE_ID: raise CodegenError(f"the CPU renderer has no {u.arg} (a GPU index)")
-    return "%core_id"
+    return "%core_id"  # an i32 in every kernel (a 64-bit one casts it where its index arithmetic needs)
 
   def if_(self, u: UOp) -> None:
     then, end = f"if{self.n}", f"endif{self.n}"  # numbered, never by address: the same kernel renders the same text in every process
@@ -238,13 +238,14 @@ class LLVMPrinter(Printer):
     buf, idx = u.src[0], u.src[1]
     assert isinstance(buf.dtype, PtrDType)
     masked = len(u.src) == 3 and u.src[2].dtype.count > 1  # a masked load's base: no lane whose gate is off is read (no inbounds)
+    it = ltype(idx.dtype)  # i32, or i64 in a kernel whose indices pass int32 (index_width)
     if len(u.src) == 3 and not masked:  # a gated access reads element 0 when the gate is off, so it never leaves the buffer
       safe = self.tmp()
-      self.emit(f"{safe} = select i1 {self.val(u.src[2])}, i32 {self.val(idx)}, i32 0")
+      self.emit(f"{safe} = select i1 {self.val(u.src[2])}, {it} {self.val(idx)}, {it} 0")
       idxv = safe
     else: idxv = self.val(idx)
     r = self.tmp()
-    self.emit(f"{r} = getelementptr {'' if masked else 'inbounds '}{mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, i32 {idxv}")
+    self.emit(f"{r} = getelementptr {'' if masked else 'inbounds '}{mem_scalar(buf.dtype.base)}, ptr {self.val(buf)}, {it} {idxv}")
     return r
 
   def gep(self, u: UOp) -> str:
@@ -265,9 +266,9 @@ class LLVMPrinter(Printer):
     pre = self.block
     self.emit(f"br label %{head}")
     self.label(head)
-    name = f"%r{i}"
-    self.emit(f"{name} = phi i32 [{start}, %{pre}], [{name}.next, %{latch}]")
-    self.emit(f"{name}.go = icmp slt i32 {name}, {end}")
+    name, t = f"%r{i}", ltype(u.dtype)  # i32, or i64 in a wide kernel
+    self.emit(f"{name} = phi {t} [{start}, %{pre}], [{name}.next, %{latch}]")
+    self.emit(f"{name}.go = icmp slt {t} {name}, {end}")
     self.emit(f"br i1 {name}.go, label %{body}, label %{exit_}")
     self.label(body)
     self.loops[u] = (latch, exit_)
@@ -279,7 +280,7 @@ class LLVMPrinter(Printer):
     name = self.names[rng]
     self.emit(f"br label %{latch}")
     self.label(latch)
-    self.emit(f"{name}.next = add nsw i32 {name}, 1")
+    self.emit(f"{name}.next = add nsw {ltype(rng.dtype)} {name}, 1")
     self.emit(f"br label %loop{rng.arg[0]}")
     self.label(exit_)
 
