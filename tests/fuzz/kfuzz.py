@@ -22,7 +22,9 @@ value into a discontinuous op (compare, cast to int or bool, bitcast, trunc, int
 MUL-reduce bodies to [-2, 2] and keeps half-precision reductions short.
 
 The graph layer is fuzzed beside them (graph_fuzz.py): random tensor programs against numpy and random ONNX graphs against
-onnxruntime (--graph G, --onnx O).
+onnxruntime (--graph G, --onnx O), and ONNX cases at the edges (edge_fuzz.py), under guard pages too: Gather indices at and
+past the ends of their axis (--gather), constants in external data, valid and hostile (--extdata), and reductions over
+2**31 - 1 to 2**32 + k broadcast elements (--boundary).
 
 `python tests/fuzz/kfuzz.py N` (or scripts/fuzz N) runs N cases and writes every failing case, shrunk, as JSON
 (`{"ast": kiln.ir.serialize.to_json(ast), "seed": ..., "var_vals": ..., "opts": ..., "backend": ...}`) with a one-line
@@ -674,9 +676,14 @@ def write_failure(case: Case, results: list[Result], out_dir: Path) -> Path:
   return p
 
 
+def _edge_fuzz() -> Any:
+  return importlib.import_module(f"{__package__}.edge_fuzz" if __package__ else "edge_fuzz")
+
+
 def replay(path: str) -> int:
   d = json.loads(Path(path).read_text())
   if d.get("kind") in ("graph", "onnx"): return replay_graph(d)
+  if d.get("kind") in _edge_fuzz().KINDS: return _edge_fuzz().replay(d, GUARD.on)  # type: ignore[no-any-return]
   case = Case.from_dict(d)
   print(f"replaying {path}: backend {d.get('backend')!r}, var_vals {case.var_vals}, opts {case.opts}")
   res = check_case(case, cuda=d.get("backend") == "cuda-emu")
@@ -693,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--out", default="fuzz-failures", help="where failing cases are written (default ./fuzz-failures)")
   ap.add_argument("--graph", type=int, default=None, help="random tensor programs against numpy (default n // 20)")
   ap.add_argument("--onnx", type=int, default=None, help="random ONNX graphs against onnxruntime (default n // 40; needs onnxruntime)")
+  _edge_fuzz().add_args(ap)
   ap.add_argument("--replay", metavar="FILE", help="re-run one failing case written by an earlier run")
   ap.add_argument("--no-guard", action="store_true", help="plain numpy buffers instead of buffers between guard pages")
   a = ap.parse_args(argv)
@@ -720,13 +728,14 @@ def main(argv: list[str] | None = None) -> int:
       p.write_text(json.dumps({**fg[0], "error": fg[1]}, default=list, indent=1))
       print(f"FAIL ({fg[0]['kind']}): {fg[1]}\n  case: {p}\n  replay: scripts/fuzz --replay {p}")
       rc = 1
+  rc |= _edge_fuzz().run(a, GUARD.on, GUARD.inflight)
   if (fi := fuzz_index(5 * a.n if a.index is None else a.index, a.seed)) is not None:
     print(f"FAIL (index): {fi[1]}\n  expr: {to_json(fi[0].expr)}")
     rc = 1
   if (inflight := GUARD.inflight) is not None: inflight.unlink(missing_ok=True)
   print(f"kiln fuzz: {COUNTS['kernel_cases']} kernel cases ({COUNTS['cpu_runs']} CPU runs, {COUNTS['rejected_opts']} random option lists rejected, "
         f"{COUNTS['cuda_runs']} CUDA emulation runs), {COUNTS['graph_programs']} tensor programs, {COUNTS['onnx_graphs']} ONNX graphs, "
-        f"{COUNTS['index_cases']} index expressions, "
+        f"{COUNTS['index_cases']} index expressions, ONNX edge cases {_edge_fuzz().COUNTS}, "
         f"guard pages {'on' if GUARD.on else 'off'}, {time.perf_counter() - t0:.1f} s: "
         f"{'FAILED' if rc else 'ok'}")
   return rc
