@@ -14,7 +14,8 @@ with a few hundred elements) against onnxruntime and against `expected`, so the 
 
 A case runs in a child process (`check`): a kernel whose 32-bit index wraps may loop forever or fault on a guard page,
 and the child's timeout or signal is then the case's failure, not the fuzzer's end. These cases need 64-bit index
-arithmetic in codegen (issue 41 item 2): until it lands they fail (a CodegenError, or the starting value)."""
+arithmetic in codegen (issue 41 item 2, 3fa34f1): before it, every case with an axis of 2**31 or more, and 2**31 - 1
+in one axis, was a CodegenError (and before that refusal, the starting value)."""
 from __future__ import annotations
 
 import importlib

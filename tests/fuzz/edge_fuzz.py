@@ -83,7 +83,7 @@ def add_args(ap: Any) -> None:
   ap.add_argument("--gather", type=int, default=None, help="ONNX Gather/embedding cases with indices at and past the axis's ends (default n // 4)")
   ap.add_argument("--extdata", type=int, default=None, help="ONNX models with constants in external data, valid and hostile (default n // 4)")
   ap.add_argument("--boundary", type=int, default=None,
-                  help="reductions over 2**31-1 .. 2**32+k broadcast elements, seconds each (default n // 100); fails until 64-bit indices land")
+                  help="reductions over 2**31-1 .. 2**32+k broadcast elements, seconds to a minute each (default n // 100)")
 
 
 def run(a: Any, guard: bool, inflight: Path | None) -> int:

@@ -451,29 +451,19 @@ def test_boundary_twins_match_onnxruntime():
   twins()
 
 
-def _renders_64bit_indices() -> bool:
-  """Whether codegen renders a kernel whose index passes int32 (issue 41 item 2); before, it refuses it as not rendered yet."""
-  from kiln.codegen.registry import get_runtime
-  from kiln.ir import AxisType, Ops
-  from kiln.ir.errors import CodegenError
-  r = UOp.range(2**31, 0, AxisType.REDUCE)
-  out = UOp.define_global(0, dtypes.int64.ptr(1))
-  try: get_runtime("CPU").renderer.render(UOp.sink(out.index(0).store(r.cast(dtypes.int64).reduce(Ops.MAX, r)), name="probe64"))
-  except CodegenError as e: return "64-bit" not in str(e)
-  return True
-
-
-# two of scripts/fuzz's boundary cases (one child process each, seconds of compute): the sum of a Tile of 2**31 int64
-# values (issue 41 item 2's 0.0), and a max that must reach a marker past element 2**31 (a Concat's tail)
+# three of scripts/fuzz's boundary cases (one child process each, seconds of compute): the sum of a Tile of 2**31 int64
+# values (issue 41 item 2's 0.0), a max that must reach a marker past element 2**31 (a Concat's tail), and a max over
+# 2**31 - 1 elements, which the 64-bit work in progress once gave as -inf (a thread split's wrapped chunk count)
 BOUNDARY_CI = [{"target": "2^31", "grow": "tile1", "dtype": "int64", "op": "ReduceSum", "keep": False, "seed": 41, "c": 8, "R": 2**28, "axes": "all"},
                {"target": "2^31+k", "grow": "concat1", "dtype": "float32", "op": "ReduceMax", "keep": True, "seed": 42, "c": 8, "k": 8,
-                "R": 2**28, "axes": "all"}]
+                "R": 2**28, "axes": "all"},
+               {"target": "2^31-1", "grow": "expand1", "dtype": "float32", "op": "ReduceMax", "keep": False, "seed": 0, "R": 2**31 - 1,
+                "axes": "all"}]
 
 
-@pytest.mark.xfail(not _renders_64bit_indices(), strict=True, raises=AssertionError,
-                   reason="issue 41 item 2: codegen does not render 64-bit index arithmetic yet (a CodegenError); a plain test once it does")
-@pytest.mark.parametrize("case", BOUNDARY_CI, ids=["int64-sum-tile-2^31", "f32-max-concat-tail-2^31+k"])
+@pytest.mark.parametrize("case", BOUNDARY_CI, ids=["int64-sum-tile-2^31", "f32-max-concat-tail-2^31+k", "f32-max-2^31-1"])
 def test_reduction_past_2_31_elements(case):
+  """Issue 41 item 2: before 64-bit index arithmetic (3fa34f1) a CodegenError; before that refusal, 0.0 in 0.00 s."""
   bc = _edge().module("boundary")
   assert (msg := bc.check(case)) is None, msg
 
