@@ -79,7 +79,7 @@ def test_npy_rejects_fortran_object_truncated_and_garbage(tmp_path):
   with pytest.raises(KilnBufferError, match="truncated: header says 800 data bytes"): npy_region(p)
   p.write_bytes(b"not an npy file at all")
   with pytest.raises(KilnBufferError, match="not a readable .npy file"): npy_region(p)
-  with pytest.raises(KilnBufferError, match="cannot open .npy file .*missing.npy"): npy_region(tmp_path / "missing.npy")
+  with pytest.raises(KilnBufferError, match=".npy file does not exist .*missing.npy"): npy_region(tmp_path / "missing.npy")
   np.save(p, np.zeros((0, 3), np.float32))
   with pytest.raises(KilnBufferError, match="no data to map"): open_npy(p)
 
@@ -93,7 +93,7 @@ def test_too_large_request_names_file_offset_size_and_length(tmp_path):
   with pytest.raises(KilnBufferError, match="nothing to map at offset 10240"): open_disk(p, offset=10240)
   with pytest.raises(KilnBufferError, match="offset must be a non-negative int"): open_disk(p, offset=-1)
   with pytest.raises(KilnBufferError, match="region size must be positive"): open_disk(p, size=0)
-  with pytest.raises(KilnBufferError, match="cannot open file"): open_disk(tmp_path / "nope")
+  with pytest.raises(KilnBufferError, match="the file to map does not exist"): open_disk(tmp_path / "nope")
 
 
 def test_writes_are_rejected_as_read_only(tmp_path):
@@ -144,3 +144,13 @@ def test_free_with_live_view_keeps_view_valid(npy):
   buf.free()
   assert buf.freed and (v == a.ravel()).all()
   with pytest.raises(KilnBufferError, match="freed"): _ = buf.ptr
+
+
+def test_disk_refuses_what_is_not_a_regular_file(tmp_path) -> None:
+  """A FIFO would block open() forever, a directory maps nothing: both are refused by name at once."""
+  import os
+  os.mkfifo(tmp_path / "fifo")
+  for p, kind in ((tmp_path / "fifo", "a FIFO"), (tmp_path, "a directory")):
+    with pytest.raises(KilnBufferError, match=f"is {kind}, not a regular file"): open_disk(p)
+    with pytest.raises(KilnBufferError, match=f"is {kind}, not a regular file"): npy_region(p)
+  with pytest.raises(KilnBufferError, match="holds a NUL byte"): open_disk("a\0b")
