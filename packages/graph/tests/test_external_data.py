@@ -91,7 +91,10 @@ def _edit(tmp_path, name: str, **kv: str) -> str:
 
 
 @pytest.mark.parametrize("kv,match", [
-  ({"offset": str(1 << 40)}, "truncated or a bad offset"), ({"offset": "-4"}, "negative"), ({"offset": "12abc"}, "not an integer"),
+  ({"offset": str(1 << 40)}, "truncated or a bad offset"), ({"offset": "-4"}, "is not a non-negative integer"),
+  ({"offset": "12abc"}, "is not a non-negative integer"),
+  ({"offset": " 3"}, "is not a non-negative integer"), ({"offset": "+3"}, "is not a non-negative integer"),
+  ({"offset": "\u0663"}, "is not a non-negative integer"),  # an Arabic-Indic 3: Python's int() reads it, onnxruntime does not
   ({"length": "8"}, r"length 8 bytes, but dims \[16, 32\]"), ({"location": "../weights.bin"}, "inside the model's directory"),
   ({"location": "/etc/passwd"}, "inside the model's directory"), ({"location": "nope.bin"}, "does not exist"),
   ({"location": ""}, "inside the model's directory"),

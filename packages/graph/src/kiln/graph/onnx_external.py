@@ -83,10 +83,10 @@ class Tensors:
   @staticmethod
   def _field(info: dict[str, str], key: str, where: str) -> int | None:
     if key not in info: return None
-    try: v = int(info[key])
-    except ValueError: raise ONNXError(f"{where}: {key} {info[key]!r} is not an integer") from None
-    if v < 0: raise ONNXError(f"{where}: {key} {v} is negative")
-    return v
+    text = info[key]
+    if not (text.isascii() and text.isdigit()):  # as onnxruntime reads it: no sign, spaces or other scripts' digits
+      raise ONNXError(f"{where}: {key} {text!r} is not a non-negative integer")
+    return int(text)
 
   def _file(self, path: str, loc: str, where: str) -> np.ndarray:
     """The whole data file as read-only bytes, mapped once for every tensor that names it."""
