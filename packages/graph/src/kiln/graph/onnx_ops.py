@@ -366,10 +366,38 @@ def _range(n: Node) -> Value:
   return np.arange(s.item(), e.item(), d.item()).astype(s.dtype)
 
 
-def _dropout(n: Node) -> Value:
-  if len(n.proto.output) > 1 and n.proto.output[1]: raise n.error("the mask output is not supported (inference only)")
-  n.attr("seed")
-  return n.ins[0]  # type: ignore[return-value]
+def _dropout(n: Node) -> Value | list[Value]:
+  """Inference: the input itself, and (when asked for) a mask of all True. Training mode (is_test=0 before opset 7, a
+  training_mode input from opset 12) would drop at random: refused, never run as the identity."""
+  n.attr("seed"), n.attr("ratio")
+  if n.opset < 7 and not n.attr("is_test", 0): raise n.error("is_test=0 (training mode) is not supported: kiln runs inference only")
+  if len(n.ins) > 2 and n.ins[2] is not None:
+    mode = n.ins[2]
+    if not isinstance(mode, np.ndarray): raise n.error("input 2 (training_mode) is computed at run time: kiln runs inference only")
+    if mode.size and bool(mode.reshape(-1)[0]): raise n.error("training_mode is true: kiln runs inference only")
+  x = n.ins[0]
+  if len(n.proto.output) < 2 or not n.proto.output[1]: return x  # type: ignore[return-value]
+  if x is None: raise n.error("input 0 is missing")
+  mask: Value = np.ones(x.shape, np.bool_) if isinstance(x, np.ndarray) else Tensor.full(x.shape, True, "bool")
+  return [x, mask]  # type: ignore[list-item]
+
+
+def _sum_mean(mean: bool) -> Callable[[Node], Value]:
+  """Sum and Mean of any number of inputs, broadcast together (Mean: the sum over the count)."""
+  def run(n: Node) -> Value:
+    vals = [v for v in n.ins if v is not None]
+    if not vals: raise n.error("needs at least one input")
+    if all(isinstance(v, np.ndarray) for v in vals):
+      arrs = [np.asarray(v) for v in vals]
+      out = arrs[0]
+      for v in arrs[1:]: out = out + v
+      return (out / len(arrs)).astype(arrs[0].dtype) if mean else out.astype(arrs[0].dtype)
+    ts = [n.t(i) for i, v in enumerate(n.ins) if v is not None]
+    if any(t.dtype != ts[0].dtype for t in ts): raise n.error(f"inputs have different dtypes {sorted({t.dtype.name for t in ts})}")
+    acc = ts[0]
+    for t in ts[1:]: acc = acc + t
+    return acc * (1.0 / len(ts)) if mean else acc
+  return run
 
 
 def _minmax(kind: str) -> Callable[[Node], Value]:
@@ -470,6 +498,7 @@ _op("LessOrEqual", _binary(lambda a, b: a <= b)); _op("GreaterOrEqual", _binary(
 _op("And", _binary(lambda a, b: np.logical_and(a, b) if isinstance(a, np.ndarray) else a & b))
 _op("Or", _binary(lambda a, b: np.logical_or(a, b) if isinstance(a, np.ndarray) else a | b))
 _op("Not", _not); _op("Where", _where); _op("Max", _minmax("maximum")); _op("Min", _minmax("minimum"))
+_op("Sum", _sum_mean(False)); _op("Mean", _sum_mean(True))
 for _name, _meth in (("Sqrt", "sqrt"), ("Reciprocal", "reciprocal"), ("Exp", "exp"), ("Log", "log"), ("Erf", "erf"), ("Tanh", "tanh"),
                      ("Relu", "relu"), ("Sigmoid", "sigmoid"), ("Neg", "__neg__"), ("Abs", "abs")):
   _op(_name, _unary(_meth))
@@ -486,7 +515,7 @@ _op("Reshape", _reshape, "allowzero"); _op("Transpose", _transpose, "perm"); _op
 _op("Squeeze", _squeeze, "axes"); _op("Concat", _concat, "axis"); _op("Slice", _slice, "starts ends axes")
 _op("Split", _split, "axis split num_outputs"); _op("Cast", _cast, "to saturate"); _op("Expand", _expand)
 _op("Gather", _gather, "axis"); _op("Flatten", _flatten, "axis"); _op("Identity", lambda n: n.ins[0])
-_op("Dropout", _dropout, "seed"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
+_op("Dropout", _dropout, "seed ratio is_test"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
 _op("ConstantOfShape", _constant_of_shape, "value"); _op("Range", _range)
 _op("Shape", _shape, "start end")
 _op("Conv", _conv, "auto_pad dilations group kernel_shape pads strides")
