@@ -418,7 +418,6 @@ def _spatial(n: Node, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int
   """strides, dilations and (before, after) pads of a conv or pool node, auto_pad resolved."""
   d = len(kernel)
   st, dl = list(n.attr("strides") or [1] * d), list(n.attr("dilations") or [1] * d)
-  if n.attr("ceil_mode", 0): raise n.error("attribute ceil_mode=1 is not supported")
   auto = n.attr("auto_pad", "NOTSET")
   if auto in ("NOTSET", "VALID"):
     p = list(n.attr("pads") or [0] * (2 * d)) if auto == "NOTSET" else [0] * (2 * d)
@@ -451,9 +450,34 @@ def _pool(kind: str) -> Callable[[Node], Value]:
     st, dl, pads = _spatial(n, x, kernel)
     if any(p >= k for k, pair in zip(kernel, pads) for p in pair):  # a window of nothing but padding: no max, a mean of 0/0
       raise n.error(f"pads {[p for pair in zip(*pads) for p in pair]} must each be smaller than the kernel {kernel} (as onnxruntime requires)")
+    include = bool(n.attr("count_include_pad", 0))
+    if n.attr("ceil_mode", 0):
+      if n.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"): raise n.error("ceil_mode=1 with auto_pad SAME_* is not supported")
+      return _ceil_pool(n, x, kind, kernel, st, dl, pads, include)
     if kind == "max": return x.max_pool(kernel, st, pads, dl)
-    return x.avg_pool(kernel, st, pads, bool(n.attr("count_include_pad", 0)), dl)
+    return x.avg_pool(kernel, st, pads, include, dl)
   return run
+
+
+def _ceil_pool(n: Node, x: Tensor, kind: str, kernel: list[int], st: list[int], dl: list[int], pads: list[tuple[int, int]],
+               include: bool) -> Tensor:
+  """ceil_mode=1 as onnxruntime computes it: the output rounds up, but a last window that would start in the end padding is
+  dropped; the windows past the padded input read nothing (max: -inf; a mean counts only what it reads, or with
+  count_include_pad the explicit pads too, never the extension)."""
+  spatial = sym.static_shape("pool with ceil_mode", x.shape[2:])
+  extra, counts = [], np.ones((), np.float64)
+  for size, k, s_, q, (b, a) in zip(spatial, kernel, st, dl, pads):
+    eff, span = (k - 1) * q + 1, size + b + a
+    out = -(-(span - eff) // s_) + 1
+    if (out - 1) * s_ >= size + b: out -= 1
+    extra.append(max((out - 1) * s_ + eff - span, 0))
+    pos = np.arange(out)[:, None] * s_ + np.arange(k)[None, :] * q - b  # each window's elements, in input coordinates
+    counts = np.multiply.outer(counts, ((pos >= -b) & (pos < size + a)).sum(1))
+  wide = [(b, a + e) for (b, a), e in zip(pads, extra)]
+  if kind == "max": return x.max_pool(kernel, st, wide, dl)
+  if not include: return x.avg_pool(kernel, st, wide, False, dl)
+  total = x.avg_pool(kernel, st, wide, True, dl) * float(np.prod(kernel))  # the window sums
+  return total / Tensor(counts.astype(np.float32))
 
 
 def _global_pool(kind: str) -> Callable[[Node], Value]:
