@@ -252,3 +252,17 @@ def test_a_feed_the_model_does_not_take_is_refused_by_name() -> None:
   with pytest.raises(ONNXError, match=r"the model has no input 'srC' \(did you mean 'src'\?\); its inputs: src"): km.run({"srC": one})
   with pytest.raises(ONNXError, match="no input 'extra'"): km.run({"src": one, "extra": one})
   np.testing.assert_array_equal(km.run({"src": one})["y"], one)
+
+
+def test_the_fold_budget_counts_what_folds_make_not_what_they_hand_on(monkeypatch) -> None:
+  """Identity nodes handing a weight on make nothing new, and a weight held in a Constant is stored by the model like an
+  initializer: neither may spend the budget meant for folds that make new arrays."""
+  from kiln.graph import onnx_limits as lim
+  monkeypatch.setattr(lim, "MAX_FOLDED_BYTES", 1 << 10)
+  w = np.arange(1 << 16, dtype=np.float32)  # 256 KiB, far over the lowered limit
+  chain = [helper.make_node("Constant", [], ["w"], value=numpy_helper.from_array(w))]
+  chain += [helper.make_node("Identity", [f"w{'' if k == 0 else k}"], [f"w{k + 1}"]) for k in range(4)]
+  chain.append(helper.make_node("Identity", ["w4"], ["y"]))
+  np.testing.assert_array_equal(konnx.load(_fold_model(chain, [])).run({})["y"], w)
+  grow = [*chain[:-1], helper.make_node("Concat", ["w4", "w4", "w4"], ["y"], axis=0)]  # 768 KiB new: over twice the stored 256 KiB
+  with pytest.raises(ONNXError, match=r"\(Concat\): the model's load-time folds would make"): konnx.load(_fold_model(grow, []))

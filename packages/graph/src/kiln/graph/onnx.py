@@ -160,7 +160,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   g = m.graph
   env: dict[str, Value] = {}
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
-  budget = lim.LoadBudget(lim.stored_bytes(onnx, g))
+  values = [*g.initializer, *(a.t for p in g.node if p.op_type == "Constant" for a in p.attribute if a.HasField("t"))]
+  budget = lim.LoadBudget(lim.stored_bytes(onnx, values))  # what the model stores as values (not a ConstantOfShape's fill)
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
   inputs: list[tuple[str, tuple[int | str, ...], np.dtype]] = []
   defaults: dict[str, np.ndarray] = {}
@@ -208,7 +209,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
     outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
     for o in outs: lim.check_value(label, o)
-    budget.fold(label, outs)
+    budget.fold(label, outs, n.ins)
     names = [o for o in proto.output if o]
     if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
     for name, v in zip(proto.output, outs):

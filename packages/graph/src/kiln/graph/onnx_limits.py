@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -182,9 +183,10 @@ def check_fold(op: str, ins: list[Any], label: str, attrs: Any = None, budget: L
     if budget is not None: budget.check(label, budget.folded + 8 * bound)  # before numpy allocates it
 
 
-def stored_bytes(onnx: Any, g: Any) -> int:
-  """The bytes of the tensors a graph stores as initializers (in the model or as external data), from their dims."""
-  return sum(math.prod(int(d) for d in t.dims) * _itemsize(onnx, t.data_type) for t in g.initializer)
+def stored_bytes(onnx: Any, tensors: Iterable[Any]) -> int:
+  """The bytes of the TensorProtos a model stores (initializers and Constant values, in the model or as external data),
+  from their dims."""
+  return sum(math.prod(int(d) for d in t.dims) * _itemsize(onnx, t.data_type) for t in tensors)
 
 
 class LoadBudget:
@@ -194,9 +196,9 @@ class LoadBudget:
   def __init__(self, stored_bytes: int = 0):
     self.fold_limit, self.folded, self.steps = MAX_FOLDED_BYTES + 2 * stored_bytes, 0, 0
 
-  def fold(self, label: str, outs: list[Any]) -> None:
-    """Count a fold's new arrays (a view of another, as a Reshape's, makes nothing new)."""
-    self.folded += sum(o.nbytes for o in outs if isinstance(o, np.ndarray) and o.base is None)
+  def fold(self, label: str, outs: list[Any], ins: list[Any]) -> None:
+    """Count a fold's new arrays: neither a view of another (a Reshape's) nor one of its inputs handed on (an Identity's)."""
+    self.folded += sum(o.nbytes for o in outs if isinstance(o, np.ndarray) and o.base is None and not any(o is i for i in ins))
     self.check(label, self.folded)
 
   def check(self, label: str, total: int) -> None:
