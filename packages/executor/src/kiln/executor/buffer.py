@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,15 @@ class KeepAlive:
 
   def __init__(self, arr: np.ndarray, owner: Any):
     self.__array_interface__, self.array, self._owner = arr.__array_interface__, arr, owner
+
+
+def base_chain(obj: Any) -> Iterator[Any]:
+  """obj, then what its memory belongs to, outward: numpy bases, memoryview owners, a storage's KeepAlive and its array
+  (at most 64 steps)."""
+  for _ in range(64):
+    if obj is None: return
+    yield obj
+    obj = obj.obj if isinstance(obj, memoryview) else obj.array if isinstance(obj, KeepAlive) else getattr(obj, "base", None)
 
 
 def _bytes_of(data: Any, dtype: DType | None = None, what: str = "copyin") -> np.ndarray:

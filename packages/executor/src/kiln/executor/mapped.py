@@ -12,20 +12,13 @@ import mmap
 from collections.abc import Iterable
 from typing import Any
 
-from kiln.executor.buffer import KeepAlive
+from kiln.executor.buffer import base_chain
 from kiln.ir.errors import MappedFileError
 
 
 def _mapping(obj: Any) -> mmap.mmap | None:
-  """The mmap an array, memoryview or buffer object's memory belongs to, following numpy bases and memoryview owners."""
-  seen = 0
-  while obj is not None and seen < 64:
-    if isinstance(obj, mmap.mmap): return obj
-    if isinstance(obj, memoryview): obj = obj.obj
-    elif isinstance(obj, KeepAlive): obj = obj.array  # a storage's host view of a DISK map
-    else: obj = getattr(obj, "base", None)
-    seen += 1
-  return None
+  """The mmap an array, memoryview or buffer object's memory belongs to."""
+  return next((o for o in base_chain(obj) if isinstance(o, mmap.mmap)), None)
 
 
 class MappedFiles:

@@ -31,7 +31,7 @@ from kiln.codegen.opt import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
-from kiln.executor.buffer import Buffer, Storage, to_dtype
+from kiln.executor.buffer import Buffer, Storage, base_chain, to_dtype
 from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, opts_key, target_key, variant_key
 from kiln.executor.checks import MAX_MESSAGE
 from kiln.executor.prepared import PreparedKernel
@@ -225,14 +225,12 @@ def _file_of(st: Storage) -> tuple[str, int] | None:
   if st.device.startswith("DISK:"): return st.device[5:], int((st.options or {}).get("offset", 0))
   if st.external is None: return None
   start = int(st.external.ctypes.data)
-  a: Any = st.external
-  for _ in range(64):  # the .base chain of a view of a map ends at the owning DISK storage (through its KeepAlive)
+  for a in base_chain(st.external):  # a view of a map leads to the owning DISK storage (through its KeepAlive)
     owner = getattr(a, "_owner", None)
     if isinstance(owner, Storage) and owner.device.startswith("DISK:"):
       mapped = owner.host_array()
       if mapped is None: return None
       return owner.device[5:], int((owner.options or {}).get("offset", 0)) + start - int(mapped.ctypes.data)
-    if (a := getattr(a, "base", None)) is None: return None
   return None
 
 
