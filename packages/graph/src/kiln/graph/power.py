@@ -83,9 +83,7 @@ def _constant_power(x: Tensor, p: int | float) -> Tensor:
 
 def power(x: Tensor, p: Tensor | int | float) -> Tensor:
   """x ** p, the result in x's dtype (see the module's rules)."""
-  if not isinstance(p, int | float) or isinstance(p, bool): pass
-  else: return _constant_power(x, p)
-  assert not isinstance(p, int | float)
+  if isinstance(p, int | float): return _constant_power(x, p)
   if x.dtype.is_bool: x = x.cast(dtypes.int32)
   if x.dtype.is_float: return _float_power(x, p)
   if p.dtype.is_float:  # a whole exponent exactly, as an integer one; any other in float64, truncated
