@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.executor import PlanSpec
 from kiln.executor.buffer import to_dtype
-from kiln.executor.portable import check_feeds
+from kiln.executor.portable import check_feeds, in_plan_dtype
 from kiln.ir.errors import PlanSpecError
 
 
@@ -24,9 +24,7 @@ def prepare(spec: PlanSpec, feeds: Mapping[str, Any], vars: Mapping[str, int] | 
     except Exception as e: raise PlanSpecError(f"input {name!r} is not an array: {type(e).__name__}: {e}") from None
   arrays, vals = check_feeds(spec, arrays, vars)
   for io in spec.inputs:
-    a, want = arrays[io.name], to_dtype(io.dtype).np
-    if a.dtype == want: continue
-    if a.dtype.kind != want.kind and not (a.dtype.kind in "iu" and want.kind in "iu"):
-      raise PlanSpecError(f"input {io.name!r} has dtype {a.dtype}, the plan takes {io.dtype}")
-    arrays[io.name] = a.astype(want)
+    cast = in_plan_dtype(arrays[io.name], to_dtype(io.dtype).np)
+    if cast is None: raise PlanSpecError(f"input {io.name!r} has dtype {arrays[io.name].dtype}, the plan takes {io.dtype}")
+    arrays[io.name] = cast
   return arrays, vals

@@ -47,6 +47,15 @@ def infer_vars(spec: PlanSpec, feeds: Mapping[str, np.ndarray], given: Mapping[s
   return vals
 
 
+def in_plan_dtype(a: np.ndarray, want: np.dtype) -> np.ndarray | None:
+  """A fed array in the plan's dtype `want`: as it is, or cast when it is of the same kind (float for float) or an integer
+  for an integer; None when the plan cannot take it (the caller raises its own typed error). The one rule every feed of a
+  plan follows: a PortablePlan's, a served request's on the driver, kiln.graph's."""
+  if a.dtype == want: return a
+  if a.dtype.kind != want.kind and not (a.dtype.kind in "iu" and want.kind in "iu"): return None
+  return a.astype(want)
+
+
 def check_feeds(spec: PlanSpec, feeds: Mapping[str, Any], given: Mapping[str, int] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
   """A request's arrays and variable values, checked against the spec's inputs (every input fed, no other name, ranks,
   sizes, bounds): a PlanSpecError (or VariableBoundsError) before anything runs."""
@@ -72,11 +81,8 @@ class PortablePlan:
   def _feed(self, feeds: Mapping[str, Any], given: Mapping[str, int] | None) -> dict[str, int]:
     arrays, vals = check_feeds(self.spec, feeds, given)
     for io in self.spec.inputs:
-      a, want = arrays[io.name], to_dtype(io.dtype).np
-      if a.dtype != want:
-        if a.dtype.kind != want.kind and not (a.dtype.kind in "iu" and want.kind in "iu"):
-          raise PlanSpecError(f"input {io.name!r} has dtype {a.dtype}, the plan takes {io.dtype}")
-        a = a.astype(want)
+      a = in_plan_dtype(arrays[io.name], to_dtype(io.dtype).np)
+      if a is None: raise PlanSpecError(f"input {io.name!r} has dtype {arrays[io.name].dtype}, the plan takes {io.dtype}")
       buf = self.plan.buffers[io.buffer]
       if a.size != buf.size: buf = buf.view(0, a.size)
       buf.copyin(np.ascontiguousarray(a))

@@ -30,6 +30,7 @@ import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
+from kiln.executor.portable import in_plan_dtype
 from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
@@ -224,11 +225,8 @@ class Compiled:
       feeds[i.name] = np.asarray(feeds[i.name])
     vals = self.infer_vars(feeds)
     for i in self.inputs:
-      a = feeds[i.name]
-      if a.dtype != i.dtype:
-        if a.dtype.kind != i.dtype.kind and not (a.dtype.kind in "iu" and i.dtype.kind in "iu"):
-          raise GraphError(f"input {i.name!r} has dtype {a.dtype}, the graph takes {i.dtype}")
-        a = a.astype(i.dtype)
+      a = in_plan_dtype(feeds[i.name], i.dtype)
+      if a is None: raise GraphError(f"input {i.name!r} has dtype {feeds[i.name].dtype}, the graph takes {i.dtype}")
       buf = self.plan.buffers[i.buf]
       if a.size != buf.size: buf = buf.view(0, a.size)  # a symbolic input below its maximum fills the buffer's front
       buf.copyin(np.ascontiguousarray(a))
