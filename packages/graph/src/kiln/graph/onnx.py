@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import onnx_limits as lim
-from kiln.graph import onnx_ops_act, onnx_ops_rnn, onnx_ops_shape  # noqa: F401  (they register their operators in OPS)
+from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
+  onnx_ops_act,
+  onnx_ops_convt,
+  onnx_ops_flow,
+  onnx_ops_index,
+  onnx_ops_quant,
+  onnx_ops_resize,
+  onnx_ops_rnn,
+  onnx_ops_shape,
+)
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
