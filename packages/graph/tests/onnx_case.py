@@ -8,13 +8,13 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
 
 from kiln.graph import onnx as konnx  # noqa: E402
 
 RNG = np.random.default_rng(3)
-NP2ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64, np.dtype(np.bool_): TensorProto.BOOL,
-           np.dtype(np.int32): TensorProto.INT32}
+NP2ONNX = {np.dtype(t): helper.np_dtype_to_tensor_dtype(np.dtype(t)) for t in (np.float32, np.float64, np.float16, np.bool_, np.int8, np.uint8,
+                                                                                  np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)}
 N = helper.make_node
 
 

@@ -14,7 +14,10 @@ from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
 from kiln.graph.tensor import Tensor
+from kiln.ir.alu import exec_alu
+from kiln.ir.dtype import dtypes
 from kiln.ir.kernels import Dim
+from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 Value = Tensor | np.ndarray
@@ -81,7 +84,9 @@ _NP_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 
 def _np_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-  if a.dtype.kind in "iu": return np.trunc(a / b).astype(a.dtype)  # ONNX integer Div truncates
+  if a.dtype.kind in "iu":  # ONNX integer Div truncates: the IR's IDIV, in integers (a float quotient rounds past 2**53)
+    a, b = np.broadcast_arrays(a, b.astype(a.dtype))
+    return exec_alu(Ops.IDIV, dtypes.from_numpy(a.dtype), a, b).astype(a.dtype)
   return (a / b).astype(a.dtype)
 
 
@@ -99,9 +104,10 @@ def _binary(f: Callable[[Any, Any], Any]) -> Callable[[Node], Value]:
 def _div(n: Node) -> Value:
   a, b = n.ins[0], n.ins[1]
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return _np_div(a, b)
-  ta = n.t(0)
-  if not ta.dtype.is_float: raise n.error(f"integer Div on data computed at run time is not supported ({ta.dtype.name})")
-  return ta / n.t(1)
+  ta, tb = n.t(0), n.t(1)
+  if ta.dtype != tb.dtype: raise n.error(f"operands have different dtypes {ta.dtype.name} and {tb.dtype.name}")
+  if not ta.dtype.is_float: return ta._bin(Ops.IDIV, tb)  # the IR's IDIV truncates as ONNX does (a zero divisor, undefined in ONNX, gives a)
+  return ta / tb
 
 
 def _pow(n: Node) -> Value:
