@@ -141,14 +141,22 @@ def _softmax(log: bool) -> Callable[[Node], Value]:
   return run
 
 
-def _layernorm(n: Node) -> Value:
-  if len(n.proto.output) > 1 and any(n.proto.output[1:]): raise n.error("the Mean and InvStdDev outputs are not supported")
-  n.attr("stash_type")
+def _layernorm(n: Node) -> Value | list[Value]:
+  if n.attr("stash_type", 1) != 1: raise n.error(f"stash_type={n.attr('stash_type')} is not supported (float32 statistics only)")
   x = n.t(0)
   a = _norm(n.attr("axis", -1), x.ndim, n)
   w = n.t(1) if len(n.ins) > 1 and n.ins[1] is not None else None
   b = n.t(2) if len(n.ins) > 2 and n.ins[2] is not None else None
-  return x.layernorm(w, b, tuple(range(a, x.ndim)), n.attr("epsilon", 1e-5))
+  axes, eps = tuple(range(a, x.ndim)), float(n.attr("epsilon", 1e-5))
+  if not any(n.proto.output[1:]): return x.layernorm(w, b, axes, eps)
+  xf = x.cast(dtypes.float32)  # the Mean and InvStdDev outputs: float32 statistics over axis.., kept as dims of 1
+  mean = xf.mean(axes, keepdims=True)
+  d = xf - mean
+  inv = ((d * d).mean(axes, keepdims=True) + eps).rsqrt()
+  y = d * inv
+  if w is not None: y = y * w.cast(dtypes.float32)
+  if b is not None: y = y + b.cast(dtypes.float32)
+  return [y.cast(x.dtype), mean, inv]
 
 
 def _reduce(kind: str, attr_until: int) -> Callable[[Node], Value]:
