@@ -1,0 +1,63 @@
+"""`scripts/zoo [--only REGEX] [-j N] [--force] [--markdown FILE] [--threads N] [--timeout S] [--list]`: export the zoo's
+models, check each export on kiln against onnxruntime, print the report (and write it with --markdown). Bench env only."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # Python puts a folder it runs first: its module names would shadow others
+sys.path.insert(0, str(_HERE.parent))  # `python packages/graph/benchmarks/zoo` as well as `-m zoo`
+
+from zoo import cache, catalog, report, runner  # noqa: E402
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="scripts/zoo", description=__doc__)
+  p.add_argument("--only", help="run the entries whose name matches this regular expression (re.search)")
+  p.add_argument("-j", "--jobs", type=int, default=1, help="models at once (each in its own processes)")
+  p.add_argument("--force", action="store_true", help="export and check again even where the cache is current")
+  p.add_argument("--markdown", help="write the report to this file")
+  p.add_argument("--threads", type=int, default=1, help="threads for kiln (KILN_THREADS) and onnxruntime alike (default 1)")
+  p.add_argument("--timeout", type=float, default=300, help="seconds one export's check may take (load, runs, timing)")
+  p.add_argument("--export-timeout", type=float, default=900, help="seconds all exports of one model may take")
+  p.add_argument("--cache", help="cache directory (default .zoo-cache at the repo root)")
+  p.add_argument("--list", action="store_true", help="list the entries and exit")
+  p.add_argument("--report-only", action="store_true", help="report from the cache, running nothing")
+  return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+  opts = parse(argv)
+  todo = [(s, f) for s, f in catalog.entries() if not opts.only or re.search(opts.only, s.name)]
+  if opts.list:
+    for s, _ in todo: print(f"{s.family:14} {s.name}")
+    print(f"{len(todo)} entries")
+    return 0
+  tree = cache.kiln_tree_hash()
+  recs, t0 = [], time.time()
+  if opts.report_only:
+    recs = [r for s, _ in todo if (r := cache.read_json(cache.cache_dir(opts.cache) / "results" / f"{cache.safe(s.name)}.json"))]
+  else:
+    with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+      futs = {pool.submit(runner.run_model, s, f, opts, tree): s for s, f in todo}
+      for i, fut in enumerate(as_completed(futs), 1):
+        rec = fut.result()
+        recs.append(rec)
+        sts = " ".join(f"{v}={r['status']}" for v, r in sorted(rec["results"].items()))
+        print(f"[{i}/{len(todo)} {time.time() - t0:6.0f}s] {rec['name']}{' (cached)' if rec.get('cached') else ''}: {sts}", flush=True)
+  header = (f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; {opts.threads} thread(s) for kiln and onnxruntime; "
+            f"only {opts.only!r}" if opts.only else f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; "
+            f"{opts.threads} thread(s) for kiln and onnxruntime")
+  md = report.markdown(recs, header)
+  if opts.markdown: Path(opts.markdown).write_text(md + "\n")
+  print(md)
+  bad = sum(r["status"] in ("WRONG", "CRASH", "TIMEOUT") for rec in recs for r in rec["results"].values())
+  return 1 if bad else 0
+
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1:]))

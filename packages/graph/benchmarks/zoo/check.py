@@ -1,0 +1,147 @@
+"""Child process: load each of one model's ONNX exports with kiln.graph.onnx and run it against onnxruntime on the same
+file. `python -m zoo.check JOB.json PROGRESS` reads the job ({"threads": n, "variants": {variant: {"onnx", "feeds", "axes"}}})
+and appends one JSON line to PROGRESS before each variant ({"begin": variant}) and one after ({"result": {...}}), so the
+parent knows which variant was running when this process crashed or hung, and reruns the rest in a fresh one.
+
+A result's status: OK (every output matches at every feed), REFUSED (kiln's typed ONNXError, at load or at run), WRONG (an
+output or its shape differs), CRASH (any other exception), NO-REF (onnxruntime itself cannot run the file). Timing: kiln and
+onnxruntime on the same thread count, in interleaved rounds, median milliseconds."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+TOL = 1e-3          # largest |kiln - onnxruntime| allowed, relative to the output's largest magnitude
+ROUNDS = (3, 15)    # timing rounds: at least, at most
+ROUND_BUDGET = 1.0  # seconds of kiln + onnxruntime time after which no more rounds start (past the minimum)
+
+
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+  """max |got - want| / max |want|, NaN and infinities matched by position (both NaN or the same infinity is no error)."""
+  g, w = np.asarray(got), np.asarray(want)
+  if g.dtype.kind not in "fc" or w.dtype.kind not in "fc":
+    return 0.0 if np.array_equal(g, w) else float(np.mean(g != w)) + 1.0  # integers and bools: exact, or at least 1
+  g, w = g.astype(np.float64), w.astype(np.float64)
+  same = (np.isnan(g) & np.isnan(w)) | (g == w)
+  if np.any(~same & ~(np.isfinite(g) & np.isfinite(w))): return float("inf")
+  fin = np.abs(w[np.isfinite(w)])
+  scale = max(float(fin.max()) if fin.size else 0.0, 1e-6)
+  d = np.where(same, 0.0, np.abs(g - w))
+  return float(d.max()) / scale if d.size else 0.0
+
+
+def first_line(e: BaseException) -> str:
+  lines = [x for x in str(e).strip().splitlines() if x.strip()]
+  return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
+
+
+def timed(f: Any) -> float:
+  t = time.perf_counter()
+  f()
+  return (time.perf_counter() - t) * 1e3
+
+
+def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
+  import onnxruntime as ort
+
+  from kiln.graph import ONNXError
+  from kiln.graph import onnx as konnx
+  data = open(job["onnx"], "rb").read()
+  feeds = [{k: np.asarray(v) for k, v in f.items()} for f in job_feeds(job)]
+  r: dict[str, Any] = {"variant": variant, "bytes": len(data)}
+  try:
+    import onnx
+    r["ops"] = sorted({f"{n.domain + '.' if n.domain not in ('', 'ai.onnx') else ''}{n.op_type}" for n in onnx.load_from_string(data).graph.node})
+  except Exception: r["ops"] = []
+  try:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    want = [sess.run(None, f) for f in feeds]
+  except Exception as e:
+    return r | {"status": "NO-REF", "message": f"onnxruntime cannot run it: {first_line(e)}"}
+  t = time.perf_counter()
+  try: km = konnx.load(data, dims=dims_of(data, job["axes"]) if job.get("axes") else None)
+  except ONNXError as e: return r | {"status": "REFUSED", "message": first_line(e).removeprefix("ONNXError: "), "load_s": time.perf_counter() - t}
+  except Exception as e:
+    return r | {"status": "CRASH", "message": f"at load: {first_line(e)}", "traceback": traceback.format_exc()[-2500:]}
+  r["load_s"] = time.perf_counter() - t
+  r["kernels"] = len(km.plan.kernels) if km.plan is not None else 0
+  errs, bad = [], []
+  for i, (f, w) in enumerate(zip(feeds, want)):
+    try: got = list(km.run(f).values())
+    except ONNXError as e: return r | {"status": "REFUSED", "message": f"at run: {first_line(e).removeprefix('ONNXError: ')}"}
+    except Exception as e: return r | {"status": "CRASH", "message": f"at run: {first_line(e)}", "traceback": traceback.format_exc()[-2500:]}
+    if len(got) != len(w): bad.append(f"feed {i}: {len(got)} outputs, onnxruntime gives {len(w)}")
+    for j, (g, ww) in enumerate(zip(got, w)):
+      if g.shape != ww.shape: bad.append(f"feed {i} output {j}: shape {g.shape}, onnxruntime {ww.shape}")
+      else: errs.append(rel_error(g, ww))
+  r["rel_err"] = max(errs, default=0.0)
+  if bad or r["rel_err"] > TOL:
+    return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale"}
+  kt, ot, spent = [], [], 0.0
+  f0 = feeds[0]
+  while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
+    kt.append(timed(lambda: km.run(f0)))
+    ot.append(timed(lambda: sess.run(None, f0)))
+    spent += (kt[-1] + ot[-1]) / 1e3
+  return r | {"status": "OK", "message": "", "kiln_ms": statistics.median(kt), "ort_ms": statistics.median(ot), "rounds": len(kt)}
+
+
+def job_feeds(job: dict[str, Any]) -> list[dict[str, np.ndarray]]:
+  if "feeds" not in job: return [random_feeds(job["onnx"])]
+  z = np.load(job["feeds"])
+  fixed = {k: z[k] for k in z.files if not k.startswith("resized:")}
+  return [fixed, {k: z[f"resized:{k}"] for k in fixed}] if job.get("axes") else [fixed]
+
+
+def dims_of(data: bytes, axes: dict[str, dict[str, str]]) -> dict[str, tuple[int, int]]:
+  """kiln's dims for a dynamic export: each input dim the exporter left symbolic gets the bounds of the kind (batch, seq) the
+  spec gave its axis, whatever name the exporter chose for it."""
+  import onnx
+
+  from zoo.spec import BOUNDS
+  dims = {}
+  for vi in onnx.load_from_string(data).graph.input:
+    for i, d in enumerate(vi.type.tensor_type.shape.dim):
+      if d.dim_param and (kind := axes.get(vi.name, {}).get(str(i))): dims[d.dim_param] = BOUNDS[kind]
+  return dims
+
+
+def random_feeds(path: str) -> dict[str, np.ndarray]:
+  """Feeds for an ONNX file from its inputs' types: floats normal, integers zero (ids and indices stay in range)."""
+  import onnx
+  m = onnx.load(path, load_external_data=False)
+  inits = {i.name for i in m.graph.initializer}
+  rng, out = np.random.default_rng(0), {}
+  for vi in m.graph.input:
+    if vi.name in inits: continue
+    tt = vi.type.tensor_type
+    dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+    shape = [d.dim_value if d.HasField("dim_value") else 1 for d in tt.shape.dim]
+    out[vi.name] = rng.standard_normal(shape).astype(dt) if np.dtype(dt).kind == "f" else np.zeros(shape, dt)
+  return out
+
+
+def main(job_path: str, progress: str) -> int:
+  job = json.load(open(job_path))
+  threads = int(job.get("threads", 1))
+  with open(progress, "a") as p:
+    for variant, spec in job["variants"].items():
+      p.write(json.dumps({"begin": variant, "t": time.time()}) + "\n")
+      p.flush()
+      try: r = check(variant, spec, threads)
+      except Exception as e:
+        r = {"variant": variant, "status": "CRASH", "message": f"in the zoo's check: {first_line(e)}", "traceback": traceback.format_exc()[-2500:]}
+      p.write(json.dumps({"result": r}) + "\n")
+      p.flush()
+  return 0
+
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,83 @@
+"""Child process: build one zoo model and export it with torch.onnx.export, dynamo=True (torch's default) and dynamo=False,
+at fixed sizes and with the dynamic axes its spec names. `python -m zoo.export NAME DIR` writes DIR/<variant>.onnx, the
+feeds (feeds.npz: each input at the example size, and `resized` at a second size for dynamic exports) and DIR/export.json,
+rewritten after every variant so that a crash or a timeout keeps what was done."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from zoo.spec import resized
+
+
+def variants(exporters: tuple[str, ...], dynamic: bool) -> list[str]:
+  return [f"{e}/{s}" for e in exporters for s in (("fixed", "dynamic") if dynamic else ("fixed",))]
+
+
+def first_line(e: BaseException) -> str:
+  lines = [x for x in str(e).strip().splitlines() if x.strip()]
+  return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def export_one(torch: Any, m: Any, ins: dict[str, Any], axes: dict[str, dict[int, str]], variant: str, path: Path) -> None:
+  exporter, shape = variant.split("/")
+  names, args = list(ins), tuple(ins.values())
+  dyn = shape == "dynamic"
+  with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
+    warnings.simplefilter("ignore")
+    if exporter == "dynamo":
+      shapes = tuple(axes.get(n) or None for n in names) if dyn else None
+      prog = torch.onnx.export(m, args, dynamo=True, input_names=names, dynamic_shapes=shapes, verbose=False)
+      import onnx
+      onnx.save_model(prog.model_proto, str(path))
+    else:
+      torch.onnx.export(m, args, str(path), dynamo=False, input_names=names, dynamic_axes={n: axes[n] for n in names if axes.get(n)} if dyn else None)
+
+
+def main(name: str, out: str) -> int:
+  import numpy as np
+  import torch
+
+  from zoo.catalog import by_name
+  torch.manual_seed(0)
+  torch.set_num_threads(1)
+  spec, d = by_name(name), Path(out)
+  d.mkdir(parents=True, exist_ok=True)
+  meta: dict[str, Any] = {"variants": {}}
+  def save() -> None:
+    (d / "export.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(d / "export.json.tmp", d / "export.json")
+  t = time.perf_counter()
+  try:
+    assert spec.build is not None
+    m, ins, axes = spec.build()
+    with torch.no_grad(): m(*ins.values())  # a model that does not even run eagerly is the zoo's bug, not an export failure
+  except Exception as e:
+    meta["error"] = f"building or running the model in torch failed: {first_line(e)}"
+    meta["traceback"] = traceback.format_exc()[-3000:]
+    save()
+    return 1
+  feeds = {k: v.numpy() for k, v in ins.items()}
+  np.savez(d / "feeds.npz", **feeds, **{f"resized:{k}": resized(k, v, axes.get(k, {})) for k, v in feeds.items()})
+  meta.update(inputs=list(ins), axes={k: {str(a): kind for a, kind in v.items()} for k, v in axes.items()}, build_s=time.perf_counter() - t)
+  save()
+  for v in variants(spec.exporters, any(axes.values())):
+    t = time.perf_counter()
+    try:
+      export_one(torch, m, ins, axes, v, d / f"{v.replace('/', '-')}.onnx")
+      meta["variants"][v] = {"exported": True, "seconds": time.perf_counter() - t}
+    except Exception as e:
+      meta["variants"][v] = {"exported": False, "error": first_line(e), "seconds": time.perf_counter() - t}
+    save()
+  return 0
+
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1], sys.argv[2]))

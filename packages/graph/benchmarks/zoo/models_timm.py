@@ -1,0 +1,3 @@
+from zoo.spec import Spec
+
+SPECS: list[Spec] = []

@@ -1,0 +1,122 @@
+"""The zoo's report, in markdown: one row per model (each export's status, then the error and timings of its first
+matching export), totals per export kind and per model, the refusals ranked by how many models each blocks (kiln's
+messages grouped by operator with node names and numbers taken out), then the crashes, timeouts and wrong results."""
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+VARIANTS = ("dynamo/fixed", "dynamo/dynamic", "script/fixed", "script/dynamic", "file")
+STATUSES = ("OK", "REFUSED", "WRONG", "CRASH", "TIMEOUT", "NO-REF", "EXPORT-FAIL")
+SHORT = {"OK": "ok", "REFUSED": "refused", "WRONG": "**WRONG**", "CRASH": "**CRASH**", "TIMEOUT": "**TIMEOUT**", "NO-REF": "no-ref",
+         "EXPORT-FAIL": "export-fail"}
+TIMING_ORDER = ("dynamo/fixed", "script/fixed", "file", "dynamo/dynamic", "script/dynamic")
+NODE = re.compile(r"^(?P<when>at run: )?node (?P<node>.*?) \((?P<op>[A-Za-z0-9_.]+)\): (?P<rest>.*)$", re.S)
+
+
+def normalize(msg: str) -> str:
+  """A message with what varies from model to model taken out: value names, numbers, shapes."""
+  msg = re.sub(r"'[^']*[/:0-9][^']*'", "'…'", msg)  # quoted names with digits, slashes, colons: value names
+  msg = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", msg)
+  msg = re.sub(r"\((N, )+N,?\)|\[(N, )+N\]", "(…)", msg)
+  return msg[:220]
+
+
+def group(msg: str) -> tuple[str, str]:
+  """(operator or '(model)', normalized message) of a refusal."""
+  m = NODE.match(msg)
+  if m: return m["op"], ("at run: " if m["when"] else "") + normalize(m["rest"])
+  return "(model)", normalize(msg)
+
+
+def status_of(rec: dict[str, Any], v: str) -> str | None:
+  r = rec["results"].get(v) or (rec["results"].get("build") if v != "file" and "file" not in rec["results"] else None)
+  return r["status"] if r else None
+
+
+def fmt(x: float | None, spec: str) -> str: return "" if x is None else format(x, spec)
+
+
+def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
+  cells = [f"`{rec['name']}`"] + [SHORT.get(status_of(rec, v) or "", "") for v in cols]
+  oks = [rec["results"][v] for v in TIMING_ORDER if rec["results"].get(v, {}).get("status") == "OK"]
+  t = oks[0] if oks else {}
+  err = max((r.get("rel_err", 0.0) for r in oks), default=None)
+  ratio = t["kiln_ms"] / t["ort_ms"] if t and t.get("ort_ms") else None
+  cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f")]
+  return "| " + " | ".join(cells) + " |"
+
+
+def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
+  out = ["| export | " + " | ".join(STATUSES) + " | loaded | matching |", "|---" * (len(STATUSES) + 3) + "|"]
+  for v in cols:
+    c = Counter(s for r in recs if (s := status_of(r, v)))
+    if not c: continue
+    out.append(f"| {v} | " + " | ".join(str(c[s]) for s in STATUSES) + f" | {c['OK'] + c['WRONG']} | {c['OK']} |")
+  per = Counter()
+  for r in recs:
+    got = [s for v in cols if (s := status_of(r, v))]
+    per["models"] += 1
+    per["loaded and matching in at least one export"] += "OK" in got
+    per["matching in every export that exported"] += bool(got) and all(s in ("OK", "EXPORT-FAIL", "NO-REF") for s in got) and "OK" in got
+    per["WRONG in some export"] += "WRONG" in got
+    per["CRASH or TIMEOUT in some export"] += "CRASH" in got or "TIMEOUT" in got
+    per["REFUSED in every export kiln was given"] += bool(got) and all(s in ("REFUSED", "EXPORT-FAIL", "NO-REF") for s in got) and "REFUSED" in got
+    per["not exported at all"] += bool(got) and all(s == "EXPORT-FAIL" for s in got)
+  return out + ["", *[f"- {k}: **{n}**" for k, n in per.items()]]
+
+
+def refusals(recs: list[dict[str, Any]]) -> list[str]:
+  blocked: dict[tuple[str, str], set[str]] = defaultdict(set)
+  exports: Counter[tuple[str, str]] = Counter()
+  examples: dict[tuple[str, str], str] = {}
+  for rec in recs:
+    for r in rec["results"].values():
+      if r["status"] != "REFUSED": continue
+      k = group(r["message"])
+      blocked[k].add(rec["name"])
+      exports[k] += 1
+      examples.setdefault(k, r["message"])
+  if not blocked: return ["No refusals."]
+  by_op: dict[str, set[str]] = defaultdict(set)
+  for (op, _), names in blocked.items(): by_op[op] |= names
+  out = ["By operator (models with at least one export refused there):", "",
+         ", ".join(f"{op} **{len(n)}**" for op, n in sorted(by_op.items(), key=lambda kv: (-len(kv[1]), kv[0]))), "",
+         "| models | exports | operator | message (normalized) | models blocked (first 6) |", "|---|---|---|---|---|"]
+  for k, names in sorted(blocked.items(), key=lambda kv: (-len(kv[1]), -exports[kv[0]], kv[0])):
+    shown = ", ".join(sorted(names)[:6]) + (", …" if len(names) > 6 else "")
+    out.append(f"| {len(names)} | {exports[k]} | {k[0]} | {k[1].replace('|', '/')} | {shown} |")
+  return out
+
+
+def problems(recs: list[dict[str, Any]]) -> list[str]:
+  out = []
+  for rec in recs:
+    for v, r in sorted(rec["results"].items()):
+      if r["status"] in ("WRONG", "CRASH", "TIMEOUT", "NO-REF"):
+        out.append(f"- `{rec['name']}` {v}: **{r['status']}** {r['message'].replace(chr(10), ' ')[:400]}")
+  return out or ["None."]
+
+
+def export_failures(recs: list[dict[str, Any]]) -> list[str]:
+  c: dict[str, set[str]] = defaultdict(set)
+  for rec in recs:
+    for v, r in rec["results"].items():
+      if r["status"] == "EXPORT-FAIL": c[f"{v.split('/')[0]}: {normalize(r['message'])[:160]}"].add(rec["name"])
+  ranked = sorted(c.items(), key=lambda kv: -len(kv[1]))
+  return [f"- {len(n)}: {k} ({', '.join(sorted(n)[:5])}{', …' if len(n) > 5 else ''})" for k, n in ranked] or ["None."]
+
+
+def markdown(recs: list[dict[str, Any]], header: str) -> str:
+  recs = sorted(recs, key=lambda r: (r["family"], r["name"]))
+  cols = tuple(v for v in VARIANTS if any(status_of(r, v) for r in recs))
+  head = "| model | " + " | ".join(cols) + " | rel err | load s | kiln ms | ort ms | kiln/ort |"
+  lines = [f"# kiln ONNX model zoo\n\n{header}\n", "## Totals\n", *totals(recs, cols), "", "## Refusals, ranked by models blocked\n", *refusals(recs),
+           "", "## Wrong results, crashes, timeouts, no reference\n", *problems(recs), "", "## Export failures (torch's exporter, not kiln)\n",
+           *export_failures(recs), "", "## Per model\n",
+           "rel err: the largest |kiln - onnxruntime| over the matching exports, relative to each output's largest magnitude; load s, kiln ms, "
+           "ort ms: the first matching export among " + ", ".join(TIMING_ORDER) + " (median of interleaved runs, same thread count).\n"]
+  for fam in sorted({r["family"] for r in recs}):
+    lines += [f"### {fam}\n", head, "|---" * (len(cols) + 6) + "|", *[model_row(r, cols) for r in recs if r["family"] == fam], ""]
+  return "\n".join(lines)
