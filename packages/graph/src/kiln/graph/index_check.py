@@ -46,7 +46,9 @@ def gather_node(table: Node, ind: Node, axis: int, shape: tuple[Dim, ...], name:
   return Node("GATHER", (table, ind), (axis, label), shape, table.dtype)
 
 
-def _where(label: str, axis: int, table: Node) -> str: return f"{label} (axis {axis} of {fmt_shape(table.shape)})"
+def _where(label: str, axis: int, table: Node) -> str:
+  # a gather from 0..n-1 (an IOTA) is another op's index wrapped and checked (kiln.graph.indexing): its label names the place
+  return label if table.op == "IOTA" else f"{label} (axis {axis} of {fmt_shape(table.shape)})"
 
 
 def gather_checks(nodes: Sequence[Node]) -> list[tuple[Node, str]]:

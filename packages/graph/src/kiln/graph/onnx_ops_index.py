@@ -1,3 +1,228 @@
-"""The ONNX indexing operators GatherND, GatherElements, ScatterND and ScatterElements, registered in onnx_ops.OPS
-(onnx.py imports this module for that)."""
+"""The ONNX indexing operators GatherND, GatherElements, ScatterND and ScatterElements (and Scatter, its name before opset
+11), registered in onnx_ops.OPS (onnx.py imports this module for that).
+
+Each reads its data as rows of a (R, S) table (kiln.graph.indexing): GatherND's index tuple, or GatherElements' index with
+each element's own position, is one flat row number. Three cases, by what is known at load:
+  - every input: folded with numpy, updates applied in order as onnxruntime applies them (Swin's shifted-window masks);
+  - the indices (torch's exports build them from arange): the row numbers are computed and checked at load, and the
+    kernels read them as a constant (an index out of range is an ONNXError naming the node);
+  - indices computed at run time: each index is wrapped under a run-time check (an IndexOutOfRangeError after the run,
+    never a read or write outside a buffer); a scatter then compares every row with every update (indexing.DENSE_LIMIT).
+Negative indices count once from the end. Duplicate indices in a scatter with reduction none: the last update wins, as
+onnxruntime applies them in order. Data and indices need fixed sizes (a flat row number needs the strides)."""
 from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.graph import dims as sym
+from kiln.graph import onnx_limits as lim
+from kiln.graph.index_check import bad_index, out_of_range
+from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, index_dtype, scatter_np, scatter_rows, wrapped
+from kiln.graph.onnx_ops import Node, Value, _norm, _op
+from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import DType
+
+INDEX_DTYPES = {"GatherND": ("int64",), "ScatterND": ("int64",), "GatherElements": ("int32", "int64"),
+                "ScatterElements": ("int32", "int64"), "Scatter": ("int32", "int64")}
+
+
+def _label(n: Node) -> str: return f"node {n.name} ({n.op})"
+
+
+def _input(n: Node, i: int, what: str) -> Value:
+  v = n.ins[i] if i < len(n.ins) else None
+  if v is None: raise n.error(f"input {i} ({what}) is missing")
+  return v
+
+
+def _np_dtype(v: Value) -> np.dtype: return v.dtype.np if isinstance(v, Tensor) else v.dtype
+
+
+def _static(n: Node, v: Value, what: str) -> tuple[int, ...]:
+  if not sym.is_static(v.shape):
+    raise n.error(f"{what} has the symbolic shape {sym.fmt_shape(v.shape)}: its flat row numbers need fixed sizes")
+  return sym.static_shape(n.op, v.shape)
+
+
+def _indices(n: Node, v: Value) -> None:
+  if (name := np.dtype(_np_dtype(v)).name) not in INDEX_DTYPES[n.op]:
+    raise n.error(f"indices must be {' or '.join(INDEX_DTYPES[n.op])}, got {name}")
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+  return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
+def _made(n: Node, elements: int, *given: Value) -> None:
+  """Before numpy makes an array of elements at load (a fold's result, a constant row index): within MAX_FOLDED_ELEMENTS
+  beyond the largest input it was handed, and within what the model's load budget has left."""
+  if elements <= max((math.prod(sym.static_shape(n.op, g.shape)) for g in given if sym.is_static(g.shape)), default=0): return
+  lim.limit(f"{_label(n)}: a load-time array's element count", elements, "MAX_FOLDED_ELEMENTS", lim.MAX_FOLDED_ELEMENTS)
+  n.budget.check(_label(n), n.budget.folded + 8 * elements)
+
+
+def _const(n: Node, a: np.ndarray, dt: DType) -> Tensor:
+  """A constant row index for the kernels, counted in the model's load budget as a fold's result is."""
+  out = np.ascontiguousarray(a, dt.np)
+  n.budget.folded += out.nbytes
+  n.budget.check(_label(n), n.budget.folded)
+  return Tensor(out)
+
+
+# ---- row numbers: numpy (checked now) and Tensor (checked at run time), a bad index named alike ----
+def _nd_where(j: int, b: int, dshape: tuple[int, ...]) -> str: return f"indices[..., {j}] on axis {b + j} of data {dshape}"
+
+
+def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], b: int) -> np.ndarray:
+  """GatherND/ScatterND: each index tuple indices[..., :] (after b batch dims) as a row of data (*dshape[:b + k], rest)."""
+  k, lead = ind.shape[-1], ind.shape[:-1]
+  st = _strides(dshape[:b + k])
+  rows = np.zeros(lead, np.int64)
+  for j in range(k):
+    size, c = dshape[b + j], ind[..., j].astype(np.int64)
+    if (bad := bad_index(c, size)) is not None:
+      raise n.error(f"{_nd_where(j, b, dshape)}: index {bad} {out_of_range(size)}")
+    rows += np.where(c < 0, c + size, c) * st[b + j]
+  for a in range(b):  # the batch position picks its own block of rows
+    rows += np.arange(lead[a], dtype=np.int64).reshape([-1 if i == a else 1 for i in range(len(lead))]) * st[a]
+  return rows
+
+
+def _nd_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], b: int, dt: DType) -> Tensor:
+  k, lead = ind.shape[-1], ind.shape[:-1]
+  assert isinstance(k, int)  # _gather_nd and _scatter_nd checked it
+  st = _strides(dshape[:b + k])
+  terms = [wrapped(ind[..., j], dshape[b + j], f"{_label(n)}: {_nd_where(j, b, dshape)}", dt) * st[b + j]
+           for j in range(k)]
+  terms += [coords(lead, a, dt) * st[a] for a in range(b)]
+  if not terms: raise n.error("indices select no axis (their last dim is 0)")
+  out = terms[0]
+  for t in terms[1:]: out = out + t
+  return out
+
+
+def _elem_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.ndarray:
+  """GatherElements/ScatterElements: each element's position, its axis a coordinate the index, as a flat element number."""
+  size, st = dshape[a], _strides(dshape)
+  if (bad := bad_index(ind, size)) is not None: raise n.error(f"axis {a} of data {dshape}: index {bad} {out_of_range(size)}")
+  i = ind.astype(np.int64)
+  rows = np.where(i < 0, i + size, i) * st[a]
+  for d in range(ind.ndim):
+    if d != a: rows = rows + np.arange(ind.shape[d], dtype=np.int64).reshape([-1 if i == d else 1 for i in range(ind.ndim)]) * st[d]
+  return rows
+
+
+def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], ishape: tuple[int, ...], a: int, dt: DType) -> Tensor:
+  st = _strides(dshape)
+  rows = wrapped(ind, dshape[a], f"{_label(n)}: axis {a} of data {dshape}", dt) * st[a]
+  for d in range(len(ishape)):
+    if d != a and ishape[d] > 1: rows = rows + coords(ishape, d, dt) * st[d]
+  return rows
+
+
+def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+  """The axis and the data's and indices' shapes of GatherElements/ScatterElements: the same rank, and the indices no
+  larger than the data off the axis (onnxruntime refuses larger)."""
+  _indices(n, ind)
+  if data.ndim < 1 or ind.ndim != data.ndim: raise n.error(f"data (rank {data.ndim}) and indices (rank {ind.ndim}) need the same rank >= 1")
+  a = _norm(n.attr("axis", 0), data.ndim, n)
+  dshape, ishape = _static(n, data, "data"), _static(n, ind, "indices")
+  for d in range(len(dshape)):
+    if d != a and ishape[d] > dshape[d]: raise n.error(f"indices {ishape} are larger than data {dshape} on axis {d} (only axis {a} may differ)")
+  return a, dshape, ishape
+
+
+# ---- the operators ----
+def _gather_nd(n: Node) -> Value:
+  data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
+  _indices(n, ind)
+  b, r, q = n.attr("batch_dims", 0), data.ndim, ind.ndim
+  if r < 1 or q < 1: raise n.error(f"data (rank {r}) and indices (rank {q}) need rank >= 1")
+  if not isinstance(b, int) or not 0 <= b < min(q, r): raise n.error(f"batch_dims={b!r} is out of range [0, {min(q, r)})")
+  k = ind.shape[-1]
+  if not isinstance(k, int) or k > r - b: raise n.error(f"indices' last dim {sym.fmt(k)} is more than data's rank {r} less batch_dims {b}")
+  dshape = _static(n, data, "data")
+  if tuple(ind.shape[:b]) != dshape[:b]: raise n.error(f"the batch dims of indices {sym.fmt_shape(ind.shape)} and data {dshape} differ")
+  nrows, s, rest = math.prod(dshape[:b + k]), math.prod(dshape[b + k:]), dshape[b + k:]
+  out_shape = (*ind.shape[:-1], *rest)
+  if isinstance(ind, np.ndarray):
+    rows = _nd_rows(n, ind, dshape, b)
+    if isinstance(data, np.ndarray):
+      _made(n, rows.size * s, data, ind)
+      return data.reshape(nrows, s)[rows].reshape(out_shape)
+    if rows.size == 0: raise n.error(f"the output {out_shape} is empty (kiln has no empty tensors)")
+    idx = _const(n, rows, index_dtype(nrows))
+  else: idx = _nd_rows_t(n, ind, dshape, b, index_dtype(nrows))
+  return n.t(0).reshape(nrows, s).gather(idx, 0, name=_label(n)).reshape(out_shape)
+
+
+def _gather_elements(n: Node) -> Value:
+  data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
+  a, dshape, ishape = _elements_shapes(n, data, ind)
+  size = math.prod(dshape)
+  if isinstance(ind, np.ndarray):
+    rows = _elem_rows(n, ind, dshape, a)
+    if isinstance(data, np.ndarray): return data.reshape(-1)[rows]
+    if rows.size == 0: raise n.error(f"the output {ishape} is empty (kiln has no empty tensors)")
+    idx = _const(n, rows, index_dtype(size))
+  else: idx = _elem_rows_t(n, ind, dshape, ishape, a, index_dtype(size))
+  return n.t(0).reshape(size).gather(idx, 0, name=_label(n))
+
+
+def _reduction(n: Node) -> str:
+  if n.op == "Scatter": return "none"
+  op = n.attr("reduction", "none")
+  if op not in REDUCTIONS: raise n.error(f"attribute reduction={op!r} is not one of {', '.join(REDUCTIONS)}")
+  return str(op)
+
+
+def _scatter(n: Node, rows: np.ndarray | Tensor, dshape: tuple[int, ...], s: int, u: int) -> Value:
+  """data as (R, S) rows, updates as (U, S), rows[u] the row update u goes to; the result in data's shape."""
+  data, upd, op = n.ins[0], n.ins[2], _reduction(n)
+  assert data is not None and upd is not None
+  if (ud := np.dtype(_np_dtype(upd))) != (dd := np.dtype(_np_dtype(data))): raise n.error(f"updates ({ud.name}) and data ({dd.name}) differ in dtype")
+  if op != "none" and dd == np.bool_: raise n.error(f"reduction={op} on bool data is not supported (onnxruntime refuses it)")
+  if u == 0: return data  # no updates
+  nrows = math.prod(dshape) // s if s else 0
+  if isinstance(rows, np.ndarray):
+    m = 1 if op == "none" else int(np.unique(rows, return_counts=True)[1].max())  # the most updates one row gets
+    _made(n, m * nrows + nrows, rows, data)
+    if isinstance(data, np.ndarray) and isinstance(upd, np.ndarray):
+      return scatter_np(data.reshape(nrows, s), rows, upd.reshape(u, s), op).reshape(dshape)
+    n.budget.folded += 8 * (m * nrows + nrows)  # the row index and mask the kernels read
+  elif (work := nrows * u * (s if op != "none" else 1)) > DENSE_LIMIT:
+    raise n.error(f"indices computed at run time: kiln has no kernel that writes where an index says, so each of the {nrows} rows compares "
+                  f"itself with all {u} updates ({work} elements), over indexing.DENSE_LIMIT = {DENSE_LIMIT}; make the indices constants")
+  return scatter_rows(n.t(0).reshape(nrows, s), rows, n.t(2).reshape(u, s), op, _label(n)).reshape(dshape)
+
+
+def _scatter_nd(n: Node) -> Value:
+  data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
+  _indices(n, ind)
+  r, q = data.ndim, ind.ndim
+  if r < 1 or q < 1: raise n.error(f"data (rank {r}) and indices (rank {q}) need rank >= 1")
+  dshape, ishape, ushape = _static(n, data, "data"), _static(n, ind, "indices"), _static(n, upd, "updates")
+  k = ishape[-1]
+  if k > r: raise n.error(f"indices' last dim {k} is more than data's rank {r}")
+  if ushape != (want := ishape[:-1] + dshape[k:]): raise n.error(f"updates have shape {ushape}; indices {ishape} and data {dshape} need {want}")
+  u = math.prod(ishape[:-1])
+  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _nd_rows(n, ind, dshape, 0).reshape(-1)
+  else: rows = _nd_rows_t(n, ind, dshape, 0, index_dtype(math.prod(dshape[:k]))).reshape(u)
+  return _scatter(n, rows, dshape, math.prod(dshape[k:]), u)
+
+
+def _scatter_elements(n: Node) -> Value:
+  data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
+  a, dshape, ishape = _elements_shapes(n, data, ind)
+  if (ushape := _static(n, upd, "updates")) != ishape: raise n.error(f"updates {ushape} and indices {ishape} differ in shape")
+  u = math.prod(ishape)
+  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _elem_rows(n, ind, dshape, a).reshape(-1)
+  else: rows = _elem_rows_t(n, ind, dshape, ishape, a, index_dtype(math.prod(dshape))).reshape(u)
+  return _scatter(n, rows, dshape, 1, u)
+
+
+_op("GatherND", _gather_nd, "batch_dims"); _op("GatherElements", _gather_elements, "axis")
+_op("ScatterND", _scatter_nd, "reduction"); _op("ScatterElements", _scatter_elements, "axis reduction")
+_op("Scatter", _scatter_elements, "axis")
