@@ -64,7 +64,8 @@ def hf_audio(name: str, model: str, config: str, shape: tuple[int, ...], input_n
 SPECS = [
   hf_text("bert", "BertModel", "BertConfig", **BERTISH),
   hf_text("roberta", "RobertaModel", "RobertaConfig", **BERTISH),
-  hf_text("distilbert", "DistilBertModel", "DistilBertConfig", vocab_size=V, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=128),
+  hf_text("distilbert", "DistilBertModel", "DistilBertConfig", vocab_size=V, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+          max_position_embeddings=128),
   hf_text("albert", "AlbertModel", "AlbertConfig", embedding_size=32, **BERTISH),
   hf_text("electra", "ElectraModel", "ElectraConfig", embedding_size=32, **BERTISH),
   hf_text("deberta", "DebertaModel", "DebertaConfig", **BERTISH),

@@ -43,7 +43,8 @@ SPECS = [
   timm_model("swiftformer_xs"), timm_model("pvt_v2_b0"),
   # vision transformers
   timm_model("deit_tiny_distilled_patch16_224", **SMALL_VIT), timm_model("beit_base_patch16_224", img_size=64, depth=2, embed_dim=64, num_heads=2),
-  timm_model("cait_xxs24_224", img_size=64, depth=2), timm_model("eva02_tiny_patch14_224", **SMALL_VIT), timm_model("xcit_nano_12_p16_224", **SMALL_VIT),
-  timm_model("swin_tiny_patch4_window7_224", img_size=64, window_size=2), timm_model("gcvit_xxtiny", **SMALL_VIT), timm_model("convit_tiny", **SMALL_VIT),
+  timm_model("cait_xxs24_224", img_size=64, depth=2), timm_model("eva02_tiny_patch14_224", **SMALL_VIT),
+  timm_model("xcit_nano_12_p16_224", **SMALL_VIT), timm_model("swin_tiny_patch4_window7_224", img_size=64, window_size=2),
+  timm_model("gcvit_xxtiny", **SMALL_VIT), timm_model("convit_tiny", **SMALL_VIT),
   timm_model("volo_d1_224", **SMALL_VIT), timm_model("pit_ti_224", **SMALL_VIT), timm_model("twins_svt_small", **SMALL_VIT),
 ]
