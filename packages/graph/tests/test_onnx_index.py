@@ -128,6 +128,18 @@ def test_scatter_elements(reduction: str, const: str, dtype: type) -> None:
     _check([N("ScatterElements", ["x", "idx", "u"], ["y"], axis=-1)], axis1, dtype, const)
 
 
+@pytest.mark.parametrize("const", ["idx", "", "all"])
+@pytest.mark.parametrize("reduction", ["max", "min"])
+def test_scatter_max_min_with_nan_as_onnxruntime(reduction: str, const: str) -> None:
+  """onnxruntime applies updates one by one as dst > src ? dst : src: a NaN update wins, the next update replaces it."""
+  rng = np.random.default_rng(1)
+  x, u = f32(5, 3), f32(30, 3)
+  x[1, 0] = x[3, 2] = np.nan
+  u[rng.integers(0, 30, 8), rng.integers(0, 3, 8)] = np.nan
+  ins = {"x": x, "idx": rng.integers(-5, 4, (30, 3)).astype(I64), "u": u}  # row 4 gets no update
+  _check([N("ScatterElements", ["x", "idx", "u"], ["y"], axis=0, reduction=reduction)], ins, np.float32, const)
+
+
 def test_scatter_into_computed_data_covering_every_row() -> None:
   """BART's shift: shifted[:, 1:] = ids[:, :-1] as a ScatterND of a computed tensor, then the start token in column 0."""
   ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]], I64)

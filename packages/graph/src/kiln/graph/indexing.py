@@ -19,6 +19,7 @@ from kiln.ir.kernels import Dim
 
 REDUCTIONS = ("none", "add", "mul", "max", "min")
 DENSE_LIMIT = 1 << 24  # elements a run-time-index scatter may compare (R * U, times S with a reduction)
+MAX_NAN_LEVELS = 1 << 12  # updates to one row a folded max/min scatter with NaNs applies one step each
 
 
 def index_dtype(size: int) -> DType:
@@ -65,15 +66,21 @@ def combine(op: str, dst: Tensor, src: Tensor) -> Tensor:
   return (dst < src).where(dst, src)
 
 
-def slots(rows: np.ndarray, nrows: int) -> np.ndarray:
-  """(m, nrows): slot j of row r is the position of the j-th update (in order) whose row is r, or -1 (m: the most
-  updates any row gets)."""
+def _levels(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(order, rows in that order, each update's place among those of its row): updates sorted by row, stable."""
   order = np.argsort(rows, kind="stable")
   sr = rows[order]
-  occ = np.arange(rows.size) - np.searchsorted(sr, sr, side="left")  # each update's place among those of its row
-  out = np.full((int(occ.max()) + 1 if occ.size else 0, nrows), -1, np.int64)
-  out[occ, sr] = order
-  return out
+  return order, sr, np.arange(rows.size) - np.searchsorted(sr, sr, side="left")
+
+
+def slots(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The rows any update lands on (H, sorted) and (m, H) slots: slot j of the h-th of them is the position of the j-th
+  update (in order) landing on it, or -1 (m: the most updates one row gets)."""
+  order, sr, occ = _levels(rows)
+  hit, which = np.unique(sr, return_inverse=True)
+  out = np.full((int(occ.max()) + 1 if occ.size else 0, hit.size), -1, np.int64)
+  out[occ, which] = order
+  return hit, out
 
 
 def last_of(rows: np.ndarray, nrows: int) -> np.ndarray:
@@ -81,6 +88,9 @@ def last_of(rows: np.ndarray, nrows: int) -> np.ndarray:
   out = np.full(nrows, -1, np.int64)
   np.maximum.at(out, rows, np.arange(rows.size, dtype=np.int64))
   return out
+
+
+_AT = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
 def scatter_np(data: np.ndarray, rows: np.ndarray, upd: np.ndarray, op: str) -> np.ndarray:
@@ -91,13 +101,16 @@ def scatter_np(data: np.ndarray, rows: np.ndarray, upd: np.ndarray, op: str) -> 
     hit = last >= 0
     out[hit] = upd[last[hit]]
     return out
-  for s in slots(rows, data.shape[0]):  # one update per row at a time, in order: exactly onnxruntime's sequence
-    hit = s >= 0
-    dst, src = out[hit], upd[s[hit]]
-    if op == "add": out[hit] = dst + src
-    elif op == "mul": out[hit] = dst * src
-    elif op == "max": out[hit] = np.where(dst > src, dst, src)
-    else: out[hit] = np.where(dst < src, dst, src)
+  if op in ("add", "mul") or data.dtype.kind != "f" or not (np.isnan(data).any() or np.isnan(upd).any()):
+    _AT[op].at(out, rows, upd)  # unbuffered, one update at a time in order: onnxruntime's sequence
+    return out
+  order, _, occ = _levels(rows)  # max/min with a NaN: onnxruntime's dst > src ? dst : src, which numpy's maximum is not
+  if (m := int(occ.max()) + 1) > MAX_NAN_LEVELS:
+    raise GraphError(f"scatter: reduction {op} with NaN values and {m} updates to one row (over {MAX_NAN_LEVELS}, each a step at load)")
+  by = np.argsort(occ, kind="stable")
+  for p in np.split(order[by], np.searchsorted(occ[by], np.arange(1, m))):  # one update per row at a time, in order
+    r, dst, src = rows[p], out[rows[p]], upd[p]
+    out[r] = np.where(dst > src, dst, src) if op == "max" else np.where(dst < src, dst, src)
   return out
 
 
@@ -111,13 +124,34 @@ def scatter_rows(data: Tensor, rows: np.ndarray | Tensor, upd: Tensor, op: str, 
   dt = index_dtype(max(r, u0))
   if isinstance(rows, np.ndarray): return _scatter_const(data, rows.reshape(-1), upd, op, label, dt)
   u = u0
-  eq = rows.cast(dt).reshape(1, u).eq(Tensor.arange(r, dt).reshape(r, 1))  # (R, U): update u lands on row r
+  eq = rows.cast(dt).reshape(u, 1).eq(Tensor.arange(r, dt).reshape(1, r))  # (U, R): update u lands on row r
   if op == "none":
-    pos = eq.where(Tensor.arange(u, dt).reshape(1, u), -1).max(1)  # the last update landing on each row, or -1
+    pos = eq.where(Tensor.arange(u, dt).reshape(u, 1), -1).max(0)  # the last update landing on each row, or -1
     picked = upd.gather(pos.maximum(0), 0, name=label)
     return (pos >= 0).reshape(r, 1).where(picked, data)
-  red = _reduce(eq.reshape(r, u, 1).where(upd.reshape(1, u, s), Tensor.full((), _identity(op, upd.dtype), upd.dtype)), op, 1)
-  return eq.max(1).reshape(r, 1).where(combine(op, data, red), data)
+  return eq.max(0).reshape(r, 1).where(_combine_all(op, data, upd.reshape(u, 1, s), eq.reshape(u, r, 1)), data)
+
+
+def _combine_all(op: str, d: Tensor, vals: Tensor, valid: Tensor) -> Tensor:
+  """d (N, S) combined with the valid ones of vals (K, N or 1, S) along K in order, for rows with at least one."""
+  if vals.shape[0] == 1: return combine(op, d, vals.reshape(vals.shape[1:]).expand(d.shape))
+  if op in ("max", "min") and d.dtype.is_float: return _ordered_extreme(op, d, vals, valid)
+  return combine(op, d, _reduce(valid.where(vals, Tensor.full((), _identity(op, d.dtype), d.dtype)), op, 0))
+
+
+def _ordered_extreme(op: str, d: Tensor, vals: Tensor, valid: Tensor) -> Tensor:
+  """Float max/min as onnxruntime applies updates one by one (dst > src ? dst : src): a NaN update makes NaN, which the
+  next update replaces, so the result is the plain max of the steps after the last NaN (d is step 1, slot k step
+  k + 2), or NaN when that NaN is the last update. Plain reductions compute it, whatever their order."""
+  k = vals.shape[0]
+  assert isinstance(k, int)
+  step = Tensor.arange(k, dtypes.int32).reshape(k, 1, 1) + 2
+  last_nan = (valid & vals.ne(vals)).where(step, 0).max(0).maximum(d.ne(d).where(1, 0).cast(dtypes.int32))  # 0: no NaN
+  last = valid.where(step, 0).max(0)
+  after = ((step > last_nan) & valid).where(vals, Tensor.full((), -np.inf if op == "max" else np.inf, d.dtype))
+  red = _reduce(after, op, 0)
+  out = last_nan.eq(0).where(combine(op, d, red), red)
+  return (last_nan.eq(last) & (last_nan > 1)).where(Tensor.full((), np.nan, d.dtype), out)
 
 
 def _scatter_const(data: Tensor, rows: np.ndarray, upd: Tensor, op: str, label: str, dt: DType) -> Tensor:
@@ -128,10 +162,12 @@ def _scatter_const(data: Tensor, rows: np.ndarray, upd: Tensor, op: str, label: 
     hit = last >= 0
     picked = upd.gather(Tensor(np.maximum(last, 0).astype(dt.np)), 0, name=label)
     return picked if hit.all() else Tensor(hit.reshape(r, 1)).where(picked, data)
-  sl = slots(rows, r)
-  hit = sl[0] >= 0
-  g = upd.gather(Tensor(np.maximum(sl, 0).astype(dt.np)), 0, name=label)  # (m, R, S): each row's updates, slot by slot
-  if sl.shape[0] == 1: red = g.reshape(g.shape[1:])
-  else: red = _reduce(Tensor((sl >= 0)[:, :, None]).where(g, Tensor.full((), _identity(op, upd.dtype), upd.dtype)), op, 0)
-  out = combine(op, data, red)
-  return out if hit.all() else Tensor(hit.reshape(r, 1)).where(out, data)
+  hit, sl = slots(rows)  # combined over the rows updates land on, then read back into all the rows
+  g = upd.gather(Tensor(np.maximum(sl, 0).astype(dt.np)), 0, name=label)  # (m, H, S): each hit row's updates, slot by slot
+  if hit.size == r: return _combine_all(op, data, g, Tensor((sl >= 0)[:, :, None]))  # every row: hit is 0..R-1
+  out = _combine_all(op, data.gather(Tensor(hit.astype(dt.np)), 0, name=label), g, Tensor((sl >= 0)[:, :, None]))
+  back = np.zeros(r, dt.np)
+  back[hit] = np.arange(hit.size)
+  mask = np.zeros((r, 1), np.bool_)
+  mask[hit] = True
+  return Tensor(mask).where(out.gather(Tensor(back), 0, name=label), data)

@@ -187,11 +187,14 @@ def _scatter(n: Node, rows: np.ndarray | Tensor, dshape: tuple[int, ...], s: int
   if u == 0: return data  # no updates
   nrows = math.prod(dshape) // s if s else 0
   if isinstance(rows, np.ndarray):
-    m = 1 if op == "none" else int(np.unique(rows, return_counts=True)[1].max())  # the most updates one row gets
-    _made(n, m * nrows + nrows, rows, data)
     if isinstance(data, np.ndarray) and isinstance(upd, np.ndarray):
+      _made(n, 2 * nrows, rows, data)
       return scatter_np(data.reshape(nrows, s), rows, upd.reshape(u, s), op).reshape(dshape)
-    n.budget.folded += 8 * (m * nrows + nrows)  # the row index and mask the kernels read
+    counts = np.unique(rows, return_counts=True)[1]
+    size = 2 * nrows + (0 if op == "none" else int(counts.max()) * counts.size)  # row indices and masks; update slots of the rows hit
+    _made(n, size, rows, data)
+    n.budget.folded += 8 * size  # what the kernels read
+    n.budget.check(_label(n), n.budget.folded)
   elif (work := nrows * u * (s if op != "none" else 1)) > DENSE_LIMIT:
     raise n.error(f"indices computed at run time: kiln has no kernel that writes where an index says, so each of the {nrows} rows compares "
                   f"itself with all {u} updates ({work} elements), over indexing.DENSE_LIMIT = {DENSE_LIMIT}; make the indices constants")
