@@ -96,8 +96,9 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
     if current is not None:  # died inside a variant
       sig = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit code {rc}"
       results[current] = {"variant": current, "status": "CRASH", "message": f"the process died ({sig})", "log": tail(log)}
-    elif p.returncode not in (0, None) and not any(v in results for v in left):
-      for v in left: results[v] = {"variant": v, "status": "CRASH", "message": f"the check process failed before any variant: {tail(log, 300)}"}
+    elif not any(v in results for v in left):  # no variant even began: a fresh child would fail the same way
+      msg = f"the check process ended ({p.returncode}) before any variant: {tail(log, 300)}"
+      for v in left: results[v] = {"variant": v, "status": "CRASH", "message": msg}
   return results
 
 
