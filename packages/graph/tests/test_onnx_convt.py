@@ -6,6 +6,7 @@ the ONNX definition written out in numpy where it does not; and the ONNX project
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -102,6 +103,11 @@ def test_conv_transpose_refuses_what_onnxruntime_refuses(attrs: dict, words: str
   with pytest.raises(ONNXError, match=words): konnx.load(m)
 
 
+def test_a_weight_of_another_dtype_is_refused() -> None:
+  m = model([N("ConvTranspose", ["x", "w"], ["y"])], {"x": f32(1, 2, 3, 3)}, {"y": np.float32}, {"w": f32(2, 2, 3, 3).astype(np.float64)})
+  with pytest.raises(ONNXError, match="different dtypes"): konnx.load(m)
+
+
 def test_too_many_sub_convolutions_are_refused() -> None:
   s, d, k = 17, 13, 17  # every tap its own phase, each reading its own window
   assert len(_axis_runs(s, d, k, 0, 17 * 3)) ** 2 > MAX_PIECES
@@ -144,7 +150,7 @@ def _node_cases() -> list[tuple]:
   test_lrn* hold, as model, inputs and outputs), taken from the generators that write those files."""
   found: list[tuple] = []
   for name, op in (("convtranspose", "ConvTranspose"), ("lrn", "LRN")):
-    mod = importlib.import_module(f"onnx.backend.test.case.node.{name}")
+    mod: Any = importlib.import_module(f"onnx.backend.test.case.node.{name}")
     saved = mod.expect
     mod.expect = lambda node, inputs, outputs, name, **kw: found.append((name, node, inputs, outputs))
     try:

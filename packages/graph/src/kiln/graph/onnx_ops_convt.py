@@ -94,14 +94,14 @@ def _piece_weight(w: Value, shape: tuple[int, ...], g: int, runs: tuple[_Run, ..
   """The weight (C, M/g, *k) = shape as one piece's conv weight (g * M/g * phases, C/g, *J): out channels (group, m, *phase)."""
   c, mg, ks, d = shape[0], shape[1], shape[2:], len(runs)
   order = (0, 2, *(3 + 2 * i for i in range(d)), 1, *(4 + 2 * i for i in range(d)))
-  shape = (-1, c // g, *(r.idx.shape[1] for r in runs))
+  flat = (-1, c // g, *(r.idx.shape[1] for r in runs))
   if isinstance(w, np.ndarray):
     v = w.reshape(g, c // g, mg, *ks)
     for i, r in enumerate(runs): v = np.take(v, r.idx, axis=3 + 2 * i)  # the axis of k becomes (phase, tap)
-    return Tensor(np.ascontiguousarray(v.transpose(order).reshape(shape)))
+    return Tensor(np.ascontiguousarray(v.transpose(order).reshape(flat)))
   t = w.reshape(g, c // g, mg, *ks)
   for i, r in enumerate(runs): t = t.gather(Tensor(r.idx), 3 + 2 * i)
-  return t.permute(order).reshape(shape)
+  return t.permute(order).reshape(flat)
 
 
 def _interleave(y: Tensor, m: int, runs: tuple[_Run, ...], s: list[int], out: list[int]) -> Tensor:
@@ -118,6 +118,7 @@ def _conv_transpose(n: Node) -> Value:
   x, w = n.t(0), n.ins[1]
   if w is None: raise n.error("input 1 (the weight) is missing")
   if not x.dtype.is_float: raise n.error(f"needs a float input, got {x.dtype.name}")
+  if (wt := n.t(1).dtype) != x.dtype: raise n.error(f"the input ({x.dtype.name}) and the weight ({wt.name}) have different dtypes")
   if x.ndim < 3 or w.ndim != x.ndim: raise n.error(f"input {sym.fmt_shape(x.shape)} and weight {tuple(w.shape)} need the same rank, at least 3")
   d = x.ndim - 2
   sizes = sym.static_shape("ConvTranspose (input)", x.shape[1:])
@@ -137,7 +138,8 @@ def _conv_transpose(n: Node) -> Value:
   geo = [_geometry(n, sizes[1 + i], st[i], dl[i], k[i], adj[i], (pads[i], pads[d + i]), None if want is None else want[i], auto) for i in range(d)]
   out = [o for _, o in geo]
   bias = n.t(2) if len(n.ins) > 2 and n.ins[2] is not None else None
-  if bias is not None and bias.shape != (mg * g,): raise n.error(f"the bias {sym.fmt_shape(bias.shape)} must be ({mg * g},), one per output channel")
+  if bias is not None and (bias.shape != (mg * g,) or bias.dtype != x.dtype):
+    raise n.error(f"the bias ({sym.fmt_shape(bias.shape)} {bias.dtype.name}) must be ({mg * g},) {x.dtype.name}, one per output channel")
   axes = [_axis_runs(st[i], dl[i], k[i], geo[i][0], out[i]) for i in range(d)]
   if (pieces := math.prod(len(a) for a in axes)) > MAX_PIECES:
     raise n.error(f"it splits into {pieces} sub-convolutions, over MAX_PIECES = {MAX_PIECES} (strides {st}, dilations {dl}, kernel {k})")
