@@ -143,6 +143,7 @@ def main() -> int:
   ap.add_argument("--markdown", help="write the per-operator table here too")
   ap.add_argument("--show-refused", action="store_true", help="list every refused case with kiln's reason")
   a = ap.parse_args()
+  import kiln.graph.onnx  # noqa: F401  (its operator modules register themselves in OPS)
   from kiln.graph.onnx_ops import OPS
   listed = set(OPS)
   scope = [c for c in cases(a.only) if _ops_of(c.model.graph) <= listed]
