@@ -32,6 +32,9 @@ from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
+from kiln.graph.onnx_ops_flow import FLOW
+from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, subgraphs
+from kiln.graph.program import Body, Program, build_program
 from kiln.graph.schedule import Compiled
 from kiln.graph.tensor import Tensor, compile
 from kiln.ir.errors import IRError
@@ -47,11 +50,15 @@ def _onnx() -> Any:
 
 class Model:
   """A loaded ONNX model: `run(feeds) -> {output name: array}`, `plan` (its ExecutionPlan, None when every output is a
-  constant), `summary()`."""
+  constant or the model branches at run time), `plans` (every plan it runs), `summary()`.
+
+  A model with an If whose condition is computed at run time is a `program` (kiln.graph.program): segments, each a plan,
+  and the branches between them, all compiled at load; `compiled` is then None."""
 
   def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value]], compiled: Compiled | None,
-               nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None):
+               nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None, program: Program | None = None):
     self.inputs, self.output_names, self.compiled, self.nodes, self.opset = inputs, [n for n, _ in outputs], compiled, nodes, opset
+    self.program = program
     self.defaults = dict(defaults or {})  # graph inputs an initializer of the same name gives a value: folded in at load
     # a folded bfloat16 (ml_dtypes') comes back as its uint16 bits, as a computed one does (kiln's numpy form of bfloat16)
     self._consts = {n: v.view(np.uint16) if v.dtype.name == "bfloat16" else v for n, v in outputs if isinstance(v, np.ndarray)}
@@ -59,6 +66,11 @@ class Model:
 
   @property
   def plan(self) -> Any: return None if self.compiled is None else self.compiled.plan
+
+  @property
+  def plans(self) -> list[Any]:
+    """Every ExecutionPlan the model runs: its one plan, or each segment's of a program (both branches' too)."""
+    return self.program.plans if self.program is not None else [] if self.compiled is None else [self.compiled.plan]
 
   def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return self._run(feeds, False)[0]
@@ -83,7 +95,8 @@ class Model:
     prof = None
     try:
       got: list[np.ndarray] = []
-      if self.compiled is None: pass
+      if self.program is not None: got, prof = self.program.run(feeds, profile)
+      elif self.compiled is None: pass
       elif profile: got, prof = self.compiled.run_profiled(feeds)
       else: got = self.compiled.run(feeds)
     except IndexOutOfRangeError: raise  # typed: it names the node and the index already
@@ -94,6 +107,9 @@ class Model:
   def export(self) -> tuple[Any, dict[str, np.ndarray]]:
     """The model's plan as a kiln.executor PlanSpec with the model's input and output names, and the arrays its weights
     name (rebuild it with kiln.executor.PortablePlan). Outputs that are constants of the model are not in it."""
+    if self.program is not None:
+      raise ONNXError("the model branches at run time (an If on a value computed at run time): a PlanSpec holds one plan, this model runs "
+                      f"{len(self.plans)} (not supported)")
     if self.compiled is None: raise ONNXError("every output of the model is a constant: there is no plan to export")
     return self.compiled.export(self._computed)  # type: ignore[no-any-return]
 
@@ -103,7 +119,11 @@ class Model:
     lines = [f"ONNX model: opset {self.opset}, {self.nodes} nodes; inputs " +
              ", ".join(f"{n} {s} {dt}" for n, s, dt in self.inputs) + "; outputs " + ", ".join(self.output_names)]
     p = self.plan
-    if p is None: lines.append("  every output is a constant: no kernels")
+    if self.program is not None:
+      lines.append(f"  {len(self.plans)} plans (segments of both sides of its run-time branches), "
+                   f"{sum(len(q.kernels) for q in self.plans)} kernels in all")
+      for i, q in enumerate(self.plans): lines += [f"    plan {i}: {len(q.kernels)} kernels"] + [f"      {k.name}" for k in q.kernels]
+    elif p is None: lines.append("  every output is a constant: no kernels")
     else:
       lines.append(f"  {len(p.kernels)} kernels, {len(p.buffers)} buffers, peak buffer memory {p.memory_bytes / 1e6:.3f} MB "
                    f"({p.memory_bytes_without_reuse / 1e6:.3f} MB without reuse)")
@@ -111,6 +131,45 @@ class Model:
     return "\n".join(lines)
 
   __str__ = summary
+
+
+def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
+  """Every node of graph g (the model's, or a subgraph's: If's branches, Loop's and Scan's bodies) in order, each output into
+  env by name. Each node is refused or converted as the model's own are; its name carries the path of the subgraph it sits
+  in (ctx.path: 'If_3 > then_branch > node '), in every error and in the run-time checks it makes."""
+  folds = BatchNormFolds(g, ctx.onnx)
+  for p in g.node:  # a value a nested subgraph reads is read once more: a batch norm fold must see that reader
+    for _, sub in subgraphs(p): folds.uses.update(outer_names(sub))
+  for proto in g.node:
+    label = f"node {ctx.path}{proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
+    if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
+    if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
+    fn, allowed = OPS[proto.op_type]
+    flow = FLOW.get(proto.op_type)  # If, Loop, Scan: they convert subgraphs in ctx
+    if missing := next((i for i in proto.input if i and i not in env), None):
+      raise ONNXError(f"{label}: input {missing!r} is not produced by any earlier node, input or initializer")
+    n = Node(proto, env, ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
+    n.name = ctx.path + n.name
+    for a in n.attrs:
+      if a not in allowed: raise n.error(f"attribute {a} is not supported")
+    check_shape_value(n)
+    lim.check_fold(proto.op_type, n.ins, label, n.attrs, ctx.budget)
+    if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
+    try:
+      if flow is not None: out = flow[0](n, ctx, env)
+      elif folds.passes_through(proto): out = n.t(0)
+      else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
+    except ONNXError: raise
+    except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
+      raise n.error(f"{type(e).__name__}: {e}") from e
+    except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
+    outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
+    for o in outs: lim.check_value(label, o)
+    if flow is None: ctx.budget.fold(label, outs, n.ins)  # a subgraph's nodes count their own folds
+    names = [o for o in proto.output if o]
+    if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
+    for name, v in zip(proto.output, outs):
+      if name: env[name] = v
 
 
 def _check(onnx: Any, m: Any) -> None:
@@ -147,6 +206,7 @@ def read(model: Any, directory: str | os.PathLike[str] | None = None) -> tuple[A
     elif isinstance(model, onnx.ModelProto): m = model
     else: raise ONNXError(f"load takes a path, bytes or an onnx.ModelProto, got {type(model).__name__}")
     lim.check_model(onnx, m)
+    check_subgraphs(onnx, m)
     lim.check_opset(onnx, m)
     _check(onnx, m)
   except ONNXError: raise
@@ -199,30 +259,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
     inputs.append((vi.name, tuple(shape), np.dtype(dt)))
-  folds = BatchNormFolds(g, onnx)
-  for proto in g.node:
-    label = f"node {proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
-    if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
-    if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
-    fn, allowed = OPS[proto.op_type]
-    n = Node(proto, env, opset, onnx, stored, budget)
-    for a in n.attrs:
-      if a not in allowed: raise n.error(f"attribute {a} is not supported")
-    check_shape_value(n)
-    lim.check_fold(proto.op_type, n.ins, label, n.attrs, budget)
-    if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
-    try: out = n.t(0) if folds.passes_through(proto) else fn(n, onnx) if proto.op_type in WITH_ONNX else fn(n)
-    except ONNXError: raise
-    except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
-      raise n.error(f"{type(e).__name__}: {e}") from e
-    except MemoryError: raise n.error("folding it at load time needs more memory than there is") from None
-    outs = [np.asarray(o) if isinstance(o, np.generic) else o for o in (out if isinstance(out, list) else [out])]  # numpy scalars fold too
-    for o in outs: lim.check_value(label, o)
-    budget.fold(label, outs, n.ins)
-    names = [o for o in proto.output if o]
-    if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
-    for name, v in zip(proto.output, outs):
-      if name: env[name] = v
+  main = Body()
+  _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
   outputs = []
   for vo in g.output:
     if vo.name not in env: raise ONNXError(f"graph output {vo.name!r} is produced by no node")
@@ -230,8 +268,12 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
       raise ONNXError(f"graph output {vo.name!r} is a Shape with symbolic dims, known only at run time (not supported)")
     outputs.append((vo.name, env[vo.name]))
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]
-  try: compiled = compile(tensors, device) if tensors else None
+  compiled, program = None, None
+  try:
+    if tensors and main.branches:  # a branch chosen at run time: a Program of plans (program.py)
+      program = build_program([(name, env[name].node) for name, _, _ in inputs], [t.node for t in tensors], main, device)  # type: ignore[union-attr]
+    elif tensors: compiled = compile(tensors, device)
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
   except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)
     raise ONNXError("compiling the model failed: a chain of fused operations is too deep for kiln.graph's renderer") from None
-  return Model(inputs, outputs, compiled, len(g.node), opset, defaults)
+  return Model(inputs, outputs, compiled, len(g.node), opset, defaults, program)

@@ -1,2 +1,218 @@
-"""The ONNX operators for control flow: If, Loop and Scan, registered in onnx_ops.OPS (onnx.py imports this module for that)."""
+"""The ONNX operators for control flow: If, Loop and Scan, in FLOW: the loader (onnx.py) calls them with the conversion's
+context and scope, which they need to convert their subgraphs. They are listed in onnx_ops.OPS too, with their attributes,
+so that OPS names every operator kiln converts.
+
+| op   | known at load                          | what kiln does                                                                |
+|------|----------------------------------------|-------------------------------------------------------------------------------|
+| If   | the condition (a constant, or folded from static shapes: the usual torch export) | converts the branch taken, in place |
+| If   | nothing (computed at run time)         | converts both: constant outputs of one shape are a Where, else a run-time branch (program.py) |
+| Loop | trip count M and each iteration's condition | unrolled: the body once per iteration, carried values passed on, scan outputs stacked |
+| Scan | the sequence length (opset 9 on)       | unrolled the same way, each input sliced along its axis, in its direction      |
+
+A loop whose trip count or condition is computed at run time is refused (ONNXError naming the node): kiln has no run-time
+loop yet. Unrolled iterations count against onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each
+iteration's carried Tensors are realized (a buffer each), so an unrolled chain never fuses into one deep expression.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kiln.graph.onnx_ops import OPS, Node, Value
+from kiln.graph.onnx_scope import Ctx, Scope, outer_names
+from kiln.graph.program import Body, Branch, placeholder
+from kiln.graph.tensor import Tensor
+
+Handler = Callable[[Node, Ctx, dict[str, Value]], list[Value]]
+
+
+def run_graph(n: Node, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None) -> list[Value]:
+  """Convert a subgraph of node n (`where`: its attribute, e.g. 'then_branch' or 'body (iteration 3)') in a scope of its own
+  over env, its inputs bound to binds; its outputs' values. body: where its run-time branches are recorded (default: the
+  enclosing scope's, as for an unrolled loop's body)."""
+  sub = ctx.sub(f"{n.name} > {where}", body)
+  if len(binds) != len(graph.input): raise n.error(f"{where} takes {len(graph.input)} inputs, {n.op} gives it {len(binds)}")
+  scope = Scope(env)
+  for init in graph.initializer: scope[init.name] = ctx.stored.array(init, f"node {n.name} > {where}: initializer {init.name[:64]!r}")
+  for vi, v in zip(graph.input, binds): scope[vi.name] = v
+  ctx.convert(graph, scope, sub)
+  outs = []
+  for vo in graph.output:
+    if vo.name not in scope: raise n.error(f"{where}: output {vo.name!r} is produced by no node")
+    outs.append(scope[vo.name])
+  return outs
+
+
+def _one(n: Node, v: Value, what: str) -> Value:
+  """A single-element value (a condition or a count); numpy for a constant."""
+  if isinstance(v, np.ndarray):
+    if v.dtype == object: raise n.error(f"{what} holds symbolic dims of a Shape, known only at run time")
+    if v.size != 1: raise n.error(f"{what} must hold one element, got shape {v.shape}")
+    return v
+  if v.numel != 1: raise n.error(f"{what} must hold one element, got shape {v.shape}")
+  return v
+
+
+def _if(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+  c = n.ins[0] if n.ins else None
+  if c is None: raise n.error("input 0 (cond) is missing")
+  c = _one(n, c, "input 0 (cond)")
+  graphs = {"then_branch": n.attr("then_branch"), "else_branch": n.attr("else_branch")}
+  if any(g is None for g in graphs.values()): raise n.error("attributes then_branch and else_branch are required")
+  if isinstance(c, np.ndarray):  # known at load: only the branch taken is converted (the other may not even convert)
+    attr = "then_branch" if bool(c.reshape(-1)[0]) else "else_branch"
+    return run_graph(n, ctx, graphs[attr], attr, [], env)
+  if not c.dtype.is_bool: raise n.error(f"input 0 (cond) must be bool, got {c.dtype.name}")
+  names = sorted(set().union(*(outer_names(g) for g in graphs.values())))
+  caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
+  bodies, outs = [], []
+  for attr, g in graphs.items():
+    body = Body(inputs=[placeholder(v.shape, v.dtype) for _, v in caps])
+    scope = Scope(env)  # the branch reads each outer Tensor through a placeholder: another step computed it
+    for (name, _), p in zip(caps, body.inputs): scope[name] = Tensor(p)
+    bodies.append(body)
+    outs.append(run_graph(n, ctx, g, attr, [], scope, body))
+  then, other = outs
+  want = len(n.proto.output)
+  if len(then) != want or len(other) != want:
+    raise n.error(f"then_branch gives {len(then)} outputs, else_branch {len(other)}; the node has {want}")
+  for k, (a, b) in enumerate(zip(then, other)):
+    if isinstance(a, np.ndarray) and a.dtype == object or isinstance(b, np.ndarray) and b.dtype == object:
+      raise n.error(f"output {k} is a Shape with symbolic dims in a branch chosen at run time (not supported)")
+    ta, tb = (x if isinstance(x, Tensor) else Tensor(x) for x in (a, b))
+    if ta.shape != tb.shape or ta.dtype != tb.dtype:
+      raise n.error(f"output {k} is {ta.dtype.name} {tuple(ta.shape)} in then_branch and {tb.dtype.name} {tuple(tb.shape)} in else_branch: a "
+                    "branch chosen at run time must give each output one shape and dtype (kiln has no data-dependent shapes)")
+  cond = c.reshape(())
+  if all(isinstance(v, np.ndarray) for v in [*then, *other]):  # constants: a select, no branch (neither side computes or checks anything)
+    return [cond.where(Tensor(a), Tensor(b)) for a, b in zip(then, other)]
+  phs = [placeholder(t.shape, t.dtype) for t in (x if isinstance(x, Tensor) else Tensor(x) for x in then)]
+  for body, vals in zip(bodies, outs): body.outputs = [(v if isinstance(v, Tensor) else Tensor(v)).node for v in vals]
+  ctx.body.branches.append(Branch(f"node {n.name} (If)", c.node, [v.node for _, v in caps], bodies[0], bodies[1], phs))
+  return [Tensor(p) for p in phs]
+
+
+def _carry(v: Value) -> Value:
+  """A value passed to the next iteration: a Tensor gets a buffer of its own (an unrolled chain stays shallow and each
+  iteration's work is done once, not inlined into every reader)."""
+  return v.contiguous() if isinstance(v, Tensor) else v
+
+
+def _stack(n: Node, what: str, vals: list[Value], axis: int) -> Value:
+  """The per-iteration values of a scan output side by side along a new axis (numpy when all are constants)."""
+  shapes = [tuple(v.shape) for v in vals]
+  if other := next((s for s in shapes if s != shapes[0]), None): raise n.error(f"{what} changes shape between iterations: {shapes[0]}, then {other}")
+  rank = len(shapes[0]) + 1
+  if not -rank <= axis < rank: raise n.error(f"{what}: axis {axis} is out of range for rank {rank}")
+  if all(isinstance(v, np.ndarray) for v in vals):
+    if any(v.dtype == object for v in vals): raise n.error(f"{what} holds symbolic dims of a Shape (not supported)")
+    out = np.stack([np.asarray(v) for v in vals], axis % rank)
+    n.budget.fold(f"node {n.name} ({n.op})", [out], [])
+    return out
+  return Tensor.stack([v if isinstance(v, Tensor) else Tensor(v) for v in vals], axis % rank)
+
+
+def _at_run_time(n: Node, what: str, why: str) -> Exception:
+  return n.error(f"{what} is computed at run time: kiln unrolls a {n.op} at load time, so {why} must be known then (a loop run a "
+                 "number of times known only at run time is not supported)")
+
+
+def _flag(n: Node, v: Value, what: str, why: str) -> bool:
+  v = _one(n, v, what)
+  if isinstance(v, Tensor): raise _at_run_time(n, what, why)
+  return bool(v.reshape(-1)[0])
+
+
+def _loop(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+  """for (i = 0; i < M && cond; ++i) cond, v... = body(i, cond, v...), unrolled (M and cond optional, not both absent)."""
+  body = n.attr("body")
+  if body is None: raise n.error("attribute body is required")
+  m = n.ins[0] if n.ins else None
+  c = n.ins[1] if len(n.ins) > 1 else None
+  carried = [v for v in n.ins[2:] if v is not None]
+  if len(carried) < len(n.ins) - 2: raise n.error("a loop-carried input is missing")
+  trips = None
+  if m is not None:
+    mv = _one(n, m, "input 0 (M, the trip count)")
+    if isinstance(mv, Tensor): raise _at_run_time(n, "input 0 (M, the trip count)", "the trip count")
+    if mv.dtype.kind not in "iu": raise n.error(f"input 0 (M, the trip count) must be an integer, got {mv.dtype}")
+    trips = max(int(mv.reshape(-1)[0]), 0)
+  go = True if c is None else _flag(n, c, "input 1 (cond)", "the condition")
+  if m is None and c is None: raise n.error("neither a trip count nor a condition: the loop would never end")
+  n_carried, n_out = len(carried), len(body.output)
+  if len(body.input) != 2 + n_carried or n_out < 1 + n_carried:
+    raise n.error(f"body takes {len(body.input)} inputs and gives {n_out} outputs; with {n_carried} loop-carried values it must take "
+                  f"{2 + n_carried} (iteration number, condition, the values) and give at least {1 + n_carried}")
+  scans: list[list[Value]] = [[] for _ in range(n_out - 1 - n_carried)]
+  i = 0
+  while go and (trips is None or i < trips):
+    ctx.budget.unroll(f"node {n.name} (Loop)", 1)
+    outs = run_graph(n, ctx, body, f"body (iteration {i})", [np.array(i, np.int64), np.array(go), *carried], env)
+    carried = [_carry(v) for v in outs[1:1 + n_carried]]
+    for k, v in enumerate(outs[1 + n_carried:]): scans[k].append(v)
+    i += 1
+    if c is not None and (trips is None or i < trips):  # the body's condition decides whether another iteration runs
+      go = _flag(n, outs[0], f"the condition the body gives at iteration {i - 1}", "each iteration's condition")
+  if scans and i == 0: raise n.error("the loop runs no iteration, so its scan outputs would be empty (kiln has no empty tensors)")
+  return carried + [_stack(n, f"scan output {k}", vals, 0) for k, vals in enumerate(scans)]
+
+
+def _slice(v: Value, axis: int, t: int) -> Value:
+  if isinstance(v, np.ndarray): return np.take(v, t, axis)
+  return v.slice([t], [t + 1], [axis]).squeeze(axis)
+
+
+def _scan(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+  """Scan (opset 9 on): the body over slices of the scan inputs along their axes, in their directions, states carried,
+  the scan outputs stacked along theirs; unrolled over the (static) sequence length."""
+  if n.opset < 9: raise n.error("Scan before opset 9 (a batch axis and sequence_lens) is not supported")
+  body, m = n.attr("body"), n.attr("num_scan_inputs")
+  if body is None or m is None: raise n.error("attributes body and num_scan_inputs are required")
+  ins = [v for v in n.ins if v is not None]
+  if len(ins) < len(n.ins): raise n.error("an input is missing")
+  n_state = len(ins) - m
+  if not 1 <= m <= len(ins): raise n.error(f"num_scan_inputs={m} does not fit its {len(ins)} inputs")
+  n_scan_out = len(body.output) - n_state
+  if len(body.input) != len(ins) or n_scan_out < 0:
+    raise n.error(f"body takes {len(body.input)} inputs and gives {len(body.output)} outputs; the node has {len(ins)} inputs, {n_state} states")
+  def ints(name: str, count: int, allowed: tuple[int, ...] | None = None) -> list[int]:
+    v = [int(x) for x in (n.attr(name) or [0] * count)]
+    if len(v) != count: raise n.error(f"attribute {name} has {len(v)} values for {count}")
+    if allowed is not None and any(x not in allowed for x in v): raise n.error(f"attribute {name} takes {' or '.join(map(str, allowed))}, got {v}")
+    return v
+  in_axes, in_dirs = ints("scan_input_axes", m), ints("scan_input_directions", m, (0, 1))
+  out_axes, out_dirs = ints("scan_output_axes", n_scan_out), ints("scan_output_directions", n_scan_out, (0, 1))
+  states, xs = ins[:n_state], ins[n_state:]
+  lengths = set()
+  for k, (x, a) in enumerate(zip(xs, in_axes)):
+    if not -x.ndim <= a < x.ndim: raise n.error(f"scan_input_axes[{k}]={a} is out of range for rank {x.ndim}")
+    in_axes[k] = a % x.ndim
+    if not isinstance(d := x.shape[in_axes[k]], int): raise n.error(f"scan input {k}'s sequence axis {a} is symbolic (kiln unrolls a Scan at load)")
+    lengths.add(d)
+  if len(lengths) != 1: raise n.error(f"the scan inputs' sequence lengths differ: {sorted(lengths)}")
+  steps = lengths.pop()
+  scans: list[list[Value]] = [[] for _ in range(n_scan_out)]
+  for t in range(steps):
+    ctx.budget.unroll(f"node {n.name} (Scan)", 1)
+    slices = [_slice(x, a, steps - 1 - t if d else t) for x, a, d in zip(xs, in_axes, in_dirs)]
+    outs = run_graph(n, ctx, body, f"body (iteration {t})", [*states, *slices], env)
+    states = [_carry(v) for v in outs[:n_state]]
+    for k, v in enumerate(outs[n_state:]): scans[k].append(v)
+  if scans and steps == 0: raise n.error("the sequence is empty, so the scan outputs would be empty (kiln has no empty tensors)")
+  return states + [_stack(n, f"scan output {k}", vals[::-1] if d else vals, a) for k, (vals, a, d) in enumerate(zip(scans, out_axes, out_dirs))]
+
+
+FLOW: dict[str, tuple[Handler, frozenset[str]]] = {
+  "If": (_if, frozenset({"then_branch", "else_branch"})),
+  "Loop": (_loop, frozenset({"body"})),
+  "Scan": (_scan, frozenset({"body", "num_scan_inputs", "scan_input_axes", "scan_input_directions", "scan_output_axes", "scan_output_directions"})),
+}
+
+
+def _by_the_loader(n: Node) -> Value:
+  raise n.error("is converted by the loader, which hands it its scope (onnx_ops_flow.FLOW)")
+
+
+for _op, (_, _attrs) in FLOW.items(): OPS[_op] = (_by_the_loader, _attrs)
