@@ -81,17 +81,15 @@ def _tile(n: Node) -> Value:
   if len(reps) != x.ndim or any(r < 0 for r in reps): raise n.error(f"repeats {reps} do not fit rank {x.ndim} (one count >= 0 per axis)")
   if 0 in reps: raise n.error(f"repeats {reps} make an empty tensor (not supported)")
   _static(n, x, [a for a, r in enumerate(reps) if r != 1], "Tile")
-  for a, r in enumerate(reps): x = _repeat(x, a, r, each=False)
+  for a, r in enumerate(reps): x = _repeat(x, a, r)
   return x
 
 
-def _repeat(x: Tensor, a: int, r: int, each: bool) -> Tensor:
-  """Axis a repeated r times: the whole axis r times over (Tile), or each element r times in a row (Resize, each=True):
-  a new axis of r copies before (or after) it, expanded, and the two merged by a reshape."""
+def _repeat(x: Tensor, a: int, r: int) -> Tensor:
+  """The whole of axis a r times over: a new axis of r copies before it, expanded, and the two merged by a reshape."""
   if r == 1: return x
-  k = a + 1 if each else a
-  u = x.unsqueeze(k)
-  u = u.expand(tuple(r if j == k else s for j, s in enumerate(u.shape)))
+  u = x.unsqueeze(a)
+  u = u.expand(tuple(r if j == a else s for j, s in enumerate(u.shape)))
   return u.reshape(tuple(x.shape[:a]) + (x.shape[a] * r,) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
 
 
@@ -269,39 +267,6 @@ def _einsum(n: Node) -> Value:
   kept = [c for c in full if c not in summed]
   return prod.permute([kept.index(c) for c in out]) if kept != list(out) else prod
 
-# ---- Resize: nearest neighbour at whole scale factors, where it is each element repeated ----
-# (antialias, cubic_coeff_a, exclude_outside and extrapolation_value change nothing there: accepted, unused)
-# (coordinate_transformation_mode, nearest_mode) pairs that map output i to input i // s for every whole scale s:
-# asymmetric floors i / s; half_pixel's (i + 0.5) / s - 0.5 is never a tie, so either rounding gives i // s
-RESIZE_REPEATS = {("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("half_pixel", "round_prefer_ceil"),
-                  ("pytorch_half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")}
-
-
-def _resize(n: Node) -> Value:
-  x = n.t(0)
-  mode, ctm, near = n.attr("mode", "nearest"), n.attr("coordinate_transformation_mode", "half_pixel"), n.attr("nearest_mode", "round_prefer_floor")
-  if n.opset < 11: ctm, near = "asymmetric", "floor"  # Resize-10 (and Upsample) had only these
-  if mode != "nearest": raise n.error(f"attribute mode={mode!r} is not supported (nearest at whole scale factors only)")
-  if (ctm, near) not in RESIZE_REPEATS:
-    raise n.error(f"coordinate_transformation_mode={ctm!r} with nearest_mode={near!r} is not supported (not a plain repeat)")
-  scales = n.opt_const(1 if n.opset < 11 else 2, "scales")
-  sizes = None if n.opset < 11 else n.opt_const(3, "sizes")
-  if n.attr("keep_aspect_ratio_policy", "stretch") != "stretch": raise n.error("keep_aspect_ratio_policy other than stretch is not supported")
-  axes = [_norm(a, x.ndim, n) for a in (n.attr("axes") or range(x.ndim))]  # opset 18: scales or sizes for these axes only
-  if sizes is not None and sizes.size:  # the input's size must be known on the axes whose output size is given
-    given = [int(o) / _static(n, x, [a], "Resize with sizes")[0] for o, a in zip(sizes.reshape(-1), axes)]
-  elif scales is not None and scales.size: given = [float(f) for f in scales.reshape(-1)]
-  else: raise n.error("needs scales or sizes")
-  if len(given) != len(axes): raise n.error(f"{len(given)} scales or sizes for {len(axes)} axes")
-  factors = [1.0] * x.ndim
-  for a, f in zip(axes, given): factors[a] = f
-  if len(factors) != x.ndim or any(f < 1 or f != int(f) for f in factors):
-    raise n.error(f"scale factors {factors} are not one whole number >= 1 per axis of {x.shape} (downsampling and fractions are not supported)")
-  _static(n, x, [a for a, f in enumerate(factors) if f != 1], "Resize")  # the scaled axes; a batch axis may stay symbolic
-  for a, f in enumerate(factors): x = _repeat(x, a, int(f), each=True)
-  return x
-
-
 
 _op("Pad", _pad, "mode pads value"); _op("Tile", _tile); _op("Trilu", _trilu, "upper")
 _op("ArgMax", _argext("ArgMax"), "axis keepdims select_last_index"); _op("ArgMin", _argext("ArgMin"), "axis keepdims select_last_index")
@@ -310,5 +275,3 @@ for _name in REDUCERS: _op(_name, _reduce_by(_name), "axes keepdims noop_with_em
 _op("CumSum", _cumsum, "exclusive reverse"); _op("Size", _size)
 _op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize")
 _op("Einsum", _einsum, "equation")
-_op("Resize", _resize, "antialias axes coordinate_transformation_mode cubic_coeff_a exclude_outside extrapolation_value "
-    "keep_aspect_ratio_policy mode nearest_mode")
