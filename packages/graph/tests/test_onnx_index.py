@@ -14,6 +14,7 @@ from kiln.graph import onnx as konnx
 from kiln.graph.lazy import IndexOutOfRangeError, ONNXError
 
 I64 = np.int64
+RNG = np.random.default_rng(5)
 
 
 def _variants(nodes: list, ins: dict[str, np.ndarray], out: np.dtype, const: str, opset: int = 18) -> onnx.ModelProto:
@@ -191,7 +192,7 @@ REFUSED = [
   ([N("GatherND", ["x", "idx"], ["y"], batch_dims=1)], {"x": f32(2, 3), "idx": np.zeros((3, 1), I64)}, "batch dims of indices"),
   ([N("GatherND", ["x", "idx"], ["y"])], {"x": f32(2, 3), "idx": np.zeros((1, 3), I64)}, "last dim 3 is more than data's rank 2"),
   ([N("GatherND", ["x", "idx"], ["y"])], {"x": f32(2, 3), "idx": np.zeros((1, 2), np.int32)}, "indices must be int64, got int32"),
-  ([N("GatherElements", ["x", "idx"], ["y"], axis=0)], {"x": f32(2, 3), "idx": np.zeros((1, 4), I64)}, r"larger than data \(2, 3\) on axis 1"),
+  ([N("GatherElements", ["x", "idx"], ["y"], axis=0)], {"x": f32(2, 3), "idx": np.zeros((1, 4), I64)}, r"can be larger than data \(2, 3\) on axis 1"),
   ([N("GatherElements", ["x", "idx"], ["y"], axis=2)], {"x": f32(2, 3), "idx": np.zeros((1, 3), I64)}, "axis 2 is out of range"),
   ([N("ScatterND", ["x", "idx", "u"], ["y"])], {"x": f32(2, 3), "idx": np.zeros((1, 1), I64), "u": f32(2, 3)}, r"updates have shape \(2, 3\)"),
   ([N("ScatterElements", ["x", "idx", "u"], ["y"], reduction="add")], {"x": np.zeros((2, 3), bool), "idx": np.zeros((1, 3), I64),
@@ -219,9 +220,35 @@ def test_run_time_scatter_past_the_dense_limit_is_refused() -> None:
   with pytest.raises(ONNXError, match=r"indices computed at run time.*over indexing.DENSE_LIMIT"): konnx.load(m)
 
 
-def test_symbolic_data_is_refused() -> None:
+def _symbolic_model(nodes: list, ins: dict[str, tuple], inits: dict[str, np.ndarray]) -> onnx.ModelProto:
   h = onnx.helper
-  g = h.make_graph([N("GatherElements", ["x", "idx"], ["y"])], "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 3])],
-                   [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3])], [onnx.numpy_helper.from_array(np.zeros((1, 3), I64), "idx")])
+  g = h.make_graph(nodes, "g", [h.make_tensor_value_info(k, onnx.TensorProto.INT64 if k.startswith("i") else onnx.TensorProto.FLOAT, v)
+                                for k, v in ins.items()],
+                   [h.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for n in nodes for o in n.output],
+                   [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()])
   m = h.make_model(g, opset_imports=[h.make_opsetid("", 18)])
+  for o in m.graph.output: o.type.tensor_type.shape.SetInParent()
+  return m
+
+
+def test_symbolic_indices() -> None:
+  """Computed indices may have symbolic dims (BERT's position ids sliced to the sequence length): the data's are fixed."""
+  t, x = f32(1, 16), f32(3, 4)
+  m = _symbolic_model([N("GatherElements", ["t", "ia"], ["ya"], axis=1), N("GatherND", ["x", "ib"], ["yb"])], {"ia": (1, "s"), "ib": ("n", 2)},
+                      {"t": t, "x": x})
+  km = konnx.load(m, dims={"s": (1, 16), "n": (1, 8)})
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for s, n in ((5, 1), (16, 7)):
+    feeds = {"ia": RNG.integers(-16, 16, (1, s)), "ib": np.stack([RNG.integers(-3, 3, n), RNG.integers(-4, 4, n)], -1)}
+    got = km.run(feeds)
+    for name, want in zip(("ya", "yb"), sess.run(None, feeds)): np.testing.assert_array_equal(got[name], want)
+  with pytest.raises(IndexOutOfRangeError, match=r"axis 1 of data \(1, 16\): index 16 is out of range"):
+    km.run({"ia": np.full((1, 2), 16), "ib": feeds["ib"]})
+
+
+def test_symbolic_data_or_a_possibly_larger_index_is_refused() -> None:
+  m = _symbolic_model([N("GatherElements", ["x", "idx"], ["y"])], {"x": ("n", 3)}, {"idx": np.zeros((1, 3), I64)})
   with pytest.raises(ONNXError, match=r"data has the symbolic shape \(n, 3\)"): konnx.load(m, dims={"n": (1, 8)})
+  m = _symbolic_model([N("GatherElements", ["x", "ia"], ["y"], axis=1)], {"ia": ("n", 3)}, {"x": f32(2, 3)})
+  with pytest.raises(ONNXError, match=r"indices \(n, 3\) can be larger than data \(2, 3\) on axis 0"): konnx.load(m, dims={"n": (1, 4)})
+  konnx.load(m, dims={"n": (1, 2)})

@@ -9,7 +9,8 @@ each element's own position, is one flat row number. Three cases, by what is kno
   - indices computed at run time: each index is wrapped under a run-time check (an IndexOutOfRangeError after the run,
     never a read or write outside a buffer); a scatter then compares every row with every update (indexing.DENSE_LIMIT).
 Negative indices count once from the end. Duplicate indices in a scatter with reduction none: the last update wins, as
-onnxruntime applies them in order. Data and indices need fixed sizes (a flat row number needs the strides)."""
+onnxruntime applies them in order. The data needs fixed sizes (a flat row number needs its strides), and so do a scatter's
+indices; a gather's computed indices may have symbolic dims."""
 from __future__ import annotations
 
 import math
@@ -114,24 +115,25 @@ def _elem_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.
   return rows
 
 
-def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], ishape: tuple[int, ...], a: int, dt: DType) -> Tensor:
+def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], a: int, dt: DType) -> Tensor:
   st = _strides(dshape)
   rows = wrapped(ind, dshape[a], f"{_label(n)}: axis {a} of data {dshape}", dt) * st[a]
-  for d in range(len(ishape)):
-    if d != a and ishape[d] > 1: rows = rows + coords(ishape, d, dt) * st[d]
+  for d in range(ind.ndim):
+    if d != a and ind.shape[d] != 1: rows = rows + coords(ind.shape, d, dt) * st[d]
   return rows
 
 
-def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-  """The axis and the data's and indices' shapes of GatherElements/ScatterElements: the same rank, and the indices no
-  larger than the data off the axis (onnxruntime refuses larger)."""
+def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[int, ...]]:
+  """The axis and the data's shape of GatherElements/ScatterElements: the same rank, and the indices no larger than the
+  data off the axis (onnxruntime refuses larger; a symbolic dim of computed indices at its upper bound)."""
   _indices(n, ind)
   if data.ndim < 1 or ind.ndim != data.ndim: raise n.error(f"data (rank {data.ndim}) and indices (rank {ind.ndim}) need the same rank >= 1")
   a = _norm(n.attr("axis", 0), data.ndim, n)
-  dshape, ishape = _static(n, data, "data"), _static(n, ind, "indices")
-  for d in range(len(dshape)):
-    if d != a and ishape[d] > dshape[d]: raise n.error(f"indices {ishape} are larger than data {dshape} on axis {d} (only axis {a} may differ)")
-  return a, dshape, ishape
+  dshape = _static(n, data, "data")
+  for d, (i, k) in enumerate(zip(ind.shape, dshape)):
+    if d != a and (i if isinstance(i, int) else int(i.vmax)) > k:
+      raise n.error(f"indices {sym.fmt_shape(ind.shape)} can be larger than data {dshape} on axis {d} (only axis {a} may differ)")
+  return a, dshape
 
 
 # ---- the operators ----
@@ -160,14 +162,14 @@ def _gather_nd(n: Node) -> Value:
 
 def _gather_elements(n: Node) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
-  a, dshape, ishape = _elements_shapes(n, data, ind)
+  a, dshape = _elements_shapes(n, data, ind)
   size = math.prod(dshape)
   if isinstance(ind, np.ndarray):
     rows = _elem_rows(n, ind, dshape, a)
     if isinstance(data, np.ndarray): return data.reshape(-1)[rows]
-    if rows.size == 0: raise n.error(f"the output {ishape} is empty (kiln has no empty tensors)")
+    if rows.size == 0: raise n.error(f"the output {ind.shape} is empty (kiln has no empty tensors)")
     idx = _const(n, rows, index_dtype(size))
-  else: idx = _elem_rows_t(n, ind, dshape, ishape, a, index_dtype(size))
+  else: idx = _elem_rows_t(n, ind, dshape, a, index_dtype(size))  # computed indices may have symbolic dims
   return n.t(0).reshape(size).gather(idx, 0, name=_label(n))
 
 
@@ -218,11 +220,12 @@ def _scatter_nd(n: Node) -> Value:
 
 def _scatter_elements(n: Node) -> Value:
   data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
-  a, dshape, ishape = _elements_shapes(n, data, ind)
-  if (ushape := _static(n, upd, "updates")) != ishape: raise n.error(f"updates {ushape} and indices {ishape} differ in shape")
+  a, dshape = _elements_shapes(n, data, ind)
+  ushape, ishape = _static(n, upd, "updates"), _static(n, ind, "indices")
+  if ushape != ishape: raise n.error(f"updates {ushape} and indices {ishape} differ in shape")
   u = math.prod(ishape)
   if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _elem_rows(n, ind, dshape, a).reshape(-1)
-  else: rows = _elem_rows_t(n, ind, dshape, ishape, a, index_dtype(math.prod(dshape))).reshape(u)
+  else: rows = _elem_rows_t(n, ind, dshape, a, index_dtype(math.prod(dshape))).reshape(u)
   return _scatter(n, rows, dshape, 1, u)
 
 
