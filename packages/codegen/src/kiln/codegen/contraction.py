@@ -133,8 +133,10 @@ def match(ast: UOp) -> Contraction | None:
   if fc.get(kr, 0) or not fa.get(kr, 0) or not fb.get(kr, 0): return None
   i_axes = [r for r in outs if fa.get(r, 0) and not fb.get(r, 0)]
   j_axes = [r for r in outs if fb.get(r, 0) and not fa.get(r, 0)]
-  if len(i_axes) != 1 or len(j_axes) != 1: return None
-  ri, rj = i_axes[0], j_axes[0]
+  if not i_axes or not j_axes: return None
+  # more than one: an axis the other operand broadcasts over (a batched 1x1 conv's images, which its weight does not have)
+  # is a batch axis of stride 0 there; the matrix axis is the one the output is most contiguous along
+  ri, rj = (min(axes, key=lambda r: abs(fc[r])) for axes in (i_axes, j_axes))
   batch = sorted((r for r in outs if r is not ri and r is not rj), key=lambda r: r.arg[0])
   if not fc.get(ri, 0) or not fc.get(rj, 0): return None
 

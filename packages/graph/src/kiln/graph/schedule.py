@@ -38,7 +38,7 @@ from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, consumers, t
 from kiln.graph.render import Kernel, Renderer
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
-from kiln.ir.dtype import DType, dtypes
+from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
@@ -290,7 +290,46 @@ def _one_plain_reduce(ast: UOp) -> bool:
   return bool(loads) and all(len(ld.src[0].src) == 2 and inner in ld.src[0].src[1].toposort() for ld in loads)
 
 
+def aligned_windows(ast: UOp, wins: dict[int, Window], itemsizes: Sequence[int], align: int) -> tuple[UOp, dict[int, Window]]:
+  """read_windows' result with each view starting on an `align`-byte boundary of its buffer: a window from element lo
+  starts lo % (align / itemsize) elements earlier and its indices move up by as many. A device whose kernels load 16
+  bytes at a time (CUDA's tiled matmul) refuses a view that starts between two such chunks (a slice x[1:] read as a matrix)."""
+  moved: dict[int, int] = {}
+  for slot, (lo, _) in wins.items():
+    size = itemsizes[slot]
+    if align % size == 0 and (d := lo % (align // size)): moved[slot] = d
+  if not moved: return ast, wins
+  out = dict(wins)
+  for slot, d in moved.items(): out[slot] = (wins[slot][0] - d, wins[slot][1] + d)
+  new: dict[UOp, UOp] = {}
+  for u in ast.toposort():
+    src = tuple(new[x] for x in u.src)
+    if u.op is Ops.INDEX and u.src[0].op is Ops.DEFINE_GLOBAL and (shift := moved.get(u.src[0].arg)) is not None:
+      g = u.src[0]
+      assert isinstance(g.dtype, PtrDType)  # a window's slot is a pointer (read_windows made it)
+      new[u] = UOp.define_global(g.arg, g.dtype.base.ptr(out[g.arg][1])).index(src[1] + shift, *src[2:])
+    else: new[u] = u if all(a is b for a, b in zip(src, u.src)) else u.replace(src=src)
+  return new[ast], out
+
+
+def precompile(kernels: Sequence[tuple[UOp, Any]], device: str, threads: int) -> None:
+  """Compile the plan's kernels (each distinct one once) on `threads` threads before the plan is built, which then finds
+  them in the kernel cache. For a runtime whose compiler runs out of process (CUDA: an nvcc process a kernel), a model's
+  few hundred kernels compile side by side instead of one after another. A failure is left for the build, which reports
+  it with the kernel's place in the plan (a compile that raised is not cached)."""
+  todo = list({(ast.key, repr(opts)): (ast, opts) for ast, opts in kernels}.values())
+  if threads <= 1 or len(todo) <= 1: return
+  from concurrent.futures import ThreadPoolExecutor
+
+  from kiln.executor import compile_kernel
+  def one(job: tuple[UOp, Any]) -> None:
+    try: compile_kernel(job[0], device, job[1])
+    except Exception: pass  # noqa: S110 (the build compiles it again and raises with the kernel's label)
+  with ThreadPoolExecutor(min(threads, len(todo))) as ex: list(ex.map(one, todo))
+
+
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True) -> Compiled:
+  from kiln.codegen.registry import get_runtime
   from kiln.executor import Buffer, ExecutionPlanBuilder
   device = str(DeviceSpec.parse(device))
   outs = [Node("VIEW", (o,), ("reshape", o.shape), o.shape, o.dtype) if o.op == "BUFFER" else o for o in outputs]
@@ -324,10 +363,17 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
       views[base, w] = pb.add_buffer(Buffer(device, w[1], dtype))
       pb.add_view(views[base, w], base, w[0] * dtype.itemsize, w[1] * dtype.itemsize)
     return views[base, w]
+  rt = get_runtime(device)
+  align = int(getattr(rt, "view_align", 1))  # CUDA: 16, its tiled matmul's vector loads want their operands' starts aligned
+  placed = []
   for k in kernels:
     ast, wins = read_windows(k.ast)
+    if align > 1: ast, wins = aligned_windows(ast, wins, [s.dtype.itemsize for s in k.slots], align)
+    placed.append((k, ast, wins, _reassociated_opts(ast, device)))
+  precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
+  for k, ast, wins, opts in placed:
     slots = [view_of(buf_of(s), wins[i], s.dtype) if i in wins else buf_of(s) for i, s in enumerate(k.slots)]
-    pb.add_kernel(ast, slots, opts=_reassociated_opts(ast, device))
+    pb.add_kernel(ast, slots, opts=opts)
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
   nodes = toposort(uniq)
   for n in nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)

@@ -27,6 +27,7 @@ from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
+from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 from kiln.ir.verify import verify
 
@@ -482,12 +483,27 @@ def _align(c: Contraction, t: Tiling, slot: int) -> int:
   return 4 * v if v > 1 else 0
 
 
+def _simplified_indices(ast: UOp) -> UOp:
+  """The AST with every buffer index simplified, where it has a sum to match: a graph's reshapes leave merged axes as
+  (p // w) * w + p % w (a 1x1 conv's pixels, a flattened batch), which is p, affine, once simplified. Values are kept, so
+  the tiled kernel computes what the AST does; the ProgramSpec keeps the AST as given (the kernel cache's key)."""
+  nodes = ast.toposort()
+  if not any(u.op is Ops.REDUCE for u in nodes): return ast
+  new: dict[UOp, UOp] = {}
+  for u in nodes:
+    src = tuple(new[s] for s in u.src)
+    if u.op is Ops.INDEX and len(src) >= 2 and src[1].op not in (Ops.RANGE, Ops.CONST): src = (src[0], simplify(src[1]), *src[2:])
+    new[u] = u if all(a is b for a, b in zip(src, u.src)) else u.replace(src=src)
+  return new[ast]
+
+
 def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -> ProgramSpec | None:
   """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose's."""
   if ast.op is not Ops.SINK: return None
   verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
   if index_width.needs_wide(ast) is not None: return None  # 64-bit index arithmetic: the generic lowering's
   c = match(ast)
+  if c is None and (plain := _simplified_indices(ast)) is not ast: c = match(plain)
   if c is None or not applies(c, target): return None
   t = tiling or choose(c, target)
   helpers: dict[str, str] = {}

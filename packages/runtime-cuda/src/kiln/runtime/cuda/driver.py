@@ -380,7 +380,8 @@ class CUDAProgram:
       raise RuntimeLaunchError(f"kernel {self.name} takes vals for {self.spec.var_names}, got {len(vals)} values")
     for i, (b, a) in enumerate(zip(bufs, self.align)):
       if int(b) % a: raise RuntimeLaunchError(f"kernel {self.name}: buffer {i} at {int(b):#x} is not aligned to {a} bytes (a view at an "
-                                              "offset that is not a multiple of its element size); CUDA would fault on a misaligned address")
+                                              f"offset that is not a multiple of {a} bytes, which the kernel's loads need); CUDA would "
+                                              "fault on a misaligned address")
     for n, v in zip(self.spec.var_names, vals):
       if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: variable {n}={v} does not fit int32")
     return struct.pack(self.fmt, *(int(b) for b in bufs), *(int(v) for v in vals))
@@ -463,6 +464,17 @@ class CUDARuntime:
 
   The primary context is retained here but never left pushed: `current()` makes it current around each piece of work."""
   host_parallel_safe = False  # one stream: kernels are ordered by the device, not overlapped from host threads
+  # a view handed to a kernel starts on this many bytes (the tiled matmul's float4 loads and cp.async chunks): kiln.graph
+  # places its read windows so (a kernel given a misaligned pointer is refused at bind, CUDA would fault)
+  view_align = 16
+
+  @property
+  def compile_threads(self) -> int:
+    """How many kernels a plan's builder may compile at once: nvcc is a process a kernel, so one per host core
+    (KILN_COMPILE_THREADS overrides)."""
+    v = os.environ.get("KILN_COMPILE_THREADS", "").strip()
+    try: return max(1, int(v)) if v else min(32, os.cpu_count() or 1)
+    except ValueError: raise DeviceError(f"KILN_COMPILE_THREADS must be a whole number, got {v!r}") from None
 
   def __init__(self, device: DeviceSpec | str = "CUDA:0"):
     spec = DeviceSpec.parse(device)

@@ -1,0 +1,152 @@
+"""kiln.graph on CUDA (issue 40): ONNX models and tensor graphs compiled with device="CUDA" run on the emulated GPU of
+cuda_emu.py (the CUDA runtime's own code over the stand-in for pycuda.driver, every kernel's CUDA C run on the CPU),
+checked against onnxruntime. The plan uploads its weights once, at load; each run copies each input in and each output
+out once. Nothing here ran on a GPU: packages/graph/benchmarks/gpu_models.py does that."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "packages", "graph", "tests"))
+from cuda_emu import emulated_gpu  # noqa: E402
+from onnx_case import N, f32, model, ort  # noqa: E402
+
+from kiln.graph import onnx as konnx  # noqa: E402
+from kiln.graph.lazy import IndexOutOfRangeError  # noqa: E402
+from kiln.graph.tensor import Tensor, compile  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no host C++ compiler to emulate CUDA")
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+  monkeypatch.setenv("KILN_COMPILE_THREADS", "4")
+  with emulated_gpu(monkeypatch, tmp_path) as (g, _): yield g
+
+
+def _ort(m, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+  return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _tiled(plan) -> int:  # type: ignore[no-untyped-def]
+  """How many of the plan's kernels are tiled matmuls (render/cuda_matmul.py)."""
+  return sum(1 for p in plan.prepared_ops if hasattr(p, "kernel") and str(p.kernel.applied_opts[:1]).startswith("['TILED_MATMUL"))
+
+
+def test_convnet(gpu) -> None:
+  """Conv (3x3, padded) + BatchNorm + Relu, a bottleneck of two 1x1 convs with the residual Add, max pool, global pool,
+  Gemm. The 1x1 convs are tiled matmuls: their pixels' index is a reshape's (p // w) * w + p % w, which the matcher sees
+  as p once simplified (the generic kernel before). Two runs with other inputs: the weights stay on the device."""
+  x = f32(2, 4, 8, 8)
+  inits = {"w1": f32(16, 4, 3, 3, lo=-.5, hi=.5), "s": f32(16, lo=.5, hi=1.5), "b": f32(16), "mu": f32(16), "var": f32(16, lo=.5, hi=2),
+           "w2": f32(32, 16, 1, 1, lo=-.3, hi=.3), "b2": f32(32), "w3": f32(16, 32, 1, 1, lo=-.3, hi=.3), "b3": f32(16),
+           "fw": f32(16, 16, lo=-.3, hi=.3), "fb": f32(16)}
+  nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c1", "s", "b", "mu", "var"], ["n1"]),
+           N("Relu", ["n1"], ["r1"]), N("Conv", ["r1", "w2", "b2"], ["c2"]), N("Relu", ["c2"], ["r2"]), N("Conv", ["r2", "w3", "b3"], ["c3"]),
+           N("Add", ["c3", "r1"], ["a"]), N("Relu", ["a"], ["r3"]), N("MaxPool", ["r3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("GlobalAveragePool", ["p"], ["g"]), N("Flatten", ["g"], ["f"]), N("Gemm", ["f", "fw", "fb"], ["y"], transB=1)]
+  m = model(nodes, {"x": x}, {"y": np.float32}, inits)
+  km = konnx.load(m, device="CUDA")
+  assert _tiled(km.plan) == 2, km.summary()
+  at_load = dict(gpu.stats)
+  assert at_load["launches"] == 0 and at_load["dtoh"] == 0
+  for xv in (x, f32(2, 4, 8, 8)):
+    np.testing.assert_allclose(km.run({"x": xv})["y"], _ort(m, {"x": xv})[0], rtol=1e-4, atol=1e-4)
+  st = gpu.stats
+  assert st["htod"] - at_load["htod"] == 2 and st["dtoh"] == 2, st  # one input in, one output out, per run
+  assert st["launches"] == 2 * len(km.plan.kernels)
+
+
+def _encoder(seq: int = 16, d: int = 32, heads: int = 2, vocab: int = 40) -> tuple:
+  """A BERT-style post-LN encoder layer over token ids, as torch.onnx.export writes one: Gather embeddings, LayerNormalization,
+  one QKV MatMul split into heads (Reshape, Transpose), scaled scores, Softmax, MatMul, output projection with residual,
+  LayerNormalization, an exact-GELU (Erf) MLP. The batch dim is named ("batch")."""
+  hd = d // heads
+  inits = {"emb": f32(vocab, d), "pos": f32(seq, d), "g1": f32(d, lo=.5, hi=1.5), "b1": f32(d), "wqkv": f32(d, 3 * d, lo=-.3, hi=.3),
+           "bqkv": f32(3 * d), "wo": f32(d, d, lo=-.3, hi=.3), "bo": f32(d), "g2": f32(d, lo=.5, hi=1.5), "b2": f32(d),
+           "w1": f32(d, 2 * d, lo=-.3, hi=.3), "bm1": f32(2 * d), "w2": f32(2 * d, d, lo=-.3, hi=.3), "bm2": f32(d), "g3": f32(d, lo=.5, hi=1.5),
+           "b3": f32(d), "shape_h": np.array([0, seq, 3, heads, hd], np.int64), "shape_o": np.array([0, seq, d], np.int64),
+           "scale": np.array(1 / np.sqrt(hd), np.float32), "half": np.array(.5, np.float32), "one": np.array(1, np.float32),
+           "rsqrt2": np.array(1 / np.sqrt(2), np.float32)}
+  nodes = [N("Gather", ["emb", "ids"], ["e"]), N("Add", ["e", "pos"], ["ep"]),
+           N("LayerNormalization", ["ep", "g1", "b1"], ["h"], axis=-1, epsilon=1e-5),
+           N("MatMul", ["h", "wqkv"], ["qkv0"]), N("Add", ["qkv0", "bqkv"], ["qkv1"]), N("Reshape", ["qkv1", "shape_h"], ["qkv2"]),
+           N("Transpose", ["qkv2"], ["qkv"], perm=[2, 0, 3, 1, 4]), N("Split", ["qkv"], ["q0", "k0", "v0"], axis=0, num_outputs=3),
+           N("Squeeze", ["q0", "zero"], ["q"]), N("Squeeze", ["k0", "zero"], ["k"]), N("Squeeze", ["v0", "zero"], ["v"]),
+           N("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N("MatMul", ["q", "kt"], ["s0"]), N("Mul", ["s0", "scale"], ["s"]),
+           N("Softmax", ["s"], ["p"], axis=-1), N("MatMul", ["p", "v"], ["o0"]), N("Transpose", ["o0"], ["o1"], perm=[0, 2, 1, 3]),
+           N("Reshape", ["o1", "shape_o"], ["o2"]), N("MatMul", ["o2", "wo"], ["o3"]), N("Add", ["o3", "bo"], ["o4"]),
+           N("Add", ["o4", "h"], ["r1"]), N("LayerNormalization", ["r1", "g2", "b2"], ["h2"], axis=-1, epsilon=1e-5),
+           N("MatMul", ["h2", "w1"], ["f0"]), N("Add", ["f0", "bm1"], ["f1"]), N("Mul", ["f1", "rsqrt2"], ["f2"]), N("Erf", ["f2"], ["f3"]),
+           N("Add", ["f3", "one"], ["f4"]), N("Mul", ["f1", "f4"], ["f5"]), N("Mul", ["f5", "half"], ["f6"]),
+           N("MatMul", ["f6", "w2"], ["f7"]), N("Add", ["f7", "bm2"], ["f8"]), N("Add", ["f8", "h2"], ["r2"]),
+           N("LayerNormalization", ["r2", "g3", "b3"], ["y"], axis=-1, epsilon=1e-5)]
+  inits["zero"] = np.array([0], np.int64)
+  ids = np.random.default_rng(5).integers(0, vocab, (2, seq)).astype(np.int64)
+  m = model(nodes, {"ids": ids}, {"y": np.float32}, inits, opset=18)
+  m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+  return m, ids, vocab
+
+
+def test_encoder_and_checked_indices(gpu) -> None:
+  """The encoder at a batch of 2, its matmuls tiled (QKV, output, MLP: bias, residual and GELU in the epilogue); a token id
+  out of range is the IndexOutOfRangeError the CPU gives (the index check read back from the device), and the plan runs
+  good ids afterwards."""
+  m, ids, vocab = _encoder()
+  km = konnx.load(m, device="CUDA", dims={"batch": 2})
+  assert _tiled(km.plan) >= 4, km.summary()
+  np.testing.assert_allclose(km.run({"ids": ids})["y"], _ort(m, {"ids": ids})[0], rtol=1e-4, atol=1e-4)
+  bad = ids.copy()
+  bad[1, 3] = vocab
+  with pytest.raises(IndexOutOfRangeError, match=str(vocab)): km.run({"ids": bad})
+  np.testing.assert_allclose(km.run({"ids": ids[::-1].copy()})["y"], _ort(m, {"ids": ids[::-1].copy()})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_symbolic_batch(gpu) -> None:
+  """One plan for every batch in its bounds (the sizes passed to each launch): run at the top, the bottom and between."""
+  wv = np.random.default_rng(2).standard_normal((16, 24)).astype(np.float32)
+  x = Tensor.input("x", ("b", 16), dims={"b": (1, 8)})
+  c = compile([(x @ Tensor(wv)).relu().sum(-1)], "CUDA")
+  for n in (8, 1, 3):
+    xv = np.random.default_rng(n).standard_normal((n, 16)).astype(np.float32)
+    np.testing.assert_allclose(c.run({"x": xv})[0], np.maximum(xv @ wv, 0).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_read_as_a_matrix_is_aligned(gpu) -> None:
+  """x[1:] of a flat buffer read as a 16x16 matrix: its view started 4 bytes into the buffer, and the tiled matmul's float4
+  loads need 16 (a RuntimeLaunchError at bind before). The view starts on the 16-byte boundary below, its index moved up."""
+  xv = np.random.default_rng(0).standard_normal(16 * 16 + 1).astype(np.float32)
+  wv = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
+  x = Tensor.input("x", (16 * 16 + 1,))
+  y = (x * 2.0).contiguous()[1:].reshape(16, 16) @ Tensor(wv)
+  c = compile([y], "CUDA")
+  views = [p for p in c.plan.prepared_ops if type(p).__name__ == "PreparedBufferView"]
+  assert views and all(v.byte_offset % 16 == 0 for v in views)
+  np.testing.assert_allclose(c.run({"x": xv})[0], (xv * 2)[1:].reshape(16, 16) @ wv, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_compile_side_by_side(gpu, monkeypatch) -> None:
+  """A plan's distinct kernels are compiled on the runtime's compile_threads (KILN_COMPILE_THREADS) before it is built, each
+  once; the build then finds them in the kernel cache."""
+  from kiln.executor import cache
+  from kiln.runtime.cuda.compiler import CUDACompiler
+  seen: set[str] = set()
+  real = CUDACompiler.compile
+  def compile_(self, spec):  # type: ignore[no-untyped-def]
+    seen.add(threading.current_thread().name)
+    return real(self, spec)
+  monkeypatch.setattr(CUDACompiler, "compile", compile_)
+  x = Tensor.input("x", (64,))
+  outs = [((x + float(i)).contiguous() * 2.0).exp() for i in range(2)]
+  before = cache.cache_stats()["compiles"]
+  c = compile(outs, "CUDA")
+  assert cache.cache_stats()["compiles"] - before == len({p.kernel.key for p in c.plan.prepared_ops if hasattr(p, "kernel")})
+  assert len(seen) > 1 and threading.current_thread().name not in seen, seen
+  xv = np.linspace(-1, 1, 64, dtype=np.float32)
+  for i, got in enumerate(c.run({"x": xv})): np.testing.assert_allclose(got, np.exp((xv + i) * 2), rtol=1e-6)
