@@ -1,4 +1,4 @@
-"""`scripts/zoo [--only REGEX] [-j N] [--force] [--markdown FILE] [--threads N] [--timeout S] [--list]`: export the zoo's
+"""`scripts/zoo [--only REGEX] [-j N] [--force] [--resume] [--markdown FILE] [--threads N] [--timeout S] [--list]`: export the zoo's
 models, check each export on kiln against onnxruntime, print the report (and write it with --markdown). Bench env only."""
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--timeout", type=float, default=300, help="seconds one export's check may take (load, runs, timing)")
   p.add_argument("--export-timeout", type=float, default=900, help="seconds all exports of one model may take")
   p.add_argument("--cache", help="cache directory (default .zoo-cache at the repo root)")
+  p.add_argument("--resume", action="store_true", help="skip every entry with a cached result, current or not (finish a cut-off run)")
   p.add_argument("--list", action="store_true", help="list the entries and exit")
   p.add_argument("--report-only", action="store_true", help="report from the cache, running nothing")
   return p.parse_args(argv)

@@ -108,7 +108,7 @@ def run_model(spec: Spec, module_file: str, opts: Any, tree: str) -> dict[str, A
   ekey = cache.export_key(spec, module_file)
   ckey = cache.check_key(tree, ekey, opts.threads)
   old = cache.read_json(res_path)
-  if old and not opts.force and old.get("check_key") == ckey: return old | {"cached": True}  # type: ignore[no-any-return]
+  if old and not opts.force and (old.get("check_key") == ckey or opts.resume): return old | {"cached": True}  # type: ignore[no-any-return]
   rec: dict[str, Any] = {"name": spec.name, "family": spec.family, "export_key": ekey, "check_key": ckey, "results": {}}
   jobs: dict[str, dict[str, Any]] = {}
   if spec.path: jobs["file"] = {"onnx": spec.path}
