@@ -45,6 +45,8 @@ def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
   err = max((r.get("rel_err", 0.0) for r in oks), default=None)
   ratio = t["kiln_ms"] / t["ort_ms"] if t and t.get("ort_ms") else None
   cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f")]
+  first = next((r for v in (*VARIANTS, "build") if (r := rec["results"].get(v)) and r["status"] != "OK"), None)
+  cells.append("" if first is None else f"{first['variant']}: {first['message'][:110]}".replace("|", "/").replace("\n", " "))
   return "| " + " | ".join(cells) + " |"
 
 
@@ -111,12 +113,15 @@ def export_failures(recs: list[dict[str, Any]]) -> list[str]:
 def markdown(recs: list[dict[str, Any]], header: str) -> str:
   recs = sorted(recs, key=lambda r: (r["family"], r["name"]))
   cols = tuple(v for v in VARIANTS if any(status_of(r, v) for r in recs))
-  head = "| model | " + " | ".join(cols) + " | rel err | load s | kiln ms | ort ms | kiln/ort |"
   lines = [f"# kiln ONNX model zoo\n\n{header}\n", "## Totals\n", *totals(recs, cols), "", "## Refusals, ranked by models blocked\n", *refusals(recs),
            "", "## Wrong results, crashes, timeouts, no reference\n", *problems(recs), "", "## Export failures (torch's exporter, not kiln)\n",
            *export_failures(recs), "", "## Per model\n",
            "rel err: the largest |kiln - onnxruntime| over the matching exports, relative to each output's largest magnitude; load s, kiln ms, "
-           "ort ms: the first matching export among " + ", ".join(TIMING_ORDER) + " (median of interleaved runs, same thread count).\n"]
+           "ort ms: the first matching export among " + ", ".join(TIMING_ORDER) + " (median of interleaved runs, same thread count); first failure: "
+           "the first export that is not OK, and why.\n"]
   for fam in sorted({r["family"] for r in recs}):
-    lines += [f"### {fam}\n", head, "|---" * (len(cols) + 6) + "|", *[model_row(r, cols) for r in recs if r["family"] == fam], ""]
+    rows = [r for r in recs if r["family"] == fam]
+    fcols = tuple(v for v in cols if any(status_of(r, v) for r in rows))
+    head = "| model | " + " | ".join(fcols) + " | rel err | load s | kiln ms | ort ms | kiln/ort | first failure |"
+    lines += [f"### {fam}\n", head, "|---" * (len(fcols) + 7) + "|", *[model_row(r, fcols) for r in rows], ""]
   return "\n".join(lines)
