@@ -5,9 +5,12 @@ antialias), every coordinate_transformation_mode (tf_crop_and_resize with roi an
 keep_aspect_ratio_policy. The output's shape must be known at load: scales or sizes are constants and each resized axis
 has a fixed size. Each resized axis is then worked out at load, in numpy: for each output position, the input positions
 it reads (its taps) and their weights, computed in float32 the way onnxruntime computes them, so that a nearest index or
-the edge of the extrapolated region falls where its does. The op is, one axis after another, a gather of those taps with
-constant indices and their weighted sum with constant weights, which kiln fuses. An axis left as it is (scale 1) may be
-symbolic (a batch)."""
+the edge of the extrapolated region falls where its does (a nearest coordinate a few ulps off a tie is taken as the tie,
+as onnxruntime's arithmetic lands on it). The op is, one axis after another, a gather of those taps with constant indices
+and their weighted sum with constant weights, which kiln fuses; whole-factor nearest is a repeat (a view). As in
+onnxruntime, an axis at scale 1 maps onto itself whatever the coordinate mode, and an unchanged shape is the input itself.
+An axis left as it is may be symbolic (a batch). antialias on nearest, and exclude_outside on linear without antialias,
+change nothing (onnxruntime refuses both)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -100,6 +103,7 @@ class Params(NamedTuple):
 
 
 def _nearest_taps(p: Params, orig: np.ndarray, m: int, s: np.float32) -> Taps:
+  """One tap per output: the input index its nearest_mode rounds the coordinate to, clamped to the axis."""
   outside = (orig < 0) | (orig > F32(m - 1)) if p.extrapolate else None
   if p.nearest.startswith("round"):  # a coordinate a few ulps off a half is a tie (as onnxruntime takes it)
     half = np.floor(orig) + F32(0.5)  # the x.5 of its unit
@@ -224,12 +228,11 @@ def _params(n: Node) -> Params:
   return Params(mode, COORDS[ctm], near, a, bool(n.attr("exclude_outside", 0)), antialias, ctm == "tf_crop_and_resize")
 
 
-def _known(n: Node, i: int, what: str) -> np.ndarray | None:
-  """Input i, a constant; None where it is omitted or empty. One computed at run time is refused: it sets the output's shape."""
+def _known(n: Node, i: int, what: str, why: str = "it sets the output's shape, which kiln must know at load time") -> np.ndarray | None:
+  """Input i, a constant, flat; None where it is omitted or empty. One computed at run time is refused, saying why."""
   v = n.ins[i] if i < len(n.ins) else None
   if v is None: return None
-  if isinstance(v, Tensor):
-    raise n.error(f"input {i} ({what}) is computed at run time: it sets the output's shape, which kiln must know at load time")
+  if isinstance(v, Tensor): raise n.error(f"input {i} ({what}) is computed at run time: {why}")
   return v.reshape(-1) if v.size else None
 
 
@@ -293,7 +296,7 @@ def _roi(n: Node, p: Params, rank: int, axes: list[int]) -> list[tuple[np.float3
   """(start, end) of each axis: tf_crop_and_resize's roi input (for axes only, from opset 18), else the whole axis."""
   full = [(F32(0), F32(1))] * rank
   if not p.extrapolate or n.opset < 11: return full
-  r = _known(n, 1, "roi")
+  r = _known(n, 1, "roi", "kiln works out where each output reads at load time")
   if r is None: return full
   r = r.astype(F32)
   if len(r) != 2 * len(axes): raise n.error(f"roi has {len(r)} values for {len(axes)} axes (a start for each, then an end for each)")
@@ -311,7 +314,7 @@ def _resize(n: Node) -> Value:
   if any(isinstance(o, int) and o < 1 for o in outs): raise n.error(f"output sizes {outs} for {x.shape} hold an empty axis (not supported)")
   shape = list(x.shape)
   for a, o in zip(axes, outs): shape[a] = o
-  lim.check_shape(f"node {n.name} ({n.op}): output", [d if isinstance(d, int) else d.vmax for d in shape], x.dtype.itemsize)
+  lim.check_shape(f"node {n.name} ({n.op}): output", [d if isinstance(d, int) else getattr(d, "vmax", 1) for d in shape], x.dtype.itemsize)
   if shape == list(x.shape): return x  # as onnxruntime: an unchanged shape is the input itself, whatever the mode
   if p.mode != "nearest" and not x.dtype.is_float:
     raise n.error(f"mode {p.mode!r} on {x.dtype.name} data is not supported (float data only)")
