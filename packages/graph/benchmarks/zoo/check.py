@@ -85,7 +85,9 @@ def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
   r["rel_err"] = max(errs, default=0.0)
   if bad or r["rel_err"] > TOL:
     return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale"}
-  kt, ot, spent = [], [], 0.0
+  kt: list[float] = []
+  ot: list[float] = []
+  spent = 0.0
   f0 = feeds[0]
   while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
     kt.append(timed(lambda: km.run(f0)))

@@ -8,11 +8,11 @@ from typing import Any
 from zoo.spec import BATCH, Built, Spec, image, text, wrap
 
 V = 1000  # vocab
-BERTISH = {"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+BERTISH: dict[str, Any] = {"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
            "max_position_embeddings": 128}
-DECODER = {"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+DECODER: dict[str, Any] = {"vocab_size": V, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "intermediate_size": 128, "max_position_embeddings": 128}
-VISION = {"image_size": 64, "patch_size": 16, "num_channels": 3, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+VISION: dict[str, Any] = {"image_size": 64, "patch_size": 16, "num_channels": 3, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "intermediate_size": 128}
 
 

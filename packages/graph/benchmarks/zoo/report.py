@@ -56,7 +56,7 @@ def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
     c = Counter(s for r in recs if (s := status_of(r, v)))
     if not c: continue
     out.append(f"| {v} | " + " | ".join(str(c[s]) for s in STATUSES) + f" | {c['OK'] + c['WRONG']} | {c['OK']} |")
-  per = Counter()
+  per: Counter[str] = Counter()
   for r in recs:
     got = [s for v in cols if (s := status_of(r, v))]
     per["models"] += 1
