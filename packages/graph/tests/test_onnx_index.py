@@ -214,6 +214,12 @@ def test_reduction_attribute_value_is_checked() -> None:
   with pytest.raises(ONNXError, match=r"reduction='sum' is not one of none, add, mul, max, min"): konnx.load(m)
 
 
+def test_an_absurd_fold_is_refused_before_numpy_allocates_it() -> None:
+  ins = {"x": np.zeros((1, 1 << 14), np.float32), "idx": np.zeros((1 << 14, 1), I64)}  # 192 KiB stored, 2**28 elements folded
+  with pytest.raises(ONNXError, match=r"node <GatherND> \(GatherND\): a load-time array's element count is 268435456, over MAX_FOLDED"):
+    konnx.load(_variants([N("GatherND", ["x", "idx"], ["y"])], ins, np.float32, "all"))
+
+
 def test_run_time_scatter_past_the_dense_limit_is_refused() -> None:
   ins = {"x": np.zeros((1 << 13, 1 << 7), np.float32), "idx": np.zeros((1 << 11, 1), I64), "u": np.zeros((1 << 11, 1 << 7), np.float32)}
   m = _variants([N("ScatterND", ["x", "idx", "u"], ["y"], reduction="add")], ins, np.float32, "")
