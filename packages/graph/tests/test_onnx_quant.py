@@ -72,6 +72,9 @@ def split(where: str, data: dict[str, np.ndarray], params: dict[str, np.ndarray]
 # ---- QuantizeLinear / DequantizeLinear ----
 SPECIAL = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5], np.float32)
 X_TIES = np.concatenate([SPECIAL, (R.integers(-1200, 1200, 96 - SPECIAL.size) * 0.125).astype(np.float32)]).reshape(2, 6, 8)
+# onnxruntime 1.30's blocked QuantizeLinear gives NaN, inf and 1e30 other values than its per-tensor and per-axis kernels do
+# (1.32's agree with kiln): the blocked case saturates finite values only
+X_FINITE = np.where(np.isfinite(X_TIES) & (np.abs(X_TIES) < 1e6), X_TIES, np.float32(300) * np.sign(np.nan_to_num(X_TIES))).astype(np.float32)
 SCALES = np.array([0.5, 0.25, 1.0, 0.125, 2.0, 0.0625], np.float32)  # x / scale lands on ties of .5, both signs
 
 
@@ -96,7 +99,7 @@ def test_quantize_linear(grain: str, where: str) -> None:
     params |= {f"s_{k}": np.asarray(sc), f"z_{k}": z}
     nodes.append(N("QuantizeLinear", ["x", f"s_{k}", f"z_{k}"], [f"y_{k}"], **attrs))
     outs[f"y_{k}"] = dt
-  feeds, inits = split(where, {"x": X_TIES}, params)
+  feeds, inits = split(where, {"x": X_FINITE if grain == "block" else X_TIES}, params)
   against_ort(qmodel(nodes, feeds, outs, inits), feeds)
 
 
