@@ -175,6 +175,17 @@ def test_matmul_integer_per_row_zero_point() -> None:
   np.testing.assert_array_equal(konnx.load(m).run({"a": a})["y"], want)
 
 
+def test_qlinear_matmul_per_row() -> None:
+  """QLinearMatMul with a's scale and zero point per row ((M, 1)) and b's per column (onnxruntime refuses the rows): against
+  ONNX's reference implementation."""
+  from onnx.reference import ReferenceEvaluator
+  a = qints(np.uint8, 5, 12)
+  inits = {"as": R.uniform(0.01, 0.03, (5, 1)).astype(np.float32), "az": qints(np.uint8, 5, 1), "b": qints(np.int8, 12, 4),
+           "bs": R.uniform(0.001, 0.01, 4).astype(np.float32), "bz": qints(np.int8, 4, lo=-5, hi=5), "ys": np.float32(0.05), "yz": np.uint8(120)}
+  m = qmodel([N("QLinearMatMul", ["a", "as", "az", "b", "bs", "bz", "ys", "yz"], ["y"])], {"a": a}, {"y": np.uint8}, inits, opset=10)
+  np.testing.assert_array_equal(konnx.load(m).run({"a": a})["y"], ReferenceEvaluator(m).run(None, {"a": a})[0])
+
+
 def qlinear_matmul(adt: type, bdt: type, per_col: bool, a: np.ndarray, ys: float = 0.3, bscale: float = 0.005) -> onnx.ModelProto:
   bz = (np.zeros(8, bdt) if bdt == np.int8 else qints(bdt, 8)) if per_col else np.asarray(bdt(3))
   inits = {"as": np.float32(0.02), "az": np.asarray(adt(7)), "b": qints(bdt, a.shape[-1], 8),
