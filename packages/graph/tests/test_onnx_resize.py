@@ -62,6 +62,20 @@ def test_torch_interpolate_exports() -> None:
   assert "gather" not in km.summary()
 
 
+def test_onnxruntime_rules_at_the_edges() -> None:
+  """Where onnxruntime's result is not the formula's in float32: nearest coordinates within 1e-6 of a half are ties
+  (14.499999 from half_pixel at scale 0.3 rounds up under round_prefer_ceil), and its antialias code leaves an axis whose
+  length stays (scale 1.08 on 10) as it is, though tf_crop_and_resize still extrapolates there."""
+  x = f32(1, 2, 42, 10)
+  nodes = [N("Resize", ["x", "", "s"], ["y0"], mode="nearest", nearest_mode="round_prefer_ceil"),
+           N("Resize", ["x", "", "s"], ["y1"], mode="nearest", nearest_mode="round_prefer_floor",
+             coordinate_transformation_mode="pytorch_half_pixel"),
+           N("Resize", ["x", "", "t"], ["y2"], mode="linear", antialias=1), N("Resize", ["x", "", "t"], ["y3"], mode="cubic", antialias=1),
+           N("Resize", ["x", "r", "t"], ["y4"], mode="linear", antialias=1, coordinate_transformation_mode="tf_crop_and_resize")]
+  inits = {"s": f32a(1, 1, 0.3, 2.1), "t": f32a(1, 1, 0.5, 1.08), "r": f32a(0, 0, 0.1, 0.1, 1, 1, 0.9, 1.2)}
+  check(model(nodes, {"x": x}, {f"y{i}": np.float32 for i in range(5)}, inits, opset=19), {"x": x})
+
+
 @pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
 def test_layouts_and_ranks_onnxruntime_takes(mode: str) -> None:
   """2-D, NHWC (the scales on H and W of N, H, W, C), 3-D and 5-D (trilinear), and an axis left alone between two resized."""
@@ -165,6 +179,9 @@ def test_refusals() -> None:
   with pytest.raises(ONNXError, match=r"mode 'linear' on int32 data is not supported"):
     load(N("Resize", ["x", "", "s"], ["y"], mode="linear"), {"s": f32a(1, 1, 2, 2)}, feeds={"x": np.zeros((1, 2, 6, 8), np.int32)},
          dtype=np.int32)
+  with pytest.raises(ONNXError, match=r"N, H, W, C data of more than one channel with antialias"):  # onnxruntime fills part of it
+    load(N("Resize", ["x", "r", "s"], ["y"], mode="linear", antialias=1, coordinate_transformation_mode="tf_crop_and_resize"),
+         {"r": f32a(0, 0, 0, 0, 1, 1, 1.2, 1), "s": f32a(1, 0.5, 2, 1)}, opset=19)
   with pytest.raises(ONNXError, match=r"input 2 \(scales\) is computed at run time: it sets the output's shape"):
     load(N("Resize", ["x", "", "s"], ["y"]), {}, feeds={"x": x, "s": f32a(1, 1, 2, 2)})
   with pytest.raises(ONNXError, match=r"input 3 \(sizes\) is computed at run time"):

@@ -5,8 +5,8 @@ antialias), every coordinate_transformation_mode (tf_crop_and_resize with roi an
 keep_aspect_ratio_policy. The output's shape must be known at load: scales or sizes are constants and each resized axis
 has a fixed size. Each resized axis is then worked out at load, in numpy: for each output position, the input positions
 it reads (its taps) and their weights, computed in float32 the way onnxruntime computes them, so that a nearest index or
-the edge of the extrapolated region falls where its does (a nearest coordinate a few ulps off a tie is taken as the tie,
-as onnxruntime's arithmetic lands on it). The op is, one axis after another, a gather of those taps with constant indices
+the edge of the extrapolated region falls where its does (and a nearest coordinate within TIE of a half is a tie, as
+onnxruntime rounds it). The op is, one axis after another, a gather of those taps with constant indices
 and their weighted sum with constant weights, which kiln fuses; whole-factor nearest is a repeat (a view). As in
 onnxruntime, an axis at scale 1 maps onto itself whatever the coordinate mode, and an unchanged shape is the input itself.
 An axis left as it is may be symbolic (a batch). antialias on nearest, and exclude_outside on linear without antialias,
@@ -81,6 +81,7 @@ def _keys(x: np.ndarray, a: np.float32) -> np.ndarray:
 
 
 FILTERS: dict[str, tuple[float, Callable[[np.ndarray, np.float32], np.ndarray]]] = {"linear": (2.0, _triangle), "cubic": (4.0, _keys)}
+TIE = 1e-6  # how near a half a nearest coordinate is a tie for round_prefer_floor/ceil, as onnxruntime rounds
 UNROLL = 4  # taps per axis up to which the weighted sum is written out (bilinear: 2, bicubic: 4); more gather and reduce
 
 
@@ -105,9 +106,9 @@ class Params(NamedTuple):
 def _nearest_taps(p: Params, orig: np.ndarray, m: int, s: np.float32) -> Taps:
   """One tap per output: the input index its nearest_mode rounds the coordinate to, clamped to the axis."""
   outside = (orig < 0) | (orig > F32(m - 1)) if p.extrapolate else None
-  if p.nearest.startswith("round"):  # a coordinate a few ulps off a half is a tie (as onnxruntime takes it)
+  if p.nearest.startswith("round"):  # onnxruntime takes a coordinate within 1e-6 of a half for the tie (found by test)
     half = np.floor(orig) + F32(0.5)  # the x.5 of its unit
-    orig = np.where(np.abs(orig - half) <= 4 * np.spacing(np.abs(orig) + F32(1)), half, orig).astype(F32)
+    orig = np.where(np.abs(orig.astype(F64) - half) <= TIE, half, orig).astype(F32)
   j = NEAREST[p.nearest](np.clip(orig, F32(-2 ** 30), F32(2 ** 30)), bool(s < 1))  # clipped: a far roi cannot overflow int64
   return Taps(np.clip(j.astype(np.int64), 0, m - 1)[:, None], None, outside)
 
@@ -319,6 +320,11 @@ def _resize(n: Node) -> Value:
   if p.mode != "nearest" and not x.dtype.is_float:
     raise n.error(f"mode {p.mode!r} on {x.dtype.name} data is not supported (float data only)")
   roi = _roi(n, p, x.ndim, axes)
+  full = [F32(1)] * x.ndim
+  for a, s in zip(axes, scales): full[a] = s
+  nhwc = x.ndim == 4 and full[1] != 1 and full[0] == full[3] == 1  # onnxruntime's test for N, H, W, C
+  if p.mode == "cubic" and nhwc and min(full) >= 1:
+    p = p._replace(antialias=True)  # onnxruntime upscales NHWC cubic with its antialias code (its edges differ slightly)
   src, y = x.dtype, x.float() if p.mode != "nearest" else x
   outside: np.ndarray | None = None
   for a, o, s in zip(axes, outs, scales):
@@ -326,11 +332,15 @@ def _resize(n: Node) -> Value:
     m = _length(n, x, a)
     assert isinstance(o, int)
     t = axis_taps(p, o, m, s, roi[a], f"node {n.name} ({n.op})")
-    y = apply_taps(y, a, t, f"node {n.name} ({n.op})")
+    if not (p.antialias and p.mode != "nearest" and o == m):  # onnxruntime's antialias code leaves such an axis as it is
+      y = apply_taps(y, a, t, f"node {n.name} ({n.op})")  # (but for where tf_crop_and_resize extrapolates)
     if t.outside is not None and t.outside.any():
       here = t.outside.reshape((o,) + (1,) * (x.ndim - a - 1))
       outside = here if outside is None else outside | here
   if outside is not None:
+    if p.antialias and p.mode != "nearest" and nhwc and x.shape[3] != 1:
+      raise n.error("tf_crop_and_resize extrapolating N, H, W, C data of more than one channel with antialias (or NHWC cubic) is not "
+                    "supported: onnxruntime fills only part of the extrapolated pixels there")
     e = n.attr("extrapolation_value", 0.0)
     mask = np.ascontiguousarray(outside.reshape((1,) * (x.ndim - outside.ndim) + outside.shape))
     y = Tensor(mask).where(Tensor.full((), np.asarray(e, F32).astype(y.dtype.np).item(), y.dtype), y)
