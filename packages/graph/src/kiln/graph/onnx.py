@@ -155,6 +155,7 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
     check_shape_value(n)
     lim.check_fold(proto.op_type, n.ins, label, n.attrs, ctx.budget)
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
+    out: Any
     try:
       if flow is not None: out = flow[0](n, ctx, env)
       elif folds.passes_through(proto): out = n.t(0)

@@ -153,7 +153,7 @@ def _loop(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
     carried = [_carry(v) for v in outs[1:1 + n_carried]]
     for k, v in enumerate(outs[1 + n_carried:]): scans[k].append(v)
     i += 1
-    if c is not None and (trips is None or i < trips):  # the body's condition decides whether another iteration runs
+    if trips is None or i < trips:  # the body's condition decides whether another runs (with no cond input too, as onnxruntime)
       go = _flag(n, outs[0], f"the condition the body gives at iteration {i - 1}", "each iteration's condition")
   if scans and i == 0: raise n.error("the loop runs no iteration, so its scan outputs would be empty (kiln has no empty tensors)")
   return carried + [_stack(n, f"scan output {k}", vals, 0) for k, vals in enumerate(scans)]
