@@ -29,11 +29,11 @@ SPECS = [
   timm_model("res2net50_14w_8s"), timm_model("nf_resnet26"), timm_model("tresnet_m"), timm_model("botnet26t_256", **SMALL_VIT),
   # mobile / NAS CNNs
   timm_model("efficientnet_b0"), timm_model("tf_efficientnet_b0"), timm_model("efficientnetv2_rw_t"), timm_model("mixnet_s"),
-  timm_model("mobilenetv4_conv_small"), timm_model("lcnet_050"), timm_model("ghostnet_100"), timm_model("ghostnetv2_100"),
-  timm_model("rexnet_100"), timm_model("mobileone_s0"), timm_model("repvgg_a0"), timm_model("fastvit_t8"), timm_model("efficientvit_b0"),
+  timm_model("mobilenetv4_conv_small"), timm_model("ghostnet_100"),
+  timm_model("rexnet_100"), timm_model("fastvit_t8"),
   # other CNNs
-  timm_model("hgnetv2_b0"), timm_model("hgnet_tiny"), timm_model("dla34"), timm_model("dpn68"), timm_model("hrnet_w18_small"),
-  timm_model("regnetz_b16"), timm_model("cs3darknet_s"), timm_model("ese_vovnet19b_dw"), timm_model("xception41"),
+  timm_model("hgnetv2_b0"), timm_model("dla34"), timm_model("dpn68"), timm_model("hrnet_w18_small"),
+  timm_model("regnetz_b16"), timm_model("xception41"),
   timm_model("convnextv2_atto"), timm_model("edgenext_xx_small"), timm_model("starnet_s1"), timm_model("mambaout_femto"),
   timm_model("convmixer.ConvMixer", dim=64, depth=4, kernel_size=7, patch_size=7),
   # conv / attention hybrids, MLPs, pooling
@@ -45,6 +45,6 @@ SPECS = [
   timm_model("deit_tiny_distilled_patch16_224", **SMALL_VIT), timm_model("beit_base_patch16_224", img_size=64, depth=2, embed_dim=64, num_heads=2),
   timm_model("cait_xxs24_224", img_size=64, depth=2), timm_model("eva02_tiny_patch14_224", **SMALL_VIT),
   timm_model("xcit_nano_12_p16_224", **SMALL_VIT), timm_model("swin_tiny_patch4_window7_224", img_size=64, window_size=2),
-  timm_model("gcvit_xxtiny", **SMALL_VIT), timm_model("convit_tiny", **SMALL_VIT),
-  timm_model("volo_d1_224", **SMALL_VIT), timm_model("pit_ti_224", **SMALL_VIT), timm_model("twins_svt_small", **SMALL_VIT),
+  timm_model("gcvit_xxtiny", **SMALL_VIT),
+  timm_model("volo_d1_224", **SMALL_VIT), timm_model("twins_svt_small", **SMALL_VIT),
 ]
