@@ -1,7 +1,7 @@
 """One segment of a Program (program.py): a Tensor graph compiled to an ExecutionPlan whose inputs and outputs are
 buffers the caller owns, so that segments hand values to each other in device memory, with no copy between them.
 
-It is schedule.compile_nodes with two differences: a BUFFER node found in `bound` reads that buffer (a value an earlier
+It is schedule.compile_nodes (keep the two alike) with two differences: a BUFFER node found in `bound` reads that buffer (a value an earlier
 segment wrote, or a model input), and output i is written straight into `out_bufs[i]` (an output that is a BUFFER, or a
 node given twice, is first copied by a kernel, as compile_nodes copies a BUFFER output). Constant BUFFERs (weights) are
 shared through `Weights`: an array two segments read is one buffer on the device.
@@ -18,7 +18,7 @@ from kiln.graph.dims import fmt_shape, is_static
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, toposort
-from kiln.graph.schedule import _reassociated_opts, schedule
+from kiln.graph.schedule import _reassociated_opts, aligned_windows, precompile, schedule
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.dtype import DType, dtypes
 
@@ -62,6 +62,7 @@ def _copy(n: Node) -> Node: return Node("VIEW", (n,), ("reshape", n.shape), n.sh
 
 def compile_segment(outputs: Sequence[Node], out_bufs: Sequence[Any], bound: Mapping[Node, Any], weights: Weights) -> Segment:
   """The plan computing outputs[i] into out_bufs[i], reading bound[b] for every BUFFER node b of the graph in bound."""
+  from kiln.codegen.registry import get_runtime
   from kiln.executor import Buffer, ExecutionPlanBuilder
   device = weights.device
   outs: list[Node] = []
@@ -96,9 +97,16 @@ def compile_segment(outputs: Sequence[Node], out_bufs: Sequence[Any], bound: Map
       views[base, w] = pb.add_buffer(Buffer(device, w[1], dtype))
       pb.add_view(views[base, w], base, w[0] * dtype.itemsize, w[1] * dtype.itemsize)
     return views[base, w]
+  rt = get_runtime(device)
+  align = int(getattr(rt, "view_align", 1))  # as compile_nodes: CUDA's tiled matmul wants its views' starts aligned
+  placed = []
   for k in kernels:
     ast, wins = read_windows(k.ast)
+    if align > 1: ast, wins = aligned_windows(ast, wins, [s.dtype.itemsize for s in k.slots], align)
+    placed.append((k, ast, wins, _reassociated_opts(ast, device)))
+  precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
+  for k, ast, wins, opts in placed:
     slots = [view_of(buf_of(s), wins[i], s.dtype) if i in wins else buf_of(s) for i, s in enumerate(k.slots)]
-    pb.add_kernel(ast, slots, opts=_reassociated_opts(ast, device))
+    pb.add_kernel(ast, slots, opts=opts)
   pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
   return Segment(pb.build(), [(bufs[c], m) for c, m in checks], kernels)
