@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -44,13 +45,18 @@ def main(argv: list[str]) -> int:
   if opts.report_only:
     recs = [r for s, _ in todo if (r := cache.read_json(cache.cache_dir(opts.cache) / "results" / f"{cache.safe(s.name)}.json"))]
   else:
-    with ThreadPoolExecutor(max(1, opts.jobs)) as pool:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally below: no child left running
+    pool = ThreadPoolExecutor(max(1, opts.jobs))
+    try:
       futs = {pool.submit(runner.run_model, s, f, opts, tree): s for s, f in todo}
       for i, fut in enumerate(as_completed(futs), 1):
         rec = fut.result()
         recs.append(rec)
         sts = " ".join(f"{v}={r['status']}" for v, r in sorted(rec["results"].items()))
         print(f"[{i}/{len(todo)} {time.time() - t0:6.0f}s] {rec['name']}{' (cached)' if rec.get('cached') else ''}: {sts}", flush=True)
+    finally:
+      pool.shutdown(wait=False, cancel_futures=True)
+      runner.kill_all()
   header = (f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; {opts.threads} thread(s) for kiln and onnxruntime; "
             f"only {opts.only!r}" if opts.only else f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; "
             f"{opts.threads} thread(s) for kiln and onnxruntime")

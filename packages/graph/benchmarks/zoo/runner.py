@@ -19,6 +19,27 @@ from zoo.export import variants
 from zoo.spec import Spec
 
 POLL_S = 0.25
+LIVE: set[subprocess.Popen[Any]] = set()  # children running now: each in its own session, so killed by kill_all, not by a signal to us
+
+
+class Stopped(Exception):
+  """The run is being stopped: no new child."""
+
+
+_stop = False
+
+
+def start(args: list[str], out: Any, threads: int) -> subprocess.Popen[Any]:
+  if _stop: raise Stopped
+  p = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=child_env(threads), start_new_session=True)
+  LIVE.add(p)
+  return p
+
+
+def kill_all() -> None:
+  global _stop
+  _stop = True
+  for p in list(LIVE): kill(p)
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -32,6 +53,7 @@ def kill(p: subprocess.Popen[Any]) -> None:
   try: os.killpg(p.pid, signal.SIGKILL)  # the child's own session: its helpers (a compiler it started) go too
   except ProcessLookupError: pass
   p.wait()
+  LIVE.discard(p)
 
 
 def tail(path: Path, n: int = 1500) -> str:
@@ -47,11 +69,10 @@ def export(spec: Spec, key: str, d: Path, timeout: float, force: bool, threads: 
   log = d / "export.log"
   t = time.perf_counter()
   with open(log, "w") as out:
-    p = subprocess.Popen([sys.executable, "-m", "zoo.export", spec.name, str(d)], stdout=out, stderr=subprocess.STDOUT, env=child_env(threads),
-                         start_new_session=True)
+    p = start(["zoo.export", spec.name, str(d)], out, threads)
     try: p.wait(timeout)
-    except subprocess.TimeoutExpired:
-      kill(p)
+    except subprocess.TimeoutExpired: pass
+    kill(p)
   meta = cache.read_json(d / "export.json") or {"variants": {}}
   if p.returncode != 0 and "error" not in meta:
     how = f"timed out after {timeout:.0f} s" if time.perf_counter() - t >= timeout else f"died ({p.returncode})"
@@ -74,8 +95,7 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
     current: str | None = None
     began = 0.0
     with open(log, "w") as out:
-      p = subprocess.Popen([sys.executable, "-m", "zoo.check", str(job), str(progress)], stdout=out, stderr=subprocess.STDOUT,
-                           env=child_env(threads), start_new_session=True)
+      p = start(["zoo.check", str(job), str(progress)], out, threads)
       seen = 0
       while True:
         rc = p.poll()
@@ -86,7 +106,9 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
           seen += 1
           if "begin" in ev: current, began = ev["begin"], time.time()
           else: results[ev["result"]["variant"]], current = ev["result"], None
-        if rc is not None: break
+        if rc is not None:
+          LIVE.discard(p)
+          break
         if current is not None and time.time() - began > timeout:
           kill(p)
           results[current] = {"variant": current, "status": "TIMEOUT", "message": f"no result after {timeout:.0f} s"}
