@@ -136,9 +136,9 @@ def _instance_norm(n: Node) -> Value:
 def _lp_norm(n: Node) -> Value:
   x = n.t(0).float()
   a, p = _norm(n.attr("axis", -1), x.ndim, n), int(n.attr("p", 2))
-  if p == 1: return x / x.abs().sum(a, keepdims=True)
-  if p == 2: return x / (x * x).sum(a, keepdims=True).sqrt()
-  raise n.error(f"attribute p={p} is not supported (1, 2)")
+  if p not in (1, 2): raise n.error(f"attribute p={p} is not supported (1, 2)")
+  nrm = x.abs().sum(a, keepdims=True) if p == 1 else (x * x).sum(a, keepdims=True).sqrt()
+  return x / nrm.eq(0).where(1.0, nrm)  # an all-zero slice stays 0 (onnxruntime), not 0 / 0
 
 
 # ---- reductions made of others ----
