@@ -5,9 +5,11 @@ rewritten after every variant so that a crash or a timeout keeps what was done."
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -22,9 +24,25 @@ def variants(exporters: tuple[str, ...], dynamic: bool) -> list[str]:
   return [f"{e}/{s}" for e in exporters for s in (("fixed", "dynamic") if dynamic else ("fixed",))]
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def first_line(e: BaseException) -> str:
-  lines = [x for x in str(e).strip().splitlines() if x.strip()]
-  return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+  """The exception's first line and, where it wraps another (torch.onnx's TorchExportError does), the innermost cause's."""
+  def line(x: BaseException) -> str:
+    lines = [t for t in ANSI.sub("", str(x)).strip().splitlines() if t.strip()]
+    return f"{type(x).__name__}: {lines[0][:300] if lines else ''}"
+  root = e
+  while root.__cause__ is not None and root.__cause__ is not root: root = root.__cause__
+  return line(e) if root is e else f"{line(e)} <- {line(root)}"
+
+
+def dynamic_shapes(m: Any, names: list[str], axes: dict[str, dict[int, str]]) -> Any:
+  """torch.export's dynamic_shapes for positional inputs: a tuple, one entry per argument, or {name: that tuple} where the
+  forward takes them as *args (zoo.spec.wrap's modules)."""
+  shapes = tuple(axes.get(n) or None for n in names)
+  var = [p.name for p in inspect.signature(m.forward).parameters.values() if p.kind == inspect.Parameter.VAR_POSITIONAL]
+  return {var[0]: shapes} if var else shapes
 
 
 def export_one(torch: Any, m: Any, ins: dict[str, Any], axes: dict[str, dict[int, str]], variant: str, path: Path) -> None:
@@ -34,7 +52,7 @@ def export_one(torch: Any, m: Any, ins: dict[str, Any], axes: dict[str, dict[int
   with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
     warnings.simplefilter("ignore")
     if exporter == "dynamo":
-      shapes = tuple(axes.get(n) or None for n in names) if dyn else None
+      shapes = dynamic_shapes(m, names, axes) if dyn else None
       prog = torch.onnx.export(m, args, dynamo=True, input_names=names, dynamic_shapes=shapes, verbose=False)
       import onnx
       onnx.save_model(prog.model_proto, str(path))

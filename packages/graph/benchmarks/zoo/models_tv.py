@@ -78,7 +78,7 @@ def raft() -> Spec:
   def build() -> Built:
     torch, tv = _tv()
     m = tv.models.optical_flow.raft_small(weights=None)
-    ins = {"image1": torch.randn(BATCH, 3, 64, 64), "image2": torch.randn(BATCH, 3, 64, 64)}
+    ins = {"image1": torch.randn(BATCH, 3, 128, 128), "image2": torch.randn(BATCH, 3, 128, 128)}  # its correlation pyramid needs 128 px
     return wrap(torch, m, lambda m, a, b: m(a, b, num_flow_updates=3)[-1]), ins, {k: {0: "batch"} for k in ins}
   return Spec("tv/raft_small", "torchvision", build)
 

@@ -27,6 +27,11 @@ def _nms(torch: Any, boxes: Any, scores: Any, iou: float) -> Any:
   return torch.stack(keep) if keep else torch.zeros(0, dtype=torch.int64)
 
 
+def _has_nms() -> None:
+  """torchvision's check that its C++ operators loaded, for nms: a def, not a lambda, as the TorchScript exporter scripts
+  the function that calls it."""
+
+
 def import_torchvision() -> Any:
   import torch
   if not hasattr(torch.ops.torchvision, "nms"):
@@ -43,5 +48,5 @@ def import_torchvision() -> Any:
       import_torchvision.lib = lib  # type: ignore[attr-defined]  # a Library unregisters its operators when collected
   import torchvision
   import torchvision.ops.boxes as boxes
-  if not torchvision.extension._has_ops(): boxes._assert_has_ops = lambda: None  # nms is defined above; roi_align falls back to Python
+  if not torchvision.extension._has_ops(): boxes._assert_has_ops = _has_nms  # nms is defined above; roi_align falls back to Python
   return torchvision
