@@ -33,7 +33,7 @@ from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
 from kiln.graph.onnx_ops_flow import FLOW
-from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, subgraphs
+from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program
 from kiln.graph.schedule import Compiled
 from kiln.graph.tensor import Tensor, compile
@@ -230,8 +230,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   g = m.graph
   env: dict[str, Value] = {}
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory
-  values = [*g.initializer, *(a.t for p in g.node if p.op_type == "Constant" for a in p.attribute if a.HasField("t"))]
-  budget = lim.LoadBudget(lim.stored_bytes(onnx, values))  # what the model stores as values (not a ConstantOfShape's fill)
+  budget = lim.LoadBudget(lim.stored_bytes(onnx, stored_values(g)))  # what the model stores as values (not a ConstantOfShape's fill)
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
   inputs: list[tuple[str, tuple[int | str, ...], np.dtype]] = []
   defaults: dict[str, np.ndarray] = {}

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_ops import OPS, Node, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
 from kiln.graph.program import Body, Branch, placeholder
@@ -28,14 +29,20 @@ from kiln.graph.tensor import Tensor
 Handler = Callable[[Node, Ctx, dict[str, Value]], list[Value]]
 
 
-def run_graph(n: Node, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None) -> list[Value]:
+def initializers(n: Node, ctx: Ctx, graph: Any, where: str) -> dict[str, Value]:
+  """A subgraph's initializers, read once (an unrolled loop binds the same arrays in every iteration)."""
+  return {t.name: ctx.stored.array(t, f"node {n.name} > {where}: initializer {t.name[:64]!r}") for t in graph.initializer}
+
+
+def run_graph(n: Node, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None,
+              inits: dict[str, Value] | None = None) -> list[Value]:
   """Convert a subgraph of node n (`where`: its attribute, e.g. 'then_branch' or 'body (iteration 3)') in a scope of its own
   over env, its inputs bound to binds; its outputs' values. body: where its run-time branches are recorded (default: the
-  enclosing scope's, as for an unrolled loop's body)."""
+  enclosing scope's, as for an unrolled loop's body). inits: its initializers, if already read."""
   sub = ctx.sub(f"{n.name} > {where}", body)
   if len(binds) != len(graph.input): raise n.error(f"{where} takes {len(graph.input)} inputs, {n.op} gives it {len(binds)}")
   scope = Scope(env)
-  for init in graph.initializer: scope[init.name] = ctx.stored.array(init, f"node {n.name} > {where}: initializer {init.name[:64]!r}")
+  scope.update(initializers(n, ctx, graph, where) if inits is None else inits)
   for vi, v in zip(graph.input, binds): scope[vi.name] = v
   ctx.convert(graph, scope, sub)
   outs = []
@@ -55,6 +62,12 @@ def _one(n: Node, v: Value, what: str) -> Value:
   return v
 
 
+def _as_tensor(n: Node, k: int, attr: str, v: Value) -> Tensor:
+  if isinstance(v, Tensor): return v
+  if v.dtype == object: raise n.error(f"output {k} of {attr} is a Shape with symbolic dims, in a branch chosen at run time (not supported)")
+  return Tensor(v)
+
+
 def _if(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   c = n.ins[0] if n.ins else None
   if c is None: raise n.error("input 0 (cond) is missing")
@@ -67,29 +80,35 @@ def _if(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   if not c.dtype.is_bool: raise n.error(f"input 0 (cond) must be bool, got {c.dtype.name}")
   names = sorted(set().union(*(outer_names(g) for g in graphs.values())))
   caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
-  bodies, outs = [], []
+  bodies: list[Body] = []
+  outs: list[list[Value] | None] = []
+  failed: list[ONNXError] = []
   for attr, g in graphs.items():
     body = Body(inputs=[placeholder(v.shape, v.dtype) for _, v in caps])
     scope = Scope(env)  # the branch reads each outer Tensor through a placeholder: another step computed it
     for (name, _), p in zip(caps, body.inputs): scope[name] = Tensor(p)
     bodies.append(body)
-    outs.append(run_graph(n, ctx, g, attr, [], scope, body))
-  then, other = outs
+    try: outs.append(run_graph(n, ctx, g, attr, [], scope, body))
+    except ONNXError as e:  # a branch for other inputs (Silero's 8 kHz branch fed 16 kHz frames): refused if a run takes it
+      body.refused, body.branches = f"node {n.name} (If) took its {attr}, which kiln could not convert at load: {e}", []
+      outs.append(None)
+      failed.append(e)
+  if len(failed) == 2: raise failed[0]
   want = len(n.proto.output)
-  if len(then) != want or len(other) != want:
-    raise n.error(f"then_branch gives {len(then)} outputs, else_branch {len(other)}; the node has {want}")
+  for attr, vals in zip(graphs, outs):
+    if vals is not None and len(vals) != want: raise n.error(f"{attr} gives {len(vals)} outputs; the node has {want}")
+  ts = [None if vals is None else [_as_tensor(n, k, attr, v) for k, v in enumerate(vals)] for attr, vals in zip(graphs, outs)]
+  then, other = (t or ts[1 - i] for i, t in enumerate(ts))
+  assert then is not None and other is not None
   for k, (a, b) in enumerate(zip(then, other)):
-    if isinstance(a, np.ndarray) and a.dtype == object or isinstance(b, np.ndarray) and b.dtype == object:
-      raise n.error(f"output {k} is a Shape with symbolic dims in a branch chosen at run time (not supported)")
-    ta, tb = (x if isinstance(x, Tensor) else Tensor(x) for x in (a, b))
-    if ta.shape != tb.shape or ta.dtype != tb.dtype:
-      raise n.error(f"output {k} is {ta.dtype.name} {tuple(ta.shape)} in then_branch and {tb.dtype.name} {tuple(tb.shape)} in else_branch: a "
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise n.error(f"output {k} is {a.dtype.name} {tuple(a.shape)} in then_branch and {b.dtype.name} {tuple(b.shape)} in else_branch: a "
                     "branch chosen at run time must give each output one shape and dtype (kiln has no data-dependent shapes)")
   cond = c.reshape(())
-  if all(isinstance(v, np.ndarray) for v in [*then, *other]):  # constants: a select, no branch (neither side computes or checks anything)
-    return [cond.where(Tensor(a), Tensor(b)) for a, b in zip(then, other)]
-  phs = [placeholder(t.shape, t.dtype) for t in (x if isinstance(x, Tensor) else Tensor(x) for x in then)]
-  for body, vals in zip(bodies, outs): body.outputs = [(v if isinstance(v, Tensor) else Tensor(v)).node for v in vals]
+  if not failed and all(isinstance(v, np.ndarray) for vals in outs for v in vals or []):  # constants: a select (nothing computes or checks)
+    return [cond.where(a, b) for a, b in zip(then, other)]
+  phs = [placeholder(t.shape, t.dtype) for t in then]
+  for body, t in zip(bodies, ts): body.outputs = [] if t is None else [v.node for v in t]
   ctx.body.branches.append(Branch(f"node {n.name} (If)", c.node, [v.node for _, v in caps], bodies[0], bodies[1], phs))
   return [Tensor(p) for p in phs]
 
@@ -146,10 +165,11 @@ def _loop(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
     raise n.error(f"body takes {len(body.input)} inputs and gives {n_out} outputs; with {n_carried} loop-carried values it must take "
                   f"{2 + n_carried} (iteration number, condition, the values) and give at least {1 + n_carried}")
   scans: list[list[Value]] = [[] for _ in range(n_out - 1 - n_carried)]
+  inits = initializers(n, ctx, body, "body")
   i = 0
   while go and (trips is None or i < trips):
     ctx.budget.unroll(f"node {n.name} (Loop)", 1)
-    outs = run_graph(n, ctx, body, f"body (iteration {i})", [np.array(i, np.int64), np.array(go), *carried], env)
+    outs = run_graph(n, ctx, body, f"body (iteration {i})", [np.array(i, np.int64), np.array(go), *carried], env, inits=inits)
     carried = [_carry(v) for v in outs[1:1 + n_carried]]
     for k, v in enumerate(outs[1 + n_carried:]): scans[k].append(v)
     i += 1
@@ -194,10 +214,11 @@ def _scan(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   if len(lengths) != 1: raise n.error(f"the scan inputs' sequence lengths differ: {sorted(lengths)}")
   steps = lengths.pop()
   scans: list[list[Value]] = [[] for _ in range(n_scan_out)]
+  inits = initializers(n, ctx, body, "body")
   for t in range(steps):
     ctx.budget.unroll(f"node {n.name} (Scan)", 1)
     slices = [_slice(x, a, steps - 1 - t if d else t) for x, a, d in zip(xs, in_axes, in_dirs)]
-    outs = run_graph(n, ctx, body, f"body (iteration {t})", [*states, *slices], env)
+    outs = run_graph(n, ctx, body, f"body (iteration {t})", [*states, *slices], env, inits=inits)
     states = [_carry(v) for v in outs[:n_state]]
     for k, v in enumerate(outs[n_state:]): scans[k].append(v)
   if scans and steps == 0: raise n.error("the sequence is empty, so the scan outputs would be empty (kiln has no empty tensors)")

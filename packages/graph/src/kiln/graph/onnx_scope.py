@@ -8,7 +8,7 @@ values whose misses fall through to the enclosing scope. Errors inside a subgrap
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kiln.graph import onnx_limits as lim
@@ -54,7 +54,6 @@ class Ctx:
   body: Body
   path: str = ""
   depth: int = 0
-  names: Iterator[int] = field(default_factory=lambda: iter(range(1 << 62)))  # unique placeholder numbers, model-wide
 
   def sub(self, where: str, body: Body | None = None) -> Ctx:
     """The context of a subgraph one level deeper: `where` is its node's path-qualified name and attribute ('If_3 > then_branch')."""
@@ -77,6 +76,14 @@ def outer_names(graph: Any) -> set[str]:
   for p in graph.node:
     for _, g in subgraphs(p): used |= outer_names(g)
   return used - defined
+
+
+def stored_values(graph: Any) -> Iterator[Any]:
+  """The TensorProtos a graph stores as values, its subgraphs' too: initializers and Constant nodes' `value`."""
+  yield from graph.initializer
+  for p in graph.node:
+    if p.op_type == "Constant": yield from (a.t for a in p.attribute if a.HasField("t"))
+    for _, g in subgraphs(p): yield from stored_values(g)
 
 
 class _AsModel:

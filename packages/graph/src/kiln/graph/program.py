@@ -33,7 +33,7 @@ import numpy as np
 
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph.dims import evaluate, fmt_shape
-from kiln.graph.lazy import GraphError, Node, Source, toposort
+from kiln.graph.lazy import GraphError, Node, ONNXError, Source, toposort
 from kiln.graph.segments import Segment, Weights, compile_segment
 from kiln.ir.kernels import Dim
 
@@ -46,6 +46,7 @@ class Body:
   inputs: list[Node] = field(default_factory=list)
   outputs: list[Node] = field(default_factory=list)
   branches: list[Branch] = field(default_factory=list)
+  refused: str | None = None  # why it could not be converted: a run that takes it raises this (ONNXError), as onnxruntime fails then
 
 
 @dataclass(eq=False)
@@ -84,14 +85,23 @@ class Switch:
     for s in self.then if take else self.else_: s.run(vals, prof)
 
 
-Step = Segment | Switch
+@dataclass(eq=False)
+class Refusal:
+  """A branch kiln could not convert at load (it fits other inputs than the ones the model was loaded for): a run that takes
+  it is refused with the reason."""
+  why: str
+
+  def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> None: raise ONNXError(self.why)
+
+
+Step = Segment | Switch | Refusal
 
 
 def _steps_plans(steps: Sequence[Step]) -> list[Any]:
   out = []
   for s in steps:
     if isinstance(s, Segment): out.append(s.plan)
-    else: out += _steps_plans(s.then) + _steps_plans(s.else_)
+    elif isinstance(s, Switch): out += _steps_plans(s.then) + _steps_plans(s.else_)
   return out
 
 
@@ -187,7 +197,8 @@ class _Builder:
       caps = [done[c] for c in b.captures]
       outs_b = [self.slot(o) for o in b.outs]
       done.update(zip(b.outs, outs_b))
-      arms = [self.steps(body.outputs, outs_b, body.branches, dict(zip(body.inputs, caps))) for body in (b.then, b.else_)]
+      arms = [[Refusal(body.refused)] if body.refused is not None else self.steps(body.outputs, outs_b, body.branches, dict(zip(body.inputs, caps)))
+              for body in (b.then, b.else_)]
       steps.append(Switch(b.label, done[b.cond], *arms))
     return steps
 
