@@ -197,8 +197,8 @@ class _Builder:
       caps = [done[c] for c in b.captures]
       outs_b = [self.slot(o) for o in b.outs]
       done.update(zip(b.outs, outs_b))
-      arms = [[Refusal(body.refused)] if body.refused is not None else self.steps(body.outputs, outs_b, body.branches, dict(zip(body.inputs, caps)))
-              for body in (b.then, b.else_)]
+      arms: list[list[Step]] = [[Refusal(body.refused)] if body.refused is not None else
+                                self.steps(body.outputs, outs_b, body.branches, dict(zip(body.inputs, caps))) for body in (b.then, b.else_)]
       steps.append(Switch(b.label, done[b.cond], *arms))
     return steps
 
