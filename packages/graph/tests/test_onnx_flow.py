@@ -251,3 +251,14 @@ def test_onnx_node_tests(case) -> None:
   for v, w in zip(case.model.graph.output, want):
     assert got[v.name].dtype == np.asarray(w).dtype
     np.testing.assert_allclose(got[v.name], w, rtol=case.rtol, atol=case.atol)
+
+
+def test_unnamed_input_dims() -> None:
+  """silero_vad.onnx declares its input dims with no name at all: such a dim is given by its input's name and axis."""
+  m = model([N("Relu", ["x"], ["y"])], {"x": f32(2, 3)}, {"y": np.float32})
+  d = m.graph.input[0].type.tensor_type.shape.dim[0]
+  d.Clear()
+  with pytest.raises(ONNXError, match=r"input 'x' dim 0 is symbolic \(unnamed\): give its size with dims=\{'x:0': n\}"): konnx.load(m)
+  for given, rows in ((2, 2), ((1, 4), 3)):
+    x = f32(rows, 3)
+    np.testing.assert_array_equal(konnx.load(m, dims={"x:0": given}).run({"x": x})["y"], np.maximum(x, 0))

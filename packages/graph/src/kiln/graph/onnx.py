@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,6 +223,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
 
   dims gives every named (dim_param) input dim either a fixed size, e.g. {"seq": 128}, or bounds, e.g. {"batch": (1, 64)}:
   a symbolic dim, a runtime variable, so the one compiled model runs every size within them (read off the fed arrays).
+  A dim with no name is keyed by its input's name and axis, e.g. {"input:0": 1}.
   A model that folds its own Shape over a symbolic dim at load time is refused (ONNXError naming the node). directory:
   where the external data of a model given as bytes or a ModelProto lies (a path's own directory is used for a path)."""
   onnx = _onnx()
@@ -244,17 +246,21 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     shape: list[int | str] = []
     bounds: dict[str, tuple[int, int]] = {}
     for i, d in enumerate(tt.shape.dim):
-      if d.HasField("dim_value"): shape.append(int(d.dim_value))
-      elif d.dim_param and dims and d.dim_param in dims:
-        given = dims[d.dim_param]
-        if isinstance(given, tuple | list):  # bounds: a symbolic dim
-          if len(given) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in given):
-            raise ONNXError(f"dims[{d.dim_param!r}] is a size or (lo, hi) bounds, got {given!r}")
-          bounds[d.dim_param] = (given[0], given[1])
-          shape.append(d.dim_param)
-        else: shape.append(int(given))
-      else: raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or '?'}): give its size with dims={{{d.dim_param or 'name'!r}: n}} "
-                            f"or its bounds with dims={{{d.dim_param or 'name'!r}: (lo, hi)}}")
+      if d.HasField("dim_value"):
+        shape.append(int(d.dim_value))
+        continue
+      key = d.dim_param or f"{vi.name}:{i}"  # a dim with no name (silero_vad.onnx's): the input's name and the axis
+      if not dims or key not in dims:
+        raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or 'unnamed'}): give its size with dims={{{key!r}: n}} "
+                        f"or its bounds with dims={{{key!r}: (lo, hi)}}")
+      given = dims[key]
+      if isinstance(given, tuple | list):  # bounds: a symbolic dim, a variable named as an identifier
+        if len(given) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in given):
+          raise ONNXError(f"dims[{key!r}] is a size or (lo, hi) bounds, got {given!r}")
+        var = d.dim_param or "_".join(["dim", re.sub(r"\W", "_", vi.name), str(i)])
+        bounds[var] = (given[0], given[1])
+        shape.append(var)
+      else: shape.append(int(given))
     lim.check_shape(f"input {vi.name!r}", [bounds[s][1] if isinstance(s, str) else s for s in shape], np.dtype(dt).itemsize)
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
