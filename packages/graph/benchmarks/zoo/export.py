@@ -87,8 +87,10 @@ def main(name: str, out: str) -> int:
   np.savez(d / "feeds.npz", **feeds, **{f"resized:{k}": resized(k, v, axes.get(k, {})) for k, v in feeds.items()})
   meta.update(inputs=list(ins), axes={k: {str(a): kind for a, kind in v.items()} for k, v in axes.items()}, build_s=time.perf_counter() - t)
   save()
-  for v in variants(spec.exporters, any(axes.values())):
+  # TorchScript first: a torch.export run leaves functions marked dynamo-optimized, which torch.jit.trace then refuses to trace
+  for v in sorted(variants(spec.exporters, any(axes.values())), key=lambda v: not v.startswith("script")):
     t = time.perf_counter()
+    torch._dynamo.reset()
     try:
       export_one(torch, m, ins, axes, v, d / f"{v.replace('/', '-')}.onnx")
       meta["variants"][v] = {"exported": True, "seconds": time.perf_counter() - t}
