@@ -473,7 +473,8 @@ class CUDARuntime:
     """How many kernels a plan's builder may compile at once: nvcc is a process a kernel, so one per host core
     (KILN_COMPILE_THREADS overrides)."""
     v = os.environ.get("KILN_COMPILE_THREADS", "").strip()
-    try: return max(1, int(v)) if v else min(32, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores this process may use
+    try: return max(1, int(v)) if v else min(32, cores)
     except ValueError: raise DeviceError(f"KILN_COMPILE_THREADS must be a whole number, got {v!r}") from None
 
   def __init__(self, device: DeviceSpec | str = "CUDA:0"):
