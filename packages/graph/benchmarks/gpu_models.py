@@ -158,11 +158,30 @@ def batch_row(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, x: Any, 
   def eager() -> None:
     with torch.no_grad(): r["torch_eager_ms"] = 1e3 * per_call(lambda: m(xd), sync)
   step(f"{name}: torch eager", eager)
+  if km.plan is not None and (top := step(f"{name}: kiln profile", lambda: profile(km, feed, name))): print(top, flush=True)
   nan = float("nan")
   print(f"row   {name}: load {r.get('load_s', 0):.1f} s ({r.get('compiles', 0)} compiles, {r.get('kernels', 0)} kernels, {r.get('tiled', 0)} tiled "
         f"matmuls), kiln {r.get('kiln_ms', nan):.2f} ms (run() {r.get('kiln_run_ms', nan):.2f} ms), torch eager "
         f"{r.get('torch_eager_ms', nan):.2f} ms, err {r.get('max_rel_err', nan):.1e}", flush=True)
   return r
+
+
+def profile(km: Any, feed: dict[str, np.ndarray], name: str, top: int = 8) -> str:
+  """One run kernel by kernel (each timed alone): the kernels that took longest, summed by name and tiling; the whole table
+  to $OUT/profile-<name>.txt."""
+  _, prof = km.run_profiled(feed)
+  opts = {p.id: (p.kernel.applied_opts or ["-"])[0] for p in km.plan.prepared_ops if hasattr(p, "kernel")}
+  by: dict[tuple[str, str], list[float]] = {}
+  for rec in prof:
+    t = by.setdefault((rec.name, opts.get(rec.op_id, "-")), [0.0, 0, 0.0])
+    t[0] += rec.time; t[1] += 1; t[2] += rec.flops  # noqa: E702
+  if (out := os.environ.get("OUT")):
+    with open(os.path.join(out, f"profile-{name.replace(' ', '-')}.txt"), "w") as f: f.write(prof.table())
+  total = max(prof.total_time, 1e-12)
+  lines = [f"      kernels one by one: {total * 1e3:.2f} ms in all; the longest:"]
+  for (k, o), (t, n, fl) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
+    lines.append(f"        {t * 1e3:8.3f} ms {t / total:6.1%}  x{n:<3d} {fl / max(t, 1e-12) / 1e12:6.2f} TFLOP/s  {k}  {o}")
+  return "\n".join(lines)
 
 
 def torch_compile_rows(torch: Any, args: argparse.Namespace, compiled: dict, sync: Sync) -> None:
