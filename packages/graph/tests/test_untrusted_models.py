@@ -203,7 +203,7 @@ if kind == "safetensors":
   run = compile([(weights.load_safetensors(path)["w"] * 2.0).sum(0)]).run
   data = path
 else:
-  run, data = (lambda m: lambda: m.run({}))(konnx.load(path)), os.path.join(os.path.dirname(path), "weights.bin")
+  run, data = (lambda m: lambda: m.run({"x": np.ones(1, np.float32)}))(konnx.load(path)), os.path.join(os.path.dirname(path), "weights.bin")
 run()
 os.truncate(data, 64)
 try: run()
@@ -220,7 +220,8 @@ def test_a_weights_file_truncated_after_load_is_a_typed_error_not_sigbus(tmp_pat
   import sys
   if kind == "onnx":
     w = numpy_helper.from_array(np.ones((512, 512), np.float32), "w")
-    m = _model([helper.make_node("ReduceSum", ["w"], ["y"], keepdims=0)], [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [w])
+    m = _model([helper.make_node("Mul", ["w", "x"], ["t"]), helper.make_node("ReduceSum", ["t"], ["y"], keepdims=0)],  # x: read at run time
+               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [w])
     path = str(tmp_path / "m.onnx")
     onnx.save_model(m, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
   else: path = str(tmp_path / "w.safetensors")

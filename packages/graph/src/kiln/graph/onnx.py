@@ -30,6 +30,8 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_shape,
 )
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
+from kiln.graph.onnx_const import fold_known
+from kiln.graph.onnx_empty import empty_input, empty_outputs
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
@@ -64,6 +66,7 @@ class Model:
     # a folded bfloat16 (ml_dtypes') comes back as its uint16 bits, as a computed one does (kiln's numpy form of bfloat16)
     self._consts = {n: v.view(np.uint16) if v.dtype.name == "bfloat16" else v for n, v in outputs if isinstance(v, np.ndarray)}
     self._computed = [n for n, v in outputs if isinstance(v, Tensor)]
+    self._empty = {n for n, shape, _ in inputs if 0 in shape}  # inputs with no elements, known at load (onnx_empty.py)
 
   @property
   def plan(self) -> Any: return None if self.compiled is None else self.compiled.plan
@@ -89,6 +92,8 @@ class Model:
                       + f"; its inputs: {', '.join(names) or 'none'}")
     for name, shape, dt in self.inputs:
       if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
+      if name in self._empty and np.shape(feeds[name]) != shape:  # the compiled model never reads it: check it here
+        raise ONNXError(f"model input {name!r} has shape {np.shape(feeds[name])}, the model takes {shape} (empty)")
     for name, value in self.defaults.items():
       if name in feeds and not np.array_equal(np.asarray(feeds[name]), value):
         raise ONNXError(f"model input {name!r} has a value in the model (an initializer of the same name), which kiln folds in at load "
@@ -160,7 +165,9 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
     try:
       if flow is not None: out = flow[0](n, ctx, env)
       elif folds.passes_through(proto): out = n.t(0)
+      elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
       else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
+      if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
     except ONNXError: raise
     except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
       raise n.error(f"{type(e).__name__}: {e}") from e
@@ -262,9 +269,12 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
         shape.append(var)
       else: shape.append(int(given))
     lim.check_shape(f"input {vi.name!r}", [bounds[s][1] if isinstance(s, str) else s for s in shape], np.dtype(dt).itemsize)
+    inputs.append((vi.name, tuple(shape), np.dtype(dt)))
+    if (empty := empty_input(shape, np.dtype(dt))) is not None:  # a dim of 0: no elements, known at load (run() checks the fed shape)
+      env[vi.name] = empty
+      continue
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
-    inputs.append((vi.name, tuple(shape), np.dtype(dt)))
   main = Body()
   _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
   outputs = []

@@ -306,6 +306,13 @@ def _cast(n: Node, onnx: Any) -> Value:
   return n.t(0).cast(to)
 
 
+def _cast_like(n: Node) -> Value:
+  x, like = n.ins[0], n.ins[1] if len(n.ins) > 1 else None
+  if like is None: raise n.error("input 1 (target_type) is missing")
+  if isinstance(like, Tensor): return n.t(0).cast(like.dtype)  # kiln's dtype: a bfloat16's numpy form is its uint16 bits
+  return x.astype(like.dtype) if isinstance(x, np.ndarray) else n.t(0).cast(like.dtype)
+
+
 def _where(n: Node) -> Value:
   c, a, b = n.ins[:3]
   if isinstance(c, np.ndarray) and isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.where(c, a, b)
@@ -551,7 +558,7 @@ _op("ReduceSum", _reduce("sum", 13), "axes keepdims noop_with_empty_axes")
 _op("MatMul", lambda n: n.t(0) @ n.t(1)); _op("Gemm", _gemm, "alpha beta transA transB")
 _op("Reshape", _reshape, "allowzero"); _op("Transpose", _transpose, "perm"); _op("Unsqueeze", _unsqueeze, "axes")
 _op("Squeeze", _squeeze, "axes"); _op("Concat", _concat, "axis"); _op("Slice", _slice, "starts ends axes")
-_op("Split", _split, "axis split num_outputs"); _op("Cast", _cast, "to saturate"); _op("Expand", _expand)
+_op("Split", _split, "axis split num_outputs"); _op("Cast", _cast, "to saturate"); _op("CastLike", _cast_like, "saturate"); _op("Expand", _expand)
 _op("Gather", _gather, "axis"); _op("Flatten", _flatten, "axis"); _op("Identity", lambda n: n.ins[0])
 _op("Dropout", _dropout, "seed ratio is_test"); _op("Constant", _constant, "value value_float value_floats value_int value_ints")
 _op("ConstantOfShape", _constant_of_shape, "value"); _op("Range", _range)

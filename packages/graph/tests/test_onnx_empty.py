@@ -1,0 +1,46 @@
+"""Zero-size tensors in ONNX models (onnx_empty.py): inputs with a dim of 0, reductions over nothing, empty Concat pieces,
+and nodes computed at load when all their inputs are known (onnx_const.py), each against onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx_case import N, check, f32, konnx, model
+
+from kiln.graph.lazy import ONNXError
+
+
+@pytest.mark.parametrize("op,fill", [("ReduceSum", 0.0), ("ReduceProd", 1.0), ("ReduceMax", -np.inf)])
+def test_reduction_over_an_empty_input(op, fill):
+  x = np.zeros((2, 0, 4), np.float32)
+  km = check(model([N(op, ["x", "axes"], ["y"], keepdims=1)], {"x": x}, {"y": np.float32}, inits={"axes": np.array([1], np.int64)}, opset=18),
+             {"x": x})
+  assert np.all(km.run({"x": x})["y"] == fill)
+
+
+def test_empty_input_meets_computed_values():
+  x, e = f32(2, 3), np.zeros((2, 0), np.float32)
+  m = model([N("Concat", ["x", "e"], ["c"], axis=1), N("Relu", ["c"], ["y"]), N("Mul", ["e", "e"], ["z"])], {"x": x, "e": e},
+            {"y": np.float32, "z": np.float32})
+  km = check(m, {"x": x, "e": e})
+  with pytest.raises(ONNXError, match="'e'"): km.run({"x": x, "e": np.zeros((2, 1), np.float32)})
+
+
+def test_cast_like_with_an_empty_like():
+  x, like = f32(3, 2), np.zeros((0,), np.int32)
+  check(model([N("CastLike", ["x", "like"], ["y"])], {"x": x, "like": like}, {"y": np.int32}, opset=19), {"x": x, "like": like})
+
+
+def test_empty_beside_computed_values():
+  x, e = f32(1, 3), np.zeros((0, 3), np.float32)
+  check(model([N("Expand", ["e", "s"], ["y"]), N("Add", ["y", "x"], ["z"])], {"x": x, "e": e}, {"z": np.float32},
+              inits={"s": np.array([1, 3], np.int64)}), {"x": x, "e": e})
+  pads = np.array([1, 0, 1, 0], np.int64)  # a non-empty result from an empty input and a computed one: refused, named
+  with pytest.raises(ONNXError, match="empty"):
+    konnx.load(model([N("Pad", ["e", "p"], ["y"])], {"e": e, "p": pads}, {"y": np.float32}))
+
+
+def test_a_node_of_known_inputs_is_computed_at_load():
+  # Trilu on a constant: no handler folds it with numpy; computed at load it leaves one kernel (the Add), not two
+  x, c = f32(4, 4), f32(4, 4)
+  km = check(model([N("Trilu", ["c"], ["t"]), N("Add", ["x", "t"], ["y"])], {"x": x}, {"y": np.float32}, inits={"c": c}), {"x": x})
+  assert km.plan is not None and len(km.plan.kernels) == 1, km.summary()
