@@ -160,3 +160,13 @@ def test_resize_sizes_and_axes() -> None:  # every other mode, and the refusals:
   check(model([N("Resize", ["x", "", "", "sz"], ["y"], mode="nearest")], {"x": X}, {"y": np.float32}, {"sz": i64(2, 3, 10, 12)}, opset=13), {"x": X})
   check(model([N("Resize", ["x", "", "s"], ["y"], mode="nearest", axes=[2, 3])], {"x": X}, {"y": np.float32},
               {"s": np.asarray([2, 3], np.float32)}, opset=18), {"x": X})
+
+
+@pytest.mark.parametrize("upper", [0, 1])
+def test_trilu_with_k_fed_at_run_time(upper) -> None:
+  x = f32(2, 4, 5)
+  m = model([N("Trilu", ["x", "k"], ["y"], upper=upper)], {"x": x, "k": np.array(0, np.int64)}, {"y": np.float32})
+  km = konnx.load(m)
+  for k in (-2, 0, 1, 7):  # one load serves every k
+    feeds = {"x": x, "k": np.array(k, np.int64)}
+    np.testing.assert_array_equal(km.run(feeds)["y"], np.triu(x, k) if upper else np.tril(x, k))

@@ -96,10 +96,15 @@ def _repeat(x: Tensor, a: int, r: int) -> Tensor:
 def _trilu(n: Node) -> Value:
   x = n.t(0)
   if x.ndim < 2: raise n.error(f"input {x.shape} needs rank >= 2")
-  k = n.opt_const(1, "k")
-  kk = 0 if k is None else int(k.reshape(-1)[0])
   d = _diagonals(x.shape[-2], x.shape[-1])
-  keep = (d > kk - 1) if n.attr("upper", 1) else (d < kk + 1)
+  k = n.ins[1] if len(n.ins) > 1 else None
+  if isinstance(k, Tensor):  # fed at run time: k moves the diagonal, never the shape
+    if k.numel != 1 or not k.dtype.is_int: raise n.error(f"input 1 (k) must be one integer, got {k.dtype.name} {k.shape}")
+    kt = k.reshape(()).cast(d.dtype)
+    keep = (d > kt - 1) if n.attr("upper", 1) else (d < kt + 1)
+  else:
+    kk = 0 if k is None else int(k.reshape(-1)[0])
+    keep = (d > kk - 1) if n.attr("upper", 1) else (d < kk + 1)
   return keep.where(x, Tensor.full((), 0, x.dtype))
 
 
