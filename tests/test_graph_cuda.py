@@ -17,9 +17,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "packages", "gr
 from cuda_emu import emulated_gpu  # noqa: E402
 from onnx_case import N, f32, model, ort  # noqa: E402
 
+from kiln.executor import cache  # noqa: E402
 from kiln.graph import onnx as konnx  # noqa: E402
 from kiln.graph.lazy import IndexOutOfRangeError  # noqa: E402
 from kiln.graph.tensor import Tensor, compile  # noqa: E402
+from kiln.runtime.cuda.compiler import CUDACompiler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no host C++ compiler to emulate CUDA")
 
@@ -39,10 +41,17 @@ def _tiled(plan) -> int:  # type: ignore[no-untyped-def]
   return sum(1 for p in plan.prepared_ops if hasattr(p, "kernel") and str(p.kernel.applied_opts[:1]).startswith("['TILED_MATMUL"))
 
 
-def test_convnet(gpu) -> None:
+def test_convnet(gpu, monkeypatch) -> None:
   """Conv (3x3, padded) + BatchNorm + Relu, a bottleneck of two 1x1 convs with the residual Add, max pool, global pool,
   Gemm. The 1x1 convs are tiled matmuls: their pixels' index is a reshape's (p // w) * w + p % w, which the matcher sees
-  as p once simplified (the generic kernel before). Two runs with other inputs: the weights stay on the device."""
+  as p once simplified (the generic kernel before). The plan's distinct kernels compile once each, on the runtime's
+  compile_threads (KILN_COMPILE_THREADS), before it is built. Two runs with other inputs: the weights stay on the device."""
+  seen: set[str] = set()
+  real = CUDACompiler.compile
+  def compile_(self, spec):  # type: ignore[no-untyped-def]
+    seen.add(threading.current_thread().name)
+    return real(self, spec)
+  monkeypatch.setattr(CUDACompiler, "compile", compile_)
   x = f32(2, 4, 8, 8)
   inits = {"w1": f32(16, 4, 3, 3, lo=-.5, hi=.5), "s": f32(16, lo=.5, hi=1.5), "b": f32(16), "mu": f32(16), "var": f32(16, lo=.5, hi=2),
            "w2": f32(32, 16, 1, 1, lo=-.3, hi=.3), "b2": f32(32), "w3": f32(16, 32, 1, 1, lo=-.3, hi=.3), "b3": f32(16),
@@ -52,8 +61,11 @@ def test_convnet(gpu) -> None:
            N("Add", ["c3", "r1"], ["a"]), N("Relu", ["a"], ["r3"]), N("MaxPool", ["r3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
            N("GlobalAveragePool", ["p"], ["g"]), N("Flatten", ["g"], ["f"]), N("Gemm", ["f", "fw", "fb"], ["y"], transB=1)]
   m = model(nodes, {"x": x}, {"y": np.float32}, inits)
+  before = cache.cache_stats()["compiles"]
   km = konnx.load(m, device="CUDA")
   assert _tiled(km.plan) == 2, km.summary()
+  assert cache.cache_stats()["compiles"] - before == len({p.kernel.key for p in km.plan.prepared_ops if hasattr(p, "kernel")})
+  assert len(seen) > 1 and threading.current_thread().name not in seen, seen
   at_load = dict(gpu.stats)
   assert at_load["launches"] == 0 and at_load["dtoh"] == 0
   for xv in (x, f32(2, 4, 8, 8)):
@@ -129,24 +141,3 @@ def test_a_window_read_as_a_matrix_is_aligned(gpu) -> None:
   views = [p for p in c.plan.prepared_ops if type(p).__name__ == "PreparedBufferView"]
   assert views and all(v.byte_offset % 16 == 0 for v in views)
   np.testing.assert_allclose(c.run({"x": xv})[0], (xv * 2)[1:].reshape(16, 16) @ wv, rtol=1e-5, atol=1e-5)
-
-
-def test_kernels_compile_side_by_side(gpu, monkeypatch) -> None:
-  """A plan's distinct kernels are compiled on the runtime's compile_threads (KILN_COMPILE_THREADS) before it is built, each
-  once; the build then finds them in the kernel cache."""
-  from kiln.executor import cache
-  from kiln.runtime.cuda.compiler import CUDACompiler
-  seen: set[str] = set()
-  real = CUDACompiler.compile
-  def compile_(self, spec):  # type: ignore[no-untyped-def]
-    seen.add(threading.current_thread().name)
-    return real(self, spec)
-  monkeypatch.setattr(CUDACompiler, "compile", compile_)
-  x = Tensor.input("x", (64,))
-  outs = [((x + float(i)).contiguous() * 2.0).exp() for i in range(2)]
-  before = cache.cache_stats()["compiles"]
-  c = compile(outs, "CUDA")
-  assert cache.cache_stats()["compiles"] - before == len({p.kernel.key for p in c.plan.prepared_ops if hasattr(p, "kernel")})
-  assert len(seen) > 1 and threading.current_thread().name not in seen, seen
-  xv = np.linspace(-1, 1, 64, dtype=np.float32)
-  for i, got in enumerate(c.run({"x": xv})): np.testing.assert_allclose(got, np.exp((xv + i) * 2), rtol=1e-6)
