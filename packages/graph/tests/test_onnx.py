@@ -319,3 +319,15 @@ def test_static_shape_arithmetic_through_a_scalar_gather() -> None:
   inits = {"i0": np.asarray(0, np.int64), "ax0": np.asarray([0], np.int64), "one": np.asarray([1], np.int64), "h": np.asarray([16], np.int64),
            "z": np.zeros((1, 1, 1), np.float32), "zz": np.ones((1, 2, 16), np.float32)}
   check(model(nodes, {"x": x}, {"y": np.float32}, inits), {"x": x})
+
+
+def test_every_unsupported_node_is_named_in_one_error() -> None:
+  x = f32(2, 3)
+  m = model([N("Hardmax", ["x"], ["a"], name="nz"), N("Relu", ["x"], ["r"], name="ok"), N("Elu", ["r"], ["g"], name="el", consumed_inputs=[0]),
+             N("TopK", ["x"], ["u", "i"], name="uq", k=1)], {"x": x}, {"a": np.float32, "g": np.float32, "u": np.float32, "i": np.int64}, opset=1)
+  with pytest.raises(ONNXError) as e: konnx.load(m)
+  msg = str(e.value)
+  assert msg.startswith("3 nodes use what kiln does not support"), msg
+  for part in ("node nz (Hardmax): operator Hardmax", "node el (Elu, opset 1): attribute consumed_inputs", "node uq (TopK): operator TopK"):
+    assert part in msg
+  assert "node ok" not in msg

@@ -224,6 +224,18 @@ def read(model: Any, directory: str | os.PathLike[str] | None = None) -> tuple[A
   return m, base
 
 
+def _unsupported(g: Any, opset: int) -> list[str]:
+  """Every node of the model's graph kiln cannot convert (domain, operator, attribute), each named. A subgraph's nodes are
+  refused when converted: an If's branch not taken may hold what kiln lacks."""
+  found = []
+  for p in g.node:
+    label = f"node {p.name or '<' + p.op_type + '>'} ({p.op_type})"
+    if p.domain not in ("", "ai.onnx"): found.append(f"{label}: domain {p.domain!r} is not supported")
+    elif p.op_type not in OPS: found.append(f"{label}: operator {p.op_type} is not supported")
+    else: found += [f"{label[:-1]}, opset {opset}): attribute {a.name} is not supported" for a in p.attribute if a.name not in OPS[p.op_type][1]]
+  return found
+
+
 def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None,
          directory: str | os.PathLike[str] | None = None) -> Model:
   """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
@@ -236,6 +248,9 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   onnx = _onnx()
   m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
+  if bad := _unsupported(m.graph, opset):  # all of them at once: a user learns the whole gap from one try
+    more = f"\n  ... and {len(bad) - 40} more" if len(bad) > 40 else ""
+    raise ONNXError(bad[0] if len(bad) == 1 else f"{len(bad)} nodes use what kiln does not support:\n  " + "\n  ".join(bad[:40]) + more)
   g = m.graph
   env: dict[str, Value] = {}
   stored = Tensors(onnx, base)  # every stored tensor, external data kept inside the model's directory

@@ -12,6 +12,7 @@ outputs are then arrays, so a later node that needs a constant (a Reshape's shap
 | its graph reads no fed input (no named BUFFER)            | (the same condition, checked on what the handler built)   |
 | its shape is static                                       | a symbolic dim's size is known only at run time           |
 | at most max(4 x its inputs' elements, 65536) elements    | a large Expand of a scalar is free as a lazy broadcast, costly stored |
+| the CPU runtime is installed                             | a GPU-only install computes it in the model's plan instead |
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.onnx_ops import Value
 from kiln.graph.tensor import Tensor, compile
+from kiln.ir.errors import DeviceError
 
 
 def _reads_feeds(t: Tensor) -> bool:
@@ -36,10 +38,11 @@ def fold_known(outs: list[Value], ins: Sequence[Value | None]) -> list[Value]:
   arrays = [v for v in ins if isinstance(v, np.ndarray)]
   if any(v is not None and not isinstance(v, np.ndarray) for v in ins): return outs
   limit = max(4 * sum(a.size for a in arrays), SMALL)
-  todo = [i for i, o in enumerate(outs) if isinstance(o, Tensor) and o.node.data is None and sym.is_static(o.shape)
-          and o.node.max_numel <= limit and not _reads_feeds(o)]
+  todo = {i: o for i, o in enumerate(outs) if isinstance(o, Tensor) and o.node.data is None and sym.is_static(o.shape)
+          and o.node.max_numel <= limit and not _reads_feeds(o)}
   if not todo: return outs
-  got = compile([outs[i] for i in todo]).run({})  # type: ignore[misc]
+  try: got = compile(list(todo.values())).run({})
+  except DeviceError: return outs  # no CPU runtime here (a GPU-only install): the kernels compute it on every run instead
   done = list(outs)
   for i, a in zip(todo, got): done[i] = a
   return done
