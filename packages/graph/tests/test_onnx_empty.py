@@ -44,3 +44,17 @@ def test_a_node_of_known_inputs_is_computed_at_load():
   x, c = f32(4, 4), f32(4, 4)
   km = check(model([N("Trilu", ["c"], ["t"]), N("Add", ["x", "t"], ["y"])], {"x": x}, {"y": np.float32}, inits={"c": c}), {"x": x})
   assert km.plan is not None and len(km.plan.kernels) == 1, km.summary()
+
+
+def test_a_declared_dim_of_minus_one_is_unknown():
+  """A PaddlePaddle export declares unknown dims as -1 (onnxruntime reads them so): an output's is ignored (kiln works shapes
+  out itself); an input's is a dim with no name, given with dims={"input:axis": ...}."""
+  from onnx import TensorProto, helper
+  x = f32(2, 3)
+  m = model([N("Relu", ["x"], ["y"])], {"x": x}, {"y": np.float32})
+  m.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [-1, 3]))
+  check(m, {"x": x})
+  m.graph.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3]))
+  with pytest.raises(ONNXError, match=r"dims=\{'x:0'"): konnx.load(m)
+  km = konnx.load(m, dims={"x:0": (1, 8)})
+  np.testing.assert_array_equal(km.run({"x": f32(5, 3) - 5})["y"], 0)

@@ -268,10 +268,10 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     shape: list[int | str] = []
     bounds: dict[str, tuple[int, int]] = {}
     for i, d in enumerate(tt.shape.dim):
-      if d.HasField("dim_value"):
+      if d.HasField("dim_value") and d.dim_value >= 0:
         shape.append(int(d.dim_value))
         continue
-      key = d.dim_param or f"{vi.name}:{i}"  # a dim with no name (silero_vad.onnx's): the input's name and the axis
+      key = d.dim_param or f"{vi.name}:{i}"  # a dim with no name (silero_vad.onnx's) or declared -1: the input's name and the axis
       if not dims or key not in dims:
         raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or 'unnamed'}): give its size with dims={{{key!r}: n}} "
                         f"or its bounds with dims={{{key!r}: (lo, hi)}}")

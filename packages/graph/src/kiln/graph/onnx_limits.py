@@ -122,7 +122,7 @@ def check_model(onnx: Any, m: Any) -> None:
     _name("value", vi.name)
     dims = vi.type.tensor_type.shape.dim
     limit(f"value {vi.name[:64]!r}: the rank", len(dims), "MAX_RANK", MAX_RANK)
-    if bad := [d.dim_value for d in dims if d.HasField("dim_value") and d.dim_value < 0]:
+    if bad := [d.dim_value for d in dims if d.HasField("dim_value") and d.dim_value < -1]:  # -1: a dim not known (as onnxruntime reads it)
       raise ONNXError(f"value {vi.name[:64]!r}: negative dim {bad[0]}")
   for t in g.initializer: check_tensor(onnx, t, "initializer")
   depth: dict[str, int] = {}
