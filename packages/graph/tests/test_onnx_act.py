@@ -158,9 +158,21 @@ def test_mod_float() -> None:
   check(model([N("Mod", ["a", "b"], ["y"], fmod=1)], {"a": a, "b": b}, {"y": np.float32}), {"a": a, "b": b}, tol=0, kernels=1)
 
 
+def test_mod_float_fmod_0_from_opset_28() -> None:
+  """fmod=0 on floats (defined from opset 28): A - floor(A / B) * B, the divisor's sign, against numpy's mod (onnxruntime
+  predates it), infinities and NaN as the spec lists them."""
+  a = np.array([7.5, -7.5, 7.5, -7.5, 5.25, 1e30, -3.3e38, 0.3, 5, INF, 3, -3, NAN, 1, 1e10], np.float32)
+  b = np.array([2, 2, -2, -2, 0.1, 3, 7, 0.1, 0, 2, INF, INF, 1, NAN, -0.7], np.float32)
+  a = np.concatenate([a, f32(40) * 100]).astype(np.float32)
+  b = np.concatenate([b, f32(40, lo=0.1, hi=3) * np.sign(f32(40))]).astype(np.float32)
+  km = konnx.load(model([N("Mod", ["a", "b"], ["y"])], {"a": a, "b": b}, {"y": np.float32}, opset=28))
+  with np.errstate(all="ignore"): want = np.mod(a, b)
+  np.testing.assert_array_equal(km.run({"a": a, "b": b})["y"], want)
+
+
 def test_mod_refusals() -> None:
   x = f32(2, 3)
-  with pytest.raises(ONNXError, match=r"node md \(Mod.*fmod=0 on float inputs"):
+  with pytest.raises(ONNXError, match=r"node md \(Mod.*fmod=0 on float inputs.*before opset 28"):
     konnx.load(model([N("Mod", ["x", "d"], ["y"], name="md")], {"x": x}, {"y": np.float32}, {"d": f32(3)}))
   g = helper.make_graph([N("Mod", ["a", "b"], ["y"], name="m64", fmod=1)], "g",
                         [helper.make_tensor_value_info(k, onnx.TensorProto.DOUBLE, [3]) for k in "ab"],

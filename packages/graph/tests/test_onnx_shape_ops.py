@@ -116,6 +116,11 @@ def test_depth_to_space_and_back(mode: str) -> None:
   x = f32(2, 8, 3, 4)
   check(model([N("DepthToSpace", ["x"], ["y"], blocksize=2, mode=mode)], {"x": x}, {"y": np.float32}), {"x": x})
   check(model([N("SpaceToDepth", ["x"], ["y"], blocksize=2)], {"x": X[:, :, :4]}, {"y": np.float32}), {"x": X[:, :, :4].copy()})
+  from onnx.reference import ReferenceEvaluator
+  for mode in ("DCR", "CRD"):  # SpaceToDepth's mode (opset 28): onnxruntime predates it, onnx's reference is the check
+    xs = X[:, :, :4].copy()
+    m = model([N("SpaceToDepth", ["x"], ["y"], blocksize=2, mode=mode)], {"x": xs}, {"y": np.float32}, opset=28)
+    np.testing.assert_array_equal(konnx.load(m).run({"x": xs})["y"], ReferenceEvaluator(m).run(None, {"x": xs})[0])
 
 
 def test_refusals_name_the_node() -> None:

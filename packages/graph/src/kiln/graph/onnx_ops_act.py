@@ -230,14 +230,17 @@ def _mod(n: Node) -> Value:
   a, b = n.ins[0], n.ins[1]
   if a is None or b is None: raise n.error("needs two inputs")
   is_float = a.dtype.kind == "f" if isinstance(a, np.ndarray) else a.dtype.is_float
-  if is_float and not fmod: raise n.error("fmod=0 on float inputs: ONNX requires fmod=1 for floats")
+  if is_float and not fmod and n.opset < 28: raise n.error("fmod=0 on float inputs: ONNX requires fmod=1 for floats before opset 28")
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
     _fold_limit(n, [a, b])
     with np.errstate(all="ignore"): return np.asarray((np.fmod if fmod else np.mod)(a, b)).astype(a.dtype)
   ta, tb = n.t(0), n.t(1)
   _same(n, ta, tb, "the divisor")
   if ta.dtype == dtypes.float64: raise n.error("float64 Mod is not supported: an exact fmod needs products wider than float64")
-  if ta.dtype.is_float: return _fmod(ta, tb)
+  if ta.dtype.is_float:
+    r = _fmod(ta, tb)
+    if fmod: return r
+    return (r.ne(0) & ((r < 0) ^ (tb < 0))).where(r + tb, r)  # fmod=0 (opset 28 on floats): the divisor's sign, as numpy's mod
   if not ta.dtype.is_int: raise n.error(f"needs numeric inputs, got {ta.dtype.name}")
   r = ta._bin(Ops.MOD, tb)  # the IR's integer MOD: C's remainder (exact; a zero divisor gives 0 where ONNX leaves it undefined)
   if fmod or ta.dtype.is_unsigned: return r

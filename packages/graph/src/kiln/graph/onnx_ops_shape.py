@@ -214,7 +214,10 @@ def _depth_space(to_space: bool) -> Callable[[Node], Value]:
       if n.attr("mode") != "CRD": raise n.error(f"attribute mode={n.attr('mode')!r} is not supported (DCR, CRD)")
       return x.reshape(N, c, b, b, H, W).permute(0, 1, 4, 2, 5, 3).reshape(N, c, H * b, W * b)
     if H % b or W % b: raise n.error(f"spatial {H}x{W} is not a multiple of blocksize {b}")
-    return x.reshape(N, C, H // b, b, W // b, b).permute(0, 3, 5, 1, 2, 4).reshape(N, C * b * b, H // b, W // b)
+    blocks = x.reshape(N, C, H // b, b, W // b, b)
+    if n.attr("mode", "DCR") == "DCR": return blocks.permute(0, 3, 5, 1, 2, 4).reshape(N, C * b * b, H // b, W // b)
+    if n.attr("mode") != "CRD": raise n.error(f"attribute mode={n.attr('mode')!r} is not supported (DCR, CRD)")
+    return blocks.permute(0, 1, 3, 5, 2, 4).reshape(N, C * b * b, H // b, W // b)  # CRD: channel-major, the block's offset minor
   return run
 
 
@@ -278,5 +281,5 @@ _op("ArgMax", _argext("ArgMax"), "axis keepdims select_last_index"); _op("ArgMin
 _op("InstanceNormalization", _instance_norm, "epsilon"); _op("LpNormalization", _lp_norm, "axis p")
 for _name in REDUCERS: _op(_name, _reduce_by(_name), "axes keepdims noop_with_empty_axes")
 _op("CumSum", _cumsum, "exclusive reverse"); _op("Size", _size)
-_op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize")
+_op("DepthToSpace", _depth_space(True), "blocksize mode"); _op("SpaceToDepth", _depth_space(False), "blocksize mode")
 _op("Einsum", _einsum, "equation")
