@@ -12,7 +12,7 @@ STATUSES = ("OK", "REFUSED", "WRONG", "CRASH", "TIMEOUT", "NO-REF", "EXPORT-FAIL
 SHORT = {"OK": "ok", "REFUSED": "refused", "WRONG": "**WRONG**", "CRASH": "**CRASH**", "TIMEOUT": "**TIMEOUT**", "NO-REF": "no-ref",
          "EXPORT-FAIL": "export-fail"}
 TIMING_ORDER = ("dynamo/fixed", "script/fixed", "file", "dynamo/dynamic", "script/dynamic")
-NODE = re.compile(r"^(?P<when>at run: )?node (?P<node>.*?) \((?P<op>[A-Za-z0-9_.]+)\): (?P<rest>.*)$", re.S)
+NODE = re.compile(r"^(?P<when>at run: )?node (?P<node>.*?) \((?P<op>[A-Za-z0-9_.]+)(?:, opset \d+)?\): (?P<rest>.*)$", re.S)
 
 
 def normalize(msg: str) -> str:
