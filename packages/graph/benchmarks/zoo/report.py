@@ -19,7 +19,7 @@ def normalize(msg: str) -> str:
   """A message with what varies from model to model taken out: value names, numbers, shapes."""
   msg = re.sub(r"'[^']*[/:0-9][^']*'", "'…'", msg)  # quoted names with digits, slashes, colons: value names
   msg = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", msg)
-  msg = re.sub(r"\((?:[\w*]+, )*[\w*]+,?\)|\[(?:[\w*]+, )*[\w*]+\]", lambda m: m[0] if "," not in m[0] else "(…)", msg)  # shapes
+  msg = re.sub(r"\((?:[\w*-]+, )*[\w*-]+,?\)|\[(?:[\w*-]+, )*[\w*-]+\]", lambda m: m[0] if "," not in m[0] else "(…)", msg)  # shapes
   return msg[:220]
 
 
