@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph import shape_values as sv
 from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
@@ -37,6 +38,7 @@ class Node:
       else: self.ins.append(env[n])
     self.attrs = {a.name: onnx.helper.get_attribute_value(a) for a in proto.attribute}
     self.used_attrs: set[str] = set()
+    self.from_shape: dict[int, str] = {}  # inputs that held a Shape's symbolic dims, now data (shape_values.check_shape_value)
 
   def attr(self, name: str, default: Any = None) -> Any:
     self.used_attrs.add(name)
@@ -46,7 +48,9 @@ class Node:
   def const(self, i: int, what: str) -> np.ndarray:
     v = self.ins[i] if i < len(self.ins) else None
     if v is None: raise self.error(f"input {i} ({what}) is missing")
-    if isinstance(v, Tensor): raise self.error(f"input {i} ({what}) must be a constant known at load time (kiln has no data-dependent shapes)")
+    if isinstance(v, Tensor):
+      held = f": it holds the symbolic dims of a Shape ({self.from_shape[i]}), known only at run time" if i in self.from_shape else ""
+      raise self.error(f"input {i} ({what}) must be a constant known at load time (kiln has no data-dependent shapes){held}")
     return v
 
   def opt_const(self, i: int, what: str) -> np.ndarray | None:
@@ -198,8 +202,8 @@ def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
 
 def _shape(n: Node) -> Value:
   """Shape folds to a constant at load time. With a symbolic dim it is a *shape value*: an object array of Dims, which
-  only the ops of SHAPE_VALUE_OPS may take (torch's Shape -> Gather -> Unsqueeze -> Concat -> Reshape); the loader
-  refuses any other consumer, naming it."""
+  shape_values.RULES take as such (torch's Shape -> Gather -> Unsqueeze -> Concat -> Reshape, arithmetic that stays a
+  dim); any other consumer reads the dims' run-time values as data."""
   shape = n.ins[0].shape if n.ins[0] is not None else ()
   if sym.is_static(shape): return np.asarray(shape, np.int64)[n.attr("start", 0):n.attr("end")]
   out = np.empty(len(shape), object)
@@ -207,22 +211,7 @@ def _shape(n: Node) -> Value:
   return out[n.attr("start", 0):n.attr("end")]
 
 
-# the ops that may take a shape value holding symbolic dims (an object array), and at which input
-SHAPE_VALUE_OPS = {"Gather": (0,), "Unsqueeze": (0,), "Squeeze": (0,), "Concat": None, "Slice": (0,), "Identity": (0,), "Reshape": (1,),
-                   "ConstantOfShape": (0,), "Range": (1,)}
-
-
-def check_shape_value(n: Node) -> None:
-  """A shape value with a symbolic dim reaches only the ops that move it around and Reshape's shape input."""
-  for i, v in enumerate(n.ins):
-    if not (isinstance(v, np.ndarray) and v.dtype == object): continue
-    if not any(isinstance(d, UOp) for d in v.reshape(-1)): n.ins[i] = v.astype(np.int64)  # every dim turned out fixed: a plain shape
-    else:
-      ok = SHAPE_VALUE_OPS.get(n.op, ())
-      if ok is not None and i not in ok:
-        raise n.error(f"input {i} holds the symbolic dims of a Shape ({', '.join(sym.fmt(d) for d in v.reshape(-1))}), which only "
-                      "Gather, Unsqueeze, Squeeze, Concat, Slice, Reshape's shape, ConstantOfShape and Range's limit take; "
-                      "give those dims fixed sizes")
+check_shape_value = sv.check_shape_value  # the loader's check of each node's inputs (onnx.py)
 
 
 def _reshape(n: Node) -> Value:
@@ -268,18 +257,22 @@ def _concat(n: Node) -> Value:
 def _slice(n: Node) -> Value:
   if n.opset < 10: starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
   else:
-    starts, ends = [int(v) for v in n.const(1, "starts")], [int(v) for v in n.const(2, "ends")]
+    starts, ends = [sv.dim(v) for v in n.const(1, "starts")], [sv.dim(v) for v in n.const(2, "ends")]  # UOps: a Shape's symbolic dims
     a, s = n.opt_const(3, "axes"), n.opt_const(4, "steps")
     axes, steps = (None if a is None else [int(v) for v in a]), (None if s is None else [int(v) for v in s])
   x = n.ins[0]
   nd = x.ndim if x is not None else 0
   axes = list(range(len(starts))) if axes is None else [_norm(a, nd, n) for a in axes]
   steps = steps or [1] * len(axes)
-  if isinstance(x, np.ndarray):
+  if isinstance(x, np.ndarray) and sym.is_static(starts) and sym.is_static(ends):
     sl = [slice(None)] * nd
     for a, b, e, st in zip(axes, starts, ends, steps): sl[a] = slice(b, e, st)
     return x[tuple(sl)]
-  return n.t(0).slice(starts, ends, axes, steps)
+  if sv.is_shape_value(x): raise n.error("a Slice of a Shape's dims with symbolic bounds is not supported")
+  t = n.t(0)
+  if not sym.is_static(starts) or not sym.is_static(ends) or not sym.is_static([t.shape[a] for a in axes]):
+    return sv.slice_dims(n, t, axes, starts, ends, steps)
+  return t.slice(starts, ends, axes, steps)  # type: ignore[arg-type]  # static, as checked
 
 
 def _split(n: Node) -> list[Value]:
@@ -569,3 +562,5 @@ _op("AveragePool", _pool("avg"), "auto_pad ceil_mode count_include_pad dilations
 _op("GlobalAveragePool", _global_pool("mean")); _op("GlobalMaxPool", _global_pool("max"))
 _op("BatchNormalization", _batchnorm, "epsilon momentum training_mode")
 WITH_ONNX = {"Cast", "Constant", "ConstantOfShape"}
+for _name, _rule in sv.RULES.items():  # an op with a shape-value rule runs it when an input holds a Shape's symbolic dims
+  if _rule.run is not None and _name in OPS: OPS[_name] = ((lambda fn: lambda n, *a: sv.run_rule(n, fn, *a))(OPS[_name][0]), OPS[_name][1])

@@ -20,6 +20,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
+from kiln.graph import shape_values as sv
 from kiln.graph.onnx_ops import Node, Value, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
@@ -274,6 +275,7 @@ def _from_scales(n: Node, x: Tensor, axes: list[int], scales: np.ndarray) -> tup
 def _from_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
   """The lengths given, their scales out / in in float32; keep_aspect_ratio_policy takes one scale for all and rounds."""
   if len(sizes) != len(axes): raise n.error(f"{len(sizes)} sizes for {len(axes)} axes of {x.shape}")
+  if sizes.dtype == object: return _symbolic_sizes(n, x, axes, sizes)
   if sizes.dtype.kind not in "iu" or (sizes < 1).any(): raise n.error(f"sizes {sizes.tolist()} must be integers >= 1")
   ms = [_length(n, x, a) for a in axes]
   outs = [int(v) for v in sizes]
@@ -285,6 +287,21 @@ def _from_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple
     s = min(sc) if policy == "not_larger" else max(sc)
     sc, outs = [s] * len(sc), [int(_round_away(np.asarray(s * F32(m)))) for m in ms]
   return list(outs), sc
+
+
+def _symbolic_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
+  """sizes read off a Shape with symbolic dims (torch's interpolate to (batch, C, H, W)): a symbolic size must be the
+  input's own dim on that axis, which is then not resized; the fixed sizes resize fixed axes as usual."""
+  if (n.attr("keep_aspect_ratio_policy", "stretch") if n.opset >= 18 else "stretch") != "stretch":
+    raise n.error(f"keep_aspect_ratio_policy with sizes holding the symbolic dims of a Shape ({sv.fmt_value(sizes)}) is not supported")
+  outs: list[Dim] = []
+  for a, v in zip(axes, sizes):
+    d = sv.dim(v)
+    if isinstance(d, int): outs.append(_from_sizes(n, x, [a], np.asarray([d], np.int64))[0][0])
+    elif sv.same(d, x.shape[a]): outs.append(x.shape[a])
+    else: raise n.error(f"sizes ({sv.fmt_value(sizes)}) give axis {a} of {sym.fmt_shape(x.shape)} the symbolic size {sym.fmt(d)}: a symbolic "
+                        "size must be the input's own dim there (an axis left as it is)")
+  return outs, [F32(1) if not isinstance(o, int) else F32(o) / F32(_length(n, x, a)) for a, o in zip(axes, outs)]
 
 
 def _length(n: Node, x: Tensor, a: int) -> int:

@@ -1,0 +1,281 @@
+"""Shape values: what ONNX Shape gives for a tensor with a symbolic dim, an object numpy array of dims (ints and the
+monomial UOps of kiln.graph.dims). torch's exports do arithmetic on them (batch * heads, the -1 tests of a legacy
+`expand(batch, -1, -1)`, a mask of (batch, 1, 1, seq)); this module is where that arithmetic lives.
+
+| a symbolic shape value reaching                     | becomes                                                           |
+|-----------------------------------------------------|-------------------------------------------------------------------|
+| an op of RULES, at an input it names, when `keeps`  | a shape value again (its handler's, or the rule's `run`), exactly |
+| an elementwise op whose result is no dim / no known bool | a refusal naming the op and the dims (sums of dims: not supported) |
+| any other op or input (Cast to float, Add into data) | data: a Tensor of the dims' run-time values (`as_data`)           |
+
+A comparison is decided from the variables' bounds (a symbolic dim is >= its lower bound >= 1, so `seq == -1` is False),
+never with UOp's operators (which build UOps); where the bounds cannot decide, it is refused by name. A Slice whose end is
+a symbolic dim is a view of that length (`slice_dims`); a slice of a symbolic axis that leaves a sum (seq - 1) is refused.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from kiln.graph import dims as sym
+from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import dtypes
+from kiln.ir.kernels import Dim
+from kiln.ir.uop import UOp
+
+if TYPE_CHECKING:
+  from kiln.graph.onnx_ops import Node, Value
+
+
+class Refused(Exception):
+  """A shape-value operation whose result kiln cannot hold exactly (the converter names the node)."""
+
+
+def is_shape_value(v: Any) -> bool: return isinstance(v, np.ndarray) and v.dtype == object
+def symbolic(v: Any) -> bool: return is_shape_value(v) and any(isinstance(d, UOp) for d in v.reshape(-1))
+def fmt_value(v: np.ndarray) -> str: return ", ".join(sym.fmt(d) for d in v.reshape(-1))
+
+
+def dim(x: Any) -> Dim:
+  """An element of a shape value as a Dim (numpy's ints as Python ints)."""
+  if isinstance(x, UOp): return x
+  if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)): return int(x)
+  raise Refused(f"{x!r} is not an integer dim")
+
+
+def pack(out: np.ndarray) -> np.ndarray:
+  """A shape value whose dims all turned out fixed is a plain int64 array (it folds as any constant)."""
+  return out if any(isinstance(d, UOp) for d in out.reshape(-1)) else out.astype(np.int64)
+
+
+def bounds(d: Dim) -> tuple[int, int]:
+  """The smallest and largest value d takes (a monomial: its coefficient times each variable's bound)."""
+  if isinstance(d, int): return d, d
+  c, vs = sym.mono(d)
+  lo, hi = c * math.prod(v.arg[1] for v in vs), c * math.prod(v.arg[2] for v in vs)
+  return (lo, hi) if c >= 0 else (hi, lo)
+
+
+def same(a: Dim, b: Dim) -> bool:
+  """Whether a and b are the same dim for every value of the variables (by monomial, never UOp's ==)."""
+  if isinstance(a, int) or isinstance(b, int): return isinstance(a, int) and isinstance(b, int) and a == b
+  (ca, va), (cb, vb) = sym.mono(a), sym.mono(b)
+  return ca == cb and len(va) == len(vb) and all(x is y for x, y in zip(va, vb))
+
+
+# ---- the elementwise rules on two dims: a dim, a bool, or Refused ----
+def _mul(a: Dim, b: Dim) -> Dim:
+  if a == 0 or b == 0: return 0  # int zeros only: a UOp never equals an int
+  if (isinstance(a, int) and a < 0) or (isinstance(b, int) and b < 0):
+    raise Refused(f"{sym.fmt(a)} * {sym.fmt(b)} is a negative multiple of a symbolic dim, not a dim")
+  return sym.mul(a, b)
+
+
+def _div(a: Dim, b: Dim) -> Dim:
+  if isinstance(a, int) and isinstance(b, int):
+    if b == 0: raise Refused(f"{a} / 0 divides by zero")
+    q = abs(a) // abs(b)  # ONNX's integer Div truncates toward zero
+    return q if (a < 0) == (b < 0) else -q
+  if isinstance(b, int) and b <= 0: raise Refused(f"{sym.fmt(a)} / {b} is not a dim (a divisor of a symbolic dim must be >= 1)")
+  if (exact := sym.div(a, b)) is None:
+    raise Refused(f"{sym.fmt(a)} / {sym.fmt(b)} is not a whole number for every value of the dims (a truncated quotient is no product of named dims)")
+  return exact
+
+
+def _sum(a: Dim, b: Dim, sign: int) -> Dim:
+  if isinstance(a, int) and isinstance(b, int): return a + sign * b
+  if b == 0: return a
+  if a == 0 and sign > 0: return b
+  if sign < 0 and same(a, b): return 0
+  raise Refused(f"{sym.fmt(a)} {'+' if sign > 0 else '-'} {sym.fmt(b)} is a sum of dims: kiln's dims are products of named dims (not supported)")
+
+
+def _compare(name: str, a: Dim, b: Dim) -> bool:
+  """a (name) b, decided for every value of the variables from their bounds."""
+  (alo, ahi), (blo, bhi) = bounds(a), bounds(b)
+  if name == "Equal":
+    if same(a, b): return True
+    if ahi < blo or bhi < alo: return False
+  elif name in ("Less", "GreaterOrEqual"):
+    if ahi < blo: return name == "Less"
+    if alo >= bhi: return name != "Less"
+  elif ahi <= blo: return name == "LessOrEqual"  # LessOrEqual, Greater
+  elif alo > bhi: return name != "LessOrEqual"
+  if name != "Equal" and same(a, b): return name in ("LessOrEqual", "GreaterOrEqual")
+  raise Refused(f"{name}({sym.fmt(a)}, {sym.fmt(b)}) depends on the sizes fed (bounds [{alo}, {ahi}] and [{blo}, {bhi}]): kiln must know it at load")
+
+
+def _extreme(name: str, a: Dim, b: Dim) -> Dim:
+  (alo, ahi), (blo, bhi) = bounds(a), bounds(b)
+  if same(a, b): return a
+  if alo >= bhi: return a if name == "Max" else b
+  if blo >= ahi: return b if name == "Max" else a
+  raise Refused(f"{name}({sym.fmt(a)}, {sym.fmt(b)}) depends on the sizes fed (bounds [{alo}, {ahi}] and [{blo}, {bhi}]): kiln must know it at load")
+
+
+BINARY: dict[str, Callable[[Dim, Dim], Dim | bool]] = {
+  "Mul": _mul, "Div": _div, "Add": lambda a, b: _sum(a, b, 1), "Sub": lambda a, b: _sum(a, b, -1),
+  "Max": partial(_extreme, "Max"), "Min": partial(_extreme, "Min"),
+  **{k: partial(_compare, k) for k in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")},
+}
+COMPARES = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"})
+
+
+def _ints(v: Any) -> bool: return isinstance(v, np.ndarray) and (v.dtype == object or v.dtype.kind in "iu")
+
+
+def _elementwise(n: Node) -> Value:
+  vals = [v for v in n.ins if isinstance(v, np.ndarray)]  # all of them (RULES' _all_ints)
+  f = BINARY[n.op]
+  out = vals[0]
+  for v in vals[1:]:  # Max and Min take any number of inputs, the others two
+    a, b = np.broadcast_arrays(np.asarray(out, object), np.asarray(v, object))
+    res = np.empty(a.shape, bool if n.op in COMPARES else object)
+    for i in np.ndindex(a.shape): res[i] = f(dim(a[i]), dim(b[i]))
+    out = res
+  return out if n.op in COMPARES else pack(out)
+
+
+# TensorProto codes of the integer types (and bool) a Cast keeps a shape value in
+_INT_CODES = {2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 12: np.uint32, 13: np.uint64, 9: np.bool_}
+
+
+def _cast(n: Node, *_: Any) -> Value:
+  to, v = np.dtype(_INT_CODES[n.attr("to")]), n.ins[0]
+  assert isinstance(v, np.ndarray)
+  if to == np.bool_: return np.asarray([isinstance(d, UOp) or dim(d) != 0 for d in v.reshape(-1)], bool).reshape(v.shape)  # a symbolic dim >= 1
+  info, out = np.iinfo(to.type), np.empty(v.shape, object)  # type: ignore[type-var]  # an integer type here
+  for i in np.ndindex(v.shape):
+    d = dim(v[i])
+    if isinstance(d, int): out[i] = int(np.asarray(d).astype(to))  # a fixed size converts as numpy (and onnxruntime) do
+    elif (b := bounds(d))[0] < info.min or b[1] > info.max: raise Refused(f"Cast of {sym.fmt(d)} (up to {b[1]}) to {to.name} would wrap")
+    else: out[i] = d
+  return pack(out)
+
+
+def _where(n: Node) -> Value:
+  c, a, b = n.ins[:3]
+  return pack(np.where(c, np.asarray(a, object), np.asarray(b, object)))  # type: ignore[arg-type]
+
+
+def _expand(n: Node) -> Value:
+  """Expand to a shape holding symbolic dims: a 1 keeps the input's dim, a dim of 1 takes the target's (a lazy broadcast)."""
+  x, tgt = n.ins[0], [dim(d) for d in np.asarray(n.ins[1]).reshape(-1)]
+  if x is None: raise Refused("input 0 is missing")
+  if is_shape_value(x): raise Refused("an Expand of a Shape's dims to a symbolic shape is not supported")
+  xs = tuple(x.shape)
+  nd = max(len(xs), len(tgt))
+  full, shp = (1,) * (nd - len(xs)) + xs, (1,) * (nd - len(tgt)) + tuple(tgt)
+  out: list[Dim] = []
+  for i, (a, b) in enumerate(zip(full, shp)):
+    if isinstance(b, int) and b < 1: raise Refused(f"the target {sym.fmt_shape(shp)} holds {b} (an empty or negative dim) beside symbolic dims")
+    if b == 1 or same(a, b): out.append(a)
+    elif a == 1: out.append(b)
+    else: raise Refused(f"cannot expand {sym.fmt_shape(full)} to {sym.fmt_shape(shp)}: axis {i} ({sym.fmt(a)} to {sym.fmt(b)}) broadcasts only "
+                        "for some sizes")
+  t = x if isinstance(x, Tensor) else Tensor(x)
+  return t.reshape(full).expand(tuple(out))
+
+
+def as_data(v: np.ndarray) -> Tensor:
+  """A shape value as an int64 Tensor of the dims' run-time values."""
+  parts = [Tensor.dim_value(dim(d), dtypes.int64) for d in v.reshape(-1)]
+  if v.ndim == 0: return parts[0]
+  return Tensor.stack(parts, 0).reshape(v.shape)
+
+
+# ---- which ops take a symbolic shape value, and at which inputs (None: every input) ----
+def _no_tensor(n: Node) -> bool: return not any(isinstance(v, Tensor) for v in n.ins)
+def _always(n: Node) -> bool: return True
+def _all_ints(n: Node) -> bool: return all(_ints(v) for v in n.ins if v is not None)
+def _known_condition(n: Node) -> bool:
+  return isinstance(c := n.ins[0], np.ndarray) and c.dtype == np.bool_ and all(_ints(v) for v in n.ins[1:3])
+
+
+class Rule(NamedTuple):
+  inputs: tuple[int, ...] | None  # the inputs that may hold a symbolic shape value
+  keeps: Callable[[Node], bool]   # whether this node keeps it a shape value (else it becomes data)
+  run: Callable[..., Value] | None  # the conversion on shape values (None: the op's own handler takes them)
+
+
+RULES: dict[str, Rule] = {
+  # moved around, or a shape that sets a shape: the op's handler takes the dims
+  **{k: Rule((0,), _no_tensor, None) for k in ("Gather", "Unsqueeze", "Squeeze", "Identity", "Shape")},
+  "Concat": Rule(None, _no_tensor, None), "Reshape": Rule((0, 1), _always, None), "ConstantOfShape": Rule((0,), _always, None),
+  "Range": Rule((1,), _always, None), "Slice": Rule((0, 1, 2), _always, None), "Resize": Rule((3,), _always, None),
+  "Expand": Rule((1,), _always, _expand),
+  **{k: Rule(None, _always, None) for k in ("If", "Loop", "Scan")},  # they refuse a Shape's symbolic dims themselves
+  # arithmetic that stays a dim (or a known bool)
+  **{k: Rule(None, _all_ints, _elementwise) for k in BINARY},
+  "Where": Rule((1, 2), _known_condition, _where),
+  "Cast": Rule((0,), lambda n: n.attr("to") in _INT_CODES, _cast),
+}
+
+
+def check_shape_value(n: Node) -> None:
+  """Before node n converts: each input holding a Shape's symbolic dims stays a shape value where RULES takes it there, else
+  becomes data (n.from_shape records it, for a refusal that needs the value at load)."""
+  rule = RULES.get(n.op)
+  for i, v in enumerate(n.ins):
+    if isinstance(v, np.ndarray) and v.dtype == object and not symbolic(v): n.ins[i] = v.astype(np.int64)  # every dim fixed: a plain shape
+  for i, v in enumerate(n.ins):
+    if not symbolic(v): continue
+    assert isinstance(v, np.ndarray)
+    if rule is not None and (rule.inputs is None or i in rule.inputs) and rule.keeps(n): continue
+    n.from_shape[i] = fmt_value(v)
+    n.ins[i] = as_data(v)
+
+
+def run_rule(n: Node, fallback: Callable[..., Value], *args: Any) -> Value:
+  """The node through its shape-value rule when an input holds symbolic dims, else through its handler."""
+  rule = RULES.get(n.op)
+  if rule is None or rule.run is None or not any(symbolic(v) for v in n.ins): return fallback(n, *args)
+  try: return rule.run(n, *args)
+  except Refused as e: raise n.error(f"on the symbolic dims of a Shape: {e}") from None
+
+
+# ---- Slice on a symbolic axis, or to a symbolic end ----
+def _full(b: Dim, e: Dim, s: int, n: Dim) -> bool:
+  """Whether [b:e:s] keeps every element of an axis of n, whatever n's value."""
+  lo, hi = bounds(n)
+  starts = b == 0 or (isinstance(b, int) and b <= -hi)
+  ends = same(e, n) or (isinstance(e, int) and e >= hi)
+  return s == 1 and starts and ends
+
+
+def slice_dims(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Dim], ends: Sequence[Dim], steps: Sequence[int]) -> Tensor:
+  """t[starts:ends:steps] on axes where an axis or a bound is symbolic: a symbolic axis kept whole, or a fixed axis cut to
+  a symbolic length [0:d] (d's upper bound within the axis). Anything whose length would be a sum (seq - 1) is refused."""
+  spec = [(0, 1)] * t.ndim
+  shape = list(t.shape)
+  for a, b, e, s in zip(axes, starts, ends, steps):
+    size = t.shape[a]
+    if s == 0: raise n.error(f"step 0 on axis {a}")
+    if _full(b, e, s, size): continue
+    where = f"[{sym.fmt(b)}:{sym.fmt(e)}:{s}] of axis {a} of {sym.fmt_shape(t.shape)}"
+    if isinstance(size, int) and isinstance(b, int) and isinstance(e, int):
+      r = range(*slice(b, e, s).indices(size))
+      if not len(r): raise n.error(f"slice {where} is empty (empty tensors are not supported)")
+      spec[a], shape[a] = (r.start, s), len(r)
+    elif isinstance(size, int) and isinstance(e, UOp) and s == 1 and (b == 0 or (isinstance(b, int) and b <= -size)):
+      if (hi := bounds(e)[1]) > size:
+        raise n.error(f"slice {where}: {sym.fmt(e)} goes up to {hi}, past the axis' {size}; the length min({sym.fmt(e)}, {size}) is no dim kiln "
+                      f"makes (bound {sym.fmt(e)} to at most {size})")
+      shape[a] = e
+    else: raise n.error(f"slice {where} has a length that is a sum or difference of dims (such as {_length(b, e, size)}): kiln's dims are "
+                        "products of named dims (not supported)")
+  if tuple(shape) == t.shape: return t
+  return t._view("shrink", tuple(spec), tuple(shape))
+
+
+def _length(b: Dim, e: Dim, size: Dim) -> str:
+  """The length of [b:e] (step 1) on an axis of size, as a formula, for a refusal."""
+  if not (isinstance(b, int) and isinstance(e, int)): return f"{sym.fmt(e)} - {sym.fmt(b)}"
+  n, hi = sym.fmt(size), bounds(size)[1]
+  if b < 0 and e >= hi: return f"min({n}, {-b})"
+  end = n if e >= hi else f"{n} - {-e}" if e < 0 else f"min({n}, {e})"
+  return end if b == 0 else f"{end} - {b}" if b > 0 else f"{end} - ({n} - {-b})"
