@@ -22,7 +22,7 @@ realized product moves into the product's kernel when its readers read each elem
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,56 +328,81 @@ def precompile(kernels: Sequence[tuple[UOp, Any]], device: str, threads: int) ->
   with ThreadPoolExecutor(min(threads, len(todo))) as ex: list(ex.map(one, todo))
 
 
+class GraphPlan:
+  """A graph's kernels placed in an ExecutionPlanBuilder: what compile_nodes and a Program's segments (segments.py) share.
+
+  Each node a kernel reads or writes gets one plan buffer (`bufs`): the one `buffer_for(node)` gives where it gives one
+  (a buffer the caller owns: a segment's bound input, a weight segments share), else a new one (a weight's array copied
+  in, an input's, listed in `inputs`, or a kernel's output). `out_bufs` writes output i straight into out_bufs[i] (a
+  segment's slots); an output given twice is then first copied by a kernel, as an output that is a BUFFER always is.
+  `builder.build()` gives the plan; `checks` are (plan buffer, message) pairs of its run-time index checks."""
+
+  def __init__(self, outputs: Sequence[Node], device: str, fuse: bool = True, out_bufs: Sequence[Any] | None = None,
+               buffer_for: Callable[[Node], Any] | None = None):
+    from kiln.codegen.registry import get_runtime
+    from kiln.executor import ExecutionPlanBuilder
+    self.device, self.buffer_for = device, buffer_for or (lambda n: None)
+    outs: list[Node] = []
+    for o in outputs: outs.append(_copy(o) if o.op == "BUFFER" or out_bufs is not None and o in outs else o)
+    if fuse:
+      new = fuse_epilogues(outs)
+      outs = [new[o] for o in outs]
+    checks = gather_checks(toposort(outs))
+    uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs]))  # the checks' kernels first: a pipeline's first stage runs them
+    try: self.kernels = schedule(uniq, fuse)
+    except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
+      raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
+                       "fused into one kernel reaches Python's recursion limit): realize an intermediate with .contiguous()") from None
+    self.outs, self.nodes = outs, toposort(uniq)
+    self.builder = pb = ExecutionPlanBuilder(device)
+    self.bufs: dict[Node, int] = {} if out_bufs is None else {o: pb.add_buffer(b) for o, b in zip(outs, out_bufs)}
+    self.inputs: dict[str, _Input] = {}
+    self._views: dict[tuple[int, Window], int] = {}
+    rt = get_runtime(device)
+    align = int(getattr(rt, "view_align", 1))  # CUDA: 16, its tiled matmul's vector loads want their operands' starts aligned
+    placed = []
+    for k in self.kernels:
+      ast, wins = read_windows(k.ast)
+      if align > 1: ast, wins = aligned_windows(ast, wins, [s.dtype.itemsize for s in k.slots], align)
+      placed.append((k, ast, wins, _reassociated_opts(ast, device)))
+    precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
+    for k, ast, wins, opts in placed:
+      slots = [self.view_of(self.buf_of(s), wins[i], s.dtype) if i in wins else self.buf_of(s) for i, s in enumerate(k.slots)]
+      pb.add_kernel(ast, slots, opts=opts)
+    pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq)))
+    self.checks = [(self.bufs[c], m) for c, m in checks]
+
+  def buf_of(self, n: Node) -> int:
+    from kiln.executor import Buffer
+    if n in self.bufs: return self.bufs[n]
+    b = self.buffer_for(n)
+    if owned := b is None:
+      if n.max_numel > dtypes.index.max and not is_static(n.shape):  # kernels index in int32: the bounds must keep every index in it
+        raise GraphError(f"a {n.op} node of shape {fmt_shape(n.shape)} has {n.max_numel} elements at the dims' upper bounds, more than a "
+                         f"{dtypes.index.name} index reaches ({dtypes.index.max}): lower the bounds")
+      if (data := n.data) is not None: b = Buffer.from_numpy(np.ascontiguousarray(data), self.device, n.dtype)  # bf16: uint16 in numpy
+      else: b = Buffer(self.device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
+    self.bufs[n] = self.builder.add_buffer(b)
+    if owned and n.op == "BUFFER" and n.arg.name is not None:  # a model input the plan owns: run() copies it in
+      if (prev := self.inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
+      self.inputs[n.arg.name] = _Input(n.arg.name, self.bufs[n], n.shape, n.dtype.np)
+    return self.bufs[n]
+
+  def view_of(self, base: int, w: Window, dtype: DType) -> int:
+    """One plan buffer per (buffer, window), however many kernels read it."""
+    from kiln.executor import Buffer
+    if (base, w) not in self._views:
+      self._views[base, w] = v = self.builder.add_buffer(Buffer(self.device, w[1], dtype))
+      self.builder.add_view(v, base, w[0] * dtype.itemsize, w[1] * dtype.itemsize)
+    return self._views[base, w]
+
+
+def _copy(n: Node) -> Node: return Node("VIEW", (n,), ("reshape", n.shape), n.shape, n.dtype)
+
+
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True) -> Compiled:
-  from kiln.codegen.registry import get_runtime
-  from kiln.executor import Buffer, ExecutionPlanBuilder
-  device = str(DeviceSpec.parse(device))
-  outs = [Node("VIEW", (o,), ("reshape", o.shape), o.shape, o.dtype) if o.op == "BUFFER" else o for o in outputs]
-  if fuse:
-    new = fuse_epilogues(outs)
-    outs = [new[o] for o in outs]
-  checks = gather_checks(toposort(outs))
-  uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs]))  # the checks' kernels first: a pipeline's first stage runs them
-  try: kernels = schedule(uniq, fuse)
-  except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
-    raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
-                     "fused into one kernel reaches Python's recursion limit): realize an intermediate with .contiguous()") from None
-  pb = ExecutionPlanBuilder(device)
-  bufs: dict[Node, int] = {}
-  inputs: dict[str, _Input] = {}
-  def buf_of(n: Node) -> int:
-    if n in bufs: return bufs[n]
-    if n.max_numel > dtypes.index.max and not is_static(n.shape):  # kernels index in int32: the bounds must keep every index in it
-      raise GraphError(f"a {n.op} node of shape {fmt_shape(n.shape)} has {n.max_numel} elements at the dims' upper bounds, more than a "
-                       f"{dtypes.index.name} index reaches ({dtypes.index.max}): lower the bounds")
-    if (data := n.data) is not None: b = Buffer.from_numpy(np.ascontiguousarray(data), device, n.dtype)  # bf16: uint16 in numpy
-    else: b = Buffer(device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
-    bufs[n] = pb.add_buffer(b)
-    if n.op == "BUFFER" and n.arg.name is not None:
-      if (prev := inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
-      inputs[n.arg.name] = _Input(n.arg.name, bufs[n], n.shape, n.dtype.np)
-    return bufs[n]
-  views: dict[tuple[int, Window], int] = {}
-  def view_of(base: int, w: Window, dtype: DType) -> int:  # one plan buffer per (buffer, window), however many kernels read it
-    if (base, w) not in views:
-      views[base, w] = pb.add_buffer(Buffer(device, w[1], dtype))
-      pb.add_view(views[base, w], base, w[0] * dtype.itemsize, w[1] * dtype.itemsize)
-    return views[base, w]
-  rt = get_runtime(device)
-  align = int(getattr(rt, "view_align", 1))  # CUDA: 16, its tiled matmul's vector loads want their operands' starts aligned
-  placed = []
-  for k in kernels:
-    ast, wins = read_windows(k.ast)
-    if align > 1: ast, wins = aligned_windows(ast, wins, [s.dtype.itemsize for s in k.slots], align)
-    placed.append((k, ast, wins, _reassociated_opts(ast, device)))
-  precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
-  for k, ast, wins, opts in placed:
-    slots = [view_of(buf_of(s), wins[i], s.dtype) if i in wins else buf_of(s) for i, s in enumerate(k.slots)]
-    pb.add_kernel(ast, slots, opts=opts)
-  pb.set_outputs(list(dict.fromkeys(bufs[o] for o in uniq)))
-  nodes = toposort(uniq)
-  for n in nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
-    if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): buf_of(n)
-  variables_ = _variables(nodes, inputs)
-  plan = pb.build()
-  return Compiled(plan, list(inputs.values()), [(bufs[o], o.shape) for o in outs], kernels, variables_, [(bufs[c], m) for c, m in checks])
+  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse)
+  for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
+    if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
+  variables_ = _variables(g.nodes, g.inputs)
+  return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks)
