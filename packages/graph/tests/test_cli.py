@@ -130,3 +130,41 @@ def test_console_script_subprocess(tmp_path) -> None:
   assert p.returncode == 2 and "has no input 'q'" in p.stderr and "Traceback" not in p.stderr
   p = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=300)
   assert p.returncode == 0 and "run" in p.stdout
+
+
+def branchy_model(path) -> str:
+  """z = If(c, tanh(e), sqrt(e)) + e with e = exp(x): c is a fed input, so the If is chosen at run time (a program: several
+  plans, both sides compiled at load). x's two dims have no name (silero_vad's): each is keyed by input and axis, x:0 and x:1."""
+  def side(op: str, out: str) -> object:
+    return helper.make_graph([helper.make_node(op, ["e"], [out])], out, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+  g = helper.make_graph([helper.make_node("Exp", ["x"], ["e"]),
+                         helper.make_node("If", ["c"], ["y"], then_branch=side("Tanh", "t"), else_branch=side("Sqrt", "s"), name="if1"),
+                         helper.make_node("Add", ["y", "e"], ["z"])], "branchy",
+                        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None]),
+                         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [None, None])])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  m.ir_version = 8
+  p = str(path / "branchy.onnx")
+  onnx.save(m, p)
+  return p
+
+
+@pytest.mark.parametrize("c", [True, False])
+def test_run_time_if_counts_every_plan_and_profiles_the_branch_taken(tmp_path, capsys, c: bool) -> None:
+  from kiln.graph import onnx as konnx
+  m = branchy_model(tmp_path)
+  x = X[:, :3] / 4
+  feeds = {"x": x, "c": np.array(c)}
+  args = [m, "-i", f"x={npy(tmp_path, 'x.npy', x)}", "-i", f"c={npy(tmp_path, 'c.npy', feeds['c'])}", "--profile", "-o", str(tmp_path / "out")]
+  assert cli.main(args + ([] if c else ["--dims", "x:1=3"])) == 0  # two unnamed dims of different sizes do not clash
+  out = capsys.readouterr().out
+  e = np.exp(x)
+  np.testing.assert_allclose(np.load(tmp_path / "out" / "z.npy"), (np.tanh(e) if c else np.sqrt(e)) + e, rtol=1e-5)
+  km = konnx.load(m, dims={"x:0": 2, "x:1": 3})
+  counts = [len(p.kernels) for p in km.plans]
+  assert km.plan is None and len(counts) > 1 and all(counts)
+  assert f": {sum(counts)} kernels in {len(counts)} plans ({' + '.join(map(str, counts))}:" in out, out
+  assert "per-kernel profile" in out and "the branches these inputs take" in out, out
+  table = out[out.index("per-kernel profile"):].splitlines()[2:-1]
+  assert len(table) == len(km.run_profiled(feeds)[1]) > 0 and all("CPU" in ln for ln in table)

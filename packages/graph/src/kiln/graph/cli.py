@@ -3,8 +3,11 @@ command line. Registered with the `kiln` command through the entry-point group `
 it installed; the executor never imports kiln.graph).
 
 Prints each output's shape, dtype and statistics (min, max, mean); `--out DIR` also writes each output as DIR/NAME.npy;
-`--profile` runs once more kernel by kernel and prints the per-kernel profile. Bad input (a missing or unreadable file, an
-unknown input name, a wrong shape or dtype, a model kiln cannot load) is one line on stderr and exit code 2, no traceback.
+`--profile` runs once more kernel by kernel and prints the per-kernel profile. A model with a run-time If runs several
+plans (kiln.graph.program): the kernel count sums them all, the profile lists the kernels of the branches taken. A
+symbolic dim with no name is given as INPUT:AXIS (`--dims x:0=4`), as kiln.graph.onnx.load takes it. Bad input (a
+missing or unreadable file, an unknown input name, a wrong shape or dtype, a model kiln cannot load) is one line on
+stderr and exit code 2, no traceback.
 """
 from __future__ import annotations
 
@@ -61,10 +64,12 @@ def _dims(items: Sequence[str]) -> dict[str, int]:
 
 
 def _model_inputs(m: object) -> list[tuple[str, list[int | str]]]:
-  """The model's graph inputs (not initializers) and their dims, a name for a symbolic one."""
+  """The model's graph inputs (not initializers) and their dims, a name for a symbolic one: its dim_param, or for a dim
+  with no name (or a declared -1) its input's name and axis, "x:0", the key kiln.graph.onnx.load takes it by."""
   g = m.graph  # type: ignore[attr-defined]
   inits = {i.name for i in g.initializer}
-  return [(vi.name, [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in vi.type.tensor_type.shape.dim])
+  return [(vi.name, [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or f"{vi.name}:{i}")
+                     for i, d in enumerate(vi.type.tensor_type.shape.dim)])
           for vi in g.input if vi.name not in inits]
 
 
@@ -112,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
   t1 = time.perf_counter()
   outs = model.run(feeds)
   t2 = time.perf_counter()
-  p = model.plan
-  print(f"{args.model}: {len(p.kernels) if p is not None else 0} kernels, load + compile {(t1 - t0) * 1e3:.0f} ms, run {(t2 - t1) * 1e3:.1f} ms")
+  plans = model.plans  # one, or a program's segments (a run-time If: both sides of each branch)
+  counts = [len(p.kernels) for p in plans]
+  where = f" in {len(plans)} plans ({' + '.join(map(str, counts))}: both sides of its run-time branches)" if len(plans) > 1 else ""
+  print(f"{args.model}: {sum(counts)} kernels{where}, load + compile {(t1 - t0) * 1e3:.0f} ms, run {(t2 - t1) * 1e3:.1f} ms")
   w = max(len(n) for n in outs) if outs else 0
   for name, a in outs.items(): print(f"  {name:<{w}}  {str(a.shape):<16} {a.dtype!s:<8} {_stats(a)}")
   if args.out:
@@ -127,10 +134,12 @@ def run(args: argparse.Namespace) -> int:
       np.save(d / fn, a)
       print(f"  wrote {d / fn}")
   if args.profile:
-    if p is None: print("profile: every output is a constant, no kernels ran")
+    prof = model.run_profiled(feeds)[1] if plans else None
+    if not plans: print("profile: every output is a constant, no kernels ran")
+    elif not prof: print("profile: the branches these inputs take run no kernels")
     else:
-      prof = model.run_profiled(feeds)[1]
-      print(f"\nper-kernel profile (one run, kernel by kernel; {prof.total_time * 1e3:.2f} ms in kernels):")
+      taken = ", the branches these inputs take" if len(plans) > 1 else ""
+      print(f"\nper-kernel profile (one run, kernel by kernel{taken}; {prof.total_time * 1e3:.2f} ms in kernels):")
       print(prof.table())
   return 0
 
@@ -140,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("model", help="the .onnx file (external data files beside it are mapped, not read)")
   ap.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="one model input from a .npy file (repeat)")
   ap.add_argument("--dims", "-d", action="append", default=[], metavar="NAME=N",
-                  help="the size of a symbolic input dim (repeat; default: taken from the input arrays)")
+                  help="the size of a symbolic input dim, an unnamed one as INPUT:AXIS (repeat; default: taken from the input arrays)")
   ap.add_argument("--profile", action="store_true", help="print the per-kernel profile of one more run")
   ap.add_argument("--out", "-o", metavar="DIR", help="write each output to DIR/NAME.npy")
   ap.add_argument("--device", default="CPU", help="the device to run on (default CPU)")
