@@ -60,6 +60,28 @@ def export_one(torch: Any, m: Any, ins: dict[str, Any], axes: dict[str, dict[int
       torch.onnx.export(m, args, str(path), dynamo=False, input_names=names, dynamic_axes={n: axes[n] for n in names if axes.get(n)} if dyn else None)
 
 
+def exercise(torch: Any, m: Any, ins: dict[str, Any]) -> None:
+  """Random weights as torch's and the libraries' initializers leave them can make a check vacuous: zero-initialized heads
+  (timm's MLP-Mixer, ResMLP) give all-zero outputs, layer scales of 1e-6 hide whole branches, and batch norms at their
+  initial running statistics shrink activations to ~1e-10 (torchvision's MobileNets): any kernel's error then vanishes.
+  So every parameter whose elements are all equal (zeros, ones, a layer scale) gets noise, and each batch norm's running
+  statistics are set from one training-mode pass over the example input, as calibration would."""
+  g = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for p in m.parameters():
+      if p.is_floating_point() and p.numel() > 1 and bool((p == p.reshape(-1)[0]).all()):
+        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    norms = [x for x in m.modules() if isinstance(x, torch.nn.modules.batchnorm._BatchNorm) and x.track_running_stats]
+    if not norms: return
+    for bn in norms: bn.reset_running_stats(); bn.momentum = None  # a cumulative average: after one pass, that batch's statistics
+    try:
+      m.train()
+      m(*ins.values())
+    except Exception:  # a model whose training mode wants more (a detector wants targets): its initial statistics stay
+      for bn in norms: bn.reset_running_stats()
+    finally: m.eval()
+
+
 def main(name: str, out: str) -> int:
   import numpy as np
   import torch
@@ -77,6 +99,7 @@ def main(name: str, out: str) -> int:
   try:
     assert spec.build is not None
     m, ins, axes = spec.build()
+    exercise(torch, m, ins)
     with torch.no_grad(): m(*ins.values())  # a model that does not even run eagerly is the zoo's bug, not an export failure
   except Exception as e:
     meta["error"] = f"building or running the model in torch failed: {first_line(e)}"
