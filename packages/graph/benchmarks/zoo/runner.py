@@ -3,6 +3,7 @@ watched: a variant past the timeout is killed and recorded as TIMEOUT, a child t
 variants left run in a fresh child). Results are cached per model (cache.py); -j runs that many models at once."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -125,7 +126,16 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
 
 
 def run_model(spec: Spec, module_file: str, opts: Any, tree: str) -> dict[str, Any]:
+  """One entry, under its lock: two runs sharing a cache (two people, or -j across two commands) never work on the same
+  entry at once, and the second one finds the first one's result."""
   root = cache.cache_dir(opts.cache)
+  (root / "locks").mkdir(exist_ok=True)
+  with open(root / "locks" / cache.safe(spec.name), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return _run_model(spec, module_file, opts, tree, root)
+
+
+def _run_model(spec: Spec, module_file: str, opts: Any, tree: str, root: Path) -> dict[str, Any]:
   res_path = root / "results" / f"{cache.safe(spec.name)}.json"
   ekey = cache.export_key(spec, module_file)
   ckey = cache.check_key(tree, ekey, opts.threads)
