@@ -60,6 +60,11 @@ def bounds(d: Dim) -> tuple[int, int]:
   return (lo, hi) if c >= 0 else (hi, lo)
 
 
+def fixed(d: Dim, k: int) -> bool:
+  """Whether d is the fixed size k (a symbolic dim never is; no UOp == is evaluated)."""
+  return isinstance(d, int) and d == k
+
+
 def same(a: Dim, b: Dim) -> bool:
   """Whether a and b are the same dim for every value of the variables (by monomial, never UOp's ==)."""
   if isinstance(a, int) or isinstance(b, int): return isinstance(a, int) and isinstance(b, int) and a == b
@@ -69,7 +74,7 @@ def same(a: Dim, b: Dim) -> bool:
 
 # ---- the elementwise rules on two dims: a dim, a bool, or Refused ----
 def _mul(a: Dim, b: Dim) -> Dim:
-  if a == 0 or b == 0: return 0  # int zeros only: a UOp never equals an int
+  if fixed(a, 0) or fixed(b, 0): return 0
   if (isinstance(a, int) and a < 0) or (isinstance(b, int) and b < 0):
     raise Refused(f"{sym.fmt(a)} * {sym.fmt(b)} is a negative multiple of a symbolic dim, not a dim")
   return sym.mul(a, b)
@@ -88,8 +93,8 @@ def _div(a: Dim, b: Dim) -> Dim:
 
 def _sum(a: Dim, b: Dim, sign: int) -> Dim:
   if isinstance(a, int) and isinstance(b, int): return a + sign * b
-  if b == 0: return a
-  if a == 0 and sign > 0: return b
+  if fixed(b, 0): return a
+  if fixed(a, 0) and sign > 0: return b
   if sign < 0 and same(a, b): return 0
   raise Refused(f"{sym.fmt(a)} {'+' if sign > 0 else '-'} {sym.fmt(b)} is a sum of dims: kiln's dims are products of named dims (not supported)")
 
@@ -173,8 +178,8 @@ def _expand(n: Node) -> Value:
   out: list[Dim] = []
   for i, (a, b) in enumerate(zip(full, shp)):
     if isinstance(b, int) and b < 1: raise Refused(f"the target {sym.fmt_shape(shp)} holds {b} (an empty or negative dim) beside symbolic dims")
-    if b == 1 or same(a, b): out.append(a)
-    elif a == 1: out.append(b)
+    if fixed(b, 1) or same(a, b): out.append(a)
+    elif fixed(a, 1): out.append(b)
     else: raise Refused(f"cannot expand {sym.fmt_shape(full)} to {sym.fmt_shape(shp)}: axis {i} ({sym.fmt(a)} to {sym.fmt(b)}) broadcasts only "
                         "for some sizes")
   t = x if isinstance(x, Tensor) else Tensor(x)
@@ -242,7 +247,7 @@ def run_rule(n: Node, fallback: Callable[..., Value], *args: Any) -> Value:
 def _full(b: Dim, e: Dim, s: int, n: Dim) -> bool:
   """Whether [b:e:s] keeps every element of an axis of n, whatever n's value."""
   lo, hi = bounds(n)
-  starts = b == 0 or (isinstance(b, int) and b <= -hi)
+  starts = isinstance(b, int) and (b == 0 or b <= -hi)
   ends = same(e, n) or (isinstance(e, int) and e >= hi)
   return s == 1 and starts and ends
 
@@ -256,26 +261,31 @@ def slice_dims(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Dim], e
     size = t.shape[a]
     if s == 0: raise n.error(f"step 0 on axis {a}")
     if _full(b, e, s, size): continue
-    where = f"[{sym.fmt(b)}:{sym.fmt(e)}:{s}] of axis {a} of {sym.fmt_shape(t.shape)}"
+    where = f"[{_bound(b)}:{_bound(e)}{'' if s == 1 else f':{s}'}] of axis {a} of {sym.fmt_shape(t.shape)}"
     if isinstance(size, int) and isinstance(b, int) and isinstance(e, int):
       r = range(*slice(b, e, s).indices(size))
       if not len(r): raise n.error(f"slice {where} is empty (empty tensors are not supported)")
       spec[a], shape[a] = (r.start, s), len(r)
-    elif isinstance(size, int) and isinstance(e, UOp) and s == 1 and (b == 0 or (isinstance(b, int) and b <= -size)):
+    elif isinstance(size, int) and isinstance(e, UOp) and s == 1 and isinstance(b, int) and (b == 0 or b <= -size):
       if (hi := bounds(e)[1]) > size:
         raise n.error(f"slice {where}: {sym.fmt(e)} goes up to {hi}, past the axis' {size}; the length min({sym.fmt(e)}, {size}) is no dim kiln "
                       f"makes (bound {sym.fmt(e)} to at most {size})")
       shape[a] = e
-    else: raise n.error(f"slice {where} has a length that is a sum or difference of dims (such as {_length(b, e, size)}): kiln's dims are "
-                        "products of named dims (not supported)")
+    else: raise n.error(f"slice {where} would have the length {_length(b, e, s, size)}, which is no product of named dims: kiln's dims are "
+                        "monomials, sums and differences of dims are not supported")
   if tuple(shape) == t.shape: return t
   return t._view("shrink", tuple(spec), tuple(shape))
 
 
-def _length(b: Dim, e: Dim, size: Dim) -> str:
-  """The length of [b:e] (step 1) on an axis of size, as a formula, for a refusal."""
-  if not (isinstance(b, int) and isinstance(e, int)): return f"{sym.fmt(e)} - {sym.fmt(b)}"
-  n, hi = sym.fmt(size), bounds(size)[1]
+def _bound(d: Dim) -> str: return "" if isinstance(d, int) and abs(d) >= 2**62 else sym.fmt(d)  # INT64_MAX: to the end
+
+
+def _length(b: Dim, e: Dim, s: int, size: Dim) -> str:
+  """The length of [b:e:s] on an axis of size, as a formula (for a refusal)."""
+  n = sym.fmt(size)
+  if s != 1: return f"about {n} / {abs(s)}" if isinstance(b, int) and isinstance(e, int) else f"({sym.fmt(e)} - {sym.fmt(b)}) / {abs(s)}"
+  if not (isinstance(b, int) and isinstance(e, int)): return f"min({sym.fmt(e)}, {n})" if fixed(b, 0) else f"{sym.fmt(e)} - {sym.fmt(b)}"
+  hi = bounds(size)[1]
   if b < 0 and e >= hi: return f"min({n}, {-b})"
   end = n if e >= hi else f"{n} - {-e}" if e < 0 else f"min({n}, {e})"
   return end if b == 0 else f"{end} - {b}" if b > 0 else f"{end} - ({n} - {-b})"
