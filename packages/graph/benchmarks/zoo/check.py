@@ -3,7 +3,8 @@ file. `python -m zoo.check JOB.json PROGRESS` reads the job ({"threads": n, "var
 and appends one JSON line to PROGRESS before each variant ({"begin": variant}) and one after ({"result": {...}}), so the
 parent knows which variant was running when this process crashed or hung, and reruns the rest in a fresh one.
 
-A result's status: OK (every output matches at every feed), REFUSED (kiln's typed ONNXError, at load or at run), WRONG (an
+A result's status: OK (every output matches at every feed, within TOL of the output's scale or NOISE times the
+model's float32 noise floor, whichever is larger), REFUSED (kiln's typed ONNXError, at load or at run), WRONG (an
 output or its shape differs), CRASH (any other exception), NO-REF (onnxruntime itself cannot run the file). Timing: kiln and
 onnxruntime on the same thread count, in interleaved rounds, median milliseconds."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-TOL = 1e-3          # largest |kiln - onnxruntime| allowed, relative to the output's largest magnitude
+TOL = 1e-3          # largest |kiln - onnxruntime| allowed, relative to the output's largest magnitude, unless the model's noise is larger:
+NOISE = 5           # times how far onnxruntime moves from itself with its graph optimizations off (the model's float32 noise floor)
 ROUNDS = (3, 15)    # timing rounds: at least, at most
 ROUND_BUDGET = 1.0  # seconds of kiln + onnxruntime time after which no more rounds start (past the minimum)
 
@@ -64,6 +66,9 @@ def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     want = [sess.run(None, f) for f in feeds]
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, feeds[0])
+    r["ort_noise"] = max((rel_error(a, b) for a, b in zip(plain, want[0]) if a.shape == b.shape), default=0.0)
   except Exception as e:
     return r | {"status": "NO-REF", "message": f"onnxruntime cannot run it: {first_line(e)}"}
   t = time.perf_counter()
@@ -83,8 +88,10 @@ def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
       if g.shape != ww.shape: bad.append(f"feed {i} output {j}: shape {g.shape}, onnxruntime {ww.shape}")
       else: errs.append(rel_error(g, ww))
   r["rel_err"] = max(errs, default=0.0)
-  if bad or r["rel_err"] > TOL:
-    return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale"}
+  tol = max(TOL, NOISE * r["ort_noise"])  # a model whose own float32 rounding moves its output that much (ill-conditioned)
+  if bad or r["rel_err"] > tol:
+    return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale "
+                f"(onnxruntime without its graph optimizations moves {r['ort_noise']:.1e})"}
   kt: list[float] = []
   ot: list[float] = []
   spent = 0.0
