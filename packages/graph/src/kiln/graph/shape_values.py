@@ -31,8 +31,8 @@ if TYPE_CHECKING:
   from kiln.graph.onnx_ops import Node, Value
 
 
-class Refused(Exception):
-  """A shape-value operation whose result kiln cannot hold exactly (the converter names the node)."""
+class Refused(ValueError):
+  """A shape-value operation whose result kiln cannot hold exactly (a ValueError: the converter names the node whatever catches it)."""
 
 
 def is_shape_value(v: Any) -> bool: return isinstance(v, np.ndarray) and v.dtype == object
