@@ -40,13 +40,15 @@ def test_refusals_group_by_operator_and_rank_by_models() -> None:
     rec("a", dynamo__fixed=("REFUSED", "node /layer1/Resize_3 (Resize): mode 'cubic' is not supported"),
         script__fixed=("REFUSED", "node Resize_17 (Resize): mode 'cubic' is not supported")),
     rec("b", dynamo__fixed=("REFUSED", "node /x/Resize (Resize, opset 20): mode 'cubic' is not supported"), script__fixed=("OK", "")),
-    rec("c", dynamo__fixed=("REFUSED", "node n0 (NonZero): operator NonZero is not supported"), script__fixed=("CRASH", "at load: KeyError: 3")),
+    rec("c", dynamo__fixed=("REFUSED", "2 nodes use what kiln does not support:\n  node n0 (NonZero): operator NonZero is not supported\n"
+                                       "  node /r (Resize, opset 20): mode 'cubic' is not supported"),
+        script__fixed=("CRASH", "at load: KeyError: 3")),
   ]
   assert report.group("node /a/b_12 (Pad): pads 'val_12' has 3 values") == ("Pad", "pads '…' has N values")
   assert report.group("input 'x' dim 0 is symbolic") == ("(model)", "input 'x' dim N is symbolic")
   lines = report.refusals(recs)
   rows = [l for l in lines if l.startswith("| ") and not l.startswith("| models")]
-  assert rows[0].startswith("| 2 | 3 | Resize | mode 'cubic' is not supported | a, b |")  # two models, three exports, one group
+  assert rows[0].startswith("| 3 | 4 | Resize | mode 'cubic' is not supported | a, b, c |")  # three models, four exports, one group
   assert rows[1].startswith("| 1 | 1 | NonZero |")
   md = report.markdown(recs, "test")
   assert "| dynamo/fixed | 0 | 3 | 0 | 0 |" in md and "| script/fixed | 1 | 1 | 0 | 1 |" in md

@@ -30,6 +30,19 @@ def group(msg: str) -> tuple[str, str]:
   return "(model)", normalize(msg)
 
 
+def groups(msg: str) -> set[tuple[str, str]]:
+  """The groups of one refusal: kiln lists every node it cannot take, one a line after a header; each counts."""
+  lines = [x.strip() for x in msg.splitlines() if x.strip()]
+  nodes = [x for x in lines if NODE.match(x)]
+  return {group(x) for x in nodes} if nodes else {group(lines[0] if lines else "")}
+
+
+def short(msg: str) -> str:
+  """A refusal in one line: its first line, and the first node it lists when it lists several."""
+  lines = [x.strip() for x in msg.splitlines() if x.strip()]
+  return " ".join(lines[:2])
+
+
 def status_of(rec: dict[str, Any], v: str) -> str | None:
   r = rec["results"].get(v) or (rec["results"].get("build") if v != "file" and "file" not in rec["results"] else None)
   return r["status"] if r else None
@@ -46,7 +59,7 @@ def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
   ratio = t["kiln_ms"] / t["ort_ms"] if t and t.get("ort_ms") else None
   cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f")]
   first = next((r for v in (*VARIANTS, "build") if (r := rec["results"].get(v)) and r["status"] != "OK"), None)
-  cells.append("" if first is None else f"{first['variant']}: {first['message'][:110]}".replace("|", "/").replace("\n", " "))
+  cells.append("" if first is None else f"{first['variant']}: {short(first['message'])[:140]}".replace("|", "/"))
   return "| " + " | ".join(cells) + " |"
 
 
@@ -72,14 +85,12 @@ def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
 def refusals(recs: list[dict[str, Any]]) -> list[str]:
   blocked: dict[tuple[str, str], set[str]] = defaultdict(set)
   exports: Counter[tuple[str, str]] = Counter()
-  examples: dict[tuple[str, str], str] = {}
   for rec in recs:
     for r in rec["results"].values():
       if r["status"] != "REFUSED": continue
-      k = group(r["message"])
-      blocked[k].add(rec["name"])
-      exports[k] += 1
-      examples.setdefault(k, r["message"])
+      for k in groups(r["message"]):
+        blocked[k].add(rec["name"])
+        exports[k] += 1
   if not blocked: return ["No refusals."]
   by_op: dict[str, set[str]] = defaultdict(set)
   for (op, _), names in blocked.items(): by_op[op] |= names
@@ -97,7 +108,7 @@ def problems(recs: list[dict[str, Any]]) -> list[str]:
   for rec in recs:
     for v, r in sorted(rec["results"].items()):
       if r["status"] in ("WRONG", "CRASH", "TIMEOUT", "NO-REF"):
-        out.append(f"- `{rec['name']}` {v}: **{r['status']}** {r['message'].replace(chr(10), ' ')[:400]}")
+        out.append(f"- `{rec['name']}` {v}: **{r['status']}** {short(r['message'])[:400]}")
   return out or ["None."]
 
 
