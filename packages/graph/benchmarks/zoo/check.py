@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-TOL = 1e-3          # largest |kiln - onnxruntime| allowed, relative to the output's largest magnitude, unless the model's noise is larger:
+TOL = 1e-4          # largest |kiln - onnxruntime| allowed, relative to the output's largest magnitude, unless the model's noise is larger:
 MESSAGE = 6000      # characters of a refusal kept: kiln lists every node it cannot take, one a line
 NOISE = 5           # times how far onnxruntime moves from itself with its graph optimizations off (the model's float32 noise floor)
 ROUNDS = (3, 15)    # timing rounds: at least, at most
