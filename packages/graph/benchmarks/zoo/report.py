@@ -18,7 +18,7 @@ NODE = re.compile(r"^(?P<when>at run: )?node (?P<node>.*?) \((?P<op>[A-Za-z0-9_.
 def normalize(msg: str) -> str:
   """A message with what varies from model to model taken out: value names, numbers, shapes."""
   msg = re.sub(r"'[^']*[/:0-9][^']*'", "'…'", msg)  # quoted names with digits, slashes, colons: value names
-  msg = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", msg)
+  msg = re.sub(r"(?<![A-Za-z0-9])\d+(\.\d+)?(e[-+]?\d+)?", "N", msg)  # not inside a name: Col2Im, int64 stay
   msg = re.sub(r"\((?:[\w*-]+, )*[\w*-]+,?\)|\[(?:[\w*-]+, )*[\w*-]+\]", lambda m: m[0] if "," not in m[0] else "(…)", msg)  # shapes
   return msg[:220]
 
@@ -116,7 +116,8 @@ def export_failures(recs: list[dict[str, Any]]) -> list[str]:
   c: dict[str, set[str]] = defaultdict(set)
   for rec in recs:
     for v, r in rec["results"].items():
-      if r["status"] == "EXPORT-FAIL": c[f"{v.split('/')[0]}: {normalize(r['message'])[:160]}"].add(rec["name"])
+      if r["status"] == "EXPORT-FAIL":  # the innermost cause, where the exporter wrapped it ("TorchExportError: ... <- cause")
+        c[f"{v.split('/')[0]}: {normalize(r['message'].split(' <- ')[-1])[:160]}"].add(rec["name"])
   ranked = sorted(c.items(), key=lambda kv: -len(kv[1]))
   return [f"- {len(n)}: {k} ({', '.join(sorted(n)[:5])}{', …' if len(n) > 5 else ''})" for k, n in ranked] or ["None."]
 
