@@ -1,11 +1,14 @@
-"""`scripts/zoo [--only REGEX] [-j N] [--force] [--resume] [--markdown FILE] [--threads N] [--timeout S] [--list]`: export the zoo's
+"""`scripts/zoo [--only REGEX] [-j N] [--force] [--resume] [--cold] [--markdown FILE] [--threads N] [--timeout S] [--list]`: export the zoo's
 models, check each export on kiln against onnxruntime, print the report (and write it with --markdown). Bench env only."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -27,6 +30,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--timeout", type=float, default=300, help="seconds one export's check may take (load, runs, timing)")
   p.add_argument("--export-timeout", type=float, default=900, help="seconds all exports of one model may take")
   p.add_argument("--cache", help="cache directory (default .zoo-cache at the repo root)")
+  p.add_argument("--cold", action="store_true", help="load with an empty kiln kernel cache (a fresh KILN_CACHE_DIR per run): cold load times")
   p.add_argument("--resume", action="store_true", help="skip every entry with a cached result, current or not (finish a cut-off run)")
   p.add_argument("--list", action="store_true", help="list the entries and exit")
   p.add_argument("--report-only", action="store_true", help="report from the cache, running nothing")
@@ -41,6 +45,9 @@ def main(argv: list[str]) -> int:
     print(f"{len(todo)} entries")
     return 0
   tree = cache.kiln_tree_hash()
+  if opts.cold:
+    runner.COLD["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-kiln-cache-")
+    atexit.register(shutil.rmtree, runner.COLD["KILN_CACHE_DIR"], True)
   recs, t0 = [], time.time()
   if opts.report_only:
     recs = [r for s, _ in todo if (r := cache.read_json(cache.cache_dir(opts.cache) / "results" / f"{cache.safe(s.name)}.json"))]

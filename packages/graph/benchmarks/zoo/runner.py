@@ -43,8 +43,11 @@ def kill_all() -> None:
   for p in list(LIVE): kill(p)
 
 
+COLD: dict[str, str] = {}  # KILN_CACHE_DIR for --cold: an empty kernel cache, so load times include compiling every kernel
+
+
 def child_env(threads: int) -> dict[str, str]:
-  env = dict(os.environ)
+  env = dict(os.environ) | COLD
   env["PYTHONPATH"] = os.pathsep.join([str(cache.HERE.parent), *filter(None, [env.get("PYTHONPATH")])])
   env.update(KILN_THREADS=str(threads), OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
   return env
