@@ -46,3 +46,15 @@ def check(m: onnx.ModelProto, feeds: dict[str, np.ndarray], tol: float = 1e-5, k
     else: np.testing.assert_array_equal(g, w)
   if kernels is not None: assert km.plan is not None and len(km.plan.kernels) == kernels, km.summary()
   return km
+
+
+def dyn_model(nodes: list, inputs: dict[str, tuple[int, tuple]], outs: dict[str, int], inits: dict[str, np.ndarray] | None = None,
+              opset: int = 17) -> onnx.ModelProto:
+  """inputs: name -> (TensorProto type, shape with str dims for the symbolic ones)."""
+  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, t, list(s)) for k, (t, s) in inputs.items()],
+                        [helper.make_tensor_value_info(k, t, None) for k, t in outs.items()],
+                        [onnx.numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+  m.ir_version = 8
+  for o in m.graph.output: o.type.tensor_type.shape.SetInParent()  # the checker wants a shape, even an unknown one
+  return m

@@ -10,7 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
-from onnx_case import N, ort  # noqa: E402
+from onnx_case import N, dyn_model, ort  # noqa: E402
 
 from kiln.graph import ONNXError  # noqa: E402
 from kiln.graph import onnx as konnx  # noqa: E402
@@ -18,18 +18,6 @@ from kiln.graph.tensor import Tensor, compile  # noqa: E402
 
 RNG = np.random.default_rng(11)
 DIMS = {"batch": (1, 6), "seq": (1, 12)}
-
-
-def dyn_model(nodes: list, inputs: dict[str, tuple[int, tuple]], outs: dict[str, int], inits: dict[str, np.ndarray] | None = None,
-              opset: int = 17) -> onnx.ModelProto:
-  """inputs: name -> (TensorProto type, shape with str dims for the symbolic ones)."""
-  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, t, list(s)) for k, (t, s) in inputs.items()],
-                        [helper.make_tensor_value_info(k, t, None) for k, t in outs.items()],
-                        [onnx.numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
-  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-  m.ir_version = 8
-  for o in m.graph.output: o.type.tensor_type.shape.SetInParent()  # the checker wants a shape, even an unknown one
-  return m
 
 
 def check_sizes(m: onnx.ModelProto, feeds_list: list[dict[str, np.ndarray]], tol: float = 1e-5) -> konnx.Model:

@@ -11,7 +11,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
-from onnx_case import N, ort  # noqa: E402
+from onnx_case import N, dyn_model, ort  # noqa: E402
 
 from kiln.graph import ONNXError  # noqa: E402
 from kiln.graph import dims as sym  # noqa: E402
@@ -24,17 +24,6 @@ F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
 def i64(*v: int) -> np.ndarray: return np.asarray(v, np.int64)
-
-
-def _model(nodes: list, inputs: dict[str, tuple[int, tuple]], outs: dict[str, int], inits: dict[str, np.ndarray] | None = None,
-           opset: int = 17) -> onnx.ModelProto:
-  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, t, list(s)) for k, (t, s) in inputs.items()],
-                        [helper.make_tensor_value_info(k, t, None) for k, t in outs.items()],
-                        [onnx.numpy_helper.from_array(v, k) for k, v in (inits or {}).items()])
-  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-  m.ir_version = 8
-  for o in m.graph.output: o.type.tensor_type.shape.SetInParent()
-  return m
 
 
 def _sizes(m: onnx.ModelProto, make: object, sizes: list[tuple[int, int]], tol: float = 1e-5) -> konnx.Model:
@@ -70,7 +59,7 @@ def test_expand_to_a_mask_of_batch_1_1_seq() -> None:
     N("Unsqueeze", ["mask", "ax12"], ["m4"]), N("Concat", ["b", "one", "s", "s"], ["tgt2"], axis=0),
     N("Expand", ["m4", "tgt2"], ["mm"]), N("Add", ["mm", "posf"], ["y"])]
   inits = IDX | {"zero0": np.asarray(0, np.int64), "one0": np.asarray(1, np.int64), "ax012": i64(0, 1, 2), "ax12": i64(1, 2)}
-  m = _model(nodes, {"ids": (I64, ("batch", "seq")), "mask": (F, ("batch", "seq"))}, {"y": F, "pos": I64}, inits)
+  m = dyn_model(nodes, {"ids": (I64, ("batch", "seq")), "mask": (F, ("batch", "seq"))}, {"y": F, "pos": I64}, inits)
   _sizes(m, lambda b, s: {"ids": np.zeros((b, s), np.int64), "mask": RNG.standard_normal((b, s)).astype(np.float32)}, [(2, 5), (1, 12), (6, 1)])
 
 
@@ -83,7 +72,7 @@ def test_legacy_cls_token_expand() -> None:
     N("ConstantOfShape", ["rs"], ["ones"], value=helper.make_tensor("v", I64, [1], [1])),
     N("Mul", ["ones", "m1"], ["neg"]), N("Equal", ["r", "neg"], ["eq"]), N("Where", ["eq", "ones", "r"], ["shape"]),
     N("Expand", ["cls", "shape"], ["tok"]), N("Concat", ["tok", "x"], ["y"], axis=1)]
-  m = _model(nodes, {"x": (F, ("batch", 3, d))}, {"y": F}, IDX | {"cls": RNG.standard_normal((1, 1, d)).astype(np.float32)})
+  m = dyn_model(nodes, {"x": (F, ("batch", 3, d))}, {"y": F}, IDX | {"cls": RNG.standard_normal((1, 1, d)).astype(np.float32)})
   _sizes(m, lambda b, s: {"x": RNG.standard_normal((b, 3, d)).astype(np.float32)}, [(1, 1), (4, 1), (6, 1)])
 
 
@@ -96,7 +85,7 @@ def test_arithmetic_that_stays_a_dim() -> None:
     N("Add", ["s3", "zero"], ["s5"]), N("Sub", ["s5", "zero"], ["s6"]), N("Cast", ["s6"], ["s7"], to=TensorProto.INT32),
     N("Cast", ["s7"], ["s8"], to=I64), N("Greater", ["s8", "zero"], ["pos"]), N("Where", ["pos", "s8", "m1"], ["s9"]),
     N("Concat", ["b", "s9", "two"], ["back"], axis=0), N("Reshape", ["f", "back"], ["y"])]
-  m = _model(nodes, {"x": (F, ("batch", "seq", 2))}, {"y": F, "f": F}, IDX | {"two": i64(2), "four": i64(4), "big": i64(99)})
+  m = dyn_model(nodes, {"x": (F, ("batch", "seq", 2))}, {"y": F, "f": F}, IDX | {"two": i64(2), "four": i64(4), "big": i64(99)})
   _sizes(m, lambda b, s: {"x": RNG.standard_normal((b, s, 2)).astype(np.float32)}, [(3, 5), (1, 12), (6, 1)])
 
 
@@ -108,7 +97,7 @@ def test_a_dim_read_as_data() -> None:
     N("Mul", ["b0", "s0"], ["bs"]), N("Add", ["ids", "bs"], ["ab"]),
     N("ReduceSum", ["ids", "ax01"], ["tot"], keepdims=1), N("Reshape", ["tot", "m1"], ["tot1"]), N("Shape", ["x"], ["sh"]),
     N("Concat", ["sh", "tot1"], ["cat"], axis=0)]
-  m = _model(nodes, {"x": (F, ("batch", "seq")), "ids": (I64, ("batch", "seq"))}, {"mean": F, "ab": I64, "cat": I64},
+  m = dyn_model(nodes, {"x": (F, ("batch", "seq")), "ids": (I64, ("batch", "seq"))}, {"mean": F, "ab": I64, "cat": I64},
              IDX | {"ax1": i64(1), "ax01": i64(0, 1)})
   _sizes(m, lambda b, s: {"x": RNG.standard_normal((b, s)).astype(np.float32), "ids": RNG.integers(-9, 9, (b, s)).astype(np.int64)},
          [(3, 5), (1, 12), (6, 1)])
@@ -122,7 +111,7 @@ def test_slice_to_a_symbolic_end() -> None:
     N("Gather", ["emb", "ids"], ["te"], axis=0), N("Add", ["te", "pe"], ["y"]),
     N("Slice", ["ids", "zero", "s", "one"], ["same"])]
   inits = IDX | {"pos_ids": np.arange(16, dtype=np.int64)[None], "emb": RNG.standard_normal((16, 3)).astype(np.float32)}
-  m = _model(nodes, {"ids": (I64, ("batch", "seq"))}, {"y": F, "same": I64}, inits)
+  m = dyn_model(nodes, {"ids": (I64, ("batch", "seq"))}, {"y": F, "same": I64}, inits)
   km = _sizes(m, lambda b, s: {"ids": RNG.integers(0, 16, (b, s)).astype(np.int64)}, [(2, 5), (1, 12), (6, 1)])
   assert km.plan is not None
 
@@ -131,12 +120,12 @@ def test_resize_to_its_own_batch_and_channels() -> None:
   """torch's interpolate(size=(8, 8)) with a dynamic batch: sizes Concat(Shape(x)[0:2], [8, 8]); the batch is not resized."""
   nodes = [N("Shape", ["x"], ["sh"]), N("Slice", ["sh", "zero", "two"], ["nc"]), N("Concat", ["nc", "hw"], ["sz"], axis=0),
            N("Resize", ["x", "", "", "sz"], ["y"], mode="linear", coordinate_transformation_mode="pytorch_half_pixel")]
-  m = _model(nodes, {"x": (F, ("batch", 3, 4, 5))}, {"y": F}, IDX | {"two": i64(2), "hw": i64(8, 8)}, opset=13)
+  m = dyn_model(nodes, {"x": (F, ("batch", 3, 4, 5))}, {"y": F}, IDX | {"two": i64(2), "hw": i64(8, 8)}, opset=13)
   _sizes(m, lambda b, s: {"x": RNG.standard_normal((b, 3, 4, 5)).astype(np.float32)}, [(1, 1), (4, 1), (6, 1)])
 
 
 def _refused(nodes: list, outs: dict[str, int], match: str, inputs: dict | None = None, inits: dict | None = None, dims: dict | None = None) -> None:
-  m = _model(nodes, inputs or {"x": (F, ("batch", "seq"))}, outs, IDX | (inits or {}))
+  m = dyn_model(nodes, inputs or {"x": (F, ("batch", "seq"))}, outs, IDX | (inits or {}))
   with pytest.raises(ONNXError, match=match): konnx.load(m, dims=dims or DIMS)
 
 
