@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.graph.dims import mono, mul, reshape_groups
+from kiln.graph.dims import add, dmin, mul, negative, reshape_groups, same
 from kiln.graph.lazy import GraphError, Node
 from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.kernels import Dim, flat_index
@@ -16,7 +16,9 @@ from kiln.ir.uop import UOp
 ZERO = UOp.const(dtypes.index, 0)
 
 
-def _clamp(i: UOp, n: Dim) -> UOp: return i.maximum(0).minimum(n - 1)
+def _clamp(i: UOp, n: Dim) -> UOp:
+  # a size that may be 0 (a KV cache's past) clamps to 0 last, so the index stays provably in its buffer (read, never used)
+  return i.maximum(0).minimum(n - 1) if dmin(n) >= 1 else i.minimum(n - 1).maximum(0)
 
 
 def strides(shape: tuple[Dim, ...]) -> list[Dim]:
@@ -66,7 +68,7 @@ class Splits:
     for j in range(k, len(idx)):
       e = self.of.get(idx[j])
       if e is None or e.lin is not sp.lin or (j > k and e.first): return None
-      if mono(e.stride) == (1, ()):
+      if same(e.stride, 1):
         m = j
         break
     if m is None or m == k: return None
@@ -74,7 +76,7 @@ class Splits:
     for j in range(k, m + 1):
       e = self.of[idx[j]]
       if not (shape[j] is e.dim or isinstance(shape[j], int) and isinstance(e.dim, int) and shape[j] == e.dim): return None
-      if mono(e.stride) != mono(mul(*shape[j + 1:m + 1])): return None
+      if not same(e.stride, mul(*shape[j + 1:m + 1])): return None
       symbolic = symbolic or isinstance(e.stride, UOp) or isinstance(e.dim, UOp)
     return (m, sp.lin) if symbolic else None
 
@@ -144,6 +146,8 @@ class Renderer:
     if val.dtype != n.dtype: val = val.cast(n.dtype)
     ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
     ast, slots = self._drop_unread(ast)
+    if neg := {d for m in (n, *self.rendered, *slots) for d in negative(m.shape)}:  # run() has checked them >= 0: say so to the verifier
+      ast = substitute(ast, {d: d.maximum(0) for d in neg})
     return Kernel(n, ast, slots, self.rendered, offenders=self.offenders)
 
   def _name(self) -> str:
@@ -207,12 +211,12 @@ class Renderer:
       return self.render(table, (*idx[:ax], iv, *idx[ax + k:]))
     if n.op == "CAT":
       ax = n.arg
-      offs = [0]
-      for s in n.src: offs.append(offs[-1] + s.shape[ax])
+      offs: list[Dim] = [0]
+      for s in n.src: offs.append(add(offs[-1], s.shape[ax]))  # symbolic pieces: past, then past + seq
       acc: UOp | None = None
       for k in reversed(range(len(n.src))):
         s = n.src[k]
-        sub = _clamp(idx[ax] - offs[k], s.shape[ax]) if s.shape[ax] > 1 else ZERO
+        sub = ZERO if _is1(s.shape[ax]) else _clamp(idx[ax] - offs[k], s.shape[ax])
         v = self.render(s, (*idx[:ax], sub, *idx[ax + 1:]))
         acc = v if acc is None else (idx[ax] < offs[k + 1]).where(v, acc)
       assert acc is not None

@@ -31,7 +31,7 @@ import numpy as np
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
 from kiln.executor.portable import in_plan_dtype
-from kiln.graph.dims import evaluate, fmt_shape, is_static, mono, variables
+from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, consumers, toposort
@@ -161,10 +161,11 @@ class Compiled:
   is an IndexOutOfRangeError instead of the outputs."""
 
   def __init__(self, plan, inputs: list[_Input], outputs: list[tuple[int, tuple[Dim, ...]]], kernels: list[Kernel],  # type: ignore[no-untyped-def]
-               variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = ()):
+               variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = (), sizes: Sequence[Dim] = ()):
     self.plan, self.inputs, self.outputs, self.kernels = plan, inputs, outputs, kernels
     self.variables: dict[str, UOp] = dict(variables or {})  # name -> UOp.variable(name, lo, hi)
     self.checks = list(checks)
+    self.sizes = list(sizes)  # dims the bounds do not prove >= 0 (GraphPlan.sizes): each run checks them before the plan runs
     self._checks = CheckReader(plan.buffers, self.checks)
 
   @property
@@ -224,10 +225,12 @@ class Compiled:
       if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {fmt_shape(i.shape)}, {i.dtype}) was not fed")
       feeds[i.name] = np.asarray(feeds[i.name])
     vals = self.infer_vars(feeds)
+    check_sizes(self.sizes, vals)
     for i in self.inputs:
       a = in_plan_dtype(feeds[i.name], i.dtype)
       if a is None: raise GraphError(f"input {i.name!r} has dtype {feeds[i.name].dtype}, the graph takes {i.dtype}")
       buf = self.plan.buffers[i.buf]
+      if a.size == 0: continue  # a dim of 0 (an empty KV cache): nothing to copy, the kernels read none of it
       if a.size != buf.size: buf = buf.view(0, a.size)  # a symbolic input below its maximum fills the buffer's front
       buf.copyin(np.ascontiguousarray(a))
     return vals
@@ -238,13 +241,14 @@ class Compiled:
       shape = tuple(evaluate(d, vals) for d in s)
       buf = self.plan.buffers[b]
       n = int(np.prod(shape, dtype=np.int64))
-      out.append((buf if n == buf.size else buf.view(0, n)).numpy().reshape(shape).copy())
+      out.append((buf if n == buf.size else buf.view(0, max(n, 1))).numpy()[:n].reshape(shape).copy())  # n = 0: a dim of 0
     return out
 
 
 def _spec_dim(d: Dim) -> int | str:
   """A dim in a PlanSpec: a size, or a product of variable names and a whole number ("2*seq")."""
   if isinstance(d, int): return d
+  if not is_mono(d): raise GraphError(f"the dim {fmt(d)} is a sum: a PlanSpec's dims are products of names (exporting it is not supported)")
   c, vs = mono(d)
   return "*".join([*([str(c)] if c != 1 or not vs else []), *(v.arg[0] for v in vs)])
 
@@ -371,6 +375,7 @@ class GraphPlan:
       pb.add_kernel(ast, slots, opts=opts)
     pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq)))
     self.checks = [(self.bufs[c], m) for c, m in checks]
+    self.sizes = list(dict.fromkeys(d for n in self.nodes for d in negative(n.shape)))  # seq - 1 of a seq that may be 0: run() checks it
 
   def buf_of(self, n: Node) -> int:
     from kiln.executor import Buffer
@@ -405,4 +410,4 @@ def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = Tru
   for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
     if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
   variables_ = _variables(g.nodes, g.inputs)
-  return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks)
+  return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks, g.sizes)

@@ -1,20 +1,21 @@
 """Shape values: what ONNX Shape gives for a tensor with a symbolic dim, an object numpy array of dims (ints and the
-monomial UOps of kiln.graph.dims). torch's exports do arithmetic on them (batch * heads, the -1 tests of a legacy
-`expand(batch, -1, -1)`, a mask of (batch, 1, 1, seq)); this module is where that arithmetic lives.
+polynomial UOps of kiln.graph.dims). torch's exports do arithmetic on them (batch * heads, past + seq, the -1 tests of a
+legacy `expand(batch, -1, -1)`, a mask of (batch, 1, 1, seq)); this module is where that arithmetic lives.
 
 | a symbolic shape value reaching                     | becomes                                                           |
 |-----------------------------------------------------|-------------------------------------------------------------------|
 | an op of RULES, at an input it names, when `keeps`  | a shape value again (its handler's, or the rule's `run`), exactly |
-| an elementwise op whose result is no dim / no known bool | a refusal naming the op and the dims (sums of dims: not supported) |
+| an elementwise op whose result is no dim / no known bool | a refusal naming the op and the dims (a truncated quotient, an undecided comparison) |
 | any other op or input (Cast to float, Add into data) | data: a Tensor of the dims' run-time values (`as_data`)           |
 
-A comparison is decided from the variables' bounds (a symbolic dim is >= its lower bound >= 1, so `seq == -1` is False),
-never with UOp's operators (which build UOps); where the bounds cannot decide, it is refused by name. A Slice whose end is
-a symbolic dim is a view of that length (`slice_dims`); a slice of a symbolic axis that leaves a sum (seq - 1) is refused.
+Add, Sub and Mul give polynomials in the dims (past + seq, seq - 1), Div an exact quotient. A comparison is decided from
+the variables' bounds (a symbolic dim is >= its lower bound, so `seq == -1` is False), never with UOp's operators (which
+build UOps); where the bounds cannot decide, it is refused by name. A Slice on a symbolic axis or to a symbolic bound is
+a view whose start and length are dims (`slice_dims`, dims.span); one whose length Python's clamping would make depend
+on the size (min(5, seq)) is refused.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph.lazy import GraphError
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 from kiln.ir.kernels import Dim
@@ -53,11 +55,8 @@ def pack(out: np.ndarray) -> np.ndarray:
 
 
 def bounds(d: Dim) -> tuple[int, int]:
-  """The smallest and largest value d takes (a monomial: its coefficient times each variable's bound)."""
-  if isinstance(d, int): return d, d
-  c, vs = sym.mono(d)
-  lo, hi = c * math.prod(v.arg[1] for v in vs), c * math.prod(v.arg[2] for v in vs)
-  return (lo, hi) if c >= 0 else (hi, lo)
+  """The smallest and largest value d takes (from the variables' bounds, dims.bounds)."""
+  return sym.bounds(d)
 
 
 def fixed(d: Dim, k: int) -> bool:
@@ -66,15 +65,12 @@ def fixed(d: Dim, k: int) -> bool:
 
 
 def same(a: Dim, b: Dim) -> bool:
-  """Whether a and b are the same dim for every value of the variables (by monomial, never UOp's ==)."""
-  if isinstance(a, int) or isinstance(b, int): return isinstance(a, int) and isinstance(b, int) and a == b
-  (ca, va), (cb, vb) = sym.mono(a), sym.mono(b)
-  return ca == cb and len(va) == len(vb) and all(x is y for x, y in zip(va, vb))
+  """Whether a and b are the same dim for every value of the variables (as polynomials, never UOp's ==)."""
+  return sym.same(a, b)
 
 
 # ---- the elementwise rules on two dims: a dim, a bool, or Refused ----
 def _mul(a: Dim, b: Dim) -> Dim:
-  if fixed(a, 0) or fixed(b, 0): return 0
   if (isinstance(a, int) and a < 0) or (isinstance(b, int) and b < 0):
     raise Refused(f"{sym.fmt(a)} * {sym.fmt(b)} is a negative multiple of a symbolic dim, not a dim")
   return sym.mul(a, b)
@@ -87,16 +83,13 @@ def _div(a: Dim, b: Dim) -> Dim:
     return q if (a < 0) == (b < 0) else -q
   if isinstance(b, int) and b <= 0: raise Refused(f"{sym.fmt(a)} / {b} is not a dim (a divisor of a symbolic dim must be >= 1)")
   if (exact := sym.div(a, b)) is None:
-    raise Refused(f"{sym.fmt(a)} / {sym.fmt(b)} is not a whole number for every value of the dims (a truncated quotient is no product of named dims)")
+    raise Refused(f"{sym.fmt(a)} / {sym.fmt(b)} is not a whole number for every value of the dims (a truncated quotient is no dim)")
   return exact
 
 
 def _sum(a: Dim, b: Dim, sign: int) -> Dim:
-  if isinstance(a, int) and isinstance(b, int): return a + sign * b
-  if fixed(b, 0): return a
-  if fixed(a, 0) and sign > 0: return b
-  if sign < 0 and same(a, b): return 0
-  raise Refused(f"{sym.fmt(a)} {'+' if sign > 0 else '-'} {sym.fmt(b)} is a sum of dims: kiln's dims are products of named dims (not supported)")
+  """a + b or a - b: a polynomial in the dims (past + seq), kept canonical by dims.add/sub."""
+  return sym.add(a, b) if sign > 0 else sym.sub(a, b)
 
 
 def _compare(name: str, a: Dim, b: Dim) -> bool:
@@ -152,7 +145,7 @@ _INT_CODES = {2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7
 def _cast(n: Node, *_: Any) -> Value:
   to, v = np.dtype(_INT_CODES[n.attr("to")]), n.ins[0]
   assert isinstance(v, np.ndarray)
-  if to == np.bool_: return np.asarray([isinstance(d, UOp) or dim(d) != 0 for d in v.reshape(-1)], bool).reshape(v.shape)  # a symbolic dim >= 1
+  if to == np.bool_: return np.asarray([_nonzero(dim(d)) for d in v.reshape(-1)], bool).reshape(v.shape)
   info, out = np.iinfo(to.type), np.empty(v.shape, object)  # type: ignore[type-var]  # an integer type here
   for i in np.ndindex(v.shape):
     d = dim(v[i])
@@ -160,6 +153,14 @@ def _cast(n: Node, *_: Any) -> Value:
     elif (b := bounds(d))[0] < info.min or b[1] > info.max: raise Refused(f"Cast of {sym.fmt(d)} (up to {b[1]}) to {to.name} would wrap")
     else: out[i] = d
   return pack(out)
+
+
+def _nonzero(d: Dim) -> bool:
+  """d != 0 for every value of the variables (a dim whose bounds hold 0 and another value: refused)."""
+  lo, hi = bounds(d)
+  if lo > 0 or hi < 0: return True
+  if lo == hi == 0: return False
+  raise Refused(f"Cast of {sym.fmt(d)} (bounds [{lo}, {hi}]) to bool depends on the sizes fed: kiln must know it at load")
 
 
 def _where(n: Node) -> Value:
@@ -244,36 +245,27 @@ def run_rule(n: Node, fallback: Callable[..., Value], *args: Any) -> Value:
 
 
 # ---- Slice on a symbolic axis, or to a symbolic end ----
-def _full(b: Dim, e: Dim, s: int, n: Dim) -> bool:
-  """Whether [b:e:s] keeps every element of an axis of n, whatever n's value."""
-  lo, hi = bounds(n)
-  starts = isinstance(b, int) and (b == 0 or b <= -hi)
-  ends = same(e, n) or (isinstance(e, int) and e >= hi)
-  return s == 1 and starts and ends
-
-
 def slice_dims(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Dim], ends: Sequence[Dim], steps: Sequence[int]) -> Tensor:
-  """t[starts:ends:steps] on axes where an axis or a bound is symbolic: a symbolic axis kept whole, or a fixed axis cut to
-  a symbolic length [0:d] (d's upper bound within the axis). Anything whose length would be a sum (seq - 1) is refused."""
-  spec = [(0, 1)] * t.ndim
+  """t[starts:ends:steps] on axes where an axis or a bound is symbolic: for a step of 1 a view whose start and length are
+  dims (dims.span: [1:] of seq is seq - 1 long, [past:] of past + seq is seq long, [0:d] of a fixed axis d long); where
+  Python's clamping would make the length depend on the size (min(5, seq)), or for another step, refused by name."""
+  spec: list[tuple[Dim, int]] = [(0, 1)] * t.ndim
   shape = list(t.shape)
   for a, b, e, s in zip(axes, starts, ends, steps):
     size = t.shape[a]
     if s == 0: raise n.error(f"step 0 on axis {a}")
-    if _full(b, e, s, size): continue
     where = f"[{_bound(b)}:{_bound(e)}{'' if s == 1 else f':{s}'}] of axis {a} of {sym.fmt_shape(t.shape)}"
     if isinstance(size, int) and isinstance(b, int) and isinstance(e, int):
       r = range(*slice(b, e, s).indices(size))
       if not len(r): raise n.error(f"slice {where} is empty (empty tensors are not supported)")
       spec[a], shape[a] = (r.start, s), len(r)
-    elif isinstance(size, int) and isinstance(e, UOp) and s == 1 and isinstance(b, int) and (b == 0 or b <= -size):
-      if (hi := bounds(e)[1]) > size:
-        raise n.error(f"slice {where}: {sym.fmt(e)} goes up to {hi}, past the axis' {size}; the length min({sym.fmt(e)}, {size}) is no dim kiln "
-                      f"makes (bound {sym.fmt(e)} to at most {size})")
-      shape[a] = e
-    else: raise n.error(f"slice {where} would have the length {_length(b, e, s, size)}, which is no product of named dims: kiln's dims are "
-                        "monomials, sums and differences of dims are not supported")
-  if tuple(shape) == t.shape: return t
+    elif s == 1:
+      try: start, shape[a] = sym.span(size, b, e, f"slice {where}")
+      except GraphError as ex: raise n.error(str(ex)) from None
+      spec[a] = (start, 1)
+    else: raise n.error(f"slice {where} would have the length {_length(b, e, s, size)}, which is no polynomial in named dims: a strided "
+                        "slice of a symbolic axis or to a symbolic bound is not supported")
+  if tuple(shape) == t.shape and all(x == (0, 1) for x in spec): return t
   return t._view("shrink", tuple(spec), tuple(shape))
 
 

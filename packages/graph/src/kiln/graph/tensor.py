@@ -271,7 +271,7 @@ class Tensor:
         raise GraphError(f"reshape: cannot reshape {sym.fmt_shape(self.shape)} to {sym.fmt_shape(shp)}: -1 is no whole number of elements")
       shp[shp.index(-1)] = q
     new = tuple(sym.mul(d) for d in shp)  # canonical form, so equal dims are the same UOp
-    if sym.mono(sym.symbolic_numel(new)) != sym.mono(self.numel):
+    if not sym.same(sym.symbolic_numel(new), self.numel):
       raise GraphError(f"reshape: cannot reshape {sym.fmt_shape(self.shape)} to {sym.fmt_shape(new)} (different numbers of elements)")
     sym.reshape_groups(new, self.shape)  # a GraphError unless every symbolic dim keeps a group of its own
     return self if new == self.shape else self._view("reshape", new, new)
@@ -337,7 +337,7 @@ class Tensor:
       i = keys.index(Ellipsis)
       keys = keys[:i] + (slice(None),) * (self.ndim - n_real) + keys[i + 1:]
     keys = keys + (slice(None),) * (self.ndim - sum(1 for k in keys if k is not None))
-    spec: list[tuple[int, int]] = []
+    spec: list[tuple[Dim, int]] = []
     shape: list[Dim] = []
     drop: list[int] = []
     newaxes: list[int] = []
@@ -347,10 +347,11 @@ class Tensor:
         newaxes.append(len(shape) - len(drop) + len(newaxes))
         continue
       n = self.shape[d]
-      if isinstance(n, UOp):
-        if not (isinstance(k, slice) and k == slice(None)):
-          raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only ':' is supported)")
-        spec.append((0, 1)); shape.append(n); d += 1
+      if isinstance(n, UOp):  # a slice of step 1: its start and length are dims (seq - 1 for [1:]), as dims.span works them out
+        if not (isinstance(k, slice) and k.step in (None, 1)):
+          raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only slices of step 1 are supported)")
+        b0, m0 = sym.span(n, k.start, k.stop, f"index: slice {k} of axis {d} of {sym.fmt_shape(self.shape)}")
+        spec.append((b0, 1)); shape.append(m0); d += 1
         continue
       if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
         kk = int(k)
@@ -373,8 +374,7 @@ class Tensor:
     """Pad each axis by (before, after) >= 0 elements of value."""
     if len(pads) != self.ndim or any(b < 0 or a < 0 for b, a in pads):
       raise GraphError(f"pad: {list(pads)} does not fit {self.shape} (one (before, after) >= 0 per axis)")
-    sym.require_static("pad", self.shape, [i for i, (b, a) in enumerate(pads) if b or a])
-    shape = tuple(d + b + a for d, (b, a) in zip(self.shape, pads))
+    shape = tuple(sym.add(d, b, a) for d, (b, a) in zip(self.shape, pads))  # a symbolic axis: a sum (seq + 2)
     return self if shape == self.shape else self._view("pad", (tuple(b for b, _ in pads), value), shape)
 
   def contiguous(self) -> Tensor:
@@ -470,12 +470,11 @@ class Tensor:
     if not ts: raise GraphError("cat: no tensors")
     if len(ts) == 1: return ts[0]
     a = _norm_axis(axis, ts[0].ndim, "cat", ts[0].shape)
-    for t in ts: sym.require_static("cat", t.shape, [a], "as the concatenation axis")
     dt = least_upper_dtype(*(t.dtype for t in ts))
     for t in ts:
       if t.ndim != ts[0].ndim or any(x != y for i, (x, y) in enumerate(zip(t.shape, ts[0].shape)) if i != a):
         raise GraphError(f"cat: shapes {[t.shape for t in ts]} differ outside axis {a}")
-    shape = tuple(sum(t.shape[a] for t in ts) if i == a else d for i, d in enumerate(ts[0].shape))
+    shape = tuple(sym.add(*(t.shape[a] for t in ts)) if i == a else d for i, d in enumerate(ts[0].shape))  # past + seq: a KV cache's
     return Tensor(Node("CAT", tuple(t.cast(dt).node for t in ts), a, shape, dt))
 
   @staticmethod
