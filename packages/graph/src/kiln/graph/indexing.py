@@ -1,7 +1,9 @@
 """Indexing by data beyond Tensor.gather, as rows of a (R, S) table: a flat row index picks rows (gather) or says where
 rows of updates go (scatter). A row index is either a numpy array known at load (checked there, so the kernels read it as
 a constant) or a Tensor computed at run time, each of whose indices `wrapped` turns into a row number under a run-time
-check (index_check.py), so a bad index is an IndexOutOfRangeError after the run, never a read outside a buffer.
+check (index_check.py), so a bad index is an IndexOutOfRangeError after the run, never a read outside a buffer. A gather's
+table may have symbolic dims (a (batch, seq) mask): its row numbers then use symbolic strides (`scaled`: the dims' values
+at run time), and the gather clamps and checks them against the run-time row count.
 
 kiln has no kernel that writes at a data-dependent place, so a scatter is computed where its result is read:
   - constant rows: for each table row, numpy finds at load which updates land on it (slot j: the j-th in order), and the
@@ -12,22 +14,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.graph.dims import dmax
 from kiln.graph.lazy import GraphError
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.kernels import Dim
+from kiln.ir.uop import UOp
 
 REDUCTIONS = ("none", "add", "mul", "max", "min")
 DENSE_LIMIT = 1 << 24  # elements a run-time-index scatter may compare (R * U, times S with a reduction)
 MAX_NAN_LEVELS = 1 << 12  # updates to one row a folded max/min scatter with NaNs applies one step each
 
 
-def index_dtype(size: int) -> DType:
-  """The narrowest of int32 and int64 that holds every row number of a table of size rows."""
-  return dtypes.int32 if size <= int(dtypes.int32.max) else dtypes.int64
+def index_dtype(size: Dim) -> DType:
+  """The narrowest of int32 and int64 that holds every row number of a table of size rows (a symbolic size: at its bound)."""
+  return dtypes.int32 if dmax(size) <= int(dtypes.int32.max) else dtypes.int64
 
 
-def wrapped(idx: Tensor, size: int, label: str, dt: DType | None = None) -> Tensor:
+def scaled(t: Tensor, stride: Dim) -> Tensor:
+  """t * stride in t's dtype; a symbolic stride (a product of dims) is its value at run time."""
+  if isinstance(stride, UOp): return t * Tensor.dim_value(stride, t.dtype)
+  return t if stride == 1 else t * stride
+
+
+def wrapped(idx: Tensor, size: Dim, label: str, dt: DType | None = None) -> Tensor:
   """idx in [0, size): a negative index counted once from the end, as ONNX says. It is a Gather from 0..size-1 (an IOTA:
   nothing stored), so the Gather's plan check makes an index outside [-size, size) an IndexOutOfRangeError naming
   label (index_check._where) after the run."""

@@ -9,8 +9,10 @@ each element's own position, is one flat row number. Three cases, by what is kno
   - indices computed at run time: each index is wrapped under a run-time check (an IndexOutOfRangeError after the run,
     never a read or write outside a buffer); a scatter then compares every row with every update (indexing.DENSE_LIMIT).
 Negative indices count once from the end. Duplicate indices in a scatter with reduction none: the last update wins, as
-onnxruntime applies them in order. The data needs fixed sizes (a flat row number needs its strides), and so do a scatter's
-indices; a gather's computed indices may have symbolic dims."""
+onnxruntime applies them in order. A gather's data may have symbolic dims (transformers' attention_mask[batch_idx, kv_idx]
+on a (batch, seq) mask): its row numbers are computed at run time from symbolic strides, constant indices included where a
+stride or an indexed axis is symbolic (checked at load against the dims' bounds, the rest at run time). A scatter's data,
+indices and updates need fixed sizes; a gather's computed indices may have symbolic dims."""
 from __future__ import annotations
 
 import math
@@ -20,10 +22,12 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph.index_check import bad_index, out_of_range
-from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, index_dtype, scatter_np, scatter_rows, wrapped
+from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, index_dtype, scaled, scatter_np, scatter_rows, wrapped
 from kiln.graph.onnx_ops import Node, Value, _norm, _op
+from kiln.graph.render import strides
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType
+from kiln.ir.kernels import Dim
 
 INDEX_DTYPES = {"GatherND": ("int64",), "ScatterND": ("int64",), "GatherElements": ("int32", "int64"),
                 "ScatterElements": ("int32", "int64"), "Scatter": ("int32", "int64")}
@@ -73,16 +77,18 @@ def _const(n: Node, a: np.ndarray, dt: DType) -> Tensor:
 
 
 # ---- row numbers: numpy (checked now) and Tensor (checked at run time), a bad index named alike ----
-def _nd_where(j: int, b: int, dshape: tuple[int, ...]) -> str: return f"indices[..., {j}] on axis {b + j} of data {dshape}"
+def _nd_where(j: int, b: int, dshape: tuple[Dim, ...]) -> str: return f"indices[..., {j}] on axis {b + j} of data {sym.fmt_shape(dshape)}"
 
 
-def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], b: int) -> np.ndarray:
-  """GatherND/ScatterND: each index tuple indices[..., :] (after b batch dims) as a row of data (*dshape[:b + k], rest)."""
+def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[Dim, ...], b: int) -> np.ndarray:
+  """GatherND/ScatterND: each index tuple indices[..., :] (after b batch dims) as a row of data (*dshape[:b + k], rest),
+  whose dims up to b + k are fixed (the rest may be symbolic)."""
   k, lead = ind.shape[-1], ind.shape[:-1]
-  st = _strides(dshape[:b + k])
+  pre = sym.static_shape(n.op, dshape[:b + k])
+  st = _strides(pre)
   rows = np.zeros(lead, np.int64)
   for j in range(k):
-    size, c = dshape[b + j], ind[..., j].astype(np.int64)
+    size, c = pre[b + j], ind[..., j].astype(np.int64)
     if (bad := bad_index(c, size)) is not None:
       raise n.error(f"{_nd_where(j, b, dshape)}: index {bad} {out_of_range(size)}")
     rows += np.where(c < 0, c + size, c) * st[b + j]
@@ -91,13 +97,12 @@ def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], b: int) -> np.nd
   return rows
 
 
-def _nd_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], b: int, dt: DType) -> Tensor:
+def _nd_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], b: int, dt: DType) -> Tensor:
   k, lead = ind.shape[-1], ind.shape[:-1]
   assert isinstance(k, int)  # _gather_nd and _scatter_nd checked it
-  st = _strides(dshape[:b + k])
-  terms = [wrapped(ind[..., j], dshape[b + j], f"{_label(n)}: {_nd_where(j, b, dshape)}", dt) * st[b + j]
-           for j in range(k)]
-  terms += [coords(lead, a, dt) * st[a] for a in range(b)]
+  st = strides(dshape[:b + k])
+  terms = [scaled(wrapped(ind[..., j], dshape[b + j], f"{_label(n)}: {_nd_where(j, b, dshape)}", dt), st[b + j]) for j in range(k)]
+  terms += [scaled(coords(lead, a, dt), st[a]) for a in range(b)]
   if not terms: raise n.error("indices select no axis (their last dim is 0)")
   out = terms[0]
   for t in terms[1:]: out = out + t
@@ -115,24 +120,24 @@ def _elem_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.
   return rows
 
 
-def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[int, ...], a: int, dt: DType) -> Tensor:
-  st = _strides(dshape)
-  rows = wrapped(ind, dshape[a], f"{_label(n)}: axis {a} of data {dshape}", dt) * st[a]
+def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], a: int, dt: DType) -> Tensor:
+  st = strides(dshape)
+  rows = scaled(wrapped(ind, dshape[a], f"{_label(n)}: axis {a} of data {sym.fmt_shape(dshape)}", dt), st[a])
   for d in range(ind.ndim):
-    if d != a and ind.shape[d] != 1: rows = rows + coords(ind.shape, d, dt) * st[d]
+    if d != a and ind.shape[d] != 1: rows = rows + scaled(coords(ind.shape, d, dt), st[d])
   return rows
 
 
-def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[int, ...]]:
+def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[Dim, ...]]:
   """The axis and the data's shape of GatherElements/ScatterElements: the same rank, and the indices no larger than the
-  data off the axis (onnxruntime refuses larger; a symbolic dim of computed indices at its upper bound)."""
+  data off the axis for every value of the dims (onnxruntime refuses larger): the same dim, or at most its lower bound."""
   _indices(n, ind)
   if data.ndim < 1 or ind.ndim != data.ndim: raise n.error(f"data (rank {data.ndim}) and indices (rank {ind.ndim}) need the same rank >= 1")
   a = _norm(n.attr("axis", 0), data.ndim, n)
-  dshape = _static(n, data, "data")
+  dshape = tuple(data.shape)
   for d, (i, k) in enumerate(zip(ind.shape, dshape)):
-    if d != a and (i if isinstance(i, int) else int(i.vmax)) > k:
-      raise n.error(f"indices {sym.fmt_shape(ind.shape)} can be larger than data {dshape} on axis {d} (only axis {a} may differ)")
+    if d != a and i is not k and sym.dmax(i) > (k if isinstance(k, int) else int(k.vmin)):
+      raise n.error(f"indices {sym.fmt_shape(ind.shape)} can be larger than data {sym.fmt_shape(dshape)} on axis {d} (only axis {a} may differ)")
   return a, dshape
 
 
@@ -145,13 +150,20 @@ def _gather_nd(n: Node) -> Value:
   if not isinstance(b, int) or not 0 <= b < min(q, r): raise n.error(f"batch_dims={b!r} is out of range [0, {min(q, r)})")
   k = ind.shape[-1]
   if not isinstance(k, int) or k > r - b: raise n.error(f"indices' last dim {sym.fmt(k)} is more than data's rank {r} less batch_dims {b}")
-  dshape = _static(n, data, "data")
-  if tuple(ind.shape[:b]) != dshape[:b]: raise n.error(f"the batch dims of indices {sym.fmt_shape(ind.shape)} and data {dshape} differ")
-  nrows, s, rest = math.prod(dshape[:b + k]), math.prod(dshape[b + k:]), dshape[b + k:]
+  dshape = tuple(data.shape)
+  if tuple(ind.shape[:b]) != dshape[:b]:
+    raise n.error(f"the batch dims of indices {sym.fmt_shape(ind.shape)} and data {sym.fmt_shape(dshape)} differ")
+  nrows, s, rest = sym.mul(*dshape[:b + k]), sym.mul(*dshape[b + k:]), dshape[b + k:]
   out_shape = (*ind.shape[:-1], *rest)
+  if isinstance(ind, np.ndarray) and not sym.is_static(dshape[:b + k]):  # row numbers of symbolic strides: computed at run time
+    for j in range(k):
+      if (bad := bad_index(ind[..., j], dshape[b + j])) is not None:
+        raise n.error(f"{_nd_where(j, b, dshape)}: index {bad} {out_of_range(dshape[b + j])} for every value up to {sym.dmax(dshape[b + j])}")
+    ind = Tensor(ind)
   if isinstance(ind, np.ndarray):
     rows = _nd_rows(n, ind, dshape, b)
     if isinstance(data, np.ndarray):
+      assert isinstance(s, int) and isinstance(nrows, int)  # a constant's shape is fixed
       _made(n, rows.size * s, data, ind)
       return data.reshape(nrows, s)[rows].reshape(out_shape)
     if rows.size == 0: raise n.error(f"the output {out_shape} is empty (kiln has no empty tensors)")
@@ -163,9 +175,14 @@ def _gather_nd(n: Node) -> Value:
 def _gather_elements(n: Node) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
   a, dshape = _elements_shapes(n, data, ind)
-  size = math.prod(dshape)
+  size = sym.mul(*dshape)
+  if isinstance(ind, np.ndarray) and not sym.is_static(dshape):  # row numbers of symbolic strides: computed at run time
+    if (bad := bad_index(ind, dshape[a])) is not None:
+      raise n.error(f"axis {a} of data {sym.fmt_shape(dshape)}: index {bad} {out_of_range(dshape[a])} for every value up to {sym.dmax(dshape[a])}")
+    ind = Tensor(ind)
   if isinstance(ind, np.ndarray):
-    rows = _elem_rows(n, ind, dshape, a)
+    assert isinstance(size, int)
+    rows = _elem_rows(n, ind, sym.static_shape(n.op, dshape), a)
     if isinstance(data, np.ndarray): return data.reshape(-1)[rows]
     if rows.size == 0: raise n.error(f"the output {ind.shape} is empty (kiln has no empty tensors)")
     idx = _const(n, rows, index_dtype(size))
@@ -220,7 +237,7 @@ def _scatter_nd(n: Node) -> Value:
 
 def _scatter_elements(n: Node) -> Value:
   data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
-  a, dshape = _elements_shapes(n, data, ind)
+  a, dshape = _elements_shapes(n, data, ind)[0], _static(n, data, "data")
   ushape, ishape = _static(n, upd, "updates"), _static(n, ind, "indices")
   if ushape != ishape: raise n.error(f"updates {ushape} and indices {ishape} differ in shape")
   u = math.prod(ishape)

@@ -497,8 +497,7 @@ class Tensor:
     """numpy.take(self, indices, axis): negative indices count from the end; an index outside [-n, n) is an
     IndexOutOfRangeError naming the gather (`name`) and the index: at once for constant indices, else after the run."""
     if not indices.dtype.is_int: raise GraphError(f"gather: indices must be integers, got {indices.dtype.name} {indices.shape}")
-    a = _norm_axis(axis, self.ndim, "gather", self.shape)
-    sym.require_static("gather", self.shape, [a], "as the table's gathered axis")
+    a = _norm_axis(axis, self.ndim, "gather", self.shape)  # a symbolic axis: clamped and checked against its run-time size
     return Tensor(gather_node(self.node, indices.node, a, self.shape[:a] + indices.shape + self.shape[a + 1:], name))
   def embedding(self, ids: Tensor) -> Tensor: return self.gather(ids, 0)
 
