@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kiln.graph.dims import dmax, fmt, fmt_shape, is_static
+from kiln.graph.dims import dmax, dmin, fmt, fmt_shape, is_static
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, prod
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.kernels import Dim
@@ -31,9 +31,6 @@ from kiln.ir.uop import UOp
 
 
 def out_of_range(size: Dim) -> str: return f"is out of range [-{fmt(size)}, {fmt(size)})"
-
-
-def _dmin(d: Dim) -> int: return d if isinstance(d, int) else int(d.vmin)
 
 
 def bad_index(idx: np.ndarray, size: Dim) -> int | None:
@@ -45,7 +42,7 @@ def bad_index(idx: np.ndarray, size: Dim) -> int | None:
 
 def _always_in_range(idx: np.ndarray, size: Dim) -> bool:
   """Whether every index of a constant array is in [-size, size) for every value of size (its lower bound)."""
-  flat, n = np.asarray(idx).reshape(-1), _dmin(size)
+  flat, n = np.asarray(idx).reshape(-1), dmin(size)
   return not flat.size or bool(((flat >= -n) & (flat < n)).all())
 
 
@@ -82,7 +79,7 @@ def gather_checks(nodes: Sequence[Node]) -> list[tuple[Node, str]]:
 
 def _check(ind: Node, size: Dim) -> Node | None:
   dt = ind.dtype
-  lo, hi = _dmin(size), dmax(size)
+  lo, hi = dmin(size), dmax(size)
   low, high = not dt.is_unsigned and int(dt.min) < -lo, int(dt.max) > lo - 1  # can a value of dt fall below, above, for some size?
   if not (low or high) or (is_static(ind.shape) and prod(ind.shape) == 0): return None
   shape = ind.shape

@@ -136,7 +136,7 @@ def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[Dim, 
   a = _norm(n.attr("axis", 0), data.ndim, n)
   dshape = tuple(data.shape)
   for d, (i, k) in enumerate(zip(ind.shape, dshape)):
-    if d != a and i is not k and sym.dmax(i) > (k if isinstance(k, int) else int(k.vmin)):
+    if d != a and i is not k and sym.dmax(i) > sym.dmin(k):
       raise n.error(f"indices {sym.fmt_shape(ind.shape)} can be larger than data {sym.fmt_shape(dshape)} on axis {d} (only axis {a} may differ)")
   return a, dshape
 
