@@ -83,3 +83,27 @@ def test_a_length_the_bounds_cannot_prove_is_checked_at_run_time() -> None:
   np.testing.assert_array_equal(empty[0], [0, 0])
   np.testing.assert_array_equal(empty[1], [-np.inf, -np.inf])
   assert empty[2].shape == (2, 0)
+
+
+def test_onnx_kv_concat_slice_and_pad_against_onnxruntime() -> None:
+  """The ONNX ops that make sums: Concat of a past (from 0) and a new part, Slice [1:] of it (INT64_MAX end), and a
+  constant Pad of the sequence axis (mobilebert's shifted embeddings), one load for every size."""
+  pytest.importorskip("onnx")
+  pytest.importorskip("onnxruntime")
+  from onnx import TensorProto
+  from onnx_case import N, dyn_model, ort
+
+  from kiln.graph import onnx as konnx
+  i64 = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+  nodes = [N("Concat", ["past", "x"], ["kv"], axis=1), N("Slice", ["kv", "one", "end", "one"], ["tail"]),
+           N("Pad", ["x", "pads"], ["padded"], mode="constant"), N("ReduceSum", ["kv", "one"], ["tot"], keepdims=0)]
+  F = TensorProto.FLOAT
+  m = dyn_model(nodes, {"past": (F, (2, "past", 3)), "x": (F, (2, "seq", 3))}, {"kv": F, "tail": F, "padded": F, "tot": F},
+                {"one": i64(1), "end": i64(2**63 - 1), "pads": i64(0, 1, 0, 0, 2, 0)}, opset=13)
+  km = konnx.load(m, dims={"past": (0, 8), "seq": (1, 4)})
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for p, s in ((0, 2), (1, 1), (8, 4)):
+    feeds = {"past": f32(2, p, 3), "x": f32(2, s, 3)}
+    for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
+      assert g.shape == w.shape
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

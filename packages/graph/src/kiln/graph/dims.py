@@ -90,6 +90,8 @@ def from_mono(c: int, vs: Sequence[UOp]) -> Dim:
 
 def from_terms(t: Terms) -> Dim:
   """The canonical dim of a polynomial: monomials by degree, then names, summed left to right, the constant last."""
+  if any(t) and not all(-2**31 <= c < 2**31 for c in t.values()):  # a UOp's constants are int32 (an int alone may be any size)
+    raise GraphError(f"the dim {_fmt_terms(t)} has a coefficient that does not fit int32 (a symbolic dim's arithmetic is int32)")
   order = sorted((vs for vs, c in t.items() if vs and c), key=lambda vs: (len(vs), _names(vs)))
   out: Dim = 0
   for vs in order: out = from_mono(t[vs], vs) if isinstance(out, int) else out + from_mono(t[vs], vs)
@@ -144,9 +146,12 @@ def _mono_bounds(c: int, vs: tuple[UOp, ...]) -> tuple[int, int]:
 
 def bounds(d: Dim) -> tuple[int, int]:
   """The smallest and largest value d may take: exact for a monomial or a sum of positive terms, else a safe interval."""
-  if isinstance(d, int): return d, d
+  return (d, d) if isinstance(d, int) else _bounds(terms(d))
+
+
+def _bounds(t: Terms) -> tuple[int, int]:
   lo = hi = 0
-  for vs, c in terms(d).items():
+  for vs, c in t.items():
     a, b = _mono_bounds(c, vs)
     lo, hi = lo + a, hi + b
   return lo, hi
@@ -224,8 +229,9 @@ def span(n: Dim, b: Dim | None, e: Dim | None, what: str) -> tuple[Dim, Dim]:
     if isinstance(x, int) and x < 0: return 0 if x <= -dmax(n) else add(n, x)  # before the start for every size: the start
     return canon(x)
   start, end = at(b, 0), at(e, n)
-  if dmin(sub(end, n)) >= 0: end = n  # past the end for every size (INT64_MAX, an int >= n's upper bound)
-  elif dmax(sub(end, n)) > 0:
+  over = _bounds(_add_terms(terms(end), terms(n), -1))  # end - n, in Python ints (INT64_MAX is no int32 dim)
+  if over[0] >= 0: end = n  # past the end for every size (INT64_MAX, an int >= n's upper bound)
+  elif over[1] > 0:
     raise GraphError(f"{what}: the end {fmt(end)} lies past the axis' {fmt(n)} for some sizes, so the length would be min({fmt(end)}, {fmt(n)}), "
                      "which is no dim kiln makes")
   if dmin(start) < 0:
@@ -260,8 +266,10 @@ def _fmt_mono(c: int, vs: tuple[UOp, ...]) -> str: return "*".join([*_names(vs),
 
 def fmt(d: Dim) -> str:
   """past + seq, seq - 1, batch*128 (a monomial: its names, then its coefficient)."""
-  if isinstance(d, int | np.integer): return str(int(d))
-  t = terms(d)
+  return str(int(d)) if isinstance(d, int | np.integer) else _fmt_terms(terms(d))
+
+
+def _fmt_terms(t: Terms) -> str:
   order = sorted((vs for vs in t if vs), key=lambda vs: (len(vs), _names(vs))) + ([()] if () in t else [])
   out = ""
   for vs in order:

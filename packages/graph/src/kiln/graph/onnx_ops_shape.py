@@ -63,7 +63,7 @@ def _pad(n: Node) -> Value:
   axes = list(range(x.ndim)) if axes is None else axes
   if len(pads) != 2 * len(axes): raise n.error(f"{len(pads)} pads for {len(axes)} axes (two per axis: all befores, then all afters)")
   per = dict(zip(axes, zip(pads[:len(axes)], pads[len(axes):])))
-  _static(n, x, [a for a, (b, e) in per.items() if b or e], "Pad")
+  _static(n, x, [a for a, (b, e) in per.items() if (b or e) and (mode != "constant" or b < 0 or e < 0)], "Pad")  # constant: seq + 2
   if mode == "constant" and all(b >= 0 and e >= 0 for b, e in per.values()):
     return x.pad([per.get(a, (0, 0)) for a in range(x.ndim)], value)
   for a, (b, e) in per.items():
