@@ -107,3 +107,30 @@ def test_onnx_kv_concat_slice_and_pad_against_onnxruntime() -> None:
     for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
       assert g.shape == w.shape
       np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_program_with_a_run_time_branch_feeds_and_reads_empty_tensors() -> None:
+  """A model with an If on a fed condition (a Program of segments): an empty past is fed and an empty output read back,
+  and a segment checks a length its bounds cannot prove >= 0 before it runs."""
+  pytest.importorskip("onnx")
+  pytest.importorskip("onnxruntime")
+  from onnx import TensorProto, helper
+  from onnx_case import N, dyn_model, ort
+
+  from kiln.graph import onnx as konnx
+  F = TensorProto.FLOAT
+  br = {k: helper.make_graph([N(op, ["kv"], [k])], k, [], [helper.make_tensor_value_info(k, F, None)]) for k, op in (("t", "Neg"), ("e", "Exp"))}
+  nodes = [N("Concat", ["past", "x"], ["kv"], axis=1), N("If", ["c"], ["y"], then_branch=br["t"], else_branch=br["e"]),
+           N("Slice", ["y", "one", "end", "one"], ["tail"])]
+  m = dyn_model(nodes, {"past": (F, (2, "past")), "x": (F, (2, "seq")), "c": (TensorProto.BOOL, ())}, {"y": F, "tail": F},
+                {"one": np.asarray([1], np.int64), "end": np.asarray([2**63 - 1], np.int64)}, opset=13)
+  km = konnx.load(m, dims={"past": (0, 8), "seq": (0, 4)})
+  assert km.program is not None
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for p, s, c in ((0, 1, True), (0, 3, False), (5, 0, True), (8, 4, False)):
+    feeds = {"past": f32(2, p), "x": f32(2, s), "c": np.array(c)}
+    for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
+      assert g.shape == w.shape
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+  with pytest.raises(GraphError, match=r"the dim past \+ seq - 1 is -1 for past = 0, seq = 0"):
+    km.run({"past": f32(2, 0), "x": f32(2, 0), "c": np.array(True)})

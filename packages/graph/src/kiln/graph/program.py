@@ -141,6 +141,7 @@ class Program:
     for name, s in self.inputs:
       cast = in_plan_dtype(arrays[name], s.node.dtype.np)
       if cast is None: raise GraphError(f"input {name!r} has dtype {arrays[name].dtype}, the model takes {s.node.dtype.np}")
+      if cast.size == 0: continue  # a dim of 0 (an empty KV cache): nothing to copy, the kernels read none of it
       buf = s.buf if cast.size == s.buf.size else s.buf.view(0, cast.size)  # below its dims' bounds: the buffer's front
       buf.copyin(np.ascontiguousarray(cast))
     return vals
@@ -149,7 +150,7 @@ class Program:
   def _read(s: Slot, vals: Mapping[str, int]) -> np.ndarray:
     shape = tuple(evaluate(d, vals) for d in s.node.shape)
     n = int(np.prod(shape, dtype=np.int64))
-    return (s.buf if n == s.buf.size else s.buf.view(0, n)).numpy().reshape(shape).copy()
+    return (s.buf if n == s.buf.size else s.buf.view(0, max(n, 1))).numpy()[:n].reshape(shape).copy()  # n = 0: a dim of 0
 
 
 # ---- cutting the recorded graph into steps ----

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kiln.executor.checks import CheckReader
+from kiln.graph.dims import check_sizes
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node
 from kiln.graph.schedule import GraphPlan
 
@@ -37,12 +38,13 @@ class Weights:
 class Segment:
   """A compiled segment: `run(vals)` executes its plan with the model's dims and raises a failed run-time check."""
 
-  def __init__(self, plan: Any, checks: Sequence[tuple[int, str]], kernels: list[Any]):
-    self.plan, self.kernels = plan, kernels
+  def __init__(self, plan: Any, checks: Sequence[tuple[int, str]], kernels: list[Any], sizes: Sequence[Any] = ()):
+    self.plan, self.kernels, self.sizes = plan, kernels, list(sizes)  # sizes: dims the bounds do not prove >= 0 (GraphPlan.sizes)
     self._checks = CheckReader(plan.buffers, checks)
     self._vars = bool(plan.var_bounds)
 
   def run(self, vals: Mapping[str, int], prof: list[Any] | None = None) -> None:
+    check_sizes(self.sizes, vals)
     if prof is None:
       if self._vars: self.plan.execute_with_vars(vals)
       else: self.plan.execute()
@@ -60,4 +62,4 @@ def compile_segment(outputs: Sequence[Node], out_bufs: Sequence[Any], bound: Map
     if n.op == "BUFFER": raise GraphError(f"segment: input {n} has no buffer")  # every input is bound: a bug, not the model's
     return None
   g = GraphPlan(outputs, weights.device, out_bufs=out_bufs, buffer_for=buffer_for)
-  return Segment(g.builder.build(), g.checks, g.kernels)
+  return Segment(g.builder.build(), g.checks, g.kernels, g.sizes)
