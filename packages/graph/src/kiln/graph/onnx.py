@@ -24,9 +24,11 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_convt,
   onnx_ops_flow,
   onnx_ops_index,
+  onnx_ops_misc,
   onnx_ops_quant,
   onnx_ops_resize,
   onnx_ops_rnn,
+  onnx_ops_sample,
   onnx_ops_shape,
 )
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
@@ -184,6 +186,12 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
 def _check(onnx: Any, m: Any) -> None:
   """onnx.checker on the model, the file entries of its external tensors (initializers and attributes) hidden meanwhile:
   the checker would resolve them against the working directory; onnx_external resolves them against the model's own."""
+  # before IR 4 an initializer had to be a graph input too, and the checker refuses one that is not ("W in initializer but
+  # not in graph input"); onnxruntime runs such a model with it as a constant, and so does kiln: declared for the check alone
+  declared = {i.name for i in m.graph.input}
+  undeclared = [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                for t in m.graph.initializer if t.name not in declared] if m.ir_version < 4 else []
+  m.graph.input.extend(undeclared)
   hidden = []
   for t, _ in model_tensors(m.graph):
     if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -193,6 +201,7 @@ def _check(onnx: Any, m: Any) -> None:
       t.raw_data = b"\0" * 16  # a scalar stands in (the checker wants a value field of the declared size; no copy of the file)
   try: onnx.checker.check_model(m)
   finally:
+    del m.graph.input[len(m.graph.input) - len(undeclared):]
     for t, entries, dims in hidden:
       t.data_location = onnx.TensorProto.EXTERNAL
       t.ClearField("raw_data")

@@ -460,7 +460,7 @@ def _pool(kind: str) -> Callable[[Node], Value]:
     x = n.t(0)
     kernel = list(n.attr("kernel_shape") or [])
     if not kernel: raise n.error("attribute kernel_shape is required")
-    if n.attr("storage_order", 0): raise n.error("attribute storage_order=1 is not supported")
+    n.attr("storage_order")  # it orders only the Indices output (onnx_ops_misc.py)
     st, dl, pads = _spatial(n, x, kernel)
     if any(p >= k for k, pair in zip(kernel, pads) for p in pair):  # a window of nothing but padding: no max, a mean of 0/0
       raise n.error(f"pads {[p for pair in zip(*pads) for p in pair]} must each be smaller than the kernel {kernel} (as onnxruntime requires)")
