@@ -7,7 +7,7 @@ from typing import Any
 
 from kiln.graph.dims import add, dmin, mul, negative, reshape_groups, same
 from kiln.graph.lazy import GraphError, Node
-from kiln.ir.dtype import PtrDType, dtypes
+from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.kernels import Dim, flat_index
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
@@ -19,6 +19,30 @@ ZERO = UOp.const(dtypes.index, 0)
 def _clamp(i: UOp, n: Dim) -> UOp:
   # a size that may be 0 (a KV cache's past) clamps to 0 last, so the index stays provably in its buffer (read, never used)
   return i.maximum(0).minimum(n - 1) if dmin(n) >= 1 else i.minimum(n - 1).maximum(0)
+
+
+def compute_dtype(dt: DType) -> DType:
+  """The dtype a kernel computes a node of dtype `dt` in: 16-bit floats in float32 (loads cast up, arithmetic and every sum's
+  accumulator in float32, one rounding where the value is stored), as onnxruntime and torch do on a CPU; 16 bits are a
+  storage format, what halves the memory traffic. Every other dtype computes in itself."""
+  return dtypes.float32 if dt in (dtypes.float16, dtypes.bfloat16) else dt
+
+
+def _narrow(v: UOp, dt: DType) -> UOp:
+  """v, computed in compute_dtype(dt), rounded to dt (a load cast up is its load again)."""
+  if v.dtype == dt: return v
+  widened = v.op is Ops.CAST and v.src[0].dtype == dt and v.dtype == compute_dtype(dt)
+  return v.src[0] if widened else v.cast(dt)
+
+
+def _exact(v: UOp, dt: DType) -> UOp:
+  """v at the value a node of dtype dt holds, in its compute dtype: a 16-bit value rounded to 16 bits and cast up again."""
+  return v if compute_dtype(dt) == dt else _narrow(v, dt).cast(compute_dtype(dt))
+
+
+# ops whose result jumps as an operand crosses a value (a comparison, a truncation): they read 16-bit operands rounded to
+# 16 bits, so they decide what the stored values would decide (a floor of 2.9999 that float16 holds as 3.0 is 3)
+_EXACT_OPERANDS = frozenset({Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE, Ops.TRUNC})
 
 
 def strides(shape: tuple[Dim, ...]) -> list[Dim]:
@@ -142,8 +166,7 @@ class Renderer:
     n = self.node
     idx = tuple(ZERO if d == 1 else self._range(d, AxisType.LOOP) for d in n.shape)
     out = self._global(n)
-    val = self.render(n, idx, top=True)
-    if val.dtype != n.dtype: val = val.cast(n.dtype)
+    val = _narrow(self.render(n, idx, top=True), n.dtype)
     ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
     ast, slots = self._drop_unread(ast)
     if neg := {d for m in (n, *self.rendered, *slots) for d in negative(m.shape)}:  # run() has checked them >= 0: say so to the verifier
@@ -171,27 +194,36 @@ class Renderer:
     return (substitute(ast, renum) if renum else ast), kept
 
   def render(self, n: Node, idx: tuple[UOp, ...], top: bool = False) -> UOp:
-    if not top and (n in self.realized or n.op == "BUFFER"):
-      return self._global(n).index(self.splits.flat(idx, n.shape)).load()
+    if not top and (n in self.realized or n.op == "BUFFER"): return self._load(n, idx)
     key = (n, idx)
     if (hit := self.memo.get(key)) is not None: return hit
     if n.op == "REDUCE" and not top and (self.reduce_at.setdefault(n, idx) != idx or any(self._in_reduce(i) for i in idx)):
       # a reduction at two indices, or inside another's body: it gets its own kernel (checked here, so that the
       # first render of a whole graph stays linear in its size instead of nesting every reduction in every other)
       self.offenders.add(n)
-      return self._global(n).index(self.splits.flat(idx, n.shape)).load()
+      return self._load(n, idx)
     out = self._render(n, idx)
     self.memo[key] = out
     self.rendered.setdefault(n, set()).add(out)
     return out
 
+  def _load(self, n: Node, idx: tuple[UOp, ...], valid: UOp | None = None) -> UOp:
+    """n's element at idx from its buffer (gated by valid), in n's compute dtype."""
+    at = self.splits.flat(idx, n.shape)
+    ix = self._global(n).index(at) if valid is None else self._global(n).index(at, valid)
+    return ix.load().cast(compute_dtype(n.dtype))
+
   def _render(self, n: Node, idx: tuple[UOp, ...]) -> UOp:
-    if n.op == "BUFFER": return self._global(n).index(self.splits.flat(idx, n.shape)).load()  # a BUFFER computed into its own output: a copy
-    if n.op == "IOTA": return idx[0].cast(n.dtype)  # the element's own index along the one axis
-    if n.op == "CONST": return n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)  # a UOp: a symbolic dim's value
+    """n's value at idx in compute_dtype(n.dtype); kernel() rounds it to n.dtype where it is stored."""
+    cdt = compute_dtype(n.dtype)
+    if n.op == "BUFFER": return self._load(n, idx)  # a BUFFER computed into its own output: a copy
+    if n.op == "IOTA": return idx[0].cast(n.dtype).cast(cdt)  # the element's own index along the one axis
+    if n.op == "CONST":  # a UOp: a symbolic dim's value
+      return (n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)).cast(cdt)
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]
-      if n.arg is Ops.CAST: return srcs[0].cast(n.dtype)
+      if n.arg is Ops.CAST: return _narrow(srcs[0], n.src[0].dtype).cast(n.dtype).cast(cdt)  # a cast converts the stored value
+      if n.arg in _EXACT_OPERANDS: srcs = [_exact(v, s.dtype) for v, s in zip(srcs, n.src)]
       return srcs[0].alu(n.arg, *srcs[1:])
     if n.op == "REDUCE":
       op, axes = n.arg
@@ -256,8 +288,8 @@ class Renderer:
       if valid is not None and (s in self.realized or s.op == "BUFFER") and s is not self.node:
         # a buffer read under the pad's bounds test: a gated load at the unclamped index (it reads nothing outside), so
         # the index stays affine in the output's lanes and a conv's packed panel copies each row run as one masked load
-        v = self._global(s).index(self.splits.flat(tuple(raw), s.shape), valid).load()
+        v = self._load(s, tuple(raw), valid)
       else: v = self.render(s, tuple(sub))
-      return v if valid is None else valid.where(v, UOp.const(n.dtype, value))
+      return v if valid is None else valid.where(v, UOp.const(n.dtype, value).cast(compute_dtype(n.dtype)))
     raise GraphError(f"unknown view {kind}")
 
