@@ -34,9 +34,11 @@ def test_empty_beside_computed_values():
   x, e = f32(1, 3), np.zeros((0, 3), np.float32)
   check(model([N("Expand", ["e", "s"], ["y"]), N("Add", ["y", "x"], ["z"])], {"x": x, "e": e}, {"z": np.float32},
               inits={"s": np.array([1, 3], np.int64)}), {"x": x, "e": e})
-  pads = np.array([1, 0, 1, 0], np.int64)  # a non-empty result from an empty input and a computed one: refused, named
+  pads = np.array([1, 0, 1, 0], np.int64)  # a non-empty result from an empty input and a fed one: computed once the run reads it
+  check(model([N("Pad", ["e", "p"], ["y"])], {"e": e, "p": pads}, {"y": np.float32}), {"e": e, "p": pads})
+  big = np.zeros(65, np.float32)  # beside more than a few numbers computed at run time: refused, named
   with pytest.raises(ONNXError, match="empty"):
-    konnx.load(model([N("Pad", ["e", "p"], ["y"])], {"e": e, "p": pads}, {"y": np.float32}))
+    konnx.load(model([N("Pad", ["e", "p", "v"], ["y"])], {"e": e, "p": pads, "v": big}, {"y": np.float32}, opset=11))
 
 
 def test_a_node_of_known_inputs_is_computed_at_load():

@@ -10,10 +10,12 @@ is refused at load time with the node, the op and the attribute named. Needs the
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,8 +41,9 @@ from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
 from kiln.graph.onnx_ops_flow import FLOW
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
-from kiln.graph.program import Body, Program, build_program
+from kiln.graph.program import Body, Program, build_program, host_array
 from kiln.graph.schedule import Compiled
+from kiln.graph.specialise import Cut, RuntimeValue, unspecialisable
 from kiln.graph.tensor import Tensor, compile
 from kiln.ir.errors import IRError
 
@@ -58,16 +61,18 @@ class Model:
   constant or the model branches at run time), `plans` (every plan it runs), `summary()`.
 
   A model with an If whose condition is computed at run time is a `program` (kiln.graph.program): segments, each a plan,
-  and the branches between them, all compiled at load; `compiled` is then None."""
+  and the branches between them, all compiled at load; `compiled` is then None. So is one with a value that sets a shape
+  computed at run time (kiln.graph.specialise): the rest of the graph is compiled at run time for each value it takes
+  (cached), and `plans` are those compiled so far. An output given as None is computed by the program."""
 
-  def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value]], compiled: Compiled | None,
+  def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value | None]], compiled: Compiled | None,
                nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None, program: Program | None = None):
     self.inputs, self.output_names, self.compiled, self.nodes, self.opset = inputs, [n for n, _ in outputs], compiled, nodes, opset
     self.program = program
     self.defaults = dict(defaults or {})  # graph inputs an initializer of the same name gives a value: folded in at load
     # a folded bfloat16 (ml_dtypes') comes back as its uint16 bits, as a computed one does (kiln's numpy form of bfloat16)
-    self._consts = {n: v.view(np.uint16) if v.dtype.name == "bfloat16" else v for n, v in outputs if isinstance(v, np.ndarray)}
-    self._computed = [n for n, v in outputs if isinstance(v, Tensor)]
+    self._consts = {n: host_array(v) for n, v in outputs if isinstance(v, np.ndarray)}
+    self._computed = [n for n, v in outputs if not isinstance(v, np.ndarray)]
     self._empty = {n for n, shape, _ in inputs if 0 in shape}  # inputs with no elements, known at load (onnx_empty.py)
 
   @property
@@ -75,7 +80,8 @@ class Model:
 
   @property
   def plans(self) -> list[Any]:
-    """Every ExecutionPlan the model runs: its one plan, or each segment's of a program (both branches' too)."""
+    """Every ExecutionPlan the model runs: its one plan, or each segment's of a program (both branches' too, and each
+    specialisation's compiled so far)."""
     return self.program.plans if self.program is not None else [] if self.compiled is None else [self.compiled.plan]
 
   def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -115,6 +121,9 @@ class Model:
   def export(self) -> tuple[Any, dict[str, np.ndarray]]:
     """The model's plan as a kiln.executor PlanSpec with the model's input and output names, and the arrays its weights
     name (rebuild it with kiln.executor.PortablePlan). Outputs that are constants of the model are not in it."""
+    if self.program is not None and (cut := self.program.tail.then) is not None:
+      raise ONNXError(f"the model is compiled at run time from {cut.cut.label} on, for each value of its run-time input(s) "
+                      f"{', '.join(name for name, _ in cut.cut.needed)}: a PlanSpec holds one plan (not supported)")
     if self.program is not None:
       raise ONNXError("the model branches at run time (an If on a value computed at run time): a PlanSpec holds one plan, this model runs "
                       f"{len(self.plans)} (not supported)")
@@ -128,8 +137,11 @@ class Model:
              ", ".join(f"{n} {s} {dt}" for n, s, dt in self.inputs) + "; outputs " + ", ".join(self.output_names)]
     p = self.plan
     if self.program is not None:
-      lines.append(f"  {len(self.plans)} plans (segments of both sides of its run-time branches), "
+      lines.append(f"  {len(self.plans)} plans (segments of both sides of its run-time branches, and specialisations compiled so far), "
                    f"{sum(len(q.kernels) for q in self.plans)} kernels in all")
+      for sp in self.program.specialisations():
+        lines.append(f"  from {sp.cut.label} on: compiled at run time for each value of {', '.join(n for n, _ in sp.cut.needed)} "
+                     f"({sp.compiles} so far, {len(sp.compiled())} kept)")
       for i, q in enumerate(self.plans): lines += [f"    plan {i}: {len(q.kernels)} kernels"] + [f"      {k.name}" for k in q.kernels]
     elif p is None: lines.append("  every output is a constant: no kernels")
     else:
@@ -148,7 +160,13 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
   folds = BatchNormFolds(g, ctx.onnx)
   for p in g.node:  # a value a nested subgraph reads is read once more: a batch norm fold must see that reader
     for _, sub in subgraphs(p): folds.uses.update(outer_names(sub))
-  for proto in g.node:
+  _convert_nodes(list(g.node), g, env, ctx, folds)
+
+
+def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds) -> None:
+  """nodes (of graph g) in order, outputs into env. In the main graph, a node that needs a value computed at run time
+  (RuntimeValue) ends the conversion: ctx.body.cut records how to convert the rest once the value is known (specialise.py)."""
+  for k, proto in enumerate(nodes):
     label = f"node {ctx.path}{proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
     if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
     if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
@@ -170,6 +188,11 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
       elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
       else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
       if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
+    except RuntimeValue as e:
+      if ctx.depth: raise
+      if e.node is not n: raise ONNXError(str(e)) from None  # in a subgraph of n's (an If's branch, a Loop's body): the refusal
+      ctx.body.cut = _cut(nodes[k:], g, env, ctx, folds, n, e)
+      return
     except ONNXError: raise
     except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
       raise n.error(f"{type(e).__name__}: {e}") from e
@@ -181,6 +204,36 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
     if len(outs) < len(names): raise n.error(f"produces {len(outs)} outputs, the model uses {len(names)}")
     for name, v in zip(proto.output, outs):
       if name: env[name] = v
+
+
+def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds, n: Node, e: RuntimeValue) -> Cut:
+  """The main graph cut before node n (rest[0]), whose input e.index is computed at run time: the rest converts, once the
+  value is read back, in a copy of the values it reads (the load budget as it stood here)."""
+  name = n.proto.input[e.index]
+  v = env[name]
+  if not isinstance(v, Tensor) or n.ins[e.index] is not v: raise e  # the handler was given another value than env's: nothing to read back
+  if why := unspecialisable(v.node): raise n.error(f"{e.text}; {why}") from None
+  reads = {i for p in rest for i in p.input if i} | {o.name for o in g.output}
+  for p in rest:
+    for _, sub in subgraphs(p): reads |= outer_names(sub)
+  budget = copy.copy(ctx.budget)
+
+  def resume(env2: dict[str, Value]) -> tuple[list[Value] | None, Body]:
+    body = Body()
+    _convert_nodes(rest, g, env2, replace(ctx, body=body, budget=copy.copy(budget)), folds)
+    return (None if body.cut is not None else [v for _, v in _outputs(g, env2)]), body
+  return Cut(f"node {n.name} ({n.op})", [(name, v.node)], {k: env[k] for k in reads if k in env}, resume)
+
+
+def _outputs(g: Any, env: dict[str, Value]) -> list[tuple[str, Value]]:
+  """The graph's outputs (name, value), each produced and none a Shape of symbolic dims."""
+  outputs = []
+  for vo in g.output:
+    if vo.name not in env: raise ONNXError(f"graph output {vo.name!r} is produced by no node")
+    if isinstance(env[vo.name], np.ndarray) and env[vo.name].dtype == object:
+      raise ONNXError(f"graph output {vo.name!r} is a Shape with symbolic dims, known only at run time (not supported)")
+    outputs.append((vo.name, env[vo.name]))
+  return outputs
 
 
 def _check(onnx: Any, m: Any) -> None:
@@ -301,17 +354,14 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
   main = Body()
   _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
-  outputs = []
-  for vo in g.output:
-    if vo.name not in env: raise ONNXError(f"graph output {vo.name!r} is produced by no node")
-    if isinstance(env[vo.name], np.ndarray) and env[vo.name].dtype == object:
-      raise ONNXError(f"graph output {vo.name!r} is a Shape with symbolic dims, known only at run time (not supported)")
-    outputs.append((vo.name, env[vo.name]))
+  # cut for a value known only at run time: every output comes from the program (specialise.py)
+  outputs: list[tuple[str, Value | None]] = [(vo.name, None) for vo in g.output] if main.cut is not None else list(_outputs(g, env))
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]
   compiled, program = None, None
   try:
-    if tensors and main.branches:  # a branch chosen at run time: a Program of plans (program.py)
-      program = build_program([(name, env[name].node) for name, _, _ in inputs], [t.node for t in tensors], main, device)  # type: ignore[union-attr]
+    if main.cut is not None or (tensors and main.branches):  # a branch chosen at run time or a specialisation: a Program of plans (program.py)
+      program = build_program([(name, env[name].node) for name, _, _ in inputs if isinstance(env[name], Tensor)],  # type: ignore[union-attr]
+                              [t.node for t in tensors], main, device)
     elif tensors: compiled = compile(tensors, device)
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
   except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)

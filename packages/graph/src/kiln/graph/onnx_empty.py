@@ -8,7 +8,10 @@ kiln's kernels never see one: an empty value is an empty numpy array in the conv
 | a node whose inputs are all known, one empty     | onnx's reference implementation computes it (only shapes and a reduction's fill are at stake) |
 | a Concat with empty pieces beside computed ones  | the empty pieces are dropped                                 |
 | CastLike with an empty target beside a computed input | its handler reads only the target's dtype                |
-| any other node with an empty and a computed input | shape inference gives its outputs: empty ones become empty arrays; a non-empty one is refused |
+| any other node with an empty and a computed input | shape inference gives its outputs, empty ones empty arrays; a non-empty one is refused (1) |
+
+(1) unless its computed inputs are a few numbers each (a Pad's pads, a Reduce's axes): a run reads them back, and the node is
+then computed as in the second row (specialise.py)
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from kiln.graph.onnx_ops import Node, Value
+from kiln.graph.specialise import unspecialisable
+from kiln.graph.tensor import Tensor
 
 
 def is_empty(v: Value | None) -> bool: return isinstance(v, np.ndarray) and v.size == 0
@@ -59,6 +64,9 @@ def _inferred_empty(n: Node, onnx: Any) -> list[Value]:
     t = got.get(o)
     dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.tensor_type.shape.dim] if t is not None else [-1]
     if t is None or -1 in dims or 0 not in dims:
+      runtime = [i for i, v in enumerate(n.ins) if isinstance(v, Tensor)]
+      if all(unspecialisable(v.node) is None for v in n.ins if isinstance(v, Tensor)):  # a few numbers each (a Reduce's axes)
+        n.const(runtime[0], "beside an empty input")  # read back by a run, which converts the rest with it (then all known)
       raise n.error("an input is empty (a dim of 0) beside values computed at run time, and the output is not: not supported")
     outs.append(np.zeros(dims, h.tensor_dtype_to_np_dtype(t.tensor_type.elem_type)))
   return outs

@@ -14,6 +14,7 @@ from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
+from kiln.graph.specialise import RuntimeValue
 from kiln.graph.tensor import Tensor
 from kiln.ir.alu import exec_alu
 from kiln.ir.dtype import dtypes
@@ -49,8 +50,12 @@ class Node:
     v = self.ins[i] if i < len(self.ins) else None
     if v is None: raise self.error(f"input {i} ({what}) is missing")
     if isinstance(v, Tensor):
-      held = f": it holds the symbolic dims of a Shape ({self.from_shape[i]}), known only at run time" if i in self.from_shape else ""
-      raise self.error(f"input {i} ({what}) must be a constant known at load time (kiln has no data-dependent shapes){held}")
+      if i in self.from_shape:  # a symbolic dim's value: specialising on it would compile once per size (a runtime variable's job)
+        raise self.error(f"input {i} ({what}) must be a constant known at load time: it holds the symbolic dims of a Shape "
+                         f"({self.from_shape[i]}), known only at run time")
+      text = f"input {i} ({what}) is computed at run time"
+      raise RuntimeValue(str(self.error(f"{text}: kiln specialises the rest of a model on such a value only in its main graph, "
+                                        "not inside an If, Loop or Scan body")), self, i, text)  # the converter cuts there (specialise.py)
     return v
 
   def opt_const(self, i: int, what: str) -> np.ndarray | None:
@@ -382,13 +387,16 @@ def _range(n: Node) -> Value:
 
 def _dropout(n: Node) -> Value | list[Value]:
   """Inference: the input itself, and (when asked for) a mask of all True. Training mode (is_test=0 before opset 7, a
-  training_mode input from opset 12) would drop at random: refused, never run as the identity."""
+  training_mode input from opset 12) would drop at random: refused, never run as the identity, unless its ratio is 0. A
+  training_mode computed at run time is read back (specialise.py: a run with true is refused then)."""
   n.attr("seed"), n.attr("ratio")
   if n.opset < 7 and not n.attr("is_test", 0): raise n.error("is_test=0 (training mode) is not supported: kiln runs inference only")
   if len(n.ins) > 2 and n.ins[2] is not None:
-    mode = n.ins[2]
-    if not isinstance(mode, np.ndarray): raise n.error("input 2 (training_mode) is computed at run time: kiln runs inference only")
-    if mode.size and bool(mode.reshape(-1)[0]): raise n.error("training_mode is true: kiln runs inference only")
+    mode = n.const(2, "training_mode")
+    if mode.size and bool(mode.reshape(-1)[0]):  # training: only a ratio of 0 (dropping nothing) is the identity
+      ratio = n.opt_const(1, "ratio")
+      if ratio is None or not ratio.size or float(ratio.reshape(-1)[0]) != 0:
+        raise n.error("training_mode is true: kiln runs inference only (but for a ratio of 0, which drops nothing)")
   x = n.ins[0]
   if len(n.proto.output) < 2 or not n.proto.output[1]: return x  # type: ignore[return-value]
   if x is None: raise n.error("input 0 is missing")

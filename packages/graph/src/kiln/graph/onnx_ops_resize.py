@@ -2,8 +2,9 @@
 
 Resize (opsets 10-19) and Upsample (7-9): nearest (every nearest_mode), linear and cubic (cubic_coeff_a, exclude_outside,
 antialias), every coordinate_transformation_mode (tf_crop_and_resize with roi and extrapolation_value), axes and
-keep_aspect_ratio_policy. The output's shape must be known at load: scales or sizes are constants and each resized axis
-has a fixed size. Each resized axis is then worked out at load, in numpy: for each output position, the input positions
+keep_aspect_ratio_policy. The output's shape must be known when the node converts: scales, sizes and roi are constants
+(or values computed at run time, which a run reads back and converts the rest of the model for: specialise.py) and each
+resized axis has a fixed size. Each resized axis is then worked out at load, in numpy: for each output position, the input positions
 it reads (its taps) and their weights, computed in float32 the way onnxruntime computes them, so that a nearest index or
 the edge of the extrapolated region falls where its does (and a nearest coordinate within TIE of a half is a tie, as
 onnxruntime rounds it). The op is, one axis after another, a gather of those taps with constant indices
@@ -230,11 +231,11 @@ def _params(n: Node) -> Params:
   return Params(mode, COORDS[ctm], near, a, bool(n.attr("exclude_outside", 0)), antialias, ctm == "tf_crop_and_resize")
 
 
-def _known(n: Node, i: int, what: str, why: str = "it sets the output's shape, which kiln must know at load time") -> np.ndarray | None:
-  """Input i, a constant, flat; None where it is omitted or empty. One computed at run time is refused, saying why."""
-  v = n.ins[i] if i < len(n.ins) else None
+def _known(n: Node, i: int, what: str) -> np.ndarray | None:
+  """Input i, a constant, flat; None where it is omitted or empty. One computed at run time is read back by a run, which
+  converts the rest of the model for its value (Node.const: specialise.py)."""
+  v = n.opt_const(i, what)
   if v is None: return None
-  if isinstance(v, Tensor): raise n.error(f"input {i} ({what}) is computed at run time: {why}")
   return v.reshape(-1) if v.size else None
 
 
@@ -314,7 +315,7 @@ def _roi(n: Node, p: Params, rank: int, axes: list[int]) -> list[tuple[np.float3
   """(start, end) of each axis: tf_crop_and_resize's roi input (for axes only, from opset 18), else the whole axis."""
   full = [(F32(0), F32(1))] * rank
   if not p.extrapolate or n.opset < 11: return full
-  r = _known(n, 1, "roi", "kiln works out where each output reads at load time")
+  r = _known(n, 1, "roi")
   if r is None: return full
   r = r.astype(F32)
   if len(r) != 2 * len(axes): raise n.error(f"roi has {len(r)} values for {len(axes)} axes (a start for each, then an end for each)")

@@ -1,7 +1,8 @@
 """The ONNX padding, tiling, masking, index-reduction, normalisation and extra reduction operators beyond onnx_ops' core
 set, built from kiln.graph Tensor ops and registered in onnx_ops.OPS with the attributes each understands (onnx.py imports
-this module for that). Every size, count and axis they take must be known at load time (kiln has no data-dependent shapes);
-a run-time one is an ONNXError naming the node."""
+this module for that). Every size, count and axis they take is a constant when the node converts: known at load, or
+computed at run time and read back by a run, which converts the rest of the model for its value (specialise.py). Pad's
+constant_value computed at run time is a value in the kernel."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -53,17 +54,27 @@ def _pad(n: Node) -> Value:
   x = n.t(0)
   mode = n.attr("mode", "constant")
   if mode not in ("constant", "edge", "reflect"): raise n.error(f"attribute mode={mode!r} is not supported (constant, edge, reflect)")
+  value: float | Tensor
   if n.opset < 11: pads, value, axes = list(n.attr("pads") or []), float(n.attr("value", 0.0)), None
   else:
     pads = [int(v) for v in n.const(1, "pads").reshape(-1)]
-    cv = n.opt_const(2, "constant_value")
-    value = 0.0 if cv is None else cv.reshape(-1)[0].item()
+    cv = n.ins[2] if len(n.ins) > 2 else None
+    value = cv if isinstance(cv, Tensor) else 0.0 if cv is None or not cv.size else cv.reshape(-1)[0].item()
     ax = n.opt_const(3, "axes")
     axes = None if ax is None else [_norm(int(v), x.ndim, n) for v in ax.reshape(-1)]
   axes = list(range(x.ndim)) if axes is None else axes
   if len(pads) != 2 * len(axes): raise n.error(f"{len(pads)} pads for {len(axes)} axes (two per axis: all befores, then all afters)")
   per = dict(zip(axes, zip(pads[:len(axes)], pads[len(axes):])))
   _static(n, x, [a for a, (b, e) in per.items() if (b or e) and (mode != "constant" or b < 0 or e < 0)], "Pad")  # constant: seq + 2
+  if mode == "constant" and isinstance(value, Tensor):  # computed at run time: in the kernel, a select where the pads are
+    if value.numel != 1: raise n.error(f"input 2 (constant_value) has shape {value.shape}: one element")
+    inside = _padded(Tensor.full(x.shape, True, "bool"), per, mode, False, n)
+    return inside.where(_padded(x, per, mode, 0, n), value.reshape(()).cast(x.dtype))
+  return _padded(x, per, mode, 0.0 if isinstance(value, Tensor) else value, n)
+
+
+def _padded(x: Tensor, per: dict[int, tuple[int, int]], mode: str, value: float | bool, n: Node) -> Tensor:
+  """x with axis a padded by per[a] = (before, after) in mode (a negative pad crops)."""
   if mode == "constant" and all(b >= 0 and e >= 0 for b, e in per.values()):
     return x.pad([per.get(a, (0, 0)) for a in range(x.ndim)], value)
   for a, (b, e) in per.items():

@@ -19,15 +19,16 @@ no input (a view of a weight) are recomputed instead. Both branches are compiled
 and a Python branch, never a compile. Symbolic dims are the model's: every plan takes the values run() reads off the
 fed arrays.
 
-The same steps are where data-dependent shapes would go (NonZero, TopK with a run-time k): a host step between segments
-that reads a count back and binds the next segment's runtime variables, as Switch reads its condition.
+A value that sets a shape or axes but is computed at run time (a Reshape's shape fed as an input) ends a scope's steps
+in a `Specialise` (specialise.py): it reads the value back, as a Switch reads its condition, then runs the rest of the
+graph converted and compiled for that value (cached by it). A scope's steps and what they end in are a `Tail`.
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +37,9 @@ from kiln.graph.dims import evaluate, fmt_shape
 from kiln.graph.lazy import GraphError, Node, ONNXError, Source, toposort
 from kiln.graph.segments import Segment, Weights, compile_segment
 from kiln.ir.kernels import Dim
+
+if TYPE_CHECKING:
+  from kiln.graph.specialise import Cut, Specialise
 
 
 # ---- what the conversion records ----
@@ -46,6 +50,7 @@ class Body:
   inputs: list[Node] = field(default_factory=list)
   outputs: list[Node] = field(default_factory=list)
   branches: list[Branch] = field(default_factory=list)
+  cut: Cut | None = None  # where its conversion stopped for a value known only at run time (specialise.py); outputs are then empty
   refused: str | None = None  # why it could not be converted: a run that takes it raises this (ONNXError), as onnxruntime fails then
 
 
@@ -97,6 +102,24 @@ class Refusal:
 Step = Segment | Switch | Refusal
 
 
+@dataclass(eq=False)
+class Tail:
+  """What a scope runs from some point on: its steps, then its outputs (a slot, or a constant a specialisation folded), or a
+  Specialise that runs the rest of the graph for values it reads back and gives the outputs."""
+  steps: list[Step]
+  outputs: list[Slot | np.ndarray]
+  then: Specialise | None = None
+
+  def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
+    for s in self.steps: s.run(vals, prof)
+    return self.outputs if self.then is None else self.then.run(vals, prof)
+
+  @property
+  def plans(self) -> list[Any]:
+    """Its segments' plans, both sides of each branch, and those of every specialisation compiled so far."""
+    return _steps_plans(self.steps) + ([] if self.then is None else [p for t in self.then.compiled() for p in t.plans])
+
+
 def _steps_plans(steps: Sequence[Step]) -> list[Any]:
   out = []
   for s in steps:
@@ -105,23 +128,49 @@ def _steps_plans(steps: Sequence[Step]) -> list[Any]:
   return out
 
 
-class Program:
-  """A model with run-time branches: `run(feeds)` copies the inputs into their slots, runs the steps, and reads the outputs."""
+def read(s: Slot, vals: Mapping[str, int]) -> np.ndarray:
+  """A slot's value as the run's dims make it (the front of a buffer sized for their bounds), copied to the host."""
+  shape = tuple(evaluate(d, vals) for d in s.node.shape)
+  n = int(np.prod(shape, dtype=np.int64))
+  return (s.buf if n == s.buf.size else s.buf.view(0, max(n, 1))).numpy()[:n].reshape(shape).copy()  # n = 0: a dim of 0
 
-  def __init__(self, inputs: list[tuple[str, Slot]], steps: list[Step], outputs: list[Slot]):
-    self.inputs, self.steps, self.outputs = inputs, steps, outputs
-    self._lock = threading.Lock()  # the slots are shared by every run: one run at a time
+
+def host_array(v: np.ndarray) -> np.ndarray:
+  """A constant output as run() hands it out: a bfloat16 (ml_dtypes') as its uint16 bits, as a computed one is."""
+  return v.view(np.uint16) if v.dtype.name == "bfloat16" else v
+
+
+class Program:
+  """A model with run-time branches or specialisations: `run(feeds)` copies the inputs into their slots, runs the steps,
+  and reads the outputs: its computed outputs, or, where it specialises, every output of the model."""
+
+  def __init__(self, inputs: list[tuple[str, Slot]], tail: Tail):
+    self.inputs, self.tail = inputs, tail
+    self._lock = threading.Lock()  # the slots (and a specialisation's cache) are shared by every run: one run at a time
 
   @property
-  def plans(self) -> list[Any]: return _steps_plans(self.steps)
+  def steps(self) -> list[Step]: return self.tail.steps
+
+  @property
+  def plans(self) -> list[Any]: return self.tail.plans
+
+  def specialisations(self) -> list[Specialise]:
+    """Every Specialise step: the main graph's, then those of the continuations compiled so far."""
+    out, todo = [], [self.tail]
+    while todo:
+      t = todo.pop(0)
+      if t.then is not None:
+        out.append(t.then)
+        todo += t.then.compiled()
+    return out
 
   def run(self, feeds: Mapping[str, np.ndarray], profile: bool = False) -> tuple[list[np.ndarray], Any]:
     from kiln.executor.profile import Profile
     with self._lock:
       vals = self._feed(feeds)
       prof = Profile() if profile else None
-      for s in self.steps: s.run(vals, prof)
-      return [self._read(s, vals) for s in self.outputs], prof
+      outs = self.tail.run(vals, prof)
+      return [read(s, vals) if isinstance(s, Slot) else host_array(s).copy() for s in outs], prof
 
   def _feed(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
     arrays = {name: np.asarray(feeds[name]) for name, _ in self.inputs}
@@ -146,12 +195,6 @@ class Program:
       buf.copyin(np.ascontiguousarray(cast))
     return vals
 
-  @staticmethod
-  def _read(s: Slot, vals: Mapping[str, int]) -> np.ndarray:
-    shape = tuple(evaluate(d, vals) for d in s.node.shape)
-    n = int(np.prod(shape, dtype=np.int64))
-    return (s.buf if n == s.buf.size else s.buf.view(0, max(n, 1))).numpy()[:n].reshape(shape).copy()  # n = 0: a dim of 0
-
 
 # ---- cutting the recorded graph into steps ----
 def _substitute(roots: Sequence[Node], done: Mapping[Node, Slot]) -> list[Node]:
@@ -165,9 +208,19 @@ def _substitute(roots: Sequence[Node], done: Mapping[Node, Slot]) -> list[Node]:
   return [memo[r] for r in roots]
 
 
-class _Builder:
-  def __init__(self, device: str):
-    self.weights = Weights(device)
+def runtime(order: Sequence[Node], done: Mapping[Node, Slot]) -> dict[Node, bool]:
+  """Which nodes (in topological order) depend on an input or another step's value; the rest (a view of a weight) are
+  recomputed where they are read instead of handed on in a slot."""
+  out: dict[Node, bool] = {}
+  for n in order: out[n] = n in done or (n.op == "BUFFER" and n.data is None) or any(out[s] for s in n.src)
+  return out
+
+
+class Builder:
+  """Cuts a converted scope into steps; its Weights hold the device buffers of the constants its segments read."""
+
+  def __init__(self, weights: Weights):
+    self.weights = weights
 
   def slot(self, n: Node) -> Slot:
     from kiln.executor import Buffer
@@ -184,11 +237,10 @@ class _Builder:
       want = list(stage) if last and outs is not None else [n for n in dict.fromkeys(stage) if n not in done]
       if want:
         order = toposort(want, set(done))
-        runtime: dict[Node, bool] = {}  # depends on an input or another step's value; else recomputed where it is read (a view of a weight)
-        for n in order: runtime[n] = n in done or (n.op == "BUFFER" and n.data is None) or any(runtime[s] for s in n.src)
+        live = runtime(order, done)
         made = {n for n in order if n not in done}
         later = [n for s in stages[i + 1:] for n in s]
-        frontier = [n for n in toposort(later, set(done) | made) if n in made and n not in want and runtime[n]]
+        frontier = [n for n in toposort(later, set(done) | made) if n in made and n not in want and live[n]]
         slots = (list(outs) if last and outs is not None else [self.slot(n) for n in want]) + [self.slot(n) for n in frontier]
         nodes = want + frontier
         steps.append(compile_segment(_substitute(nodes, done), [s.buf for s in slots], {s.node: s.buf for s in done.values()}, self.weights))
@@ -203,12 +255,25 @@ class _Builder:
       steps.append(Switch(b.label, done[b.cond], *arms))
     return steps
 
+  def tail(self, outputs: Sequence[Node | np.ndarray], body: Body, done: dict[Node, Slot]) -> Tail:
+    """A scope's steps and outputs (constants stay constants); where its conversion was cut, the steps computing what the
+    rest of the graph reads, then the Specialise that converts and runs the rest."""
+    if body.cut is None:
+      nodes = [o for o in outputs if isinstance(o, Node)]
+      return Tail(self.steps(nodes, None, body.branches, done), [done[o] if isinstance(o, Node) else o for o in outputs])
+    from kiln.graph.specialise import Specialise
+    cut = body.cut
+    wanted = set(cut.keep)
+    keep = [n for n, live in runtime(toposort(cut.keep, set(done)), done).items() if live and n in wanted]
+    steps = self.steps([n for _, n in cut.needed] + keep, None, body.branches, done)
+    return Tail(steps, [], Specialise(cut, [done[n] for _, n in cut.needed], self, dict(done)))
+
 
 def build_program(inputs: list[tuple[str, Node]], outputs: list[Node], main: Body, device: str) -> Program:
-  """The Program of a converted model: inputs (name, BUFFER node), its computed outputs, and the main graph's branches."""
+  """The Program of a converted model: inputs (name, BUFFER node), its computed outputs (none where the main graph was cut:
+  every output then comes from the specialisation), and the main graph's branches and cut."""
   from kiln.codegen.spec import DeviceSpec
-  b = _Builder(str(DeviceSpec.parse(device)))
+  b = Builder(Weights(str(DeviceSpec.parse(device))))
   done = {node: b.slot(node) for _, node in inputs}
   ins = [(name, done[node]) for name, node in inputs]
-  steps = b.steps(outputs, None, main.branches, done)
-  return Program(ins, steps, [done[o] for o in outputs])
+  return Program(ins, b.tail(outputs, main, done))

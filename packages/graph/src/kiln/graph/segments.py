@@ -20,18 +20,27 @@ from kiln.graph.schedule import GraphPlan
 
 
 class Weights:
-  """The device buffers of constant arrays, one per array however many segments read it (the array is kept alive with it)."""
+  """The device buffers of constant arrays, one per array however many segments read it (the array is kept alive with it).
 
-  def __init__(self, device: str):
-    self.device = device
+  A specialisation's continuation (specialise.py) has Weights of its own, dropped with it when its cache lets it go, over
+  its parent's: an array the parent already holds, or one of `shared` (the ids of the arrays the graph held where it was
+  cut: initializers, the same in every continuation), is the parent's, so no continuation copies the model's weights."""
+
+  def __init__(self, device: str, parent: Weights | None = None, shared: frozenset[int] = frozenset()):
+    self.device, self.parent, self.shared = device, parent, shared
     self._bufs: dict[int, tuple[np.ndarray, Any]] = {}
+
+  def _find(self, key: int) -> tuple[np.ndarray, Any] | None:
+    hit = self._bufs.get(key)
+    return hit if hit is not None or self.parent is None else self.parent._find(key)
 
   def buffer(self, n: Node) -> Any:
     from kiln.executor import Buffer
     data = n.data
     assert data is not None
-    if (hit := self._bufs.get(id(data))) is None:
-      hit = self._bufs[id(data)] = (data, Buffer.from_numpy(np.ascontiguousarray(data), self.device, n.dtype))  # bf16: uint16 in numpy
+    if (hit := self._find(id(data))) is not None: return hit[1]  # its array is alive in hit: the id is this array's
+    if self.parent is not None and id(data) in self.shared: return self.parent.buffer(n)
+    hit = self._bufs[id(data)] = (data, Buffer.from_numpy(np.ascontiguousarray(data), self.device, n.dtype))  # bf16: uint16 in numpy
     return hit[1]
 
 
