@@ -4,7 +4,8 @@ it installed; the executor never imports kiln.graph).
 
 Prints each output's shape, dtype and statistics (min, max, mean); `--out DIR` also writes each output as DIR/NAME.npy;
 `--profile` runs once more kernel by kernel and prints the per-kernel profile. A model with a run-time If runs several
-plans (kiln.graph.program): the kernel count sums them all, the profile lists the kernels of the branches taken. A
+plans (kiln.graph.program): the kernel count sums them all, the profile lists the kernels of the branches taken; so does
+one with a shape computed at run time, compiled from there on for each value (kiln.graph.specialise). A
 symbolic dim with no name is given as INPUT:AXIS (`--dims x:0=4`), as kiln.graph.onnx.load takes it. Bad input (a
 missing or unreadable file, an unknown input name, a wrong shape or dtype, a model kiln cannot load) is one line on
 stderr and exit code 2, no traceback.
@@ -117,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
   t1 = time.perf_counter()
   outs = model.run(feeds)
   t2 = time.perf_counter()
-  plans = model.plans  # one, or a program's segments (a run-time If: both sides of each branch)
+  plans = model.plans  # one, or a program's segments (a run-time If: both sides of each branch; a specialisation: those compiled so far)
   counts = [len(p.kernels) for p in plans]
-  where = f" in {len(plans)} plans ({' + '.join(map(str, counts))}: both sides of its run-time branches)" if len(plans) > 1 else ""
+  what = "both sides of its run-time branches" if model.program is None or not model.program.specialisations() else \
+    "its segments, and the rest of the model compiled for the values this run computed"
+  where = f" in {len(plans)} plans ({' + '.join(map(str, counts))}: {what})" if len(plans) > 1 else ""
   print(f"{args.model}: {sum(counts)} kernels{where}, load + compile {(t1 - t0) * 1e3:.0f} ms, run {(t2 - t1) * 1e3:.1f} ms")
   w = max(len(n) for n in outs) if outs else 0
   for name, a in outs.items(): print(f"  {name:<{w}}  {str(a.shape):<16} {a.dtype!s:<8} {_stats(a)}")
