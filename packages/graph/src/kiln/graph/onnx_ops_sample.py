@@ -131,7 +131,8 @@ def _grid_sample(n: Node) -> Value:
   got = table.gather(flat, 0, name=f"node {n.name} ({n.op})")  # (N, *out, *taps, C)
   if ok is not None: got = ok.unsqueeze(-1).where(got, Tensor.full((), 0, x.dtype))
   taps = tuple(range(1 + len(out), 1 + len(out) + r))
-  y = got.reshape(*got.shape[:1 + len(out)], c) if w is None else (got.cast(ft) * w.unsqueeze(-1)).sum(taps)
+  acc = dtypes.float64 if dtypes.float64 in (x.dtype, ft) else dtypes.float32  # a float64 input keeps its precision beside a float32 grid
+  y = got.reshape(*got.shape[:1 + len(out)], c) if w is None else (got.cast(acc) * w.cast(acc).unsqueeze(-1)).sum(taps)
   y = y.permute(0, y.ndim - 1, *range(1, y.ndim - 1))
   return y.cast(x.dtype) if y.dtype != x.dtype else y
 
