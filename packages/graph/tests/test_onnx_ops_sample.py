@@ -60,6 +60,14 @@ def test_grid_sample_float64_and_a_computed_grid() -> None:
               {"x": x, "f": flow}, {"y": np.float64}, {"b": base}, opset=20), {"x": x, "f": flow}, tol=1e-9)
 
 
+def test_grid_sample_float64_input_float32_grid() -> None:
+  """ONNX lets the grid be float32 beside a float64 input (onnxruntime has no such kernel): the sum stays in float64. The
+  grid lands on pixel centres, each weight 1 or 0, so the output is the input's float64 values exactly."""
+  x, g = np.random.default_rng(0).normal(size=(1, 1, 3, 3)), np.array([[[[-1, 0], [1, -1]], [[0, 1], [1, 1]]]], np.float32)
+  km = konnx.load(model([N("GridSample", ["x", "g"], ["y"], align_corners=1)], {"x": x, "g": g}, {"y": np.float64}, opset=20))
+  np.testing.assert_array_equal(km.run({"x": x, "g": g})["y"], x[0, 0][[[1, 0], [2, 2]], [[0, 2], [1, 2]]][None, None])
+
+
 def test_grid_sample_refusals() -> None:
   def load(xs: tuple[int, ...], gs: tuple[int, ...], **attrs: object) -> None:
     konnx.load(model([N("GridSample", ["x", "g"], ["y"], **attrs)], {"x": f32(*xs), "g": f32(*gs)}, {"y": np.float32}, opset=20))
