@@ -20,6 +20,27 @@ def kiln_counts(request: pytest.FixtureRequest) -> dict[str, int]:
   return request.config.__dict__.setdefault("_kiln_counts", {})
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  """Under pytest-xdist (`scripts/test` runs `-n auto --dist loadgroup`), each test file runs whole on one worker, so a
+  module-scoped fixture (an emulator build, a compiled model) is built once; the distributed tests share one group, so
+  one worker starts the session's Ray cluster, not each."""
+  for item in items:
+    path = str(item.path)
+    group = "ray" if f"{os.sep}distributed{os.sep}tests{os.sep}" in path else path
+    item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+  if hasattr(session.config, "workeroutput"):  # an xdist worker hands its counters to the controller
+    session.config.workeroutput["kiln_counts"] = dict(session.config.__dict__.get("_kiln_counts", {}))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+  counts = node.config.__dict__.setdefault("_kiln_counts", {})
+  for k, v in getattr(node, "workeroutput", {}).get("kiln_counts", {}).items(): counts[k] = counts.get(k, 0) + v
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
   reports = [r for k in ("passed", "failed") for r in terminalreporter.stats.get(k, []) if getattr(r, "when", "") == "call"]
   cat = [r for r in reports if "test_bad_input.py::" in r.nodeid]

@@ -11,6 +11,7 @@ the stage and worker. A request that fails for itself fails alone, as in Replica
 earlier stage's error for it on instead of running it."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from kiln.executor.plan_split import ACTIVATION, split
 from kiln.ir.errors import KilnError
 
 Feeds = Mapping[str, Any]
+RESTART_WAIT_S = 120.0  # how long a retry waits for a dead stage's worker to come back before resubmitting
 
 
 class Pipeline(Fleet):
@@ -118,6 +120,7 @@ class Pipeline(Fleet):
                                f"{type(e).__name__}: {e}", [label], stage)] * len(group)
         self.retried += len(group)
         self.session.ray()  # a session that ended is ClusterLost here, not a resubmission into a new Ray
+        if stage is not None: self._await_restart(stage)
         refs = self._submit(fref, vals)  # the dead stage's worker restarts and rebuilds; the group runs again from stage 0
       except Exception as e:
         if not self.session.alive(): raise
@@ -129,6 +132,19 @@ class Pipeline(Fleet):
     for k in sorted(by_stage):
       if isinstance(by_stage[k][j], Exception): return by_stage[k][j]
     return {name: by_stage[k][j][name] for name, k in self._final.items()}
+
+  def _await_restart(self, stage: int) -> None:
+    """Until the stage's restarted worker answers. Ray refuses calls to an actor while it restarts (ActorUnavailableError),
+    and a restart is slow on a loaded host: resubmitting at once would spend every retry on the one restart."""
+    import ray.exceptions as rx
+    ray, actor = self.session.ray(), self.actors[stage]
+    end = time.monotonic() + RESTART_WAIT_S
+    while time.monotonic() < end:
+      try:
+        ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, end - time.monotonic()))
+        return
+      except rx.ActorUnavailableError: time.sleep(0.1)
+      except Exception: return  # dead for good, or still not up at the deadline: the resubmission's failure is the next attempt
 
   def _failed_stage(self, refs: list[Any]) -> int | None:
     ray = self.session.ray()
