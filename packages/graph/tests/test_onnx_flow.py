@@ -192,11 +192,14 @@ def test_errors_name_the_node_path(monkeypatch) -> None:
                  {} if fed else m3, opset=20)
   with pytest.raises(ONNXError, match=r"^node lp > body \(iteration 0\) > node ge \(Gelu, opset 20\): attribute approximate='fast'"):
     konnx.load(loop("fast"))
-  with pytest.raises(ONNXError, match=r"node lp \(Loop.*input 0 \(M, the trip count\) is computed at run time.*not supported"):
-    konnx.load(loop("tanh", fed=True))
   check(loop("tanh"), {"v0": f32(2)})
+  fed = konnx.load(loop("tanh", fed=True))  # a trip count fed at run time: each run reads it and unrolls for it (specialise.py)
+  v0 = f32(2)
+  np.testing.assert_allclose(fed.run({"M": np.array(3, np.int64), "v0": v0})["v"], konnx.load(loop("tanh")).run({"v0": v0})["v"], rtol=1e-6)
   monkeypatch.setattr(onnx_limits, "MAX_UNROLLED_STEPS", 2)
   with pytest.raises(ONNXError, match=r"node lp \(Loop\): the time steps .* is 3, over MAX_UNROLLED_STEPS = 2"): konnx.load(loop("tanh"))
+  with pytest.raises(ONNXError, match=r"node lp \(Loop\): the time steps .* is 3, over MAX_UNROLLED_STEPS = 2 .* for M = 5"):
+    fed.run({"M": np.array(5, np.int64), "v0": v0})
 
 
 def test_subgraph_limits(monkeypatch) -> None:
@@ -236,12 +239,12 @@ def _node_cases() -> list:
 
 
 NODE_CASES = _node_cases()
-PASSING = {"test_if", "test_scan9_sum", "test_scan9_multi_state", "test_scan9_scalar"}
+PASSING = {"test_if", "test_scan9_sum", "test_scan9_multi_state", "test_scan9_scalar", "test_loop11"}  # loop11: a fed trip count
 
 
 @pytest.mark.parametrize("case", NODE_CASES, ids=[c.name for c in NODE_CASES])
 def test_onnx_node_tests(case) -> None:
-  """Each case matches the expected outputs or is refused with an ONNXError (sequences, optionals, Scan-8, a fed trip count)."""
+  """Each case matches the expected outputs or is refused with an ONNXError (sequences, optionals, Scan-8)."""
   ins, want = case.data_sets[0]
   feeds = {v.name: np.asarray(a) for v, a in zip(case.model.graph.input, ins)}
   if case.name not in PASSING:

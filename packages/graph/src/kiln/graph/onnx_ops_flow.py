@@ -9,9 +9,11 @@ so that OPS names every operator kiln converts.
 | Loop | trip count M and each iteration's condition | unrolled: the body once per iteration, carried values passed on, scan outputs stacked |
 | Scan | the sequence length (opset 9 on)       | unrolled the same way, each input sliced along its axis, in its direction      |
 
-A loop whose trip count or condition is computed at run time is refused (ONNXError naming the node): kiln has no run-time
-loop yet. Unrolled iterations count against onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each
-iteration's carried Tensors are realized (a buffer each), so an unrolled chain never fuses into one deep expression.
+A trip count or first condition computed at run time (in the main graph) is read back by each run, which unrolls the loop
+and the rest of the model for it (specialise.py: compiled once per value, cached); a condition the body computes at run
+time is refused (ONNXError naming the node): kiln has no run-time loop yet. Unrolled iterations count against
+onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each iteration's carried Tensors are realized (a
+buffer each), so an unrolled chain never fuses into one deep expression.
 """
 from __future__ import annotations
 
@@ -154,11 +156,11 @@ def _loop(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   if len(carried) < len(n.ins) - 2: raise n.error("a loop-carried input is missing")
   trips = None
   if m is not None:
-    mv = _one(n, m, "input 0 (M, the trip count)")
-    if isinstance(mv, Tensor): raise _at_run_time(n, "input 0 (M, the trip count)", "the trip count")
+    _one(n, m, "input 0 (M, the trip count)")
+    mv = n.const(0, "M, the trip count")  # computed at run time: read back by a run, which unrolls the rest for it (specialise.py)
     if mv.dtype.kind not in "iu": raise n.error(f"input 0 (M, the trip count) must be an integer, got {mv.dtype}")
     trips = max(int(mv.reshape(-1)[0]), 0)
-  go = True if c is None else _flag(n, c, "input 1 (cond)", "the condition")
+  go = True if c is None else _flag(n, n.const(1, "cond") if isinstance(c, Tensor) else c, "input 1 (cond)", "the condition")  # as M
   if m is None and c is None: raise n.error("neither a trip count nor a condition: the loop would never end")
   n_carried, n_out = len(carried), len(body.output)
   if len(body.input) != 2 + n_carried or n_out < 1 + n_carried:
