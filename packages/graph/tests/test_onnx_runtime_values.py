@@ -87,6 +87,25 @@ def test_a_bad_value_is_a_typed_error_at_run_time_naming_the_node() -> None:
   with pytest.raises(ONNXError, match=r"node rm \(ReduceMax.*axis 2 is out of range for rank 2"): konnx.load(m).run({"x": x, "a": i64(2)})
   m = model([N("ConstantOfShape", ["s"], ["y"], name="cs")], {"s": i64(2, 3)}, {"y": np.float32})
   with pytest.raises(ONNXError, match=r"node cs \(ConstantOfShape"): konnx.load(m).run({"s": i64(2, -3)})
+  f = {k: np.array(v, np.float32) for k, v in (("a", 0), ("b", 5), ("c", 0))}  # three links: the message gives every value read
+  m = model([N("Range", ["a", "b", "c"], ["y"], name="rg")], f, {"y": np.float32}, opset=11)
+  with pytest.raises(ONNXError, match=r"node rg \(Range.*non-zero delta.*for a = 0.0, b = 5.0, c = 0.0"): konnx.load(m).run(f)
+
+
+def test_out_of_memory_is_raised_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A machine's failure while compiling a continuation is an ONNXError naming the cut, and the next run tries again."""
+  from kiln.runtime.cpu.buffer import OutOfMemoryError
+  x = f32(2, 6)
+  m = model([N("Reshape", ["x", "s"], ["y"], name="rs")], {"x": x, "s": i64(3, 4)}, {"y": np.float32})
+  km = konnx.load(m)
+  real = specialise.Builder.tail
+  def fail(*a: object, **k: object) -> None: raise OutOfMemoryError("no memory left (test)")
+  monkeypatch.setattr(specialise.Builder, "tail", fail)
+  with pytest.raises(ONNXError, match=r"compiling the model from node rs \(Reshape\) on.*s = \[3, 4\] failed: OutOfMemoryError"):
+    km.run({"x": x, "s": i64(3, 4)})
+  monkeypatch.setattr(specialise.Builder, "tail", real)
+  compare(m, km, {"x": x, "s": i64(3, 4)})
+  assert compiles(km) == [1]
 
 
 def test_only_the_most_recent_values_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,9 +137,10 @@ class Model:
              ", ".join(f"{n} {s} {dt}" for n, s, dt in self.inputs) + "; outputs " + ", ".join(self.output_names)]
     p = self.plan
     if self.program is not None:
-      lines.append(f"  {len(self.plans)} plans (segments of both sides of its run-time branches, and specialisations compiled so far), "
+      specs = self.program.specialisations()
+      lines.append(f"  {len(self.plans)} plans (segments of both sides of its run-time branches{', and those compiled so far' if specs else ''}), "
                    f"{sum(len(q.kernels) for q in self.plans)} kernels in all")
-      for sp in self.program.specialisations():
+      for sp in specs:
         lines.append(f"  from {sp.cut.label} on: compiled at run time for each value of {', '.join(n for n, _ in sp.cut.needed)} "
                      f"({sp.compiles} so far, {len(sp.compiled())} kept)")
       for i, q in enumerate(self.plans): lines += [f"    plan {i}: {len(q.kernels)} kernels"] + [f"      {k.name}" for k in q.kernels]

@@ -39,6 +39,7 @@ from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
 from kiln.graph.program import Body, Builder, Refusal, Slot, Tail, read
 from kiln.graph.segments import Weights
 from kiln.graph.tensor import Tensor
+from kiln.ir.errors import KilnError
 
 MAX_SPECIALISED_ELEMENTS = 64  # a value read back to specialise on: a shape, axes, sizes, pads (a few numbers, never data)
 MAX_SPECIALISATIONS = 16  # continuations kept per cut, least recently used dropped (each is compiled plans and their buffers)
@@ -86,7 +87,7 @@ class Cut:
 
 
 def describe(values: Mapping[str, np.ndarray]) -> str:
-  return ", ".join(f"{k} = {np.array2string(v, threshold=16, separator=', ')}" for k, v in values.items())
+  return ", ".join(f"{k} = {v.tolist()}" for k, v in values.items())
 
 
 class Specialise:
@@ -97,6 +98,7 @@ class Specialise:
     self._shared = cut.shared
     self._cache: OrderedDict[tuple[Any, ...], Tail] = OrderedDict()
     self.compiles = 0  # continuations made (a cached refusal too): a run whose values are cached adds none
+    self.before: dict[str, np.ndarray] = {}  # the values of the cuts this one follows (a chain), for messages
 
   def compiled(self) -> list[Tail]:
     """The continuations cached now, least recently used first."""
@@ -113,13 +115,18 @@ class Specialise:
     return tail.run(vals, prof)
 
   def _continue(self, values: dict[str, np.ndarray]) -> Tail:
-    """The rest of the graph for these values: converted, cut into steps, compiled; or a refusal any run with them raises."""
-    where = f"(the model from {self.cut.label} on, converted at run time for {describe(values)})"
+    """The rest of the graph for these values: converted, cut into steps, compiled; or a refusal any run with them raises.
+    A failure of the machine (out of memory) is raised, not kept: another run may succeed."""
+    known = {**self.before, **values}
+    where = f"the model from {self.cut.label} on, converted at run time for {describe(known)}"
     try:
       outs, body = self.cut.resume({**self.cut.env, **values})
       child = Builder(Weights(self._builder.weights.device, self._builder.weights, self._shared))
-      return child.tail([o.node if isinstance(o, Tensor) else o for o in outs or []], body, dict(self._done))
-    except ONNXError as e: why = f"{e} {where}"
-    except GraphError as e: why = f"compiling {where[1:-1]} failed: {e}"
-    except RecursionError: why = f"compiling {where[1:-1]} failed: a chain of fused operations is too deep for kiln.graph's renderer"
+      tail = child.tail([o.node if isinstance(o, Tensor) else o for o in outs or []], body, dict(self._done))
+      if tail.then is not None: tail.then.before = known
+      return tail
+    except ONNXError as e: why = f"{e} ({where})"
+    except GraphError as e: why = f"compiling {where} failed: {e}"
+    except RecursionError: why = f"compiling {where} failed: a chain of fused operations is too deep for kiln.graph's renderer"
+    except KilnError as e: raise ONNXError(f"compiling {where} failed: {type(e).__name__}: {e}") from e
     return Tail([Refusal(why)], [])
