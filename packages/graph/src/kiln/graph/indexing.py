@@ -9,13 +9,20 @@ kiln has no kernel that writes at a data-dependent place, so a scatter is comput
   - constant rows: for each table row, numpy finds at load which updates land on it (slot j: the j-th in order), and the
     result row is a gather of those updates combined with the data row;
   - run-time rows: each result row compares its number with every update's row (R x U compares, a reduction), so the
-    work grows as R * U (* S with a reduction): refused past DENSE_LIMIT elements."""
+    work grows as R * U (* S with a reduction): refused past DENSE_LIMIT elements.
+A scatter's table and updates may have symbolic dims too (bart's shift_tokens_right writes input_ids[:, :-1] into
+[:, 1:] of a (batch, seq) table, its indices from a Range): its rows are then computed at run time, and the updates
+keep their own axes (*U, S) (a (batch, seq - 1) does not flatten: a sum stays a dim of its own). Where the updates are
+one axis that holds at least one, the winning update of a row is gathered; otherwise (several axes, or none at run
+time) each row takes the product of its winner and 1s (x * 1 is x, a -0.0 and a NaN included), (*U, R, S) work."""
 from __future__ import annotations
 
 import numpy as np
 
-from kiln.graph.dims import dmax
+from kiln.graph import dims as sym
+from kiln.graph.dims import dmax, dmin
 from kiln.graph.lazy import GraphError
+from kiln.graph.render import strides
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.kernels import Dim
@@ -52,6 +59,26 @@ def coords(shape: tuple[Dim, ...], axis: int, dt: DType) -> Tensor:
   return Tensor.arange(shape[axis], dt).reshape(tuple(one)).expand(shape)
 
 
+def flat_order(shape: tuple[Dim, ...], dt: DType) -> Tensor:
+  """Each element's row-major position in shape (symbolic strides at run time; one axis: an IOTA, nothing stored)."""
+  if len(shape) == 1: return Tensor.arange(shape[0], dt)
+  st = strides(shape)
+  out = scaled(coords(shape, 0, dt), st[0])
+  for a in range(1, len(shape)): out = out + scaled(coords(shape, a, dt), st[a])
+  return out
+
+
+def _gathers_winner(ushape: tuple[Dim, ...]) -> bool:
+  """Whether a run-time scatter with reduction none gathers each row's winning update (one axis of updates, never
+  empty), rather than reducing over all of them (the gather's index would be out of range where there are none)."""
+  return len(ushape) == 1 and dmin(ushape[0]) >= 1
+
+
+def dense_work(nrows: Dim, ushape: tuple[Dim, ...], s: Dim, op: str) -> int:
+  """The elements a run-time-index scatter compares or reduces at the dims' upper bounds (against DENSE_LIMIT)."""
+  return dmax(nrows) * sym.max_numel(ushape) * (1 if op == "none" and _gathers_winner(ushape) else dmax(s))
+
+
 def _identity(op: str, dt: DType) -> int | float | bool:
   if op == "add": return 0
   if op == "mul": return 1
@@ -59,7 +86,7 @@ def _identity(op: str, dt: DType) -> int | float | bool:
   return dt.min if op == "max" else dt.max
 
 
-def _reduce(x: Tensor, op: str, axis: int) -> Tensor:
+def _reduce(x: Tensor, op: str, axis: int | tuple[int, ...]) -> Tensor:
   if op == "add": return x.sum(axis)
   if op == "mul": return x.prod(axis)
   if op == "max": return x.max(axis)
@@ -125,41 +152,49 @@ def scatter_np(data: np.ndarray, rows: np.ndarray, upd: np.ndarray, op: str) -> 
 
 
 def scatter_rows(data: Tensor, rows: np.ndarray | Tensor, upd: Tensor, op: str, label: str) -> Tensor:
-  """data (R, S) with upd[u] (U, S) applied to row rows[u] (in [0, R)) in order: 'none' overwrites (the last of
-  duplicate rows wins, as onnxruntime), add/mul/max/min combine. rows: constant (numpy) or computed (a Tensor)."""
+  """data (R, S) with upd (*U, S) applied at rows (*U) (in [0, R)) in row-major order over U: 'none' overwrites (the
+  last of duplicate rows wins, as onnxruntime), add/mul/max/min combine. rows: constant (numpy: fixed R and U) or
+  computed (a Tensor: R, U and S may be symbolic)."""
   r, s = data.shape
-  assert isinstance(r, int) and isinstance(s, int)
-  u0 = upd.shape[0]
-  assert isinstance(u0, int)
-  dt = index_dtype(max(r, u0))
-  if isinstance(rows, np.ndarray): return _scatter_const(data, rows.reshape(-1), upd, op, label, dt)
-  u = u0
-  eq = rows.cast(dt).reshape(u, 1).eq(Tensor.arange(r, dt).reshape(1, r))  # (U, R): update u lands on row r
-  if op == "none":
-    pos = eq.where(Tensor.arange(u, dt).reshape(u, 1), -1).max(0)  # the last update landing on each row, or -1
-    picked = upd.gather(pos.maximum(0), 0, name=label)
-    return (pos >= 0).reshape(r, 1).where(picked, data)
-  return eq.max(0).reshape(r, 1).where(_combine_all(op, data, upd.reshape(u, 1, s), eq.reshape(u, r, 1)), data)
+  ushape = tuple(rows.shape)
+  if isinstance(rows, np.ndarray):
+    assert isinstance(r, int) and sym.is_static(ushape)
+    u = int(np.prod(ushape))
+    return _scatter_const(data, rows.reshape(-1), upd.reshape(u, s), op, label, index_dtype(max(r, u)))
+  lead = tuple(range(len(ushape)))
+  dt = index_dtype(sym.add(sym.mul(*ushape), r))
+  eq = rows.cast(dt).unsqueeze(-1).eq(Tensor.arange(r, dt).reshape((1,) * len(ushape) + (r,)))  # (*U, R): update u lands on row r
+  if op != "none": return eq.max(lead).reshape(r, 1).where(_combine_all(op, data, upd.unsqueeze(-2), eq.unsqueeze(-1)), data)
+  order = flat_order(ushape, dt)
+  pos = eq.where(order.unsqueeze(-1), -1).max(lead)  # the last update landing on each row, or -1
+  hit = (pos >= 0).reshape(r, 1)
+  if _gathers_winner(ushape): return hit.where(upd.gather(pos.maximum(0), 0, name=label), data)
+  win = order.unsqueeze(-1).eq(pos.reshape((1,) * len(ushape) + (r,))).unsqueeze(-1)  # (*U, R, 1): the one update each row takes
+  vals = upd.unsqueeze(-2) if not upd.dtype.is_bool else upd.unsqueeze(-2).cast(dtypes.uint8)
+  picked = win.where(vals, 1).prod(lead)
+  return hit.where(picked if not upd.dtype.is_bool else picked.ne(0), data)
 
 
 def _combine_all(op: str, d: Tensor, vals: Tensor, valid: Tensor) -> Tensor:
-  """d (N, S) combined with the valid ones of vals (K, N or 1, S) along K in order, for rows with at least one."""
-  if vals.shape[0] == 1: return combine(op, d, vals.reshape(vals.shape[1:]).expand(d.shape))
+  """d (N, S) combined with the valid ones of vals (*K, N or 1, S) along K in row-major order, for rows with at least one."""
+  k = vals.shape[:-2]
+  lead = tuple(range(len(k)))
+  if all(isinstance(x, int) and x == 1 for x in k): return combine(op, d, vals.reshape(vals.shape[-2:]).expand(d.shape))
   if op in ("max", "min") and d.dtype.is_float: return _ordered_extreme(op, d, vals, valid)
-  return combine(op, d, _reduce(valid.where(vals, Tensor.full((), _identity(op, d.dtype), d.dtype)), op, 0))
+  return combine(op, d, _reduce(valid.where(vals, Tensor.full((), _identity(op, d.dtype), d.dtype)), op, lead))
 
 
 def _ordered_extreme(op: str, d: Tensor, vals: Tensor, valid: Tensor) -> Tensor:
   """Float max/min as onnxruntime applies updates one by one (dst > src ? dst : src): a NaN update makes NaN, which the
   next update replaces, so the result is the plain max of the steps after the last NaN (d is step 1, slot k step
   k + 2), or NaN when that NaN is the last update. Plain reductions compute it, whatever their order."""
-  k = vals.shape[0]
-  assert isinstance(k, int)
-  step = Tensor.arange(k, dtypes.int32).reshape(k, 1, 1) + 2
-  last_nan = (valid & vals.ne(vals)).where(step, 0).max(0).maximum(d.ne(d).where(1, 0).cast(dtypes.int32))  # 0: no NaN
-  last = valid.where(step, 0).max(0)
+  k = tuple(vals.shape[:-2])
+  lead = tuple(range(len(k)))
+  step = flat_order(k, index_dtype(sym.add(sym.mul(*k), 2))).reshape(*k, 1, 1) + 2
+  last_nan = (valid & vals.ne(vals)).where(step, 0).max(lead).maximum(d.ne(d).where(1, 0).cast(step.dtype))  # 0: no NaN
+  last = valid.where(step, 0).max(lead)
   after = ((step > last_nan) & valid).where(vals, Tensor.full((), -np.inf if op == "max" else np.inf, d.dtype))
-  red = _reduce(after, op, 0)
+  red = _reduce(after, op, lead)
   out = last_nan.eq(0).where(combine(op, d, red), red)
   return (last_nan.eq(last) & (last_nan > 1)).where(Tensor.full((), np.nan, d.dtype), out)
 

@@ -12,7 +12,9 @@ Negative indices count once from the end. Duplicate indices in a scatter with re
 onnxruntime applies them in order. A gather's data may have symbolic dims (transformers' attention_mask[batch_idx, kv_idx]
 on a (batch, seq) mask): its row numbers are computed at run time from symbolic strides, constant indices included where a
 stride or an indexed axis is symbolic (checked at load against the dims' bounds, the rest at run time). A scatter's data,
-indices and updates need fixed sizes; a gather's computed indices may have symbolic dims."""
+indices and updates may have symbolic dims too (bart's shift_tokens_right writes input_ids[:, :-1] into [:, 1:], its
+indices a Range to seq): its rows are then computed at run time, the updates kept on their own axes (indexing.scatter_rows)
+and the dense compare bounded at the dims' upper bounds."""
 from __future__ import annotations
 
 import math
@@ -22,7 +24,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph.index_check import bad_index, out_of_range
-from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, index_dtype, scaled, scatter_np, scatter_rows, wrapped
+from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, dense_work, index_dtype, scaled, scatter_np, scatter_rows, wrapped
 from kiln.graph.onnx_ops import Node, Value, _norm, _op
 from kiln.graph.render import strides
 from kiln.graph.tensor import Tensor
@@ -43,12 +45,6 @@ def _input(n: Node, i: int, what: str) -> Value:
 
 
 def _np_dtype(v: Value) -> np.dtype: return v.dtype.np if isinstance(v, Tensor) else v.dtype
-
-
-def _static(n: Node, v: Value, what: str) -> tuple[int, ...]:
-  if not sym.is_static(v.shape):
-    raise n.error(f"{what} has the symbolic shape {sym.fmt_shape(v.shape)}: its flat row numbers need fixed sizes")
-  return sym.static_shape(n.op, v.shape)
 
 
 def _indices(n: Node, v: Value) -> None:
@@ -141,6 +137,24 @@ def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[Dim, 
   return a, dshape
 
 
+def _nd_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], b: int, k: int) -> Value:
+  """GatherND/ScatterND's constant indices where a stride or an indexed axis is symbolic: checked now against the dims'
+  upper bounds and made a Tensor, so the row numbers are computed at run time (and checked there against this run's)."""
+  if not isinstance(ind, np.ndarray) or sym.is_static(dshape[:b + k]): return ind
+  for j in range(k):
+    if (bad := bad_index(ind[..., j], dshape[b + j])) is not None:
+      raise n.error(f"{_nd_where(j, b, dshape)}: index {bad} {out_of_range(dshape[b + j])} for every value up to {sym.dmax(dshape[b + j])}")
+  return Tensor(ind)
+
+
+def _elements_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], a: int) -> Value:
+  """GatherElements/ScatterElements' constant indices into data of symbolic shape, as _nd_runtime."""
+  if not isinstance(ind, np.ndarray) or sym.is_static(dshape): return ind
+  if (bad := bad_index(ind, dshape[a])) is not None:
+    raise n.error(f"axis {a} of data {sym.fmt_shape(dshape)}: index {bad} {out_of_range(dshape[a])} for every value up to {sym.dmax(dshape[a])}")
+  return Tensor(ind)
+
+
 # ---- the operators ----
 def _gather_nd(n: Node) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
@@ -155,11 +169,7 @@ def _gather_nd(n: Node) -> Value:
     raise n.error(f"the batch dims of indices {sym.fmt_shape(ind.shape)} and data {sym.fmt_shape(dshape)} differ")
   nrows, s, rest = sym.mul(*dshape[:b + k]), sym.mul(*dshape[b + k:]), dshape[b + k:]
   out_shape = (*ind.shape[:-1], *rest)
-  if isinstance(ind, np.ndarray) and not sym.is_static(dshape[:b + k]):  # row numbers of symbolic strides: computed at run time
-    for j in range(k):
-      if (bad := bad_index(ind[..., j], dshape[b + j])) is not None:
-        raise n.error(f"{_nd_where(j, b, dshape)}: index {bad} {out_of_range(dshape[b + j])} for every value up to {sym.dmax(dshape[b + j])}")
-    ind = Tensor(ind)
+  ind = _nd_runtime(n, ind, dshape, b, k)
   if isinstance(ind, np.ndarray):
     rows = _nd_rows(n, ind, dshape, b)
     if isinstance(data, np.ndarray):
@@ -176,10 +186,7 @@ def _gather_elements(n: Node) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
   a, dshape = _elements_shapes(n, data, ind)
   size = sym.mul(*dshape)
-  if isinstance(ind, np.ndarray) and not sym.is_static(dshape):  # row numbers of symbolic strides: computed at run time
-    if (bad := bad_index(ind, dshape[a])) is not None:
-      raise n.error(f"axis {a} of data {sym.fmt_shape(dshape)}: index {bad} {out_of_range(dshape[a])} for every value up to {sym.dmax(dshape[a])}")
-    ind = Tensor(ind)
+  ind = _elements_runtime(n, ind, dshape, a)
   if isinstance(ind, np.ndarray):
     assert isinstance(size, int)
     rows = _elem_rows(n, ind, sym.static_shape(n.op, dshape), a)
@@ -197,27 +204,29 @@ def _reduction(n: Node) -> str:
   return str(op)
 
 
-def _scatter(n: Node, rows: np.ndarray | Tensor, dshape: tuple[int, ...], s: int, u: int) -> Value:
-  """data as (R, S) rows, updates as (U, S), rows[u] the row update u goes to; the result in data's shape."""
+def _scatter(n: Node, rows: np.ndarray | Tensor, nrows: Dim, s: Dim, ushape: tuple[Dim, ...]) -> Value:
+  """data as (R, S) rows, updates as (*U, S), rows (*U) the row each update goes to; the result in data's shape."""
   data, upd, op = n.ins[0], n.ins[2], _reduction(n)
   assert data is not None and upd is not None
   if (ud := np.dtype(_np_dtype(upd))) != (dd := np.dtype(_np_dtype(data))): raise n.error(f"updates ({ud.name}) and data ({dd.name}) differ in dtype")
   if op != "none" and dd == np.bool_: raise n.error(f"reduction={op} on bool data is not supported (onnxruntime refuses it)")
-  if u == 0: return data  # no updates
-  nrows = math.prod(dshape) // s if s else 0
+  if sym.is_static(ushape) and math.prod(ushape) == 0: return data  # no updates
+  dshape = tuple(data.shape)
   if isinstance(rows, np.ndarray):
+    assert isinstance(nrows, int) and isinstance(s, int)  # constant rows are numbers of fixed rows
     if isinstance(data, np.ndarray) and isinstance(upd, np.ndarray):
       _made(n, 2 * nrows, rows, data)
-      return scatter_np(data.reshape(nrows, s), rows, upd.reshape(u, s), op).reshape(dshape)
+      return scatter_np(data.reshape(nrows, s), rows.reshape(-1), upd.reshape(-1, s), op).reshape(dshape)
     counts = np.unique(rows, return_counts=True)[1]
     size = 2 * nrows + (0 if op == "none" else int(counts.max()) * counts.size)  # row indices and masks; update slots of the rows hit
     _made(n, size, rows, data)
     n.budget.folded += 8 * size  # what the kernels read
     n.budget.check(_label(n), n.budget.folded)
-  elif (work := nrows * u * (s if op != "none" else 1)) > DENSE_LIMIT:
-    raise n.error(f"indices computed at run time: kiln has no kernel that writes where an index says, so each of the {nrows} rows compares "
-                  f"itself with all {u} updates ({work} elements), over indexing.DENSE_LIMIT = {DENSE_LIMIT}; make the indices constants")
-  return scatter_rows(n.t(0).reshape(nrows, s), rows, n.t(2).reshape(u, s), op, _label(n)).reshape(dshape)
+  elif (work := dense_work(nrows, ushape, s, op)) > DENSE_LIMIT:
+    raise n.error(f"indices computed at run time: kiln has no kernel that writes where an index says, so each of the {sym.fmt(nrows)} rows "
+                  f"compares itself with all {sym.fmt(sym.mul(*ushape))} updates ({work} elements at the dims' upper bounds), over "
+                  f"indexing.DENSE_LIMIT = {DENSE_LIMIT}; make the indices constants")
+  return scatter_rows(n.t(0).reshape(nrows, s), rows, n.t(2).reshape(*ushape, s), op, _label(n)).reshape(dshape)
 
 
 def _scatter_nd(n: Node) -> Value:
@@ -225,25 +234,29 @@ def _scatter_nd(n: Node) -> Value:
   _indices(n, ind)
   r, q = data.ndim, ind.ndim
   if r < 1 or q < 1: raise n.error(f"data (rank {r}) and indices (rank {q}) need rank >= 1")
-  dshape, ishape, ushape = _static(n, data, "data"), _static(n, ind, "indices"), _static(n, upd, "updates")
+  dshape, ishape = tuple(data.shape), tuple(ind.shape)
   k = ishape[-1]
-  if k > r: raise n.error(f"indices' last dim {k} is more than data's rank {r}")
-  if ushape != (want := ishape[:-1] + dshape[k:]): raise n.error(f"updates have shape {ushape}; indices {ishape} and data {dshape} need {want}")
-  u = math.prod(ishape[:-1])
-  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _nd_rows(n, ind, dshape, 0).reshape(-1)
-  else: rows = _nd_rows_t(n, ind, dshape, 0, index_dtype(math.prod(dshape[:k]))).reshape(u)
-  return _scatter(n, rows, dshape, math.prod(dshape[k:]), u)
+  if not isinstance(k, int) or k > r: raise n.error(f"indices' last dim {sym.fmt(k)} is more than data's rank {r}")
+  if tuple(upd.shape) != (want := ishape[:-1] + dshape[k:]):
+    raise n.error(f"updates have shape {sym.fmt_shape(upd.shape)}; indices {sym.fmt_shape(ishape)} and data {sym.fmt_shape(dshape)} need "
+                  f"{sym.fmt_shape(want)}")
+  ushape, nrows = ishape[:-1] or (1,), sym.mul(*dshape[:k])
+  ind = _nd_runtime(n, ind, dshape, 0, k)
+  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _nd_rows(n, ind, dshape, 0).reshape(ushape)
+  else: rows = _nd_rows_t(n, ind, dshape, 0, index_dtype(nrows)).reshape(*ushape)
+  return _scatter(n, rows, nrows, sym.mul(*dshape[k:]), ushape)
 
 
 def _scatter_elements(n: Node) -> Value:
   data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
-  a, dshape = _elements_shapes(n, data, ind)[0], _static(n, data, "data")
-  ushape, ishape = _static(n, upd, "updates"), _static(n, ind, "indices")
-  if ushape != ishape: raise n.error(f"updates {ushape} and indices {ishape} differ in shape")
-  u = math.prod(ishape)
-  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _elem_rows(n, ind, dshape, a).reshape(-1)
-  else: rows = _elem_rows_t(n, ind, dshape, a, index_dtype(math.prod(dshape))).reshape(u)
-  return _scatter(n, rows, dshape, 1, u)
+  a, dshape = _elements_shapes(n, data, ind)
+  ishape = tuple(ind.shape)
+  if tuple(upd.shape) != ishape: raise n.error(f"updates {sym.fmt_shape(upd.shape)} and indices {sym.fmt_shape(ishape)} differ in shape")
+  ind = _elements_runtime(n, ind, dshape, a)
+  size = sym.mul(*dshape)
+  if isinstance(ind, np.ndarray): rows: np.ndarray | Tensor = _elem_rows(n, ind, sym.static_shape(n.op, dshape), a)
+  else: rows = _elem_rows_t(n, ind, dshape, a, index_dtype(size))
+  return _scatter(n, rows, size, 1, ishape)
 
 
 _op("GatherND", _gather_nd, "batch_dims"); _op("GatherElements", _gather_elements, "axis")

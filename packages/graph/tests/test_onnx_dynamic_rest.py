@@ -1,0 +1,106 @@
+"""What the model zoo's dynamic exports still needed, each against onnxruntime at several sizes from one load:
+ScatterND / ScatterElements on data of symbolic shape (bart's shift_tokens_right: input_ids[:, :-1] written into [:, 1:]
+of a (batch, seq) table, its indices from a Range; the update count seq - 1 is 0 at seq 1)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+from onnx import TensorProto  # noqa: E402
+from onnx_case import N, dyn_model, ort  # noqa: E402
+
+from kiln.graph import IndexOutOfRangeError, ONNXError  # noqa: E402
+from kiln.graph import onnx as konnx  # noqa: E402
+
+RNG = np.random.default_rng(11)
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def f32(*shape: int) -> np.ndarray: return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _c(v: list[int] | int) -> np.ndarray: return np.array(v, np.int64)
+
+
+def _check(m: onnx.ModelProto, dims: dict[str, tuple[int, int]], feeds_list: list[dict[str, np.ndarray]]) -> konnx.Model:
+  km = konnx.load(m, dims=dims)
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for feeds in feeds_list:
+    for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
+      assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape)
+      np.testing.assert_array_equal(g, w)
+      if w.dtype.kind == "f": np.testing.assert_array_equal(np.signbit(g), np.signbit(w))  # a -0.0 update stays -0.0
+  return km
+
+
+# ---- scatters on symbolic data ----
+def _shift_right(lo: int) -> tuple[onnx.ModelProto, dict[str, tuple[int, int]]]:
+  """bart's dynamo export: ScatterND of x[:, :-1].T into rows 1.. of x.T, the row numbers a Range to seq."""
+  nodes = [N("Shape", ["x"], ["s"], start=1, end=2), N("Squeeze", ["s"], ["n"]), N("Range", ["one", "n", "one"], ["r"]),
+           N("Unsqueeze", ["r", "ax1"], ["idx"]), N("Transpose", ["x"], ["data"], perm=[1, 0]),
+           N("Slice", ["x", "zero1", "minus1", "ax1"], ["head"]), N("Transpose", ["head"], ["upd"], perm=[1, 0]),
+           N("ScatterND", ["data", "idx", "upd"], ["y"])]
+  inits = {"one": _c(1), "ax1": _c([1]), "zero1": _c([0]), "minus1": _c([-1])}
+  return dyn_model(nodes, {"x": (F, ("batch", "seq"))}, {"y": F}, inits), {"batch": (1, 4), "seq": (lo, 9)}
+
+
+@pytest.mark.parametrize("lo", [1, 2])  # seq - 1 updates: none at seq 1 (each row keeps its data), one or more from 2 (gathered)
+def test_scatternd_of_a_shifted_sequence(lo: int) -> None:
+  m, dims = _shift_right(lo)
+  x = f32(3, 9)
+  x[1, 2] = -0.0
+  _check(m, dims, [{"x": x[:b, :s]} for b, s in ((3, 9), (1, lo), (2, 4))])
+
+
+def test_scatternd_with_updates_over_several_axes_and_duplicates() -> None:
+  # bart's script export: index pairs (batch, k, 2) into a (batch, seq) table; the updates (batch, k) do not flatten when k is
+  # a sum, so every row reduces over them; fed pairs repeat rows (the last in row-major order wins)
+  nodes = [N("Slice", ["ia", "zero1", "minus1", "ax1"], ["idx"]), N("Slice", ["u", "zero1", "minus1", "ax1"], ["upd"]),
+           N("ScatterND", ["x", "idx", "upd"], ["y"])]
+  m = dyn_model(nodes, {"x": (F, ("batch", "seq")), "ia": (I64, ("b2", "k", 2)), "u": (F, ("b2", "k"))}, {"y": F},
+                {"ax1": _c([1]), "zero1": _c([0]), "minus1": _c([-1])})
+  dims = {"batch": (1, 4), "seq": (1, 6), "b2": (1, 3), "k": (1, 5)}
+  def feeds(b: int, s: int, b2: int, k: int) -> dict[str, np.ndarray]:
+    u = f32(b2, k)
+    u[0, 0] = -0.0
+    return {"x": f32(b, s), "ia": np.stack([RNG.integers(-b, b, (b2, k)), RNG.integers(-s, s, (b2, k))], -1), "u": u}
+  km = _check(m, dims, [feeds(3, 5, 3, 5), feeds(1, 1, 1, 1), feeds(4, 6, 2, 3)])
+  with pytest.raises(IndexOutOfRangeError, match=r"indices\[\.\.\., 1\] on axis 1 of data \(batch, seq\): index 2 is out of range \[-seq, seq\)"):
+    km.run({"x": f32(2, 2), "ia": np.array([[[0, 2], [0, 0]]]), "u": f32(1, 2)})
+
+
+def test_scatterelements_on_symbolic_data_with_reductions() -> None:
+  # fed indices along seq with reductions (max keeps onnxruntime's order with NaNs), and constant indices into (batch, seq)
+  nodes = [N("ScatterElements", ["x", "ia", "u"], ["ya"], axis=1, reduction="add"), N("ScatterElements", ["x", "ia", "u"], ["yb"], axis=1,
+           reduction="max"), N("ScatterElements", ["x", "ib", "v"], ["yc"], axis=0), N("ScatterElements", ["x", "ib", "v"], ["yd"], axis=1)]
+  m = dyn_model(nodes, {"x": (F, ("batch", "seq")), "ia": (I64, ("batch", "k")), "u": (F, ("batch", "k"))}, {o: F for o in ("ya", "yb", "yc", "yd")},
+                {"ib": _c([[-1, 0]]), "v": np.array([[5, 6]], np.float32)})
+  dims = {"batch": (1, 4), "seq": (2, 6), "k": (1, 5)}
+  def feeds(b: int, s: int, k: int) -> dict[str, np.ndarray]:  # small whole numbers: the add is exact in any order
+    u = RNG.integers(-8, 8, (b, k)).astype(np.float32)
+    u[0, 0] = np.nan
+    return {"x": RNG.integers(-8, 8, (b, s)).astype(np.float32), "ia": RNG.integers(-s, s, (b, k)), "u": u}
+  _check(m, dims, [feeds(3, 4, 5), feeds(1, 2, 1), feeds(4, 6, 3)])
+  bad = dyn_model(nodes[2:3], {"x": (F, ("batch", "seq"))}, {"yc": F}, {"ib": _c([[4, 0]]), "v": np.array([[5, 6]], np.float32)})
+  with pytest.raises(ONNXError, match=r"axis 0 of data \(batch, seq\): index 4 is out of range \[-batch, batch\) for every value up to 4"):
+    konnx.load(bad, dims=dims)
+  km = konnx.load(dyn_model(nodes[2:3], {"x": (F, ("batch", "seq"))}, {"yc": F}, {"ib": _c([[3, 0]]), "v": np.array([[5, 6]], np.float32)}),
+                  dims=dims)
+  with pytest.raises(IndexOutOfRangeError, match="index 3 is out of range"): km.run({"x": f32(2, 3)})  # in range only from batch 4
+
+
+def test_bool_scatter_over_several_axes() -> None:
+  m = dyn_model([N("ScatterND", ["x", "ia", "u"], ["y"])], {"x": (TensorProto.BOOL, ("batch", 3)), "ia": (I64, ("k", "j", 1)),
+                "u": (TensorProto.BOOL, ("k", "j", 3))}, {"y": TensorProto.BOOL})
+  dims = {"batch": (1, 5), "k": (1, 3), "j": (1, 2)}
+  _check(m, dims, [{"x": RNG.random((b, 3)) < 0.5, "ia": RNG.integers(-b, b, (k, j, 1)), "u": RNG.random((k, j, 3)) < 0.5}
+                   for b, k, j in ((5, 3, 2), (1, 1, 1), (3, 2, 1))])
+
+
+def test_a_symbolic_scatter_past_the_dense_limit_is_refused() -> None:
+  m = dyn_model([N("ScatterND", ["x", "ia", "u"], ["y"], reduction="add")], {"x": (F, ("n", 64)), "ia": (I64, ("k", 1)), "u": (F, ("k", 64))},
+                {"y": F})
+  with pytest.raises(ONNXError, match=r"each of the n rows compares itself with all k updates \(67108864 elements at the dims' upper bounds\)"):
+    konnx.load(m, dims={"n": (1, 1024), "k": (1, 1024)})
