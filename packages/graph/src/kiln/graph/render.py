@@ -2,6 +2,8 @@
 as an expression of the output's loop indices (movement ops become index arithmetic, reductions nested REDUCEs)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,15 @@ def compute_dtype(dt: DType) -> DType:
   accumulator in float32, one rounding where the value is stored), as onnxruntime and torch do on a CPU; 16 bits are a
   storage format, what halves the memory traffic. Every other dtype computes in itself."""
   return dtypes.float32 if dt in (dtypes.float16, dtypes.bfloat16) else dt
+
+
+def stored_dtype(n: Node, outputs: AbstractSet[Node], wide: bool) -> DType:
+  """The dtype of a realized node's buffer: its own, except that where `wide` (a CPU, which has no 16-bit arithmetic, so 16
+  bits would only save memory traffic) a 16-bit float computed by the graph and read only by the graph's own kernels is
+  kept in float32, as onnxruntime keeps a float16 model's intermediates on a CPU: the values stay exact between kernels,
+  and inputs, weights and outputs keep their dtype."""
+  if wide and n.dtype in (dtypes.float16, dtypes.bfloat16) and n.op != "BUFFER" and n not in outputs: return compute_dtype(n.dtype)
+  return n.dtype
 
 
 def _narrow(v: UOp, dt: DType) -> UOp:
@@ -134,8 +145,9 @@ class Kernel:
 
 
 class Renderer:
-  def __init__(self, node: Node, realized: set[Node]):
+  def __init__(self, node: Node, realized: set[Node], stored: Callable[[Node], DType] | None = None):
     self.node, self.realized = node, realized
+    self.stored = stored or (lambda n: n.dtype)  # a realized node's buffer dtype (stored_dtype)
     self.slots: list[Node] = [node]
     self.globals: dict[Node, UOp] = {}
     self.memo: dict[tuple[Node, tuple[UOp, ...]], UOp] = {}
@@ -159,14 +171,14 @@ class Renderer:
   def _global(self, n: Node) -> UOp:
     if (g := self.globals.get(n)) is None:
       if n is not self.node: self.slots.append(n)
-      g = self.globals[n] = UOp.define_global(self.slots.index(n), n.dtype.ptr(n.max_numel))
+      g = self.globals[n] = UOp.define_global(self.slots.index(n), self.stored(n).ptr(n.max_numel))
     return g
 
   def kernel(self) -> Kernel:
     n = self.node
     idx = tuple(ZERO if d == 1 else self._range(d, AxisType.LOOP) for d in n.shape)
     out = self._global(n)
-    val = _narrow(self.render(n, idx, top=True), n.dtype)
+    val = _narrow(self.render(n, idx, top=True), self.stored(n))
     ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
     ast, slots = self._drop_unread(ast)
     if neg := {d for m in (n, *self.rendered, *slots) for d in negative(m.shape)}:  # run() has checked them >= 0: say so to the verifier

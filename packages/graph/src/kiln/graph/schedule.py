@@ -35,7 +35,7 @@ from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_s
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, consumers, toposort
-from kiln.graph.render import Kernel, Renderer
+from kiln.graph.render import Kernel, Renderer, stored_dtype
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
 from kiln.ir.dtype import DType, PtrDType, dtypes
@@ -119,8 +119,9 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
   return new - realized
 
 
-def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000) -> list[Kernel]:
-  """Kernels computing every output (and every node the rules realize), in an order that respects their reads."""
+def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000, stored: Callable[[Node], DType] | None = None) -> list[Kernel]:
+  """Kernels computing every output (and every node the rules realize), in an order that respects their reads; `stored`
+  gives a realized node's buffer dtype (render.stored_dtype)."""
   nodes = toposort(list(outputs))
   order = {n: i for i, n in enumerate(nodes)}
   cons = consumers(nodes)
@@ -132,7 +133,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000)
   for _ in range(max_rounds):
     for n in sorted(realized, key=order.__getitem__):  # a kernel is rendered again only when a node it inlined got realized
       if n.op != "BUFFER" and (n not in kernels or any(m in realized for m in kernels[n].rendered if m is not n)):
-        kernels[n] = Renderer(n, realized).kernel()
+        kernels[n] = Renderer(n, realized, stored).kernel()
     kernels_of: dict[Node, int] = {}
     for k in kernels.values():
       for n in k.rendered:
@@ -353,7 +354,10 @@ class GraphPlan:
       outs = [new[o] for o in outs]
     checks = gather_checks(toposort(outs))
     uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs]))  # the checks' kernels first: a pipeline's first stage runs them
-    try: self.kernels = schedule(uniq, fuse)
+    outset = frozenset(uniq)
+    wide = device.startswith("CPU")
+    self.stored: Callable[[Node], DType] = lambda n: stored_dtype(n, outset, wide)
+    try: self.kernels = schedule(uniq, fuse, stored=self.stored)
     except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
       raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
                        "fused into one kernel reaches Python's recursion limit): realize an intermediate with .contiguous()") from None
@@ -367,11 +371,11 @@ class GraphPlan:
     placed = []
     for k in self.kernels:
       ast, wins = read_windows(k.ast)
-      if align > 1: ast, wins = aligned_windows(ast, wins, [s.dtype.itemsize for s in k.slots], align)
+      if align > 1: ast, wins = aligned_windows(ast, wins, [self.stored(s).itemsize for s in k.slots], align)
       placed.append((k, ast, wins, _reassociated_opts(ast, device)))
     precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
     for k, ast, wins, opts in placed:
-      slots = [self.view_of(self.buf_of(s), wins[i], s.dtype) if i in wins else self.buf_of(s) for i, s in enumerate(k.slots)]
+      slots = [self.view_of(self.buf_of(s), wins[i], self.stored(s)) if i in wins else self.buf_of(s) for i, s in enumerate(k.slots)]
       pb.add_kernel(ast, slots, opts=opts)
     pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq)))
     self.checks = [(self.bufs[c], m) for c, m in checks]
@@ -386,7 +390,7 @@ class GraphPlan:
         raise GraphError(f"a {n.op} node of shape {fmt_shape(n.shape)} has {n.max_numel} elements at the dims' upper bounds, more than a "
                          f"{dtypes.index.name} index reaches ({dtypes.index.max}): lower the bounds")
       if (data := n.data) is not None: b = Buffer.from_numpy(np.ascontiguousarray(data), self.device, n.dtype)  # bf16: uint16 in numpy
-      else: b = Buffer(self.device, n.max_numel, n.dtype)  # symbolic dims: sized for their upper bounds
+      else: b = Buffer(self.device, n.max_numel, self.stored(n))  # symbolic dims: sized for their upper bounds
     self.bufs[n] = self.builder.add_buffer(b)
     if owned and n.op == "BUFFER" and n.arg.name is not None:  # a model input the plan owns: run() copies it in
       if (prev := self.inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
