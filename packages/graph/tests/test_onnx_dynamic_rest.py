@@ -104,3 +104,23 @@ def test_a_symbolic_scatter_past_the_dense_limit_is_refused() -> None:
                 {"y": F})
   with pytest.raises(ONNXError, match=r"each of the n rows compares itself with all k updates \(67108864 elements at the dims' upper bounds\)"):
     konnx.load(m, dims={"n": (1, 1024), "k": (1, 1024)})
+
+
+# ---- Tile by a Shape's symbolic dims ----
+SHAPE_PARTS = [N("Shape", ["x"], ["sh"]), N("Slice", ["sh", "zero1", "one1"], ["b"]), N("Slice", ["sh", "one1", "two1"], ["s"])]
+PART_INITS = {"zero1": _c([0]), "one1": _c([1]), "two1": _c([2])}
+
+
+def test_tile_by_symbolic_dims() -> None:
+  # timm's xcit tiles its positional encoding (1, C, H, W) by (batch, 1, 1, 1); repeats that multiply dims (seq*batch)
+  tail = N("Slice", ["x", "one1", "big", "one1"], ["tail"])  # x[:, 1:]: (batch, seq - 1)
+  nodes = SHAPE_PARTS + [N("Concat", ["b", "one1", "one1"], ["ra"], axis=0), N("Tile", ["pos", "ra"], ["ya"]),
+                         N("Concat", ["s", "b"], ["rb"], axis=0), N("Tile", ["x", "rb"], ["yb"]),
+                         tail, N("Concat", ["two1", "one1"], ["rc"], axis=0), N("Tile", ["tail", "rc"], ["yc"])]
+  inits = PART_INITS | {"big": _c([1 << 40])}
+  m = dyn_model(nodes, {"x": (F, ("batch", "seq"))}, {"ya": F, "yb": F, "yc": F}, inits | {"pos": f32(1, 4, 2)})
+  _check(m, {"batch": (1, 4), "seq": (1, 5)}, [{"x": f32(b, s)} for b, s in ((3, 5), (1, 1), (2, 3))])
+  bad = dyn_model(SHAPE_PARTS + [tail, N("Concat", ["one1", "s"], ["r"], axis=0), N("Tile", ["tail", "r"], ["y"], name="tile")],
+                  {"x": (F, ("batch", "seq"))}, {"y": F}, inits)
+  with pytest.raises(ONNXError, match=r"tile \(Tile.*axis 1 \(seq - 1\) repeated seq times is -seq \+ seq\*seq: a sum times another dim"):
+    konnx.load(bad, dims={"batch": (1, 4), "seq": (2, 5)})

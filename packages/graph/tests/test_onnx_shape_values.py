@@ -141,8 +141,8 @@ def test_refusals_name_the_node_and_the_dims(case: str) -> None:
                                    r"eq \(Equal.*Equal\(batch, seq\) depends on the sizes fed \(bounds \[1, 6\] and \[1, 12\]\)")
   if case == "wrap": _refused(d + [N("Cast", ["s"], ["r"], name="narrow", to=TensorProto.INT8)] + reshape, {"y": F},
                               r"narrow \(Cast.*seq \(up to 300\) to int8 would wrap", dims={"batch": (1, 6), "seq": (1, 300)})
-  if case == "const": _refused(d + [N("Concat", ["one", "s"], ["rep"], axis=0), N("Tile", ["x", "rep"], ["y"], name="tile")], {"y": F},
-                               r"tile \(Tile.*input 1 .*constant.*symbolic dims of a Shape \(1, seq\)")
+  if case == "const": _refused(d + [N("Concat", ["one", "s", "one", "one"], ["p"], axis=0), N("Pad", ["x", "p"], ["y"], name="pad")], {"y": F},
+                               r"pad \(Pad.*input 1 .*constant.*symbolic dims of a Shape \(1, seq, 1, 1\)")
   if case == "bart": _refused([N("Slice", ["x", "zero", "m1", "one", "two"], ["y"], name="drop_last")], {"y": F},  # a step of 2
                               r"drop_last \(Slice.*\[0:-1:2\] of axis 1 of \(batch, seq\).*a strided slice of a symbolic axis", inits={"two": i64(2)})
   if case == "past_bound": _refused(d + [N("Slice", ["buf", "zero", "s", "one"], ["y"], name="pos")], {"y": F},

@@ -2,7 +2,7 @@
 set, built from kiln.graph Tensor ops and registered in onnx_ops.OPS with the attributes each understands (onnx.py imports
 this module for that). Every size, count and axis they take is a constant when the node converts: known at load, or
 computed at run time and read back by a run, which converts the rest of the model for its value (specialise.py). Pad's
-constant_value computed at run time is a value in the kernel."""
+constant_value computed at run time is a value in the kernel; Tile's repeats may be a Shape's symbolic dims."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph import shape_values as sv
 from kiln.graph.onnx_ops import Node, Value, _axes_of, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
@@ -87,21 +88,28 @@ def _padded(x: Tensor, per: dict[int, tuple[int, int]], mode: str, value: float 
 
 
 def _tile(n: Node) -> Value:
+  """Tile; a repeat count may be a Shape's symbolic dim (timm's xcit tiles its positional encoding by the batch): the
+  axis then becomes a product of dims (a monomial: a sum repeated, (seq - 1) * 4, is no dim a reshape can make)."""
   x = n.t(0)
-  reps = [int(r) for r in n.const(1, "repeats").reshape(-1)]
-  if len(reps) != x.ndim or any(r < 0 for r in reps): raise n.error(f"repeats {reps} do not fit rank {x.ndim} (one count >= 0 per axis)")
-  if 0 in reps: raise n.error(f"repeats {reps} make an empty tensor (not supported)")
-  _static(n, x, [a for a, r in enumerate(reps) if r != 1], "Tile")
-  for a, r in enumerate(reps): x = _repeat(x, a, r)
+  reps = [sv.dim(r) for r in np.asarray(n.const(1, "repeats")).reshape(-1)]
+  if len(reps) != x.ndim or any(isinstance(r, int) and r < 0 for r in reps):
+    raise n.error(f"repeats [{', '.join(sym.fmt(r) for r in reps)}] do not fit rank {x.ndim} (one count >= 0 per axis)")
+  if any(sv.fixed(r, 0) for r in reps): raise n.error(f"repeats [{', '.join(sym.fmt(r) for r in reps)}] make an empty tensor (not supported)")
+  for a, r in enumerate(reps):
+    if sv.fixed(r, 1): continue
+    d = x.shape[a]
+    if not (sym.is_mono(d) and sym.is_mono(r)) and not (sv.fixed(d, 1) or sv.fixed(r, 1)):
+      raise n.error(f"axis {a} ({sym.fmt(d)}) repeated {sym.fmt(r)} times is {sym.fmt(sym.mul(d, r))}: a sum times another dim is no dim a "
+                    "reshape can make")
+    x = _repeat(x, a, r)
   return x
 
 
-def _repeat(x: Tensor, a: int, r: int) -> Tensor:
+def _repeat(x: Tensor, a: int, r: Dim) -> Tensor:
   """The whole of axis a r times over: a new axis of r copies before it, expanded, and the two merged by a reshape."""
-  if r == 1: return x
   u = x.unsqueeze(a)
   u = u.expand(tuple(r if j == a else s for j, s in enumerate(u.shape)))
-  return u.reshape(tuple(x.shape[:a]) + (x.shape[a] * r,) + tuple(x.shape[a + 1:]))  # type: ignore[operator]
+  return u.reshape(tuple(x.shape[:a]) + (sym.mul(r, x.shape[a]),) + tuple(x.shape[a + 1:]))
 
 
 def _trilu(n: Node) -> Value:

@@ -213,6 +213,7 @@ RULES: dict[str, Rule] = {
   **{k: Rule((0,), _no_tensor, None) for k in ("Gather", "Unsqueeze", "Squeeze", "Identity", "Shape")},
   "Concat": Rule(None, _no_tensor, None), "Reshape": Rule((0, 1), _always, None), "ConstantOfShape": Rule((0,), _always, None),
   "Range": Rule((1,), _always, None), "Slice": Rule((0, 1, 2), _always, None), "Resize": Rule((3,), _always, None),
+  "Tile": Rule((1,), _always, None),
   "Expand": Rule((1,), _always, _expand),
   **{k: Rule(None, _always, None) for k in ("If", "Loop", "Scan")},  # they refuse a Shape's symbolic dims themselves
   # arithmetic that stays a dim (or a known bool)
