@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.codegen import index_width
 from kiln.codegen.contraction import Contraction, Operand, match
+from kiln.codegen.lowering import index_width
 from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
