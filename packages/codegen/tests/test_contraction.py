@@ -2,10 +2,10 @@
 tile the CUDA renderer chooses for them from the GPU's properties."""
 from __future__ import annotations
 
+from kiln.codegen.choose.tiling import Tiling, choose_tiling
 from kiln.codegen.contraction import linear, match
 from kiln.codegen.opt import Opt, OptOps, Target
 from kiln.codegen.render import CUDARenderer
-from kiln.codegen.render.cuda_matmul import Tiling, choose
 from kiln.ir import UOp, kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import AxisType, Ops
@@ -92,18 +92,18 @@ def test_renderer_uses_the_tiled_kernel_only_under_the_heuristic() -> None:
 def test_tile_follows_the_gpu() -> None:
   c = match(kernels.matmul(4096, 4096, 4096, dtypes.float16, acc_dtype=f32))
   assert c is not None
-  assert choose(c, H100) == Tiling("mma", 128, 256, 64, 2, 4, 3, 8)  # two waves of large tiles
+  assert choose_tiling(c, H100) == Tiling("mma", 128, 256, 64, 2, 4, 3, 8)  # two waves of large tiles
   c2 = match(kernels.matmul(2048, 2048, 2048, dtypes.float16, acc_dtype=f32))
-  assert c2 is not None and choose(c2, H100) == Tiling("mma", 128, 128, 32, 2, 4, 3)
+  assert c2 is not None and choose_tiling(c2, H100) == Tiling("mma", 128, 128, 32, 2, 4, 3)
   older = Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=75, gpu_sms=40)  # no sm_80 tensor-core steps
-  assert choose(c, older).kind == "simt"
+  assert choose_tiling(c, older).kind == "simt"
   c3 = match(kernels.matmul(1024, 1024, 1024))
   assert c3 is not None
-  assert (choose(c3, H100).bm, choose(c3, H100).bn) == (64, 64)  # 128x128 would leave half of 132 SMs idle
-  assert (choose(c3, Target(device="CUDA", vector_bytes=0, gpu_arch=90, gpu_sms=40)).bm,) == (128,)
+  assert (choose_tiling(c3, H100).bm, choose_tiling(c3, H100).bn) == (64, 64)  # 128x128 would leave half of 132 SMs idle
+  assert (choose_tiling(c3, Target(device="CUDA", vector_bytes=0, gpu_arch=90, gpu_sms=40)).bm,) == (128,)
   # a layout the tensor-core copies cannot take (k not a multiple of 8) keeps the SIMT kernel
   c4 = match(kernels.matmul(256, 256, 100, dtypes.float16, acc_dtype=f32))
-  assert c4 is not None and choose(c4, H100).kind == "simt"
+  assert c4 is not None and choose_tiling(c4, H100).kind == "simt"
 
 
 def test_tiled_spec_declares_shared_memory_and_alignment() -> None:

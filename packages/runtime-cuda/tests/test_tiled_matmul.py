@@ -11,8 +11,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from kiln.codegen.choose.tiling import Tiling
 from kiln.codegen.opt import Target
-from kiln.codegen.render.cuda_matmul import Tiling, program
+from kiln.codegen.render.cuda_matmul import program
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.runtime.cuda.compiler import find_nvcc
@@ -127,12 +128,12 @@ def test_tf32_tiles(t: Tiling) -> None:
 
 
 def test_tf32_is_opt_in(monkeypatch) -> None:
+  from kiln.codegen.choose.tiling import choose_tiling
   from kiln.codegen.contraction import match
-  from kiln.codegen.render.cuda_matmul import choose
   from kiln.ir.errors import DeviceError
   from kiln.runtime.cuda.driver import tf32_allowed
   c = match(kernels.matmul(1024, 1024, 1024))
-  assert c is not None and choose(c, H100).kind == "simt" and choose(c, TF32).kind == "tf32"
+  assert c is not None and choose_tiling(c, H100).kind == "simt" and choose_tiling(c, TF32).kind == "tf32"
   monkeypatch.delenv("KILN_CUDA_TF32", raising=False)
   assert not tf32_allowed()
   monkeypatch.setenv("KILN_CUDA_TF32", "1")

@@ -9,7 +9,7 @@
   python gpu_check.py sass         nvcc's registers/spills and the instructions in the tiled matmuls (cuobjdump)
   python gpu_check.py mixed        a plan with CPU and CUDA kernels and copies between them (gpu_mixed.py)
   python gpu_check.py launch       per-kernel cost of a 200-kernel plan (gpu_launch.py)
-  python gpu_check.py mmatune      tensor-core tilings timed against each other and torch (what cuda_matmul.choose follows)
+  python gpu_check.py mmatune      tensor-core tilings timed against each other and torch (what kiln.codegen.choose.tiling follows)
   python gpu_check.py bench[:ROWS] kiln against torch on this GPU (see gpu_bench.py)
 
 scripts/gpu-check runs them all, and compute-sanitizer's memcheck and racecheck over conformance and tiled.
@@ -317,7 +317,7 @@ def mmapeak() -> None:
 
 def mmatune() -> None:
   """Times tensor-core tilings of the float16 matmul against each other and torch (events, median of 20 after warm-up)."""
-  from kiln.codegen.render.cuda_matmul import Tiling
+  from kiln.codegen.choose.tiling import Tiling
   from kiln.runtime.cuda.driver import CUDARuntime
   rt = CUDARuntime("CUDA:0")
   variants = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 128, 64, 2, 2, 3, 8),

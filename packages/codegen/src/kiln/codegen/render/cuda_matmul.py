@@ -1,5 +1,5 @@
 """Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.contraction recognises. Blocks sit on the grid's x (tile
-columns), y (tile rows) and z (batch); `choose` picks the tile from the GPU (Target.gpu_arch, gpu_sms, allow_tf32):
+columns), y (tile rows) and z (batch); kiln.codegen.choose.tiling picks the tile from the GPU (gpu_arch, gpu_sms, allow_tf32):
 - SIMT (any float input, float32 sums; 256 threads): BMxBNx8 slices of A and B in shared memory two stages deep (A
   transposed, so a thread reads its rows as one broadcast); each thread keeps an 8x8, 8x4 or 4x4 register tile of float32
   sums, accumulated with fused multiply-adds; the next slice's global loads (float4/float2 where the layout allows) are in
@@ -19,8 +19,7 @@ Numerics: the sums are float32 like the reference's, but fused (one rounding per
 thread, per tile, per tensor-core step), so results agree to float32 rounding, not bit for bit."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor, choose_tiling
 from kiln.codegen.contraction import Contraction, Operand, match
 from kiln.codegen.lowering import index_width
 from kiln.codegen.opt import Target
@@ -31,90 +30,12 @@ from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 from kiln.ir.verify import verify
 
-THREADS = 256
 MIN_DIM = 16  # a product smaller than this along m, n or k keeps the generic kernel: a tile would be mostly idle
 _MEM = {"float32": "float", "float16": "half", "bfloat16": "__nv_bfloat16"}
 _TO_F32 = {"float32": "{v}", "float16": "__half2float({v})", "bfloat16": "__bfloat162float({v})"}
 # float32 sum -> the output's type; bfloat16 NaN is the quiet NaN 0x7FC0, as every kiln bfloat16 result (alu.py)
 _FROM_F32 = {"float32": "{v}", "float16": "__float2half_rn({v})",
              "bfloat16": "({v} != {v} ? __ushort_as_bfloat16((unsigned short)0x7fc0) : __float2bfloat16_rn({v}))"}
-
-
-@dataclass(frozen=True)
-class Tiling:
-  kind: str  # "simt", "mma" (float16/bfloat16 tensor cores) or "tf32" (float32 inputs rounded to TF32, opt-in)
-  bm: int
-  bn: int
-  bk: int
-  warps_m: int = 2  # mma: the block's warps as warps_m x warps_n, each a (bm / warps_m) x (bn / warps_n) warp tile
-  warps_n: int = 4
-  stages: int = 2  # mma: slices in flight (cp.async groups); more than fit 48 KB of static shared memory go dynamic
-  group_m: int = 0  # blocks walk tile rows in groups of this many (0: row by row), so neighbours share B's slices in L2
-  b_kmajor: bool = False  # tensor cores: B's k is contiguous (B^T stored, ONNX Gemm's transB): staged n-major like A
-
-  @property
-  def threads(self) -> int: return THREADS if self.kind == "simt" else 32 * self.warps_m * self.warps_n
-
-  @property
-  def elem(self) -> int:
-    """Bytes of one staged element: 2 for float16/bfloat16, 4 for TF32's float32 (SIMT stages float32 too)."""
-    return 2 if self.kind == "mma" else 4
-
-  @property
-  def pad_a(self) -> int: return 16 // self.elem  # elements added to each shared row of A: 16 bytes, so fragment reads miss no bank
-
-  pad_b = 8  # and of B: 16 bytes for ldmatrix's rows; 32 for TF32's scalar reads (lanes t and t + 1 rows apart)
-
-  @property
-  def shared_bytes(self) -> int:
-    """Tensor cores: shared memory per block (every stage's A and B slices, rows padded)."""
-    if self.kind == "simt": return 0
-    return self.stages * self.elem * (self.bm * (self.bk + self.pad_a) + self.b_stage_elems)
-
-  @property
-  def b_stage_elems(self) -> int:
-    """B's slice in shared memory: bk rows of bn (padded), or for a k-major B bn rows of bk (padded like A's)."""
-    return self.bn * (self.bk + self.pad_a) if self.b_kmajor else self.bk * (self.bn + self.pad_b)
-
-  def __str__(self) -> str:
-    if self.kind == "simt": return f"TILED_MATMUL(simt {self.bm}x{self.bn}x{self.bk})"
-    return (f"TILED_MATMUL({self.kind} {self.bm}x{self.bn}x{self.bk} warps {self.warps_m}x{self.warps_n} stages {self.stages}"
-            f"{f' group {self.group_m}' if self.group_m else ''}{' B k-major' if self.b_kmajor else ''})")
-
-
-def _mma_kind(c: Contraction, target: Target) -> str | None:
-  """Which tensor-core kernel applies: "mma" for 16-bit float inputs, "tf32" for float32 inputs when the target allows TF32
-  (opt-in: it rounds the inputs to 10 mantissa bits), on sm_80+ with float32 sums, k- and n-contiguous rows whose 16-byte
-  chunks align; else None."""
-  if target.gpu_arch < 80 or c.acc != dtypes.float32: return None
-  if c.a.dtype in (dtypes.float16, dtypes.bfloat16): kind, per = "mma", 8
-  elif c.a.dtype == dtypes.float32 and target.allow_tf32: kind, per = "tf32", 4
-  else: return None
-  a, b = c.a, c.b
-  # B in 16-byte chunks along n (row-major) or along k (B^T stored): its other stride and every start a multiple of a chunk
-  b_ok = (b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)
-  ok = (a.cols == 1 and b_ok and c.k % per == 0 and c.n % per == 0 and a.rows % per == 0
-        and a.offset % per == 0 and b.offset % per == 0 and all(s % per == 0 for s in (*a.batch, *b.batch)))
-  return kind if ok else None
-
-
-def _b_kmajor(c: Contraction) -> bool: return c.b.rows == 1 and c.b.cols != 1
-
-
-def choose(c: Contraction, target: Target) -> Tiling:
-  """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
-  sms = max(1, target.gpu_sms)
-  km, kind = _b_kmajor(c), _mma_kind(c, target)
-  if kind == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
-    return Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=km)
-  if kind == "mma":
-    # measured on an H100 (tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
-    # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
-    if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=km)
-    return Tiling("mma", 128, 128, 32, 2, 4, 3, b_kmajor=km)
-  for bm, bn in ((128, 128), (128, 64), (64, 64)):
-    if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return Tiling("simt", bm, bn, 8)
-  return Tiling("simt", 64, 64, 8)
 
 
 def applies(c: Contraction | None, target: Target) -> bool:
@@ -320,7 +241,7 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
   mt, nt = wtm // 16, wtn // 8
   assert wtm % 16 == 0 and wtn % 16 == 0 and bk % 16 == 0 and S >= 2, t
   km = t.b_kmajor
-  assert km == _b_kmajor(c), t
+  assert km == b_kmajor(c), t
   lda, ldb = bk + t.pad_a, (bk + t.pad_a if km else bn + t.pad_b)  # padded shared rows: 8 rows' fragment reads miss no bank
   a_chunks, b_chunks = bm * bk // per, bk * bn // per  # 16-byte chunks per slice
   assert a_chunks % t.threads == 0 and b_chunks % t.threads == 0, t
@@ -498,14 +419,14 @@ def _simplified_indices(ast: UOp) -> UOp:
 
 
 def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -> ProgramSpec | None:
-  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose's."""
+  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose_tiling's."""
   if ast.op is not Ops.SINK: return None
   verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
   if index_width.needs_wide(ast) is not None: return None  # 64-bit index arithmetic: the generic lowering's
   c = match(ast)
   if c is None and (plain := _simplified_indices(ast)) is not ast: c = match(plain)
   if c is None or not applies(c, target): return None
-  t = tiling or choose(c, target)
+  t = tiling or choose_tiling(c, target)
   helpers: dict[str, str] = {}
   body = render_simt(c, t, name, helpers) if t.kind == "simt" else render_mma(c, t, name, helpers)
   src = _header(c) + ("" if t.kind == "simt" else MMA_PRELUDE) + "".join(h + "\n" for h in helpers.values()) + body + "\n"
