@@ -235,12 +235,6 @@ def disk_load(dkey: str, ast: UOp) -> CompiledSpec | None:
     return None
 
 
-def atomic_write(p: Path, data: str, what: str) -> None:
-  """Write a cache file p = <cache dir>/<area>/<name> atomically under the directory rules (kiln.codegen.diskcache), without
-  a MAC: for entries that decide no code. A failed write is one warning, never an error of the caller."""
-  diskcache.DiskCache(p.parent.name, what, p.parent.parent).write_plain(p.name, data.encode())
-
-
 def disk_store(dkey: str, compiled: CompiledSpec) -> None:
   """Store compiled under dkey, which must start with its AST's key (disk_load gives the spec back the caller's AST)."""
   if not dkey.startswith(compiled.ast.key + "|"): raise ValueError(f"a kernel cache key must start with its AST's key, got {dkey[:80]!r}")

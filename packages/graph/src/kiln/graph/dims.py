@@ -29,7 +29,6 @@ Mono = tuple[int, tuple[UOp, ...]]  # (coefficient, the variables, sorted by nam
 Terms = dict[tuple[UOp, ...], int]  # a polynomial: variables -> coefficient (() the constant), no zero coefficients
 
 
-def is_sym(d: Dim) -> bool: return isinstance(d, UOp)
 def is_static(shape: Sequence[Dim]) -> bool: return not any(isinstance(d, UOp) for d in shape)
 
 

@@ -21,7 +21,6 @@ def _sint(u: UOp) -> bool: return u.dtype.count == 1 and u.dtype.kind == "i"
 def _int(u: UOp) -> bool: return u.dtype.count == 1 and u.dtype.kind in "iu"
 def _intb(u: UOp) -> bool: return u.dtype.count == 1 and u.dtype.kind in "iub"
 def _fits(dt: DType, lo: int, hi: int) -> bool: return dt.min <= lo and hi <= dt.max
-def _c(u: UOp, v: int) -> UOp: return UOp.const(u.dtype, v)
 
 MAX_TERMS = 32  # flattening stops here, so long chains cost O(n), not O(n^2)
 
