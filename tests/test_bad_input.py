@@ -434,7 +434,7 @@ def test_plan_bad_vars_do_not_poison():
 def test_plan_of_100_000_kernels():
   """100,000 kernels in one plan build and run correctly: x and y take turns adding 1 to the other, so x ends at N.
   Hazard dependencies were quadratic (every kernel waited on every earlier one): 10,000 kernels took 64 s and 3.6 GB to
-  build; now 100,000 take ~11 s and ~460 MB on a 2-core Zen 3 (kiln.executor.schedule.hazard_deps)."""
+  build; now 100,000 take ~11 s and ~460 MB on a 2-core Zen 3 (kiln.executor.hazards.hazard_deps)."""
   n = 100_000
   i = UOp.range(8, 0)
   inc = UOp.sink(g(0).index(i).store(g(1).index(i).load() + 1.0), name="inc")

@@ -17,10 +17,10 @@ from kiln.executor import tune as tuning
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
 from kiln.executor.execution import ExecutionPlan
+from kiln.executor.hazards import HOST, ByteAccess, Engine, Lifetime, conflict, hazard_deps, levels, plan_reuse, queue_waits
 from kiln.executor.overlap import PARALLEL_MIN_COST, parallel
 from kiln.executor.prepared import PreparedBufferView, PreparedCopy, PreparedCustomFunction, PreparedKernel, PreparedOp, RuntimeVar
 from kiln.executor.recipe import BufferRecipe, PlanRecipe
-from kiln.executor.schedule import HOST, Access, Engine, Lifetime, conflict, hazard_deps, levels, plan_reuse, queue_waits
 from kiln.ir.errors import CodegenError, KilnBufferError, PlanError, VariableBoundsError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -138,7 +138,7 @@ def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
 def _check_no_alias(label: str, bufs: list[int], slots: list[int], outs: list[int], buffers: list[Buffer]) -> None:
   """A kernel's code assumes its buffers do not overlap (noalias pointers; a peeled vector tile recomputes a few outputs
   from its inputs), so a slot it writes may share no byte with another slot."""
-  span = {s: Access(buffers[bufs[s]].storage_id, *buffers[bufs[s]].byte_range, s in outs) for s in slots}
+  span = {s: ByteAccess(buffers[bufs[s]].storage_id, *buffers[bufs[s]].byte_range, s in outs) for s in slots}
   for o in outs:
     for s in slots:
       if s != o and conflict([span[o]], [span[s]]):
@@ -183,7 +183,7 @@ class _Builder:
     exec_ops = [op for op in ops if not isinstance(op, _ViewOp)]
     # compile and validate kernels
     prepared: dict[int, PreparedKernel | PreparedCopy | PreparedCustomFunction] = {}
-    accesses: list[list[Access]] = []
+    accesses: list[list[ByteAccess]] = []
     for op in exec_ops:
       pk: PreparedKernel | PreparedCopy | PreparedCustomFunction
       if isinstance(op, _KernelOp): pk, acc = self._kernel(op)
@@ -212,7 +212,7 @@ class _Builder:
     plan.recipe = self.recipe
     return plan
 
-  def _kernel(self, op: _KernelOp) -> tuple[PreparedKernel, list[Access]]:
+  def _kernel(self, op: _KernelOp) -> tuple[PreparedKernel, list[ByteAccess]]:
     label = _op_label(op)
     for i, bi in enumerate(op.buffers): self._idx(bi, f"{label} slot {i}")
     nodes = op.ast.toposort()
@@ -263,8 +263,8 @@ class _Builder:
     for s in kernel.globals:
       buf = self.buffers[op.buffers[s]]
       w, r = s in kernel.outs, s in kernel.ins or s not in kernel.outs
-      if w: acc.append(Access(buf.storage_id, *buf.byte_range, True))
-      if r: acc.append(Access(buf.storage_id, *buf.byte_range, False))
+      if w: acc.append(ByteAccess(buf.storage_id, *buf.byte_range, True))
+      if r: acc.append(ByteAccess(buf.storage_id, *buf.byte_range, False))
     return pk, acc
 
   def _kernel_device(self, op: _KernelOp, label: str) -> str:
@@ -285,7 +285,7 @@ class _Builder:
       raise DeviceMismatchError(f"{label}: its buffers are on {dev}, which holds data and runs no kernels: add_copy them to CPU first")
     return dev
 
-  def _tune(self, prepared: dict[int, Any], accesses: list[list[Access]]) -> None:
+  def _tune(self, prepared: dict[int, Any], accesses: list[list[ByteAccess]]) -> None:
     """Search the kernels without a stored choice on their allocated buffers; a winner other than the heuristic is
     prepared again with its options (it is in the kernel cache: no compile)."""
     reads = [a for acc in accesses for a in acc if not a.write]
@@ -294,19 +294,19 @@ class _Builder:
       keep: set[int] = set()  # buffers some op reads: their contents must survive the search
       for i in pk.buffer_indices:
         start, end = self.buffers[i].byte_range
-        if conflict([Access(self.buffers[i].storage_id, start, end, True)], reads): keep.add(i)
+        if conflict([ByteAccess(self.buffers[i].storage_id, start, end, True)], reads): keep.add(i)
       res = tuning.search(pk, self.buffers, keep)
       if res.opts is None: continue
       new, _ = self._kernel(replace(op, opts=res.opts))
       new.level, new.dependencies = pk.level, pk.dependencies
       prepared[op.id] = new
 
-  def _copy(self, op: _CopyOp) -> tuple[PreparedCopy, list[Access]]:
+  def _copy(self, op: _CopyOp) -> tuple[PreparedCopy, list[ByteAccess]]:
     d, s = self._idx(op.dst, f"copy {op.id} dst"), self._idx(op.src, f"copy {op.id} src")
     db, sb = self.buffers[d], self.buffers[s]
     _check_copy(db, sb, d, s)
     return (PreparedCopy(op.id, d, s, db.nbytes, [], src_device=sb.device, dst_device=db.device),
-            [Access(db.storage_id, *db.byte_range, True), Access(sb.storage_id, *sb.byte_range, False)])
+            [ByteAccess(db.storage_id, *db.byte_range, True), ByteAccess(sb.storage_id, *sb.byte_range, False)])
 
   # ---- plans across devices ----
   def _is_async(self, device: str) -> bool:
@@ -332,7 +332,7 @@ class _Builder:
     return Engine(raw=frozenset(self.buffers[i].device for i in p.buffer_indices if self._is_async(self.buffers[i].device)))
 
   def _across_devices(self, exec_ops: list, prepared: Mapping[int, Any], lv: list[list[int]], deps: list[set[int]],
-                      explicit: list[set[int]], accesses: list[list[Access]]) -> list[list[int]]:
+                      explicit: list[set[int]], accesses: list[list[ByteAccess]]) -> list[list[int]]:
     """Plans across devices: each op's engine, the order within a level (in a mixed plan: the device's launches first, then
     the host's own work, then what waits for a device: copies through the host and host functions on device memory; so the
     device computes while the host does), and where the host must wait for a device (each op's `waits`). A plan on one
@@ -358,17 +358,17 @@ class _Builder:
       self._waits[exec_ops[i].id] = qs
     return lv
 
-  def _custom(self, op: _CustomOp) -> tuple[PreparedCustomFunction, list[Access]]:
+  def _custom(self, op: _CustomOp) -> tuple[PreparedCustomFunction, list[ByteAccess]]:
     for i, bi in enumerate(op.buffers): self._idx(bi, f"{_op_label(op)} buffer {i}")
     outs = list(range(len(op.buffers))) if op.outputs is None else op.outputs
     if bad := [o for o in outs if not 0 <= o < len(op.buffers)]: raise PlanError(f"{_op_label(op)}: output positions {bad} are out of range")
     acc = []
     for i, bi in enumerate(op.buffers):
       buf = self.buffers[bi]
-      acc.append(Access(buf.storage_id, *buf.byte_range, i in outs))
+      acc.append(ByteAccess(buf.storage_id, *buf.byte_range, i in outs))
     return PreparedCustomFunction(op.id, op.fn, list(op.buffers), outs, []), acc
 
-  def _plan_memory(self, exec_ops: list, accesses: list[list[Access]], lv: list[list[int]]) -> int:
+  def _plan_memory(self, exec_ops: list, accesses: list[list[ByteAccess]], lv: list[list[int]]) -> int:
     """Let intermediates (not outputs, not yet allocated, written before read) share memory when their level ranges do not
     overlap. A storage's lifetime spans every access through any buffer on it (a view too), and all of them move to the
     shared memory together, each at its offset (kiln.graph's read windows are views: excluding viewed storages cost its

@@ -14,7 +14,8 @@ Slots = tuple[list[int], list[int], list[int]]  # a kernel's (globals, ins, outs
 
 
 @dataclass(frozen=True)
-class Access:
+class StorageAccess:
+  """One PlanSpec op using a storage (by id), whole or in part (the builder's hazards.ByteAccess is its byte range)."""
   storage: int
   write: bool
   whole: bool  # the access covers every byte of the storage
@@ -45,14 +46,14 @@ def slots_of(k: KernelEntry) -> Slots:
 
 
 def accesses(storages: Sequence[StorageEntry], buffers: Sequence[BufferEntry], ops: Sequence[OpEntry],
-             slots: Callable[[KernelEntry], Slots] = slots_of) -> list[list[Access]]:
+             slots: Callable[[KernelEntry], Slots] = slots_of) -> list[list[StorageAccess]]:
   """Per op, its accesses in order: a kernel's reads (slots it reads, or does not write) before its writes; a copy's
   source, then its destination; a view none. `slots` gives a kernel's slots (default: read off its compiled JSON)."""
   where = places(buffers, ops)
-  def acc(b: int, write: bool) -> Access:
+  def acc(b: int, write: bool) -> StorageAccess:
     st, off, n = where[b]
-    return Access(st, write, off == 0 and n == storages[st].nbytes)
-  out: list[list[Access]] = []
+    return StorageAccess(st, write, off == 0 and n == storages[st].nbytes)
+  out: list[list[StorageAccess]] = []
   for op in ops:
     if isinstance(op, KernelEntry):
       globs, ins, outs = slots(op)
@@ -63,7 +64,7 @@ def accesses(storages: Sequence[StorageEntry], buffers: Sequence[BufferEntry], o
   return out
 
 
-def first_reads(accs: Iterable[list[Access]]) -> set[int]:
+def first_reads(accs: Iterable[list[StorageAccess]]) -> set[int]:
   """Storages whose first access in these ops is not a write of all of them: they need the contents they held before
   (a partial write keeps the rest of the old contents)."""
   seen: set[int] = set()

@@ -1,4 +1,4 @@
-"""Scheduling a plan: hazard dependencies on storage byte ranges, dependency levels with cycle detection, and reuse of
+"""The order a plan must keep: hazard dependencies on storage byte ranges, dependency levels with cycle detection, and reuse of
 intermediate buffers' memory between ops whose lifetimes do not overlap. Pure functions over op indices."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kiln.ir.errors import PlanError
 
 
 @dataclass(frozen=True)
-class Access:
+class ByteAccess:
   """One op touching bytes [start, end) of a storage, reading or writing."""
   storage: int
   start: int
@@ -17,14 +17,14 @@ class Access:
   write: bool
 
 
-def hazard_deps(accesses: Sequence[Sequence[Access]]) -> list[set[int]]:
+def hazard_deps(accesses: Sequence[Sequence[ByteAccess]]) -> list[set[int]]:
   """For ops in program order, the earlier ops each must wait for: read after write, write after read, write after write,
   on overlapping byte ranges of the same storage (so views of one buffer conflict only where they overlap).
 
   Only the nearest hazards are kept, so a plan of N ops over a few buffers is O(N), not O(N^2) in time and memory (10,000
   kernels took 64 s and 3.6 GB): an access that a later write covers whole leaves the storage's history (whatever conflicts
   with it conflicts with that write, which already waits for it), and a read is compared with writes only."""
-  hist: dict[int, tuple[list[tuple[int, Access]], list[tuple[int, Access]]]] = {}  # storage -> (reads, writes) still visible
+  hist: dict[int, tuple[list[tuple[int, ByteAccess]], list[tuple[int, ByteAccess]]]] = {}  # storage -> (reads, writes) still visible
   deps: list[set[int]] = []
   for i, accs in enumerate(accesses):
     d: set[int] = set()
@@ -54,7 +54,7 @@ class Engine:
 HOST = Engine()
 
 
-def queue_waits(order: Sequence[int], deps: Sequence[set[int]], explicit: Sequence[set[int]], accesses: Sequence[Sequence[Access]],
+def queue_waits(order: Sequence[int], deps: Sequence[set[int]], explicit: Sequence[set[int]], accesses: Sequence[Sequence[ByteAccess]],
                 queue_of: Mapping[int, str], engines: Sequence[Engine]) -> dict[int, list[str]]:
   """For ops run in `order`, the queues to synchronise before each (op index -> sorted queue names; absent: none).
 
@@ -81,7 +81,7 @@ def queue_waits(order: Sequence[int], deps: Sequence[set[int]], explicit: Sequen
   return waits
 
 
-def conflict(a: Sequence[Access], b: Sequence[Access]) -> bool:
+def conflict(a: Sequence[ByteAccess], b: Sequence[ByteAccess]) -> bool:
   return any(x.storage == y.storage and (x.write or y.write) and x.start < y.end and y.start < x.end for x in a for y in b)
 
 
