@@ -49,9 +49,11 @@ class KernelNodeParams(ctypes.Structure):
               ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-class GraphError(Exception):
+class LibcudaError(Exception):
   """A libcuda call here returned an error: str() is "cuXxx failed: <cuGetErrorString> (<CUresult name>)", the shape
-  pycuda's errors have, so ContextGuard.failure recognises the sticky ones (an illegal address: the context is dead)."""
+  pycuda's errors have, so ContextGuard.failure recognises the sticky ones (an illegal address: the context is dead).
+  Like pycuda's errors it is the driver's, not kiln's: ContextGuard.failure turns it into a DeviceError or a
+  RuntimeLaunchError (a KilnError would pass through it unchanged, and a dead context would go unmarked)."""
 
   def __init__(self, what: str, code: int, name: str, text: str):
     super().__init__(f"{what} failed: {text} ({name})")
@@ -78,7 +80,7 @@ _SET_PARAMS = [_VP, _VP, _P(KernelNodeParams)]
 
 class GraphAPI:
   """The graph calls of a libcuda (ctypes.CDLL("libcuda.so.1"), or a test's stand-in with the same function names), each
-  raising GraphError on a CUresult other than CUDA_SUCCESS. Handles are ints (0: none)."""
+  raising LibcudaError on a CUresult other than CUDA_SUCCESS. Handles are ints (0: none)."""
 
   def __init__(self, lib: Any):
     self.lib = lib
@@ -105,14 +107,14 @@ class GraphAPI:
       except AttributeError: continue
     raise AttributeError(names[0])
 
-  def error(self, what: str, rc: int) -> GraphError:
+  def error(self, what: str, rc: int) -> LibcudaError:
     name, text = f"CUresult {rc}", "unknown error"
     for fn_name, i in (("cuGetErrorName", 0), ("cuGetErrorString", 1)):
       fn, out = self._fns.get(fn_name), ctypes.c_char_p()
       if fn is not None and fn(rc, ctypes.pointer(out)) == 0 and out.value:
         if i == 0: name = out.value.decode(errors="replace")
         else: text = out.value.decode(errors="replace")
-    return GraphError(what, rc, name, text)
+    return LibcudaError(what, rc, name, text)
 
   def _call(self, name: str, *args: Any) -> None:
     rc = self._fns[name](*args)
@@ -126,7 +128,7 @@ class GraphAPI:
     try:
       self._call("cuModuleGetFunction", ctypes.pointer(fn), mod, name.encode())
       if shared > _STATIC_SHARED: self._call("cuFuncSetAttribute", fn, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
-    except GraphError:
+    except LibcudaError:
       self._fns["cuModuleUnload"](mod)
       raise
     return int(mod.value or 0), int(fn.value or 0)
@@ -252,7 +254,7 @@ class GraphRun:
       if self.broken is None:
         if (exe := self._h[1]):
           try: self.api.launch(exe)
-          except GraphError as e:
+          except LibcudaError as e:
             raise self.guard.failure(e, f"launching a CUDA graph of {len(self.nodes)} kernels", launch=True) from e
           self.launches += 1
         return
@@ -261,12 +263,12 @@ class GraphRun:
   def _prepare(self) -> None:
     try:
       if not (self._h[1] and self.changed and self._update()): self._build()
-    except GraphError as e:
+    except LibcudaError as e:
       err = self.guard.failure(e, "building a CUDA graph")  # a sticky error marks the context dead
       if self.guard.dead is not None: raise err from e
       self.broken = str(e)
       try: self._destroy()
-      except GraphError as e2: warnings.warn(f"{self.runtime.device}: destroying a CUDA graph failed: {e2}", RuntimeWarning, stacklevel=2)
+      except LibcudaError as e2: warnings.warn(f"{self.runtime.device}: destroying a CUDA graph failed: {e2}", RuntimeWarning, stacklevel=2)
       warnings.warn(f"{self.runtime.device}: CUDA graph of {len(self.calls)} launches unavailable ({e}); launching them one by one",
                     RuntimeWarning, stacklevel=3)
       return
@@ -286,7 +288,7 @@ class GraphRun:
     for n in todo:
       n.pack(int(n.params.func or 0))
       try: self.api.set_params(self._h[1], n.handle, n.params)
-      except GraphError as e:
+      except LibcudaError as e:
         if _sticky(e): raise
         return False  # e.g. a change the driver cannot apply in place: rebuild
     return True
