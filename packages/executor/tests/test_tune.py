@@ -13,7 +13,7 @@ from kiln_executor_testrt import requires_cpu_runtime
 from kiln.executor import Buffer, ExecutionPlanBuilder, cache, tune
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
-from kiln.ir.errors import PlanError
+from kiln.ir.errors import PlanError, SettingError
 from kiln.ir.uop import UOp
 
 pytestmark = requires_cpu_runtime()
@@ -95,7 +95,7 @@ def test_switches(cpu, monkeypatch):
   assert searches() == s0 + 2  # tune=True without the variable
   with pytest.raises(PlanError, match="opts or tune"): matmul_plan(16, 16, 16, tune=True, opts=[])
   monkeypatch.setenv("KILN_TUNE_BUDGET", "soon")
-  with pytest.raises(PlanError, match="KILN_TUNE_BUDGET"): matmul_plan(16, 16, 8, tune=True)[0].build()
+  with pytest.raises(SettingError, match="KILN_TUNE_BUDGET must be a positive number of seconds, got 'soon'"): matmul_plan(16, 16, 8, tune=True)[0].build()
 
 
 def test_budget_respected(cpu, monkeypatch):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.ir import DeviceError
+from kiln.ir import DeviceError, SettingError
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu
 from kiln.runtime.cpu.device import CPURuntime, cpu_target
 from kiln.runtime.cpu.machine import (
@@ -118,10 +118,10 @@ def test_llvm_knows_every_accepted_cpu_name() -> None:
   assert r.returncode == 0 and r.stdout.strip() == f"ok {len(names)}" and "not a recognized processor" not in r.stderr, r.stderr[-2000:]
 
 
-def test_bad_kiln_cpu_is_a_device_error_not_an_llvm_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_kiln_cpu_is_a_typed_error_not_an_llvm_abort(monkeypatch: pytest.MonkeyPatch) -> None:
   with pytest.raises(DeviceError, match="KILN_CPU='bogus'"): LLVMCompiler(cpu="bogus")
   monkeypatch.setenv("KILN_CPU", "bogus")
-  with pytest.raises(DeviceError, match="KILN_CPU='bogus'"): CPURuntime()
+  with pytest.raises(SettingError, match="KILN_CPU must be an LLVM CPU name kiln can target on this machine, got 'bogus'"): CPURuntime()
 
 
 @pytest.mark.skipif(not (X86 and "+avx2" in host_cpu()[1].split(",")), reason="needs an x86 host with AVX2")

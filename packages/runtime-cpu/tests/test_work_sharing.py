@@ -22,8 +22,9 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram
+from kiln.runtime.cpu.settings import POOL_KINDS
 from kiln.runtime.cpu.spin import Spinner, spin_us
-from kiln.runtime.cpu.threads import POOL_KINDS, WorkerPool, new_pool, pool_kind
+from kiln.runtime.cpu.threads import WorkerPool, new_pool, pool_kind
 
 RT = get_runtime("CPU")
 F32 = dtypes.float32

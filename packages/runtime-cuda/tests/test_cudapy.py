@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from kiln.ir.errors import DeviceError, RuntimeLaunchError
+from kiln.ir.errors import DeviceError, RuntimeLaunchError, SettingError
 from kiln.runtime.cuda import driver as dmod
 from kiln.runtime.cuda.driver import CUDARuntime
 
@@ -244,4 +244,4 @@ def test_without_cuda_python_the_error_says_what_to_install(monkeypatch):
   monkeypatch.setattr(dmod, "_cuda_python", None)
   with pytest.raises(DeviceError, match=r"pip install \"kiln-runtime-cuda\[cuda-python\]\""): CUDARuntime("CUDA:0")
   monkeypatch.setenv("KILN_CUDA_DRIVER", "cupy")
-  with pytest.raises(DeviceError, match="KILN_CUDA_DRIVER='cupy'"): CUDARuntime("CUDA:0")
+  with pytest.raises(SettingError, match="KILN_CUDA_DRIVER must be one of pycuda, cuda-python, got 'cupy'"): CUDARuntime("CUDA:0")

@@ -32,18 +32,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.ir.errors import CacheError
+from kiln.codegen import settings
+from kiln.ir.errors import CacheError, SettingError
 
 FORMAT = 2  # of the framing; entries of an older kiln (no MAC) are misses
 MAX_ENTRY_BYTES = 64 << 20  # an entry larger than this is rejected before it is read
 KEY_BYTES = 32
-KEY_ENV = "KILN_CACHE_KEY"
+KEY_ENV = settings.CACHE_KEY.name
 _BIN_HEAD = b"\x7fkiln-cache-2\n"  # binary entries: this, the 32-byte tag, the payload
 _JSON_HEAD, _JSON_SEP = b'{"mac": "', b'", '  # JSON entries: the tag as the object's first member, then the payload's members
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")  # a file name (255 bytes at most), never a path
 
 
-class CacheKeyError(CacheError):
+class CacheKeyError(CacheError, SettingError):
   """KILN_CACHE_KEY does not hold a key."""
 
 
@@ -60,10 +61,10 @@ def current_uid() -> int:
   return os.geteuid()
 
 
-def enabled() -> bool: return os.environ.get("KILN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+def enabled() -> bool: return settings.CACHE.get()
 
 
-def cache_root() -> Path: return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln").expanduser()
+def cache_root() -> Path: return Path(settings.CACHE_DIR.get() or Path.home() / ".cache" / "kiln").expanduser()
 
 
 def key_path() -> Path:
@@ -93,7 +94,7 @@ _keys: dict[str, bytes] = {}
 def cache_key() -> bytes | None:
   """The MAC key: KILN_CACHE_KEY if set (a malformed one raises CacheKeyError), else the key file, made on first use.
   None when there is no usable key (warned once): the caller runs without the disk cache."""
-  if env := os.environ.get(KEY_ENV, "").strip(): return _parse_key(env)  # empty counts as unset (an unresolved CI secret)
+  if env := settings.CACHE_KEY.get(): return _parse_key(env)  # empty counts as unset (an unresolved CI secret)
   p = key_path()
   if (k := _keys.get(str(p))) is not None: return k
   try: k = _read_or_make_key(p)

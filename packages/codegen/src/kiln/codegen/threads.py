@@ -13,6 +13,8 @@ import ctypes
 import os
 import threading
 
+from kiln.codegen import settings
+
 # the name of the split kernel's chunk index in its ProgramSpec's var_names (last; the runtime passes it, never a user):
 # chunks 0..chunks-1 each take a slice, and a split reduction's finishing call (chunk == chunks) folds the partials
 CORE_ID = "core_id"
@@ -41,20 +43,9 @@ def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fus
   return min(n, units) if units is not None else n
 
 
-def env_int(name: str, minimum: int, what: str) -> int | None:
-  """The whole number environment variable `name` holds (None when unset or empty); a ValueError saying it must be
-  `what` when it is not a whole number of at least `minimum`."""
-  env = os.environ.get(name)
-  if not env: return None
-  try: n = int(env)
-  except ValueError: raise ValueError(f"{name} must be {what}, got {env!r}") from None
-  if n < minimum: raise ValueError(f"{name} must be {what}, got {env!r}")
-  return n
-
-
 def thread_count() -> int:
   """KILN_THREADS, else the number of cores this process may use. The one reader of KILN_THREADS."""
-  n = env_int("KILN_THREADS", 1, "a positive integer")
+  n = settings.THREADS.get()
   return n if n is not None else available_cores()
 
 

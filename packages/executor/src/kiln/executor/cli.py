@@ -1,4 +1,4 @@
-"""The `kiln` command: `kiln info`, `kiln demo`, `kiln bench`, and the commands other kiln layers add through the entry-point
+"""The `kiln` command: `kiln info [--settings]`, `kiln demo`, `kiln bench`, and the commands other kiln layers add through the entry-point
 group `kiln.commands` (`kiln run`, from kiln-graph): an entry point names a `main(argv) -> int`. The executor never imports
 those layers itself; it finds them installed, as it finds runtimes through `kiln.devices`."""
 from __future__ import annotations
@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# the benchmark lives in the source tree beside src/ (packages/executor/benchmarks), never in the wheel
-BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
-BENCH_MODULE = "kiln_bench.report"
+# the benchmark lives in the source tree (the repository's benchmarks/, with the executor's rows in packages/executor/benchmarks),
+# never in the wheel
+_UP = Path(__file__).resolve().parents  # packages/executor/src/kiln/executor/ in a checkout: its root is five folders up
+BENCH_DIR = (_UP[5] if len(_UP) > 5 else _UP[-1]) / "benchmarks"
+BENCH_MODULE = "stack_bench.main"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -25,6 +27,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def info() -> int:
+  from kiln.codegen import settings
   from kiln.codegen.registry import available_devices, get_runtime
   from kiln.codegen.threads import thread_count
   from kiln.executor import cache
@@ -59,9 +62,21 @@ def info() -> int:
   flags = cache.cpu_fingerprint().partition("|")[2].split()
   simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "neon", "asimd", "f16c", "amx"))]
   print(f"  features:   {' '.join(simd) if simd else '-'}  ({len(flags)} flags)")
-  print(f"  threads:    {thread_count()} ({'KILN_THREADS' if os.environ.get('KILN_THREADS') else 'default: cores this process may use'})")
+  print(f"  threads:    {thread_count()} ({'KILN_THREADS' if settings.THREADS.is_set() else 'default: cores this process may use'})")
   cdir, n, size = cache.disk_cache_info()
   print(f"  cache:      {cdir}  ({n} kernels, {_fmt_bytes(size)}){'' if cache.disk_cache_enabled() else '  [disabled: KILN_CACHE=0]'}")
+  return 0
+
+
+def info_settings() -> int:
+  """Every KILN_* setting of the installed kiln packages: its value (or default), then what it does and what it takes."""
+  from kiln.ir.settings import installed
+  print("kiln settings (KILN_* environment variables, each declared in its package's settings module)")
+  for module, declared in installed().items():
+    print(f"  {module}")
+    for s in declared:
+      print(f"    {s.name:<22} {s.shown()}")
+      print(f"    {'':<22}   {s.doc}; takes {s.takes}")
   return 0
 
 
@@ -75,9 +90,9 @@ def _dispatch(module: str, argv: Sequence[str]) -> int:
 
 
 def bench(argv: Sequence[str]) -> int:
-  if not (BENCH_DIR / "kiln_bench").is_dir():
+  if not (BENCH_DIR / "stack_bench").is_dir():
     print("kiln bench: the benchmark is not part of the installed kiln-executor; it lives in kiln's source tree: "
-          "from a checkout run scripts/bench (or python packages/executor/benchmarks/run.py)", file=sys.stderr)
+          "from a checkout run scripts/bench (or python benchmarks/run.py)", file=sys.stderr)
     return 2
   if str(BENCH_DIR) not in sys.path: sys.path.insert(0, str(BENCH_DIR))
   return int(importlib.import_module(BENCH_MODULE).main(list(argv)) or 0)
@@ -104,7 +119,8 @@ def _plugin(ep: Any, argv: Sequence[str]) -> int:
 def _main(argv: Sequence[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime")
   sub = ap.add_subparsers(dest="cmd")
-  sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache")
+  info_p = sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache (--settings: the KILN_* settings)")
+  info_p.add_argument("--settings", action="store_true", help="list every KILN_* setting with its value")
   sub.add_parser("demo", help="run the MLP inference demo", add_help=False)
   sub.add_parser("bench", help="run the benchmarks (from a kiln checkout)", add_help=False)
   plugins = plugin_commands()
@@ -113,7 +129,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
   args, rest = ap.parse_known_args(argv)
   if args.cmd in (None, "info"):
     if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return info()
+    return info_settings() if getattr(args, "settings", False) else info()
   if args.cmd in plugins: return _plugin(plugins[args.cmd], rest)
   return bench(rest) if args.cmd == "bench" else _dispatch(args.cmd, rest)
 

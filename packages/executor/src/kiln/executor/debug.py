@@ -1,17 +1,12 @@
 """KILN_DEBUG: 1 one line per kernel run (time, GB/s or GFLOP/s), 2 applied optimisations, 3 generated source, 4 the AST."""
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
+from kiln.codegen import settings
 
-def _env_level() -> int:
-  try: return int(os.environ.get("KILN_DEBUG", "0") or 0)
-  except ValueError: return 0
-
-
-DEBUG = _env_level()  # read on the fast path as a module global; set_level() changes it in-process
+DEBUG = settings.DEBUG.get()  # read on the fast path as a module global; set_level() changes it in-process
 
 
 def set_level(level: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.codegen import settings
 from kiln.executor.buffer import Buffer
 from kiln.executor.builder import ExecutionPlanBuilder
 from kiln.executor.execution import ExecutionPlan
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
   counts = {o: origins.count(o) for o in ("compiled", "disk", "memory")}
   print(f"kernels: {counts['compiled']} compiled, {counts['disk']} from the disk cache, {counts['memory']} from the memory cache"
         + (" - every kernel came from the cache" if counts["compiled"] == 0 else ""))
-  if os.environ.get("KILN_CACHE", "1") != "0" and counts["compiled"]: print("(run it again: every kernel then comes from the disk cache)")
+  if settings.CACHE.get() and counts["compiled"]: print("(run it again: every kernel then comes from the disk cache)")
   ok = err < 1e-4
   print("result: OK" if ok else "result: MISMATCH")
   return 0 if ok else 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -29,17 +28,16 @@ from kiln.codegen import diskcache
 from kiln.codegen.opt import Opt, OptOps, Target
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.search import space
-from kiln.executor import debug
+from kiln.executor import debug, settings
 from kiln.executor.buffer import Buffer
 from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.alu import from_storage
 from kiln.ir.dtype import DType
-from kiln.ir.errors import CodegenError, PlanError
+from kiln.ir.errors import CodegenError
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
-DEFAULT_BUDGET = 1.5  # seconds of searching per kernel
 TIE_MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it (timing noise is ~1-2%)
 _stats = {"searches": 0, "hits": 0, "timed": 0, "rejected": 0, "disagreed": 0, "entry_errors": 0, "compiles": 0}
 
@@ -47,16 +45,10 @@ _stats = {"searches": 0, "hits": 0, "timed": 0, "rejected": 0, "disagreed": 0, "
 def tune_stats() -> dict[str, int]: return dict(_stats)
 
 
-def tune_enabled() -> bool: return os.environ.get("KILN_TUNE", "0").strip().lower() not in ("", "0", "false", "no", "off")
+def tune_enabled() -> bool: return settings.TUNE.get()
 
 
-def tune_budget() -> float:
-  raw = os.environ.get("KILN_TUNE_BUDGET", "").strip()
-  if not raw: return DEFAULT_BUDGET
-  try: b = float(raw)
-  except ValueError: b = -1.0
-  if not b > 0 or math.isinf(b): raise PlanError(f"KILN_TUNE_BUDGET must be a positive number of seconds, got {raw!r}")
-  return b
+def tune_budget() -> float: return settings.TUNE_BUDGET.get()
 
 
 # ---- stored choices: tuning/<sha256>.json beside the kernel entries, sealed as they are (kiln.codegen.diskcache) ----

@@ -25,11 +25,11 @@ batch 8 of one compile (AVX-512 / AVX2): 64->64 over 56x56 1.51x, 128->128 over 
 2.77x / 2.07x, 32->64 over 16x16 at batch 32 1.93x; 64->128 over 8x8 (4 tiles) 1.08x, refused."""
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from kiln.graph import settings
 from kiln.graph.dims import is_static, static_shape
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
@@ -53,7 +53,7 @@ WEIGHT_T = np.kron(_G, _G)  # (36, 9)
 
 
 def enabled() -> bool:
-  return os.environ.get("KILN_WINOGRAD", "1") != "0"
+  return settings.WINOGRAD.get()
 
 
 def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence[int], dilation: Sequence[int], groups: int) -> bool:

@@ -16,6 +16,7 @@ from kiln.ir.errors import (
                             RewriteError,
                             RuntimeLaunchError,
                             SerializeError,
+                            SettingError,
                             VariableBoundsError,
 )
 from kiln.ir.ops import AxisType, GroupOp, Ops
@@ -26,4 +27,4 @@ from kiln.ir.version import __version__
 __all__ = ["DType", "PtrDType", "dtypes", "least_upper_dtype", "parse_dtype", "Ops", "AxisType", "GroupOp", "UOp", "UPat",
            "PatternMatcher", "graph_rewrite", "substitute", "KilnError", "IRError", "IRTypeError", "IRVerifyError", "RewriteError",
            "SerializeError", "EvalError", "CodegenError", "CompileError", "DeviceError", "RuntimeLaunchError", "KilnBufferError",
-           "PlanError", "PlanPoisoned", "VariableBoundsError", "CacheError", "__version__"]
+           "PlanError", "PlanPoisoned", "VariableBoundsError", "CacheError", "SettingError", "__version__"]

@@ -30,6 +30,10 @@ class EvalError(KilnError):
   """The reference evaluator was handed inputs that do not fit the kernel."""
 
 
+class SettingError(KilnError, ValueError):
+  """A KILN_* environment variable holds a value it does not take; the message names the variable and what it takes."""
+
+
 class CodegenError(KilnError):
   """Lowering, optimising or rendering failed."""
 

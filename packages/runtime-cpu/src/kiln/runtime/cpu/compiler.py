@@ -3,7 +3,6 @@ features, or those of the CPU KILN_CPU names)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import re
 import threading
@@ -14,6 +13,7 @@ import llvmlite.binding as llvm
 
 from kiln.codegen.spec import CompiledSpec, ProgramSpec
 from kiln.ir.errors import CompileError
+from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.machine import CPUChoice, choose_cpu, isa_of
 
 _lock = threading.Lock()  # LLVM's global context is not thread-safe
@@ -40,7 +40,7 @@ def host_vector_bytes() -> int: return isa_of(host_cpu()[1], platform.machine())
 def target_cpu(name: str | None = None, runnable: bool = True) -> CPUChoice:
   """The CPU to compile for: `name`, else KILN_CPU, else the host (DeviceError for a name kiln cannot target, or, when
   `runnable`, whose code this host cannot run)."""
-  return choose_cpu(host_cpu(), platform.machine(), name if name is not None else os.environ.get("KILN_CPU"), runnable)
+  return choose_cpu(host_cpu(), platform.machine(), name if name is not None else settings.CPU.get(), runnable)
 
 
 def _error_lines(src: str, message: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kiln.ir.errors import KilnBufferError
+from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.buffer import CpuBuffer, check_size, to_np_dtype
 
 PAGE = mmap.PAGESIZE
@@ -23,8 +24,8 @@ _PROT_NONE = 0
 
 
 def guard_enabled() -> bool:
-  """KILN_GUARD is set to something other than 0/false/no/off."""
-  return os.environ.get("KILN_GUARD", "0").strip().lower() not in ("", "0", "false", "no", "off")
+  """KILN_GUARD is on."""
+  return settings.GUARD.get()
 
 
 @functools.cache

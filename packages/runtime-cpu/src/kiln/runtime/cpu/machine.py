@@ -72,13 +72,18 @@ class CPUChoice:
   round: bool = False  # a one-instruction round to nearest even the vector maths may use (llvm_math): the same bits either way
 
 
+def cpu_names(arch: str) -> dict[str, str]:
+  """The CPU names KILN_CPU accepts on a host of architecture `arch`, with their ISA level."""
+  return X86_CPUS if is_x86(arch) else ARM_CPUS if is_arm64(arch) else {}
+
+
 def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool = True) -> CPUChoice:
   """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
   on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process. With
   runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
   if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch), has_round(host[1], arch))
   name = env.strip().lower()
-  table = X86_CPUS if is_x86(arch) else ARM_CPUS if is_arm64(arch) else {}
+  table = cpu_names(arch)
   if name not in table:
     raise DeviceError(f"KILN_CPU={env!r} is not a CPU kiln can target on {arch}; accepted: {', '.join(sorted(table)) or 'none (unset KILN_CPU)'}")
   vb, regs, needs = _LEVELS[table[name]]

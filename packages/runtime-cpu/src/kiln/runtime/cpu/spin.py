@@ -14,10 +14,8 @@ from functools import cache
 
 import llvmlite.binding as llvm
 
-from kiln.codegen.threads import env_int
+from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.compiler import init_llvm
-
-DEFAULT_SPIN_US = 100
 
 # a pause on x86 (eases the core's pipeline and its sibling hyperthread), a yield hint on arm64, nothing elsewhere
 _RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
@@ -64,8 +62,7 @@ define i64 @kiln_cycles() {{
 
 def spin_us() -> int:
   """KILN_SPIN_US: microseconds a worker spins after a kernel inside a plan (0: never)."""
-  us = env_int("KILN_SPIN_US", 0, "a whole number of microseconds >= 0")
-  return us if us is not None else DEFAULT_SPIN_US
+  return settings.SPIN_US.get()
 
 
 def spin_ir() -> str:

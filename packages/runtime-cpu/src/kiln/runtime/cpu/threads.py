@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kiln.codegen.threads import plans_running_address, thread_count
+from kiln.ir.errors import SettingError
+from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.native_pool import NativePool, native_pool_supported
 from kiln.runtime.cpu.spin import Spinner, spin_us
 
@@ -120,15 +122,13 @@ class WorkerPool:
 
 _pool: WorkerPool | NativePool | None = None
 _pool_lock = threading.Lock()
-POOL_KINDS = ("native", "python")
 
 
 def pool_kind() -> str:
   """KILN_POOL: `native` (the default where native_pool_supported(): workers that never take the GIL) or `python`."""
-  kind = os.environ.get("KILN_POOL") or ("native" if native_pool_supported() else "python")
-  if kind not in POOL_KINDS: raise ValueError(f"KILN_POOL must be one of {', '.join(POOL_KINDS)}, got {kind!r}")
+  kind = settings.POOL.get() or ("native" if native_pool_supported() else "python")
   if kind == "native" and not native_pool_supported():
-    raise ValueError(f"KILN_POOL=native needs Linux on x86-64 or AArch64 (this is {platform.system()} on {platform.machine()})")
+    raise SettingError(f"KILN_POOL=native needs Linux on x86-64 or AArch64 (this is {platform.system()} on {platform.machine()})")
   return kind
 
 

@@ -26,6 +26,7 @@ import threading
 
 from kiln.codegen.spec import CompiledSpec, ProgramSpec
 from kiln.ir.errors import CompileError
+from kiln.runtime.cuda import settings
 
 DEFAULT_ARCH = "sm_90"
 _ARCH_RE = re.compile(r"^sm_\d{2,3}[af]?$")
@@ -133,7 +134,7 @@ class CUDACompiler:
   arch: "sm_90" by default, or KILN_CUDA_ARCH. backend: "nvcc", "nvrtc" or None (nvcc where installed, else NVRTC)."""
 
   def __init__(self, arch: str | None = None, backend: str | None = None, extra_flags: tuple[str, ...] = ()):
-    self.arch = arch or os.environ.get("KILN_CUDA_ARCH") or DEFAULT_ARCH
+    self.arch = arch or settings.ARCH.get() or DEFAULT_ARCH
     if not _ARCH_RE.match(self.arch): raise CompileError(f"invalid CUDA architecture {self.arch!r}: expected sm_<NN> such as sm_90 or sm_90a")
     if backend not in (None, "nvcc", "nvrtc"): raise CompileError(f"unknown CUDA compiler backend {backend!r}: expected 'nvcc' or 'nvrtc'")
     self.backend, self.extra_flags = backend, tuple(extra_flags)

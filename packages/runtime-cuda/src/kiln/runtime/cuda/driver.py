@@ -38,6 +38,7 @@ from typing import Any
 from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
 from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
+from kiln.runtime.cuda import settings
 from kiln.runtime.cuda.compiler import CUDACompiler
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
@@ -56,8 +57,7 @@ _NO_BINARY = ("no kernel image is available", "no binary for gpu", "CUDA_ERROR_N
 def load_driver() -> Any:
   """pycuda.driver (or, with KILN_CUDA_DRIVER=cuda-python, kiln.runtime.cuda.cudapy's adapter of the same shape over NVIDIA's
   cuda-python), initialised; a DeviceError naming the fix when the binding or the CUDA driver is missing."""
-  which = os.environ.get("KILN_CUDA_DRIVER", "pycuda")
-  if which not in ("pycuda", "cuda-python"): raise DeviceError(f"KILN_CUDA_DRIVER={which!r}: expected 'pycuda' (the default) or 'cuda-python'")
+  which = settings.DRIVER.get()
   with _drv_lock:
     if which == "cuda-python": drv = _load_cuda_python()
     else:
@@ -190,7 +190,7 @@ class CUDAAllocator:
   def __init__(self, drv: Any, ctx: Any = None, cache_bytes: int | None = None, guard: ContextGuard | None = None):
     self.drv, self.ctx = drv, ctx
     self.guard = guard if guard is not None else ContextGuard(drv, ctx)
-    self.cache_limit = cache_bytes if cache_bytes is not None else int(os.environ.get("KILN_CUDA_LRU_BYTES", 1 << 30))
+    self.cache_limit = cache_bytes if cache_bytes is not None else settings.LRU_BYTES.get()
     self._cache: OrderedDict[int, list[Any]] = OrderedDict()  # size -> freed allocations, least recently freed first
     self.cached_bytes = 0
     self._lock = threading.RLock()
@@ -306,10 +306,7 @@ _STATIC_SHARED = 48 << 10  # shared memory a block gets without asking (cuFuncSe
 def tf32_allowed() -> bool:
   """KILN_CUDA_TF32=1: float32 matrix products may use TF32 tensor cores (inputs rounded to 10 mantissa bits, float32 sums;
   about 3e-4 relative error instead of float32's 1e-6). Off by default, as torch's allow_tf32."""
-  v = os.environ.get("KILN_CUDA_TF32", "0").strip().lower()
-  if v not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
-    raise DeviceError(f"KILN_CUDA_TF32 must be 0 or 1, got {v!r}")
-  return v in ("1", "true", "yes", "on")
+  return settings.TF32.get()
 
 
 def buffer_alignments(spec: CompiledSpec) -> list[int]:
@@ -472,10 +469,8 @@ class CUDARuntime:
   def compile_threads(self) -> int:
     """How many kernels a plan's builder may compile at once: nvcc is a process a kernel, so one per host core
     (KILN_COMPILE_THREADS overrides)."""
-    v = os.environ.get("KILN_COMPILE_THREADS", "").strip()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores this process may use
-    try: return max(1, int(v)) if v else min(32, cores)
-    except ValueError: raise DeviceError(f"KILN_COMPILE_THREADS must be a whole number, got {v!r}") from None
+    if (n := settings.COMPILE_THREADS.get()) is not None: return n
+    return min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)  # the cores this process may use
 
   def __init__(self, device: DeviceSpec | str = "CUDA:0"):
     spec = DeviceSpec.parse(device)
@@ -492,7 +487,7 @@ class CUDARuntime:
     self.guard = ContextGuard(self.drv, self.ctx, self.device)
     try: self.sms = int(self.dev.get_attribute(self.drv.device_attribute.MULTIPROCESSOR_COUNT))  # read once: it never changes
     except Exception: self.sms = 0  # the attribute API is missing (a stand-in driver): the renderer assumes nothing
-    self.arch = os.environ.get("KILN_CUDA_ARCH") or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
+    self.arch = settings.ARCH.get() or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
     self.compiler = CUDACompiler(self.arch)
     self.allocator = CUDAAllocator(self.drv, self.ctx, guard=self.guard)
     self._renderer: Any = None
@@ -509,7 +504,7 @@ class CUDARuntime:
   def target(self) -> Any:
     """The codegen Target of this GPU: its compute capability (tensor-core kernels from sm_80) and multiprocessor count (the
     tiled matmul's tile size), read from the device; a driver that cannot say leaves them unknown (0)."""
-    opt = importlib.import_module("kiln.codegen.opt")
+    opt = importlib.import_module("kiln.codegen.choose")
     major, minor = self.cc
     return opt.Target(device="CUDA", vector_bytes=0, threads=1, gpu_arch=major * 10 + minor, gpu_sms=self.sms, allow_tf32=tf32_allowed())
 

@@ -29,11 +29,12 @@ NOTE: not run on a real GPU in this commit. Tested against a Python stand-in for
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
+
+from kiln.runtime.cuda import settings
 
 GRAPH_MIN_KERNELS = 4  # a run of fewer launches runs them one by one (a graph's build and its bookkeeping are not worth it)
 _PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2  # CU_LAUNCH_PARAM_*
@@ -172,7 +173,7 @@ class GraphAPI:
 
 def enabled() -> bool:
   """KILN_CUDA_GRAPHS=0 turns graphs off (read when a plan groups its runs, i.e. when it is built)."""
-  return os.environ.get("KILN_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+  return settings.GRAPHS.get()
 
 
 def _real_driver(drv: Any) -> bool:

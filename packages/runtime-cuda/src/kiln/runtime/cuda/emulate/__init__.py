@@ -34,9 +34,11 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen import diskcache
+from kiln.codegen import settings as codegen_settings
 from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval
 from kiln.codegen.threads import thread_count
 from kiln.ir.errors import CompileError, RuntimeLaunchError
+from kiln.runtime.cuda import settings
 from kiln.runtime.cuda.compiler import source_excerpt
 
 INCLUDE_DIR = Path(__file__).parent / "include"
@@ -54,9 +56,7 @@ def _shim_hash() -> str:
 
 
 def _debug(msg: str) -> None:
-  try: level = int(os.environ.get("KILN_DEBUG", "0") or 0)
-  except ValueError: level = 0
-  if level >= 1: print(msg, file=sys.stderr, flush=True)
+  if codegen_settings.DEBUG.get() >= 1: print(msg, file=sys.stderr, flush=True)
 
 
 def _cxx() -> str:
@@ -68,13 +68,11 @@ def _cxx() -> str:
 CXXFLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing", "-w")
 
 
-MODES = ("fibers", "threads")
+MODES = settings.EMU_MODES
 
 
 def default_mode() -> str:
-  m = os.environ.get("KILN_EMU_MODE") or ("fibers" if platform.machine().lower() in ("x86_64", "amd64") else "threads")
-  if m not in MODES: raise CompileError(f"KILN_EMU_MODE must be one of {MODES}, got {m!r}")
-  return m
+  return settings.EMU_MODE.get() or ("fibers" if platform.machine().lower() in ("x86_64", "amd64") else "threads")
 
 
 class EmulatedKernel:
