@@ -124,3 +124,27 @@ def test_tile_by_symbolic_dims() -> None:
                   {"x": (F, ("batch", "seq"))}, {"y": F}, inits)
   with pytest.raises(ONNXError, match=r"tile \(Tile.*axis 1 \(seq - 1\) repeated seq times is -seq \+ seq\*seq: a sum times another dim"):
     konnx.load(bad, dims={"batch": (1, 4), "seq": (2, 5)})
+
+
+# ---- a truncated Div of Shape dims that is still a dim ----
+def test_chunk_of_a_doubled_batch() -> None:
+  # RAFT runs both images through one encoder (Concat on the batch) and torch.chunk splits it: (2*batch + 1) / 2 is batch
+  nodes = [N("Concat", ["x", "x2"], ["both"], axis=0), N("Shape", ["both"], ["sh"]), N("Slice", ["sh", "zero1", "one1"], ["n"]),
+           N("Add", ["n", "one1"], ["n1"]), N("Div", ["n1", "two1"], ["half"]), N("Mul", ["half", "two1"], ["end"]),
+           N("Slice", ["both", "zero1", "half", "zero1"], ["a"]), N("Slice", ["both", "half", "end", "zero1"], ["b"])]
+  m = dyn_model(nodes, {"x": (F, ("batch", 3)), "x2": (F, ("batch", 3))}, {"a": F, "b": F}, PART_INITS)
+  _check(m, {"batch": (1, 4)}, [{"x": f32(b, 3), "x2": f32(b, 3)} for b in (1, 4, 2)])
+  odd = dyn_model(nodes[1:3] + [N("Div", ["n", "two1"], ["half"], name="half")] + nodes[5:7], {"both": (F, ("batch", 3))}, {"a": F}, PART_INITS)
+  with pytest.raises(ONNXError, match=r"half \(Div.*batch / 2 is not a whole number"): konnx.load(odd, dims={"batch": (1, 4)})
+
+
+# ---- an empty slice of a computed value ----
+def test_slice_to_nothing_of_a_computed_value() -> None:
+  # phi3's partial rotary with the whole head rotated: q[..., 16:] of a 16-wide head is empty, concatenated after q[..., :16]
+  nodes = [N("Neg", ["x"], ["q"]), N("Slice", ["q", "zero1", "rot", "m1"], ["q_rot"]), N("Slice", ["q", "rot", "big", "m1"], ["q_pass"]),
+           N("Concat", ["q_rot", "q_pass"], ["y"], axis=-1)]
+  inits = {"zero1": _c([0]), "rot": _c([16]), "big": _c([1 << 62]), "m1": _c([-1])}
+  _check(dyn_model(nodes, {"x": (F, (2, 3, 16))}, {"y": F}, inits), {}, [{"x": f32(2, 3, 16)}])
+  sym = dyn_model(nodes, {"x": (F, ("batch", 3, 16))}, {"y": F}, inits)
+  with pytest.raises(ONNXError, match=r"the slice of \(batch, 3, 16\) is \(batch, 3, 0\), empty for every size: .* no symbolic dims"):
+    konnx.load(sym, dims={"batch": (1, 4)})

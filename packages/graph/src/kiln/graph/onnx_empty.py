@@ -6,6 +6,7 @@ kiln's kernels never see one: an empty value is an empty numpy array in the conv
 |--------------------------------------------------|--------------------------------------------------------------|
 | a model input with a static dim of 0             | an empty array at load; run() checks the fed array's shape   |
 | a node whose inputs are all known, one empty     | onnx's reference implementation computes it (only shapes and a reduction's fill are at stake) |
+| a Slice of a computed value that selects nothing on a fixed axis | an empty array (phi3's q[..., rotary_dim:] with the whole head rotated) |
 | a Concat with empty pieces beside computed ones  | the empty pieces are dropped                                 |
 | CastLike with an empty target beside a computed input | its handler reads only the target's dtype                |
 | any other node with an empty and a computed input | shape inference gives its outputs, empty ones empty arrays; a non-empty one is refused (1) |
@@ -16,13 +17,16 @@ then computed as in the second row (specialise.py)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.graph.onnx_ops import Node, Value
+from kiln.graph import dims as sym
 from kiln.graph.specialise import unspecialisable
 from kiln.graph.tensor import Tensor
+
+if TYPE_CHECKING:  # onnx_ops' Slice handler calls empty_slice
+  from kiln.graph.onnx_ops import Node, Value
 
 
 def is_empty(v: Value | None) -> bool: return isinstance(v, np.ndarray) and v.size == 0
@@ -85,3 +89,16 @@ def empty_input(shape: Sequence[int | str], dt: np.dtype) -> np.ndarray | None:
   """An input declared with a static dim of 0: its value, an empty array (None for any other input)."""
   static = all(isinstance(d, int) for d in shape)
   return np.zeros([int(d) for d in shape], dt) if static and 0 in shape else None
+
+
+def empty_slice(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Any], ends: Sequence[Any], steps: Sequence[int]) -> np.ndarray | None:
+  """A Slice of computed t that selects nothing on a fixed axis: its result has no elements, so it is an empty array known
+  at load (None when every fixed axis keeps an element). Its other dims must be fixed too: an array has no symbolic dims."""
+  shape: list[Any] = list(t.shape)
+  for a, b, e, st in zip(axes, starts, ends, steps):
+    if isinstance(shape[a], int) and isinstance(b, int) and isinstance(e, int) and st != 0: shape[a] = len(range(*slice(b, e, st).indices(shape[a])))
+  if 0 not in shape: return None
+  if not sym.is_static(shape):
+    raise n.error(f"the slice of {sym.fmt_shape(t.shape)} is {sym.fmt_shape(shape)}, empty for every size: kiln holds an empty value as an "
+                  "array known at load, which has no symbolic dims")
+  return np.zeros(shape, t.dtype.np)

@@ -11,6 +11,7 @@ from kiln.graph import dims as sym
 from kiln.graph import shape_values as sv
 from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
+from kiln.graph.onnx_empty import empty_slice
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
@@ -275,6 +276,7 @@ def _slice(n: Node) -> Value:
     return x[tuple(sl)]
   if sv.is_shape_value(x): raise n.error("a Slice of a Shape's dims with symbolic bounds is not supported")
   t = n.t(0)
+  if (empty := empty_slice(n, t, axes, starts, ends, steps)) is not None: return empty  # nothing selected: known at load
   if not sym.is_static(starts) or not sym.is_static(ends) or not sym.is_static([t.shape[a] for a in axes]):
     return sv.slice_dims(n, t, axes, starts, ends, steps)
   return t.slice(starts, ends, axes, steps)  # type: ignore[arg-type]  # static, as checked

@@ -8,7 +8,8 @@ legacy `expand(batch, -1, -1)`, a mask of (batch, 1, 1, seq)); this module is wh
 | an elementwise op whose result is no dim / no known bool | a refusal naming the op and the dims (a truncated quotient, an undecided comparison) |
 | any other op or input (Cast to float, Add into data) | data: a Tensor of the dims' run-time values (`as_data`)           |
 
-Add, Sub and Mul give polynomials in the dims (past + seq, seq - 1), Div an exact quotient. A comparison is decided from
+Add, Sub and Mul give polynomials in the dims (past + seq, seq - 1), Div an exact quotient, or a truncated one that is
+still a polynomial for every value ((2*batch + 1) / 2 is batch: torch.chunk's split size). A comparison is decided from
 the variables' bounds (a symbolic dim is >= its lower bound, so `seq == -1` is False), never with UOp's operators (which
 build UOps); where the bounds cannot decide, it is refused by name. A Slice on a symbolic axis or to a symbolic bound is
 a view whose start and length are dims (`slice_dims`, dims.span); one whose length Python's clamping would make depend
@@ -82,9 +83,17 @@ def _div(a: Dim, b: Dim) -> Dim:
     q = abs(a) // abs(b)  # ONNX's integer Div truncates toward zero
     return q if (a < 0) == (b < 0) else -q
   if isinstance(b, int) and b <= 0: raise Refused(f"{sym.fmt(a)} / {b} is not a dim (a divisor of a symbolic dim must be >= 1)")
-  if (exact := sym.div(a, b)) is None:
-    raise Refused(f"{sym.fmt(a)} / {sym.fmt(b)} is not a whole number for every value of the dims (a truncated quotient is no dim)")
-  return exact
+  if (exact := sym.div(a, b)) is not None: return exact
+  if isinstance(b, int) and sym.dmin(a) >= 0 and (floor := _floor_div(a, b)) is not None: return floor  # a >= 0: truncation is floor
+  raise Refused(f"{sym.fmt(a)} / {sym.fmt(b)} is not a whole number for every value of the dims (a truncated quotient is no dim)")
+
+
+def _floor_div(a: Dim, b: int) -> Dim | None:
+  """a // b for an int b >= 1 that divides every coefficient of a but the constant k: (Q*b + k) // b is Q + k // b for every
+  value of the dims (torch.chunk's (2*batch + 1) // 2, RAFT's two images split off one batch), else None."""
+  t = sym.terms(a)
+  if any(c % b for vs, c in t.items() if vs): return None
+  return sym.from_terms({vs: c // b for vs, c in t.items() if c // b})
 
 
 def _sum(a: Dim, b: Dim, sign: int) -> Dim:
