@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target, affine_coeff, heuristic_opts, reassociated_opts
+from kiln.codegen.choose import Opt, OptOps, Target, affine_coeff, heuristic_opts, reassociated_opts
+from kiln.codegen.lowering.lower import lower
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes, kernels
 from kiln.ir.analysis import free_ranges
@@ -176,9 +176,9 @@ def test_gpu_target_maps_axes_to_threads():
 
 def test_inline_polynomial_bodies_take_two_vectors():
   # exp/erf/tanh are latency-bound chains per lane: a second independent vector fills the pipes; a plain add keeps one
-  from kiln.codegen import opt
+  from kiln.codegen.choose import heuristic
   from kiln.codegen.render import llvm_math
-  assert opt._POLY_OPS == frozenset(llvm_math.BODIES)  # the heuristic's list is the renderer's (opt cannot import render)
+  assert heuristic._POLY_OPS == frozenset(llvm_math.BODIES)  # the heuristic's list is the renderer's (choose cannot import render)
   def ew(f): return kernels.elementwise(f, dtypes.float32, ((4096,), dtypes.float32))
   for t, lanes in ((Target(vector_bytes=32), 8), (Target(vector_bytes=64), 16)):
     assert Opt(OptOps.UPCAST, 0, 2 * lanes) in heuristic_opts(ew(lambda x: x.exp2()), t)
@@ -263,7 +263,7 @@ def test_reassociating_row_sums_vectorise_the_reduce_axis():
   """A row sum vectorised along its rows gathers every load: by default it keeps one lane per row (the reference's order
   of additions); a caller that takes another order gets whole-row vectors on the reduce axis. A column sum, contiguous
   along its output, is the same either way."""
-  from kiln.codegen.prepare import prepare
+  from kiln.codegen.lowering.prepare import prepare
   rows = prepare(kernels.reduce(Ops.ADD, (256, 64), F32, axes=1))[0]
   upcasts = lambda opts: [(o.axis, o.amount) for o in opts if o.op is OptOps.UPCAST]  # noqa: E731
   red = next(r.arg[0] for r in rows.toposort() if r.op is Ops.RANGE and r.arg[1] is AxisType.REDUCE)
@@ -441,7 +441,7 @@ def test_nothing_under_an_empty_constant_range_is_left_to_run():
   """Under a range of constant size 0 a load becomes a zero and a REDUCE its identity (prepare.drop_empty): nothing is left
   to be hoisted out of the zero-trip loop (an UPCAST of such an axis once read 8 lanes of a 1-element buffer at the
   kernel's entry). The buffer keeps its parameter."""
-  from kiln.codegen.prepare import drop_empty
+  from kiln.codegen.lowering.prepare import drop_empty
   out, x = UOp.define_global(0, dtypes.float32.ptr(4)), UOp.define_global(1, dtypes.float32.ptr(1))
   i, e, r = UOp.range(4, 0), UOp.range(0, 1), UOp.range(0, 2, AxisType.REDUCE)
   empty_store = out.index(e).store(x.index(e).load())
@@ -495,7 +495,7 @@ def test_an_axis_that_selects_among_stacked_pieces_unrolls_whole():
   """A small output axis that a chain of selects tests (a stack) is unrolled whole, so each copy's chain folds to its own
   piece, and the thread split moves to the next axis; a pad's select (one arm a constant) and a stack past SELECT_UNROLL
   copies keep their loop. (Values: kiln-graph's test_winograd runs stacks through it against numpy.)"""
-  from kiln.codegen.opt import SELECT_UNROLL
+  from kiln.codegen.choose.heuristic import SELECT_UNROLL
   opts = heuristic_opts(stacked(36), CPU)
   assert Opt(OptOps.UNROLL, 0, 36) in opts and not any(o.op is OptOps.THREAD and o.axis == 0 for o in opts), opts
   assert any(o.op is OptOps.THREAD and o.axis == 1 for o in opts), opts
@@ -506,7 +506,7 @@ def test_an_axis_that_selects_among_stacked_pieces_unrolls_whole():
 def test_an_unrolled_copy_of_a_stack_holds_only_its_own_piece():
   """expand.unrolled folds a select whose integer test the copy's constants decide, so each copy of a stack's axis holds
   its own piece (the others are not in its graph for the lowering to walk); a float compare of constants keeps its select."""
-  from kiln.codegen.expand import unrolled
+  from kiln.codegen.lowering.expand import unrolled
   v = UOp(Ops.DEFINE_VAR, dtypes.index, (), ("unroll.0", 0, 2))
   x = UOp.define_global(1, F32.ptr(16))
   p = [x.index(UOp.const(dtypes.index, k)).load() * float(k + 1) for k in range(3)]

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
-from kiln.codegen.prepare import prepare
+from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.lowering.lower import lower
+from kiln.codegen.lowering.prepare import prepare
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels
 from kiln.ir.errors import CodegenError

@@ -2,9 +2,10 @@
 padded conv's operand under its bounds test packed with masked loads."""
 from __future__ import annotations
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts, matmul_rows, operand_load
-from kiln.codegen.pack import runs, unroll_rows
+from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.choose.heuristic import matmul_rows, operand_load
+from kiln.codegen.lowering.lower import lower
+from kiln.codegen.lowering.pack import runs, unroll_rows
 from kiln.ir import AxisType, Ops, UOp, dtypes
 
 F32 = dtypes.float32

@@ -1,10 +1,10 @@
-"""The tuner's candidate generator (kiln.codegen.search): pure, deterministic, heuristic first, lists the lowering takes."""
+"""The tuner's candidate generator (kiln.codegen.choose.search): pure, deterministic, heuristic first, lists the lowering takes."""
 import pytest
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
-from kiln.codegen.prepare import prepare
-from kiln.codegen.search import Knob, Space, candidates, space
+from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.choose.search import Knob, Space, candidates, space
+from kiln.codegen.lowering.lower import lower
+from kiln.codegen.lowering.prepare import prepare
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError

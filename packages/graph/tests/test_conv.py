@@ -9,8 +9,8 @@ import itertools
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import OptOps, Target, heuristic_opts
-from kiln.codegen.prepare import prepare
+from kiln.codegen.choose import OptOps, Target, heuristic_opts
+from kiln.codegen.lowering.prepare import prepare
 from kiln.graph import GraphError, Tensor, compile
 from kiln.graph.schedule import Compiled
 

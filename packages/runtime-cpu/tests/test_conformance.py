@@ -32,8 +32,8 @@ import sys
 import numpy as np
 import pytest
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
+from kiln.codegen.lowering.lower import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import ALL_DTYPES, DType, f32_to_bf16_bits
@@ -278,7 +278,7 @@ def test_int_ops_with_constant_operand(dt: DType) -> None:
 
 
 def _upcast(dt: DType):
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   return Opt(OptOps.UPCAST, 0, max(64 // dt.itemsize, 2) if RT.target.vector_bytes >= 64 else 8)
 
 

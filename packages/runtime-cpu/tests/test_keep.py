@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps, Target
+from kiln.codegen.choose import Opt, OptOps, Target
+from kiln.codegen.lowering.lower import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import CodegenError, UOp, dtypes, kernels
 from kiln.ir.ops import Ops

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import kiln.runtime.cpu.program as program_mod
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
+from kiln.codegen.lowering.lower import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, RuntimeLaunchError, UOp, dtypes, kernels, reference
 from kiln.ir.dtype import DType

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.conformance import cases
-from kiln.codegen.index_width import widen
-from kiln.codegen.lower import lower
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.lowering.index_width import widen
+from kiln.codegen.lowering.lower import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, UOp, dtypes
 

@@ -16,8 +16,8 @@ import pytest
 import kiln.runtime.cpu.program as program_mod
 import kiln.runtime.cpu.threads as threads_mod
 from kiln.codegen import threads as split
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts
-from kiln.codegen.prepare import prepare
+from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
+from kiln.codegen.lowering.prepare import prepare
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference

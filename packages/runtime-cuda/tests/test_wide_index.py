@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.conformance import cases, for_spec, mismatches
-from kiln.codegen.index_width import widen
+from kiln.codegen.lowering.index_width import widen
 from kiln.codegen.render import CUDARenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes
 

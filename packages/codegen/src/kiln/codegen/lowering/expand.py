@@ -6,7 +6,7 @@ import functools
 import itertools
 from collections.abc import Mapping
 
-from kiln.codegen.opt import affine_coeff
+from kiln.codegen.choose.base import affine_coeff
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops

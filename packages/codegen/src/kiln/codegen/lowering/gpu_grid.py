@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kiln.codegen.expand import simp
-from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx, ceil_div
-from kiln.codegen.opt import axis_size
+from kiln.codegen.choose.base import axis_size
+from kiln.codegen.lowering.expand import simp
+from kiln.codegen.lowering.linearize import Scope
+from kiln.codegen.lowering.loops import LowerCtx, ceil_div
 from kiln.ir.ops import Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from kiln.codegen.expand import simp
-from kiln.codegen.linearize import Linearizer, Scope
-from kiln.codegen.opt import AxisPlan, Target
+from kiln.codegen.choose.axis_plan import AxisPlan
+from kiln.codegen.choose.base import Target
+from kiln.codegen.lowering.expand import simp
+from kiln.codegen.lowering.linearize import Linearizer, Scope
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.ops import AxisType, Ops

@@ -5,7 +5,7 @@ for the elements inside a unit: the vector lanes of an UPCAST axis, or the copie
 accumulators (DEFINE_ACC, ACC_STORE, reads as LOAD(acc)); unrolled copies share one loop, so register tiling keeps all
 its accumulators live in one reduce loop. The Linearizer places each value in the outermost scope its sources allow.
 
-This module drives the phases, each of which keeps its own state: options are checked into axis plans (opt.py), the
+This module drives the phases, each of which keeps its own state: options are checked into axis plans (kiln.codegen.choose.axis_plan), the
 stores are prepared and peeled (prepare.py), each group of stores sharing a loop nest gets its grid (gpu_grid.py), loops
 (loops.py), packed panels (pack.py), accumulators (reduce_lowering.py) and unrolled, vectorised copies (expand.py).
 """
@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.codegen import index_width
-from kiln.codegen.expand import combos, gate_loads, simp, unroll_vars
-from kiln.codegen.gpu_grid import GpuGrid
-from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx, ceil_div
-from kiln.codegen.opt import Opt, Target, axis_size, heuristic_opts, kept_twins, plan_axes
-from kiln.codegen.pack import Packer, scratch_ptr
-from kiln.codegen.prepare import drop_empty, estimate, min_elements, peel, prepare
-from kiln.codegen.reduce_lowering import Reductions
+from kiln.codegen.choose.axis_plan import kept_twins, plan_axes
+from kiln.codegen.choose.base import Opt, Target, axis_size
+from kiln.codegen.choose.choice import choose_opts
+from kiln.codegen.lowering import index_width
+from kiln.codegen.lowering.expand import combos, gate_loads, simp, unroll_vars
+from kiln.codegen.lowering.gpu_grid import GpuGrid
+from kiln.codegen.lowering.linearize import Scope
+from kiln.codegen.lowering.loops import LowerCtx, ceil_div
+from kiln.codegen.lowering.pack import Packer, scratch_ptr
+from kiln.codegen.lowering.prepare import drop_empty, estimate, min_elements, peel, prepare
+from kiln.codegen.lowering.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
@@ -221,7 +223,7 @@ def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKer
 def _lower(given: UOp, target: Target, opts: list[Opt] | None, wide: bool) -> LoweredKernel:
   ast = index_width.widen(given) if wide else given
   prepared, loops = prepare(ast)
-  chosen = heuristic_opts(prepared, target) if opts is None else list(opts)
+  chosen = choose_opts(prepared, target, opts)
   tails: set[UOp] = set()
   if target.vector_bytes and (peeled := peel(ast, chosen)) is not None:
     ast, n_main = peeled

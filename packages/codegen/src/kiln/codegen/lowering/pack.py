@@ -3,10 +3,11 @@ that then read the packed copy. The per-thread scratch is handed out here, to KE
 one thread's scratch (region k at used_k); a split kernel's threads each have one (slot s's at s * slot bytes)."""
 from __future__ import annotations
 
-from kiln.codegen.expand import simp, simplify_indices, vectorize
-from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx
-from kiln.codegen.opt import affine_coeff, axis_size, operand_load
+from kiln.codegen.choose.base import affine_coeff, axis_size
+from kiln.codegen.choose.heuristic import operand_load
+from kiln.codegen.lowering.expand import simp, simplify_indices, vectorize
+from kiln.codegen.lowering.linearize import Scope
+from kiln.codegen.lowering.loops import LowerCtx
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from kiln.codegen.expand import simp
-from kiln.codegen.opt import Opt, OptOps, axis_size
+from kiln.codegen.choose.base import Opt, OptOps, axis_size
+from kiln.codegen.lowering.expand import simp
 from kiln.ir.analysis import free_ranges, free_ranges_of, identity, reads_stored
 from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.ops import GroupOp, Ops

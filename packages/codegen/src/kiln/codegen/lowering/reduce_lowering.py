@@ -5,13 +5,13 @@ order and finishes a width that does not divide its axis with a scalar tail loop
 call and folds the partials in a finishing call; a GPU GROUP folds a block's partials through shared memory."""
 from __future__ import annotations
 
-from kiln.codegen import max_bits
-from kiln.codegen.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
-from kiln.codegen.gpu_grid import GpuGrid
-from kiln.codegen.linearize import Scope
-from kiln.codegen.loops import LowerCtx, ceil_div
-from kiln.codegen.opt import axis_size
-from kiln.codegen.pack import Packer
+from kiln.codegen.choose import max_bits
+from kiln.codegen.choose.base import axis_size
+from kiln.codegen.lowering.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
+from kiln.codegen.lowering.gpu_grid import GpuGrid
+from kiln.codegen.lowering.linearize import Scope
+from kiln.codegen.lowering.loops import LowerCtx, ceil_div
+from kiln.codegen.lowering.pack import Packer
 from kiln.ir.analysis import free_ranges, identity
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from kiln.codegen.lower import LoweredKernel
+from kiln.codegen.lowering.lower import LoweredKernel
 from kiln.codegen.spec import KernelArg, ProgramSpec, Variable
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.dtype import DType, PtrDType

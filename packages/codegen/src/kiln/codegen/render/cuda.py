@@ -18,8 +18,8 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 
-from kiln.codegen.lower import LoweredKernel, lower
-from kiln.codegen.opt import Opt, Target
+from kiln.codegen.choose import Opt, Target
+from kiln.codegen.lowering.lower import LoweredKernel, lower
 from kiln.codegen.render import cuda_matmul
 from kiln.codegen.render.base import (
   DIV_EDGES,

@@ -15,9 +15,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kiln.codegen.index_width import exact_ends
-from kiln.codegen.lower import LoweredKernel, lower
-from kiln.codegen.opt import Opt, Target
+from kiln.codegen.choose import Opt, Target
+from kiln.codegen.lowering.index_width import exact_ends
+from kiln.codegen.lowering.lower import LoweredKernel, lower
 from kiln.codegen.render import llvm_math, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
