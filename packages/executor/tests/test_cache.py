@@ -115,6 +115,17 @@ def test_disk_key_parts(rt):
   assert "abc" in k and "testcc-1" in k and "kiln-executor=" in k and cache.cpu_fingerprint() in k
 
 
+def test_kernel_keys_keep_their_values(rt):
+  """The memory and disk keys are written in one place now; their values must stay what existing disk caches hold."""
+  from kiln.codegen.registry import get_runtime
+  ast, crt = rt.elementwise("kkeys", 0, [1], 32), get_runtime("CPU")
+  variant = str(getattr(crt, "cache_variant", ""))
+  assert cache.kernel_key(ast, "CPU", None) == ast.key + variant == compile_kernel(ast, "CPU").key
+  assert cache.kernel_key(ast, "CPU", ["o1", "o2"]) == ast.key + "opts:['o1', 'o2']" + variant
+  assert cache.kernel_disk_key(ast, "CPU", crt, None) == f"{ast.key}|{cache.target_key('CPU', crt)}|"
+  assert cache.kernel_disk_key(ast, "CPU", crt, []) == f"{ast.key}|{cache.target_key('CPU', crt)}|opts:[]"
+
+
 def test_unwritable_cache_dir_is_not_fatal(rt, tmp_path, monkeypatch):
   f = tmp_path / "file"
   f.write_text("x")

@@ -241,7 +241,7 @@ def disk_store(dkey: str, compiled: CompiledSpec) -> None:
   _kernel_area().store_json(_entry_name(dkey), {"format": _ENTRY_FORMAT, "key": dkey, "spec": compiled.model_dump_json(exclude={"ast"})})
 
 
-# ---- the high-level entry point ----
+# ---- a kernel's keys, and building one ----
 def opts_key(opts: Sequence[Any] | None) -> str: return "" if opts is None else "opts:" + repr(list(opts))
 
 
@@ -251,10 +251,30 @@ def variant_key(dev: str) -> str:
   return str(getattr(get_runtime(dev), "cache_variant", ""))
 
 
+def kernel_key(ast: UOp, dev: str, opts: Sequence[Any] | None) -> str:
+  """The memory cache's key of `ast` compiled with `opts` (None: the heuristic's) on `dev` (a canonical device name). Every
+  way into the cache (a compile, a disk hit, the tuner's winner, a PlanSpec's object code) keys by this."""
+  return ast.key + opts_key(opts) + variant_key(dev)
+
+
+def kernel_disk_key(ast: UOp, dev: str, rt: Runtime, opts: Sequence[Any] | None) -> str:
+  """The disk cache's key of the same kernel: the target key stands for what the variant says within a process."""
+  return disk_key(ast.key, dev, rt, opts_key(opts))
+
+
+def build_kernel(rt: Runtime, ast: UOp, opts: Sequence[Any] | None, key: str) -> CachedKernel:
+  """Render, compile and load `ast` on `rt`, outside any cache (the caller decides where the kernel goes)."""
+  spec = rt.renderer.render(ast) if opts is None else rt.renderer.render(ast, opts)
+  compiled = rt.compiler.compile(spec)
+  return CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "compiled")
+
+
+# ---- the high-level entry point ----
+
 def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> tuple[CachedKernel, Origin]:
   """Memory cache -> disk cache -> render + compile. Returns the kernel and where it came from."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  key = ast.key + opts_key(opts) + variant_key(dev)
+  key = kernel_key(ast, dev, opts)
   if (hit := _kernels.get((key, dev))) is not None:
     _stats["memory_hits"] += 1
     return hit, "memory"
@@ -262,7 +282,7 @@ def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts:
   def build() -> CachedKernel:
     rt = get_runtime(dev)
     use_disk = disk_cache_enabled()
-    dkey = disk_key(ast.key, dev, rt, opts_key(opts)) if use_disk else ""
+    dkey = kernel_disk_key(ast, dev, rt, opts) if use_disk else ""
     if use_disk and (compiled := disk_load(dkey, ast)) is not None:
       try:
         ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "disk")
@@ -272,11 +292,9 @@ def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts:
       except Exception as e:  # bytes that no longer load (e.g. a different LLVM): compile afresh
         _stats["disk_errors"] += 1
         if debug.DEBUG >= 1: debug.emit(f"kiln: cached kernel {compiled.name} failed to load ({e}); recompiling")
-    spec = rt.renderer.render(ast) if opts is None else rt.renderer.render(ast, opts)
-    compiled = rt.compiler.compile(spec)
-    ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "compiled")
+    ck = build_kernel(rt, ast, opts, key)
     _stats["compiles"] += 1
-    if use_disk: disk_store(dkey, compiled)
+    if use_disk and ck.compiled is not None: disk_store(dkey, ck.compiled)
     debug.on_compiled(ck, "compiled")
     return ck
 
@@ -288,10 +306,9 @@ def adopt_kernel(ast: UOp, device: str | DeviceSpec, opts: Sequence[Any] | None,
   """Put a kernel compiled outside the cache (the tuner's winner) in it under (ast, opts): in memory, and on disk unless
   KILN_CACHE=0, so compile_kernel(ast, device, opts) finds it. An entry already there wins (every caller shares one)."""
   dev = _dev(device) if isinstance(device, str) else str(device)
-  ck.key = ast.key + opts_key(opts) + variant_key(dev)
+  ck.key = kernel_key(ast, dev, opts)
   got = get_or_compile_kernel(ck.key, dev, lambda: ck)
-  if got is ck and disk_cache_enabled() and ck.compiled is not None:
-    disk_store(disk_key(ast.key, dev, get_runtime(dev), opts_key(opts)), ck.compiled)
+  if got is ck and disk_cache_enabled() and ck.compiled is not None: disk_store(kernel_disk_key(ast, dev, get_runtime(dev), opts), ck.compiled)
   return got
 
 

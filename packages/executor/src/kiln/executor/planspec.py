@@ -32,7 +32,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage, base_chain, to_dtype
-from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, opts_key, target_key, variant_key
+from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, kernel_key, target_key
 from kiln.executor.checks import MAX_MESSAGE
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.errors import KilnError, PlanSpecError
@@ -406,7 +406,7 @@ def _seed(k: KernelEntry, compiled: CompiledSpec, opts: list[Opt] | None, rt: An
   """Put the kernel's shipped object code in the kernel cache when `code` accepts it (the caller has checked the target
   key), so build() compiles nothing."""
   if code == "sealed" and (key is None or k.seal is None or not hmac.compare_digest(k.seal, _seal(key, spec.target, k.compiled))): return
-  ck_key = compiled.ast.key + opts_key(opts) + variant_key(device)  # as compile_kernel keys it (the target key matched)
+  ck_key = kernel_key(compiled.ast, device, opts)  # as compile_kernel keys it (the target key matched)
   try:
     def load() -> CachedKernel:
       ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, ck_key, "spec")

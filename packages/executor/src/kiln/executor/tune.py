@@ -30,7 +30,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.search import space
 from kiln.executor import debug, settings
 from kiln.executor.buffer import Buffer
-from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
+from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, build_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
 from kiln.executor.prepared import PreparedKernel
 from kiln.ir.alu import from_storage
 from kiln.ir.dtype import DType
@@ -191,9 +191,9 @@ class _Bench:
 
 def _compile(rt: Any, ast: UOp, opts: list[Opt], key: str) -> CachedKernel:
   """A candidate compiled outside the kernel cache (a loser must not fill the cache; the winner is adopted into it)."""
-  compiled = rt.compiler.compile(rt.renderer.render(ast, opts))
+  ck = build_kernel(rt, ast, opts, key)
   _stats["compiles"] += 1
-  return CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "compiled")
+  return ck
 
 
 def _combine(timed: dict[tuple[int, ...], float], origin: tuple[int, ...], n: int) -> tuple[int, ...]:
