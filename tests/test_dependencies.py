@@ -8,7 +8,7 @@ name) is mapped to the distribution that provides it. Then, per package:
 - a distribution declared only in an extra (pycuda, the `driver` extra) may be imported only lazily (inside a function)
   or guarded (inside `try: ... except ImportError`), never at module level; the same holds for the few optional probes
   listed in OPTIONAL_PROBES with their reasons (`kiln info` reporting llvmlite's version; the benchmark's peers live
-  outside src/, in packages/executor/benchmarks);
+  outside src/, in packages/executor/benchmarks and benchmarks/);
 - every declared dependency, and every extra's, must be imported somewhere (no dead requirements);
 - a kiln layer imports only the layers below it (docs/architecture.md): kiln.ir nothing, kiln.codegen only kiln.ir, a
   runtime kiln.ir and kiln.codegen (never another runtime or the executor), the executor kiln.ir and kiln.codegen

@@ -1,5 +1,5 @@
-"""The BERT-style encoder the distributed tests run: the benchmark's (kiln_bench.ray_rows.encoder, beside the executor's
-src, not installed), with the tests' request maker."""
+"""The BERT-style encoder the distributed tests run: the benchmark's (stack_bench.ray_rows.encoder, in the repository's
+benchmarks/, not installed), with the tests' request maker."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "executor", "benchmarks"))
-from kiln_bench.ray_rows import encoder, requests  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
+from stack_bench.ray_rows import encoder, requests  # noqa: E402
 
 __all__ = ["encoder", "feeds", "same"]
 

@@ -1,8 +1,7 @@
-"""Smoke tests of `kiln bench` at tiny sizes: it runs, checks every kiln result, prints every row. No timing assertions:
-times on a shared machine are the benchmark's business, never a test's."""
+"""The benchmark's harness and the executor's kernel rows (packages/executor/benchmarks/kiln_bench), at tiny sizes: rows
+judge, time and print as they should, and a wrong kiln result is a failure. No timing assertions: times on a shared
+machine are the benchmark's business, never a test's. The whole table, as scripts/bench runs it: tests/test_bench.py."""
 import argparse
-import json
-import statistics
 import time
 
 import numpy as np
@@ -11,19 +10,7 @@ from kiln_executor_testrt import requires_cpu_runtime
 
 pytestmark = requires_cpu_runtime()
 
-from kiln_bench import harness  # noqa: E402
-from kiln_bench import rows as bench  # noqa: E402
-
-from kiln.executor import cli  # noqa: E402
-
-ROWS = ("float32 add", "float32 add, numpy's arrays", "float32 sum", "float32 sum, numpy's arrays",
-        "matmul", "dispatch: 100-kernel plan", "dispatch: 1-kernel execute()", "compile: cold",
-        "compile: memory-cache hit", "compile: disk hit, new process", "MLP 784-512-512-10", "MLP plan peak buffer memory",
-        "x128 float32, 1 kernel", "x1024 float32, 1 kernel", "layernorm ", "exp ", "gelu ", "encoder layer h384", "encoder layer tuned",
-        "BERT encoder 2L", "load+compile: cold", "BERT 2L peak memory", "small CNN", "safetensors load",
-        "float32, in turn with numpy A@B", "1-kernel softmax", "two Python threads", "plan after 100 ms idle",
-        "CPU time after execute() returns", "replicas: ", "pipeline: ")
-TINY = ["--quick", "--sizes-scale", "0.005"]
+from kiln_bench import bench, harness, rows, table  # noqa: E402
 
 
 @pytest.fixture
@@ -33,44 +20,6 @@ def cachedir(tmp_path, monkeypatch):
   return tmp_path
 
 
-def test_bench_runs_and_prints_every_row(cachedir, capsys):
-  out_json = cachedir / "bench.json"
-  rc = cli.main(["bench", *TINY, "--no-fail", "--json", str(out_json)])
-  out = capsys.readouterr().out
-  assert rc == 0, out  # --no-fail: only a wrong result or an error could fail it
-  for col in bench.COLS: assert col in out
-  for row in ROWS: assert row in out, f"row {row!r} missing:\n{out}"
-  assert out.count("matmul ") >= 4  # 256, 1000, 1024 and 2048, scaled
-  assert out.count("layernorm ") >= 2  # rows of 384 and 768
-  for word in ("limit, memory read:", "limit, memory add:", "limit, compute:", "numba:", "tinygrad:", "torch:", "onnxruntime:", "BLAS:"):
-    assert word in out
-  data = json.loads(out_json.read_text())
-  assert len(data["rows"]) == len(ROWS) + 4  # matmul at 4 sizes, layernorm at 2
-  for r in data["rows"]:
-    assert r["status"] in ("PASS", "NEAR", "MISS", "-"), r  # never WRONG or ERROR
-    assert r["kiln"] is not None and r["kiln"] > 0, r
-  assert data["limits"]["memory_bandwidth"]["bytes_per_s"] > 0
-  assert data["limits"]["fma_peak"]["flops_per_s"] > 0
-  mlp = next(r for r in data["rows"] if r["work"].startswith("MLP 784"))
-  assert mlp["numpy"] > 0 and mlp["ratio"] > 0
-  # kiln and numpy in the same 3 rounds (--quick), the ratio the median of the rounds' quotients
-  assert set(mlp["rounds"]) == {"kiln", "numpy"} and all(len(v) == 3 for v in mlp["rounds"].values()), mlp["rounds"]
-  assert mlp["ratio"] == pytest.approx(statistics.median(n / k for n, k in zip(mlp["rounds"]["numpy"], mlp["rounds"]["kiln"])))
-  for r in data["rows"]:
-    for who in r["rounds"]:
-      if who in bench.COLUMNS: assert r[who] is not None and len(r["rounds"][who]) == len(r["rounds"]["kiln"]), r
-
-
-def test_only_runs_the_matching_rows(cachedir, capsys):
-  rc = cli.main(["bench", *TINY, "--no-fail", "--only", "^(softmax|EXP )"])
-  out = capsys.readouterr().out
-  assert rc == 0, out
-  body = out[out.index("work "):]
-  lines = body.splitlines()
-  assert sum(x.startswith("softmax ") for x in lines) == 2 and sum(x.startswith("exp ") for x in lines) == 1, out
-  for other in ("matmul", "MLP", "layernorm", "gelu", "dispatch", "encoder"): assert other not in body, other
-
-
 def _bench():
   b = bench.Bench(argparse.Namespace(quick=True, sizes_scale=0.005, no_fail=False, json=None))
   b.bw, b.peak, b.ctypes_s = 1e10, 1e11, 1e-7
@@ -78,17 +27,18 @@ def _bench():
 
 
 def test_wrong_kiln_result_is_a_failure_not_a_number(cachedir, monkeypatch):
-  real = bench.kiln_call
+  real = rows.kiln_call
   def corrupt(ast, bufs):
     call = real(ast, bufs)
     def run():
       call()
       bufs[0].ravel()[0] += 1.0
     return run
-  monkeypatch.setattr(bench, "kiln_call", corrupt)
+  monkeypatch.setattr(rows, "kiln_call", corrupt)
   b = _bench()
-  for name, fn in (("add", b.add), ("sum", b.sum), ("add, numpy's arrays", lambda r: b.add(r, user=True)),
-                   ("sum, numpy's arrays", lambda r: b.sum(r, user=True)), ("matmul", lambda r: b.matmul(r, 64, True))):
+  for name, fn in (("add", lambda r: rows.vec_add(b, r)), ("sum", lambda r: rows.vec_sum(b, r)),
+                   ("add, numpy's arrays", lambda r: rows.vec_add(b, r, user=True)),
+                   ("sum, numpy's arrays", lambda r: rows.vec_sum(b, r, user=True)), ("matmul", lambda r: rows.matmul(b, r, 64, True))):
     r = b.row(name, fn, "ms")
     assert r.status == "WRONG", (name, r)
     assert r.kiln is None and r.ratio is None  # no time is reported for a wrong answer
@@ -97,7 +47,7 @@ def test_wrong_kiln_result_is_a_failure_not_a_number(cachedir, monkeypatch):
 
 def test_judge_slack():
   def row(kind, value, kiln=None, ratio=None):
-    r = bench.Row("w", "ms", kiln=kiln, ratio=ratio, target_kind=kind, target_value=value)
+    r = table.Row("w", "ms", kiln=kiln, ratio=ratio, target_kind=kind, target_value=value)
     r.judge()
     return r.status
   assert row("ratio", 3.0, kiln=1.0, ratio=3.1) == "PASS"
@@ -111,7 +61,7 @@ def test_judge_slack():
 
 def test_judge_checks_every_target_and_skips_missing_peers():
   def row(**kw):
-    r = bench.Row("w", "ms", kiln=1.0, checks=[("torch", 1.25), ("onnxruntime", 1.0), ("limit", 0.7)], **kw)
+    r = table.Row("w", "ms", kiln=1.0, checks=[("torch", 1.25), ("onnxruntime", 1.0), ("limit", 0.7)], **kw)
     r.judge()
     return r.status
   assert row(torch=1.3, onnxruntime=1.0, frac=0.7) == "PASS"
@@ -122,8 +72,8 @@ def test_judge_checks_every_target_and_skips_missing_peers():
 
 
 def test_table_lines_up():
-  rows = [bench.Row("a", "ms", kiln=1e-3, numpy=2e-3, ratio=2.0, status="PASS"), bench.Row("longer work", "us", kiln=np.float64(1e-6), status="-")]
-  lines = bench.table(rows).splitlines()
+  rs = [table.Row("a", "ms", kiln=1e-3, numpy=2e-3, ratio=2.0, status="PASS"), table.Row("longer work", "us", kiln=np.float64(1e-6), status="-")]
+  lines = table.table(rs).splitlines()
   assert len(lines) == 4 and len({len(line.rstrip()) for line in lines[:2]}) == 1
   assert "1 ms" in lines[2] and "2.00x" in lines[2] and "1 us" in lines[3]
 
@@ -172,8 +122,8 @@ def test_interleaved_drops_a_contender_that_fails_only_when_asked():
 
 def test_time_row_notes_a_failing_peer_and_times_the_rest_together(cachedir):
   b = _bench()
-  r = bench.Row("w", "ms")
-  def wrong(_): raise bench.WrongResult("torch w: result differs from numpy")
+  r = table.Row("w", "ms")
+  def wrong(_): raise harness.WrongResult("torch w: result differs from numpy")
   peers = {"torch": (lambda: None, wrong), "numba": (lambda: None, lambda _: None), "onnxruntime": (_logged([], "o", fail_on=3), lambda _: None)}
   got = b.time_row(r, {"kiln": lambda: None, "numpy": lambda: None}, peers)
   assert set(got) == set(r.rounds) == {"kiln", "numpy", "numba"}
@@ -181,23 +131,23 @@ def test_time_row_notes_a_failing_peer_and_times_the_rest_together(cachedir):
   assert "torch: WrongResult" in r.note and "onnxruntime: RuntimeError: o broke" in r.note
   assert all(len(v) == b.t.rounds for v in r.rounds.values())
   with pytest.raises(RuntimeError, match="k broke"):  # kiln's own error is the row's, never a note
-    b.time_row(bench.Row("w", "ms"), {"kiln": _logged([], "k", fail_on=3), "numpy": lambda: None})
+    b.time_row(table.Row("w", "ms"), {"kiln": _logged([], "k", fail_on=3), "numpy": lambda: None})
 
 
 def test_judged_on_the_median_round_and_disagreeing_rounds_are_shown():
   def row(numpy_rounds, **kw):
-    r = bench.Row("w", "ms", kiln=1.0, target_kind="ratio", target_value=1.0, rounds={"kiln": [1.0] * len(numpy_rounds), "numpy": numpy_rounds}, **kw)
+    r = table.Row("w", "ms", kiln=1.0, target_kind="ratio", target_value=1.0, rounds={"kiln": [1.0] * len(numpy_rounds), "numpy": numpy_rounds}, **kw)
     r.ratio = r.paired("numpy")
     r.judge()
     return r
   r = row([0.94, 1.07, 1.05, 0.7, 1.2])
   assert r.ratio == pytest.approx(1.05) and r.status == "PASS"
   assert "kiln/numpy 0.70-1.20x (median 1.05x) over 5 rounds" in r.spread and "PASS 3, NEAR 1, MISS 1" in r.spread, r.spread
-  assert "rounds disagree" in r.note and "PASS~" in bench.table([r])
+  assert "rounds disagree" in r.note and "PASS~" in table.table([r])
   steady = row([1.1, 1.2, 1.3])
-  assert steady.status == "PASS" and steady.spread == "" and "~" not in bench.table([steady])
+  assert steady.status == "PASS" and steady.spread == "" and "~" not in table.table([steady])
   # the peers' targets too, each round's ratio from that round's times; the limit scaled by each round's kiln time
-  r = bench.Row("w", "ms", kiln=1.0, torch=1.0, frac=0.8, checks=[("torch", 1.0), ("limit", 0.7)],
+  r = table.Row("w", "ms", kiln=1.0, torch=1.0, frac=0.8, checks=[("torch", 1.0), ("limit", 0.7)],
                 rounds={"kiln": [1.0, 0.8, 1.25], "torch": [1.1, 0.7, 1.0]})
   r.judge()
   assert r.paired("torch") == pytest.approx(0.875) and r.status == "NEAR", r

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from kiln.ir.uop import UOp
 
 F32 = dtypes.float32
 MB, GB = 1e6, 1e9
+BENCH_ROOT = str(Path(__file__).resolve().parents[1])  # on a child process's PYTHONPATH, so it imports kiln_bench too
 
 
 @dataclass

@@ -61,7 +61,7 @@ def _handwritten(name: str, body: list[str], decls: str, lanes: int, n: int, thr
   per thread, claimed as kiln's split kernels claim theirs (render.llvm_claim.claim_loop's ABI: slot, claim counter), reusing
   the signature of a template elementwise kernel of n elements cut into `threads` chunks. The bench's machine limits are
   measured this way."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   from kiln.codegen.render.llvm_claim import claim_loop
   params = [f"ptr noalias align 4 %data{i}" for i in range(inputs + 1)]

@@ -8,16 +8,15 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kiln.ir import AxisType, Ops, UOp, kernels
-from kiln_bench.harness import F32, GB, aligned_empty, check, kiln_call
+from kiln_bench.bench import Bench, Peer
+from kiln_bench.harness import F32, GB, WrongResult, aligned_empty, check, kiln_call
 from kiln_bench.peers import ort_session
-
-if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Peer, Row
+from kiln_bench.table import Row, rate
 
 LOG2E, RSQRT2, EPS = 1 / math.log(2), 1 / math.sqrt(2), 1e-5
 
@@ -107,9 +106,8 @@ def _vs_torch(fn: Callable[[], Any], want: np.ndarray, name: str, **tol: float) 
 
 
 def _bytes_row(b: Bench, r: Row, nbytes: int, targets: list[tuple[str, float]]) -> None:
-  from kiln_bench.rows import _rate
   r.ratio = r.paired("numpy") if r.numpy else None
-  r.achieved, r.frac = _rate(nbytes / r.kiln, "GB/s", b.bw), nbytes / r.kiln / b.bw  # type: ignore[operator]
+  r.achieved, r.frac = rate(nbytes / r.kiln, "GB/s", b.bw), nbytes / r.kiln / b.bw  # type: ignore[operator]
   r.limit = f"{b.bw / GB:.1f} GB/s read"
   r.checks = targets
   r.target = " and ".join(">= torch" if k == "torch" and v == 1 else f">= {v:g}x {k}" if k != "limit" else f">= {v:.0%} limit" for k, v in targets)
@@ -278,11 +276,10 @@ def encoder_layer(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
         r.note += f"{'; ' if r.note else ''}onnxruntime: export failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
   elif b.peers.onnxruntime is not None: r.note += f"{'; ' if r.note else ''}onnxruntime: skipped (the ONNX model is exported from torch)"
   b.time_row(r, {"kiln": plan.execute, "numpy": lambda: np_layer(x, w, bs, s, heads, np_gelu32)}, peers)
-  from kiln_bench.rows import _rate
   dh = hid // heads
   flops = 2 * m * hid * (3 * hid + hid + 2 * ffn) + 4 * bs * heads * s * s * dh
   r.ratio = r.paired("numpy")
-  r.achieved, r.limit = _rate(flops / r.kiln, "GFLOP/s", b.peak or None), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
+  r.achieved, r.limit = rate(flops / r.kiln, "GFLOP/s", b.peak or None), f"{b.peak / GB:.0f} GFLOP/s FMA" if b.peak else "-"
   r.checks, r.target = [("torch", 1.25), ("onnxruntime", 1.0)], ">= 1.25x torch and >= onnxruntime"
   r.note = (r.note + "; " if r.note else "") + (f"one plan of {len(plan.kernels)} kernels, post-LN, exact GELU; torch: nn.TransformerEncoderLayer; "
                                                 "onnxruntime: the same layer in functional torch, exported; numpy column: float32, tanh GELU")
@@ -294,7 +291,6 @@ def encoder_tuned(b: Bench, r: Row, hid: int = 384, heads: int = 12, ffn: int = 
   cache directory), timed interleaved with the same plan on the heuristic's options; then built again from that directory,
   which must search nothing (a search there is a WRONG row: the tuning cache failed)."""
   from kiln.executor.tune import tune_stats
-  from kiln_bench.harness import WrongResult
   bs, s, x, w, want = _layer_case(b, hid, ffn, heads)
   r.work = f"encoder layer tuned (KILN_TUNE) s{s} b{bs}"
   m = bs * s

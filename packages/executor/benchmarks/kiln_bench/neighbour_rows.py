@@ -24,15 +24,15 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kiln.ir import kernels
+from kiln_bench.bench import Bench
 from kiln_bench.harness import F32, GB, check, medians
-
-if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Row
+from kiln_bench.models import np_softmax
+from kiln_bench.table import Row
 
 IDLE_S = 0.1  # the pause before an idle call, and the window CPU time is counted in after a call
 SETTLE_S = 0.3  # quiet time before counting kiln's CPU time, so numpy's spinners from the checks are asleep again
@@ -182,7 +182,6 @@ def matmul_in_turn(b: Bench, r: Row) -> None:
 
 
 def softmax_in_turn(b: Bench, r: Row) -> None:
-  from kiln_bench.models import np_softmax
   rows, cols = b.size(8192, 8), 128
   r.work = f"1-kernel softmax {rows}x{cols}, in turn with numpy A@B"
   x = (b.rng.standard_normal((rows, cols)) * 3).astype(np.float32)

@@ -13,16 +13,18 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from kiln_bench.bench import Bench
 from kiln_bench.harness import GB
 from kiln_bench.isa import SETTINGS as ISA_SETTINGS
 from kiln_bench.isa import describe as isa_held
 from kiln_bench.limits import vector_lanes
-from kiln_bench.rows import SLACK, Bench, table
+from kiln_bench.table import SLACK, table
 
 
 def blas_info() -> str:
@@ -38,7 +40,9 @@ def blas_info() -> str:
   except ImportError: return f"numpy {np.__version__}, BLAS: unknown (threadpoolctl not installed)" + warn
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, groups: Sequence[Callable[[Bench], None]]) -> int:
+  """The benchmark's command line: run `groups` (each a row module's run(bench), in the order they print), print the
+  machine, the peers, the limits and the table, and return the exit code."""
   ap = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="a short run: fewer repetitions (noisier medians)")
   ap.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
   from kiln.executor.cache import cpu_name
   b = Bench(args)
   t0, load0 = time.perf_counter(), os.getloadavg()[0]
-  b.run()
+  b.run(groups)
   lanes, isa = vector_lanes()
   print(f"kiln bench{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
         f"{cpu_name()}, {os.cpu_count()} cores, {isa}; kiln on {b.threads} threads (KILN_THREADS)")

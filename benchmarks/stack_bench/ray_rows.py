@@ -12,14 +12,13 @@ import functools
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from kiln_bench.bench import Bench
 from kiln_bench.harness import WrongResult
-
-if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Row
+from kiln_bench.table import Row
 
 REPLICAS = "replicas: encoder request stream, 2 vs 1 replica (1 thread each)"
 PIPELINE = "pipeline: the same stream, 2 stages vs 1 replica"
@@ -128,7 +127,6 @@ def run(b: Bench) -> None:
   import importlib.util
   if importlib.util.find_spec("kiln.distributed") is None: return  # not in this environment: the row is absent
   if not b.wanted(REPLICAS): return
-  from kiln_bench.rows import Row
   pipe = Row(PIPELINE, "ms")
   b.row(REPLICAS, functools.partial(replicas, b, pipe=pipe), "ms")
   if pipe.kiln is None: pipe.status, pipe.note = "ERROR", "not measured: the replicas row failed"

@@ -4,7 +4,7 @@ rounds (Bench.time_row). Models are built with onnx.helper
 from numpy weights, so the rows also run where torch is absent; every result (kiln's and each peer's) is checked against a
 float64 numpy forward pass before anything is timed.
 
-Only this module imports kiln.graph (and onnx), and only inside the rows: the rest of kiln_bench needs the executor alone.
+It imports kiln.graph (and onnx) inside the rows only, so a checkout without them prints the rows as skipped.
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kiln_bench.harness import GB, MB, check
+from kiln_bench.bench import Bench, Peer
+from kiln_bench.harness import BENCH_ROOT, GB, MB, check
 from kiln_bench.peers import ort_session
-
-if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Peer, Row
+from kiln_bench.table import Row
 
 LN_EPS, MASK_NEG = 1e-12, -10000.0
 TOL = {"rtol": 2e-4, "atol": 2e-4}
@@ -270,7 +269,6 @@ def _rss_growth(which: str, path: str, cache: str, feeds: dict[str, np.ndarray],
   import json
   fpath = os.path.join(os.path.dirname(path), "feeds.npz")
   np.savez(fpath, **feeds)
-  from kiln_bench.rows import BENCH_ROOT
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([BENCH_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
   try:
     cmd = [sys.executable, "-c", _RSS_CHILD, which, path, cache, fpath, str(threads)]
@@ -387,7 +385,6 @@ def _rate(flops_s: float, peak: float) -> str:
 
 def run(b: Bench) -> None:
   """The kiln-graph rows, after the model rows: the BERT encoder (with its compile and memory rows) and the small CNN."""
-  from kiln_bench.rows import Row
   try: _graph_imports()
   except ImportError as e:  # a checkout without kiln-graph or onnx: the rows say so, they do not fail the run
     for work in ("BERT encoder (kiln.graph, ONNX)", "small CNN (kiln.graph, ONNX)"):

@@ -9,8 +9,7 @@ np.fromfile of the same file: the copy a loader that reads pays. The first run o
 read; its time is in the note.
 
 The page cache cannot be emptied without root: after writing, the file is fsync'ed and posix_fadvise(DONTNEED) asks the
-kernel to drop its clean pages (advisory; on a busy machine some may stay). Only this module imports kiln.graph.weights,
-inside the row.
+kernel to drop its clean pages (advisory; on a busy machine some may stay). kiln.graph.weights is imported inside the row.
 """
 from __future__ import annotations
 
@@ -21,14 +20,13 @@ import os
 import shutil
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from kiln_bench.bench import Bench
 from kiln_bench.harness import MB, WrongResult, check, medians
-
-if TYPE_CHECKING:
-  from kiln_bench.rows import Bench, Row
+from kiln_bench.table import Row
 
 WORK = "safetensors load, weights > cache (kiln.graph)"
 TENSORS, BATCH = 4, 8
@@ -142,7 +140,6 @@ def load(b: Bench, r: Row) -> None:
 
 def run(b: Bench) -> None:
   """The weight-loading row, after the kiln-graph model rows."""
-  from kiln_bench.rows import Row
   if not b.wanted(WORK): return
   try:
     import kiln.graph.weights  # noqa: F401
