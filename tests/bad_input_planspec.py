@@ -9,6 +9,7 @@ import numpy as np
 
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan
 from kiln.executor.plan_split import split
+from kiln.executor.planspec import export
 from kiln.ir import dtypes, kernels
 from kiln.ir.errors import PlanSpecError
 
@@ -28,7 +29,7 @@ def _plan() -> tuple[Any, int, int]:
 
 def _spec() -> tuple[PlanSpec, dict[str, np.ndarray]]:
   plan, x, y = _plan()
-  return plan.export({"x": x}, {"y": y})
+  return export(plan, {"x": x}, {"y": y})
 
 
 def _doc(edit: Any) -> Any:
@@ -65,7 +66,7 @@ def _custom() -> Any:
   a = b.add_buffer(Buffer("CPU", 4, F32))
   b.add_custom(lambda buf: None, [a])
   b.set_outputs([a])
-  return b.build().to_spec()
+  return export(b.build())[0]
 
 
 def _set(path: list[Any], value: Any) -> Any:

@@ -22,6 +22,7 @@ from cuda_standin import driver_tests, installed  # noqa: E402
 
 from kiln.executor import Buffer, ExecutionPlanBuilder
 from kiln.executor.builder import DeviceMismatchError
+from kiln.executor.planspec import export
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import PlanSpecError
@@ -257,4 +258,4 @@ def test_mismatched_devices_and_export(gpu) -> None:
   a, w, r = _data()
   plan = _pipeline(a, w, r)[0].build()
   with pytest.raises(PlanSpecError, match=r"kernels run on 2 devices: CPU .*CUDA:0 \(first: kernel op 2 'relu'\)"):
-    plan.export({"r": 2}, {"y": 5})
+    export(plan, {"r": 2}, {"y": 5})

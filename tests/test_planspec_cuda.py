@@ -14,6 +14,7 @@ from cuda_standin import driver_tests, installed  # noqa: E402
 
 from kiln.codegen import registry
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan, cache
+from kiln.executor.planspec import export
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.runtime.cuda.compiler import find_nvcc
@@ -49,7 +50,7 @@ def test_cuda_plan_round_trip(fake_cuda) -> None:
   plan.execute()
   first = _launches(calls)
   assert len(first) == 2
-  spec, arrays = plan.export({"x": x}, {"y": y}, {"x": [8, 32], "y": [8, 16]})
+  spec, arrays = export(plan, {"x": x}, {"y": y}, {"x": [8, 32], "y": [8, 16]})
   assert spec.device == "CUDA:0" and {e.device for e in spec.storages} == {"CUDA:0"}
   assert len(arrays) == 1 and next(iter(arrays.values())).nbytes == w.nbytes  # the weight, read back from the device
   back = PlanSpec.from_json(spec.to_json())

@@ -16,6 +16,7 @@ from kiln.codegen.registry import register_runtime, unregister_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import Buffer, ExecutionPlanBuilder, cache
 from kiln.executor.builder import DeviceMismatchError
+from kiln.executor.planspec import export
 from kiln.ir.errors import PlanError, PlanSpecError
 
 N = 64
@@ -288,4 +289,4 @@ def test_a_plan_across_devices_is_refused_by_export(dev) -> None:
   by, _ = pipeline(b, np.ones(N, np.float32))
   plan = b.build()
   with pytest.raises(PlanSpecError, match=r"kernels run on 2 devices: CPU \(first: kernel op 0 'cpu1'\); CUDA:0 \(first: kernel op 2 'gpu'\)"):
-    plan.export({}, {"y": by})
+    export(plan, {}, {"y": by})

@@ -10,6 +10,7 @@ import pytest
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan
 from kiln.executor.checks import MAX_MESSAGE, PlanCheckError, message
 from kiln.executor.plan_split import run_in_order, split
+from kiln.executor.planspec import export
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import PlanSpecError
@@ -36,7 +37,7 @@ def _plan(check_is_output: bool = True):
 
 def _spec(msg: str = "x {value} is above 3") -> PlanSpec:
   plan, x, z, c = _plan()
-  return plan.export({"x": x}, {"z": z}, checks=[(c, msg)])[0]
+  return export(plan, {"x": x}, {"z": z}, checks=[(c, msg)])[0]
 
 
 def test_a_rebuilt_plan_raises_the_check_and_stays_usable() -> None:
@@ -61,7 +62,7 @@ def test_only_the_last_placeholder_takes_the_value() -> None:
 
 def test_the_json_format_of_a_spec_without_checks_is_unchanged() -> None:
   plan, x, z, _ = _plan(check_is_output=False)
-  spec = plan.export({"x": x}, {"z": z})[0]
+  spec = export(plan, {"x": x}, {"z": z})[0]
   doc = json.loads(spec.to_json())
   assert "checks" not in doc  # what kiln wrote before checks existed: an older reader still loads it
   assert PlanSpec.from_json(json.dumps(doc)) == spec
@@ -71,9 +72,9 @@ def test_the_json_format_of_a_spec_without_checks_is_unchanged() -> None:
 
 def test_bad_checks_are_refused() -> None:
   plan, x, z, c = _plan(check_is_output=False)
-  with pytest.raises(PlanSpecError, match="not outputs of the plan"): plan.export({"x": x}, {"z": z}, checks=[(c, "m {value}")])
+  with pytest.raises(PlanSpecError, match="not outputs of the plan"): export(plan, {"x": x}, {"z": z}, checks=[(c, "m {value}")])
   plan, x, z, c = _plan()
-  with pytest.raises(PlanSpecError, match="outside the plan"): plan.export({"x": x}, {"z": z}, checks=[(99, "m {value}")])
+  with pytest.raises(PlanSpecError, match="outside the plan"): export(plan, {"x": x}, {"z": z}, checks=[(99, "m {value}")])
   doc = json.loads(_spec().to_json())
   doc["checks"][0]["buffer"] = 99
   with pytest.raises(PlanSpecError, match="checks name buffers"): PlanSpec.from_json(json.dumps(doc))

@@ -8,6 +8,7 @@ import pytest
 
 from kiln.executor import Buffer, ExecutionPlanBuilder, PortablePlan
 from kiln.executor.plan_split import ACTIVATION, balanced_cuts, run_in_order, split
+from kiln.executor.planspec import export
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import PlanSpecError
@@ -43,7 +44,7 @@ def _residual_plan():
   b.add_copy(out2, s)
   b.set_outputs([z, out2])
   plan = b.build()
-  return plan.export({"x": x}, {"z": z, "s2": out2}, {"x": [64, 32], "z": [64, 16], "s2": [64, 16]})
+  return export(plan, {"x": x}, {"z": z, "s2": out2}, {"x": [64, 32], "z": [64, 16], "s2": [64, 16]})
 
 
 def test_every_cut_is_bit_identical() -> None:

@@ -1,4 +1,4 @@
-"""Portable plans (kiln issue 18): ExecutionPlan.to_spec / export, ExecutionPlanBuilder.from_spec, PortablePlan."""
+"""Portable plans (kiln issue 18): kiln.executor.planspec's export and builder_from_spec, PortablePlan."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 
 from kiln.codegen.opt import Opt, OptOps
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan, cache
+from kiln.executor.planspec import export
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import PlanSpecError
@@ -64,7 +65,7 @@ def _run_plan(plan, xb: int, yb: int, x: np.ndarray) -> np.ndarray:
 def test_round_trip_runs_bit_identical(cache_dir) -> None:
   w1, w2 = _weights()
   plan, xb, yb = _mlp(w1, w2)
-  spec, arrays = plan.export({"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
   assert spec.kernel_count() == 3 and len(arrays) == 2  # the two weights travel beside the spec, not in it
   assert all(e.weight is None or e.weight.kind == "object" for e in spec.storages)
   assert all(e.readonly == (e.weight is not None) for e in spec.storages)  # no kernel writes the weights: shareable
@@ -93,7 +94,7 @@ def test_repeated_kernels_share_one_text(cache_dir) -> None:
   w = b.add_buffer(Buffer.from_numpy(RNG.standard_normal((64, 64)).astype(np.float32)))
   for i in range(4): b.add_kernel(kernels.matmul(64, 64, 64), [bufs[i + 1], bufs[i], w])
   b.set_outputs([bufs[4]])
-  spec = b.build().to_spec()
+  spec = export(b.build())[0]
   texts = [op.compiled for op in spec.ops if op.kind == "kernel"]
   assert len(texts) == 4 and all(t is texts[0] for t in texts) and len({op.seal for op in spec.ops if op.kind == "kernel"}) == 1
   one = len(pickle.dumps(texts[0]))
@@ -105,7 +106,7 @@ def test_explicit_opts_travel_and_are_kept(cache_dir) -> None:
   w1, w2 = _weights()
   opts = [Opt(OptOps.UPCAST, 1, 8)]
   plan, xb, yb = _mlp(w1, w2, opts)
-  spec, arrays = plan.export({"x": xb}, {"y": yb})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb})
   k0 = spec.ops[0]
   assert k0.kind == "kernel" and k0.opts is not None and [o.opt() for o in k0.opts] == opts
   assert spec.ops[1].opts is None  # the heuristic's: a rebuild elsewhere runs that host's heuristic
@@ -116,7 +117,7 @@ def test_explicit_opts_travel_and_are_kept(cache_dir) -> None:
 def test_weights_are_checked(cache_dir) -> None:
   w1, w2 = _weights()
   plan, xb, yb = _mlp(w1, w2)
-  spec, arrays = plan.export({"x": xb}, {"y": yb})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb})
   key = next(iter(arrays))
   with pytest.raises(PlanSpecError, match="was not handed in"): PortablePlan(spec, {k: v for k, v in arrays.items() if k != key})
   bad = dict(arrays)
@@ -132,7 +133,7 @@ def test_weights_are_checked(cache_dir) -> None:
 def test_bad_feeds_and_specs_give_typed_errors(cache_dir) -> None:
   w1, w2 = _weights()
   plan, xb, yb = _mlp(w1, w2)
-  spec, arrays = plan.export({"x": xb}, {"y": yb}, {"x": [64, 32]})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb}, {"x": [64, 32]})
   p = PortablePlan(spec, arrays)
   with pytest.raises(PlanSpecError, match="was not fed"): p.run({})
   with pytest.raises(PlanSpecError, match="dim 1"): p.run({"x": np.zeros((64, 31), np.float32)})
@@ -148,7 +149,7 @@ def test_bad_feeds_and_specs_give_typed_errors(cache_dir) -> None:
   doc["ops"][0]["compiled"] = "{not json"
   with pytest.raises(PlanSpecError, match="does not validate"): PortablePlan(PlanSpec.from_json(json.dumps(doc)), arrays)
   with pytest.raises(PlanSpecError, match="invalid"): PlanSpec.from_json(b"[1, 2]")
-  with pytest.raises(PlanSpecError, match="no name"): plan.export({"x": xb}, {})
+  with pytest.raises(PlanSpecError, match="no name"): export(plan, {"x": xb}, {})
 
 
 def test_host_functions_are_not_portable(cache_dir) -> None:
@@ -156,7 +157,7 @@ def test_host_functions_are_not_portable(cache_dir) -> None:
   a = b.add_buffer(Buffer("CPU", 16, dtypes.float32))
   b.add_custom(lambda buf: None, [a])
   b.set_outputs([a])
-  with pytest.raises(PlanSpecError, match="host function"): b.build().to_spec()
+  with pytest.raises(PlanSpecError, match="host function"): export(b.build())[0]
 
 
 def test_file_weights_travel_as_paths(cache_dir, tmp_path) -> None:
@@ -171,7 +172,7 @@ def test_file_weights_travel_as_paths(cache_dir, tmp_path) -> None:
   b.add_copy(wb, disk)
   b.add_kernel(kernels.matmul(8, 48, 32), [y, x, wb])
   b.set_outputs([y])
-  spec, arrays = b.build().export({"x": x}, {"y": y}, {"x": [8, 32], "y": [8, 48]})
+  spec, arrays = export(b.build(), {"x": x}, {"y": y}, {"x": [8, 32], "y": [8, 48]})
   assert arrays == {}
   refs = [e.weight for e in spec.storages if e.weight is not None]
   assert len(refs) == 1 and refs[0].kind == "file" and refs[0].path == str(path) and refs[0].offset > 0
@@ -209,7 +210,7 @@ def _child(tmp_path, spec: PlanSpec, arrays, x, code: str, **env: str) -> tuple[
 def test_new_process_compiles_nothing_on_the_same_target(cache_dir, tmp_path) -> None:
   w1, w2 = _weights()
   plan, xb, yb = _mlp(w1, w2)
-  spec, arrays = plan.export({"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
   assert all(k.seal is not None for k in spec.ops)
   x = RNG.standard_normal((64, 32)).astype(np.float32)
   want = _run_plan(plan, xb, yb, x).reshape(64, 16)
@@ -235,7 +236,7 @@ def test_new_process_compiles_nothing_on_the_same_target(cache_dir, tmp_path) ->
 def _export_with_key(plan, xb, yb, env):
   old = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
-  try: return plan.export({"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
+  try: return export(plan, {"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
   finally:
     for k, v in old.items():
       if v is None: os.environ.pop(k, None)
@@ -270,7 +271,7 @@ def test_another_target_compiles_for_itself(cache_dir, tmp_path) -> None:
   if " avx2 " not in flags or " fma " not in flags: pytest.skip("the host cannot run AVX2 code")
   w1, w2 = _weights()
   plan, xb, yb = _mlp(w1, w2)
-  spec, arrays = plan.export({"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
+  spec, arrays = export(plan, {"x": xb}, {"y": yb}, {"x": [64, 32], "y": [64, 16]})
   x = RNG.standard_normal((64, 32)).astype(np.float32)
   got, stats = _child(tmp_path, spec, arrays, x, "trusted", KILN_CACHE="0", KILN_CPU="x86-64-v3")
   assert stats["compiles"] == 3 and stats["spec_loads"] == 0

@@ -1,6 +1,6 @@
 """kiln.distributed: execution plans as portable specs, served on Ray by replicas (data parallel) and pipeline stages.
 
-    spec, weights = plan.export(inputs={"x": 0}, outputs={"y": 3})   # or kiln.graph's model.export()
+    spec, weights = kiln.executor.planspec.export(plan, inputs={"x": 0}, outputs={"y": 3})   # or kiln.graph's model.export()
     with serve(spec, replicas=2, weights=weights) as r: outs = r.map([{"x": a} for a in batches])
     with pipeline(spec, stages=2, weights=weights, placement=[{"resources": {"host0": 1}}, {"resources": {"host1": 1}}]) as p:
       y = p.run({"x": a})

@@ -118,15 +118,6 @@ class ExecutionPlanBuilder:
 
   def build(self) -> ExecutionPlan: return _Builder(self).build()
 
-  @classmethod
-  def from_spec(cls, spec: Any, weights: Mapping[str, Any] | None = None, code: str = "sealed", verify: bool = True) -> ExecutionPlanBuilder:
-    """A builder holding a PlanSpec's buffers and ops (kiln.executor.planspec): build() compiles nothing where the spec's
-    object code may be used here (`code`: "sealed", "trusted" or "compile"), else compiles each kernel for this host."""
-    from kiln.executor.planspec import builder_from_spec
-    b = builder_from_spec(spec, weights, code, verify)  # type: ignore[arg-type]
-    assert isinstance(b, cls)
-    return b
-
 
 def _check_copy(d: Buffer, s: Buffer, di: int, si: int) -> None:
   if d.nbytes != s.nbytes:

@@ -1,12 +1,12 @@
 """The built plan: `ExecutionPlan.execute()` is a loop over prepared calls; runtime variables are set without recompiling,
-one run at a time per plan; profiling and describe() read it."""
+one run at a time per plan; profiling and describe() read it. kiln.executor.planspec.export(plan) writes it as a PlanSpec."""
 from __future__ import annotations
 
 import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -212,19 +212,6 @@ class ExecutionPlan:
     finally:
       if self._split: plan_ended()
     return prof
-
-  # ---- portable form (kiln.executor.planspec) ----
-  def to_spec(self, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
-              shapes: Mapping[str, Any] | None = None) -> Any:
-    """This plan as a PlanSpec: inputs and outputs named (plan buffer indices), weights by reference. export() also
-    hands back the arrays its object weights name."""
-    return self.export(inputs, outputs, shapes)[0]
-
-  def export(self, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
-             shapes: Mapping[str, Any] | None = None, checks: Sequence[tuple[int, str]] = ()) -> tuple[Any, dict[str, Any]]:
-    """checks: (buffer, message) pairs, outputs of the plan that a rebuilt plan reads after each run (kiln.executor.checks)."""
-    from kiln.executor.planspec import export
-    return export(self, inputs, outputs, shapes, checks=checks)
 
   # ---- reading ----
   @property

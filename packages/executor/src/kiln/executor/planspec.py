@@ -6,6 +6,9 @@ as its CompiledSpec JSON (object code and AST) for the target it was built on, a
 file region (`kind="file"`: a DISK map or a mapped weight file) or a key the rebuilding side resolves (`kind="object"`:
 `export()` hands back the arrays, a Ray object store carries them), each with its sha256.
 
+`export(plan, ...)` writes a built plan as a spec; `builder_from_spec(spec, ...)` rebuilds it through the builder's public
+API (add_buffer, add_kernel, ...), whose build() gives the plan (PortablePlan wraps the two for a caller that feeds arrays).
+
 Rebuilding compiles nothing where the target key (kiln.executor.cache.target_key: device, CPU target, kiln versions and
 source stamps, machine fingerprint) equals the spec's and the code is accepted; elsewhere every kernel is compiled again
 from its AST for the local target (the heuristic's kernels get the local heuristic; explicit and tuned options are kept).
@@ -32,9 +35,12 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer, Storage, base_chain, to_dtype
+from kiln.executor.builder import ExecutionPlanBuilder
 from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, kernel_key, target_key
 from kiln.executor.checks import MAX_MESSAGE
+from kiln.executor.execution import ExecutionPlan
 from kiln.executor.prepared import PreparedKernel
+from kiln.executor.spec_access import accesses, first_reads, places
 from kiln.ir.errors import KilnError, PlanSpecError
 from kiln.ir.serialize import load_json_document
 
@@ -242,7 +248,7 @@ def _contents(st: Storage) -> np.ndarray:
   return out
 
 
-def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
+def export(plan: ExecutionPlan, inputs: Mapping[str, int] | None = None, outputs: Mapping[str, int] | None = None,
            shapes: Mapping[str, Sequence[Dim]] | None = None, digest_files: bool = True,
            checks: Sequence[tuple[int, str]] = ()) -> tuple[PlanSpec, dict[str, np.ndarray]]:
   """The plan's PlanSpec and the arrays its object weights name (read-only uint8 views, zero-copy on the host).
@@ -304,7 +310,7 @@ def export(plan: Any, inputs: Mapping[str, int] | None = None, outputs: Mapping[
   return spec, arrays
 
 
-def _kernel_device(plan: Any, default: str) -> str:
+def _kernel_device(plan: ExecutionPlan, default: str) -> str:
   """The one device the plan's kernels run on (the spec's device and target key). A plan whose kernels run on two or more
   devices is refused: a spec carries one target key and one device's object code."""
   first: dict[str, Any] = {}
@@ -316,11 +322,10 @@ def _kernel_device(plan: Any, default: str) -> str:
   return next(iter(first), default)
 
 
-def _contents_read(plan: Any, stores: list[Storage], buffers: list[BufferEntry], ops: list[KernelEntry | CopyEntry | ViewEntry]
+def _contents_read(plan: ExecutionPlan, stores: list[Storage], buffers: list[BufferEntry], ops: list[KernelEntry | CopyEntry | ViewEntry]
                    ) -> tuple[set[int], set[int]]:
   """(storages whose contents at export time the plan reads: some op reads them before the plan has written all of them,
   in op order, which the plan's dependencies follow; storages any op writes), as spec storage indices."""
-  from kiln.executor.spec_access import accesses, first_reads, places
   kernels = {p.id: p.kernel for p in plan.prepared_ops if isinstance(p, PreparedKernel)}
   def slots(k: KernelEntry) -> tuple[list[int], list[int], list[int]]:  # the compiled kernel's, not its JSON read back
     ck = kernels[k.id]
@@ -332,7 +337,7 @@ def _contents_read(plan: Any, stores: list[Storage], buffers: list[BufferEntry],
   return read, {a.storage for op in accs for a in op if a.write}
 
 
-def _op_entries(plan: Any, recipe: Any, target: str) -> list[KernelEntry | CopyEntry | ViewEntry]:
+def _op_entries(plan: ExecutionPlan, recipe: Any, target: str) -> list[KernelEntry | CopyEntry | ViewEntry]:
   prepared = {p.id: p for p in plan.prepared_ops}
   key = _seal_key()
   out: list[KernelEntry | CopyEntry | ViewEntry] = []
@@ -417,10 +422,10 @@ def _seed(k: KernelEntry, compiled: CompiledSpec, opts: list[Opt] | None, rt: An
     if debug.DEBUG >= 1: debug.emit(f"kiln: kernel op {k.id} from the spec failed to load ({e}); compiling it")
 
 
-def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, code: CodePolicy = "sealed", verify: bool = True) -> Any:
+def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, code: CodePolicy = "sealed",
+                      verify: bool = True) -> ExecutionPlanBuilder:
   """An ExecutionPlanBuilder holding the spec's buffers and ops; build() gives the plan. See the module docstring for
   `code`; `verify=False` skips the weights' sha256 checks (a large mapped file is then not read up front)."""
-  from kiln.executor.builder import ExecutionPlanBuilder
   if not isinstance(spec, PlanSpec): raise PlanSpecError(f"from_spec takes a PlanSpec, got {type(spec).__name__}")
   if code not in ("sealed", "trusted", "compile"): raise PlanSpecError(f"code must be 'sealed', 'trusted' or 'compile', got {code!r}")
   weights = dict(weights or {})
@@ -428,7 +433,7 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
   b = ExecutionPlanBuilder(spec.device, parallel=spec.parallel, reuse_memory=spec.reuse_memory)
   for be in spec.buffers:
     st = stores[be.storage]
-    b.buffers.append(Buffer(st.device, be.size, to_dtype(be.dtype), _storage=st, _offset=be.offset))
+    b.add_buffer(Buffer(st.device, be.size, to_dtype(be.dtype), _storage=st, _offset=be.offset))
   key = _seal_key() if code == "sealed" else None
   rt = get_runtime(b.device)
   shipped = code != "compile" and target_key(b.device, rt) == spec.target  # else every kernel compiles for this host

@@ -1,5 +1,5 @@
 """What a plan was built from: the builder's buffers as they were before views and memory reuse rebound them, and its op
-records. build() keeps one on every ExecutionPlan; ExecutionPlan.to_spec() (kiln.executor.planspec) reads it."""
+records. build() keeps one on every ExecutionPlan; kiln.executor.planspec.export(plan) reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.executor.buffer import to_dtype
-from kiln.executor.planspec import BufferEntry, CopyEntry, KernelEntry, OpEntry, StorageEntry, ViewEntry
 from kiln.ir.errors import PlanSpecError
+
+if TYPE_CHECKING:  # planspec's export reads accesses through this module: the entries are told apart by their `kind`
+  from kiln.executor.planspec import BufferEntry, KernelEntry, OpEntry, StorageEntry
 
 Slots = tuple[list[int], list[int], list[int]]  # a kernel's (globals, ins, outs)
 
@@ -25,7 +28,7 @@ def places(buffers: Sequence[BufferEntry], ops: Sequence[OpEntry]) -> dict[int, 
   """buffer -> (storage, byte offset, bytes), through view ops."""
   out = {i: (b.storage, b.offset, b.size * to_dtype(b.dtype).itemsize) for i, b in enumerate(buffers)}
   for op in ops:
-    if isinstance(op, ViewEntry):
+    if op.kind == "view":
       st, off, _ = out[op.base]
       out[op.out] = (st, off + op.byte_offset, op.byte_size)
   return out
@@ -55,11 +58,11 @@ def accesses(storages: Sequence[StorageEntry], buffers: Sequence[BufferEntry], o
     return StorageAccess(st, write, off == 0 and n == storages[st].nbytes)
   out: list[list[StorageAccess]] = []
   for op in ops:
-    if isinstance(op, KernelEntry):
+    if op.kind == "kernel":
       globs, ins, outs = slots(op)
       if bad := [s for s in globs if not 0 <= s < len(op.buffers)]: raise PlanSpecError(f"kernel op {op.id} has slots {bad} beyond its buffers")
       out.append([*(acc(op.buffers[s], False) for s in globs if s in ins or s not in outs), *(acc(op.buffers[s], True) for s in outs if s in globs)])
-    elif isinstance(op, CopyEntry): out.append([acc(op.src, False), acc(op.dst, True)])
+    elif op.kind == "copy": out.append([acc(op.src, False), acc(op.dst, True)])
     else: out.append([])
   return out
 

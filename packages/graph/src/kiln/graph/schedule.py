@@ -30,6 +30,7 @@ import numpy as np
 
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
+from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
 from kiln.graph.epilogue import fuse_epilogues
@@ -196,7 +197,7 @@ class Compiled:
     outs, shapes = {}, {}
     for n, (b, s) in zip(names, self.outputs): outs[n], shapes[n] = b, [_spec_dim(d) for d in s]
     for i in self.inputs: shapes[i.name] = [_spec_dim(d) for d in i.shape]
-    return self.plan.export({i.name: i.buf for i in self.inputs}, outs, shapes, self.checks)  # type: ignore[no-any-return]
+    return export(self.plan, {i.name: i.buf for i in self.inputs}, outs, shapes, checks=self.checks)
 
   def to_spec(self, output_names: Sequence[str] | None = None) -> Any: return self.export(output_names)[0]
 
