@@ -48,7 +48,7 @@ INITS = {"w": f32(2, 3), "ax": np.array([1], np.int64), "shp": np.array([2, 3], 
 def test_if_known_at_load_converts_the_branch_taken(cond: str) -> None:
   """torch's usual export: the condition folds from static shapes (or is a constant). Only the branch taken converts: the
   other holds an operator kiln refuses, and the plan is one plan."""
-  bad = graph([N("NonZero", ["x"], ["nz"]), N("Cast", ["nz"], ["e"], to=F)], [("e", None)], "bad")
+  bad = graph([N("Hardmax", ["x"], ["nz"]), N("Cast", ["nz"], ["e"], to=F)], [("e", None)], "bad")
   c = {"shape": [N("Shape", ["x0"], ["s"]), N("Gather", ["s", "zero"], ["d"], axis=0), N("Equal", ["d", "two"], ["c"])],
        "true": [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(True)))],
        "false": [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array([False])))]}[cond]
@@ -163,7 +163,7 @@ def _if_model(then: onnx.GraphProto, els: onnx.GraphProto) -> onnx.ModelProto:
 def test_a_branch_that_does_not_convert_is_refused_when_taken() -> None:
   """One side of a run-time If that kiln cannot convert (it may fit only other inputs: Silero's 8 kHz branch fed 16 kHz
   frames, which onnxruntime fails on too) is refused, naming why, by the run that takes it; the other side runs."""
-  nz = graph([N("NonZero", ["x"], ["nz"], name="bad"), N("Cast", ["nz"], ["t"], to=F)], [("t", None)], "then")
+  nz = graph([N("Hardmax", ["x"], ["nz"], name="bad"), N("Cast", ["nz"], ["t"], to=F)], [("t", None)], "then")
   relu = graph([N("Relu", ["x"], ["e"])], [("e", [2, 3])], "else")
   nested = graph([N("If", ["c"], ["t"], then_branch=nz, else_branch=nz, name="in")], [("t", None)], "then")
   for then, path in ((nz, "node if1 > then_branch > node bad"), (nested, "node if1 > then_branch > node in > then_branch > node bad")):
@@ -171,14 +171,14 @@ def test_a_branch_that_does_not_convert_is_refused_when_taken() -> None:
     km = konnx.load(m)
     f = {"x": f32(2, 3), "c": np.array(False)}
     same(km.run(f), ort_run(m, f))
-    with pytest.raises(ONNXError, match=rf"^node if1 \(If\) took its then_branch, which kiln could not convert at load: {path} \(NonZero\)"):
+    with pytest.raises(ONNXError, match=rf"^node if1 \(If\) took its then_branch, which kiln could not convert at load: {path} \(Hardmax\)"):
       km.run({**f, "c": np.array(True)})
     same(km.run(f), ort_run(m, f))
 
 
 def test_errors_name_the_node_path(monkeypatch) -> None:
-  nz = graph([N("NonZero", ["x"], ["nz"], name="bad"), N("Cast", ["nz"], ["t"], to=F)], [("t", None)], "then")
-  with pytest.raises(ONNXError, match=r"^node if1 > then_branch > node bad \(NonZero\): operator NonZero is not supported"):
+  nz = graph([N("Hardmax", ["x"], ["nz"], name="bad"), N("Cast", ["nz"], ["t"], to=F)], [("t", None)], "then")
+  with pytest.raises(ONNXError, match=r"^node if1 > then_branch > node bad \(Hardmax\): operator Hardmax is not supported"):
     konnx.load(_if_model(nz, nz))  # neither side converts: refused at load
   relu = graph([N("Relu", ["x"], ["e"])], [("e", [2, 3])], "else")
   wide = graph([N("Flatten", ["x"], ["e"], axis=0)], [("e", [1, 6])], "else")

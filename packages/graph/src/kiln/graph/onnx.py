@@ -24,6 +24,7 @@ from kiln.graph import onnx_limits as lim
 from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_act,
   onnx_ops_convt,
+  onnx_ops_detect,
   onnx_ops_flow,
   onnx_ops_index,
   onnx_ops_misc,
@@ -31,6 +32,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_resize,
   onnx_ops_rnn,
   onnx_ops_sample,
+  onnx_ops_select,
   onnx_ops_shape,
 )
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
@@ -190,9 +192,11 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
       else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
       if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
     except RuntimeValue as e:
+      e.frames.append((nodes[k:] if e.node is n else nodes[k + 1:], env))  # what of this scope is left to convert, and its values
       if ctx.depth: raise
-      if e.node is not n: raise ONNXError(str(e)) from None  # in a subgraph of n's (an If's branch, a Loop's body): the refusal
-      ctx.body.cut = _cut(nodes[k:], g, env, ctx, folds, n, e)
+      rest = _resumed(e, ctx.onnx)
+      if rest is None: raise ONNXError(str(e)) from None  # in a Loop's or Scan's body, or a run-time If's branch: the refusal
+      ctx.body.cut = _cut(rest, g, e.frames[0][1], ctx, folds, e.node, e)
       return
     except ONNXError: raise
     except (IRError, ValueError, TypeError, LookupError, ArithmeticError) as e:  # IRError: GraphError, or a symbolic dim in shape arithmetic
@@ -207,13 +211,33 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
       if name: env[name] = v
 
 
+def _resumed(e: RuntimeValue, onnx: Any) -> list[Any] | None:
+  """The nodes left to convert after a cut, from the node that raised e on: its branch's rest, an Identity from each of the
+  branch's outputs to its If's, that scope's rest, ... the main graph's rest (e.frames: a scope's rest, then the If that
+  took the branch, ..., the main graph's). None where e passed through anything but an If known at load (a Loop's body)."""
+  frames = e.frames
+  if len(frames) % 2 != 1 or any(not isinstance(f[0], list) for f in frames[::2]) or any(isinstance(f[0], list) for f in frames[1::2]): return None
+  rest: list[Any] = []
+  for i in range(0, len(frames) - 1, 2):
+    proto, branch = frames[i + 1]
+    rest += frames[i][0] + [onnx.helper.make_node("Identity", [vo.name], [o], name=f"{proto.name}:{o}")
+                            for vo, o in zip(branch.output, proto.output) if o]
+  return rest + frames[-1][0]
+
+
 def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds, n: Node, e: RuntimeValue) -> Cut:
-  """The main graph cut before node n (rest[0]), whose input e.index is computed at run time: the rest converts, once the
-  value is read back, in a copy of the values it reads (the load budget as it stood here)."""
-  name = n.proto.input[e.index]
-  v = env[name]
-  if not isinstance(v, Tensor) or n.ins[e.index] is not v: raise e  # the handler was given another value than env's: nothing to read back
-  if why := unspecialisable(v.node): raise n.error(f"{e.text}; {why}") from None
+  """The main graph cut before node n (rest[0]), whose input e.index (or the values e.reads, Node.read_back) is computed at
+  run time: the rest converts, once the value is read back, in a copy of the values it reads (the load budget as it
+  stood here). env: n's scope (a branch's of an If known at load falls through to the main graph's)."""
+  if e.reads is not None:  # a value the node's output shape depends on: what its reads compute, or a host step's
+    needed = [(e.key if e.host is None else f"{e.key}[{i}]", t.node) for i, t in enumerate(e.reads)]
+    if e.host is None and len(needed) == 1 and (why := unspecialisable(needed[0][1])): raise n.error(f"{e.text}; {why}") from None
+  else:
+    name = n.proto.input[e.index]
+    v = env[name]
+    if not isinstance(v, Tensor) or n.ins[e.index] is not v: raise e  # the handler was given another value than env's: nothing to read back
+    if why := unspecialisable(v.node): raise n.error(f"{e.text}; {why}") from None
+    needed = [(name, v.node)]
   reads = {i for p in rest for i in p.input if i} | {o.name for o in g.output}
   for p in rest:
     for _, sub in subgraphs(p): reads |= outer_names(sub)
@@ -223,7 +247,7 @@ def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchN
     body = Body()
     _convert_nodes(rest, g, env2, replace(ctx, body=body, budget=copy.copy(budget)), folds)
     return (None if body.cut is not None else [v for _, v in _outputs(g, env2)]), body
-  return Cut(f"node {n.name} ({n.op})", [(name, v.node)], {k: env[k] for k in reads if k in env}, resume)
+  return Cut(f"node {n.name} ({n.op})", needed, {k: env[k] for k in reads if k in env}, resume, e.host, e.key)
 
 
 def _outputs(g: Any, env: dict[str, Value]) -> list[tuple[str, Value]]:

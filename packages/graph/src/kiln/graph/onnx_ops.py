@@ -15,7 +15,7 @@ from kiln.graph.onnx_empty import empty_slice
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
-from kiln.graph.specialise import RuntimeValue
+from kiln.graph.specialise import Host, RuntimeValue
 from kiln.graph.tensor import Tensor
 from kiln.ir.alu import exec_alu
 from kiln.ir.dtype import dtypes
@@ -33,6 +33,7 @@ class Node:
     self.proto, self.op, self.name, self.opset = proto, proto.op_type, proto.name or f"<{proto.op_type}>", opset
     self.stored = stored or Tensors(onnx, None)
     self.budget = budget or LoadBudget()  # what the whole model's load may make: shared by all its nodes
+    self.env = env  # a value Node.read_back found at run time is under its key there once the rest is converted for it
     self.ins: list[Value | None] = []
     for n in proto.input:
       if n == "": self.ins.append(None)
@@ -55,9 +56,22 @@ class Node:
         raise self.error(f"input {i} ({what}) must be a constant known at load time: it holds the symbolic dims of a Shape "
                          f"({self.from_shape[i]}), known only at run time")
       text = f"input {i} ({what}) is computed at run time"
-      raise RuntimeValue(str(self.error(f"{text}: kiln specialises the rest of a model on such a value only in its main graph, "
-                                        "not inside an If, Loop or Scan body")), self, i, text)  # the converter cuts there (specialise.py)
+      raise RuntimeValue(str(self.error(f"{text}: kiln specialises the rest of a model on such a value only in its main graph (or a branch "
+                                        "of an If known at load), not inside a Loop or Scan body or a run-time If's branch")),
+                         self, i, text)  # the converter cuts there (specialise.py)
     return v
+
+  def read_back(self, what: str, reads: list[Tensor], host: Host | None = None) -> Value:
+    """A value this node's output shape depends on, computed at run time: the one array `reads` compute (NonZero's count),
+    or what `host` computes from theirs (a host step: NonMaxSuppression). The first time, RuntimeValue: the converter cuts
+    before the node, a run reads the value back and converts the rest for it, when this returns it (a host step's value:
+    a Tensor the run fills, or an empty array)."""
+    key = f"<{what} of node {self.name}>"
+    if (v := self.env.get(key)) is not None: return v  # type: ignore[no-any-return]
+    text = f"{what} is computed at run time"
+    raise RuntimeValue(str(self.error(f"{text}: kiln converts the rest of a model for such a value only in its main graph (or a branch "
+                                      "of an If known at load), not inside a Loop or Scan body or a run-time If's branch")),
+                       self, -1, text, reads, key, host)
 
   def opt_const(self, i: int, what: str) -> np.ndarray | None:
     return None if i >= len(self.ins) or self.ins[i] is None else self.const(i, what)

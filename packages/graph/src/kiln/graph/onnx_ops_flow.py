@@ -26,6 +26,7 @@ from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_ops import OPS, Node, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
 from kiln.graph.program import Body, Branch, placeholder
+from kiln.graph.specialise import RuntimeValue
 from kiln.graph.tensor import Tensor
 
 Handler = Callable[[Node, Ctx, dict[str, Value]], list[Value]]
@@ -78,7 +79,10 @@ def _if(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   if any(g is None for g in graphs.values()): raise n.error("attributes then_branch and else_branch are required")
   if isinstance(c, np.ndarray):  # known at load: only the branch taken is converted (the other may not even convert)
     attr = "then_branch" if bool(c.reshape(-1)[0]) else "else_branch"
-    return run_graph(n, ctx, graphs[attr], attr, [], env)
+    try: return run_graph(n, ctx, graphs[attr], attr, [], env)
+    except RuntimeValue as e:  # a value the branch reads back: the rest of the branch, then of the graph, resume for it (onnx.py)
+      e.frames.append((n.proto, graphs[attr]))
+      raise
   if not c.dtype.is_bool: raise n.error(f"input 0 (cond) must be bool, got {c.dtype.name}")
   names = sorted(set().union(*(outer_names(g) for g in graphs.values())))
   caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]

@@ -36,9 +36,10 @@ from typing import Any
 import numpy as np
 
 from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
-from kiln.graph.program import Body, Builder, Refusal, Slot, Tail, read
+from kiln.graph.program import Body, Builder, Refusal, Slot, Tail, placeholder, read
 from kiln.graph.segments import Weights
 from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import dtypes
 from kiln.ir.errors import KilnError
 
 MAX_SPECIALISED_ELEMENTS = 64  # a value read back to specialise on: a shape, axes, sizes, pads (a few numbers, never data)
@@ -47,13 +48,20 @@ MAX_SPECIALISATIONS = 16  # continuations kept per cut, least recently used drop
 Env = dict[str, Any]  # ONNX value name -> Tensor or numpy array (onnx_ops.Value)
 
 
-class RuntimeValue(ONNXError):
-  """Node.const met a value computed at run time. In the model's main graph the converter cuts there and specialises the
-  rest of the graph on the value; anywhere else this is the refusal, and its message says why."""
+Host = Callable[[list[np.ndarray]], np.ndarray]  # a host step: the value from the arrays read back (NonMaxSuppression's selection)
 
-  def __init__(self, msg: str, node: Any, index: int, text: str):
+
+class RuntimeValue(ONNXError):
+  """Node.const met a value computed at run time (input `index` of node), or Node.read_back one its output's shape depends
+  on (`reads`: NonZero's count, or what a host step computes from). In the model's main graph, or a branch of an If known
+  at load, the converter cuts there and specialises the rest of the graph on the value; anywhere else this is the
+  refusal, and its message says why."""
+
+  def __init__(self, msg: str, node: Any, index: int, text: str, reads: list[Tensor] | None = None, key: str = "", host: Host | None = None):
     super().__init__(msg)
     self.node, self.index, self.text = node, index, text  # text: what was computed at run time, for the refusal that says why not
+    self.reads, self.key, self.host = reads, key, host  # key: the name the rest of the graph finds the value under (Node.read_back)
+    self.frames: list[Any] = []  # the scopes it left on its way to the main graph: each branch's rest, then its If (onnx.py)
 
 
 def unspecialisable(n: Node) -> str | None:
@@ -73,6 +81,8 @@ class Cut:
   needed: list[tuple[str, Node]]
   env: Env
   resume: Callable[[Env], tuple[list[Any] | None, Body]]
+  host: Host | None = None  # a host step computes the value from the needed arrays; the rest is keyed by its shape, fed its data
+  key: str = ""  # the host step's value's name in env
 
   @property
   def keep(self) -> list[Node]: return [v.node for v in self.env.values() if isinstance(v, Tensor)]
@@ -91,42 +101,52 @@ def describe(values: Mapping[str, np.ndarray]) -> str:
 
 
 class Specialise:
-  """The step at a cut: reads the needed values back and runs the continuation compiled for them (compiling it on a miss)."""
+  """The step at a cut: reads the needed values back and runs the continuation compiled for them (compiling it on a miss).
+  With a host step, the continuation is keyed by the shape of what the host computes, and each run copies its data into
+  the slot the continuation reads it from (one compile per row count, not per selection)."""
 
   def __init__(self, cut: Cut, needed: list[Slot], builder: Builder, done: dict[Node, Slot]):
     self.cut, self.needed, self._builder, self._done = cut, needed, builder, done
     self._shared = cut.shared
-    self._cache: OrderedDict[tuple[Any, ...], Tail] = OrderedDict()
+    self._cache: OrderedDict[tuple[Any, ...], tuple[Tail, Slot | None]] = OrderedDict()
     self.compiles = 0  # continuations made (a cached refusal too): a run whose values are cached adds none
     self.before: dict[str, np.ndarray] = {}  # the values of the cuts this one follows (a chain), for messages
 
   def compiled(self) -> list[Tail]:
     """The continuations cached now, least recently used first."""
-    return list(self._cache.values())
+    return [t for t, _ in self._cache.values()]
 
   def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
     values = {name: read(s, vals) for (name, _), s in zip(self.cut.needed, self.needed)}
-    key = tuple((a.dtype.str, a.shape, a.tobytes()) for a in values.values())
-    if (tail := self._cache.get(key)) is not None: self._cache.move_to_end(key)
+    fed = None if self.cut.host is None else self.cut.host(list(values.values()))  # a typed ONNXError for a bad value, each run
+    key = (("host", fed.dtype.str, fed.shape),) if fed is not None else tuple((a.dtype.str, a.shape, a.tobytes()) for a in values.values())
+    if (hit := self._cache.get(key)) is not None: self._cache.move_to_end(key)
     else:
-      tail = self._cache[key] = self._continue(values)
+      hit = self._cache[key] = self._continue(values, fed)
       self.compiles += 1
       if len(self._cache) > MAX_SPECIALISATIONS: self._cache.popitem(last=False)
+    tail, slot = hit
+    if slot is not None and fed is not None: slot.buf.copyin(np.ascontiguousarray(fed))
     return tail.run(vals, prof)
 
-  def _continue(self, values: dict[str, np.ndarray]) -> Tail:
+  def _continue(self, values: dict[str, np.ndarray], fed: np.ndarray | None) -> tuple[Tail, Slot | None]:
     """The rest of the graph for these values: converted, cut into steps, compiled; or a refusal any run with them raises.
-    A failure of the machine (out of memory) is raised, not kept: another run may succeed."""
-    known = {**self.before, **values}
+    A failure of the machine (out of memory) is raised, not kept: another run may succeed. A host step's value is a
+    placeholder the continuation reads (its slot, filled by each run), or, holding nothing, an empty array known now."""
+    known = {**self.before, **(values if fed is None else {f"the rows of {self.cut.key}": np.asarray(fed.shape[0])})}
     where = f"the model from {self.cut.label} on, converted at run time for {describe(known)}"
+    ph = None if fed is None or fed.size == 0 else placeholder(fed.shape, dtypes.from_numpy(fed.dtype))
+    env = {**self.cut.env, **(values if fed is None else {self.cut.key: fed if ph is None else Tensor(ph)})}
     try:
-      outs, body = self.cut.resume({**self.cut.env, **values})
+      outs, body = self.cut.resume(env)
       child = Builder(Weights(self._builder.weights.device, self._builder.weights, self._shared))
-      tail = child.tail([o.node if isinstance(o, Tensor) else o for o in outs or []], body, dict(self._done))
+      done = dict(self._done)
+      slot = None if ph is None else done.setdefault(ph, child.slot(ph))
+      tail = child.tail([o.node if isinstance(o, Tensor) else o for o in outs or []], body, done)
       if tail.then is not None: tail.then.before = known
-      return tail
+      return tail, slot
     except ONNXError as e: why = f"{e} ({where})"
     except GraphError as e: why = f"compiling {where} failed: {e}"
     except RecursionError: why = f"compiling {where} failed: a chain of fused operations is too deep for kiln.graph's renderer"
     except KilnError as e: raise ONNXError(f"compiling {where} failed: {type(e).__name__}: {e}") from e
-    return Tail([Refusal(why)], [])
+    return Tail([Refusal(why)], []), None

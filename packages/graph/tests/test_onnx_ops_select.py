@@ -1,0 +1,147 @@
+"""TopK, NonZero, Unique (onnx_ops_select.py), NonMaxSuppression and RoiAlign (onnx_ops_detect.py) against onnxruntime:
+ties, NaN, both TopK methods, outputs whose length is read back at run time (compiled once per count), the host step's
+selection fed to the rest of the model, a cut inside a branch of an If known at load."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx_case import RNG, N, check, f32, helper, model
+
+from kiln.graph import onnx as konnx
+from kiln.graph import onnx_ops_select
+from kiln.graph.lazy import IndexOutOfRangeError, ONNXError
+
+
+def i64(*v: int) -> np.ndarray: return np.array(v, np.int64)
+
+
+def compiles(km: konnx.Model) -> list[int]:
+  assert km.program is not None
+  return [s.compiles for s in km.program.specialisations()]
+
+
+def test_topk_ties_nan_and_both_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+  """NaN above every number, equal values (-0.0 and 0.0, NaNs) by the lower index, largest and smallest, on a middle axis;
+  the same by counting and by the bitonic sort (forced with RANK_MAX_N = 2, the axis padded from 6 to 8)."""
+  x = np.array([[1, np.nan, 3, -0.0, 3, 0.0], [-np.inf, 2, np.nan, 2, 5, -1]], np.float32).reshape(2, 6, 1).repeat(2, 2)
+  for rank_max in (1024, 2):
+    monkeypatch.setattr(onnx_ops_select, "RANK_MAX_N", rank_max)
+    for largest in (1, 0):
+      m = model([N("TopK", ["x", "k"], ["v", "i"], axis=1, largest=largest)], {"x": x}, {"v": np.float32, "i": np.int64}, {"k": i64(5)})
+      check(m, {"x": x})
+
+
+def test_topk_bitonic_ints_with_ties_and_a_k_fed_at_run_time(monkeypatch: pytest.MonkeyPatch) -> None:
+  """An axis over RANK_MAX_N (100 ints of many ties: the bitonic sort, padded to 128); k fed: compiled once per k, and a
+  k over the axis refused by the run."""
+  monkeypatch.setattr(onnx_ops_select, "RANK_MAX_N", 64)
+  x = RNG.integers(0, 9, (2, 100)).astype(np.int32)
+  m = model([N("TopK", ["x", "k"], ["v", "i"])], {"x": x, "k": i64(30)}, {"v": np.int32, "i": np.int64})
+  km = check(m, {"x": x, "k": i64(30)})
+  got = km.run({"x": x, "k": i64(7)})
+  assert got["v"].shape == (2, 7) and (got["v"] == -np.sort(-x, 1)[:, :7]).all()
+  assert compiles(km) == [2]
+  with pytest.raises(ONNXError, match=r"k = 101 must be in \[0, 100\]"): km.run({"x": x, "k": i64(101)})
+
+
+def test_nonzero_count_read_back_compiled_once_per_count(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The count of a computed mask is read back; the positions come from the blocked scan and the binary search (blocks of
+  4 force three levels); a count seen before compiles nothing; no nonzero gives (2, 0)."""
+  monkeypatch.setattr(onnx_ops_select, "SCAN_BLOCK", 4)
+  m = model([N("Greater", ["x", "t"], ["g"]), N("NonZero", ["g"], ["y"]), N("Transpose", ["y"], ["yt"]), N("GatherND", ["x", "yt"], ["z"])],
+            {"x": f32(7, 11)}, {"y": np.int64, "z": np.float32}, {"t": np.float32(0.5).reshape(())})
+  km = konnx.load(m)
+  xs = [f32(7, 11), f32(7, 11), np.zeros((7, 11), np.float32), f32(7, 11, lo=0.6, hi=1)]
+  for x in xs:
+    check(m, {"x": x})
+    np.testing.assert_array_equal(km.run({"x": x})["y"], np.array(np.nonzero(x > 0.5)))
+  km.run({"x": xs[0]})
+  assert km.run({"x": xs[2]})["y"].shape == (2, 0)
+  assert compiles(km) == [len({int((x > 0.5).sum()) for x in xs})]
+
+
+def test_nonzero_of_nan_and_negative_zero_and_a_scalar() -> None:
+  x = np.array([[np.nan, 0], [-0.0, 2]], np.float32)
+  check(model([N("NonZero", ["x"], ["y"])], {"x": x}, {"y": np.int64}), {"x": x})
+  s = np.array(3.0, np.float32)
+  check(model([N("NonZero", ["x"], ["y"])], {"x": s}, {"y": np.int64}), {"x": s})
+
+
+def test_unique_sorted_unsorted_and_along_an_axis() -> None:
+  x = np.array([2, 1, 1, -0.0, 0.0, 2, 5, 1], np.float32)
+  outs = {"y": np.float32, "i": np.int64, "v": np.int64, "c": np.int64}
+  for s in (1, 0):
+    check(model([N("Unique", ["x"], list(outs), sorted=s)], {"x": x}, outs), {"x": x})
+  r = np.array([[1, 0, 0], [1, 0, 0], [2, 3, 4], [0, 5, 1], [0, 1, 6]], np.float32).T.copy()
+  for s in (1, 0):
+    check(model([N("Unique", ["x"], list(outs), sorted=s, axis=-1)], {"x": r}, outs), {"x": r})
+
+
+def _nms_model(center: int = 0, fed: bool = False) -> Any:
+  inputs = {"b": f32(2, 40, 4), "s": f32(2, 3, 40), "mx": i64(4), "iou": np.array([0.3], np.float32), "st": np.array([0.1], np.float32)}
+  consts = {} if fed else {k: inputs.pop(k) for k in ("mx", "iou", "st")}
+  return model([N("NonMaxSuppression", ["b", "s", "mx", "iou", "st"], ["sel"], center_point_box=center),
+                N("Gather", ["sel", "two"], ["box"], axis=1), N("Squeeze", ["box", "one"], ["k"]), N("Gather", ["s", "k"], ["z"], axis=2)],
+               inputs, {"sel": np.int64, "z": np.float32}, {**consts, "two": i64(2), "one": i64(1)})
+
+
+def test_nms_host_step_both_box_forms_and_fed_thresholds() -> None:
+  """Corners in either order and centre boxes; thresholds constant or fed; the selection is read by the rest of the model
+  (compiled per number kept)."""
+  for center in (0, 1):
+    for fed in (False, True):
+      m = _nms_model(center, fed)
+      feeds = {"b": np.abs(f32(2, 40, 4)) * 3, "s": f32(2, 3, 40, lo=0, hi=1)}  # corners in either order
+      if fed: feeds |= {"mx": i64(4), "iou": np.array([0.3], np.float32), "st": np.array([0.1], np.float32)}
+      check(m, feeds)
+  bad = {"b": f32(2, 40, 4), "s": f32(2, 3, 40), "mx": i64(4), "iou": np.array([1.5], np.float32), "st": np.array([0.1], np.float32)}
+  with pytest.raises(ONNXError, match=r"iou_threshold 1.5 must be in \[0, 1\]"): konnx.load(_nms_model(0, True)).run(bad)
+
+
+def test_nms_equal_scores_by_index_and_a_nan_score_refused() -> None:
+  """Scores of a few values only: equal scores are taken by the lower box index, as onnxruntime. A NaN score, where
+  onnxruntime's order is undefined, is refused by the run."""
+  b = np.abs(f32(1, 50, 4)) * 4
+  s = RNG.integers(0, 4, (1, 2, 50)).astype(np.float32) / 4
+  m = model([N("NonMaxSuppression", ["b", "s", "mx", "iou"], ["sel"], name="nms")], {"b": b, "s": s}, {"sel": np.int64},
+            {"mx": i64(30), "iou": np.array([0.2], np.float32)})
+  km = check(m, {"b": b, "s": s})
+  s[0, 1, 7] = np.nan
+  with pytest.raises(ONNXError, match=r"node nms \(NonMaxSuppression\): a score of batch 0, class 1 is NaN"): km.run({"b": b, "s": s})
+
+
+def test_a_cut_inside_a_branch_of_an_if_known_at_load() -> None:
+  """As torchvision's batched_nms: the If on 'no boxes' folds at load, its else branch holds the NonMaxSuppression; the rest
+  of the branch, then of the graph, are converted for the selection."""
+  b, s = np.abs(f32(1, 30, 4)) * 3, f32(1, 1, 30, lo=0, hi=1)
+  nms = [N("NonMaxSuppression", ["b", "s", "mx", "iou"], ["sel"]), N("Gather", ["sel", "two"], ["col"], axis=1),
+         N("Squeeze", ["col", "one"], ["keep"])]
+  then = helper.make_graph([N("Constant", [], ["none"], value=helper.make_tensor("v", 7, [0], []))], "then", [],
+                           [helper.make_tensor_value_info("none", 7, None)])
+  other = helper.make_graph(nms, "else", [], [helper.make_tensor_value_info("keep", 7, None)])
+  m = model([N("Shape", ["b"], ["shp"]), N("ReduceProd", ["shp"], ["cnt"], keepdims=0), N("Equal", ["cnt", "zero"], ["c"]),
+             N("If", ["c"], ["k"], then_branch=then, else_branch=other), N("Gather", ["b", "k"], ["kept"], axis=1)],
+            {"b": b, "s": s}, {"kept": np.float32}, {"mx": i64(10), "iou": np.array([0.4], np.float32), "two": i64(2), "one": i64(1), "zero": i64(0)})
+  km = check(m, {"b": b, "s": s})
+  assert km.program is not None and "NonMaxSuppression" in km.program.tail.then.cut.label  # type: ignore[union-attr]
+
+
+def test_roialign_fed_rois_both_modes_and_sampling() -> None:
+  """Rois computed at run time, partly outside the map and one malformed (x2 < x1: made 1x1 by output_half_pixel, a
+  negative grid with half_pixel and sampling_ratio 0, where onnxruntime fails and kiln refuses); sampling_ratio fixed, and
+  0 (the largest grid read back at run time); avg and max."""
+  x = f32(2, 3, 9, 11)
+  rois = np.array([[0.5, 1.2, 6.7, 7.1], [-3, -2, 4.2, 12.5], [8.1, 2.0, 3.3, 8.8], [2.2, 2.2, 2.9, 3.1]], np.float32)
+  bi = i64(0, 1, 1, 0)
+  def roi_model(r: np.ndarray, **attrs: Any) -> Any:
+    return model([N("RoiAlign", ["x", "r", "bi"], ["y"], output_height=3, output_width=2, spatial_scale=0.75, name="ra", **attrs)],
+                 {"x": x, "r": r, "bi": bi[:len(r)]}, {"y": np.float32}, opset=16)
+  for mode, sr, ctm in (("avg", 2, "output_half_pixel"), ("max", 0, "output_half_pixel"), ("max", 2, "half_pixel")):
+    check(roi_model(rois, mode=mode, sampling_ratio=sr, coordinate_transformation_mode=ctm), {"x": x, "r": rois, "bi": bi})
+  m = roi_model(rois, mode="avg", sampling_ratio=0, coordinate_transformation_mode="half_pixel")
+  with pytest.raises(ONNXError, match=r"node ra \(RoiAlign.*sample grids"): konnx.load(m).run({"x": x, "r": rois, "bi": bi})  # onnxruntime fails
+  check(roi_model(rois[:2], mode="avg", sampling_ratio=0, coordinate_transformation_mode="half_pixel"), {"x": x, "r": rois[:2], "bi": bi[:2]})
+  with pytest.raises(IndexOutOfRangeError, match=r"node ra \(RoiAlign\): batch_indices: index 2 is out of range \[-2, 2\)"):
+    konnx.load(roi_model(rois, sampling_ratio=2)).run({"x": x, "r": rois, "bi": i64(0, 2, 1, 0)})
