@@ -40,17 +40,12 @@ from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda import settings
 from kiln.runtime.cuda.compiler import CUDACompiler
+from kiln.runtime.cuda.sticky import is_sticky
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
 MAX_BLOCK_THREADS = 1024
 _drv_lock = threading.Lock()
 
-# cuGetErrorString texts (and CUresult names) of the sticky errors: after one of these the context cannot be used again
-_STICKY = ("illegal memory access", "illegal address", "unspecified launch failure", "misaligned address", "illegal instruction",
-           "device-side assert", "hardware stack error", "invalid program counter", "not supported on global/shared address space",
-           "launch timed out", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_MISALIGNED_ADDRESS",
-           "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_ASSERT", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_INVALID_PC",
-           "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_LAUNCH_TIMEOUT")
 _NO_BINARY = ("no kernel image is available", "no binary for gpu", "CUDA_ERROR_NO_BINARY_FOR_GPU")
 
 
@@ -93,12 +88,6 @@ def is_out_of_memory(drv: Any, e: BaseException) -> bool:
   mem_err = getattr(drv, "MemoryError", None)
   if isinstance(mem_err, type) and isinstance(e, mem_err): return True
   return "CUDA_ERROR_OUT_OF_MEMORY" in str(e)
-
-
-def is_sticky(e: BaseException) -> bool:
-  """An error after which the CUDA context is unusable (CUDA reports it again on every later call)."""
-  s = str(e)
-  return any(k.lower() in s.lower() for k in _STICKY)
 
 
 class ContextGuard:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.runtime.cuda import settings
+from kiln.runtime.cuda.sticky import is_sticky
 
 GRAPH_MIN_KERNELS = 4  # a run of fewer launches runs them one by one (a graph's build and its bookkeeping are not worth it)
 _PARAM_END, _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE = 0, 1, 2  # CU_LAUNCH_PARAM_*
@@ -290,7 +291,7 @@ class GraphRun:
       n.pack(int(n.params.func or 0))
       try: self.api.set_params(self._h[1], n.handle, n.params)
       except LibcudaError as e:
-        if _sticky(e): raise
+        if is_sticky(e): raise
         return False  # e.g. a change the driver cannot apply in place: rebuild
     return True
 
@@ -328,8 +329,3 @@ class GraphRun:
         if alive: api.destroy(graph, exe)
     except Exception as e:  # a finaliser has no caller to tell: say so
       warnings.warn(f"{guard.device}: destroying a CUDA graph failed: {e}", RuntimeWarning, stacklevel=2)
-
-
-def _sticky(e: BaseException) -> bool:
-  from kiln.runtime.cuda.driver import is_sticky
-  return is_sticky(e)
