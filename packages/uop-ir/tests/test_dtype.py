@@ -66,3 +66,15 @@ def test_eps_is_the_spacing_of_one():
   assert dtypes.float32.eps == float(np.finfo(np.float32).eps) and dtypes.float64.eps == float(np.finfo(np.float64).eps)
   assert dtypes.float16.eps == float(np.finfo(np.float16).eps) and dtypes.bfloat16.eps == 2.0 ** -7
   assert dtypes.float32.vec(8).eps == dtypes.float32.eps and dtypes.int32.eps == 0.0 and dtypes.bool.eps == 0.0
+
+
+def test_to_dtype_takes_kiln_and_numpy_names():
+  """to_dtype: the one conversion a Buffer's and a Tensor's dtype argument go through."""
+  from kiln.ir.dtype import to_dtype
+  for dt in ALL_DTYPES: assert to_dtype(dt) is dt and to_dtype(dt.name) is dt
+  assert to_dtype(np.float32) is dtypes.float32 and to_dtype(np.dtype("int8")) is dtypes.int8 and to_dtype("f4") is dtypes.float32
+  assert to_dtype(bool) is dtypes.bool and to_dtype(dtypes.float32.vec(4)) == dtypes.float32.vec(4)  # a DType as it is
+  for bad in ("float33", "float32x4", 3.5):
+    with pytest.raises(IRTypeError, match="unknown dtype"): to_dtype(bad)
+  for bad in ("void", np.complex64):
+    with pytest.raises(IRTypeError, match="has no kiln dtype"): to_dtype(bad)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from kiln.executor import PlanSpec
-from kiln.executor.buffer import to_dtype
+from kiln.executor.buffer import buffer_dtype
 from kiln.executor.portable import check_feeds, in_plan_dtype
 from kiln.ir.errors import PlanSpecError
 
@@ -24,7 +24,7 @@ def prepare(spec: PlanSpec, feeds: Mapping[str, Any], vars: Mapping[str, int] | 
     except Exception as e: raise PlanSpecError(f"input {name!r} is not an array: {type(e).__name__}: {e}") from None
   arrays, vals = check_feeds(spec, arrays, vars)
   for io in spec.inputs:
-    cast = in_plan_dtype(arrays[io.name], to_dtype(io.dtype).np)
+    cast = in_plan_dtype(arrays[io.name], buffer_dtype(io.dtype).np)
     if cast is None: raise PlanSpecError(f"input {io.name!r} has dtype {arrays[io.name].dtype}, the plan takes {io.dtype}")
     arrays[io.name] = cast
   return arrays, vals

@@ -16,7 +16,7 @@ import numpy as np
 
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import DeviceSpec
-from kiln.ir.dtype import DType, dtypes, parse_dtype
+from kiln.ir.dtype import DType, DTypeLike, dtypes, to_dtype
 from kiln.ir.errors import KilnBufferError
 from kiln.ir.files import open_regular
 
@@ -28,10 +28,9 @@ def _next_id() -> int:
   with _ids_lock: return next(_ids)
 
 
-def to_dtype(dt: DType | str | Any) -> DType:
-  if isinstance(dt, DType): d = dt
-  elif isinstance(dt, str): d = parse_dtype(dt)
-  else: d = dtypes.from_numpy(dt)
+def buffer_dtype(dt: DTypeLike) -> DType:
+  """A buffer's dtype (kiln.ir.dtype.to_dtype's conversion): one scalar value, else a KilnBufferError."""
+  d = to_dtype(dt)
   if d.kind in "vp" or d.count != 1: raise KilnBufferError(f"a buffer needs a scalar value dtype, got {dt!r}")
   return d
 
@@ -122,7 +121,7 @@ class Buffer:
                _storage: Storage | None = None, _offset: int = 0, _base: Buffer | None = None):
     if not isinstance(size, int) or isinstance(size, bool) or size < 1: raise KilnBufferError(f"buffer size must be a positive int, got {size!r}")
     self.device = str(DeviceSpec.parse(device))
-    self.dtype, self.size, self.id = to_dtype(dtype), size, _next_id()
+    self.dtype, self.size, self.id = buffer_dtype(dtype), size, _next_id()
     self.offset = _offset  # bytes into the storage
     self.base: Buffer | None = _base
     self._storage = _storage if _storage is not None else Storage(self.device, self.nbytes, options)
@@ -158,7 +157,7 @@ class Buffer:
 
   def view(self, offset: int, size: int, dtype: DType | str | Any = None) -> Buffer:
     """A Buffer of `size` elements (of `dtype`, default this buffer's) starting `offset` bytes in, sharing this storage."""
-    dt = self.dtype if dtype is None else to_dtype(dtype)
+    dt = self.dtype if dtype is None else buffer_dtype(dtype)
     if not isinstance(offset, int) or offset < 0: raise KilnBufferError(f"view offset must be an int >= 0 bytes, got {offset!r}")
     if not isinstance(size, int) or size < 1: raise KilnBufferError(f"view size must be a positive int, got {size!r}")
     if offset + size * dt.itemsize > self.nbytes:
@@ -221,7 +220,7 @@ class Buffer:
   def from_numpy(arr: Any, device: str | DeviceSpec = "CPU", dtype: DType | str | None = None) -> Buffer:
     """A Buffer with arr's contents. On the CPU a C-contiguous array is wrapped without a copy (the buffer keeps it alive)."""
     a = np.asarray(arr)
-    dt = to_dtype(dtype) if dtype is not None else dtypes.from_numpy(a.dtype)
+    dt = buffer_dtype(dtype) if dtype is not None else dtypes.from_numpy(a.dtype)
     if a.dtype.itemsize != dt.itemsize: raise KilnBufferError(f"numpy dtype {a.dtype} does not store kiln dtype {dt.name}")
     n = a.size
     if n == 0: raise KilnBufferError("cannot make a buffer from an empty array")

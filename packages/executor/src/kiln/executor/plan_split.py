@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kiln.executor.buffer import to_dtype
+from kiln.executor.buffer import buffer_dtype
 from kiln.executor.planspec import BufferEntry, CheckEntry, CopyEntry, IOEntry, KernelEntry, PlanSpec, StorageEntry, ViewEntry
 from kiln.executor.spec_access import accesses, compiled_doc, first_reads, places
 from kiln.ir.errors import PlanSpecError
@@ -27,7 +27,7 @@ def op_costs(spec: PlanSpec) -> list[float]:
     if isinstance(op, KernelEntry):
       doc = compiled_doc(op)
       costs.append(float(doc.get("flops", 0)) + float(doc.get("mem_bytes", 0)))
-    elif isinstance(op, CopyEntry): costs.append(float(spec.buffers[op.dst].size * to_dtype(spec.buffers[op.dst].dtype).itemsize))
+    elif isinstance(op, CopyEntry): costs.append(float(spec.buffers[op.dst].size * buffer_dtype(spec.buffers[op.dst].dtype).itemsize))
     else: costs.append(0.0)
   return costs
 

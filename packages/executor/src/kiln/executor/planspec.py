@@ -34,7 +34,7 @@ from kiln.codegen.opt import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug
-from kiln.executor.buffer import Buffer, Storage, base_chain, to_dtype
+from kiln.executor.buffer import Buffer, Storage, base_chain, buffer_dtype
 from kiln.executor.builder import ExecutionPlanBuilder
 from kiln.executor.cache import CachedKernel, _stats, get_or_compile_kernel, kernel_key, target_key
 from kiln.executor.checks import MAX_MESSAGE
@@ -174,7 +174,7 @@ class PlanSpec(_Entry):
     ns, nb = len(self.storages), len(self.buffers)
     for i, b in enumerate(self.buffers):
       if b.storage >= ns: raise ValueError(f"buffer {i} names storage {b.storage}; the spec has {ns}")
-      if b.offset + b.size * to_dtype(b.dtype).itemsize > self.storages[b.storage].nbytes:
+      if b.offset + b.size * buffer_dtype(b.dtype).itemsize > self.storages[b.storage].nbytes:
         raise ValueError(f"buffer {i} ({b.size} x {b.dtype} at byte {b.offset}) runs past the end of storage {b.storage}")
     for pos, op in enumerate(self.ops):
       if op.id != pos: raise ValueError(f"op {pos} has id {op.id}: ops must be numbered in order from 0")
@@ -433,7 +433,7 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
   b = ExecutionPlanBuilder(spec.device, parallel=spec.parallel, reuse_memory=spec.reuse_memory)
   for be in spec.buffers:
     st = stores[be.storage]
-    b.add_buffer(Buffer(st.device, be.size, to_dtype(be.dtype), _storage=st, _offset=be.offset))
+    b.add_buffer(Buffer(st.device, be.size, buffer_dtype(be.dtype), _storage=st, _offset=be.offset))
   key = _seal_key() if code == "sealed" else None
   rt = get_runtime(b.device)
   shipped = code != "compile" and target_key(b.device, rt) == spec.target  # else every kernel compiles for this host

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.executor.buffer import to_dtype
+from kiln.executor.buffer import buffer_dtype
 from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import CodePolicy, IOEntry, PlanSpec, builder_from_spec, dim_value
 from kiln.executor.profile import Profile
@@ -81,7 +81,7 @@ class PortablePlan:
   def _feed(self, feeds: Mapping[str, Any], given: Mapping[str, int] | None) -> dict[str, int]:
     arrays, vals = check_feeds(self.spec, feeds, given)
     for io in self.spec.inputs:
-      a = in_plan_dtype(arrays[io.name], to_dtype(io.dtype).np)
+      a = in_plan_dtype(arrays[io.name], buffer_dtype(io.dtype).np)
       if a is None: raise PlanSpecError(f"input {io.name!r} has dtype {arrays[io.name].dtype}, the plan takes {io.dtype}")
       buf = self.plan.buffers[io.buffer]
       if a.size != buf.size: buf = buf.view(0, a.size)

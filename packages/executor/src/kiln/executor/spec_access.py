@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln.executor.buffer import to_dtype
+from kiln.executor.buffer import buffer_dtype
 from kiln.ir.errors import PlanSpecError
 
 if TYPE_CHECKING:  # planspec's export reads accesses through this module: the entries are told apart by their `kind`
@@ -26,7 +26,7 @@ class StorageAccess:
 
 def places(buffers: Sequence[BufferEntry], ops: Sequence[OpEntry]) -> dict[int, tuple[int, int, int]]:
   """buffer -> (storage, byte offset, bytes), through view ops."""
-  out = {i: (b.storage, b.offset, b.size * to_dtype(b.dtype).itemsize) for i, b in enumerate(buffers)}
+  out = {i: (b.storage, b.offset, b.size * buffer_dtype(b.dtype).itemsize) for i, b in enumerate(buffers)}
   for op in ops:
     if op.kind == "view":
       st, off, _ = out[op.base]

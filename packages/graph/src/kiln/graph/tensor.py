@@ -12,25 +12,16 @@ from kiln.graph import dims as sym
 from kiln.graph.index_check import gather_node
 from kiln.graph.lazy import GraphError, Node, Source, prod
 from kiln.graph.schedule import Compiled, compile_nodes
-from kiln.ir.dtype import DType, dtypes, least_upper_dtype
-from kiln.ir.errors import IRTypeError
+from kiln.ir.dtype import DType, DTypeLike, dtypes, least_upper_dtype, to_dtype
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 Scalar = int | float | bool
 PyFloat = float  # Tensor.float() shadows the builtin inside the class
-DTypeLike = DType | str | np.dtype | type
 # a padded conv reads its realized input through the pad (gated loads its packed panel copies as masked row runs) instead
 # of realizing the padded copy first (a kernel of its own per conv); False: the padded copy, for comparison
 PAD_INLINE = True
-
-
-def to_dtype(dt: DTypeLike) -> DType:
-  if isinstance(dt, DType): return dt
-  try:
-    return dtypes.from_numpy(np.dtype(dt))
-  except (TypeError, IRTypeError) as e: raise GraphError(f"unknown dtype {dt!r}") from e
 
 
 def _norm_axis(a: int, nd: int, op: str, shape: tuple[Dim, ...]) -> int:

@@ -170,6 +170,21 @@ ALL_DTYPES: Final[tuple[DType, ...]] = (dtypes.bool, dtypes.int8, dtypes.int16, 
 INT_DTYPES: Final = tuple(d for d in ALL_DTYPES if d.is_int)
 FLOAT_DTYPES: Final = tuple(d for d in ALL_DTYPES if d.is_float)
 _BY_NAME: Final[dict[str, DType]] = {d.name: d for d in (*ALL_DTYPES, dtypes.void)}
+_VALUE_NAMES: Final[dict[str, DType]] = {d.name: d for d in ALL_DTYPES}
+
+
+DTypeLike = DType | str | np.dtype | type  # what to_dtype takes
+
+
+def to_dtype(dt: DTypeLike) -> DType:
+  """A dtype from a DType (as it is), a kiln value dtype's name ('float32', 'bfloat16') or what numpy takes for one
+  (np.float32, 'f4'): the one conversion the layers above share (a Buffer's dtype, a Tensor's). An unknown one is an
+  IRTypeError naming it."""
+  if isinstance(dt, DType): return dt
+  if isinstance(dt, str) and dt in _VALUE_NAMES: return _VALUE_NAMES[dt]
+  try: nd = np.dtype(dt)
+  except (TypeError, ValueError): raise IRTypeError(f"unknown dtype {dt!r}") from None
+  return dtypes.from_numpy(nd)
 
 
 def parse_dtype(s: str) -> DType:
