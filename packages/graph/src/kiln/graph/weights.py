@@ -18,28 +18,26 @@ after mapping still faults on access: that is mmap's contract, not something a r
 """
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
-import numpy.lib.format as npformat
 
 from kiln.graph.lazy import GraphError, Node, Source
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import DeviceError, KilnBufferError
 from kiln.ir.files import open_regular, regular_size
+from kiln.ir.npy import read_header
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference reader's limit on a safetensors header
 MAX_NAME_BYTES = 1024  # longer tensor names are refused (real ones are well under 256)
 MAX_DIMS = 32
-NPY_MAX_HEADER = 1 << 16  # a .npy header is a Python literal: parse only small ones
 
 # safetensors dtype names -> kiln dtypes (F8_* and the 4-bit types have no kiln dtype)
 ST_DTYPES: dict[str, DType] = {
@@ -78,19 +76,6 @@ def _check_bool(arr: np.ndarray, where: str) -> None:
 
 
 # ---- .npy ----
-def _npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
-  version = npformat.read_magic(f)
-  if version == (1, 0): return npformat.read_array_header_1_0(f, max_header_size=NPY_MAX_HEADER)
-  if version == (2, 0): return npformat.read_array_header_2_0(f, max_header_size=NPY_MAX_HEADER)
-  if version != (3, 0): raise ValueError(f"unknown .npy format version {version[0]}.{version[1]}")
-  (hlen,) = struct.unpack("<I", f.read(4))  # 3.0 is 2.0 with a utf-8 header; numpy has no public reader for it
-  if hlen > NPY_MAX_HEADER: raise ValueError(f"header of {hlen} bytes is over the {NPY_MAX_HEADER} byte limit")
-  d = ast.literal_eval(f.read(hlen).decode("utf-8"))
-  if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"} or not isinstance(d["shape"], tuple):
-    raise ValueError(f"bad header {d!r}")
-  return d["shape"], bool(d["fortran_order"]), npformat.descr_to_dtype(d["descr"])
-
-
 def _kiln_dtype(dt: np.dtype, where: str) -> DType:
   if dt.hasobject: raise WeightsError(f"{where}: dtype {dt} holds Python objects, which have no raw bytes to map")
   if not dt.isnative:
@@ -100,13 +85,13 @@ def _kiln_dtype(dt: np.dtype, where: str) -> DType:
 
 
 def npy_region(path: str | os.PathLike[str]) -> tuple[int, tuple[int, ...], DType]:
-  """(data offset, shape, kiln dtype) of a C-order .npy file, from its header, with the checks disk.py's npy_region makes
-  (kiln.graph cannot import the runtime) plus byte order, negative dims and the dtype kiln computes on."""
+  """(data offset, shape, kiln dtype) of a C-order .npy file, from its header (kiln.ir.npy, as the DISK device reads it),
+  with the checks disk.py's npy_region makes (kiln.graph cannot import the runtime) plus byte order, negative dims and the
+  dtype kiln computes on."""
   p = _abspath(path)
   with os.fdopen(open_regular(p, ".npy file", WeightsError), "rb") as f:
-    try: shape, fortran, dt = _npy_header(f)
-    except (ValueError, OSError, SyntaxError, KeyError, TypeError, struct.error, UnicodeDecodeError, MemoryError, RecursionError) as e:
-      raise WeightsError(f"{p} is not a readable .npy file: {e}") from None
+    try: shape, fortran, dt = read_header(f)
+    except (ValueError, OSError) as e: raise WeightsError(f"{p} is not a readable .npy file: {e}") from None
     offset, flen = f.tell(), os.fstat(f.fileno()).st_size
   kdt = _kiln_dtype(dt, p)
   if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) or len(shape) > MAX_DIMS:

@@ -1,17 +1,15 @@
 """The DISK:/path device: read-only maps of file regions, and the data region of a .npy file read with no copy."""
 from __future__ import annotations
 
-import ast
 import os
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.lib.format as npformat
 
 from kiln.ir.errors import KilnBufferError
 from kiln.ir.files import open_regular
+from kiln.ir.npy import read_header
 from kiln.runtime.cpu.buffer import MmapBuffer, RawBuffer, check_size
 
 
@@ -30,24 +28,12 @@ def open_disk(path: Any, offset: int = 0, size: int | None = None) -> MmapBuffer
   return RawBuffer.Mmap(disk_path(path), offset, size)
 
 
-def _read_header_3_0(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
-  # format 3.0 is 2.0 with a utf-8 header, and numpy has no public reader for it
-  (hlen,) = struct.unpack("<I", f.read(4))
-  d = ast.literal_eval(f.read(hlen).decode("utf-8"))
-  if not isinstance(d, dict) or not {"descr", "fortran_order", "shape"} <= set(d): raise ValueError(f"bad .npy 3.0 header {d!r}")
-  return tuple(d["shape"]), bool(d["fortran_order"]), npformat.descr_to_dtype(d["descr"])
-
-
 def npy_region(path: Any) -> tuple[int, int, np.dtype, tuple[int, ...]]:
   """(data offset, data nbytes, dtype, shape) of a C-order .npy file, from its header alone."""
   p = disk_path(path)
   with os.fdopen(open_regular(p, ".npy file", KilnBufferError), "rb") as f:
-    try:
-      version = npformat.read_magic(f)
-      if version == (1, 0): shape, fortran, dtype = npformat.read_array_header_1_0(f)
-      elif version == (2, 0): shape, fortran, dtype = npformat.read_array_header_2_0(f)
-      else: shape, fortran, dtype = _read_header_3_0(f)
-    except (ValueError, OSError, SyntaxError, KeyError, TypeError) as e: raise KilnBufferError(f"{p} is not a readable .npy file: {e}") from None
+    try: shape, fortran, dtype = read_header(f)
+    except (ValueError, OSError) as e: raise KilnBufferError(f"{p} is not a readable .npy file: {e}") from None
     offset, flen = f.tell(), os.fstat(f.fileno()).st_size
   if dtype.hasobject: raise KilnBufferError(f"{p}: dtype {dtype} holds Python objects, which have no raw bytes to map")
   if fortran and len(shape) > 1:
