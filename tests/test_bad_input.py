@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import BufferSpec, CompiledSpec, DeviceSpec, ProgramSpec, Variable
 from kiln.executor import cache

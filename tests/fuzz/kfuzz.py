@@ -51,7 +51,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.ir.alu import from_storage, round_to, to_storage
 from kiln.ir.dtype import ALL_DTYPES, DType, PtrDType, dtypes
 from kiln.ir.errors import CodegenError
@@ -265,8 +265,8 @@ def random_opts(draw: Callable[[Any], Any], ast: UOp) -> list[Opt]:
   """A few CPU options that are usually valid: amounts dividing constant axes, one UPCAST among the output axes and one
   among the reduce axes (a nested row reduce may be vectorised beside its output), THREAD into 2-16 chunks, and sometimes PACK, FMA,
   OUTER and KEEP; or, one time in five, one of the option sets the tuner times for this kernel on this host."""
-  if draw(st.integers(0, 4)) == 0:  # one of the option sets a tuner would time (kiln.codegen.search), this host's target
-    from kiln.codegen.search import candidates
+  if draw(st.integers(0, 4)) == 0:  # one of the option sets a tuner would time (kiln.codegen.choose.search), this host's target
+    from kiln.codegen.choose.search import candidates
     from kiln.runtime.cpu.device import cpu_target
     try: cands = candidates(ast, cpu_target())
     except CodegenError: cands = []

@@ -197,7 +197,7 @@ def test_regression_integer_reduce_compared_or_cast_renders(use):
 @pytest.mark.parametrize("dt", [dtypes.int8, dtypes.float32])
 def test_regression_upcast_by_three_reduction_compiles(dt):
   """UPCAST by 3 of a reduce axis: the accumulator `alloca <3 x i8>` was given `align 3` and LLVM rejected the IR."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
@@ -215,7 +215,7 @@ def test_regression_upcast_by_three_reduction_compiles(dt):
 def test_regression_nested_reduce_of_a_vectorised_value(dt, opts):
   """A REDUCE over a REDUCE of a vectorised value (UPCAST on the output axis, the heuristic's choice here): the outer
   accumulator was scalar and the inner a vector, and LLVM rejected `fadd float %a, <8 x float> %b`."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
@@ -273,7 +273,7 @@ def test_regression_half_mulacc_rounds_the_product(dt):
 def test_regression_nested_reduce_with_unrolled_output_axis(opts):
   """A REDUCE over a REDUCE with the output axis UNROLLed: the outer reduce took its unroll copies from the inner one's
   placeholder, whose copies were not known yet, and render() raised KeyError: UOp.variable('unroll.0', 0, 1)."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   rt = get_runtime("CPU")
@@ -335,7 +335,7 @@ def test_regression_thread_split_of_a_nested_reduce_is_refused():
   """THREAD on the axis of a REDUCE nested in another: the threaded result exists only in the finishing call, outside the
   outer reduce's loops, and LLVM rejected the IR ('multiple definition of local value'). Now a CodegenError says so; THREAD on
   the outer reduce's axis still works."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.codegen.registry import get_runtime
   from kiln.ir import AxisType, Ops
   from kiln.ir.errors import CodegenError

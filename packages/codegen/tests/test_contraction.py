@@ -1,10 +1,10 @@
-"""kiln.codegen.contraction: which kernels are one matrix product (and get CUDA's tiled kernel), with their strides; and the
+"""kiln.codegen.choose.contraction: which kernels are one matrix product (and get CUDA's tiled kernel), with their strides; and the
 tile the CUDA renderer chooses for them from the GPU's properties."""
 from __future__ import annotations
 
+from kiln.codegen.choose import Opt, OptOps, Target
+from kiln.codegen.choose.contraction import linear, match
 from kiln.codegen.choose.tiling import Tiling, choose_tiling
-from kiln.codegen.contraction import linear, match
-from kiln.codegen.opt import Opt, OptOps, Target
 from kiln.codegen.render import CUDARenderer
 from kiln.ir import UOp, kernels
 from kiln.ir.dtype import dtypes

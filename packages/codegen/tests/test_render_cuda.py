@@ -133,7 +133,7 @@ def test_nvcc_ptx_sm90(rendered):
 def test_unroll_of_a_gpu_output_axis_is_refused_not_dropped():
   """An output axis goes to the grid (one element per thread): UNROLL there was once reported as applied and silently
   dropped; now it is an error naming the option. On a reduce axis it still unrolls the thread's loop."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.ir import kernels
   from kiln.ir.dtype import dtypes
   from kiln.ir.errors import CodegenError

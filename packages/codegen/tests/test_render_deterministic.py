@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 SCRIPT = """
-from kiln.codegen.opt import Opt, OptOps, Target
+from kiln.codegen.choose import Opt, OptOps, Target
 from kiln.codegen.render.cuda import CUDARenderer
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kiln.codegen.opt import Target
+from kiln.codegen.choose import Target
 from kiln.codegen.render import CUDARenderer, llvm_math
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import Ops, UOp, dtypes

@@ -162,7 +162,7 @@ def test_origin_memory_then_disk(cpu):
 def test_add_kernel_takes_the_callers_options(cpu):
   """opts= replaces the heuristic for that kernel: the compiled kernel applies exactly them, the same AST with other options
   is another cache entry, results stay right, and options that do not fit the kernel are an error naming the op."""
-  from kiln.codegen.opt import Opt, OptOps
+  from kiln.codegen.choose import Opt, OptOps
   from kiln.ir.errors import CodegenError, PlanError
   M, N, K = 32, 64, 48
   A, B = np.random.rand(M, K).astype(np.float32), np.random.rand(K, N).astype(np.float32)
@@ -181,7 +181,7 @@ def test_add_kernel_takes_the_callers_options(cpu):
   assert len({id(p.prepared_ops[0].kernel) for p in plans.values()}) == 3, "each option set is its own cached kernel"
   b = ExecutionPlanBuilder("CPU")
   ca, cb, cc = b.add_buffer(Buffer.from_numpy(A)), b.add_buffer(Buffer.from_numpy(B)), b.add_buffer(Buffer("CPU", M * N, dtypes.float32))
-  with pytest.raises(PlanError, match="opts must be a list of kiln.codegen.opt.Opt"):
+  with pytest.raises(PlanError, match="opts must be a list of kiln.codegen.choose.Opt"):
     b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=["UPCAST"])
   b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=[Opt(OptOps.UPCAST, 7, 4)])
   b.set_outputs([cc])

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.executor import Buffer, ExecutionPlanBuilder, PlanSpec, PortablePlan, cache
 from kiln.executor.planspec import export
 from kiln.ir import kernels

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, kernels
 from kiln.runtime.cpu.allocator import CPUAllocator

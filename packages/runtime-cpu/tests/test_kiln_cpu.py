@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kiln.codegen.opt import OptOps, Target, heuristic_opts
+from kiln.codegen.choose import OptOps, Target, heuristic_opts
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import kernels
 from kiln.runtime.cpu.compiler import LLVMCompiler, host_cpu

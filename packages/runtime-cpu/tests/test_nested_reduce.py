@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
 from kiln.ir.dtype import DType

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.ir import RuntimeLaunchError, UOp, VariableBoundsError, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram

@@ -11,7 +11,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Target
+from kiln.codegen.choose import Target
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import dtypes, kernels

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.render import CUDARenderer
 from kiln.ir import kernels
 from kiln.ir.alu import round_to, to_storage

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.ir import kernels
 from kiln.ir.alu import round_to, to_storage
 from kiln.ir.dtype import ALL_DTYPES, DType, bf16_bits_to_f32, dtypes

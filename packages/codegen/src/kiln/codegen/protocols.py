@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-  from kiln.codegen.opt import Opt
+  from kiln.codegen.choose import Opt
   from kiln.codegen.spec import CompiledSpec, ProgramSpec
   from kiln.ir.uop import UOp
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from kiln.codegen.choose.base import Target
 from kiln.codegen.spec import DeviceSpec
 from kiln.ir.errors import DeviceError
 
@@ -57,3 +58,10 @@ def get_runtime(device: str | DeviceSpec) -> Runtime:
     rt = factory(spec)
     _instances[name] = rt
     return rt
+
+
+def target_of(device: str | DeviceSpec) -> Target | None:
+  """The machine model the device's renderer chooses options for (kiln.codegen.choose), for layers above that ask the
+  option choice with a device; None for a runtime that renders nothing (DISK) or renders without it."""
+  target = getattr(getattr(get_runtime(device), "renderer", None), "target", None)  # the Renderer protocol leaves it optional
+  return target if isinstance(target, Target) else None

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.codegen.opt import Opt
+from kiln.codegen.choose import Opt
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor import tune as tuning
@@ -86,7 +86,7 @@ class ExecutionPlanBuilder:
     dev = None if device is None else str(DeviceSpec.parse(device))
     if opts is not None:
       if isinstance(opts, (str, bytes)) or not isinstance(opts, Sequence) or not all(isinstance(o, Opt) for o in opts):
-        raise PlanError(f"kernel {len(self.ops)} '{name}': opts must be a list of kiln.codegen.opt.Opt, got {opts!r}")
+        raise PlanError(f"kernel {len(self.ops)} '{name}': opts must be a list of kiln.codegen.choose.Opt, got {opts!r}")
       opts = list(opts)
       if tune: raise PlanError(f"kernel {len(self.ops)} '{name}': tune=True chooses the opts itself; pass opts or tune, not both")
     self.ops.append(_KernelOp(len(self.ops), ast, [int(b) for b in buffers], dict(fixedvars or {}), list(deps or []), name, opts, tune, dev))

@@ -30,7 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln.codegen import diskcache
-from kiln.codegen.opt import Opt, OptOps
+from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.executor import debug

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kiln.codegen.opt import Opt
+from kiln.codegen.choose import Opt
 from kiln.codegen.protocols import BoundCall
 from kiln.codegen.spec import DeviceSpec, sym_eval
 from kiln.executor.cache import CachedKernel, Origin

@@ -1,4 +1,4 @@
-"""Tuning: choosing a kernel's optimisation options by timing candidates (kiln.codegen.search) on the plan's own buffers,
+"""Tuning: choosing a kernel's optimisation options by timing candidates (kiln.codegen.choose.search) on the plan's own buffers,
 and remembering the choice per (kernel, device, compiler, machine) in the disk cache directory, so a later build of the
 same plan compiles only the chosen options and searches nothing.
 
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen import diskcache
-from kiln.codegen.opt import Opt, OptOps, Target
-from kiln.codegen.registry import get_runtime
-from kiln.codegen.search import space
+from kiln.codegen.choose import Opt, OptOps
+from kiln.codegen.choose.search import space
+from kiln.codegen.registry import get_runtime, target_of
 from kiln.executor import debug, settings
 from kiln.executor.buffer import Buffer
 from kiln.executor.cache import CachedKernel, Origin, adopt_kernel, build_kernel, cache_dir, compile_kernel_with_origin, disk_cache_enabled, disk_key
@@ -120,11 +120,6 @@ class TuneResult:
   seconds: float  # wall time of the search
 
 
-def _target(rt: Any) -> Target | None:
-  t = getattr(rt, "target", None) or getattr(getattr(rt, "renderer", None), "target", None)
-  return t if isinstance(t, Target) else None
-
-
 def _tolerance(ast: UOp, dt: DType) -> float:
   """The fuzzer's bound for a float store summed in another order or with FMA: eps * (16 + 4 * reduced elements)."""
   n = 1
@@ -211,7 +206,7 @@ def search(pk: PreparedKernel, buffers: list[Buffer], keep: set[int], budget: fl
   t_start = time.perf_counter()
   ast, dev = pk.ast, str(pk.device)
   rt = get_runtime(dev)
-  target = _target(rt)
+  target = target_of(dev)
   budget = tune_budget() if budget is None else budget
   deadline = t_start + budget
   if target is None or any(n not in pk.fixedvars for n in pk.kernel.var_names):

@@ -40,7 +40,6 @@ from kiln.graph.render import Kernel, Renderer, stored_dtype
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
 from kiln.ir.dtype import DType, PtrDType, dtypes
-from kiln.ir.errors import IRError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -272,28 +271,8 @@ def _reassociated_opts(ast: UOp, device: str) -> list | None:
   """A graph's sums have no order of their own, so its kernels may take the optimiser's choices for reductions summed in
   another order (heuristic_opts(reassociate=True): a global pool vectorised along its maps, not gathered across its
   channels); None where that changes nothing, and the plan picks them as for any kernel (and KILN_TUNE may tune them)."""
-  if not device.startswith("CPU"): return None
-  from kiln.codegen.opt import Target, reassociated_opts
-  from kiln.codegen.prepare import prepare
-  from kiln.codegen.registry import get_runtime
-  target = getattr(get_runtime(device).renderer, "target", None)  # what the renderer's lowering picks its options for
-  if not isinstance(target, Target) or not _one_plain_reduce(ast): return None  # most kernels: no prepare, no heuristic
-  try: prepared = prepare(ast)[0]
-  except IRError: return None  # the plan's build reports it, as for any kernel
-  return reassociated_opts(prepared, target)
-
-
-def _one_plain_reduce(ast: UOp) -> bool:
-  """A kernel the reassociating rule may change (a quick look before preparing it: the rule's own test wants the
-  simplified indices): one store, one REDUCE over one axis, every load of its body indexed by the output's innermost loop
-  (a matmul's row operand is not) and none gated (a padded conv input)."""
-  if len(ast.src) != 1 or ast.src[0].op is not Ops.STORE: return False
-  loops = [u for u in ast.src[0].src[0].toposort() if u.op is Ops.RANGE and u.arg[1] is AxisType.LOOP]
-  reds = [u for u in ast.toposort() if u.op is Ops.REDUCE]
-  if not loops or len(reds) != 1 or len(reds[0].src) != 2: return False
-  inner = max(loops, key=lambda r: r.arg[0])
-  loads = [u for u in reds[0].src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX]
-  return bool(loads) and all(len(ld.src[0].src) == 2 and inner in ld.src[0].src[1].toposort() for ld in loads)
+  from kiln.codegen.choose import reassociated_for
+  return reassociated_for(ast, device)
 
 
 def aligned_windows(ast: UOp, wins: dict[int, Window], itemsizes: Sequence[int], align: int) -> tuple[UOp, dict[int, Window]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.codegen.contraction import Contraction
-from kiln.codegen.opt import Target
+from kiln.codegen.choose.base import Target
+from kiln.codegen.choose.contraction import Contraction
 from kiln.ir.dtype import dtypes
 
 THREADS = 256  # a SIMT tile's block

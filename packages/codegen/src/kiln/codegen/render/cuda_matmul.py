@@ -1,4 +1,4 @@
-"""Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.contraction recognises. Blocks sit on the grid's x (tile
+"""Tiled matrix-product kernels for CUDA, for kernels kiln.codegen.choose.contraction recognises. Blocks sit on the grid's x (tile
 columns), y (tile rows) and z (batch); kiln.codegen.choose.tiling picks the tile from the GPU (gpu_arch, gpu_sms, allow_tf32):
 - SIMT (any float input, float32 sums; 256 threads): BMxBNx8 slices of A and B in shared memory two stages deep (A
   transposed, so a thread reads its rows as one broadcast); each thread keeps an 8x8, 8x4 or 4x4 register tile of float32
@@ -19,10 +19,10 @@ Numerics: the sums are float32 like the reference's, but fused (one rounding per
 thread, per tile, per tensor-core step), so results agree to float32 rounding, not bit for bit."""
 from __future__ import annotations
 
+from kiln.codegen.choose import Target
+from kiln.codegen.choose.contraction import Contraction, Operand, match
 from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor, choose_tiling
-from kiln.codegen.contraction import Contraction, Operand, match
 from kiln.codegen.lowering import index_width
-from kiln.codegen.opt import Target
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops

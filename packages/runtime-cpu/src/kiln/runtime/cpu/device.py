@@ -4,7 +4,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from kiln.codegen.opt import Target
+from kiln.codegen.choose import Target
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.codegen.spec import CompiledSpec, DeviceSpec
 from kiln.codegen.threads import available_cores

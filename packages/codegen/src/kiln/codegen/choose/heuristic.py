@@ -1,18 +1,14 @@
-"""Optimisation options (defined in opt_base, applied to axes in axis_plan; both re-exported here) and the deterministic
-heuristic that picks them. An explicit list overrides the heuristic."""
+"""The deterministic heuristic that picks a kernel's options from its prepared AST and the target (the machine model):
+vector widths, register tiles, thread splits, GPU blocks. kiln.codegen.choose.choice.choose_opts asks it when no list is
+given; an explicit list overrides it."""
 from __future__ import annotations
 
-from kiln.codegen.axis_plan import AxisPlan, _loads, expand_var, kept_twins, plan_axes
-from kiln.codegen.opt_base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
+from kiln.codegen.choose.axis_plan import _loads, kept_twins
+from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
 from kiln.codegen.threads import chunk_count
 from kiln.ir.analysis import free_ranges, reads_stored
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
-
-__all__ = [  # the options and their rules (re-exported), then the heuristic's own
-  "GPU_WARP", "AxisPlan", "Opt", "OptOps", "Target", "affine_coeff", "axis_size", "expand_var", "kept_twins", "plan_axes",
-  "heuristic_opts", "reassociable", "reassociated_opts", "operand_load", "matmul_rows", "SMALL_WINDOW", "KEEP_ROW_VECTORS",
-  "GPU_MIN_GROUP_ROW", "GPU_PER_THREAD", "GPU_FULL_PER_THREAD", "GPU_MAX_BLOCKS", "GPU_FEW_ROWS"]
 
 
 def _out_width(size: int | None, want: int, lanes: int) -> int:
@@ -50,7 +46,7 @@ def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> in
   return _pick_width(size, 1 << (rows.bit_length() - 1))
 
 
-_POLY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})  # llvm_math.BODIES (a test keeps them equal; render imports opt)
+_POLY_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})  # llvm_math.BODIES (a test keeps them equal; render imports choose)
 
 
 def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[Opt]:

@@ -1,12 +1,12 @@
 """Options applied to a kernel's axes: each option's rule checks it against its axis and the target and records what it
 asks in the axis's plan (AxisPlan), plan_axes runs them all, and KEEP's test of which store values a REDUCE computes too
-(kept_twins). kiln.codegen.opt re-exports them; the heuristic that picks options lives there."""
+(kept_twins). The heuristic that picks options is kiln.codegen.choose.heuristic."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.codegen.opt_base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
+from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
 from kiln.ir.analysis import exact_int_bounds, free_ranges
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.errors import CodegenError

@@ -1,5 +1,5 @@
 """What optimisation options are: the ops (OptOps), an option (Opt) and what the optimiser may assume about the device
-(Target, the machine model), with the axis arithmetic every part of the optimiser shares. kiln.codegen.opt re-exports them."""
+(Target, the machine model), with the axis arithmetic every part of the optimiser shares. kiln.codegen.choose re-exports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

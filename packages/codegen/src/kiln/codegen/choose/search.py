@@ -8,8 +8,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kiln.codegen.opt import Opt, OptOps, Target, heuristic_opts, matmul_rows
-from kiln.codegen.prepare import prepare
+from kiln.codegen.choose.base import Opt, OptOps, Target
+from kiln.codegen.choose.choice import choose_opts
+from kiln.codegen.choose.heuristic import matmul_rows
+from kiln.codegen.lowering.prepare import prepare
 from kiln.ir.analysis import free_ranges
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
@@ -70,7 +72,7 @@ def space(ast: UOp, target: Target) -> Space:
   GPUs: block sizes. Kernels of several stores
   keep the heuristic's (empty) list."""
   prepared, _ = prepare(ast)
-  base = tuple(heuristic_opts(prepared, target))
+  base = tuple(choose_opts(prepared, target))
   stores = [s for s in prepared.src if s.op is Ops.STORE]
   if len(stores) != 1: return Space(base, ())
   st = stores[0]

@@ -1,0 +1,46 @@
+"""The one entry to a kernel's options: `choose_opts` (the lowering asks it: the caller's list, else the heuristic's) and
+`reassociated_for` (kiln.graph asks it with a device: the options for sums taken in another order, where they differ).
+The tuner's candidates are kiln.codegen.choose.search's; the CUDA matrix product's tile is kiln.codegen.choose.tiling's."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kiln.codegen.choose.base import Opt, Target
+from kiln.codegen.choose.heuristic import heuristic_opts, reassociated_opts
+from kiln.codegen.registry import target_of
+from kiln.ir.errors import IRError
+from kiln.ir.ops import AxisType, Ops
+from kiln.ir.uop import UOp
+
+
+def choose_opts(ast: UOp, target: Target, explicit: Sequence[Opt] | None = None, reassociate: bool = False) -> list[Opt]:
+  """The options a prepared kernel is lowered with: `explicit` as given (a caller's opts=, a tuned choice, kiln.graph's
+  reassociated list), else the heuristic's for the target (reassociate: the caller takes float sums in another order)."""
+  return list(explicit) if explicit is not None else heuristic_opts(ast, target, reassociate)
+
+
+def reassociated_for(ast: UOp, device: str) -> list[Opt] | None:
+  """For a caller whose sums have no order of their own (kiln.graph): the options with reductions summed in another order
+  (a global pool vectorised along its maps, not gathered across its channels) for an unprepared kernel on a device, None
+  where that changes nothing (the kernel then keeps the default options and its cache key) or the device's renderer
+  chooses no options (target_of is None)."""
+  if not _one_plain_reduce(ast): return None  # most kernels: no prepare, no heuristic
+  if (target := target_of(device)) is None or target.vector_bytes == 0: return None  # a GPU's lanes gather nothing
+  # imported when called: the lowering imports this module, and prepare is a lowering pass
+  from kiln.codegen.lowering.prepare import prepare
+  try: prepared = prepare(ast)[0]
+  except IRError: return None  # the plan's build reports it, as for any kernel
+  return reassociated_opts(prepared, target)
+
+
+def _one_plain_reduce(ast: UOp) -> bool:
+  """A kernel the reassociating rule may change (a quick look before preparing it: the rule's own test wants the
+  simplified indices): one store, one REDUCE over one axis, every load of its body indexed by the output's innermost loop
+  (a matmul's row operand is not) and none gated (a padded conv input)."""
+  if len(ast.src) != 1 or ast.src[0].op is not Ops.STORE: return False
+  loops = [u for u in ast.src[0].src[0].toposort() if u.op is Ops.RANGE and u.arg[1] is AxisType.LOOP]
+  reds = [u for u in ast.toposort() if u.op is Ops.REDUCE]
+  if not loops or len(reds) != 1 or len(reds[0].src) != 2: return False
+  inner = max(loops, key=lambda r: r.arg[0])
+  loads = [u for u in reds[0].src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX]
+  return bool(loads) and all(len(ld.src[0].src) == 2 and inner in ld.src[0].src[1].toposort() for ld in loads)

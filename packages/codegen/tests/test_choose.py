@@ -1,0 +1,64 @@
+"""kiln.codegen.choose's entries: choose_opts (a given list, else the heuristic's), reassociated_for (kiln.graph's question, asked
+with a device) and registry.target_of, the machine model a layer above gets for a device."""
+from __future__ import annotations
+
+import pytest
+
+from kiln.codegen import registry
+from kiln.codegen.choose import Opt, OptOps, Target, choose_opts, heuristic_opts, reassociated_for
+from kiln.codegen.lowering.prepare import prepare
+from kiln.codegen.registry import register_runtime, target_of, unregister_runtime
+from kiln.ir import Ops, dtypes, kernels
+from kiln.ir.errors import DeviceError
+
+CPU = Target(vector_bytes=64, threads=2, cores=2)
+GPU = Target(device="CUDA", vector_bytes=0, threads=1)
+
+
+class _Renderer:
+  def __init__(self, target: object): self.target = target
+
+
+class _Runtime:
+  """A runtime whose renderer chooses options for `made`'s target (None: no renderer at all, as DISK)."""
+  made: object = None
+
+  def __init__(self, spec: object):
+    if _Runtime.made is not None: self.renderer = _Renderer(_Runtime.made)
+
+
+@pytest.fixture
+def device(monkeypatch):
+  monkeypatch.setattr(registry, "_entry_point_factories", lambda: {})
+
+  def use(target: object) -> str:
+    _Runtime.made = target
+    register_runtime("CUDA", _Runtime)  # a name DeviceSpec parses; registering again drops the cached instance
+    return "CUDA:0"
+  yield use
+  unregister_runtime("CUDA")
+
+
+def test_target_of_reads_the_renderers_machine_model(device) -> None:
+  assert target_of(device(CPU)) is CPU
+  assert target_of(device(None)) is None  # renders nothing
+  assert target_of(device(lambda: CPU)) is None  # not a Target (CUDARuntime.target is a method)
+  unregister_runtime("CUDA")
+  with pytest.raises(DeviceError): target_of("CUDA:0")
+
+
+def test_choose_opts_takes_a_given_list_else_the_heuristics() -> None:
+  ast = prepare(kernels.matmul(64, 64, 64))[0]
+  assert choose_opts(ast, CPU) == heuristic_opts(ast, CPU) != []
+  assert choose_opts(ast, CPU, []) == []  # an empty list is a choice: no options
+  given = [Opt(OptOps.UPCAST, 1, 8)]
+  assert choose_opts(ast, CPU, given) == given and choose_opts(ast, CPU, given) is not given
+
+
+def test_reassociated_for_asks_the_devices_target(device) -> None:
+  rows, cols = kernels.reduce(Ops.ADD, (256, 64), dtypes.float32, axes=1), kernels.reduce(Ops.ADD, (64, 256), dtypes.float32, axes=0)
+  got = reassociated_for(rows, device(CPU))
+  assert got is not None and got == heuristic_opts(prepare(rows)[0], CPU, reassociate=True)
+  assert reassociated_for(cols, device(CPU)) is None  # contiguous along its output: the same either way
+  assert reassociated_for(kernels.matmul(64, 64, 64), device(CPU)) is None
+  assert reassociated_for(rows, device(GPU)) is None and reassociated_for(rows, device(None)) is None
