@@ -62,6 +62,14 @@ def test_nonzero_count_read_back_compiled_once_per_count(monkeypatch: pytest.Mon
   assert compiles(km) == [len({int((x > 0.5).sum()) for x in xs})]
 
 
+def test_no_nonzero_then_a_flatten_of_the_empty_positions() -> None:
+  """As retinanet's first level with random weights: no score passes, the positions (0, 2) go on through a Flatten, which
+  onnx's reference implementation cannot reshape (0, -1): shape inference gives the empty output instead."""
+  m = model([N("NonZero", ["x"], ["nz"]), N("Transpose", ["nz"], ["t"]), N("Unsqueeze", ["t", "two"], ["u"]), N("Flatten", ["u"], ["y"])],
+            {"x": f32(3, 4)}, {"y": np.int64}, {"two": i64(2)})
+  check(m, {"x": np.zeros((3, 4), np.float32)})
+
+
 def test_nonzero_of_nan_and_negative_zero_and_a_scalar() -> None:
   x = np.array([[np.nan, 0], [-0.0, 2]], np.float32)
   check(model([N("NonZero", ["x"], ["y"])], {"x": x}, {"y": np.int64}), {"x": x})

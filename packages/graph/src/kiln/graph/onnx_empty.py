@@ -79,7 +79,9 @@ def _inferred_empty(n: Node, onnx: Any) -> list[Value]:
 def empty_outputs(n: Node, onnx: Any) -> list[Value] | None:
   """The node's outputs when one of its inputs is empty (None when none is, or when its handler copes: Concat)."""
   if not any(is_empty(v) for v in n.ins): return None
-  if all(v is None or isinstance(v, np.ndarray) for v in n.ins): return _reference(n, onnx)
+  if all(v is None or isinstance(v, np.ndarray) for v in n.ins):
+    try: return _reference(n, onnx)
+    except ValueError: return _inferred_empty(n, onnx)  # the reference's numpy fails on some empties (Flatten's reshape(0, -1))
   if n.op == "Concat": n.ins = [None if is_empty(v) else v for v in n.ins]  # an empty piece adds nothing
   if n.op in ("Concat", "CastLike"): return None
   return _inferred_empty(n, onnx)

@@ -212,7 +212,9 @@ def _unique(n: Node) -> list[Value]:
   eq = _rows_equal(rows).contiguous()  # (n, n)
   earlier = i.reshape(cnt, 1) < i.reshape(1, cnt)  # [j, i]: j before i
   first = (eq & earlier).cast(dt).sum(0).eq(Tensor.full((), 0, dt))  # (n,): no earlier row equals it
-  count = int(np.asarray(n.read_back("the count of distinct values", [first.cast(dt).sum()])).reshape(-1)[0])
+  total = first.cast(dt).sum()
+  known = isinstance(n.ins[0], np.ndarray)  # a constant input: counted now, the whole node folds at load
+  count = int(np.asarray(total.numpy() if known else n.read_back("the count of distinct values", [total])).reshape(-1)[0])
   before = _rows_less(rows) if ordered else earlier  # [j, i]: j's value (or first occurrence) comes before i's
   zero = Tensor.full((), 0, dt)
   place = (first.reshape(cnt, 1) & before).where(Tensor.full((), 1, dt), zero).sum(0).contiguous()  # (n,): a first row's place
