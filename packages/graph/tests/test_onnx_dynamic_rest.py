@@ -1,6 +1,8 @@
 """What the model zoo's dynamic exports still needed, each against onnxruntime at several sizes from one load:
 ScatterND / ScatterElements on data of symbolic shape (bart's shift_tokens_right: input_ids[:, :-1] written into [:, 1:]
-of a (batch, seq) table, its indices from a Range; the update count seq - 1 is 0 at seq 1)."""
+of a (batch, seq) table, its indices from a Range; the update count seq - 1 is 0 at seq 1), Tile by a Shape's symbolic
+dims (xcit's positional encoding tiled by the batch), a truncated Div of Shape dims that is still a dim (RAFT's
+torch.chunk of a doubled batch) and a Slice that selects nothing of a computed value (phi3's whole-head rotary)."""
 from __future__ import annotations
 
 import numpy as np
