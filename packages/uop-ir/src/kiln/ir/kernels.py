@@ -48,11 +48,6 @@ def broadcast_shape(*shapes: Sequence[Dim]) -> Shape:
   return tuple(out)
 
 
-def max_numel(shape: Sequence[Dim]) -> int:
-  """Elements of a buffer of this shape at the symbolic dims' largest values (the size the buffer is declared with)."""
-  return max(math.prod(int(d.vmax) if isinstance(d, UOp) else d for d in shape), 1)
-
-
 def numel(shape: Sequence[Dim]) -> Dim:
   """Elements of a buffer of this shape (a UOp when a dim is symbolic)."""
   n: Dim = 1
@@ -61,7 +56,7 @@ def numel(shape: Sequence[Dim]) -> Dim:
 
 
 def buffer(slot: int, dtype: DType, shape: Sequence[Dim]) -> UOp:
-  n = max_numel(shape)
+  n = max(math.prod(int(d.vmax) if isinstance(d, UOp) else d for d in shape), 1)  # declared at the symbolic dims' largest values
   if n > dtypes.index64.max: raise IRError(f"a buffer of shape {tuple(shape)} has {n} elements, more than a {dtypes.index64} index reaches")
   return UOp.define_global(slot, dtype.ptr(n))
 
