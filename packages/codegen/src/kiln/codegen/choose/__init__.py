@@ -8,8 +8,8 @@
   contraction, tiling   a kernel that is one matrix product, and the CUDA tile for it
   max_bits    a float32 MAX's integer accumulators: where they apply
 
-A layer above asks these with a device through kiln.codegen.registry.target_of, never a renderer's attributes. The
-lowering imports the modules themselves (this face imports choice, which imports the lowering's prepare when called)."""
+A layer above asks with a device, whose machine model kiln.codegen.registry.target_of gives, never a renderer's attributes.
+The lowering imports the modules it needs (base, axis_plan, choice), not this package."""
 from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
 from kiln.codegen.choose.choice import choose_opts, reassociated_for
 from kiln.codegen.choose.heuristic import heuristic_opts, reassociated_opts
