@@ -1,5 +1,5 @@
 """--isa avx2: the whole run held to AVX2, kiln and its peers alike, so an AVX-512 host can measure what an AVX2 user gets
-and compare like with like. Each library reads its setting when it loads, so run.py applies them and starts the process
+and compare like with like. Each library reads its setting when it loads, so benchmarks/run.py applies them and starts the process
 again before anything is imported. onnxruntime (MLAS) and tinygrad (clang -march=native) have no such setting: they run
 the host's ISA, and the report says so."""
 from __future__ import annotations
