@@ -12,7 +12,7 @@ import pytest
 from kiln.codegen.choose import Opt, OptOps, Target
 from kiln.codegen.conformance import cases, evaluate, mismatches
 from kiln.codegen.lowering.index_width import may_wrap, widen, wrap_risk
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.render.cuda import CUDARenderer
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes, kernels

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.codegen.choose import Opt, OptOps, Target, affine_coeff, heuristic_opts, reassociated_opts
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, CodegenError, Ops, UOp, dtypes, kernels
 from kiln.ir.analysis import free_ranges

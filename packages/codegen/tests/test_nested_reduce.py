@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
-from kiln.codegen.lowering.lower import lower
 from kiln.codegen.lowering.prepare import prepare
+from kiln.codegen.pipeline import lower
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels
 from kiln.ir.errors import CodegenError

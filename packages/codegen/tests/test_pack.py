@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.choose.heuristic import matmul_rows, operand_load
-from kiln.codegen.lowering.lower import lower
 from kiln.codegen.lowering.pack import runs, unroll_rows
+from kiln.codegen.pipeline import lower
 from kiln.ir import AxisType, Ops, UOp, dtypes
 
 F32 = dtypes.float32

@@ -3,8 +3,8 @@ import pytest
 
 from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.choose.search import Knob, Space, candidates, space
-from kiln.codegen.lowering.lower import lower
 from kiln.codegen.lowering.prepare import prepare
+from kiln.codegen.pipeline import lower
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import CodegenError

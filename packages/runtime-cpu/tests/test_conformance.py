@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.choose import Opt, OptOps
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import UOp, dtypes, reference
 from kiln.ir.dtype import ALL_DTYPES, DType, f32_to_bf16_bits

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kiln.codegen.choose import Opt, OptOps, Target
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import CodegenError, UOp, dtypes, kernels
 from kiln.ir.ops import Ops

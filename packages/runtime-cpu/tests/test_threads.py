@@ -13,7 +13,7 @@ import pytest
 
 import kiln.runtime.cpu.program as program_mod
 from kiln.codegen.choose import Opt, OptOps
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, RuntimeLaunchError, UOp, dtypes, kernels, reference
 from kiln.ir.dtype import DType

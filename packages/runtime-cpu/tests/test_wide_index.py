@@ -13,7 +13,7 @@ import pytest
 from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.conformance import cases
 from kiln.codegen.lowering.index_width import widen
-from kiln.codegen.lowering.lower import lower
+from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, UOp, dtypes
 

@@ -13,9 +13,12 @@ import pytest
 
 from kiln.codegen.choose import Target
 from kiln.codegen.choose.tiling import Tiling
-from kiln.codegen.render.cuda_matmul import program
+from kiln.codegen.render.cuda import CUDARenderer
+from kiln.codegen.render.cuda_matmul import covers, program
+from kiln.codegen.spec import ProgramSpec
 from kiln.ir import kernels
 from kiln.ir.dtype import dtypes
+from kiln.ir.uop import UOp
 from kiln.runtime.cuda.compiler import find_nvcc
 
 from .conftest import requires_cxx, requires_nvcc
@@ -28,6 +31,14 @@ TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 MMA = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),
        Tiling("mma", 128, 128, 64, 2, 2, 4, 4)]
 SIMT = [Tiling("simt", 128, 128, 8), Tiling("simt", 128, 64, 8), Tiling("simt", 64, 64, 8)]
+
+
+def tiled(ast: UOp, target: Target, name: str, t: Tiling | None) -> ProgramSpec:
+  """The tiled kernel of ast with the tile t; t None: the pipeline's (kiln.codegen.pipeline's tiling pass chooses it)."""
+  if t is None: return CUDARenderer(target).render(ast)
+  c = covers(ast, target)
+  assert c is not None, "the tiled kernel does not cover this product"
+  return program(ast, c, t, name)
 
 
 def _bits16(x: np.ndarray, dt: str) -> np.ndarray:
@@ -46,11 +57,10 @@ def run(m: int, n: int, k: int, dt: str, tiling: Tiling | None, batch: tuple[int
   kdt = getattr(dtypes, dt)
   ast = kernels.matmul(m, n, k, kdt, batch=batch, acc_dtype=dtypes.float32)
   if out is not None and out != dt:  # the float32 sum stored as another dtype
-    from kiln.ir import UOp
     st = ast.src[0]
     g = UOp.define_global(0, getattr(dtypes, out).ptr(st.src[0].src[0].dtype.size))
     ast = UOp.sink(g.index(st.src[0].src[1]).store(st.src[1].src[0].cast(getattr(dtypes, out))), name="mm_out")
-  spec = program(ast, H100, "mm", tiling)
+  spec = tiled(ast, H100, "mm", tiling)
   assert spec is not None
   a, b = _bits16(rng.uniform(-2, 2, (*batch, m, k)), dt), _bits16(rng.uniform(-2, 2, (*batch, k, n)), dt)
   od = out or dt
@@ -98,7 +108,7 @@ def test_nvcc_builds_them_without_spills(t: Tiling, nvcc_compiler, tmp_path) -> 
   dt = "float16" if t.kind == "mma" else "float32"
   kdt = getattr(dtypes, dt)
   ast = _matmul_bt(4096, 4096, 4096, kdt) if t.b_kmajor else kernels.matmul(4096, 4096, 4096, kdt, acc_dtype=dtypes.float32)
-  spec = program(ast, TF32 if t.kind == "tf32" else H100, "mm", t)
+  spec = tiled(ast, TF32 if t.kind == "tf32" else H100, "mm", t)
   assert spec is not None
   (tmp_path / "k.cu").write_text(spec.src)
   r = subprocess.run([find_nvcc() or "nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "--resource-usage",
@@ -116,7 +126,7 @@ def test_tf32_tiles(t: Tiling) -> None:
   measurably not float32-exact (the rounding happens)."""
   rng = np.random.default_rng(5)
   m, n, k = 200, 136, 72
-  spec = program(kernels.matmul(m, n, k), TF32, "mm", t)
+  spec = tiled(kernels.matmul(m, n, k), TF32, "mm", t)
   assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(tf32")
   a, b = rng.uniform(-2, 2, (m, k)).astype(np.float32), rng.uniform(-2, 2, (k, n)).astype(np.float32)
   c = np.full((m, n), np.nan, np.float32)
@@ -146,7 +156,6 @@ def _linear_ast(m: int, n: int, k: int, dt, batch: tuple[int, ...], epilogue, ou
   """out[b, i, j] = epilogue(sum_k A[b, i, k] * B[b, k, j] in float32, bias[j], res[b, i, j]) cast to out_dt: what a model's
   linear layer fuses (kiln-graph puts bias, activation and residual in the matmul's kernel). Slots: 0 out, 1 A, 2 B, 3 bias
   (float32), 4 res (out_dt)."""
-  from kiln.ir import UOp
   from kiln.ir.ops import AxisType, Ops
   f32 = dtypes.float32
   out_dt = out_dt or dt
@@ -186,7 +195,7 @@ def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
   kdt = getattr(dtypes, dt)
   batch = (2,) if name == "bias_gelu_residual" else ()
   ast = _linear_ast(72, 48, 40, kdt, batch, EPILOGUES[name])
-  spec = program(ast, H100, "linear", tiling)
+  spec = tiled(ast, H100, "linear", tiling)
   assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(" + ("simt" if dt == "float32" else "mma"))
   rng = np.random.default_rng(len(name))
   bufs = []
@@ -202,7 +211,6 @@ def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
 
 def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):
   """C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]: B stored transposed (k contiguous), as ONNX Gemm's transB reads it."""
-  from kiln.ir import UOp
   from kiln.ir.ops import AxisType, Ops
   f32 = dtypes.float32
   bi, i, j, kk = UOp.range(batch, 0), UOp.range(m, 1), UOp.range(n, 2), UOp.range(k, 3, AxisType.REDUCE)
@@ -223,7 +231,7 @@ def test_tensor_cores_take_a_transposed_b(dt: str, t) -> None:
   ast = _matmul_bt(m, n, k, getattr(dtypes, dt), nb)
   c = match(ast)
   assert c is not None and (c.b.rows, c.b.cols) == (1, k)
-  spec = program(ast, TF32, "mm_bt", t)
+  spec = tiled(ast, TF32, "mm_bt", t)
   assert spec is not None and "B k-major" in spec.applied_opts[0]
   rng = np.random.default_rng(9)
   a, b = _bits16(rng.uniform(-2, 2, (nb, m, k)), dt) if dt != "float32" else rng.uniform(-2, 2, (nb, m, k)).astype(np.float32), \

@@ -349,7 +349,7 @@ def _mmatune_size(rt, size: int, variants: list) -> None:
 
   import torch
 
-  from kiln.codegen.render.cuda_matmul import program
+  from kiln.codegen.render.cuda_matmul import covers, program
   from kiln.ir import kernels
   from kiln.ir.dtype import dtypes
   drv = rt.drv
@@ -361,7 +361,10 @@ def _mmatune_size(rt, size: int, variants: list) -> None:
   print(f"f16 {size}: torch {tt * 1e6:.0f} us ({2 * size ** 3 / tt / 1e12:.0f} TFLOP/s)", flush=True)
   for t in variants:
     def one(t=t) -> str:
-      spec = program(kernels.matmul(size, size, size, dtypes.float16, acc_dtype=dtypes.float32), rt.target(), "mm", t)
+      ast = kernels.matmul(size, size, size, dtypes.float16, acc_dtype=dtypes.float32)
+      c = covers(ast, rt.target())
+      assert c is not None
+      spec = program(ast, c, t, "mm")
       binary = rt.compiler.compile(spec).bytes
       with rt.current():
         fn = drv.module_from_buffer(binary).get_function("mm")

@@ -11,3 +11,5 @@ CACHE_KEY = text("KILN_CACHE_KEY", None, "the disk cache's MAC key, for hosts th
 THREADS = integer("KILN_THREADS", None, "CPU threads a plan uses (unset: the cores this process may run on)", 1, "a positive integer")
 DEBUG = integer("KILN_DEBUG", 0, "debug output on stderr: 1 a line per kernel run, 2 applied optimisations, 3 generated source, "
                 "4 the AST", 0, "a whole number >= 0")
+DUMP_AST = text("KILN_DUMP_AST", None, "print to stderr what these compile pipeline passes made (kiln.codegen.pipeline.PASSES: "
+                "verify, prepare, linearize, ...; `all` for every one); unset: none", "pass names separated by commas")

@@ -1,28 +1,27 @@
-"""Lowering: a kernel AST plus optimisation options to a linear program a renderer can walk.
+"""The lowering pass: a prepared kernel AST, its checked axis plans, to statements placed in the linearizer's scopes.
 
 Every user RANGE becomes a loop (or, on GPUs, a thread index) over units of `factor` elements, plus an expand variable
 for the elements inside a unit: the vector lanes of an UPCAST axis, or the copies of an UNROLL axis. REDUCEs become
 accumulators (DEFINE_ACC, ACC_STORE, reads as LOAD(acc)); unrolled copies share one loop, so register tiling keeps all
 its accumulators live in one reduce loop. The Linearizer places each value in the outermost scope its sources allow.
 
-This module drives the phases, each of which keeps its own state: options are checked into axis plans (kiln.codegen.choose.axis_plan), the
-stores are prepared and peeled (prepare.py), each group of stores sharing a loop nest gets its grid (gpu_grid.py), loops
-(loops.py), packed panels (pack.py), accumulators (reduce_lowering.py) and unrolled, vectorised copies (expand.py).
+The stores are lowered a group at a time (the stores that share a loop nest): each group gets its grid (gpu_grid.py), its
+loops (loops.py), packed panels (pack.py), kept rows, accumulators (reduce_lowering.py) and unrolled, vectorised copies
+(expand.py). These phases interleave within a group, each keeping its own state, so they are one pass; kiln.codegen.pipeline
+runs it between the axis plans and the linearizer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.codegen.choose.axis_plan import kept_twins, plan_axes
-from kiln.codegen.choose.base import Opt, Target, axis_size
-from kiln.codegen.choose.choice import choose_opts
-from kiln.codegen.lowering import index_width
+from kiln.codegen.choose.axis_plan import kept_twins
+from kiln.codegen.choose.base import Opt, axis_size
 from kiln.codegen.lowering.expand import combos, gate_loads, simp, unroll_vars
 from kiln.codegen.lowering.gpu_grid import GpuGrid
 from kiln.codegen.lowering.linearize import Scope
 from kiln.codegen.lowering.loops import LowerCtx, ceil_div
 from kiln.codegen.lowering.pack import Packer, scratch_ptr
-from kiln.codegen.lowering.prepare import drop_empty, estimate, min_elements, peel, prepare
+from kiln.codegen.lowering.prepare import estimate, min_elements
 from kiln.codegen.lowering.reduce_lowering import Reductions
 from kiln.ir.analysis import free_ranges
 from kiln.ir.dtype import DType, PtrDType, dtypes
@@ -30,7 +29,6 @@ from kiln.ir.errors import CodegenError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
-from kiln.ir.verify import verify
 
 
 @dataclass
@@ -56,17 +54,21 @@ class LoweredKernel:
   index: DType = dtypes.index  # the dtype of its loops and index arithmetic: dtypes.index64 where the bounds need it (index_width)
 
 
+def kernel_ranges(ast: UOp, store_loops: dict[UOp, set[UOp]]) -> list[UOp]:
+  """Every RANGE of a prepared kernel, by axis id: those its nodes use and the loops its stores had before simplification
+  could drop one (prepare's store_loops)."""
+  return sorted({n for n in ast.toposort() if n.op is Ops.RANGE} | {r for rs in store_loops.values() for r in rs}, key=lambda r: r.arg[0])
+
+
 class Lowerer:
-  """Lowers one prepared kernel: checks the options into axis plans, groups the stores by their loop nests and lowers
-  each group (grid, loops, packed panels, gates, reduces, stores)."""
-  def __init__(self, ast: UOp, target: Target, opts: list[Opt], store_loops: dict[UOp, set[UOp]], tails: set[UOp], idx: DType = dtypes.index):
-    self.ast, self.target, self.opts = ast, target, opts
+  """Lowers one prepared kernel whose axis plans are checked (ctx): groups the stores by their loop nests and lowers each
+  group (grid, loops, packed panels, gates, reduces, stores) into ctx's linearizer; `kernel` describes the result."""
+  def __init__(self, ast: UOp, ctx: LowerCtx, opts: list[Opt], ranges: list[UOp], store_loops: dict[UOp, set[UOp]], tails: set[UOp]):
+    self.ast, self.target, self.opts, self.ranges = ast, ctx.target, opts, ranges
     self.tails = tails  # stores that are the scalar tail of a peeled vector axis (core 0 runs them)
     self.stores = [s for s in ast.src if s.op is Ops.STORE]
     self.loops_of = store_loops or {st: free_ranges(st) for st in self.stores}  # taken before simplification could drop one
-    self.ranges = sorted({n for n in ast.toposort() if n.op is Ops.RANGE} | {r for rs in self.loops_of.values() for r in rs}, key=lambda r: r.arg[0])
-    plans, vec = plan_axes(self.ranges, opts, target)
-    self.ctx = LowerCtx(target, plans, vec, idx)
+    self.ctx = ctx
     self.grid = GpuGrid(self.ctx)
     self.pack = Packer(self.ctx)
     self.red = Reductions(self.ctx, self.grid, self.pack)
@@ -162,8 +164,10 @@ class Lowerer:
       twins |= {t: UOp(Ops.LOAD, t.dtype, (ptr.index(base + j),)) for t, j in found.items()}
     return st.replace(src=(st.src[0], substitute(st.src[1], twins))) if twins else st
 
-  def lower(self) -> LoweredKernel:
-    ast, ctx = self.ast, self.ctx
+  def store_groups(self) -> dict[tuple[UOp, ...], list[UOp]]:
+    """The stores by the loop nest they share (its axes, by id), checked against a THREAD split; on a GPU the grid is sized
+    for the largest group."""
+    ctx = self.ctx
     groups: dict[tuple[UOp, ...], list[UOp]] = {}
     for st in self.stores: groups.setdefault(tuple(sorted(self.loops_of[st] | free_ranges(st), key=lambda r: r.arg[0])), []).append(st)
     threaded = [p for p in ctx.plans.values() if p.threads > 1]
@@ -172,11 +176,20 @@ class Lowerer:
     if threaded and threaded[0].rng.arg[1] is AxisType.REDUCE and any(axes for axes in groups):
       raise CodegenError(f"THREAD on reduce axis {threaded[0].rng.arg[0]} needs a full reduction (no output axes); split an output axis instead")
     if ctx.gpu and len(groups) > 1: self.grid.share(groups)  # GPU: size the shared grid for the largest store group
-    for axes, sts in groups.items(): self.lower_group(sts, list(axes))
-    if unused := sorted(p.rng.arg[0] for p in ctx.plans.values() if p.keep and not any(r.src[1] is p.rng for r in self.red.keep)):
+    return groups
+
+  def lower(self) -> None:
+    """Every store group lowered into the linearizer's scopes; a KEEP no store used is refused."""
+    for axes, sts in self.store_groups().items(): self.lower_group(sts, list(axes))
+    if unused := sorted(p.rng.arg[0] for p in self.ctx.plans.values() if p.keep and not any(r.src[1] is p.rng for r in self.red.keep)):
       raise CodegenError(f"KEEP on axes {unused}: no store computes again what their REDUCE computes (softmax's exp along an output axis)")
-    uops = ctx.lin.program()
-    globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL}, key=lambda g: g.arg)
+
+  def kernel(self, uops: list[UOp], emptied: set[UOp]) -> LoweredKernel:
+    """The LoweredKernel of the linearized program `uops`: its parameters (with `emptied`, the buffers read only under an
+    empty range: prepare.emptied_globals), launch sizes, scratch and figures."""
+    ast, ctx = self.ast, self.ctx
+    threaded = [p for p in ctx.plans.values() if p.threads > 1]
+    globals_ = sorted({n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL} | emptied, key=lambda g: g.arg)
     # a loop kept for its trip count may use a variable the simplified stores no longer mention
     vars_ = sorted({n for n in UOp.sink(ast, *self.ranges).toposort() if n.op is Ops.DEFINE_VAR}, key=lambda v: v.arg[0])
     outs = sorted({st.src[0].src[0].arg for st in self.stores})
@@ -204,36 +217,3 @@ class Lowerer:
     lk.flops, lk.mem_bytes = estimate(ast)
     return lk
 
-
-def lower(ast: UOp, target: Target, opts: list[Opt] | None = None) -> LoweredKernel:
-  """Verify, simplify, choose options (the heuristic unless given) and lower ast to a linear program, its index arithmetic
-  32-bit unless its bounds need 64 (index_width): a kernel whose AST has an int64 range or index is lowered wide; one
-  whose lowered loops would pass int32 (a THREAD split's chunk bounds near 2**31) is lowered again wide."""
-  if ast.op is not Ops.SINK: raise CodegenError(f"a kernel is a SINK of STOREs, got {ast.op}")
-  verify(ast)
-  wide = index_width.needs_wide(ast) is not None
-  lk = _lower(ast, target, opts, wide)
-  if not wide and index_width.wrap_risk(lk.uops) is not None: lk = _lower(ast, target, opts, True)
-  if (bad := index_width.wrap_risk(lk.uops)) is not None:  # 32-bit arithmetic the AST itself asks for: never a silent wrap
-    raise CodegenError(f"kernel {lk.name}: index arithmetic {index_width.describe(bad)} may pass {bad.dtype} and wrap; "
-                       "build it in int64 (UOp.range, index and kernels.flat_index pick int64 from the bounds)")
-  return lk
-
-
-def _lower(given: UOp, target: Target, opts: list[Opt] | None, wide: bool) -> LoweredKernel:
-  ast = index_width.widen(given) if wide else given
-  prepared, loops = prepare(ast)
-  chosen = choose_opts(prepared, target, opts)
-  tails: set[UOp] = set()
-  if target.vector_bytes and (peeled := peel(ast, chosen)) is not None:
-    ast, n_main = peeled
-    if not wide and index_width.needs_wide(ast) is not None: return _lower(given, target, chosen, True)  # tiles past 2**31
-    prepared, loops = prepare(ast)
-    tails = set([s for s in prepared.src if s.op is Ops.STORE][n_main:])
-  lk = Lowerer(prepared, target, chosen, loops, tails, dtypes.index64 if wide else dtypes.index).lower()
-  # a buffer read only under a range of constant size 0 keeps its parameter (callers pass every slot the kernel names)
-  if lost := _globals(ast) - _globals(drop_empty(ast)): lk.globals = sorted(set(lk.globals) | lost, key=lambda g: g.arg)
-  return lk
-
-
-def _globals(ast: UOp) -> set[UOp]: return {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL and n.arg >= 0}

@@ -27,6 +27,15 @@ def drop_empty(ast: UOp) -> UOp:
   return substitute(ast, dead) if dead else ast
 
 
+def emptied_globals(ast: UOp) -> set[UOp]:
+  """The buffers drop_empty leaves unread (read only under a range of constant size 0): the kernel keeps their parameters,
+  as callers pass every slot the kernel names."""
+  return _globals(ast) - _globals(drop_empty(ast))
+
+
+def _globals(ast: UOp) -> set[UOp]: return {n for n in ast.toposort() if n.op is Ops.DEFINE_GLOBAL and n.arg >= 0}
+
+
 def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
   """Simplify each store, keeping the loops it had: bounds may fold an index that uses a possibly empty range to a
   constant, but the store must still run once per iteration (zero times when the range is empty). An output axis of

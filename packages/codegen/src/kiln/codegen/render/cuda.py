@@ -19,7 +19,10 @@ import struct
 from collections.abc import Callable, Sequence
 
 from kiln.codegen.choose import Opt, Target
-from kiln.codegen.lowering.lower import LoweredKernel, lower
+from kiln.codegen.choose.contraction import Contraction
+from kiln.codegen.choose.tiling import Tiling
+from kiln.codegen.lowering.lower import LoweredKernel
+from kiln.codegen.pipeline import compile_ast
 from kiln.codegen.render import cuda_matmul
 from kiln.codegen.render.base import (
   DIV_EDGES,
@@ -183,20 +186,23 @@ def _c_name(name: str) -> str: return f"var_{name}" if name in _KEYWORDS or _RES
 
 
 class CUDARenderer:
-  """Renderer for NVIDIA GPUs: lowers to blockIdx/threadIdx (LOCAL/GROUP options) and prints CUDA C."""
+  """Renderer for NVIDIA GPUs: kiln.codegen.pipeline lowers to blockIdx/threadIdx (LOCAL/GROUP options) or picks the tiled
+  matrix-product kernel (render/cuda_matmul.py); this prints CUDA C."""
   device = "CUDA"
 
   def __init__(self, target: Target | None = None):
     self.target = target or Target(device="CUDA", vector_bytes=0, threads=1)
 
-  def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec:
-    """opts None: the heuristic's choice, which gives a matrix product the tiled kernel (render/cuda_matmul.py) when it
-    covers it; explicit opts always take the generic lowering they describe."""
-    if opts is None and (tiled := cuda_matmul.program(ast, self.target, _c_kernel_name(str(ast.arg or "kernel")))) is not None:
-      return tiled
-    lk = lower(ast, self.target, list(opts) if opts is not None else None)
+  def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec: return compile_ast(ast, self, opts)
+
+  def print_kernel(self, lk: LoweredKernel, ast: UOp) -> ProgramSpec:
     lk.name = _c_kernel_name(lk.name)
     return program_spec(lk, CUDAPrinter(lk).print(), "CUDA", ast)
+
+  def tiled_product(self, ast: UOp) -> Contraction | None: return cuda_matmul.covers(ast, self.target)
+
+  def print_tiled(self, ast: UOp, product: Contraction, tiling: Tiling) -> ProgramSpec:
+    return cuda_matmul.program(ast, product, tiling, _c_kernel_name(str(ast.arg or "kernel")))
 
 
 def _c_kernel_name(name: str) -> str:

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from kiln.codegen.choose import Target
 from kiln.codegen.choose.contraction import Contraction, Operand, match
-from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor, choose_tiling
-from kiln.codegen.lowering import index_width
+from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
-from kiln.ir.verify import verify
 
 MIN_DIM = 16  # a product smaller than this along m, n or k keeps the generic kernel: a tile would be mostly idle
 _MEM = {"float32": "float", "float16": "half", "bfloat16": "__nv_bfloat16"}
@@ -418,15 +416,16 @@ def _simplified_indices(ast: UOp) -> UOp:
   return new[ast]
 
 
-def program(ast: UOp, target: Target, name: str, tiling: Tiling | None = None) -> ProgramSpec | None:
-  """The tiled kernel's ProgramSpec when the ast is a contraction it covers, else None. tiling: this one instead of choose_tiling's."""
-  if ast.op is not Ops.SINK: return None
-  verify(ast)  # indices proven inside their buffers before any kernel is rendered, as lower() does
-  if index_width.needs_wide(ast) is not None: return None  # 64-bit index arithmetic: the generic lowering's
+def covers(ast: UOp, target: Target) -> Contraction | None:
+  """The contraction a verified kernel of 32-bit index arithmetic is, when the tiled kernel covers it; else None (the
+  pipeline's `tiling` pass asks, kiln.codegen.pipeline)."""
   c = match(ast)
   if c is None and (plain := _simplified_indices(ast)) is not ast: c = match(plain)
-  if c is None or not applies(c, target): return None
-  t = tiling or choose_tiling(c, target)
+  return c if c is not None and applies(c, target) else None
+
+
+def program(ast: UOp, c: Contraction, t: Tiling, name: str) -> ProgramSpec:
+  """The tiled kernel's ProgramSpec for the contraction c of ast (covers), tiled as t (kiln.codegen.choose.tiling)."""
   helpers: dict[str, str] = {}
   body = render_simt(c, t, name, helpers) if t.kind == "simt" else render_mma(c, t, name, helpers)
   src = _header(c) + ("" if t.kind == "simt" else MMA_PRELUDE) + "".join(h + "\n" for h in helpers.values()) + body + "\n"

@@ -16,8 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from kiln.codegen.choose import Opt, Target
+from kiln.codegen.choose.contraction import Contraction
+from kiln.codegen.choose.tiling import Tiling
 from kiln.codegen.lowering.index_width import exact_ends
-from kiln.codegen.lowering.lower import LoweredKernel, lower
+from kiln.codegen.lowering.lower import LoweredKernel
+from kiln.codegen.pipeline import compile_ast
 from kiln.codegen.render import llvm_math, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
@@ -124,24 +127,28 @@ def const_text(dt: DType, v: int | float | bool) -> str:
 
 
 class LLVMRenderer:
-  """Renderer for the CPU: lowers with `target` (vector width, threads) and prints LLVM IR."""
+  """Renderer for the CPU: kiln.codegen.pipeline lowers for `target` (vector width, threads); this prints LLVM IR."""
   device = "CPU"
 
   def __init__(self, target: Target | None = None):
     self.target = target or Target(device="CPU", vector_bytes=32, threads=1)
 
-  def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec:
-    lk = lower(ast, self.target, list(opts) if opts is not None else None)
+  def render(self, ast: UOp, opts: Sequence[Opt] | None = None) -> ProgramSpec: return compile_ast(ast, self, opts)
+
+  def print_kernel(self, lk: LoweredKernel, ast: UOp) -> ProgramSpec:
     if any(v.arg[0] == CORE_ID for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
       raise CodegenError("variable name core_id is reserved for the CPU thread index; rename the DEFINE_VAR")
     src = LLVMPrinter(lk, self.target).print()
-    # the symbol carries a hash of the code, so kernels of one name but different code can share a JIT engine
+    # the entry (and a split kernel's task entry; NAME.chunk is internal) carries a hash of the code, so kernels of one name
+    # but different code can share a JIT engine
     entry = f"{lk.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
-    # the entry and (split kernels) its task entry take the hashed name; NAME.chunk is internal
     src = src.replace(f"@{lk.name}(", f"@{entry}(").replace(f"@{lk.name}.task(", f"@{entry}.task(")
     spec = program_spec(lk, src, "CPU", ast)
     spec.entry_point = entry
     return spec
+
+  def tiled_product(self, ast: UOp) -> None: return None  # a CPU matrix product is the generic lowering's register tile
+  def print_tiled(self, ast: UOp, product: Contraction, tiling: Tiling) -> ProgramSpec: raise CodegenError("the CPU has no tiled kernel")
 
 
 class LLVMPrinter(Printer):
