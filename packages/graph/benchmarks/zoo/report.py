@@ -8,8 +8,8 @@ from collections import Counter, defaultdict
 from typing import Any
 
 VARIANTS = ("dynamo/fixed", "dynamo/dynamic", "script/fixed", "script/dynamic", "file")
-STATUSES = ("OK", "REFUSED", "WRONG", "CRASH", "TIMEOUT", "NO-REF", "EXPORT-FAIL")
-SHORT = {"OK": "ok", "REFUSED": "refused", "WRONG": "**WRONG**", "CRASH": "**CRASH**", "TIMEOUT": "**TIMEOUT**", "NO-REF": "no-ref",
+STATUSES = ("OK", "REFUSED", "TIES", "WRONG", "CRASH", "TIMEOUT", "NO-REF", "EXPORT-FAIL")
+SHORT = {"OK": "ok", "REFUSED": "refused", "TIES": "ties", "WRONG": "**WRONG**", "CRASH": "**CRASH**", "TIMEOUT": "**TIMEOUT**", "NO-REF": "no-ref",
          "EXPORT-FAIL": "export-fail"}
 TIMING_ORDER = ("dynamo/fixed", "script/fixed", "file", "dynamo/dynamic", "script/dynamic")
 NODE = re.compile(r"^(?P<when>at run: )?node (?P<node>.*?) \((?P<op>[A-Za-z0-9_.]+)(?:, opset \d+)?\): (?P<rest>.*)$", re.S)
@@ -68,7 +68,7 @@ def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
   for v in cols:
     c = Counter(s for r in recs if (s := status_of(r, v)))
     if not c: continue
-    out.append(f"| {v} | " + " | ".join(str(c[s]) for s in STATUSES) + f" | {c['OK'] + c['WRONG']} | {c['OK']} |")
+    out.append(f"| {v} | " + " | ".join(str(c[s]) for s in STATUSES) + f" | {c['OK'] + c['TIES'] + c['WRONG']} | {c['OK']} |")
   per: Counter[str] = Counter()
   for r in recs:
     got = [s for v in cols if (s := status_of(r, v))]
@@ -76,6 +76,7 @@ def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
     per["loaded and matching in at least one export"] += "OK" in got
     per["matching in every export that exported"] += bool(got) and all(s in ("OK", "EXPORT-FAIL", "NO-REF") for s in got) and "OK" in got
     per["WRONG in some export"] += "WRONG" in got
+    per["TIES (a detection tie broken the other way) in some export"] += "TIES" in got
     per["CRASH or TIMEOUT in some export"] += "CRASH" in got or "TIMEOUT" in got
     per["REFUSED in every export kiln was given"] += bool(got) and all(s in ("REFUSED", "EXPORT-FAIL", "NO-REF") for s in got) and "REFUSED" in got
     per["not exported at all"] += bool(got) and all(s == "EXPORT-FAIL" for s in got)
@@ -107,7 +108,7 @@ def problems(recs: list[dict[str, Any]]) -> list[str]:
   out = []
   for rec in recs:
     for v, r in sorted(rec["results"].items()):
-      if r["status"] in ("WRONG", "CRASH", "TIMEOUT", "NO-REF"):
+      if r["status"] in ("WRONG", "TIES", "CRASH", "TIMEOUT", "NO-REF"):
         out.append(f"- `{rec['name']}` {v}: **{r['status']}** {short(r['message'])[:400]}")
   return out or ["None."]
 
