@@ -1,13 +1,13 @@
-"""float16 / bfloat16 nodes are computed in float32 and rounded to 16 bits where they are stored (render.compute_dtype):
+"""float16 / bfloat16 nodes are computed in float32 and rounded to 16 bits where they are stored (kernelize.compute_dtype):
 sums accumulate in float32, an elementwise chain rounds once, and what decides on a value (a comparison, a truncation, a
 cast) reads the 16-bit value the node holds. On a CPU, intermediates between kernels are stored in float32
-(render.stored_dtype)."""
+(kernelize.stored_dtype)."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.graph import Tensor, compile
-from kiln.graph.render import compute_dtype
+from kiln.graph.kernelize import compute_dtype
 from kiln.ir.dtype import bf16_bits_to_f32, dtypes, f32_to_bf16_bits
 from kiln.ir.ops import Ops
 
@@ -73,7 +73,7 @@ def test_comparisons_truncations_and_casts_read_the_16_bit_value() -> None:
 
 def test_float16_intermediates_stay_float32_between_kernels_on_a_cpu() -> None:
   """A float16 product feeding another product is realized (its own kernel); on a CPU its buffer holds float32
-  (render.stored_dtype), so the chain rounds once, at the output, as onnxruntime's CPU does. Rounded to float16 in between
+  (kernelize.stored_dtype), so the chain rounds once, at the output, as onnxruntime's CPU does. Rounded to float16 in between
   (the first product near 64, the second summing it with signs that cancel), about 1 output in 6 is off by an ulp or more."""
   x, w1 = RNG.uniform(0.9, 1.1, (16, 64)).astype(np.float16), RNG.uniform(0, 2, (64, 64)).astype(np.float16)
   w2 = RNG.uniform(-1, 1, (64, 16)).astype(np.float16)

@@ -328,7 +328,8 @@ def test_every_unsupported_node_is_named_in_one_error() -> None:
   with pytest.raises(ONNXError) as e: konnx.load(m)
   msg = str(e.value)
   assert msg.startswith("3 nodes use what kiln does not support"), msg
-  for part in ("node nz (Hardmax): operator Hardmax", "node el (Elu, opset 1): attribute consumed_inputs", "node uq (RandomUniformLike): operator RandomUniformLike"):
+  for part in ("node nz (Hardmax): operator Hardmax", "node el (Elu, opset 1): attribute consumed_inputs",
+               "node uq (RandomUniformLike): operator RandomUniformLike"):
     assert part in msg
   assert "node ok" not in msg
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.dims import dmax, dmin
+from kiln.graph.kernelize import strides
 from kiln.graph.lazy import GraphError
-from kiln.graph.render import strides
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.kernels import Dim

@@ -2,7 +2,7 @@
 
 A shape's dims are kiln.ir's Dim: ints, or symbolic dims (runtime variables with compile-time bounds, see dims.py).
 
-A node is one of a few kinds (the scheduler renders each as UOps, see render.py):
+A node is one of a few kinds (the scheduler renders each as UOps, see kernelize.py):
 
 | op      | srcs              | arg                                   | meaning                                                     |
 |---------|-------------------|---------------------------------------|-------------------------------------------------------------|

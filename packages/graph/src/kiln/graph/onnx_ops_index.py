@@ -25,8 +25,8 @@ from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, dense_work, index_dtype, scaled, scatter_np, scatter_rows, wrapped
+from kiln.graph.kernelize import strides
 from kiln.graph.onnx_ops import Node, Value, _norm, _op
-from kiln.graph.render import strides
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType
 from kiln.ir.kernels import Dim

@@ -1,7 +1,7 @@
 """The scheduler: which nodes get a buffer of their own (are *realized*) and become kernels, and the ExecutionPlan built
 from them.
 
-Every node that is not realized is inlined into each kernel that reads it (render.py). Starting from the outputs
+Every node that is not realized is inlined into each kernel that reads it (kernelize.py). Starting from the outputs
 alone, kernels are rendered and checked; a node that breaks a rule below is realized and the kernels are rendered
 again, until no rule is broken. A node's *placement* in a kernel is the set of loops its value is computed under: the
 ranges it varies over, plus, where one of them is a reduce range, the placement of the REDUCE that closes it (a value
@@ -35,8 +35,8 @@ from kiln.executor.portable import in_plan_dtype
 from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
+from kiln.graph.kernelize import Kernel, Kernelizer, stored_dtype
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node, consumers, toposort
-from kiln.graph.render import Kernel, Renderer, stored_dtype
 from kiln.graph.windows import Window, read_windows
 from kiln.ir.analysis import free_ranges_of
 from kiln.ir.dtype import DType, PtrDType, dtypes
@@ -121,7 +121,7 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
 
 def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000, stored: Callable[[Node], DType] | None = None) -> list[Kernel]:
   """Kernels computing every output (and every node the rules realize), in an order that respects their reads; `stored`
-  gives a realized node's buffer dtype (render.stored_dtype)."""
+  gives a realized node's buffer dtype (kernelize.stored_dtype)."""
   nodes = toposort(list(outputs))
   order = {n: i for i, n in enumerate(nodes)}
   cons = consumers(nodes)
@@ -133,7 +133,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000,
   for _ in range(max_rounds):
     for n in sorted(realized, key=order.__getitem__):  # a kernel is rendered again only when a node it inlined got realized
       if n.op != "BUFFER" and (n not in kernels or any(m in realized for m in kernels[n].rendered if m is not n)):
-        kernels[n] = Renderer(n, realized, stored).kernel()
+        kernels[n] = Kernelizer(n, realized, stored).kernel()
     kernels_of: dict[Node, int] = {}
     for k in kernels.values():
       for n in k.rendered:

@@ -1,4 +1,4 @@
-"""One kernel from the graph: the UOp AST that computes a realized node, with every node that is not realized inlined
+"""Kernelize: one kernel from the graph: the UOp AST that computes a realized node, with every node that is not realized inlined
 as an expression of the output's loop indices (movement ops become index arithmetic, reductions nested REDUCEs)."""
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class Kernel:
   offenders: set[Node] = field(default_factory=set)
 
 
-class Renderer:
+class Kernelizer:
   def __init__(self, node: Node, realized: set[Node], stored: Callable[[Node], DType] | None = None):
     self.node, self.realized = node, realized
     self.stored = stored or (lambda n: n.dtype)  # a realized node's buffer dtype (stored_dtype)
