@@ -1,5 +1,6 @@
 """The compile pipeline: one kernel AST to a ProgramSpec. Every renderer's `render` is `compile_ast(ast, self, opts)`; the
-renderers only print. The passes, in order (each named as KILN_DUMP_AST takes it, kiln.codegen.dump):
+renderers only print. The passes, in order, named as KILN_DUMP_AST takes them (kiln.codegen.dump; lower's scopes show as
+linearize flattens them):
 
   verify     kiln.ir.verify            the AST is a SINK of STOREs whose every index is proven inside its buffer
   widen      lowering/index_width.py   32-bit index arithmetic unless the AST's bounds need 64 (then every range and index widened)
