@@ -40,7 +40,7 @@ from kiln.graph.onnx_const import fold_known
 from kiln.graph.onnx_empty import empty_input, empty_outputs
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
-from kiln.graph.onnx_ops import OPS, WITH_ONNX, Node, Value, check_shape_value
+from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_value
 from kiln.graph.onnx_ops_flow import FLOW
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
@@ -177,7 +177,7 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
     flow = FLOW.get(proto.op_type)  # If, Loop, Scan: they convert subgraphs in ctx
     if missing := next((i for i in proto.input if i and i not in env), None):
       raise ONNXError(f"{label}: input {missing!r} is not produced by any earlier node, input or initializer")
-    n = Node(proto, env, ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
+    n = OnnxNode(proto, env, ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
     n.name = ctx.path + n.name
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
@@ -225,8 +225,8 @@ def _resumed(e: RuntimeValue, onnx: Any) -> list[Any] | None:
   return rest + frames[-1][0]
 
 
-def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds, n: Node, e: RuntimeValue) -> Cut:
-  """The main graph cut before node n (rest[0]), whose input e.index (or the values e.reads, Node.read_back) is computed at
+def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds, n: OnnxNode, e: RuntimeValue) -> Cut:
+  """The main graph cut before node n (rest[0]), whose input e.index (or the values e.reads, OnnxNode.read_back) is computed at
   run time: the rest converts, once the value is read back, in a copy of the values it reads (the load budget as it
   stood here). env: n's scope (a branch's of an If known at load falls through to the main graph's)."""
   if e.reads is not None:  # a value the node's output shape depends on: what its reads compute, or a host step's

@@ -26,7 +26,7 @@ from kiln.graph.specialise import unspecialisable
 from kiln.graph.tensor import Tensor
 
 if TYPE_CHECKING:  # onnx_ops' Slice handler calls empty_slice
-  from kiln.graph.onnx_ops import Node, Value
+  from kiln.graph.onnx_ops import OnnxNode, Value
 
 
 def is_empty(v: Value | None) -> bool: return isinstance(v, np.ndarray) and v.size == 0
@@ -37,7 +37,7 @@ def _elem_type(onnx: Any, v: Value) -> int:
   return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt)))
 
 
-def _reference(n: Node, onnx: Any) -> list[Value]:
+def _reference(n: OnnxNode, onnx: Any) -> list[Value]:
   """The node computed by onnx's reference implementation on its (all known, small: one is empty) inputs."""
   from onnx.reference import ReferenceEvaluator
   names = [f"in{i}" if v is not None else "" for i, v in enumerate(n.ins)]
@@ -52,7 +52,7 @@ def _reference(n: Node, onnx: Any) -> list[Value]:
   return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
 
 
-def _inferred_empty(n: Node, onnx: Any) -> list[Value]:
+def _inferred_empty(n: OnnxNode, onnx: Any) -> list[Value]:
   """Outputs of a node reading an empty value beside computed ones: empty arrays where shape inference says so."""
   h = onnx.helper
   types = {}
@@ -76,7 +76,7 @@ def _inferred_empty(n: Node, onnx: Any) -> list[Value]:
   return outs
 
 
-def empty_outputs(n: Node, onnx: Any) -> list[Value] | None:
+def empty_outputs(n: OnnxNode, onnx: Any) -> list[Value] | None:
   """The node's outputs when one of its inputs is empty (None when none is, or when its handler copes: Concat)."""
   if not any(is_empty(v) for v in n.ins): return None
   if all(v is None or isinstance(v, np.ndarray) for v in n.ins):
@@ -93,7 +93,7 @@ def empty_input(shape: Sequence[int | str], dt: np.dtype) -> np.ndarray | None:
   return np.zeros([int(d) for d in shape], dt) if static and 0 in shape else None
 
 
-def empty_slice(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Any], ends: Sequence[Any], steps: Sequence[int]) -> np.ndarray | None:
+def empty_slice(n: OnnxNode, t: Tensor, axes: Sequence[int], starts: Sequence[Any], ends: Sequence[Any], steps: Sequence[int]) -> np.ndarray | None:
   """A Slice of computed t that selects nothing on a fixed axis: its result has no elements, so it is an empty array known
   at load (None when every fixed axis keeps an element). Its other dims must be fixed too: an array has no symbolic dims."""
   shape: list[Any] = list(t.shape)

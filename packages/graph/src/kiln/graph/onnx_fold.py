@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.graph.onnx_ops import Node, Value
+from kiln.graph.onnx_ops import OnnxNode, Value
 
 
 def _uses(graph: Any) -> Counter[str]:
@@ -42,7 +42,7 @@ class BatchNormFolds:
     self.bn_of = {p.input[0]: p for p in graph.node if p.op_type == "BatchNormalization" and p.input}
     self.folded: set[str] = set()  # the output names of batch norms folded into their conv
 
-  def _foldable_bn(self, conv: Node, env: dict[str, Value]) -> tuple[Any, dict[str, Any]] | None:
+  def _foldable_bn(self, conv: OnnxNode, env: dict[str, Value]) -> tuple[Any, dict[str, Any]] | None:
     """The BatchNormalization proto to fold into this Conv and its attributes, or None (see the module's table)."""
     out = conv.proto.output[0] if conv.proto.output else ""
     bn = self.bn_of.get(out)
@@ -57,7 +57,7 @@ class BatchNormFolds:
     if w.ndim < 3 or any(np.shape(env[name]) != (w.shape[0],) for name in bn.input[1:5]): return None
     return bn, attrs
 
-  def conv(self, conv: Node, env: dict[str, Value]) -> None:
+  def conv(self, conv: OnnxNode, env: dict[str, Value]) -> None:
     """Scale conv's weight and bias inputs in place by the batch norm that reads it, when it folds."""
     if (found := self._foldable_bn(conv, env)) is None: return
     bn, attrs = found

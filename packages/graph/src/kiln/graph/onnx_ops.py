@@ -26,14 +26,14 @@ from kiln.ir.uop import UOp
 Value = Tensor | np.ndarray
 
 
-class Node:
+class OnnxNode:
   """One ONNX node while it is converted: its inputs (None for an omitted optional one), attributes, and opset."""
   def __init__(self, proto: Any, env: dict[str, Value], opset: int, onnx: Any, stored: Tensors | None = None,
                budget: LoadBudget | None = None):
     self.proto, self.op, self.name, self.opset = proto, proto.op_type, proto.name or f"<{proto.op_type}>", opset
     self.stored = stored or Tensors(onnx, None)
     self.budget = budget or LoadBudget()  # what the whole model's load may make: shared by all its nodes
-    self.env = env  # a value Node.read_back found at run time is under its key there once the rest is converted for it
+    self.env = env  # a value OnnxNode.read_back found at run time is under its key there once the rest is converted for it
     self.ins: list[Value | None] = []
     for n in proto.input:
       if n == "": self.ins.append(None)
@@ -88,14 +88,14 @@ class Node:
   def error(self, msg: str) -> ONNXError: return ONNXError(f"node {self.name} ({self.op}, opset {self.opset}): {msg}")
 
 
-def _axes_of(n: Node, attr_until: int, input_index: int = 1) -> list[int] | None:
+def _axes_of(n: OnnxNode, attr_until: int, input_index: int = 1) -> list[int] | None:
   """axes as an attribute (opsets before attr_until) or as an input (from it on)."""
   if n.opset < attr_until: return n.attr("axes")
   a = n.opt_const(input_index, "axes")
   return None if a is None else [int(x) for x in a.reshape(-1)]
 
 
-def _norm(a: int, nd: int, n: Node) -> int:
+def _norm(a: int, nd: int, n: OnnxNode) -> int:
   if not -nd <= a < nd: raise n.error(f"axis {a} is out of range for rank {nd}")
   return a % nd
 
@@ -115,8 +115,8 @@ def _np_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # ---- the operators ----
-def _binary(f: Callable[[Any, Any], Any]) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _binary(f: Callable[[Any, Any], Any]) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     a, b = n.ins[0], n.ins[1]
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.asarray(f(a, b))
     ta, tb = n.t(0), n.t(1)
@@ -125,7 +125,7 @@ def _binary(f: Callable[[Any, Any], Any]) -> Callable[[Node], Value]:
   return run
 
 
-def _div(n: Node) -> Value:
+def _div(n: OnnxNode) -> Value:
   a, b = n.ins[0], n.ins[1]
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return _np_div(a, b)
   ta, tb = n.t(0), n.t(1)
@@ -134,18 +134,18 @@ def _div(n: Node) -> Value:
   return ta / tb
 
 
-def _pow(n: Node) -> Value:
+def _pow(n: OnnxNode) -> Value:
   a, b = n.ins[0], n.ins[1]
   if isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np_power(a, b)
   if isinstance(b, np.ndarray) and b.size == 1 and b.dtype.kind in "iuf": return power(n.t(0), b.reshape(-1)[0].item())
   return power(n.t(0), n.t(1))  # in the base's dtype, as ONNX's Pow (Tensor.pow promotes as numpy does)
 
 
-def _unary(name: str) -> Callable[[Node], Value]:
+def _unary(name: str) -> Callable[[OnnxNode], Value]:
   return lambda n: getattr(n.t(0), name)()
 
 
-def _gelu(n: Node) -> Value:
+def _gelu(n: OnnxNode) -> Value:
   x = n.t(0)
   approx = n.attr("approximate", "none")
   if approx == "none": return x.gelu()
@@ -153,8 +153,8 @@ def _gelu(n: Node) -> Value:
   raise n.error(f"attribute approximate={approx!r} is not supported (none, tanh)")
 
 
-def _softmax(log: bool) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _softmax(log: bool) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     if n.opset >= 13:
       a = _norm(n.attr("axis", -1), x.ndim, n)
@@ -165,7 +165,7 @@ def _softmax(log: bool) -> Callable[[Node], Value]:
   return run
 
 
-def _layernorm(n: Node) -> Value | list[Value]:
+def _layernorm(n: OnnxNode) -> Value | list[Value]:
   if n.attr("stash_type", 1) != 1: raise n.error(f"stash_type={n.attr('stash_type')} is not supported (float32 statistics only)")
   x = n.t(0)
   a = _norm(n.attr("axis", -1), x.ndim, n)
@@ -183,8 +183,8 @@ def _layernorm(n: Node) -> Value | list[Value]:
   return [y.cast(x.dtype), mean, inv]
 
 
-def _reduce(kind: str, attr_until: int) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _reduce(kind: str, attr_until: int) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     axes = _axes_of(n, attr_until)
     keep = bool(n.attr("keepdims", 1))
@@ -196,7 +196,7 @@ def _reduce(kind: str, attr_until: int) -> Callable[[Node], Value]:
   return run
 
 
-def _gemm(n: Node) -> Value:
+def _gemm(n: OnnxNode) -> Value:
   a, b = n.t(0), n.t(1)
   if n.attr("transA", 0): a = a.T
   if n.attr("transB", 0): b = b.T
@@ -208,7 +208,7 @@ def _gemm(n: Node) -> Value:
   return y
 
 
-def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
+def _reshape_shape(n: OnnxNode, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
   shape: list[Dim] = [s if isinstance(s, UOp) else int(s) for s in n.const(1, "shape").reshape(-1)]  # UOps: symbolic dims of a Shape
   if n.attr("allowzero", 0) and 0 in shape: raise n.error("allowzero=1 with a 0 in the shape (an empty tensor) is not supported")
   out = [in_shape[i] if s == 0 and i < len(in_shape) else s for i, s in enumerate(shape)]
@@ -220,7 +220,7 @@ def _reshape_shape(n: Node, in_shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
   return tuple(ints)
 
 
-def _shape(n: Node) -> Value:
+def _shape(n: OnnxNode) -> Value:
   """Shape folds to a constant at load time. With a symbolic dim it is a *shape value*: an object array of Dims, which
   shape_values.RULES take as such (torch's Shape -> Gather -> Unsqueeze -> Concat -> Reshape, arithmetic that stays a
   dim); any other consumer reads the dims' run-time values as data."""
@@ -234,20 +234,20 @@ def _shape(n: Node) -> Value:
 check_shape_value = sv.check_shape_value  # the loader's check of each node's inputs (onnx.py)
 
 
-def _reshape(n: Node) -> Value:
+def _reshape(n: OnnxNode) -> Value:
   x = n.ins[0]
   if isinstance(x, np.ndarray): return x.reshape(sym.static_shape("Reshape", _reshape_shape(n, x.shape)))
   return n.t(0).reshape(_reshape_shape(n, n.t(0).shape))
 
 
-def _transpose(n: Node) -> Value:
+def _transpose(n: OnnxNode) -> Value:
   x = n.ins[0]
   nd = x.ndim if x is not None else 0
   perm = n.attr("perm") or list(reversed(range(nd)))
   return np.transpose(x, perm) if isinstance(x, np.ndarray) else n.t(0).permute(perm)
 
 
-def _unsqueeze(n: Node) -> Value:
+def _unsqueeze(n: OnnxNode) -> Value:
   axes = _axes_of(n, 13)
   if axes is None: raise n.error("axes are required")
   x = n.ins[0]
@@ -259,14 +259,14 @@ def _unsqueeze(n: Node) -> Value:
   return t
 
 
-def _squeeze(n: Node) -> Value:
+def _squeeze(n: OnnxNode) -> Value:
   axes = _axes_of(n, 13)
   x = n.ins[0]
   if isinstance(x, np.ndarray): return np.squeeze(x, tuple(axes) if axes else None)
   return n.t(0).squeeze(tuple(axes) if axes else None)
 
 
-def _concat(n: Node) -> Value:
+def _concat(n: OnnxNode) -> Value:
   a = n.attr("axis")
   if a is None: raise n.error("attribute axis is required")
   vals = [v for v in n.ins if v is not None]
@@ -274,7 +274,7 @@ def _concat(n: Node) -> Value:
   return Tensor.cat([v if isinstance(v, Tensor) else Tensor(v) for v in vals], a)
 
 
-def _slice(n: Node) -> Value:
+def _slice(n: OnnxNode) -> Value:
   if n.opset < 10: starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
   else:
     starts, ends = [sv.dim(v) for v in n.const(1, "starts")], [sv.dim(v) for v in n.const(2, "ends")]  # UOps: a Shape's symbolic dims
@@ -296,7 +296,7 @@ def _slice(n: Node) -> Value:
   return t.slice(starts, ends, axes, steps)  # type: ignore[arg-type]  # static, as checked
 
 
-def _split(n: Node) -> list[Value]:
+def _split(n: OnnxNode) -> list[Value]:
   x = n.t(0)
   a = _norm(n.attr("axis", 0), x.ndim, n)
   raw = n.opt_const(1, "split") if n.opset >= 13 else n.attr("split")
@@ -311,7 +311,7 @@ def _split(n: Node) -> list[Value]:
   return list(x.split([int(s) for s in sizes], a))
 
 
-def _cast(n: Node, onnx: Any) -> Value:
+def _cast(n: OnnxNode, onnx: Any) -> Value:
   code = n.attr("to")
   try: to = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(code))
   except (KeyError, TypeError, ValueError): raise n.error(f"attribute to={code!r} names no element type") from None
@@ -320,25 +320,25 @@ def _cast(n: Node, onnx: Any) -> Value:
   return n.t(0).cast(to)
 
 
-def _cast_like(n: Node) -> Value:
+def _cast_like(n: OnnxNode) -> Value:
   x, like = n.ins[0], n.ins[1] if len(n.ins) > 1 else None
   if like is None: raise n.error("input 1 (target_type) is missing")
   if isinstance(like, Tensor): return n.t(0).cast(like.dtype)  # kiln's dtype: a bfloat16's numpy form is its uint16 bits
   return x.astype(like.dtype) if isinstance(x, np.ndarray) else n.t(0).cast(like.dtype)
 
 
-def _where(n: Node) -> Value:
+def _where(n: OnnxNode) -> Value:
   c, a, b = n.ins[:3]
   if isinstance(c, np.ndarray) and isinstance(a, np.ndarray) and isinstance(b, np.ndarray): return np.where(c, a, b)
   return n.t(0).where(n.t(1), n.t(2))
 
 
-def _not(n: Node) -> Value:
+def _not(n: OnnxNode) -> Value:
   x = n.ins[0]
   return np.logical_not(x) if isinstance(x, np.ndarray) else n.t(0).logical_not()
 
 
-def _expand(n: Node) -> Value:
+def _expand(n: OnnxNode) -> Value:
   shape = tuple(int(s) for s in n.const(1, "shape").reshape(-1))
   x = n.ins[0]
   xs = x.shape if x is not None else ()
@@ -350,7 +350,7 @@ def _expand(n: Node) -> Value:
   return n.t(0).reshape(full).expand(out)
 
 
-def _gather(n: Node) -> Value:
+def _gather(n: OnnxNode) -> Value:
   x, i = n.ins[0], n.ins[1]
   nd = x.ndim if x is not None else 0
   a = _norm(n.attr("axis", 0), nd, n)
@@ -366,7 +366,7 @@ def _gather(n: Node) -> Value:
   return n.t(0).gather(n.t(1), a, name=f"node {n.name} ({n.op})")
 
 
-def _flatten(n: Node) -> Value:
+def _flatten(n: OnnxNode) -> Value:
   x = n.t(0) if not isinstance(n.ins[0], np.ndarray) else n.ins[0]
   a = n.attr("axis", 1)
   if not -x.ndim <= a <= x.ndim: raise n.error(f"axis {a} is out of range for rank {x.ndim}")
@@ -375,7 +375,7 @@ def _flatten(n: Node) -> Value:
   return x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), int(np.prod(x.shape[a:], dtype=np.int64)))
 
 
-def _constant(n: Node, onnx: Any) -> Value:
+def _constant(n: OnnxNode, onnx: Any) -> Value:
   for k in ("value", "value_float", "value_floats", "value_int", "value_ints"):
     if k in n.attrs:
       v = n.attr(k)
@@ -384,7 +384,7 @@ def _constant(n: Node, onnx: Any) -> Value:
   raise n.error(f"attribute {sorted(n.attrs)[0] if n.attrs else '(none)'} is not supported (value, value_float(s), value_int(s))")
 
 
-def _constant_of_shape(n: Node, onnx: Any) -> Value:
+def _constant_of_shape(n: OnnxNode, onnx: Any) -> Value:
   raw = n.const(0, "shape").reshape(-1)
   val = n.tensor("value").reshape(-1) if "value" in n.attrs else np.zeros(1, np.float32)
   if raw.dtype == object:  # a shape with symbolic dims (torch.ones(T, T) for a dynamic T): a broadcast constant, nothing stored
@@ -392,7 +392,7 @@ def _constant_of_shape(n: Node, onnx: Any) -> Value:
   return np.full(tuple(int(s) for s in raw), val[0], val.dtype)
 
 
-def _range(n: Node) -> Value:
+def _range(n: OnnxNode) -> Value:
   s, e, d = (n.const(i, w) for i, w in enumerate(("start", "limit", "delta")))
   if e.dtype == object:  # a symbolic limit (torch.arange(T) for a dynamic T): the loop's own index, step 1 only
     lim = e.reshape(-1)[0]
@@ -401,7 +401,7 @@ def _range(n: Node) -> Value:
   return np.arange(s.item(), e.item(), d.item()).astype(s.dtype)
 
 
-def _dropout(n: Node) -> Value | list[Value]:
+def _dropout(n: OnnxNode) -> Value | list[Value]:
   """Inference: the input itself, and (when asked for) a mask of all True. Training mode (is_test=0 before opset 7, a
   training_mode input from opset 12) would drop at random: refused, never run as the identity, unless its ratio is 0. A
   training_mode computed at run time is read back (specialise.py: a run with true is refused then)."""
@@ -420,9 +420,9 @@ def _dropout(n: Node) -> Value | list[Value]:
   return [x, mask]  # type: ignore[list-item]
 
 
-def _sum_mean(mean: bool) -> Callable[[Node], Value]:
+def _sum_mean(mean: bool) -> Callable[[OnnxNode], Value]:
   """Sum and Mean of any number of inputs, broadcast together (Mean: the sum over the count)."""
-  def run(n: Node) -> Value:
+  def run(n: OnnxNode) -> Value:
     vals = [v for v in n.ins if v is not None]
     if not vals: raise n.error("needs at least one input")
     if all(isinstance(v, np.ndarray) for v in vals):
@@ -438,8 +438,8 @@ def _sum_mean(mean: bool) -> Callable[[Node], Value]:
   return run
 
 
-def _minmax(kind: str) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _minmax(kind: str) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     vals = [v for v in n.ins if v is not None]
     arrs = [v for v in vals if isinstance(v, np.ndarray)]
     if len(arrs) == len(vals):
@@ -452,7 +452,7 @@ def _minmax(kind: str) -> Callable[[Node], Value]:
   return run
 
 
-def _spatial(n: Node, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+def _spatial(n: OnnxNode, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
   """strides, dilations and (before, after) pads of a conv or pool node, auto_pad resolved."""
   d = len(kernel)
   st, dl = list(n.attr("strides") or [1] * d), list(n.attr("dilations") or [1] * d)
@@ -469,7 +469,7 @@ def _spatial(n: Node, x: Tensor, kernel: list[int]) -> tuple[list[int], list[int
   return st, dl, pads
 
 
-def _conv(n: Node) -> Value:
+def _conv(n: OnnxNode) -> Value:
   x, w = n.t(0), n.t(1)
   kernel = list(n.attr("kernel_shape") or w.shape[2:])
   if tuple(kernel) != w.shape[2:]: raise n.error(f"kernel_shape {kernel} differs from the weight's {w.shape[2:]}")
@@ -478,8 +478,8 @@ def _conv(n: Node) -> Value:
   return x.conv2d(w, b, st, pads, dl, int(n.attr("group", 1)))
 
 
-def _pool(kind: str) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _pool(kind: str) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     if len(n.proto.output) > 1 and n.proto.output[1]: raise n.error("the Indices output is not supported")
     x = n.t(0)
     kernel = list(n.attr("kernel_shape") or [])
@@ -497,7 +497,7 @@ def _pool(kind: str) -> Callable[[Node], Value]:
   return run
 
 
-def _ceil_pool(n: Node, x: Tensor, kind: str, kernel: list[int], st: list[int], dl: list[int], pads: list[tuple[int, int]],
+def _ceil_pool(n: OnnxNode, x: Tensor, kind: str, kernel: list[int], st: list[int], dl: list[int], pads: list[tuple[int, int]],
                include: bool) -> Tensor:
   """ceil_mode=1 as onnxruntime computes it: the output rounds up, but a last window that would start in the end padding is
   dropped; the windows past the padded input read nothing (max: -inf; a mean counts only what it reads, or with
@@ -518,8 +518,8 @@ def _ceil_pool(n: Node, x: Tensor, kind: str, kernel: list[int], st: list[int], 
   return total / Tensor(counts.astype(np.float32))
 
 
-def _global_pool(kind: str) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _global_pool(kind: str) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     if x.ndim < 4 or not sym.is_static(x.shape[2:]): return getattr(x, kind)(tuple(range(2, x.ndim)), True)
     # the spatial dims as one reduce axis: a map's rows are contiguous, so the codegen can vectorise the whole map
@@ -529,7 +529,7 @@ def _global_pool(kind: str) -> Callable[[Node], Value]:
   return run
 
 
-def _batchnorm(n: Node) -> Value:
+def _batchnorm(n: OnnxNode) -> Value:
   if n.attr("training_mode", 0): raise n.error("attribute training_mode=1 is not supported (inference only)")
   if len(n.proto.output) > 1 and any(n.proto.output[1:]): raise n.error("the running mean/var outputs are not supported (inference only)")
   n.attr("momentum")

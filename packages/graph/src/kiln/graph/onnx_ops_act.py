@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import onnx_limits as lim
-from kiln.graph.onnx_ops import Node, Value, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.tensor import Tensor, broadcast_shapes
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.ops import Ops
@@ -22,10 +22,10 @@ TFn = Callable[..., Tensor]  # (node, *inputs as Tensors, None for an omitted op
 NFn = Callable[..., Any]  # (node, *inputs as numpy arrays or None) -> array
 
 
-def _ew(tfn: TFn, nfn: NFn, floats: bool = True) -> Callable[[Node], Value]:
+def _ew(tfn: TFn, nfn: NFn, floats: bool = True) -> Callable[[OnnxNode], Value]:
   """A handler: nfn when every given input is a numpy constant (folded at load time), else tfn on Tensors. floats: ONNX's
   type constraint allows float inputs only; any other is refused by name rather than computed in a type the op lacks."""
-  def run(n: Node) -> Value:
+  def run(n: OnnxNode) -> Value:
     given = [v for v in n.ins if isinstance(v, np.ndarray)]
     if given and len(given) == sum(v is not None for v in n.ins):
       if floats and given[0].dtype.kind != "f": raise n.error(f"needs a float input, got {given[0].dtype}")
@@ -39,14 +39,14 @@ def _ew(tfn: TFn, nfn: NFn, floats: bool = True) -> Callable[[Node], Value]:
   return run
 
 
-def _fold_limit(n: Node, arrs: list[np.ndarray]) -> None:
+def _fold_limit(n: OnnxNode, arrs: list[np.ndarray]) -> None:
   """A fold that broadcasts (PRelu, Xor, Mod, Clip) makes at most onnx_limits' MAX_FOLDED_ELEMENTS beyond its inputs."""
   size = math.prod(np.broadcast_shapes(*(a.shape for a in arrs)))
   if size > max(a.size for a in arrs):
     lim.limit(f"node {n.name} ({n.op}): a load-time fold's element count", size, "MAX_FOLDED_ELEMENTS", lim.MAX_FOLDED_ELEMENTS)
 
 
-def _same(n: Node, x: Tensor, other: Tensor, what: str) -> None:
+def _same(n: OnnxNode, x: Tensor, other: Tensor, what: str) -> None:
   if x.dtype != other.dtype: raise n.error(f"{what} is {other.dtype.name}, the input {x.dtype.name} (ONNX gives them one type)")
 
 
@@ -69,41 +69,41 @@ def _softplus(x: Tensor) -> Tensor:
 def _np_softplus(x: np.ndarray) -> np.ndarray: return np.logaddexp(x, np.zeros_like(x))
 
 
-def _prelu(n: Node, x: Tensor, s: Tensor) -> Tensor:
+def _prelu(n: OnnxNode, x: Tensor, s: Tensor) -> Tensor:
   if broadcast_shapes(x.shape, s.shape, op="PRelu") != x.shape:
     raise n.error(f"slope {s.shape} does not broadcast to the input {x.shape} (ONNX broadcasts it to the input only)")
   _same(n, x, s, "slope")
   return (x < 0).where(x * s, x)
 
 
-def _np_prelu(n: Node, x: np.ndarray, s: np.ndarray) -> np.ndarray:
+def _np_prelu(n: OnnxNode, x: np.ndarray, s: np.ndarray) -> np.ndarray:
   if np.broadcast_shapes(x.shape, s.shape) != x.shape: raise n.error(f"slope {s.shape} does not broadcast to the input {x.shape}")
   return np.where(x < 0, x * s, x)
 
 
-def _elu(n: Node, x: Tensor) -> Tensor:  # e^min(x, 0): the branch where() drops computes no inf
+def _elu(n: OnnxNode, x: Tensor) -> Tensor:  # e^min(x, 0): the branch where() drops computes no inf
   return (x < 0).where((x.minimum(0.0).exp() - 1.0) * float(n.attr("alpha", 1.0)), x)
 
 
 SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875  # ONNX's defaults (float32 values)
 
 
-def _selu(n: Node, x: Tensor) -> Tensor:
+def _selu(n: OnnxNode, x: Tensor) -> Tensor:
   a, g = float(n.attr("alpha", SELU_ALPHA)), float(n.attr("gamma", SELU_GAMMA))
   return (x > 0).where(x, x.minimum(0.0).exp() * a - a) * g
 
 
-def _np_selu(n: Node, x: np.ndarray) -> np.ndarray:
+def _np_selu(n: OnnxNode, x: np.ndarray) -> np.ndarray:
   a, g = n.attr("alpha", SELU_ALPHA), n.attr("gamma", SELU_GAMMA)
   return np.where(x > 0, x, np.exp(np.minimum(x, 0)) * a - a) * g
 
 
-def _celu(n: Node, x: Tensor) -> Tensor:  # ONNX's formula as written: an e^(x/a) that overflows is dropped by the min (inf -> 0)
+def _celu(n: OnnxNode, x: Tensor) -> Tensor:  # ONNX's formula as written: an e^(x/a) that overflows is dropped by the min (inf -> 0)
   a = float(n.attr("alpha", 1.0))
   return x.maximum(0.0) + (((x / a).exp() - 1.0) * a).minimum(0.0)
 
 
-def _np_celu(n: Node, x: np.ndarray) -> np.ndarray:
+def _np_celu(n: OnnxNode, x: np.ndarray) -> np.ndarray:
   a = n.attr("alpha", 1.0)
   return np.maximum(x, 0) + np.minimum((np.exp(x / np.float32(a)) - 1) * a, 0)
 
@@ -125,7 +125,7 @@ def _clip_limits(dt: DType) -> tuple[float | int, float | int]:
   return dt.min, dt.max  # type: ignore[return-value]
 
 
-def _clip_bound(n: Node, x: Tensor, b: Tensor | None, attr: str, lo: bool) -> Tensor | float | int:
+def _clip_bound(n: OnnxNode, x: Tensor, b: Tensor | None, attr: str, lo: bool) -> Tensor | float | int:
   if n.opset < 11:
     v = n.attr(attr)
     return _clip_limits(x.dtype)[0 if lo else 1] if v is None else float(v)
@@ -136,29 +136,29 @@ def _clip_bound(n: Node, x: Tensor, b: Tensor | None, attr: str, lo: bool) -> Te
   return b.reshape(())
 
 
-def _clip(n: Node, x: Tensor, lo: Tensor | None = None, hi: Tensor | None = None) -> Tensor:
+def _clip(n: OnnxNode, x: Tensor, lo: Tensor | None = None, hi: Tensor | None = None) -> Tensor:
   """min(max(x, lo), hi): maximum/minimum propagate a NaN x; lo > hi gives hi everywhere, as ONNX says."""
   return x.maximum(_clip_bound(n, x, lo, "min", True)).minimum(_clip_bound(n, x, hi, "max", False))
 
 
-def _np_clip(n: Node, x: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> np.ndarray:
+def _np_clip(n: OnnxNode, x: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> np.ndarray:
   dl, dh = _clip_limits(dtypes.from_numpy(x.dtype))
   if n.opset < 11: lo, hi = np.asarray(n.attr("min", dl), x.dtype), np.asarray(n.attr("max", dh), x.dtype)
   return np.minimum(np.maximum(x, dl if lo is None else lo.reshape(())), dh if hi is None else hi.reshape(()))
 
 
 # ---- rounding, sign, predicates ----
-def _floor(n: Node, x: Tensor) -> Tensor:
+def _floor(n: OnnxNode, x: Tensor) -> Tensor:
   t = _trunc(x)
   return (t > x).where(t - 1.0, t)
 
 
-def _ceil(n: Node, x: Tensor) -> Tensor:
+def _ceil(n: OnnxNode, x: Tensor) -> Tensor:
   t = _trunc(x)
   return (t < x).where(t + 1.0, t)
 
 
-def _round(n: Node, x: Tensor) -> Tensor:
+def _round(n: OnnxNode, x: Tensor) -> Tensor:
   """Half to even: x - trunc(x) is exact, so a tie is seen exactly; it moves away from zero when trunc(x) is odd."""
   t = _trunc(x)
   d = (x - t).abs()
@@ -167,35 +167,35 @@ def _round(n: Node, x: Tensor) -> Tensor:
   return away.where((x < 0).where(t - 1.0, t + 1.0), t)
 
 
-def _sign(n: Node, x: Tensor) -> Tensor:
+def _sign(n: OnnxNode, x: Tensor) -> Tensor:
   if x.dtype.is_bool: raise n.error("needs a numeric input, got bool")
   s = (x > 0).cast(x.dtype) if x.dtype.is_unsigned else (x > 0).cast(x.dtype) - (x < 0).cast(x.dtype)
   return x.ne(x).where(x, s) if x.dtype.is_float else s  # Sign(NaN) is NaN in onnxruntime
 
 
-def _isinf(n: Node, x: Tensor) -> Tensor:
+def _isinf(n: OnnxNode, x: Tensor) -> Tensor:
   pos, neg = n.attr("detect_positive", 1), n.attr("detect_negative", 1)
   if pos and neg: return x.abs().eq(math.inf)
   if pos or neg: return x.eq(math.inf if pos else -math.inf)
   return Tensor.full(x.shape, False, dtypes.bool)
 
 
-def _np_isinf(n: Node, x: np.ndarray) -> np.ndarray:
+def _np_isinf(n: OnnxNode, x: np.ndarray) -> np.ndarray:
   return (np.isposinf(x) & bool(n.attr("detect_positive", 1))) | (np.isneginf(x) & bool(n.attr("detect_negative", 1)))
 
 
-def _xor(n: Node, a: Tensor, b: Tensor) -> Tensor:
+def _xor(n: OnnxNode, a: Tensor, b: Tensor) -> Tensor:
   if not (a.dtype.is_bool and b.dtype.is_bool): raise n.error(f"needs bool inputs, got {a.dtype.name} and {b.dtype.name}")
   return a ^ b
 
 
-def _np_xor(n: Node, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _np_xor(n: OnnxNode, a: np.ndarray, b: np.ndarray) -> np.ndarray:
   if a.dtype != np.bool_ or b.dtype != np.bool_: raise n.error(f"needs bool inputs, got {a.dtype} and {b.dtype}")
   return np.logical_xor(a, b)
 
 
 # ---- Cos ----
-def _cos(n: Node, x: Tensor) -> Tensor:
+def _cos(n: OnnxNode, x: Tensor) -> Tensor:
   """1 - 2 sin^2(x/2), computed in float64 (x/2 is exact) and rounded back: absolute error a few 1e-16 for any x, so a float32
   result is correctly rounded (<= 0.5 ulp against numpy's double cos over 1.4M inputs of every magnitude), beside cos's zeros
   too, where the formula in float32 is off by ~2e-7 absolute and sin(x + pi/2) loses |x| 2^-53 (all of it past |x| ~ 1e16).
@@ -225,7 +225,7 @@ def _fmod(a: Tensor, b: Tensor) -> Tensor:
   return (a < 0).where(-r, r).cast(a.dtype)
 
 
-def _mod(n: Node) -> Value:
+def _mod(n: OnnxNode) -> Value:
   fmod = int(n.attr("fmod", 0))
   a, b = n.ins[0], n.ins[1]
   if a is None or b is None: raise n.error("needs two inputs")

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kiln.graph import dims as sym
-from kiln.graph.onnx_ops import Node, Value, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.power import power
 from kiln.graph.tensor import Tensor
 
@@ -64,7 +64,7 @@ def _axis_runs(s: int, d: int, k: int, pb: int, out: int) -> list[_Run]:
   return [_Run(a, b, lo, dl, np.array([t[::-1] for t in phases], np.int64)) for a, b, lo, phases in groups]
 
 
-def _geometry(n: Node, size: int, s: int, d: int, k: int, adj: int, pads: tuple[int, int], want: int | None, auto: str) -> tuple[int, int]:
+def _geometry(n: OnnxNode, size: int, s: int, d: int, k: int, adj: int, pads: tuple[int, int], want: int | None, auto: str) -> tuple[int, int]:
   """(pb, out) of one spatial axis, as onnxruntime computes them."""
   eff = (k - 1) * d + 1
   full = s * (size - 1) + adj + eff
@@ -83,7 +83,7 @@ def _geometry(n: Node, size: int, s: int, d: int, k: int, adj: int, pads: tuple[
   return pb, out
 
 
-def _ints(n: Node, name: str, count: int, default: int, least: int) -> list[int]:
+def _ints(n: OnnxNode, name: str, count: int, default: int, least: int) -> list[int]:
   v = n.attr(name)
   v = [default] * count if v is None else [int(x) for x in v]
   if len(v) != count or any(x < least for x in v): raise n.error(f"attribute {name}={v} needs {count} values, each at least {least}")
@@ -114,7 +114,7 @@ def _interleave(y: Tensor, m: int, runs: tuple[_Run, ...], s: list[int], out: li
   return y[(slice(None), slice(None), *(slice(0, o) for o in out))]
 
 
-def _conv_transpose(n: Node) -> Value:
+def _conv_transpose(n: OnnxNode) -> Value:
   x, w = n.t(0), n.ins[1]
   if w is None: raise n.error("input 1 (the weight) is missing")
   if not x.dtype.is_float: raise n.error(f"needs a float input, got {x.dtype.name}")
@@ -159,7 +159,7 @@ def _conv_transpose(n: Node) -> Value:
   return y if bias is None else y + bias.reshape(1, mg * g, *[1] * d)
 
 
-def _lrn(n: Node) -> Value:
+def _lrn(n: OnnxNode) -> Value:
   """y = x / (bias + alpha/size * sum of x**2 over channels c - (size-1)//2 .. c + ceil((size-1)/2)) ** beta."""
   x = n.t(0)
   if not x.dtype.is_float: raise n.error(f"needs a float input, got {x.dtype.name}")

@@ -2,7 +2,7 @@
 module for that).
 
 NonMaxSuppression is a *host step*: greedy and sequential (each box is kept or dropped by the boxes kept before it), with
-an output as long as what it keeps. onnxruntime's GPU provider runs it on the CPU too. Node.read_back makes it a value
+an output as long as what it keeps. onnxruntime's GPU provider runs it on the CPU too. OnnxNode.read_back makes it a value
 computed at run time from the boxes and scores (and any threshold computed at run time): the converter cuts the model
 before the node, each run reads those arrays back and `select` computes the selection with numpy on the host, exactly
 onnxruntime's CPU kernel (non_max_suppression.cc): per batch and class, the boxes whose score is above score_threshold
@@ -28,7 +28,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.indexing import index_dtype, wrapped
 from kiln.graph.lazy import ONNXError
-from kiln.graph.onnx_ops import Node, Value, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.onnx_ops_act import _trunc
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
@@ -84,7 +84,7 @@ def select(boxes: np.ndarray, scores: np.ndarray, max_out: int, iou: float, scor
   return np.array(out, np.int64).reshape(-1, 3)
 
 
-def _nms(n: Node) -> Value:
+def _nms(n: OnnxNode) -> Value:
   center = int(n.attr("center_point_box", 0))
   if center not in (0, 1): raise n.error(f"attribute center_point_box={center} must be 0 or 1")
   boxes, scores = n.ins[0], n.ins[1] if len(n.ins) > 1 else None
@@ -114,13 +114,13 @@ def _nms(n: Node) -> Value:
 
 
 # ---- RoiAlign ----
-def _ceil_div(n: Node, v: Tensor, d: int) -> Tensor:
+def _ceil_div(n: OnnxNode, v: Tensor, d: int) -> Tensor:
   q = v / float(d)
   t = _trunc(q)
   return (t < q).where(t + 1.0, t)
 
 
-def _grid(n: Node, rois: Value, size_h: Tensor, size_w: Tensor, oh: int, ow: int, sr: int) -> tuple[int, int]:
+def _grid(n: OnnxNode, rois: Value, size_h: Tensor, size_w: Tensor, oh: int, ow: int, sr: int) -> tuple[int, int]:
   """The largest sample grid (rows, cols) of any roi: sampling_ratio, or ceil(roi size / output size) of the largest roi
   (computed now from constant rois, else read back at run time). A roi whose grid is empty (a size <= 0, half_pixel) is
   refused: onnxruntime then fails (a negative grid) or divides by its count of 0."""
@@ -148,7 +148,7 @@ def _axis_taps(pos: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, 
   return outside, low, high, 1.0 - lw, lw
 
 
-def _roi_align(n: Node) -> Value:
+def _roi_align(n: OnnxNode) -> Value:
   x, rois_v, bi = n.t(0), n.ins[1], n.t(2)
   rois = n.t(1)
   mode = n.attr("mode", "avg")

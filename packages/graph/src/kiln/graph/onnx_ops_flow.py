@@ -23,21 +23,21 @@ from typing import Any
 import numpy as np
 
 from kiln.graph.lazy import ONNXError
-from kiln.graph.onnx_ops import OPS, Node, Value
+from kiln.graph.onnx_ops import OPS, OnnxNode, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
 from kiln.graph.program import Body, Branch, placeholder
 from kiln.graph.specialise import RuntimeValue
 from kiln.graph.tensor import Tensor
 
-Handler = Callable[[Node, Ctx, dict[str, Value]], list[Value]]
+Handler = Callable[[OnnxNode, Ctx, dict[str, Value]], list[Value]]
 
 
-def initializers(n: Node, ctx: Ctx, graph: Any, where: str) -> dict[str, Value]:
+def initializers(n: OnnxNode, ctx: Ctx, graph: Any, where: str) -> dict[str, Value]:
   """A subgraph's initializers, read once (an unrolled loop binds the same arrays in every iteration)."""
   return {t.name: ctx.stored.array(t, f"node {n.name} > {where}: initializer {t.name[:64]!r}") for t in graph.initializer}
 
 
-def run_graph(n: Node, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None,
+def run_graph(n: OnnxNode, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None,
               inits: dict[str, Value] | None = None) -> list[Value]:
   """Convert a subgraph of node n (`where`: its attribute, e.g. 'then_branch' or 'body (iteration 3)') in a scope of its own
   over env, its inputs bound to binds; its outputs' values. body: where its run-time branches are recorded (default: the
@@ -55,7 +55,7 @@ def run_graph(n: Node, ctx: Ctx, graph: Any, where: str, binds: list[Value], env
   return outs
 
 
-def _one(n: Node, v: Value, what: str) -> Value:
+def _one(n: OnnxNode, v: Value, what: str) -> Value:
   """A single-element value (a condition or a count); numpy for a constant."""
   if isinstance(v, np.ndarray):
     if v.dtype == object: raise n.error(f"{what} holds symbolic dims of a Shape, known only at run time")
@@ -65,13 +65,13 @@ def _one(n: Node, v: Value, what: str) -> Value:
   return v
 
 
-def _as_tensor(n: Node, k: int, attr: str, v: Value) -> Tensor:
+def _as_tensor(n: OnnxNode, k: int, attr: str, v: Value) -> Tensor:
   if isinstance(v, Tensor): return v
   if v.dtype == object: raise n.error(f"output {k} of {attr} is a Shape with symbolic dims, in a branch chosen at run time (not supported)")
   return Tensor(v)
 
 
-def _if(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+def _if(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   c = n.ins[0] if n.ins else None
   if c is None: raise n.error("input 0 (cond) is missing")
   c = _one(n, c, "input 0 (cond)")
@@ -125,7 +125,7 @@ def _carry(v: Value) -> Value:
   return v.contiguous() if isinstance(v, Tensor) else v
 
 
-def _stack(n: Node, what: str, vals: list[Value], axis: int) -> Value:
+def _stack(n: OnnxNode, what: str, vals: list[Value], axis: int) -> Value:
   """The per-iteration values of a scan output side by side along a new axis (numpy when all are constants)."""
   shapes = [tuple(v.shape) for v in vals]
   if other := next((s for s in shapes if s != shapes[0]), None): raise n.error(f"{what} changes shape between iterations: {shapes[0]}, then {other}")
@@ -139,18 +139,18 @@ def _stack(n: Node, what: str, vals: list[Value], axis: int) -> Value:
   return Tensor.stack([v if isinstance(v, Tensor) else Tensor(v) for v in vals], axis % rank)
 
 
-def _at_run_time(n: Node, what: str, why: str) -> Exception:
+def _at_run_time(n: OnnxNode, what: str, why: str) -> Exception:
   return n.error(f"{what} is computed at run time: kiln unrolls a {n.op} at load time, so {why} must be known then (a loop run a "
                  "number of times known only at run time is not supported)")
 
 
-def _flag(n: Node, v: Value, what: str, why: str) -> bool:
+def _flag(n: OnnxNode, v: Value, what: str, why: str) -> bool:
   v = _one(n, v, what)
   if isinstance(v, Tensor): raise _at_run_time(n, what, why)
   return bool(v.reshape(-1)[0])
 
 
-def _loop(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   """for (i = 0; i < M && cond; ++i) cond, v... = body(i, cond, v...), unrolled (M and cond optional, not both absent)."""
   body = n.attr("body")
   if body is None: raise n.error("attribute body is required")
@@ -190,7 +190,7 @@ def _slice(v: Value, axis: int, t: int) -> Value:
   return v.slice([t], [t + 1], [axis]).squeeze(axis)
 
 
-def _scan(n: Node, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
+def _scan(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   """Scan (opset 9 on): the body over slices of the scan inputs along their axes, in their directions, states carried,
   the scan outputs stacked along theirs; unrolled over the (static) sequence length."""
   if n.opset < 9: raise n.error("Scan before opset 9 (a batch axis and sequence_lens) is not supported")
@@ -238,7 +238,7 @@ FLOW: dict[str, tuple[Handler, frozenset[str]]] = {
 }
 
 
-def _by_the_loader(n: Node) -> Value:
+def _by_the_loader(n: OnnxNode) -> Value:
   raise n.error("is converted by the loader, which hands it its scope (onnx_ops_flow.FLOW)")
 
 

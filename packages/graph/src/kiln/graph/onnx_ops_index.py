@@ -26,7 +26,7 @@ from kiln.graph import onnx_limits as lim
 from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.indexing import DENSE_LIMIT, REDUCTIONS, coords, dense_work, index_dtype, scaled, scatter_np, scatter_rows, wrapped
 from kiln.graph.kernelize import strides
-from kiln.graph.onnx_ops import Node, Value, _norm, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType
 from kiln.ir.kernels import Dim
@@ -35,10 +35,10 @@ INDEX_DTYPES = {"GatherND": ("int64",), "ScatterND": ("int64",), "GatherElements
                 "ScatterElements": ("int32", "int64"), "Scatter": ("int32", "int64")}
 
 
-def _label(n: Node) -> str: return f"node {n.name} ({n.op})"
+def _label(n: OnnxNode) -> str: return f"node {n.name} ({n.op})"
 
 
-def _input(n: Node, i: int, what: str) -> Value:
+def _input(n: OnnxNode, i: int, what: str) -> Value:
   v = n.ins[i] if i < len(n.ins) else None
   if v is None: raise n.error(f"input {i} ({what}) is missing")
   return v
@@ -47,7 +47,7 @@ def _input(n: Node, i: int, what: str) -> Value:
 def _np_dtype(v: Value) -> np.dtype: return v.dtype.np if isinstance(v, Tensor) else v.dtype
 
 
-def _indices(n: Node, v: Value) -> None:
+def _indices(n: OnnxNode, v: Value) -> None:
   if (name := np.dtype(_np_dtype(v)).name) not in INDEX_DTYPES[n.op]:
     raise n.error(f"indices must be {' or '.join(INDEX_DTYPES[n.op])}, got {name}")
 
@@ -56,7 +56,7 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
   return [math.prod(shape[i + 1:]) for i in range(len(shape))]
 
 
-def _made(n: Node, elements: int, *given: Value) -> None:
+def _made(n: OnnxNode, elements: int, *given: Value) -> None:
   """Before numpy makes an array of elements at load (a fold's result, a constant row index): within MAX_FOLDED_ELEMENTS
   beyond the largest input it was handed, and within what the model's load budget has left."""
   if elements <= max((math.prod(sym.static_shape(n.op, g.shape)) for g in given if sym.is_static(g.shape)), default=0): return
@@ -64,7 +64,7 @@ def _made(n: Node, elements: int, *given: Value) -> None:
   n.budget.check(_label(n), n.budget.folded + 8 * elements)
 
 
-def _const(n: Node, a: np.ndarray, dt: DType) -> Tensor:
+def _const(n: OnnxNode, a: np.ndarray, dt: DType) -> Tensor:
   """A constant row index for the kernels, counted in the model's load budget as a fold's result is."""
   out = np.ascontiguousarray(a, dt.np)
   n.budget.folded += out.nbytes
@@ -76,7 +76,7 @@ def _const(n: Node, a: np.ndarray, dt: DType) -> Tensor:
 def _nd_where(j: int, b: int, dshape: tuple[Dim, ...]) -> str: return f"indices[..., {j}] on axis {b + j} of data {sym.fmt_shape(dshape)}"
 
 
-def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[Dim, ...], b: int) -> np.ndarray:
+def _nd_rows(n: OnnxNode, ind: np.ndarray, dshape: tuple[Dim, ...], b: int) -> np.ndarray:
   """GatherND/ScatterND: each index tuple indices[..., :] (after b batch dims) as a row of data (*dshape[:b + k], rest),
   whose dims up to b + k are fixed (the rest may be symbolic)."""
   k, lead = ind.shape[-1], ind.shape[:-1]
@@ -93,7 +93,7 @@ def _nd_rows(n: Node, ind: np.ndarray, dshape: tuple[Dim, ...], b: int) -> np.nd
   return rows
 
 
-def _nd_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], b: int, dt: DType) -> Tensor:
+def _nd_rows_t(n: OnnxNode, ind: Tensor, dshape: tuple[Dim, ...], b: int, dt: DType) -> Tensor:
   k, lead = ind.shape[-1], ind.shape[:-1]
   assert isinstance(k, int)  # _gather_nd and _scatter_nd checked it
   st = strides(dshape[:b + k])
@@ -105,7 +105,7 @@ def _nd_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], b: int, dt: DType)
   return out
 
 
-def _elem_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.ndarray:
+def _elem_rows(n: OnnxNode, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.ndarray:
   """GatherElements/ScatterElements: each element's position, its axis a coordinate the index, as a flat element number."""
   size, st = dshape[a], _strides(dshape)
   if (bad := bad_index(ind, size)) is not None: raise n.error(f"axis {a} of data {dshape}: index {bad} {out_of_range(size)}")
@@ -116,7 +116,7 @@ def _elem_rows(n: Node, ind: np.ndarray, dshape: tuple[int, ...], a: int) -> np.
   return rows
 
 
-def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], a: int, dt: DType) -> Tensor:
+def _elem_rows_t(n: OnnxNode, ind: Tensor, dshape: tuple[Dim, ...], a: int, dt: DType) -> Tensor:
   st = strides(dshape)
   rows = scaled(wrapped(ind, dshape[a], f"{_label(n)}: axis {a} of data {sym.fmt_shape(dshape)}", dt), st[a])
   for d in range(ind.ndim):
@@ -124,7 +124,7 @@ def _elem_rows_t(n: Node, ind: Tensor, dshape: tuple[Dim, ...], a: int, dt: DTyp
   return rows
 
 
-def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[Dim, ...]]:
+def _elements_shapes(n: OnnxNode, data: Value, ind: Value) -> tuple[int, tuple[Dim, ...]]:
   """The axis and the data's shape of GatherElements/ScatterElements: the same rank, and the indices no larger than the
   data off the axis for every value of the dims (onnxruntime refuses larger): the same dim, or at most its lower bound."""
   _indices(n, ind)
@@ -137,7 +137,7 @@ def _elements_shapes(n: Node, data: Value, ind: Value) -> tuple[int, tuple[Dim, 
   return a, dshape
 
 
-def _nd_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], b: int, k: int) -> Value:
+def _nd_runtime(n: OnnxNode, ind: Value, dshape: tuple[Dim, ...], b: int, k: int) -> Value:
   """GatherND/ScatterND's constant indices where a stride or an indexed axis is symbolic: checked now against the dims'
   upper bounds and made a Tensor, so the row numbers are computed at run time (and checked there against this run's)."""
   if not isinstance(ind, np.ndarray) or sym.is_static(dshape[:b + k]): return ind
@@ -147,7 +147,7 @@ def _nd_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], b: int, k: int) ->
   return Tensor(ind)
 
 
-def _elements_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], a: int) -> Value:
+def _elements_runtime(n: OnnxNode, ind: Value, dshape: tuple[Dim, ...], a: int) -> Value:
   """GatherElements/ScatterElements' constant indices into data of symbolic shape, as _nd_runtime."""
   if not isinstance(ind, np.ndarray) or sym.is_static(dshape): return ind
   if (bad := bad_index(ind, dshape[a])) is not None:
@@ -156,7 +156,7 @@ def _elements_runtime(n: Node, ind: Value, dshape: tuple[Dim, ...], a: int) -> V
 
 
 # ---- the operators ----
-def _gather_nd(n: Node) -> Value:
+def _gather_nd(n: OnnxNode) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
   _indices(n, ind)
   b, r, q = n.attr("batch_dims", 0), data.ndim, ind.ndim
@@ -182,7 +182,7 @@ def _gather_nd(n: Node) -> Value:
   return n.t(0).reshape(nrows, s).gather(idx, 0, name=_label(n)).reshape(out_shape)
 
 
-def _gather_elements(n: Node) -> Value:
+def _gather_elements(n: OnnxNode) -> Value:
   data, ind = _input(n, 0, "data"), _input(n, 1, "indices")
   a, dshape = _elements_shapes(n, data, ind)
   size = sym.mul(*dshape)
@@ -197,14 +197,14 @@ def _gather_elements(n: Node) -> Value:
   return n.t(0).reshape(size).gather(idx, 0, name=_label(n))
 
 
-def _reduction(n: Node) -> str:
+def _reduction(n: OnnxNode) -> str:
   if n.op == "Scatter": return "none"
   op = n.attr("reduction", "none")
   if op not in REDUCTIONS: raise n.error(f"attribute reduction={op!r} is not one of {', '.join(REDUCTIONS)}")
   return str(op)
 
 
-def _scatter(n: Node, rows: np.ndarray | Tensor, nrows: Dim, s: Dim, ushape: tuple[Dim, ...]) -> Value:
+def _scatter(n: OnnxNode, rows: np.ndarray | Tensor, nrows: Dim, s: Dim, ushape: tuple[Dim, ...]) -> Value:
   """data as (R, S) rows, updates as (*U, S), rows (*U) the row each update goes to; the result in data's shape."""
   data, upd, op = n.ins[0], n.ins[2], _reduction(n)
   assert data is not None and upd is not None
@@ -229,7 +229,7 @@ def _scatter(n: Node, rows: np.ndarray | Tensor, nrows: Dim, s: Dim, ushape: tup
   return scatter_rows(n.t(0).reshape(nrows, s), rows, n.t(2).reshape(*ushape, s), op, _label(n)).reshape(dshape)
 
 
-def _scatter_nd(n: Node) -> Value:
+def _scatter_nd(n: OnnxNode) -> Value:
   data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
   _indices(n, ind)
   r, q = data.ndim, ind.ndim
@@ -247,7 +247,7 @@ def _scatter_nd(n: Node) -> Value:
   return _scatter(n, rows, nrows, sym.mul(*dshape[k:]), ushape)
 
 
-def _scatter_elements(n: Node) -> Value:
+def _scatter_elements(n: OnnxNode) -> Value:
   data, ind, upd = _input(n, 0, "data"), _input(n, 1, "indices"), _input(n, 2, "updates")
   a, dshape = _elements_shapes(n, data, ind)
   ishape = tuple(ind.shape)

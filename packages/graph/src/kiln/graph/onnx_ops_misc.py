@@ -21,7 +21,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import onnx_ops_shape  # noqa: F401  (it registers Pad, whose handler wrap mode extends)
-from kiln.graph.onnx_ops import OPS, Node, Value, _norm, _op, _spatial
+from kiln.graph.onnx_ops import OPS, OnnxNode, Value, _norm, _op, _spatial
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
@@ -29,12 +29,12 @@ from kiln.ir.ops import Ops
 _BASE = {op: OPS[op] for op in ("BatchNormalization", "MaxPool", "Split", "Pad")}  # onnx_ops' handlers, for every other form
 
 
-def _base(n: Node) -> Value:
+def _base(n: OnnxNode) -> Value:
   return _BASE[n.op][0](n)  # type: ignore[no-any-return]
 
 
 # ---- OneHot ----
-def _one_hot(n: Node) -> Value:
+def _one_hot(n: OnnxNode) -> Value:
   ind, values = n.ins[0], n.ins[2] if len(n.ins) > 2 else None
   if ind is None or values is None: raise n.error("needs indices, depth and values")
   depth = n.const(1, "depth")
@@ -57,7 +57,7 @@ def _one_hot(n: Node) -> Value:
 
 
 # ---- BatchNormalization in training mode ----
-def _batchnorm(n: Node) -> Value | list[Value]:
+def _batchnorm(n: OnnxNode) -> Value | list[Value]:
   if n.opset < 14 or not n.attr("training_mode", 0): return _base(n)
   n.attr("momentum")
   x = n.t(0)
@@ -81,7 +81,7 @@ def _batchnorm(n: Node) -> Value | list[Value]:
 
 
 # ---- MaxPool's Indices ----
-def _max_pool(n: Node) -> Value | list[Value]:
+def _max_pool(n: OnnxNode) -> Value | list[Value]:
   if len(n.proto.output) < 2 or not n.proto.output[1]: return _base(n)
   x = n.t(0)
   kernel = list(n.attr("kernel_shape") or [])
@@ -114,7 +114,7 @@ def _max_pool(n: Node) -> Value | list[Value]:
 
 
 # ---- Split with pieces of size 0 ----
-def _split(n: Node) -> Value | list[Value]:
+def _split(n: OnnxNode) -> Value | list[Value]:
   raw = n.opt_const(1, "split") if n.opset >= 13 else n.attr("split")
   sizes = [] if raw is None else [int(v) for v in np.asarray(raw).reshape(-1)]
   if 0 not in sizes: return _base(n)
@@ -136,7 +136,7 @@ def _split(n: Node) -> Value | list[Value]:
 
 
 # ---- Pad in mode wrap ----
-def _pad_wrap(n: Node) -> Value:
+def _pad_wrap(n: OnnxNode) -> Value:
   if n.attr("mode", "constant") != "wrap": return _base(n)
   x = n.t(0)
   if n.opset < 11: pads, axes = [int(v) for v in n.attr("pads") or []], list(range(x.ndim))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kiln.graph.onnx_ops import Node, Value, _norm, _op, _spatial
+from kiln.graph.onnx_ops import OnnxNode, Value, _norm, _op, _spatial
 from kiln.graph.onnx_ops_act import _round
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
@@ -40,34 +40,34 @@ PRECISIONS = {1: dtypes.float32, 10: dtypes.float16}  # QuantizeLinear's `precis
 
 
 # ---- inputs: their dtypes and shapes ----
-def _in(n: Node, i: int, what: str) -> Value:
+def _in(n: OnnxNode, i: int, what: str) -> Value:
   v = n.ins[i] if i < len(n.ins) else None
   if v is None: raise n.error(f"input {i} ({what}) is missing")
   return v
 
 
-def _opt(n: Node, i: int) -> Value | None: return n.ins[i] if i < len(n.ins) else None
+def _opt(n: OnnxNode, i: int) -> Value | None: return n.ins[i] if i < len(n.ins) else None
 
 
-def _dtype(n: Node, v: Value, what: str) -> DType:
+def _dtype(n: OnnxNode, v: Value, what: str) -> DType:
   if isinstance(v, Tensor): return v.dtype
   try: return dtypes.from_numpy(v.dtype)
   except IRTypeError: raise n.error(f"{what} is {v.dtype.name}, a type kiln has no dtype for") from None
 
 
-def _need(n: Node, v: Value, what: str, allowed: tuple[DType, ...]) -> DType:
+def _need(n: OnnxNode, v: Value, what: str, allowed: tuple[DType, ...]) -> DType:
   dt = _dtype(n, v, what)
   if dt not in allowed: raise n.error(f"{what} is {dt.name}; this operator takes {', '.join(d.name for d in allowed)} here")
   return dt
 
 
-def _need_float(n: Node, v: Value, what: str) -> DType:
+def _need_float(n: OnnxNode, v: Value, what: str) -> DType:
   dt = _dtype(n, v, what)
   if not dt.is_float: raise n.error(f"{what} is {dt.name}; it must be a float type")
   return dt
 
 
-def _code_dtype(n: Node, attr: str, table: dict[int, DType]) -> DType | None:
+def _code_dtype(n: OnnxNode, attr: str, table: dict[int, DType]) -> DType | None:
   """The dtype an element-type attribute names (None when absent or 0), refused by name where kiln does not compute it."""
   code = int(n.attr(attr, 0))
   if not code: return None
@@ -118,7 +118,7 @@ class Grain:
     return t if si * b == d else t.slice([0], [d], [a])
 
 
-def _grain(n: Node, x: Value, s: Value, z: Value | None) -> Grain:
+def _grain(n: OnnxNode, x: Value, s: Value, z: Value | None) -> Grain:
   """The granularity the scale's shape says (ONNX: scalar, 1-D along `axis`, or blocked: x's shape with axis divided
   into ceil(D / block_size)); the zero point must have the scale's shape."""
   xs, ss = _shape(x), _shape(s)
@@ -142,7 +142,7 @@ def _grain(n: Node, x: Value, s: Value, z: Value | None) -> Grain:
 
 
 # ---- the shared arithmetic: saturating round-half-to-even into a quantized type ----
-def _to_q(n: Node, v: Tensor, z: Tensor | None, out: DType) -> Tensor:
+def _to_q(n: OnnxNode, v: Tensor, z: Tensor | None, out: DType) -> Tensor:
   """round(v) + z saturated to out, v float32: clamped first to [qmin - z, qmax - z] as MAXPS/MINPS do (a NaN takes
   the bound), so the rounding sees a bounded value and the cast is exact."""
   zf: Tensor | float = 0.0 if z is None else z.cast(dtypes.float32)
@@ -161,7 +161,7 @@ def _np_to_q(v: np.ndarray, z: np.ndarray | None, out: DType) -> np.ndarray:
 
 
 # ---- QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear ----
-def _quant_type(n: Node, z: Value | None) -> DType:
+def _quant_type(n: OnnxNode, z: Value | None) -> DType:
   """The zero point's type, else output_dtype (opset 21), else uint8; both given must agree."""
   named = _code_dtype(n, "output_dtype", ONNX_QUANTS)
   if z is None: return named or dtypes.uint8
@@ -170,7 +170,7 @@ def _quant_type(n: Node, z: Value | None) -> DType:
   return zdt
 
 
-def _quantize(n: Node) -> Value:
+def _quantize(n: OnnxNode) -> Value:
   x, s, z = _in(n, 0, "x"), _in(n, 1, "y_scale"), _opt(n, 2)
   _need_float(n, x, "input x")
   _need_float(n, s, "the scale")
@@ -187,7 +187,7 @@ def _quantize(n: Node) -> Value:
   return _to_q(n, v, None if zz is None else _tensor(zz), out)
 
 
-def _dequantize(n: Node) -> Value:
+def _dequantize(n: OnnxNode) -> Value:
   x, s, z = _in(n, 0, "x"), _in(n, 1, "x_scale"), _opt(n, 2)
   xdt = _need(n, x, "input x", DEQUANT_TYPES)
   sdt = _need_float(n, s, "the scale")
@@ -205,7 +205,7 @@ def _dequantize(n: Node) -> Value:
   return (xi_t.cast(dtypes.float32) * _tensor(sz).cast(dtypes.float32)).cast(out)
 
 
-def _dynamic_quantize(n: Node) -> list[Value]:
+def _dynamic_quantize(n: OnnxNode) -> list[Value]:
   """uint8 with scale and zero point from x's range widened to hold 0, as onnxruntime: scale (max - min) / 255 (1 for an
   all-zero x), zero point round(min(max(0 - min / scale, ...))) with std::min/std::max's NaN rule; then QuantizeLinear."""
   x = _in(n, 0, "x")
@@ -231,7 +231,7 @@ def _dynamic_quantize(n: Node) -> list[Value]:
 Spread = Callable[[Value], Value]
 
 
-def _per_row(n: Node, a: tuple[Dim, ...], what: str) -> Spread:
+def _per_row(n: OnnxNode, a: tuple[Dim, ...], what: str) -> Spread:
   """ONNX's a-side parameter: a scalar, M values for a (M, K) a, or (..., M, 1) for a batched one."""
   def spread(v: Value) -> Value:
     vs = _shape(v)
@@ -243,7 +243,7 @@ def _per_row(n: Node, a: tuple[Dim, ...], what: str) -> Spread:
   return spread
 
 
-def _per_col(n: Node, b: tuple[Dim, ...], what: str) -> Spread:
+def _per_col(n: OnnxNode, b: tuple[Dim, ...], what: str) -> Spread:
   """ONNX's b-side parameter: a scalar, N values for a (K, N) b, or (..., 1, N) for a batched one."""
   def spread(v: Value) -> Value:
     vs = _shape(v)
@@ -255,14 +255,14 @@ def _per_col(n: Node, b: tuple[Dim, ...], what: str) -> Spread:
   return spread
 
 
-def _per_tensor(n: Node, what: str) -> Spread:
+def _per_tensor(n: OnnxNode, what: str) -> Spread:
   def spread(v: Value) -> Value:
     if _size(_shape(v)) != 1: raise n.error(f"{what} of shape {_shape(v)} must be a scalar (per tensor)")
     return v.reshape(())
   return spread
 
 
-def _per_out_channel(n: Node, m: Dim, rank: int, lead: int, what: str) -> Spread:
+def _per_out_channel(n: OnnxNode, m: Dim, rank: int, lead: int, what: str) -> Spread:
   """A conv's weight-side parameter: a scalar or M values, laid along dim `lead` of a rank-`rank` tensor."""
   def spread(v: Value) -> Value:
     vs = _shape(v)
@@ -272,7 +272,7 @@ def _per_out_channel(n: Node, m: Dim, rank: int, lead: int, what: str) -> Spread
   return spread
 
 
-def _centered(n: Node, v: Value, z: Value | None, spread: Spread, what: str) -> Value:
+def _centered(n: OnnxNode, v: Value, z: Value | None, spread: Spread, what: str) -> Value:
   """int32(v) - int32(z): numpy when both are constants (a weight folds at load), else Tensor ops."""
   if z is not None:
     if (zdt := _dtype(n, z, f"{what}'s zero point")) != (vdt := _dtype(n, v, what)):
@@ -283,7 +283,7 @@ def _centered(n: Node, v: Value, z: Value | None, spread: Spread, what: str) -> 
   return t if z is None else t - _tensor(z).cast(dtypes.int32)
 
 
-def _multiplier(n: Node, scales: list[tuple[Value, Spread]]) -> Value:
+def _multiplier(n: OnnxNode, scales: list[tuple[Value, Spread]]) -> Value:
   """s0 * s1 / s2 (each spread), in the scales' one float type as onnxruntime (float32) and ONNX's reference (float16)
   compute it, widened to float32: the factor an int32 sum is requantized by."""
   dts = {_need_float(n, s, "a scale") for s, _ in scales}
@@ -295,14 +295,14 @@ def _multiplier(n: Node, scales: list[tuple[Value, Spread]]) -> Value:
   return (_tensor(sa) * _tensor(sb) / _tensor(sy)).cast(dtypes.float32)
 
 
-def _requantize(n: Node, acc: Tensor, mult: Value, z: Value | None, like: Value) -> Tensor:
+def _requantize(n: OnnxNode, acc: Tensor, mult: Value, z: Value | None, like: Value) -> Tensor:
   """The QLinear ops' output: float32(acc) * mult, saturated into the output zero point's type (x's without one)."""
   out = _need(n, z if z is not None else like, "the output zero point", PRODUCT_TYPES)
   zz = None if z is None else _tensor(_per_tensor(n, "the output zero point")(z))
   return _to_q(n, acc.cast(dtypes.float32) * _tensor(mult), zz, out)
 
 
-def _matmul_integer(n: Node) -> Value:
+def _matmul_integer(n: OnnxNode) -> Value:
   a, b = _in(n, 0, "A"), _in(n, 1, "B")
   _need(n, a, "A", PRODUCT_TYPES), _need(n, b, "B", PRODUCT_TYPES)
   ai = _centered(n, a, _opt(n, 2), _per_row(n, _shape(a), "a_zero_point"), "A")
@@ -310,7 +310,7 @@ def _matmul_integer(n: Node) -> Value:
   return _tensor(ai) @ _tensor(bi)
 
 
-def _qlinear_matmul(n: Node) -> Value:
+def _qlinear_matmul(n: OnnxNode) -> Value:
   a, b = _in(n, 0, "a"), _in(n, 3, "b")
   _need(n, a, "a", PRODUCT_TYPES), _need(n, b, "b", PRODUCT_TYPES)
   rows, cols, one = _per_row(n, _shape(a), "a's scale"), _per_col(n, _shape(b), "b's scale"), _per_tensor(n, "y_scale")
@@ -320,7 +320,7 @@ def _qlinear_matmul(n: Node) -> Value:
   return _requantize(n, _tensor(ai) @ _tensor(bi), mult, _opt(n, 7), a)
 
 
-def _int_conv(n: Node, x: Value, w: Value, bias: Value | None) -> Tensor:
+def _int_conv(n: OnnxNode, x: Value, w: Value, bias: Value | None) -> Tensor:
   """The int32 convolution of centered operands (padding adds 0: the zero point, centered), attributes as Conv's."""
   xt, wt = _tensor(x), _tensor(w)
   kernel = list(n.attr("kernel_shape") or wt.shape[2:])
@@ -329,7 +329,7 @@ def _int_conv(n: Node, x: Value, w: Value, bias: Value | None) -> Tensor:
   return xt.conv2d(wt, None if bias is None else _tensor(bias), st, pads, dl, int(n.attr("group", 1)))
 
 
-def _conv_operands(n: Node, xi: int, wi: int, xzi: int, wzi: int) -> tuple[Value, Value, Value]:
+def _conv_operands(n: OnnxNode, xi: int, wi: int, xzi: int, wzi: int) -> tuple[Value, Value, Value]:
   x, w = _in(n, xi, "x"), _in(n, wi, "w")
   _need(n, x, "x", PRODUCT_TYPES), _need(n, w, "w", PRODUCT_TYPES)
   ws = _shape(w)
@@ -339,12 +339,12 @@ def _conv_operands(n: Node, xi: int, wi: int, xzi: int, wzi: int) -> tuple[Value
   return x, xc, wc
 
 
-def _conv_integer(n: Node) -> Value:
+def _conv_integer(n: OnnxNode) -> Value:
   _, xc, wc = _conv_operands(n, 0, 1, 2, 3)
   return _int_conv(n, xc, wc, None)
 
 
-def _qlinear_conv(n: Node) -> Value:
+def _qlinear_conv(n: OnnxNode) -> Value:
   x, xc, wc = _conv_operands(n, 0, 3, 2, 5)
   m, rank = _shape(wc)[0], len(_shape(x))
   bias = _opt(n, 8)

@@ -22,7 +22,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph import shape_values as sv
-from kiln.graph.onnx_ops import Node, Value, _norm, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 
@@ -217,7 +217,7 @@ def apply_taps(x: Tensor, a: int, t: Taps, name: str) -> Tensor:
 
 
 # ---- the node: attributes, scales or sizes, roi ----
-def _params(n: Node) -> Params:
+def _params(n: OnnxNode) -> Params:
   mode = n.attr("mode", "nearest")
   if mode not in ("nearest", "linear", "cubic"): raise n.error(f"attribute mode={mode!r} is not supported (nearest, linear, cubic)")
   if n.opset >= 11:
@@ -231,15 +231,15 @@ def _params(n: Node) -> Params:
   return Params(mode, COORDS[ctm], near, a, bool(n.attr("exclude_outside", 0)), antialias, ctm == "tf_crop_and_resize")
 
 
-def _known(n: Node, i: int, what: str) -> np.ndarray | None:
+def _known(n: OnnxNode, i: int, what: str) -> np.ndarray | None:
   """Input i, a constant, flat; None where it is omitted or empty. One computed at run time is read back by a run, which
-  converts the rest of the model for its value (Node.const: specialise.py)."""
+  converts the rest of the model for its value (OnnxNode.const: specialise.py)."""
   v = n.opt_const(i, what)
   if v is None: return None
   return v.reshape(-1) if v.size else None
 
 
-def _axes(n: Node, rank: int) -> list[int]:
+def _axes(n: OnnxNode, rank: int) -> list[int]:
   axes = n.attr("axes") if n.opset >= 18 else None
   if not axes: return list(range(rank))
   out = [_norm(int(a), rank, n) for a in axes]
@@ -247,7 +247,7 @@ def _axes(n: Node, rank: int) -> list[int]:
   return out
 
 
-def _out_sizes(n: Node, x: Tensor, axes: list[int]) -> tuple[list[Dim], list[np.float32]]:
+def _out_sizes(n: OnnxNode, x: Tensor, axes: list[int]) -> tuple[list[Dim], list[np.float32]]:
   """The output length and the scale of each axis in axes, as onnxruntime works them out in float32."""
   if n.opset < 9: scales = None if n.attr("scales") is None else np.asarray(n.attr("scales"), F32).reshape(-1)
   else: scales = _known(n, 1 if n.opset < 11 else 2, "scales")
@@ -258,7 +258,7 @@ def _out_sizes(n: Node, x: Tensor, axes: list[int]) -> tuple[list[Dim], list[np.
   return _from_sizes(n, x, axes, sizes)
 
 
-def _from_scales(n: Node, x: Tensor, axes: list[int], scales: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
+def _from_scales(n: OnnxNode, x: Tensor, axes: list[int], scales: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
   """Each length floor(scale * length) in float32; an axis at scale 1 stays as it is (it may be symbolic)."""
   if len(scales) != len(axes): raise n.error(f"{len(scales)} scales for {len(axes)} axes of {x.shape}")
   sc = [F32(v) for v in scales]
@@ -273,7 +273,7 @@ def _from_scales(n: Node, x: Tensor, axes: list[int], scales: np.ndarray) -> tup
   return outs, sc
 
 
-def _from_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
+def _from_sizes(n: OnnxNode, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
   """The lengths given, their scales out / in in float32; keep_aspect_ratio_policy takes one scale for all and rounds."""
   if len(sizes) != len(axes): raise n.error(f"{len(sizes)} sizes for {len(axes)} axes of {x.shape}")
   if sizes.dtype == object: return _symbolic_sizes(n, x, axes, sizes)
@@ -290,7 +290,7 @@ def _from_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple
   return list(outs), sc
 
 
-def _symbolic_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
+def _symbolic_sizes(n: OnnxNode, x: Tensor, axes: list[int], sizes: np.ndarray) -> tuple[list[Dim], list[np.float32]]:
   """sizes read off a Shape with symbolic dims (torch's interpolate to (batch, C, H, W)): a symbolic size must be the
   input's own dim on that axis, which is then not resized; the fixed sizes resize fixed axes as usual."""
   if (n.attr("keep_aspect_ratio_policy", "stretch") if n.opset >= 18 else "stretch") != "stretch":
@@ -305,13 +305,13 @@ def _symbolic_sizes(n: Node, x: Tensor, axes: list[int], sizes: np.ndarray) -> t
   return outs, [F32(1) if not isinstance(o, int) else F32(o) / F32(_length(n, x, a)) for a, o in zip(axes, outs)]
 
 
-def _length(n: Node, x: Tensor, a: int) -> int:
+def _length(n: OnnxNode, x: Tensor, a: int) -> int:
   d = x.shape[a]
   if not isinstance(d, int): raise n.error(f"axis {a} of {x.shape} is symbolic ({sym.fmt(d)}): Resize needs a fixed size on an axis it resizes")
   return d
 
 
-def _roi(n: Node, p: Params, rank: int, axes: list[int]) -> list[tuple[np.float32, np.float32]]:
+def _roi(n: OnnxNode, p: Params, rank: int, axes: list[int]) -> list[tuple[np.float32, np.float32]]:
   """(start, end) of each axis: tf_crop_and_resize's roi input (for axes only, from opset 18), else the whole axis."""
   full = [(F32(0), F32(1))] * rank
   if not p.extrapolate or n.opset < 11: return full
@@ -324,7 +324,7 @@ def _roi(n: Node, p: Params, rank: int, axes: list[int]) -> list[tuple[np.float3
   return full
 
 
-def _resize(n: Node) -> Value:
+def _resize(n: OnnxNode) -> Value:
   x = n.t(0)
   if x.ndim == 0: raise n.error("input is a scalar: Resize needs at least one axis")
   p = _params(n)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.graph.onnx_ops import Node, _op
+from kiln.graph.onnx_ops import OnnxNode, _op
 from kiln.graph.onnx_ops_act import _hard_sigmoid, _softplus
 from kiln.graph.onnx_ops_shape import _static
 from kiln.graph.tensor import Tensor
@@ -43,7 +43,7 @@ _ACTS: dict[str, tuple[str, _Fn, int, int, float | None, float | None]] = {
 Act = tuple[str, float, float]  # (key of _ACTS, alpha, beta): comparable, so equal directions apply one function
 
 
-def _activations(n: Node, defaults: list[str], dirs: int) -> list[list[Act]]:
+def _activations(n: OnnxNode, defaults: list[str], dirs: int) -> list[list[Act]]:
   """The node's activation functions per direction (all of them named, as the spec and onnxruntime want), each with its
   alpha and beta: activation_alpha/beta are consumed in order by the functions that take them (the spec's rule)."""
   raw = n.attr("activations")
@@ -93,7 +93,7 @@ class _Seq:
   def dirs(self) -> int: return len(self.rev)
 
 
-def _setup(n: Node, gates: int) -> _Seq:
+def _setup(n: OnnxNode, gates: int) -> _Seq:
   direction = n.attr("direction", "forward")
   if direction not in ("forward", "reverse", "bidirectional"):
     raise n.error(f"attribute direction={direction!r} is not supported (forward, reverse, bidirectional)")
@@ -117,7 +117,7 @@ def _setup(n: Node, gates: int) -> _Seq:
   return _Seq(x, steps, hidden, rev, layout, None if clip is None else float(clip))
 
 
-def _check_lengths(n: Node, steps: int, batch: Dim) -> None:
+def _check_lengths(n: OnnxNode, steps: int, batch: Dim) -> None:
   """sequence_lens (input 4) may only say what kiln does anyway: every batch entry runs all the steps."""
   v = n.ins[4] if len(n.ins) > 4 else None
   if v is None: return
@@ -130,11 +130,11 @@ def _check_lengths(n: Node, steps: int, batch: Dim) -> None:
                   "entries: kiln has no data-dependent lengths")
 
 
-def _opt(n: Node, i: int) -> Tensor | None:
+def _opt(n: OnnxNode, i: int) -> Tensor | None:
   return n.t(i) if i < len(n.ins) and n.ins[i] is not None else None
 
 
-def _initial(n: Node, i: int, s: _Seq) -> Tensor | None:
+def _initial(n: OnnxNode, i: int, s: _Seq) -> Tensor | None:
   """initial_h / initial_c as (directions, batch, hidden); None where omitted or all zeros (step 0 then skips its
   matmul: torch exports zeros, and a broadcast constant would otherwise feed a reduction as a kernel of its own)."""
   shape = (s.dirs, s.x.shape[1], s.hidden)
@@ -153,7 +153,7 @@ def _zero(v: Tensor) -> bool:
   return node.data is not None and not np.any(node.data)
 
 
-def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
+def _project(n: OnnxNode, s: _Seq, bias: Tensor | None) -> Tensor:
   """X @ W^T (+ bias) for every step at once, (directions, T, batch, gates*hidden) in step order (a reverse direction's
   time reversed): one matmul, realized. Step t reads p[:, t], the same place for every direction, so the steps' kernels
   read one window each (windows.py) and are one kernel to the kernel cache."""
@@ -164,7 +164,7 @@ def _project(n: Node, s: _Seq, bias: Tensor | None) -> Tensor:
   return p.contiguous()
 
 
-def _bias(n: Node, s: _Seq, gates: int) -> tuple[Tensor, Tensor] | None:
+def _bias(n: OnnxNode, s: _Seq, gates: int) -> tuple[Tensor, Tensor] | None:
   """B split into its input-side (Wb) and recurrent-side (Rb) halves, each (directions, gates*hidden)."""
   b = _opt(n, 3)
   if b is None: return None
@@ -215,7 +215,7 @@ def _transposed(w: Tensor) -> Tensor:
   return w.transpose(-1, -2).contiguous()
 
 
-def _recurrent_t(n: Node) -> Tensor: return _transposed(n.t(2))  # R^T: (D, hidden, G*H), for h @ R^T
+def _recurrent_t(n: OnnxNode) -> Tensor: return _transposed(n.t(2))  # R^T: (D, hidden, G*H), for h @ R^T
 
 
 def _plus(a: Tensor, b: Tensor | None) -> Tensor: return a if b is None else a + b
@@ -228,7 +228,7 @@ def _gates(x: Tensor, h: Tensor | None, rt: Tensor) -> Tensor:
 
 
 # ---- LSTM: gates i, o, f, c ----
-def _lstm(n: Node) -> list[Tensor]:
+def _lstm(n: OnnxNode) -> list[Tensor]:
   s = _setup(n, 4)
   fs = _activations(n, ["Sigmoid", "Tanh", "Tanh"], s.dirs)
   f_, g_, h_ = ([d[k] for d in fs] for k in range(3))
@@ -254,7 +254,7 @@ def _lstm(n: Node) -> list[Tensor]:
   assert h is not None and c is not None  # steps >= 1
   return _outputs(s, hs, [h, c])
 
-def _peepholes(n: Node, s: _Seq) -> list[Tensor] | None:
+def _peepholes(n: OnnxNode, s: _Seq) -> list[Tensor] | None:
   """P's i, o, f parts, each (directions, 1, hidden) to broadcast over the batch."""
   pp = _opt(n, 7)
   if pp is None: return None
@@ -263,7 +263,7 @@ def _peepholes(n: Node, s: _Seq) -> list[Tensor] | None:
 
 
 # ---- GRU: gates z, r, h ----
-def _gru(n: Node) -> list[Tensor]:
+def _gru(n: OnnxNode) -> list[Tensor]:
   s = _setup(n, 3)
   fs = _activations(n, ["Sigmoid", "Tanh"], s.dirs)
   f_, g_ = [d[0] for d in fs], [d[1] for d in fs]
@@ -306,7 +306,7 @@ def _gru_step_lbr(s: _Seq, x: Tensor, h: Tensor | None, rt: Tensor, rb: Tensor |
 
 
 # ---- RNN: one gate ----
-def _rnn(n: Node) -> list[Tensor]:
+def _rnn(n: OnnxNode) -> list[Tensor]:
   s = _setup(n, 1)
   f_ = [d[0] for d in _activations(n, ["Tanh"], s.dirs)]
   wb_rb = _bias(n, s, 1)

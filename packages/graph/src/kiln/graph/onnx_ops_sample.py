@@ -24,7 +24,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph.indexing import index_dtype, slots
-from kiln.graph.onnx_ops import Node, Value, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.onnx_ops_act import _floor, _round, _trunc
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import DType, dtypes
@@ -58,7 +58,7 @@ def _far(s: Tensor) -> Tensor:
   return ((s * a - 5 * a) * s + 8 * a) * s - 4 * a
 
 
-def _taps(n: Node, u: Tensor, mode: str, shape: tuple[int, ...], ft: np.dtype) -> tuple[Tensor, Tensor | None]:
+def _taps(n: OnnxNode, u: Tensor, mode: str, shape: tuple[int, ...], ft: np.dtype) -> tuple[Tensor, Tensor | None]:
   """Position u's taps along a tap axis of its own (shape: 1s, and the tap count where this axis's taps go): each tap's
   whole position, and its weight (None for nearest's one tap of weight 1), onnxruntime's arithmetic."""
   if mode == "nearest": return _round(n, u), None
@@ -93,7 +93,7 @@ def _index(c: Tensor, ax: _Axis, padding: str, dt: DType) -> tuple[Tensor, Tenso
   return i.maximum(0).minimum(ax.size - 1), valid
 
 
-def _grid_sample(n: Node) -> Value:
+def _grid_sample(n: OnnxNode) -> Value:
   x, grid = n.t(0), n.t(1)
   mode = MODES.get(str(n.attr("mode", "bilinear" if n.opset < 20 else "linear")))
   padding, align = n.attr("padding_mode", "zeros"), bool(n.attr("align_corners", 0))
@@ -138,13 +138,13 @@ def _grid_sample(n: Node) -> Value:
 
 
 # ---- Col2Im ----
-def _ints(n: Node, i: int, what: str) -> list[int]:
+def _ints(n: OnnxNode, i: int, what: str) -> list[int]:
   v = n.const(i, what).reshape(-1)
   if v.dtype.kind not in "iu": raise n.error(f"input {i} ({what}) must be integers, got {v.dtype}")
   return [int(d) for d in v]
 
 
-def _col2im(n: Node) -> Value:
+def _col2im(n: OnnxNode) -> Value:
   x = n.t(0)
   img, blk = _ints(n, 1, "image_shape"), _ints(n, 2, "block_shape")
   r = len(img)

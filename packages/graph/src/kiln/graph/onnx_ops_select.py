@@ -2,7 +2,7 @@
 module for that). kiln has no sort kernel and no kernel that writes where data says, so each is comparisons, selects and
 reductions, in kernels.
 
-TopK (k known at load; a k computed at run time is read back by Node.const and the rest of the model converted for it,
+TopK (k known at load; a k computed at run time is read back by OnnxNode.const and the rest of the model converted for it,
 specialise.py). Along the axis the elements take one strict order, onnxruntime's: the larger (largest=1) or smaller value
 first, NaN above every number (first for largest, last for smallest), equal values (NaNs among themselves, -0.0 and 0.0) by
 the lower index. Two ways to put the axis in that order, by a cost rule on its length n:
@@ -15,7 +15,7 @@ the lower index. Two ways to put the axis in that order, by a cost rule on its l
 sorted=0 gives the sorted order too (the spec leaves that order open). Values are moved, never recomputed (exact).
 
 NonZero and Unique: the output's length depends on the data. A kernel computes it (the count of nonzeros, of distinct
-values) and Node.read_back makes it a value read back at run time: the converter cuts the model before the node, each run
+values) and OnnxNode.read_back makes it a value read back at run time: the converter cuts the model before the node, each run
 reads the count back, and the rest of the model is converted and compiled for it, cached by it (specialise.py; once per
 distinct count). Given the count c, the output is kernels again:
   - NonZero: the inclusive prefix sums P of the nonzero mask (a blocked scan: sums inside blocks of SCAN_BLOCK, the blocks'
@@ -35,7 +35,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.indexing import index_dtype
-from kiln.graph.onnx_ops import Node, Value, _norm, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
@@ -94,7 +94,7 @@ def _bitonic(x: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
   return key.slice([0], [k], [1]), idx.slice([0], [k], [1])
 
 
-def _topk(n: Node) -> list[Value]:
+def _topk(n: OnnxNode) -> list[Value]:
   x = n.t(0)
   if n.opset < 10: kk = n.attr("k")
   else:
@@ -161,7 +161,7 @@ def _unravel(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
   return Tensor.stack(out, 0)
 
 
-def _nonzero(n: Node) -> Value:
+def _nonzero(n: OnnxNode) -> Value:
   x = n.ins[0]
   if x is None: raise n.error("input 0 is missing")
   if isinstance(x, np.ndarray): return np.array(np.nonzero(x.reshape(-1) if x.ndim == 0 else x), np.int64).reshape(max(x.ndim, 1), -1)
@@ -196,7 +196,7 @@ def _rows_less(r: Tensor) -> Tensor:
   return (col.eq(first) & less).cast(dtypes.int32).sum(-1).eq(Tensor.full((), 1, dtypes.int32))
 
 
-def _unique(n: Node) -> list[Value]:
+def _unique(n: OnnxNode) -> list[Value]:
   x = n.t(0)
   axis, ordered = n.attr("axis"), bool(n.attr("sorted", 1))
   shape = sym.static_shape("Unique", x.shape)

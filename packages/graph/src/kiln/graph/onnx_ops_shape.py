@@ -11,12 +11,12 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import shape_values as sv
-from kiln.graph.onnx_ops import Node, Value, _axes_of, _norm, _op
+from kiln.graph.onnx_ops import OnnxNode, Value, _axes_of, _norm, _op
 from kiln.graph.tensor import Tensor
 from kiln.ir.kernels import Dim
 
 
-def _static(n: Node, x: Tensor, axes: list[int] | range, why: str) -> list[int]:
+def _static(n: OnnxNode, x: Tensor, axes: list[int] | range, why: str) -> list[int]:
   """The sizes of x's axes, which must be fixed (a symbolic dim is refused, naming the node)."""
   out = []
   for a in axes:
@@ -27,7 +27,7 @@ def _static(n: Node, x: Tensor, axes: list[int] | range, why: str) -> list[int]:
 
 
 # ---- Pad: constant, edge and reflect modes; negative pads crop ----
-def _pad_axis(x: Tensor, a: int, before: int, after: int, mode: str, n: Node) -> Tensor:
+def _pad_axis(x: Tensor, a: int, before: int, after: int, mode: str, n: OnnxNode) -> Tensor:
   d = x.shape[a]
   assert isinstance(d, int)
   if before < 0 or after < 0:  # a negative pad removes elements
@@ -51,7 +51,7 @@ def _pad_axis(x: Tensor, a: int, before: int, after: int, mode: str, n: Node) ->
   return Tensor.cat(parts, a)
 
 
-def _pad(n: Node) -> Value:
+def _pad(n: OnnxNode) -> Value:
   x = n.t(0)
   mode = n.attr("mode", "constant")
   if mode not in ("constant", "edge", "reflect"): raise n.error(f"attribute mode={mode!r} is not supported (constant, edge, reflect)")
@@ -74,7 +74,7 @@ def _pad(n: Node) -> Value:
   return _padded(x, per, mode, 0.0 if isinstance(value, Tensor) else value, n)
 
 
-def _padded(x: Tensor, per: dict[int, tuple[int, int]], mode: str, value: float | bool, n: Node) -> Tensor:
+def _padded(x: Tensor, per: dict[int, tuple[int, int]], mode: str, value: float | bool, n: OnnxNode) -> Tensor:
   """x with axis a padded by per[a] = (before, after) in mode (a negative pad crops)."""
   if mode == "constant" and all(b >= 0 and e >= 0 for b, e in per.values()):
     return x.pad([per.get(a, (0, 0)) for a in range(x.ndim)], value)
@@ -87,7 +87,7 @@ def _padded(x: Tensor, per: dict[int, tuple[int, int]], mode: str, value: float 
   return x
 
 
-def _tile(n: Node) -> Value:
+def _tile(n: OnnxNode) -> Value:
   """Tile; a repeat count may be a Shape's symbolic dim (timm's xcit tiles its positional encoding by the batch): the
   axis then becomes a product of dims (a monomial: a sum repeated, (seq - 1) * 4, is no dim a reshape can make)."""
   x = n.t(0)
@@ -112,7 +112,7 @@ def _repeat(x: Tensor, a: int, r: Dim) -> Tensor:
   return u.reshape(tuple(x.shape[:a]) + (sym.mul(r, x.shape[a]),) + tuple(x.shape[a + 1:]))
 
 
-def _trilu(n: Node) -> Value:
+def _trilu(n: OnnxNode) -> Value:
   x = n.t(0)
   if x.ndim < 2: raise n.error(f"input {x.shape} needs rank >= 2")
   d = _diagonals(x.shape[-2], x.shape[-1])
@@ -132,10 +132,10 @@ def _diagonals(rows: Dim, cols: Dim) -> Tensor:
   return Tensor.arange(cols).reshape(1, cols) - Tensor.arange(rows).reshape(rows, 1)
 
 
-def _argext(kind: str) -> Callable[[Node], Value]:
+def _argext(kind: str) -> Callable[[OnnxNode], Value]:
   """ArgMax/ArgMin: the first (or, with select_last_index, the last) index of the axis' extreme, as int64. NaN compares
   with nothing here, so a slice holding NaN gives the index of its largest (smallest) number, where onnxruntime's may differ."""
-  def run(n: Node) -> Value:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     a = _norm(n.attr("axis", 0), x.ndim, n)
     keep, last = bool(n.attr("keepdims", 1)), bool(n.attr("select_last_index", 0))
@@ -149,7 +149,7 @@ def _argext(kind: str) -> Callable[[Node], Value]:
   return run
 
 
-def _instance_norm(n: Node) -> Value:
+def _instance_norm(n: OnnxNode) -> Value:
   x = n.t(0)
   if x.ndim < 3: raise n.error(f"input {x.shape} needs rank >= 3 (N, C, spatial...)")
   shape = (1, -1) + (1,) * (x.ndim - 2)
@@ -157,7 +157,7 @@ def _instance_norm(n: Node) -> Value:
   return y * n.t(1).reshape(shape) + n.t(2).reshape(shape)
 
 
-def _lp_norm(n: Node) -> Value:
+def _lp_norm(n: OnnxNode) -> Value:
   x = n.t(0).float()
   a, p = _norm(n.attr("axis", -1), x.ndim, n), int(n.attr("p", 2))
   if p not in (1, 2): raise n.error(f"attribute p={p} is not supported (1, 2)")
@@ -183,8 +183,8 @@ REDUCERS: dict[str, Callable[[Tensor, tuple[int, ...], bool], Tensor]] = {
 }
 
 
-def _reduce_by(op: str) -> Callable[[Node], Value]:
-  def run(n: Node) -> Value:
+def _reduce_by(op: str) -> Callable[[OnnxNode], Value]:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     axes = _axes_of(n, 18)
     if not axes:
@@ -194,7 +194,7 @@ def _reduce_by(op: str) -> Callable[[Node], Value]:
   return run
 
 
-def _cumsum(n: Node) -> Value:
+def _cumsum(n: OnnxNode) -> Value:
   """A prefix sum as a masked sum over a second copy of the axis: out[i] = sum of x[j] for j <= i (j < i exclusive; the
   mirror for reverse). O(L^2) work for an axis of L, which is what position ids from an attention mask need; the sums
   run in index order, as onnxruntime's do."""
@@ -211,16 +211,16 @@ def _cumsum(n: Node) -> Value:
   return s.permute([order.index(k) for k in range(x.ndim)])
 
 
-def _size(n: Node) -> Value:
+def _size(n: OnnxNode) -> Value:
   x = n.ins[0]
   shape = x.shape if x is not None else ()
   if not sym.is_static(shape): raise n.error(f"input {shape} has symbolic dims: its Size is known only at run time (not supported)")
   return np.asarray(int(np.prod(sym.static_shape("Size", shape), dtype=np.int64)), np.int64)
 
 
-def _depth_space(to_space: bool) -> Callable[[Node], Value]:
+def _depth_space(to_space: bool) -> Callable[[OnnxNode], Value]:
   """DepthToSpace (DCR or CRD) and SpaceToDepth on NCHW, as a reshape, a permute and a reshape."""
-  def run(n: Node) -> Value:
+  def run(n: OnnxNode) -> Value:
     x = n.t(0)
     if x.ndim != 4: raise n.error(f"input {x.shape} must be NCHW (rank 4)")
     b = int(n.attr("blocksize", 0))
@@ -242,7 +242,7 @@ def _depth_space(to_space: bool) -> Callable[[Node], Value]:
 
 
 # ---- Einsum: one broadcast product summed over the contracted letters (the graph Tensor.matmul builds) ----
-def _einsum_terms(n: Node, ops: list[Tensor]) -> tuple[list[str], str]:
+def _einsum_terms(n: OnnxNode, ops: list[Tensor]) -> tuple[list[str], str]:
   """The equation's operand terms and output, each letter one axis: '...' becomes placeholder letters (right-aligned,
   numpy's broadcasting), an implicit output is the broadcast dims then the letters used once, in alphabetical order."""
   eq = str(n.attr("equation") or "").replace(" ", "")
@@ -267,7 +267,7 @@ def _einsum_terms(n: Node, ops: list[Tensor]) -> tuple[list[str], str]:
   return out_terms, out
 
 
-def _einsum(n: Node) -> Value:
+def _einsum(n: OnnxNode) -> Value:
   ops = [n.t(i) for i in range(len(n.ins))]
   if not ops: raise n.error("no operands")
   terms, out = _einsum_terms(n, ops)

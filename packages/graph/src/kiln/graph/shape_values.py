@@ -31,7 +31,7 @@ from kiln.ir.kernels import Dim
 from kiln.ir.uop import UOp
 
 if TYPE_CHECKING:
-  from kiln.graph.onnx_ops import Node, Value
+  from kiln.graph.onnx_ops import OnnxNode, Value
 
 
 class Refused(ValueError):
@@ -135,7 +135,7 @@ COMPARES = frozenset({"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual
 def _ints(v: Any) -> bool: return isinstance(v, np.ndarray) and (v.dtype == object or v.dtype.kind in "iu")
 
 
-def _elementwise(n: Node) -> Value:
+def _elementwise(n: OnnxNode) -> Value:
   vals = [v for v in n.ins if isinstance(v, np.ndarray)]  # all of them (RULES' _all_ints)
   f = BINARY[n.op]
   out = vals[0]
@@ -151,7 +151,7 @@ def _elementwise(n: Node) -> Value:
 _INT_CODES = {2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 12: np.uint32, 13: np.uint64, 9: np.bool_}
 
 
-def _cast(n: Node, *_: Any) -> Value:
+def _cast(n: OnnxNode, *_: Any) -> Value:
   to, v = np.dtype(_INT_CODES[n.attr("to")]), n.ins[0]
   assert isinstance(v, np.ndarray)
   if to == np.bool_: return np.asarray([_nonzero(dim(d)) for d in v.reshape(-1)], bool).reshape(v.shape)
@@ -172,12 +172,12 @@ def _nonzero(d: Dim) -> bool:
   raise Refused(f"Cast of {sym.fmt(d)} (bounds [{lo}, {hi}]) to bool depends on the sizes fed: kiln must know it at load")
 
 
-def _where(n: Node) -> Value:
+def _where(n: OnnxNode) -> Value:
   c, a, b = n.ins[:3]
   return pack(np.where(c, np.asarray(a, object), np.asarray(b, object)))  # type: ignore[arg-type]
 
 
-def _expand(n: Node) -> Value:
+def _expand(n: OnnxNode) -> Value:
   """Expand to a shape holding symbolic dims: a 1 keeps the input's dim, a dim of 1 takes the target's (a lazy broadcast)."""
   x, tgt = n.ins[0], [dim(d) for d in np.asarray(n.ins[1]).reshape(-1)]
   if x is None: raise Refused("input 0 is missing")
@@ -204,16 +204,16 @@ def as_data(v: np.ndarray) -> Tensor:
 
 
 # ---- which ops take a symbolic shape value, and at which inputs (None: every input) ----
-def _no_tensor(n: Node) -> bool: return not any(isinstance(v, Tensor) for v in n.ins)
-def _always(n: Node) -> bool: return True
-def _all_ints(n: Node) -> bool: return all(_ints(v) for v in n.ins if v is not None)
-def _known_condition(n: Node) -> bool:
+def _no_tensor(n: OnnxNode) -> bool: return not any(isinstance(v, Tensor) for v in n.ins)
+def _always(n: OnnxNode) -> bool: return True
+def _all_ints(n: OnnxNode) -> bool: return all(_ints(v) for v in n.ins if v is not None)
+def _known_condition(n: OnnxNode) -> bool:
   return isinstance(c := n.ins[0], np.ndarray) and c.dtype == np.bool_ and all(_ints(v) for v in n.ins[1:3])
 
 
 class Rule(NamedTuple):
   inputs: tuple[int, ...] | None  # the inputs that may hold a symbolic shape value
-  keeps: Callable[[Node], bool]   # whether this node keeps it a shape value (else it becomes data)
+  keeps: Callable[[OnnxNode], bool]   # whether this node keeps it a shape value (else it becomes data)
   run: Callable[..., Value] | None  # the conversion on shape values (None: the op's own handler takes them)
 
 
@@ -232,7 +232,7 @@ RULES: dict[str, Rule] = {
 }
 
 
-def check_shape_value(n: Node) -> None:
+def check_shape_value(n: OnnxNode) -> None:
   """Before node n converts: each input holding a Shape's symbolic dims stays a shape value where RULES takes it there, else
   becomes data (n.from_shape records it, for a refusal that needs the value at load)."""
   rule = RULES.get(n.op)
@@ -246,7 +246,7 @@ def check_shape_value(n: Node) -> None:
     n.ins[i] = as_data(v)
 
 
-def run_rule(n: Node, fallback: Callable[..., Value], *args: Any) -> Value:
+def run_rule(n: OnnxNode, fallback: Callable[..., Value], *args: Any) -> Value:
   """The node through its shape-value rule when an input holds symbolic dims, else through its handler."""
   rule = RULES.get(n.op)
   if rule is None or rule.run is None or not any(symbolic(v) for v in n.ins): return fallback(n, *args)
@@ -255,7 +255,7 @@ def run_rule(n: Node, fallback: Callable[..., Value], *args: Any) -> Value:
 
 
 # ---- Slice on a symbolic axis, or to a symbolic end ----
-def slice_dims(n: Node, t: Tensor, axes: Sequence[int], starts: Sequence[Dim], ends: Sequence[Dim], steps: Sequence[int]) -> Tensor:
+def slice_dims(n: OnnxNode, t: Tensor, axes: Sequence[int], starts: Sequence[Dim], ends: Sequence[Dim], steps: Sequence[int]) -> Tensor:
   """t[starts:ends:steps] on axes where an axis or a bound is symbolic: for a step of 1 a view whose start and length are
   dims (dims.span: [1:] of seq is seq - 1 long, [past:] of past + seq is seq long, [0:d] of a fixed axis d long); where
   Python's clamping would make the length depend on the size (min(5, seq)), or for another step, refused by name."""
