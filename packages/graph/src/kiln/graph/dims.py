@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kiln.graph.lazy import GraphError
+from kiln.graph.errors import GraphError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
