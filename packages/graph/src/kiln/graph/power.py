@@ -77,8 +77,7 @@ def _constant_power(x: Tensor, p: int | float) -> Tensor:
     if x.dtype.is_float: return r.reciprocal()
   if p == 0.5 and x.dtype.is_float: return x.sqrt()
   if p == -0.5 and x.dtype.is_float: return x.rsqrt()
-  from kiln.graph.tensor import Tensor
-  return power(x, Tensor.full((), p, dtypes.float64 if not x.dtype.is_float or isinstance(p, float) else dtypes.int64))
+  return power(x, type(x).full((), p, dtypes.float64 if not x.dtype.is_float or isinstance(p, float) else dtypes.int64))
 
 
 def power(x: Tensor, p: Tensor | int | float) -> Tensor:
