@@ -261,12 +261,11 @@ class Builder:
     if body.cut is None:
       nodes = [o for o in outputs if isinstance(o, Node)]
       return Tail(self.steps(nodes, None, body.branches, done), [done[o] if isinstance(o, Node) else o for o in outputs])
-    from kiln.graph.specialise import Specialise
     cut = body.cut
     wanted = set(cut.keep)
     keep = [n for n, live in runtime(toposort(cut.keep, set(done)), done).items() if live and n in wanted]
     steps = self.steps([n for _, n in cut.needed] + keep, None, body.branches, done)
-    return Tail(steps, [], Specialise(cut, [done[n] for _, n in cut.needed], self, dict(done)))
+    return Tail(steps, [], cut.step([done[n] for _, n in cut.needed], self, dict(done)))
 
 
 def build_program(inputs: list[tuple[str, Node]], outputs: list[Node], main: Body, device: str) -> Program:

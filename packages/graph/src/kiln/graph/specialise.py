@@ -87,6 +87,11 @@ class Cut:
   @property
   def keep(self) -> list[Node]: return [v.node for v in self.env.values() if isinstance(v, Tensor)]
 
+  def step(self, needed: list[Slot], builder: Builder, done: dict[Node, Slot]) -> Specialise:
+    """The Specialise that runs the rest of the graph at this cut (program.Builder.tail asks the cut for it, so program.py
+    never imports this module: this one builds on it)."""
+    return Specialise(self, needed, builder, done)
+
   @property
   def shared(self) -> frozenset[int]:
     """The ids of the arrays every continuation reads alike (initializers, the constants in env's graphs): env keeps them
