@@ -11,11 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # (importer, imported): the lazy imports in kiln.ir.uop's convenience methods of the passes that import kiln.ir.uop
 ALLOWED = {("kiln.ir.uop", "kiln.ir.rewrite"), ("kiln.ir.uop", "kiln.ir.symbolic")}
-# Knots this test found when it was written (issue 36), in modules other work was reshaping then; each is to be cut. The
-# list only shrinks: a knot not in it fails, and so does one in it that is gone (remove its line).
-NOT_YET_CUT = {
-  frozenset({"kiln.codegen.render.cuda", "kiln.codegen.render.cuda_matmul"}),  # cuda_matmul prints its epilogue with cuda's EpiloguePrinter
-}
 
 
 def module_name(f: Path) -> str:
@@ -100,10 +95,7 @@ def test_no_import_cycle_between_modules() -> None:
   assert len(g) > 100 and "kiln.ir.uop" in g and "kiln.executor.builder" in g
   for a, b in ALLOWED: assert b in g[a], f"the allowed edge {a} -> {b} is gone: drop it from ALLOWED"
   knots = {frozenset(c) for c in cycles({m: deps - {b for a, b in ALLOWED if a == m} for m, deps in g.items()})}
-  new = knots - NOT_YET_CUT
-  assert not new, "import cycles (lazy imports counted):\n" + "\n".join(" <-> ".join(sorted(c)) for c in new)
-  gone = NOT_YET_CUT - knots
-  assert not gone, "cut since (remove from NOT_YET_CUT):\n" + "\n".join(" <-> ".join(sorted(c)) for c in gone)
+  assert not knots, "import cycles (lazy imports counted):\n" + "\n".join(" <-> ".join(sorted(c)) for c in knots)
 
 
 def test_the_cycle_finder_sees_a_lazy_loop() -> None:

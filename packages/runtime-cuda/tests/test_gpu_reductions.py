@@ -1,4 +1,4 @@
-"""GPU reductions (render/cuda.py's kiln_warp_/kiln_block_/kiln_grid_ helpers, opt._gpu_opts's row and full reduction cuts) under the
+"""GPU reductions (render/cuda_c.py's kiln_warp_/kiln_block_/kiln_grid_ helpers, opt._gpu_opts's row and full reduction cuts) under the
 CPU emulation harness, against the reference evaluator, and a model of the fixed tree in numpy that the results must match bit
 for bit. Also: the emulator's shuffles on a hand-written kernel, and nvcc compiles for sm_90. Nothing here ran on a GPU."""
 from __future__ import annotations

@@ -294,7 +294,7 @@ def matmul_rows(st: UOp) -> UOp | None:
   return next((r for r in reversed(out_axes[:-1]) if r in rows_load and r not in other), None)
 
 
-# GPU reductions: how the heuristic cuts them (render/cuda.py's kiln_block_* combine a block's partials)
+# GPU reductions: how the heuristic cuts them (render/cuda_c.py's kiln_block_* combine a block's partials)
 GPU_MIN_GROUP_ROW = 32  # a row shorter than a warp keeps one thread per output (LOCAL): a tree would idle most lanes
 GPU_PER_THREAD = 4  # a row's block doubles while each thread still folds at least this many elements before the tree
 GPU_FULL_PER_THREAD = 16  # a full reduction's threads fold at least this many elements each before the tree ...

@@ -239,7 +239,7 @@ class Reductions:
     return fin, out
 
   def group_combine(self, partial: UOp, op: Ops, dt: DType) -> UOp:
-    """GPU: the block's threads combine their partials in a fixed tree (render/cuda.py's kiln_block_* helpers: warp
+    """GPU: the block's threads combine their partials in a fixed tree (render/cuda_c.py's kiln_block_* helpers: warp
     shuffles, then one partial per warp through shared memory) and every thread gets the result. Lowered as a REDUCE of the
     partial over the block, its source a shared array of one slot per warp; the renderer prints the helper call."""
     n = self.grid.block[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from kiln.codegen.choose import Target
 from kiln.codegen.choose.contraction import Contraction, Operand, match
 from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor
+from kiln.codegen.render.cuda_c import EpiloguePrinter
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
@@ -59,7 +60,6 @@ def _stored(c: Contraction, acc: str, j: str, indent: str, helpers: dict[str, st
   the epilogue printed by the CUDA printer's own tables (kiln's arithmetic), loads at the output's own indices. Without an
   epilogue the sum itself (the store converts it to the output's type)."""
   if not c.epilogue or c.value is None or c.reduce is None: return [], acc, start
-  from kiln.codegen.render.cuda import EpiloguePrinter  # cuda.py imports this module: a local import breaks the cycle
   p = EpiloguePrinter(start)
   p.names[c.reduce] = acc
   ri, rj, *rb = c.ranges
