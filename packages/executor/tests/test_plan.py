@@ -358,10 +358,10 @@ def test_dispatch_overhead_is_small(rt):
 
 def test_a_plan_counts_as_running_only_inside_execute():
   """The CPU pool's workers spin between kernels only while a plan runs: execute() and execute_profiled() raise the count
-  of running plans (kiln.codegen.threads) for their run and lower it again when the run ends, failed or not."""
+  of running plans (kiln.runtime.cpu.running, through PlanRunning) for their run and lower it again when the run ends, failed or not."""
   import ctypes
 
-  from kiln.codegen.threads import plans_running_address
+  from kiln.runtime.cpu.running import plans_running_address
   running = ctypes.c_int32.from_address(plans_running_address())
   n = 1 << 22  # split into chunks (a plan of whole kernels never tells the pool)
   from kiln.ir import kernels

@@ -48,6 +48,15 @@ class SessionCall(Protocol):
 
 
 @runtime_checkable
+class PlanRunning(Protocol):
+  """Optional on a Program, for a runtime whose workers behave differently while a plan runs (the CPU pool's workers spin
+  for the next split kernel only then). ExecutionPlan enters `plan_running()` once around each run of a plan holding such a
+  program (once per distinct context factory), so the runtime keeps its own state; the context must undo what it did on
+  exit, normally or by an exception."""
+  plan_running: Callable[[], AbstractContextManager[Any]]
+
+
+@runtime_checkable
 class GraphCall(Protocol):
   """Optional on a SessionCall, for a runtime that can record a run of its launches and replay it as one (CUDA graphs).
   ExecutionPlan hands `graph_calls` each maximal run of this runtime's calls with nothing else between them (in the plan's

@@ -6,12 +6,12 @@ the runtime's pool to the executor.
 A split kernel is cut into `chunks` pieces, more than there are threads; the threads claim them from a shared counter
 (an atomic add in the kernel's entry), so a thread on a free core takes more of them than one whose core is busy with
 someone else's work. The chunk count is a property of the kernel, never of the thread count: a split reduction leaves
-one partial per chunk and folds them in chunk order, so its bits are the same on 1 thread or 8."""
+one partial per chunk and folds them in chunk order, so its bits are the same on 1 thread or 8. This module is the
+protocol's one home; the pool that runs it, and its state (the count of running plans its workers spin on), are the CPU
+runtime's (kiln.runtime.cpu.threads, native_pool, running)."""
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
 
 from kiln.codegen import settings
 
@@ -53,29 +53,3 @@ def available_cores() -> int:
   """The cores this process may run on (its affinity mask), else all the OS reports."""
   try: return len(os.sched_getaffinity(0))
   except AttributeError: return os.cpu_count() or 1
-
-
-# plans running now in this process, where the CPU pool's spinning workers can read it without the GIL: a worker spins
-# after a kernel only while this is non-zero (more kernels are certain to follow), never after execute() returns
-_PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
-_plans_lock = threading.Lock()
-
-
-def plan_started() -> None:
-  with _plans_lock: _PLANS[0] += 1
-
-
-def plan_ended() -> None:
-  with _plans_lock: _PLANS[0] -= 1
-
-
-def plans_running_address() -> int:
-  """Where the count of running plans is (an int32), for native code that waits on it."""
-  return ctypes.addressof(_PLANS)
-
-
-def _reset_in_child() -> None:  # a plan that another thread was running at fork() does not run in the child
-  _PLANS[0] = 0
-
-
-os.register_at_fork(after_in_child=_reset_in_child)

@@ -2,6 +2,7 @@
 one run at a time per plan; profiling and describe() read it. kiln.executor.planspec.export(plan) writes it as a PlanSpec."""
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -10,8 +11,8 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kiln.codegen.protocols import SessionCall
-from kiln.codegen.threads import CORE_ID, plan_ended, plan_started
+from kiln.codegen.protocols import PlanRunning, SessionCall
+from kiln.codegen.threads import CORE_ID
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
 from kiln.executor.mapped import MappedFiles
@@ -80,7 +81,9 @@ class ExecutionPlan:
     by_id = {p.id: p for p in ops}
     self._order: list[PreparedKernel | PreparedCopy | PreparedCustomFunction] = [by_id[i] for g in op_levels for i in g]  # type: ignore[misc]
     self.kernels: list[PreparedKernel] = [p for p in self._order if isinstance(p, PreparedKernel)]
-    self._split = any(pk.kernel.threads > 1 for pk in self.kernels)  # kernels split into chunks a pool's threads claim
+    # what the runtimes keep while a run lasts (the CPU pool's workers spin between split kernels only then): one each
+    factories = {p.plan_running: None for pk in self.kernels if pk.kernel.threads > 1 and isinstance(p := pk.kernel.program, PlanRunning)}
+    self._running = list(factories)
     self._poisoned: BaseException | None = None
     self._lock = threading.RLock()  # one run (or variable change) at a time; re-entrant so execute_with_vars holds it across both
     # runtime variables: where each lands, and its bounds (intersected over the kernels that take it)
@@ -128,8 +131,12 @@ class ExecutionPlan:
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
       return
-    split = self._split  # kernels split into chunks: the CPU pool's workers may spin between them, only until the run ends
-    if split: plan_started()
+    if not self._running: return self._run_steps()  # most plans: no context to enter
+    with contextlib.ExitStack() as running:
+      for f in self._running: running.enter_context(f())
+      self._run_steps()
+
+  def _run_steps(self) -> None:
     try:
       for session, run in self._runs:
         if session is None:
@@ -140,8 +147,6 @@ class ExecutionPlan:
     except BaseException as e:
       self._poisoned = e
       raise
-    finally:
-      if split: plan_ended()
 
   def set_vars(self, var_vals: Mapping[str, int]) -> None:
     """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed
@@ -193,7 +198,12 @@ class ExecutionPlan:
     t_start = time.perf_counter()
     # a running plan, as in _execute: otherwise the pool's workers sleep between kernels, and every split kernel's time
     # would include waking them (a one-kernel softmax profiled at twice its time in the plan)
-    if self._split: plan_started()
+    with contextlib.ExitStack() as running:
+      for f in self._running: running.enter_context(f())
+      self._profile_steps(prof, t_start, print_lines)
+    return prof
+
+  def _profile_steps(self, prof: Profile, t_start: float, print_lines: bool) -> None:
     try:
       for p in self._order:
         if not isinstance(p, PreparedKernel):
@@ -209,9 +219,6 @@ class ExecutionPlan:
     except BaseException as e:
       self._poisoned = e
       raise
-    finally:
-      if self._split: plan_ended()
-    return prof
 
   # ---- reading ----
   @property

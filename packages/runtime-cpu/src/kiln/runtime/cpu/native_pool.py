@@ -326,7 +326,7 @@ class NativePool:
   last calls to return before it sleeps."""
 
   def __init__(self, size: int, spin: int = 0, plans_address: int | None = None, wait_us: int = 200):
-    from kiln.codegen.threads import plans_running_address
+    from kiln.runtime.cpu.running import plans_running_address
     from kiln.runtime.cpu.spin import cycles_per_us
     self.size = size
     raw = np.zeros(POOL_BYTES + 64, np.uint8)

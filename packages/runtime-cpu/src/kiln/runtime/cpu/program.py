@@ -16,6 +16,7 @@ import numpy as np
 from kiln.codegen.spec import CompiledSpec
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
+from kiln.runtime.cpu import running
 from kiln.runtime.cpu.compiler import init_llvm
 from kiln.runtime.cpu.guard import guard_enabled, guarded_array
 from kiln.runtime.cpu.threads import get_pool
@@ -92,7 +93,10 @@ def shared_engine() -> _SharedEngine:
 
 
 class CPUProgram:
-  """One compiled kernel. Thread-safe: concurrent calls share only immutable state."""
+  """One compiled kernel. Thread-safe: concurrent calls share only immutable state. `plan_running` (PlanRunning): a plan
+  holding a split kernel tells the pool it runs, so its workers spin between kernels."""
+
+  plan_running = staticmethod(running.plan_running)
 
   def __init__(self, compiled: CompiledSpec):
     if not compiled.bytes: raise CompileError(f"kernel {compiled.name}: no object code to load (was it compiled for the CPU?)")

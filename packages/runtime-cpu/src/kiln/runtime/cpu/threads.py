@@ -20,10 +20,11 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from kiln.codegen.threads import plans_running_address, thread_count
+from kiln.codegen.threads import thread_count
 from kiln.ir.errors import SettingError
 from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.native_pool import NativePool, native_pool_supported
+from kiln.runtime.cpu.running import plans_running_address
 from kiln.runtime.cpu.spin import Spinner, spin_us
 
 

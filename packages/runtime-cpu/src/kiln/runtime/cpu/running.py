@@ -1,0 +1,33 @@
+"""The plans running now in this process, where the CPU pool's spinning workers read it without the GIL: a worker spins
+for the next split kernel only while this is non-zero (more kernels are certain to follow), never after execute() returns.
+CPUProgram.plan_running is how an ExecutionPlan says it runs (kiln.codegen.protocols.PlanRunning)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
+_lock = threading.Lock()
+
+
+@contextmanager
+def plan_running() -> Iterator[None]:
+  with _lock: _PLANS[0] += 1
+  try: yield
+  finally:
+    with _lock: _PLANS[0] -= 1
+
+
+def plans_running_address() -> int:
+  """Where the count of running plans is (an int32), for native code that waits on it."""
+  return ctypes.addressof(_PLANS)
+
+
+def _reset_in_child() -> None:  # a plan that another thread was running at fork() does not run in the child
+  _PLANS[0] = 0
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
