@@ -48,6 +48,18 @@ def check(m: onnx.ModelProto, feeds: dict[str, np.ndarray], tol: float = 1e-5, k
   return km
 
 
+def check_exact(m: onnx.ModelProto, dims: dict[str, tuple[int, int]], feeds_list: list[dict[str, np.ndarray]]) -> konnx.Model:
+  """One load with symbolic dims, run at each feed: every output equal to onnxruntime's, bit for bit (a -0.0 kept)."""
+  km = konnx.load(m, dims=dims)
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for feeds in feeds_list:
+    for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
+      assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape)
+      np.testing.assert_array_equal(g, w)
+      if w.dtype.kind == "f": np.testing.assert_array_equal(np.signbit(g), np.signbit(w))
+  return km
+
+
 def dyn_model(nodes: list, inputs: dict[str, tuple[int, tuple]], outs: dict[str, int], inits: dict[str, np.ndarray] | None = None,
               opset: int = 17) -> onnx.ModelProto:
   """inputs: name -> (TensorProto type, shape with str dims for the symbolic ones)."""

@@ -10,7 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto  # noqa: E402
-from onnx_case import N, dyn_model, ort  # noqa: E402
+from onnx_case import N, check_exact, dyn_model  # noqa: E402
 
 from kiln.graph import IndexOutOfRangeError, ONNXError  # noqa: E402
 from kiln.graph import onnx as konnx  # noqa: E402
@@ -59,23 +59,13 @@ def test_constant_indices_against_a_symbolic_size() -> None:
     x.gather(Tensor(np.array([0, 8])), 0)
 
 
-def _check(m: onnx.ModelProto, feeds_list: list[dict[str, np.ndarray]]) -> konnx.Model:
-  km = konnx.load(m, dims=DIMS)
-  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-  for feeds in feeds_list:
-    for w, g in zip(sess.run(None, feeds), km.run(feeds).values()):
-      assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape)
-      np.testing.assert_array_equal(g, w)
-  return km
-
-
 def test_gathernd_on_batch_seq_data() -> None:
   # mask[batch_idx, kv_idx] as transformers 5 builds its padding mask, the index pairs fed (with negatives)
   m = dyn_model([N("GatherND", ["mask", "idx"], ["y"])], {"mask": (TensorProto.FLOAT, ("batch", "seq")), "idx": (TensorProto.INT64, ("k", 2))},
                 {"y": TensorProto.FLOAT})
   def feeds(b: int, s: int, k: int) -> dict[str, np.ndarray]:
     return {"mask": f32(b, s), "idx": np.stack([RNG.integers(-b, b, k), RNG.integers(-s, s, k)], -1)}
-  km = _check(m, [feeds(2, 5, 7), feeds(6, 12, 3)])
+  km = check_exact(m, DIMS, [feeds(2, 5, 7), feeds(6, 12, 3)])
   with pytest.raises(IndexOutOfRangeError, match=r"indices\[\.\.\., 1\] on axis 1 of data \(batch, seq\): index 5 is out of range \[-seq, seq\)"):
     km.run({"mask": f32(2, 5), "idx": np.array([[0, 5]])})
 
@@ -84,7 +74,7 @@ def test_gathernd_with_batch_dims_on_symbolic_data() -> None:
   # batch_dims=1: each batch row picks its own seq positions of (batch, seq, 3)
   m = dyn_model([N("GatherND", ["x", "idx"], ["y"], batch_dims=1)], {"x": (TensorProto.FLOAT, ("batch", "seq", 3)),
                 "idx": (TensorProto.INT64, ("batch", 4, 1))}, {"y": TensorProto.FLOAT})
-  _check(m, [{"x": f32(b, s, 3), "idx": RNG.integers(-s, s, (b, 4, 1))} for b, s in ((3, 2), (1, 9))])
+  check_exact(m, DIMS, [{"x": f32(b, s, 3), "idx": RNG.integers(-s, s, (b, 4, 1))} for b, s in ((3, 2), (1, 9))])
 
 
 def test_gather_elements_on_symbolic_data() -> None:
@@ -92,7 +82,7 @@ def test_gather_elements_on_symbolic_data() -> None:
   m = dyn_model([N("GatherElements", ["x", "idx"], ["y"], axis=1), N("GatherElements", ["x", "c"], ["z"], axis=0)],
                 {"x": (TensorProto.FLOAT, ("batch", "seq")), "idx": (TensorProto.INT64, ("batch", 3))},
                 {"y": TensorProto.FLOAT, "z": TensorProto.FLOAT}, {"c": np.array([[-1]], np.int64)})
-  _check(m, [{"x": f32(b, s), "idx": RNG.integers(-s, s, (b, 3))} for b, s in ((2, 4), (5, 2))])
+  check_exact(m, DIMS, [{"x": f32(b, s), "idx": RNG.integers(-s, s, (b, 3))} for b, s in ((2, 4), (5, 2))])
   bigger = dyn_model([N("GatherElements", ["x", "idx"], ["y"], axis=1)], {"x": (TensorProto.FLOAT, ("batch", 4)),
                      "idx": (TensorProto.INT64, ("seq", 2))}, {"y": TensorProto.FLOAT})
   with pytest.raises(ONNXError, match=r"indices \(seq, 2\) can be larger than data \(batch, 4\) on axis 0"): konnx.load(bigger, dims=DIMS)
