@@ -5,6 +5,7 @@ cast) reads the 16-bit value the node holds. On a CPU, intermediates between ker
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kiln.graph import Tensor, compile
 from kiln.graph.kernelize import compute_dtype
@@ -84,3 +85,22 @@ def test_float16_intermediates_stay_float32_between_kernels_on_a_cpu() -> None:
   assert [b.size for b in c.plan.buffers if b.dtype == dtypes.float32] == [16 * 64]  # the first product's; inputs and output float16
   off = np.abs(got.astype(np.float64) - want) > np.spacing(np.abs(want)) * 1.01
   assert not off.any(), off.mean()
+
+
+def test_bfloat16_constants_and_arrays_hold_their_values() -> None:
+  """A Python number beside a bfloat16 tensor, and an array made bfloat16, hold their values (numpy's stand-in for bfloat16
+  is uint16 bits: 0.5 cast to it was 0, so x * 0.5 was 0 and exp, x * log2(e) under the hood, was 2**x)."""
+  x = np.array([-3, -0.5, 0, 0.5, 3], np.float32)
+  t = Tensor(x).cast(dtypes.bfloat16)
+  bf = lambda a: bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(a, np.float32)))  # noqa: E731
+  np.testing.assert_array_equal(bf16_bits_to_f32(run(t * 0.5)), bf(x * 0.5))
+  np.testing.assert_allclose(bf16_bits_to_f32(run(t.exp())), np.exp(bf(x)), rtol=2 ** -8)
+  np.testing.assert_array_equal(bf16_bits_to_f32(run(Tensor(x, dtypes.bfloat16) + 0)), bf(x))
+
+
+def test_a_bfloat16_input_takes_numpys_bfloat16_arrays() -> None:
+  ml_dtypes = pytest.importorskip("ml_dtypes")
+  x = np.array([1.5, -2.25, 3.0], np.float32)
+  c = compile([Tensor.input("x", (3,), dtypes.bfloat16) * 2])
+  got = c.run({"x": x.astype(ml_dtypes.bfloat16)})[0]
+  np.testing.assert_array_equal(bf16_bits_to_f32(got), x * 2)

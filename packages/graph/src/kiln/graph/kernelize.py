@@ -231,7 +231,9 @@ class Kernelizer:
     if n.op == "BUFFER": return self._load(n, idx)  # a BUFFER computed into its own output: a copy
     if n.op == "IOTA": return idx[0].cast(n.dtype).cast(cdt)  # the element's own index along the one axis
     if n.op == "CONST":  # a UOp: a symbolic dim's value
-      return (n.arg.cast(n.dtype) if isinstance(n.arg, UOp) else UOp.const(n.dtype, n.arg)).cast(cdt)
+      # a 16-bit constant is taken in the compute dtype as its node holds it: Tensor.full rounded a user's value already,
+      # and a composite's own constant (Tensor._exact) stays exact
+      return n.arg.cast(n.dtype).cast(cdt) if isinstance(n.arg, UOp) else UOp.const(cdt, n.arg)
     if n.op == "ALU":
       srcs = [self.render(s, idx) for s in n.src]
       if n.arg is Ops.CAST: return _narrow(srcs[0], n.src[0].dtype).cast(n.dtype).cast(cdt)  # a cast converts the stored value

@@ -361,7 +361,7 @@ def _resize(n: OnnxNode) -> Value:
                     "supported: onnxruntime fills only part of the extrapolated pixels there")
     e = n.attr("extrapolation_value", 0.0)
     mask = np.ascontiguousarray(outside.reshape((1,) * (x.ndim - outside.ndim) + outside.shape))
-    y = Tensor(mask).where(Tensor.full((), np.asarray(e, F32).astype(y.dtype.np).item(), y.dtype), y)
+    y = Tensor(mask).where(Tensor.full((), float(np.float32(e)), y.dtype), y)
   return y.cast(src) if y.dtype != src else y
 
 

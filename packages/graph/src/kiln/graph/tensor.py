@@ -12,7 +12,8 @@ from kiln.graph import dims as sym
 from kiln.graph.index_check import gather_node
 from kiln.graph.lazy import GraphError, Node, Source, prod
 from kiln.graph.schedule import Compiled, compile_nodes
-from kiln.ir.dtype import DType, DTypeLike, dtypes, least_upper_dtype, to_dtype
+from kiln.ir.dtype import DType, DTypeLike, dtypes, f32_to_bf16_bits, least_upper_dtype, to_dtype, truncate_value
+from kiln.ir.errors import IRTypeError
 from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
@@ -22,6 +23,13 @@ PyFloat = float  # Tensor.float() shadows the builtin inside the class
 # a padded conv reads its realized input through the pad (gated loads its packed panel copies as masked row runs) instead
 # of realizing the padded copy first (a kernel of its own per conv); False: the padded copy, for comparison
 PAD_INLINE = True
+
+
+def _dtype(dt: DTypeLike) -> DType:
+  """kiln.ir's to_dtype, its IRTypeError for a dtype kiln lacks (int4, float8) the graph layer's GraphError, as every bad
+  operand of a Tensor is (the ONNX loader names the input or node)."""
+  try: return to_dtype(dt)
+  except IRTypeError as e: raise GraphError(str(e)) from e
 
 
 def _norm_axis(a: int, nd: int, op: str, shape: tuple[Dim, ...]) -> int:
@@ -58,10 +66,12 @@ class Tensor:
       self.node = data
       return
     a = np.asarray(data)
-    if dtype is not None: a = a.astype(to_dtype(dtype).np)
+    bf16 = dtype is not None and _dtype(dtype) == dtypes.bfloat16  # numpy has no bfloat16: its bits, in uint16
+    if bf16: a = a.view(np.uint16) if a.dtype.name == "bfloat16" else f32_to_bf16_bits(a.astype(np.float32))
+    elif dtype is not None: a = a.astype(_dtype(dtype).np)
     elif a.dtype == np.float64 and not isinstance(data, np.ndarray): a = a.astype(np.float32)  # Python floats: float32, as torch
     if 0 in a.shape: raise GraphError(f"Tensor: empty arrays are not supported (shape {a.shape})")
-    dt = to_dtype(a.dtype)
+    dt = dtypes.bfloat16 if bf16 else _dtype(a.dtype)
     self.node = Node("BUFFER", (), Source(data=np.ascontiguousarray(a)), tuple(int(d) for d in a.shape), dt)
 
   @staticmethod
@@ -81,23 +91,24 @@ class Tensor:
         shp.append(sym.variable(d, b[0], b[1]))
       elif isinstance(d, int) and not isinstance(d, bool) and d >= 1: shp.append(d)
       else: raise GraphError(f"Tensor.input {name!r}: dims must be ints >= 1 or names, got {tuple(shape)}")
-    return Tensor(Node("BUFFER", (), Source(name=name), tuple(shp), to_dtype(dtype)))
+    return Tensor(Node("BUFFER", (), Source(name=name), tuple(shp), _dtype(dtype)))
 
   @staticmethod
   def arange(n: Dim, dtype: DTypeLike = dtypes.int64) -> Tensor:
     """0, 1, ..., n-1 (n a symbolic dim too: the values are the loop's own index, nothing is stored)."""
-    return Tensor(Node("IOTA", (), None, (n,), to_dtype(dtype)))
+    return Tensor(Node("IOTA", (), None, (n,), _dtype(dtype)))
 
   @staticmethod
   def dim_value(d: Dim, dtype: DTypeLike = dtypes.float32) -> Tensor:
     """A scalar holding a dim's size: a symbolic dim's value at run time (mean over a symbolic axis divides by it)."""
-    dt = to_dtype(dtype)
+    dt = _dtype(dtype)
     return Tensor(Node("CONST", (), d, (), dt)) if isinstance(d, UOp) else Tensor.full((), d, dt)
 
   @staticmethod
   def full(shape: Sequence[Dim], value: Scalar, dtype: DTypeLike | None = None) -> Tensor:
-    dt = to_dtype(dtype) if dtype is not None else dtypes.from_py(value)
-    return Tensor(Node("CONST", (), dt.np.type(value).item(), (), dt)).reshape((1,) * len(shape)).expand(tuple(shape))
+    dt = _dtype(dtype) if dtype is not None else dtypes.from_py(value)
+    v = truncate_value(dt, value) if dt == dtypes.bfloat16 else dt.np.type(value).item()  # bfloat16's numpy type holds bits, not values
+    return Tensor(Node("CONST", (), v, (), dt)).reshape((1,) * len(shape)).expand(tuple(shape))
 
   # ---- properties ----
   @property
@@ -167,15 +178,23 @@ class Tensor:
     return self ^ True
 
   def cast(self, dtype: DTypeLike) -> Tensor:
-    dt = to_dtype(dtype)
+    dt = _dtype(dtype)
     return self if dt == self.dtype else Tensor(Node("ALU", (self.node,), Ops.CAST, self.shape, dt))
   def float(self) -> Tensor: return self if self.dtype.is_float else self.cast(dtypes.float32)
 
   def _unary(self, op: Ops) -> Tensor: return self.float()._alu(op)
   def exp2(self) -> Tensor: return self._unary(Ops.EXP2)
   def log2(self) -> Tensor: return self._unary(Ops.LOG2)
-  def exp(self) -> Tensor: return (self.float() * (1 / math.log(2))).exp2()
-  def log(self) -> Tensor: return self.log2() * math.log(2)
+  def _exact(self, c: float) -> Tensor:
+    """A composite's constant (1/ln 2, 1/sqrt 2) beside a float tensor, unrounded: a kernel computes a 16-bit tensor in
+    float32 (kernelize.compute_dtype) and takes the constant there as it is (bfloat16's 1/ln 2 would be 0.2% off)."""
+    return Tensor(Node("CONST", (), float(c), (), self.dtype)) if self.dtype in (dtypes.float16, dtypes.bfloat16) else Tensor.full((), c, self.dtype)
+  def exp(self) -> Tensor:
+    x = self.float()
+    return (x * x._exact(1 / math.log(2))).exp2()
+  def log(self) -> Tensor:
+    x = self.log2()
+    return x * x._exact(math.log(2))
   def sqrt(self) -> Tensor: return self._unary(Ops.SQRT)
   def rsqrt(self) -> Tensor: return self.sqrt().reciprocal()
   def reciprocal(self) -> Tensor: return self._unary(Ops.RECIPROCAL)
@@ -188,7 +207,7 @@ class Tensor:
   def gelu(self) -> Tensor:
     """Exact GELU: 0.5 x (1 + erf(x / sqrt 2))."""
     x = self.float()
-    return x * 0.5 * ((x * (1 / math.sqrt(2))).erf() + 1.0)
+    return x * 0.5 * ((x * x._exact(1 / math.sqrt(2))).erf() + 1.0)
   def abs(self) -> Tensor: return self.maximum(-self)
   def maximum(self, x: Any) -> Tensor: return self._bin(Ops.MAX, x)
   def minimum(self, x: Any) -> Tensor:
