@@ -47,10 +47,12 @@ def infer_vars(spec: PlanSpec, feeds: Mapping[str, np.ndarray], given: Mapping[s
   return vals
 
 
-def in_plan_dtype(a: np.ndarray, want: np.dtype) -> np.ndarray | None:
+def in_plan_dtype(a: np.ndarray, want: np.dtype, bfloat16: bool = False) -> np.ndarray | None:
   """A fed array in the plan's dtype `want`: as it is, or cast when it is of the same kind (float for float) or an integer
   for an integer; None when the plan cannot take it (the caller raises its own typed error). The one rule every feed of a
-  plan follows: a PortablePlan's, a served request's on the driver, kiln.graph's."""
+  plan follows: a PortablePlan's, a served request's on the driver, kiln.graph's. `bfloat16`: the plan's input is
+  bfloat16, held as its uint16 bits (`want`): an array of numpy's bfloat16 extension type (ml_dtypes) is taken as its bits."""
+  if bfloat16 and a.dtype.name == "bfloat16" and a.dtype.itemsize == 2: return a.view(np.uint16)
   if a.dtype == want: return a
   if a.dtype.kind != want.kind and not (a.dtype.kind in "iu" and want.kind in "iu"): return None
   return a.astype(want)

@@ -36,6 +36,7 @@ from kiln.executor.portable import in_plan_dtype
 from kiln.graph.dims import evaluate, fmt_shape
 from kiln.graph.lazy import GraphError, Node, ONNXError, Source, toposort
 from kiln.graph.segments import Segment, Weights, compile_segment
+from kiln.ir.dtype import dtypes
 from kiln.ir.kernels import Dim
 
 if TYPE_CHECKING:
@@ -188,8 +189,10 @@ class Program:
         if var in vals and vals[var] != got: raise GraphError(f"input {name!r} dim {k} ({var}) is {got}, but {where[var]} gave {var} = {vals[var]}")
         vals[var], where[var] = int(got), f"input {name!r} dim {k}"
     for name, s in self.inputs:
-      cast = in_plan_dtype(arrays[name], s.node.dtype.np)
-      if cast is None: raise GraphError(f"input {name!r} has dtype {arrays[name].dtype}, the model takes {s.node.dtype.np}")
+      bf16 = s.node.dtype == dtypes.bfloat16
+      cast = in_plan_dtype(arrays[name], s.node.dtype.np, bf16)
+      if cast is None:
+        raise GraphError(f"input {name!r} has dtype {arrays[name].dtype}, the model takes {'bfloat16' if bf16 else s.node.dtype.np}")
       if cast.size == 0: continue  # a dim of 0 (an empty KV cache): nothing to copy, the kernels read none of it
       buf = s.buf if cast.size == s.buf.size else s.buf.view(0, cast.size)  # below its dims' bounds: the buffer's front
       buf.copyin(np.ascontiguousarray(cast))

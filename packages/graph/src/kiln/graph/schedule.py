@@ -148,7 +148,7 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000,
 
 @dataclass
 class _Input:
-  name: str; buf: int; shape: tuple[Dim, ...]; dtype: np.dtype
+  name: str; buf: int; shape: tuple[Dim, ...]; dtype: np.dtype; bfloat16: bool = False  # dtype: numpy's (bfloat16: its uint16 bits)
 
 
 class Compiled:
@@ -228,8 +228,9 @@ class Compiled:
     vals = self.infer_vars(feeds)
     check_sizes(self.sizes, vals)
     for i in self.inputs:
-      a = in_plan_dtype(feeds[i.name], i.dtype)
-      if a is None: raise GraphError(f"input {i.name!r} has dtype {feeds[i.name].dtype}, the graph takes {i.dtype}")
+      a = in_plan_dtype(feeds[i.name], i.dtype, i.bfloat16)
+      if a is None:
+        raise GraphError(f"input {i.name!r} has dtype {feeds[i.name].dtype}, the graph takes {'bfloat16' if i.bfloat16 else i.dtype}")
       buf = self.plan.buffers[i.buf]
       if a.size == 0: continue  # a dim of 0 (an empty KV cache): nothing to copy, the kernels read none of it
       if a.size != buf.size: buf = buf.view(0, a.size)  # a symbolic input below its maximum fills the buffer's front
@@ -374,7 +375,7 @@ class GraphPlan:
     self.bufs[n] = self.builder.add_buffer(b)
     if owned and n.op == "BUFFER" and n.arg.name is not None:  # a model input the plan owns: run() copies it in
       if (prev := self.inputs.get(n.arg.name)) is not None: raise GraphError(f"two inputs are named {n.arg.name!r} ({prev.shape} and {n.shape})")
-      self.inputs[n.arg.name] = _Input(n.arg.name, self.bufs[n], n.shape, n.dtype.np)
+      self.inputs[n.arg.name] = _Input(n.arg.name, self.bufs[n], n.shape, n.dtype.np, n.dtype == dtypes.bfloat16)
     return self.bufs[n]
 
   def view_of(self, base: int, w: Window, dtype: DType) -> int:
