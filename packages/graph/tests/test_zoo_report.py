@@ -51,5 +51,5 @@ def test_refusals_group_by_operator_and_rank_by_models() -> None:
   assert rows[0].startswith("| 3 | 4 | Resize | mode 'cubic' is not supported | a, b, c |")  # three models, four exports, one group
   assert rows[1].startswith("| 1 | 1 | NonZero |")
   md = report.markdown(recs, "test")
-  assert "| dynamo/fixed | 0 | 3 | 0 | 0 |" in md and "| script/fixed | 1 | 1 | 0 | 1 |" in md
+  assert "| dynamo/fixed | 0 | 3 | 0 | 0 | 0 |" in md and "| script/fixed | 1 | 1 | 0 | 0 | 1 |" in md  # OK, REFUSED, TIES, WRONG, CRASH
   assert "- CRASH or TIMEOUT in some export: **1**" in md and "**CRASH** at load: KeyError: 3" in md
