@@ -185,7 +185,7 @@ class Tensor:
   def _unary(self, op: Ops) -> Tensor: return self.float()._alu(op)
   def exp2(self) -> Tensor: return self._unary(Ops.EXP2)
   def log2(self) -> Tensor: return self._unary(Ops.LOG2)
-  def _exact(self, c: float) -> Tensor:
+  def _exact(self, c: PyFloat) -> Tensor:
     """A composite's constant (1/ln 2, 1/sqrt 2) beside a float tensor, unrounded: a kernel computes a 16-bit tensor in
     float32 (kernelize.compute_dtype) and takes the constant there as it is (bfloat16's 1/ln 2 would be 0.2% off)."""
     return Tensor(Node("CONST", (), float(c), (), self.dtype)) if self.dtype in (dtypes.float16, dtypes.bfloat16) else Tensor.full((), c, self.dtype)
