@@ -131,12 +131,7 @@ class ExecutionPlan:
     if debug.DEBUG:
       self._run_profiled(print_lines=True)
       return
-    if not self._running: return self._run_steps()  # most plans: no context to enter
-    with contextlib.ExitStack() as running:
-      for f in self._running: running.enter_context(f())
-      self._run_steps()
-
-  def _run_steps(self) -> None:
+    running = self._enter_running() if self._running else None  # most plans: no context to enter, no call
     try:
       for session, run in self._runs:
         if session is None:
@@ -147,6 +142,18 @@ class ExecutionPlan:
     except BaseException as e:
       self._poisoned = e
       raise
+    finally:
+      if running is not None: running.close()
+
+  def _enter_running(self) -> contextlib.ExitStack:
+    """Each runtime's plan_running() context (PlanRunning), entered: the caller closes the stack when the run ends."""
+    stack = contextlib.ExitStack()
+    try:
+      for f in self._running: stack.enter_context(f())
+    except BaseException:
+      stack.close()
+      raise
+    return stack
 
   def set_vars(self, var_vals: Mapping[str, int]) -> None:
     """Validate every value against its DEFINE_VAR bounds, then (only if all pass) set them. Names no kernel takes, fixed
@@ -198,8 +205,7 @@ class ExecutionPlan:
     t_start = time.perf_counter()
     # a running plan, as in _execute: otherwise the pool's workers sleep between kernels, and every split kernel's time
     # would include waking them (a one-kernel softmax profiled at twice its time in the plan)
-    with contextlib.ExitStack() as running:
-      for f in self._running: running.enter_context(f())
+    with self._enter_running():
       self._profile_steps(prof, t_start, print_lines)
     return prof
 
