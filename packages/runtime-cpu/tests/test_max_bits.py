@@ -1,4 +1,4 @@
-"""A float32 MAX reduction with vector accumulators runs on the values' bits (kiln.codegen.choose.max_bits: a signed max, an
+"""A float32 MAX reduction with vector accumulators runs on the values' bits (kiln.codegen.lowering.max_bits: a signed max, an
 unsigned max of the complements, an unsigned max, made a float once after the fold). It must give IEEE-754 maximum's
 bits exactly as the reference does, for every mix of signed zeros, infinities, denormals and NaNs of either sign (a NaN
 with its sign bit set is the one case the signed max cannot see), at every vector width, in the scalar tail, with rows

@@ -46,8 +46,9 @@ def vector_lanes() -> tuple[int, str]:
   names = {64: "AVX-512", 32: "AVX2", 16: "128-bit SIMD"}
   try:
     from kiln.codegen.registry import get_runtime
+    from kiln.runtime.cpu import settings as cpu_settings
     vb = int(get_runtime("CPU").target.vector_bytes)  # type: ignore[attr-defined]
-    if vb in names: return vb // 4, names[vb] + (f" (KILN_CPU={os.environ['KILN_CPU']})" if os.environ.get("KILN_CPU") else "")
+    if vb in names: return vb // 4, names[vb] + (f" (KILN_CPU={cpu})" if (cpu := cpu_settings.CPU.get()) else "")
   except Exception: pass  # noqa: S110  (fall back to the host's flags below)
   from kiln.executor.cache import cpu_fingerprint
   flags = set(cpu_fingerprint().partition("|")[2].split())

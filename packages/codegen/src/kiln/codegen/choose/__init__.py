@@ -6,7 +6,6 @@
   choice      the entry: choose_opts (explicit, else the heuristic), reassociated_for (kiln.graph, by device)
   search      the tuner's candidates (kiln.executor.tune times them)
   contraction, tiling   a kernel that is one matrix product, and the CUDA tile for it
-  max_bits    a float32 MAX's integer accumulators: where they apply
 
 A layer above asks with a device, whose machine model kiln.codegen.registry.target_of gives, never a renderer's attributes.
 The lowering imports the modules it needs (base, axis_plan, choice), not this package."""

@@ -5,8 +5,8 @@ order and finishes a width that does not divide its axis with a scalar tail loop
 call and folds the partials in a finishing call; a GPU GROUP folds a block's partials through shared memory."""
 from __future__ import annotations
 
-from kiln.codegen.choose import max_bits
 from kiln.codegen.choose.base import axis_size
+from kiln.codegen.lowering import max_bits
 from kiln.codegen.lowering.expand import bcast, combine, combos, gate_loads, simp, unroll_vars, unrolled, vectorize
 from kiln.codegen.lowering.gpu_grid import GpuGrid
 from kiln.codegen.lowering.linearize import Scope
