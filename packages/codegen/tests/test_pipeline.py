@@ -6,7 +6,7 @@ import pytest
 
 from kiln.codegen.choose import Opt, OptOps, Target
 from kiln.codegen.dump import PASSES
-from kiln.codegen.pipeline import compile_ast
+from kiln.codegen.pipeline import compile_ast, lower
 from kiln.codegen.render.cuda import CUDARenderer
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import CodegenError, SettingError, kernels
@@ -58,6 +58,23 @@ def test_dump_all_follows_the_path_taken(monkeypatch: pytest.MonkeyPatch, capsys
   assert "TILED_MATMUL(mma" in err
   H100.render(mm, [])
   assert "tiling" not in _dumps(capsys.readouterr().err)
+
+
+def test_the_tiled_product_is_an_option() -> None:
+  """The heuristic's choice for a covered product is a TILE option, and asking for it gives the same kernel; a TILE the
+  kernel cannot take is a CodegenError naming why (the tiles themselves run in runtime-cuda's test_tiled_matmul.py)."""
+  mm = kernels.matmul(256, 256, 256, dtypes.float16, acc_dtype=dtypes.float32)
+  assert H100.render(mm, [Opt(OptOps.TILE, 0, 4)]).src == H100.render(mm).src  # 128x128x32 tensor cores: the heuristic's
+  assert H100.render(mm, [Opt(OptOps.TILE, 0, 2)]).applied_opts == ["TILED_MATMUL(simt 128x64x8)"]
+  f32 = kernels.matmul(64, 64, 64, dtypes.float32)
+  bad = [([Opt(OptOps.TILE, 0, 4)], "does not fit this product: tensor cores need sm_80"), ([Opt(OptOps.TILE, 0, 6)], "TF32 allowed"),
+         ([Opt(OptOps.TILE, 0, 7)], "numbered 1 to 6"), ([Opt(OptOps.TILE, 0, 1), Opt(OptOps.LOCAL, 0, 32)], "only option"),
+         ([Opt(OptOps.TILE, 1, 1)], "only option, on axis 0")]
+  for opts, why in bad:
+    with pytest.raises(CodegenError, match=why): H100.render(f32, opts)
+  with pytest.raises(CodegenError, match="is not a tiled matrix product"): H100.render(_add(), [Opt(OptOps.TILE, 0, 1)])
+  with pytest.raises(CodegenError, match="is not a tiled matrix product"): CPU.render(f32, [Opt(OptOps.TILE, 0, 1)])
+  with pytest.raises(CodegenError, match="which the generic lowering does not print"): lower(f32, CPU.target, [Opt(OptOps.TILE, 0, 1)])
 
 
 def test_a_name_that_is_no_pass_is_one_setting_error(monkeypatch: pytest.MonkeyPatch) -> None:

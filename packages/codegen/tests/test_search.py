@@ -66,3 +66,16 @@ def test_other_kernels():
 def test_space_opts_replace_in_place(idx, want):
   sp = Space((Opt(OptOps.UPCAST, 1, 8), Opt(OptOps.THREAD, 0, 2)), (Knob(OptOps.UPCAST, 1, (8, 4)), Knob(OptOps.THREAD, 0, (2, 0))))
   assert [str(o) for o in sp.opts(idx)] == want
+
+
+def test_a_tiled_product_searches_its_tiles():
+  """A matrix product CUDA prints as the tiled kernel: the candidates are the tiles that fit it, the heuristic's first."""
+  from kiln.codegen.choose.tiling import TILES
+  from kiln.codegen.render.cuda import CUDARenderer
+  from kiln.codegen.render.cuda_matmul import covers
+  h100 = Target(device="CUDA", vector_bytes=0, gpu_arch=90, gpu_sms=132)
+  for ast, tiles in ((kernels.matmul(256, 256, 256, dtypes.float16, acc_dtype=dtypes.float32), (4, 1, 2, 3, 5)),
+                     (kernels.matmul(64, 64, 64), (3, 1, 2))):
+    c = candidates(ast, h100, covers(ast, h100))
+    assert c == [[Opt(OptOps.TILE, 0, n)] for n in tiles]
+    assert [CUDARenderer(h100).render(ast, o).applied_opts for o in c] == [[str(TILES[n - 1])] for n in tiles]

@@ -11,8 +11,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from kiln.codegen.choose import Target
-from kiln.codegen.choose.tiling import Tiling
+from kiln.codegen.choose import Opt, OptOps, Target
+from kiln.codegen.choose.tiling import TILES, Tiling
 from kiln.codegen.render.cuda import CUDARenderer
 from kiln.codegen.render.cuda_matmul import covers, program
 from kiln.codegen.spec import ProgramSpec
@@ -33,9 +33,11 @@ MMA = [Tiling("mma", 128, 128, 32, 2, 4, 2), Tiling("mma", 128, 128, 32, 2, 4, 3
 SIMT = [Tiling("simt", 128, 128, 8), Tiling("simt", 128, 64, 8), Tiling("simt", 64, 64, 8)]
 
 
-def tiled(ast: UOp, target: Target, name: str, t: Tiling | None) -> ProgramSpec:
-  """The tiled kernel of ast with the tile t; t None: the pipeline's (kiln.codegen.pipeline's tiling pass chooses it)."""
+def tiled(ast: UOp, target: Target, name: str, t: Tiling | int | None) -> ProgramSpec:
+  """The tiled kernel of ast with the tile t; t None: the pipeline's (kiln.codegen.pipeline's tiling pass chooses it); an
+  int: the pipeline's with that TILE option."""
   if t is None: return CUDARenderer(target).render(ast)
+  if isinstance(t, int): return CUDARenderer(target).render(ast, [Opt(OptOps.TILE, 0, t)])
   c = covers(ast, target)
   assert c is not None, "the tiled kernel does not cover this product"
   return program(ast, c, t, name)
@@ -51,7 +53,7 @@ def _f64(x: np.ndarray, dt: str) -> np.ndarray:
   return x.astype(np.float64)
 
 
-def run(m: int, n: int, k: int, dt: str, tiling: Tiling | None, batch: tuple[int, ...] = (), out: str | None = None) -> str:
+def run(m: int, n: int, k: int, dt: str, tiling: Tiling | int | None, batch: tuple[int, ...] = (), out: str | None = None) -> str:
   """Renders (tiling None: the heuristic's choice), emulates with a poisoned output, compares; returns the applied tiling."""
   rng = np.random.default_rng(m * 7 + n * 3 + k)
   kdt = getattr(dtypes, dt)
@@ -93,6 +95,13 @@ def test_tensor_core_batch_bfloat16_and_outputs() -> None:
   assert run(48, 40, 96, "bfloat16", None, batch=(2, 2)).startswith("TILED_MATMUL(mma")
   run(72, 64, 48, "float16", MMA[1], out="float32")
   run(72, 64, 48, "float16", MMA[0], out="bfloat16")
+
+
+@requires_cxx
+@pytest.mark.parametrize("number", [2, 5])
+def test_a_tile_asked_as_an_option(number: int) -> None:
+  # neither is the heuristic's for this product (128x128x32 tensor cores): the option decides, and the kernel is right
+  assert run(200, 136, 72, "float16", number) == str(TILES[number - 1])
 
 
 @requires_cxx

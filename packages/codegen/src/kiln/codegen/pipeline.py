@@ -4,8 +4,9 @@ linearize flattens them):
 
   verify     kiln.ir.verify            the AST is a SINK of STOREs whose every index is proven inside its buffer
   widen      lowering/index_width.py   32-bit index arithmetic unless the AST's bounds need 64 (then every range and index widened)
-  tiling     choose/contraction.py,    CUDA, options not given: a matrix product the tiled kernel covers gets its tile
-             choose/tiling.py          (Tiling), and render/cuda_matmul.py prints it; the passes below are skipped
+  tiling     choose/contraction.py,    CUDA: a matrix product the tiled kernel covers, options not given or a TILE option
+             choose/tiling.py,         (the heuristic's: choose_opts gives the product its tile), is printed by
+             choose/choice.py          render/cuda_matmul.py with that tile; the passes below are skipped
   prepare    lowering/prepare.py       each store simplified, keeping the loops it had; empty ranges' reads dropped
   opts       choose/choice.py          the options: the caller's, else the heuristic's for the target
   peel       lowering/prepare.py       CPU: an output axis the vector width or unroll does not divide split (main + tail)
@@ -25,9 +26,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kiln.codegen.choose.axis_plan import plan_axes
-from kiln.codegen.choose.base import Opt, Target
+from kiln.codegen.choose.base import Opt, OptOps, Target
 from kiln.codegen.choose.choice import choose_opts
-from kiln.codegen.choose.tiling import choose_tiling
+from kiln.codegen.choose.tiling import tile_for
 from kiln.codegen.dump import PASSES, show
 from kiln.codegen.lowering import index_width
 from kiln.codegen.lowering.loops import LowerCtx
@@ -57,14 +58,31 @@ class Printing(Protocol):
 
 
 def compile_ast(ast: UOp, renderer: Printing, opts: Sequence[Opt] | None = None) -> ProgramSpec:
-  """ast's program for the renderer's target: opts as given (an explicit list always takes the generic lowering it
-  describes), else the heuristic's choice, which gives a CUDA matrix product the tiled kernel where that covers it."""
+  """ast's program for the renderer's target: opts as given, else the heuristic's choice, which gives a CUDA matrix product
+  the tiled kernel where that covers it. A list holding a TILE asks for the tiled kernel; any other list takes the
+  generic lowering it describes."""
   target = renderer.target
   verified(ast)                                                                                   # verify
   wide = index_width.needs_wide(ast) is not None                                                  # widen (the AST's own bounds)
-  if opts is None and not wide and (product := renderer.tiled_product(ast)) is not None:
-    return show("print", renderer.print_tiled(ast, product, show("tiling", choose_tiling(product, target))))  # tiling, print
+  if (tiled := tiling(ast, renderer, opts, wide)) is not None:                                    # tiling, print
+    return show("print", renderer.print_tiled(ast, tiled[0], show("tiling", tiled[1])))
   return show("print", renderer.print_kernel(lower_checked(ast, target, opts, wide), ast))       # prepare ... linearize, print
+
+
+def tiling(ast: UOp, renderer: Printing, opts: Sequence[Opt] | None, wide: bool) -> tuple[Contraction, Tiling] | None:
+  """The tiling pass: the matrix product and its tile when the options (the caller's, else the heuristic's) are a TILE;
+  None for the generic lowering. A TILE the kernel cannot take is a CodegenError naming why."""
+  asked = [o for o in opts if o.op is OptOps.TILE] if opts is not None else []
+  if opts is not None and not asked: return None  # an explicit generic list: no product to match
+  product = None if wide else renderer.tiled_product(ast)
+  if product is None:
+    if not asked: return None
+    why = "its index arithmetic is 64-bit" if wide else f"the {renderer.target.device} renderer's tiled kernel does not cover it"
+    raise CodegenError(f"{asked[0]}: kernel {ast.arg} is not a tiled matrix product ({why})")
+  chosen = choose_opts(ast, renderer.target, opts, product=product)
+  if len(chosen) != 1 or chosen[0].axis != 0:
+    raise CodegenError(f"TILE is the tiled kernel's only option, on axis 0; got {[str(o) for o in chosen]}")
+  return product, tile_for(product, renderer.target, chosen[0].amount)
 
 
 def lower(ast: UOp, target: Target, opts: Sequence[Opt] | None = None) -> LoweredKernel:

@@ -212,7 +212,8 @@ def search(pk: PreparedKernel, buffers: list[Buffer], keep: set[int], budget: fl
   if target is None or any(n not in pk.fixedvars for n in pk.kernel.var_names):
     return TuneResult(None, 0.0, 0.0, 0, 0.0)  # no space to search, or no fixed sizes to time it at
   _stats["searches"] += 1
-  sp = space(ast, target)
+  tiled = getattr(rt.renderer, "tiled_product", None)  # CUDA's tiled matrix product: its tiles are the space
+  sp = space(ast, target, tiled(ast) if tiled is not None else None)
   order = sp.ordered()
   bench = _Bench(pk, buffers, keep)
   sync = rt.synchronize

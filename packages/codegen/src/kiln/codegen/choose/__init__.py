@@ -5,7 +5,7 @@
   heuristic   the deterministic choice from the prepared AST (heuristic_opts, reassociated_opts)
   choice      the entry: choose_opts (explicit, else the heuristic), reassociated_for (kiln.graph, by device)
   search      the tuner's candidates (kiln.executor.tune times them)
-  contraction, tiling   a kernel that is one matrix product, and the CUDA tile for it
+  contraction, tiling   a kernel that is one matrix product, and the CUDA tile for it (TILES: the tiles OptOps.TILE names)
 
 A layer above asks with a device, whose machine model kiln.codegen.registry.target_of gives, never a renderer's attributes.
 The lowering imports the modules it needs (base, axis_plan, choice), not this package."""

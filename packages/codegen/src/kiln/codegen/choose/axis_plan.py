@@ -110,10 +110,14 @@ def _keep(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   p.keep = True
 
 
+def _tile(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
+  raise CodegenError(f"{o} asks for the tiled matrix product (CUDA, the pipeline's tiling pass), which the generic lowering does not print")
+
+
 _RULES: dict[OptOps, Callable[[Opt, AxisPlan, Target, bool], None]] = {
   OptOps.UPCAST: _split, OptOps.UNROLL: _split, OptOps.THREAD: _thread, OptOps.LOCAL: _local, OptOps.GROUP: _group,
   OptOps.SPREAD: _spread, OptOps.BLOCKS: _blocks,
-  OptOps.FMA: _fma, OptOps.OUTER: _outer, OptOps.PACK: _pack, OptOps.KEEP: _keep}
+  OptOps.FMA: _fma, OptOps.OUTER: _outer, OptOps.PACK: _pack, OptOps.KEEP: _keep, OptOps.TILE: _tile}
 
 
 def _outside_reduces(u: UOp) -> set[UOp]:

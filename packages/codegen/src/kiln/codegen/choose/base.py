@@ -25,6 +25,8 @@ class OptOps(Enum):
   FMA = "FMA"  # a float sum of products over this reduce axis accumulates with fused multiply-adds (one rounding; amount 1)
   KEEP = "KEEP"  # CPU: a REDUCE over this axis keeps its per-element values in per-thread scratch, and a store that computes
   # the same values along an output axis reads them back instead of computing them again (softmax's exp; amount 1)
+  TILE = "TILE"  # CUDA: print the kernel as the tiled matrix product (render/cuda_matmul.py) with tile `amount` of
+  # choose/tiling.py's TILES; the only option of its list, on axis 0 (it names no axis)
 
 
 @dataclass(frozen=True, order=True)

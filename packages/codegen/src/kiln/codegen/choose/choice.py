@@ -4,19 +4,28 @@ The tuner's candidates are kiln.codegen.choose.search's; the CUDA matrix product
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kiln.codegen.choose.base import Opt, Target
+from kiln.codegen.choose.base import Opt, OptOps, Target
 from kiln.codegen.choose.heuristic import heuristic_opts, reassociated_opts
+from kiln.codegen.choose.tiling import choose_tile
 from kiln.codegen.registry import target_of
 from kiln.ir.errors import IRError
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
+if TYPE_CHECKING:
+  from kiln.codegen.choose.contraction import Contraction
 
-def choose_opts(ast: UOp, target: Target, explicit: Sequence[Opt] | None = None, reassociate: bool = False) -> list[Opt]:
+
+def choose_opts(ast: UOp, target: Target, explicit: Sequence[Opt] | None = None, reassociate: bool = False,
+                product: Contraction | None = None) -> list[Opt]:
   """The options a prepared kernel is lowered with: `explicit` as given (a caller's opts=, a tuned choice, kiln.graph's
-  reassociated list), else the heuristic's for the target (reassociate: the caller takes float sums in another order)."""
-  return list(explicit) if explicit is not None else heuristic_opts(ast, target, reassociate)
+  reassociated list), else the heuristic's for the target (reassociate: the caller takes float sums in another order);
+  for a matrix product the renderer's tiled kernel covers (`product`, the pipeline's tiling pass), the tiling's tile."""
+  if explicit is not None: return list(explicit)
+  if product is not None: return [Opt(OptOps.TILE, 0, choose_tile(product, target))]
+  return heuristic_opts(ast, target, reassociate)
 
 
 def reassociated_for(ast: UOp, device: str) -> list[Opt] | None:

@@ -7,14 +7,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.codegen.choose.base import Opt, OptOps, Target
 from kiln.codegen.choose.choice import choose_opts
 from kiln.codegen.choose.heuristic import matmul_rows
+from kiln.codegen.choose.tiling import choose_tile, fitting_tiles
+from kiln.codegen.lowering.index_width import needs_wide
 from kiln.codegen.lowering.prepare import prepare
 from kiln.ir.analysis import free_ranges
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
+
+if TYPE_CHECKING:
+  from kiln.codegen.choose.contraction import Contraction
 
 _COUNTED = (OptOps.UPCAST, OptOps.UNROLL, OptOps.THREAD, OptOps.LOCAL, OptOps.GROUP)  # amount <= 1: no option; flags: 0
 
@@ -63,14 +69,17 @@ class Space:
 def _choices(first: int, *rest: int) -> tuple[int, ...]: return tuple(dict.fromkeys((first, *rest)))
 
 
-def space(ast: UOp, target: Target) -> Space:
+def space(ast: UOp, target: Target, product: Contraction | None = None) -> Space:
   """The search space for a kernel on a target. Matmul-like kernels (the heuristic tiles them: it makes the vector axis
   outermost): register tile rows 1/2/4/8, one or two vectors, reduce unroll 1/2/4, with and without PACK, with and without
   the thread split. Other vectorised kernels: vector widths (and a reduce unroll when one axis is reduced per output);
   full reductions: widths up to eight vectors; KEEP or not where the heuristic keeps a row; all: the thread split (its
   chunk count, half and twice it) or not.
-  GPUs: block sizes. Kernels of several stores
-  keep the heuristic's (empty) list."""
+  GPUs: block sizes; a matrix product the renderer prints as a tiled kernel (`product`, its renderer's tiled_product): the
+  tiles that fit it (OptOps.TILE). Kernels of several stores keep the heuristic's (empty) list."""
+  if product is not None and needs_wide(ast) is None:  # the pipeline tiles only 32-bit index arithmetic
+    tile = choose_tile(product, target)
+    return Space((Opt(OptOps.TILE, 0, tile),), (Knob(OptOps.TILE, 0, _choices(tile, *fitting_tiles(product, target))),))
   prepared, _ = prepare(ast)
   base = tuple(choose_opts(prepared, target))
   stores = [s for s in prepared.src if s.op is Ops.STORE]
@@ -112,7 +121,7 @@ def space(ast: UOp, target: Target) -> Space:
   return Space(base, tuple(knobs))
 
 
-def candidates(ast: UOp, target: Target) -> list[list[Opt]]:
+def candidates(ast: UOp, target: Target, product: Contraction | None = None) -> list[list[Opt]]:
   """Every option list of the kernel's space, the heuristic's first, nearest variations next."""
-  sp = space(ast, target)
+  sp = space(ast, target, product)
   return [sp.opts(c) for c in sp.ordered()]

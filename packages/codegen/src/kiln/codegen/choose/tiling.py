@@ -3,11 +3,12 @@ inputs, or float32 under the TF32 opt-in, on sm_80+ with 16-byte aligned rows), 
 every multiprocessor a block. What it reads of the GPU: Target.gpu_arch, gpu_sms and allow_tf32."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln.codegen.choose.base import Target
 from kiln.codegen.choose.contraction import Contraction
 from kiln.ir.dtype import dtypes
+from kiln.ir.errors import CodegenError
 
 THREADS = 256  # a SIMT tile's block
 
@@ -75,17 +76,43 @@ def b_kmajor(c: Contraction) -> bool:
   return c.b.rows == 1 and c.b.cols != 1
 
 
+# The tiles an option may name (OptOps.TILE's amount is a number here, from 1); B's layout is the product's (b_kmajor).
+TILES = (Tiling("simt", 128, 128, 8), Tiling("simt", 128, 64, 8), Tiling("simt", 64, 64, 8),
+         Tiling("mma", 128, 128, 32, 2, 4, 3), Tiling("mma", 128, 256, 64, 2, 4, 3, 8),  # float16/bfloat16 tensor cores
+         Tiling("tf32", 128, 128, 32, 2, 4, 3))
+
+
 def choose_tiling(c: Contraction, target: Target) -> Tiling:
   """The tile: tensor cores where they apply; else the largest SIMT tile that still gives every SM a block."""
+  return tile_for(c, target, choose_tile(c, target))
+
+
+def choose_tile(c: Contraction, target: Target) -> int:
+  """The heuristic's tile, as its number in TILES."""
   sms = max(1, target.gpu_sms)
-  km, kind = b_kmajor(c), _mma_kind(c, target)
-  if kind == "tf32":  # float32 stages: half the k of a 16-bit slice in the same bytes
-    return Tiling("tf32", 128, 128, 32, 2, 4, 3, b_kmajor=km)
+  kind = _mma_kind(c, target)
+  if kind == "tf32": return 6  # float32 stages: half the k of a 16-bit slice in the same bytes
   if kind == "mma":
     # measured on an H100 (runtime-cuda tools/gpu_check.py mmatune): 128x256x64 tiles lead once there are two waves of them; before that
     # 128x128x32 keeps more SMs busy. Three stages of cp.async either way (two left 5% on the table, four gained nothing)
-    if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms: return Tiling("mma", 128, 256, 64, 2, 4, 3, 8, b_kmajor=km)
-    return Tiling("mma", 128, 128, 32, 2, 4, 3, b_kmajor=km)
-  for bm, bn in ((128, 128), (128, 64), (64, 64)):
-    if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return Tiling("simt", bm, bn, 8)
-  return Tiling("simt", 64, 64, 8)
+    return 5 if -(-c.m // 128) * -(-c.n // 256) * c.batches >= 2 * sms else 4
+  for number, (bm, bn) in enumerate(((128, 128), (128, 64)), 1):
+    if -(-c.m // bm) * -(-c.n // bn) * c.batches >= sms: return number
+  return 3
+
+
+def fitting_tiles(c: Contraction, target: Target) -> list[int]:
+  """The numbers of the TILES the product takes on the target: SIMT always, tensor cores of the kind that applies."""
+  kind = _mma_kind(c, target)
+  return [i for i, t in enumerate(TILES, 1) if t.kind in ("simt", kind)]
+
+
+def tile_for(c: Contraction, target: Target, number: int) -> Tiling:
+  """Tile `number` of TILES for the product, B laid out as the product's; a CodegenError names why when it does not fit."""
+  if not 1 <= number <= len(TILES): raise CodegenError(f"TILE {number}: the tiles are numbered 1 to {len(TILES)}")
+  t = TILES[number - 1]
+  if t.kind != "simt" and _mma_kind(c, target) != t.kind:
+    need = "float32 inputs with TF32 allowed (KILN_CUDA_TF32=1)" if t.kind == "tf32" else "float16/bfloat16 inputs"
+    raise CodegenError(f"TILE {number} ({t}) does not fit this product: tensor cores need sm_80+, {need}, float32 sums and "
+                       f"16-byte aligned rows; it has {c.a.dtype.name} inputs on sm_{target.gpu_arch}")
+  return replace(t, b_kmajor=b_kmajor(c))
