@@ -152,6 +152,18 @@ def test_conv_epilogue_in_the_product_kernel() -> None:
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(r, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
 
 
+def test_depthwise_input_computed_once() -> None:
+  """A depthwise conv reads each input element once per tap of its windows: a computed input (here a relu) is realized
+  first, so the window sum reads a buffer instead of recomputing the relu per tap."""
+  from kiln.ir.ops import Ops
+  x, w = rand(2, 4, 6, 6), rand(4, 1, 3, 3)
+  c = compile([Tensor.input("x", x.shape).relu().conv2d(Tensor(w), padding=1, groups=4)])
+  sums = [k.ast.arg for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert c.kernel_count == 2 and len(sums) == 1 and sums[0] not in _alu_max_kernels(c), c.plan.describe()
+  want = conv_ref(np.maximum(x, 0), w, None, [1, 1], [(1, 1)] * 2, [1, 1], 4)
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
 def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
   o = [(n - k) // st + 1 for n in r.shape[2:]]
   return np.stack([np.stack([r[:, :, i * st:i * st + k, j * st:j * st + k].max((2, 3)) for j in range(o[1])], -1) for i in range(o[0])], -2)

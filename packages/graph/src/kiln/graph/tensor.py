@@ -418,7 +418,8 @@ class Tensor:
     The product is realized as (N, groups, O/groups, P), the loops the matmul
     tiles; what follows reads it through an NCHW view (the bias, batch norm and relu become the product kernel's epilogue
     when their readers read each element at least once: epilogue.py). A depthwise conv (one input
-    and one output channel per group) has no matrix to tile: it stays a sum over each window."""
+    and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
+    where that input is computed (every tap reads each element)."""
     d = weight.ndim - 2
     if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
     sym.require_static("conv", self.shape, range(1, self.ndim))
@@ -436,7 +437,9 @@ class Tensor:
     if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
     ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
     xp = x.pad(((0, 0), (0, 0), *pads))
-    if cg == 1 and og == 1: return _window_conv(xp, w, st, dl, groups, bias)
+    if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
+      if prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
+      return _window_conv(xp, w, st, dl, groups, bias)
     if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
       xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
     elif xp is not x:
@@ -564,6 +567,18 @@ def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
   reshape's index // and % would otherwise sit in a matmul's inner loop)."""
   if (data := t.node.data) is not None: return Tensor(data.reshape(shape))
   return t.reshape(shape).contiguous()
+
+
+def _computes(n: Node) -> bool:
+  """Whether n computes anything (an ALU or REDUCE op through views, up to realized nodes) rather than viewing buffers."""
+  stack, seen = [n], set()
+  while stack:
+    m = stack.pop()
+    if m in seen or m.realize or m.op in ("BUFFER", "CONST", "IOTA"): continue
+    if m.op != "VIEW": return True
+    seen.add(m)
+    stack.extend(m.src)
+  return False
 
 
 def _reduces(n: Node) -> bool:
