@@ -164,6 +164,17 @@ def test_depthwise_input_computed_once() -> None:
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_depthwise_narrow_rows_vectorised() -> None:
+  """A depthwise conv over a 9-wide map (ConvMixer's) takes its output rows as one 9-lane vector, not a scalar loop."""
+  from kiln.ir.ops import Ops
+  x, w = rand(2, 4, 9, 9), rand(4, 1, 5, 5)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), padding=2, groups=4)])
+  k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  opts = heuristic_opts(prepare(k.ast)[0], Target(vector_bytes=64, threads=2))
+  assert any(o.op is OptOps.UPCAST and o.amount == 9 for o in opts), opts
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(2, 2)] * 2, [1, 1], 4), rtol=1e-4, atol=1e-4)
+
+
 def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
   o = [(n - k) // st + 1 for n in r.shape[2:]]
   return np.stack([np.stack([r[:, :, i * st:i * st + k, j * st:j * st + k].max((2, 3)) for j in range(o[1])], -1) for i in range(o[0])], -2)

@@ -11,17 +11,18 @@ from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 
-def _out_width(size: int | None, want: int, lanes: int) -> int:
+def _out_width(size: int | None, want: int, lanes: int, tile: bool) -> int:
   """An output axis may take the full width even when it does not divide the size: the lowering peels the rest into a
   scalar tail. An axis of at most one vector is one vector of its own size (a 256x512 @ 512x10 product: 130 us with
-  2-lane pieces, 30 us as one 10-lane vector; past one vector, LLVM's odd-sized vectors got slower, not faster). Other
-  small axes keep a width that divides them, and a tile axis of two vectors or more that no power of two divides takes
-  one vector (43 columns on AVX-512 had no vectors at all)."""
+  2-lane pieces, 30 us as one 10-lane vector; a depthwise conv's 9-wide rows were scalar loops; past one vector, LLVM's
+  odd-sized vectors got slower, not faster). Other small axes keep a width that divides them, and a tile axis (tile: a
+  register-tiled product's columns) of two vectors or more that no power of two divides takes one vector (43 columns on
+  AVX-512 had no vectors at all)."""
   if size is not None and size >= 2 * want: return want
   if size is not None and 2 < size <= lanes and _pick_width(size, want) < size: return size
   w = _pick_width(size, want)
   # a tile axis no power of two divides (43 columns on AVX-512) still takes one vector, ending overlapped or peeled
-  if w == 1 and size is not None and lanes and size >= 2 * lanes: return lanes
+  if w == 1 and size is not None and tile and size >= 2 * lanes: return lanes
   return w
 
 
@@ -74,7 +75,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   vecs = 2 if mm or any(u.op in _POLY_OPS for u in st.toposort()) else 1
   row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
   if row is not None: opts.append(row)
-  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes if mm else 0)) > 1:
+  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes, mm)) > 1:
     opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
     vec_axis = inner
   if vec_axis is not None and mm:
