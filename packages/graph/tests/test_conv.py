@@ -113,15 +113,15 @@ def test_conv_kernels() -> None:
 @pytest.mark.parametrize("xs,ws,stride,padding,dilation,groups,bias", [c for c in CASES if c[3] != 0 and c[1][0] != c[5]])  # not depthwise
 def test_padding_read_in_place_matches_the_padded_copy(monkeypatch, xs, ws, stride, padding, dilation, groups, bias) -> None:
   """A padded conv reads its input through the pad (gated loads; its packed panel masked loads) in one kernel fewer than
-  the realized padded copy (tensor.PAD_INLINE = False), with the same bits: the same product, only its panel copied another way."""
-  import kiln.graph.tensor as tensor_mod
+  the realized padded copy (conv.PAD_INLINE = False), with the same bits: the same product, only its panel copied another way."""
+  import kiln.graph.conv as conv_mod
   monkeypatch.setenv("KILN_WINOGRAD", "0")  # the direct product's two ways of reading the pad (winograd.py pads one way)
   x, w = rand(*xs), rand(*ws)
   b = rand(ws[0]) if bias else None
   st, pads, dl = _spec(stride, padding, dilation, len(ws) - 2)
   got, counts = [], []
   for inline in (True, False):
-    monkeypatch.setattr(tensor_mod, "PAD_INLINE", inline)
+    monkeypatch.setattr(conv_mod, "PAD_INLINE", inline)
     c = compile([Tensor.input("x", xs).conv2d(Tensor(w), None if b is None else Tensor(b), st, pads, dl, groups)])
     got.append(c.run({"x": x})[0])
     counts.append(c.kernel_count)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import conv
 from kiln.graph import dims as sym
 from kiln.graph.index_check import gather_node
 from kiln.graph.lazy import GraphError, Node, Source, prod
@@ -20,9 +21,6 @@ from kiln.ir.uop import UOp
 
 Scalar = int | float | bool
 PyFloat = float  # Tensor.float() shadows the builtin inside the class
-# a padded conv reads its realized input through the pad (gated loads its packed panel copies as masked row runs) instead
-# of realizing the padded copy first (a kernel of its own per conv); False: the padded copy, for comparison
-PAD_INLINE = True
 
 
 def _dtype(dt: DTypeLike) -> DType:
@@ -408,53 +406,9 @@ class Tensor:
 
   def conv2d(self, weight: Tensor, bias: Tensor | None = None, stride: Sequence[int] | int = 1, padding: Sequence[tuple[int, int]] | int = 0,
              dilation: Sequence[int] | int = 1, groups: int = 1) -> Tensor:
-    """N-d convolution (torch's conv2d for 2 spatial dims): x (N, C, *sp), weight (O, C/groups, *k), padding (before, after) per dim.
-
-    Per group a matrix product y[n, o, p] = sum_k W[o, k] * cols[n, k, p], k = (c, *kernel) and p = the output positions,
-    shaped so the codegen gives it the matmul options (register tile, packed panel, threads): cols is the window view of
-    the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). A padded input is
-    read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
-    copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
-    The product is realized as (N, groups, O/groups, P), the loops the matmul
-    tiles; what follows reads it through an NCHW view (the bias, batch norm and relu become the product kernel's epilogue
-    when their readers read each element at least once: epilogue.py). A depthwise conv (one input
-    and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
-    where that input is computed (every tap reads each element)."""
-    d = weight.ndim - 2
-    if self.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {self.shape} and weight {weight.shape} need the same rank >= 3")
-    sym.require_static("conv", self.shape, range(1, self.ndim))
-    sym.require_static("conv (weight)", weight.shape)
-    n, c = self.shape[:2]
-    o, cg = weight.shape[:2]
-    if groups < 1 or c % groups or o % groups or cg * groups != c:
-      raise GraphError(f"conv: input {self.shape}, weight {weight.shape} and groups={groups} do not fit (C = C/groups * groups)")
-    st = [stride] * d if isinstance(stride, int) else list(stride)
-    dl = [dilation] * d if isinstance(dilation, int) else list(dilation)
-    pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
-    if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {self.shape}")
-    x, w = self._coerce(weight)
-    from kiln.graph import winograd  # (it builds on Tensor)
-    if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
-    ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
-    xp = x.pad(((0, 0), (0, 0), *pads))
-    if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
-      if prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
-      return _window_conv(xp, w, st, dl, groups, bias)
-    if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
-      xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
-    elif xp is not x:
-      xp = (x.contiguous() if _reduces(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
-    if all(k == 1 for k in ks) and all(s == 1 for s in st) and xp is x:
-      out, cols = x.shape[2:], x.reshape(n, groups, cg, prod(x.shape[2:]))  # 1x1: the input is the matrix already
-    else:
-      win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
-      out = win.shape[2:2 + d]
-      win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
-      cols = win.reshape(n, groups, cg * prod(ks), prod(out))
-    kk, p = cols.shape[2:]
-    wm = _flat(w, (1, groups, og, kk, 1))
-    y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
-    return y if bias is None else y + bias.reshape(1, o, *([1] * d))
+    """N-d convolution (torch's conv2d for 2 spatial dims): x (N, C, *sp), weight (O, C/groups, *k), padding (before, after)
+    per dim; built from the graph's primitives by conv.py (a matrix product per group, Winograd, or a depthwise window sum)."""
+    return conv.conv(self, weight, bias, stride, padding, dilation, groups)
 
   def max_pool(self, kernel: Sequence[int], stride: Sequence[int] | None = None, padding: Sequence[tuple[int, int]] | None = None,
                dilation: Sequence[int] | None = None) -> Tensor:
@@ -560,48 +514,6 @@ class Tensor:
     x = self.float()
     y = x * ((x * x).mean(axis, keepdims=True) + eps).rsqrt()
     return y if weight is None else y * weight
-
-
-def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
-  """t reshaped to shape, read with a flat index: a weight array is reshaped in numpy, anything else realized (the
-  reshape's index // and % would otherwise sit in a matmul's inner loop)."""
-  if (data := t.node.data) is not None: return Tensor(data.reshape(shape))
-  return t.reshape(shape).contiguous()
-
-
-def _computes(n: Node) -> bool:
-  """Whether n computes anything (an ALU or REDUCE op through views, up to realized nodes) rather than viewing buffers."""
-  stack, seen = [n], set()
-  while stack:
-    m = stack.pop()
-    if m in seen or m.realize or m.op in ("BUFFER", "CONST", "IOTA"): continue
-    if m.op != "VIEW": return True
-    seen.add(m)
-    stack.extend(m.src)
-  return False
-
-
-def _reduces(n: Node) -> bool:
-  """Whether n computes a reduction (through views and elementwise ops, up to realized nodes). Written under a pad's
-  bounds test it vectorises poorly: the CNN bench's max pools with the next conv's padding took 0.53 and 0.49 ms as one
-  kernel each, 0.26 + 0.20 and 0.18 + 0.19 ms as pool and pad (2-core AVX2, quiet). (With PAD_INLINE the conv reads
-  the pool's buffer through its padding, so only the PAD_INLINE = False path still asks.)"""
-  stack, seen = [n], set()
-  while stack:
-    m = stack.pop()
-    if m.op == "REDUCE": return True
-    if m in seen or m.realize or m.op not in ("VIEW", "ALU"): continue
-    seen.add(m)
-    stack.extend(m.src)
-  return False
-
-
-def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: int, bias: Tensor | None) -> Tensor:
-  """A depthwise conv (one input and one output channel per group) as a product and a sum over each window."""
-  d = w.ndim - 2
-  win = xp.windows(sym.static_shape("conv (weight)", w.shape)[2:], st, dl)  # (N, C, *out, *k)
-  y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
-  return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
 
 
 def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True) -> Compiled:  # noqa: A001
