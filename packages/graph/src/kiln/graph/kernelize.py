@@ -35,7 +35,7 @@ def stored_dtype(n: Node, outputs: AbstractSet[Node], wide: bool) -> DType:
   bits would only save memory traffic) a 16-bit float computed by the graph and read only by the graph's own kernels is
   kept in float32, as onnxruntime keeps a float16 model's intermediates on a CPU: the values stay exact between kernels,
   and inputs, weights and outputs keep their dtype."""
-  if wide and n.dtype in (dtypes.float16, dtypes.bfloat16) and n.op != "BUFFER" and n not in outputs: return compute_dtype(n.dtype)
+  if wide and compute_dtype(n.dtype) != n.dtype and n.op != "BUFFER" and n not in outputs: return compute_dtype(n.dtype)
   return n.dtype
 
 

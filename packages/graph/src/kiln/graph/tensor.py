@@ -11,6 +11,7 @@ import numpy as np
 from kiln.graph import conv
 from kiln.graph import dims as sym
 from kiln.graph.index_check import gather_node
+from kiln.graph.kernelize import compute_dtype
 from kiln.graph.lazy import GraphError, Node, Source, prod
 from kiln.graph.schedule import Compiled, compile_nodes
 from kiln.ir.dtype import DType, DTypeLike, dtypes, f32_to_bf16_bits, least_upper_dtype, to_dtype, truncate_value
@@ -186,7 +187,7 @@ class Tensor:
   def _exact(self, c: PyFloat) -> Tensor:
     """A composite's constant (1/ln 2, 1/sqrt 2) beside a float tensor, unrounded: a kernel computes a 16-bit tensor in
     float32 (kernelize.compute_dtype) and takes the constant there as it is (bfloat16's 1/ln 2 would be 0.2% off)."""
-    return Tensor(Node("CONST", (), float(c), (), self.dtype)) if self.dtype in (dtypes.float16, dtypes.bfloat16) else Tensor.full((), c, self.dtype)
+    return Tensor(Node("CONST", (), float(c), (), self.dtype)) if compute_dtype(self.dtype) != self.dtype else Tensor.full((), c, self.dtype)
   def exp(self) -> Tensor:
     x = self.float()
     return (x * x._exact(1 / math.log(2))).exp2()
