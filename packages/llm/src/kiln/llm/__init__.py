@@ -1,0 +1,4 @@
+"""kiln-llm: language models from GGUF and Hugging Face checkpoints, generating text on kiln-graph."""
+from kiln.llm.version import __version__
+
+__all__ = ["__version__"]
