@@ -32,6 +32,7 @@ from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
+from kiln.graph import progress
 from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
@@ -302,16 +303,25 @@ def precompile(kernels: Sequence[tuple[UOp, Any]], device: str, threads: int) ->
   """Compile the plan's kernels (each distinct one once) on `threads` threads before the plan is built, which then finds
   them in the kernel cache. For a runtime whose compiler runs out of process (CUDA: an nvcc process a kernel), a model's
   few hundred kernels compile side by side instead of one after another. A failure is left for the build, which reports
-  it with the kernel's place in the plan (a compile that raised is not cached)."""
+  it with the kernel's place in the plan (a compile that raised is not cached). While a load reports progress
+  (kiln.graph.progress) they compile here even on one thread, each one reported as it finishes."""
   todo = list({(ast.key, repr(opts)): (ast, opts) for ast, opts in kernels}.values())
-  if threads <= 1 or len(todo) <= 1: return
-  from concurrent.futures import ThreadPoolExecutor
+  if not todo or (threads <= 1 or len(todo) <= 1) and not progress.active(): return  # the build compiles them, in order
+  from concurrent.futures import ThreadPoolExecutor, as_completed
 
   from kiln.executor import compile_kernel
   def one(job: tuple[UOp, Any]) -> None:
     try: compile_kernel(job[0], device, job[1])
     except Exception: pass  # noqa: S110 (the build compiles it again and raises with the kernel's label)
-  with ThreadPoolExecutor(min(threads, len(todo))) as ex: list(ex.map(one, todo))
+  what = "compiling kernels"
+  progress.report(0, len(todo), what)
+  if threads <= 1 or len(todo) <= 1:
+    for i, job in enumerate(todo):
+      one(job)
+      progress.report(i + 1, len(todo), what)
+    return
+  with ThreadPoolExecutor(min(threads, len(todo))) as ex:
+    for i, _ in enumerate(as_completed([ex.submit(one, job) for job in todo])): progress.report(i + 1, len(todo), what)
 
 
 class GraphPlan:
