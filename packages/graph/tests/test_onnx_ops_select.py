@@ -1,6 +1,6 @@
 """TopK, NonZero, Unique (onnx_ops_select.py), NonMaxSuppression and RoiAlign (onnx_ops_detect.py) against onnxruntime:
-ties, NaN, both TopK methods, outputs whose length is read back at run time (compiled once per count), the host step's
-selection fed to the rest of the model, a cut inside a branch of an If known at load."""
+ties, NaN, both TopK methods, outputs whose length is read back at run time (a runtime variable: compiled once), the host
+step's selection fed to the rest of the model, a cut inside a branch of an If known at load."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from onnx_case import RNG, N, check, f32, helper, model
 
+from kiln.executor import cache_stats
 from kiln.graph import onnx as konnx
 from kiln.graph import onnx_ops_select
 from kiln.graph.lazy import IndexOutOfRangeError, ONNXError
@@ -46,20 +47,39 @@ def test_topk_bitonic_ints_with_ties_and_a_k_fed_at_run_time(monkeypatch: pytest
   with pytest.raises(ONNXError, match=r"k = 101 must be in \[0, 100\]"): km.run({"x": x, "k": i64(101)})
 
 
-def test_nonzero_count_read_back_compiled_once_per_count(monkeypatch: pytest.MonkeyPatch) -> None:
-  """The count of a computed mask is read back; the positions come from the blocked scan and the binary search (blocks of
-  4 force three levels); a count seen before compiles nothing; no nonzero gives (2, 0)."""
+def test_nonzero_count_bound_as_a_runtime_variable_one_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The count of a computed mask is read back and binds a runtime variable in [0, 77]: the rest of the model is compiled
+  once, at load, and no run compiles a kernel, whatever its count (none, some, all). The positions come from the blocked
+  scan and the binary search (blocks of 4 force three levels); no nonzero gives (2, 0)."""
   monkeypatch.setattr(onnx_ops_select, "SCAN_BLOCK", 4)
   m = model([N("Greater", ["x", "t"], ["g"]), N("NonZero", ["g"], ["y"]), N("Transpose", ["y"], ["yt"]), N("GatherND", ["x", "yt"], ["z"])],
             {"x": f32(7, 11)}, {"y": np.int64, "z": np.float32}, {"t": np.float32(0.5).reshape(())})
   km = konnx.load(m)
-  xs = [f32(7, 11), f32(7, 11), np.zeros((7, 11), np.float32), f32(7, 11, lo=0.6, hi=1)]
+  assert compiles(km) == [1] and km.program is not None and km.program.specialisations()[0].unbounded is None
+  before = cache_stats()["compiles"]
+  xs = [f32(7, 11), f32(7, 11), np.zeros((7, 11), np.float32), f32(7, 11, lo=0.6, hi=1), np.ones((7, 11), np.float32)]
   for x in xs:
-    check(m, {"x": x})
-    np.testing.assert_array_equal(km.run({"x": x})["y"], np.array(np.nonzero(x > 0.5)))
-  km.run({"x": xs[0]})
+    got = km.run({"x": x})
+    np.testing.assert_array_equal(got["y"], np.array(np.nonzero(x > 0.5)))
+    np.testing.assert_array_equal(got["z"], x[x > 0.5])
+  assert cache_stats()["compiles"] == before and compiles(km) == [1]
   assert km.run({"x": xs[2]})["y"].shape == (2, 0)
-  assert compiles(km) == [len({int((x > 0.5).sum()) for x in xs})]
+  check(m, {"x": xs[0]})
+
+
+def test_a_count_the_rest_needs_as_a_number_falls_back_to_one_compile_per_count() -> None:
+  """A Reshape to a shape computed from NonZero's count (its Shape, then arithmetic) cannot take the count as a runtime
+  variable: the cut says why and compiles the rest per count, as before; the answers are the same."""
+  m = model([N("NonZero", ["x"], ["y"]), N("Shape", ["y"], ["s"]), N("ReduceProd", ["s"], ["p"], keepdims=1),
+             N("Reshape", ["y", "p"], ["z"], allowzero=1)], {"x": f32(3, 4)}, {"z": np.int64}, {})  # allowzero: a count of 0 is a size
+  km = konnx.load(m)
+  assert km.program is not None
+  spec = km.program.specialisations()[0]
+  for x in (f32(3, 4), np.zeros((3, 4), np.float32), f32(3, 4) > 0.3):
+    x = np.asarray(x, np.float32)
+    np.testing.assert_array_equal(km.run({"x": x})["z"], np.array(np.nonzero(x)).reshape(-1))
+  assert spec.unbounded == "node <Reshape> (Reshape) needs a value computed from it (p) as a number"
+  assert compiles(km) == [1 + 3]  # the bound continuation tried at load, then one per count
 
 
 def test_no_nonzero_then_a_flatten_of_the_empty_positions() -> None:
@@ -96,14 +116,23 @@ def _nms_model(center: int = 0, fed: bool = False) -> Any:
 
 
 def test_nms_host_step_both_box_forms_and_fed_thresholds() -> None:
-  """Corners in either order and centre boxes; thresholds constant or fed; the selection is read by the rest of the model
-  (compiled per number kept)."""
+  """Corners in either order and centre boxes; thresholds constant or fed; the selection is read by the rest of the model,
+  compiled once at load for any number kept (a runtime variable each run binds)."""
   for center in (0, 1):
     for fed in (False, True):
       m = _nms_model(center, fed)
       feeds = {"b": np.abs(f32(2, 40, 4)) * 3, "s": f32(2, 3, 40, lo=0, hi=1)}  # corners in either order
       if fed: feeds |= {"mx": i64(4), "iou": np.array([0.3], np.float32), "st": np.array([0.1], np.float32)}
       check(m, feeds)
+  km = konnx.load(_nms_model(0, True))
+  before = cache_stats()["compiles"]
+  kept = set()
+  for mx, st in ((4, 0.1), (1, 0.1), (4, 0.99), (9, 0.0)):  # a different number of boxes kept each run: no compile
+    feeds = {"b": np.abs(f32(2, 40, 4)) * 3, "s": f32(2, 3, 40, lo=0, hi=1), "mx": i64(mx), "iou": np.array([0.3], np.float32),
+             "st": np.array([st], np.float32)}
+    kept.add(km.run(feeds)["sel"].shape[0])
+    check(_nms_model(0, True), feeds)
+  assert len(kept) == 4 and compiles(km) == [1] and cache_stats()["compiles"] == before
   bad = {"b": f32(2, 40, 4), "s": f32(2, 3, 40), "mx": i64(4), "iou": np.array([1.5], np.float32), "st": np.array([0.1], np.float32)}
   with pytest.raises(ONNXError, match=r"iou_threshold 1.5 must be in \[0, 1\]"): konnx.load(_nms_model(0, True)).run(bad)
 

@@ -44,6 +44,8 @@ from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_val
 from kiln.graph.onnx_ops_flow import FLOW
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
+from kiln.graph.progress import Progress, report, reporting
+from kiln.graph.provenance import Origin, made_by
 from kiln.graph.schedule import Compiled
 from kiln.graph.specialise import Cut, RuntimeValue, unspecialisable
 from kiln.graph.tensor import Tensor, compile
@@ -169,7 +171,9 @@ def _convert(g: Any, env: dict[str, Value], ctx: Ctx) -> None:
 def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchNormFolds) -> None:
   """nodes (of graph g) in order, outputs into env. In the main graph, a node that needs a value computed at run time
   (RuntimeValue) ends the conversion: ctx.body.cut records how to convert the rest once the value is known (specialise.py)."""
+  top = not ctx.depth and ctx.body.cut is None
   for k, proto in enumerate(nodes):
+    if top: report(k, len(nodes), "converting nodes")
     label = f"node {ctx.path}{proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
     if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
     if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
@@ -186,11 +190,12 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
     out: Any
     try:
-      if flow is not None: out = flow[0](n, ctx, env)
-      elif folds.passes_through(proto): out = n.t(0)
-      elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
-      else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
-      if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
+      with made_by(Origin(n.name, proto.op_type)):  # the graph nodes it makes remember it (provenance.py: a profile names it)
+        if flow is not None: out = flow[0](n, ctx, env)
+        elif folds.passes_through(proto): out = n.t(0)
+        elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
+        else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
+        if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
     except RuntimeValue as e:
       e.frames.append((nodes[k:] if e.node is n else nodes[k + 1:], env))  # what of this scope is left to convert, and its values
       if ctx.depth: raise
@@ -247,7 +252,7 @@ def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchN
     body = Body()
     _convert_nodes(rest, g, env2, replace(ctx, body=body, budget=copy.copy(budget)), folds)
     return (None if body.cut is not None else [v for _, v in _outputs(g, env2)]), body
-  return Cut(f"node {n.name} ({n.op})", needed, {k: env[k] for k in reads if k in env}, resume, e.host, e.key)
+  return Cut(f"node {n.name} ({n.op})", needed, {k: env[k] for k in reads if k in env}, resume, e.host, e.key, e.length)
 
 
 def _outputs(g: Any, env: dict[str, Value]) -> list[tuple[str, Value]]:
@@ -324,14 +329,20 @@ def _unsupported(g: Any, opset: int) -> list[str]:
 
 
 def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None,
-         directory: str | os.PathLike[str] | None = None) -> Model:
+         directory: str | os.PathLike[str] | None = None, progress: None | bool | Progress = None) -> Model:
   """Load an ONNX model (a path, bytes or a ModelProto), check it, convert it to a Tensor graph and compile it.
 
   dims gives every named (dim_param) input dim either a fixed size, e.g. {"seq": 128}, or bounds, e.g. {"batch": (1, 64)}:
   a symbolic dim, a runtime variable, so the one compiled model runs every size within them (read off the fed arrays).
   A dim with no name is keyed by its input's name and axis, e.g. {"input:0": 1}.
   A model that folds its own Shape over a symbolic dim at load time is refused (ONNXError naming the node). directory:
-  where the external data of a model given as bytes or a ModelProto lies (a path's own directory is used for a path)."""
+  where the external data of a model given as bytes or a ModelProto lies (a path's own directory is used for a path).
+  progress: None (silent), True (a line on stderr once the load has taken over a second) or a callable(done, total,
+  what) told each stage's steps as they finish ("converting nodes", "compiling kernels"; kiln.graph.progress)."""
+  with reporting(progress): return _load(model, device, dims, directory)
+
+
+def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | None, directory: str | os.PathLike[str] | None) -> Model:
   onnx = _onnx()
   m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -379,6 +390,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
   main = Body()
   _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
+  report(len(g.node), len(g.node), "converting nodes")
   # cut for a value known only at run time: every output comes from the program (specialise.py)
   outputs: list[tuple[str, Value | None]] = [(vo.name, None) for vo in g.output] if main.cut is not None else list(_outputs(g, env))
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]

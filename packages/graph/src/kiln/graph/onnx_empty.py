@@ -52,8 +52,9 @@ def _reference(n: OnnxNode, onnx: Any) -> list[Value]:
   return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
 
 
-def _inferred_empty(n: OnnxNode, onnx: Any) -> list[Value]:
-  """Outputs of a node reading an empty value beside computed ones: empty arrays where shape inference says so."""
+def _inferred_empty(n: OnnxNode, onnx: Any, why: str = "") -> list[Value]:
+  """Outputs of a node reading an empty value beside computed ones (or known ones the reference could not compute, why):
+  empty arrays where shape inference says so."""
   h = onnx.helper
   types = {}
   for name, v in zip(n.proto.input, n.ins):
@@ -69,6 +70,8 @@ def _inferred_empty(n: OnnxNode, onnx: Any) -> list[Value]:
     dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.tensor_type.shape.dim] if t is not None else [-1]
     if t is None or -1 in dims or 0 not in dims:
       runtime = [i for i, v in enumerate(n.ins) if isinstance(v, Tensor)]
+      if not runtime:  # every input known, and onnx's reference refused them (a Reshape's 0 copying a dim the data does not have)
+        raise n.error(f"an input is empty (a dim of 0) and onnx's reference implementation cannot compute the node on its values: {why}")
       if all(unspecialisable(v.node) is None for v in n.ins if isinstance(v, Tensor)):  # a few numbers each (a Reduce's axes)
         n.const(runtime[0], "beside an empty input")  # read back by a run, which converts the rest with it (then all known)
       raise n.error("an input is empty (a dim of 0) beside values computed at run time, and the output is not: not supported")
@@ -81,7 +84,7 @@ def empty_outputs(n: OnnxNode, onnx: Any) -> list[Value] | None:
   if not any(is_empty(v) for v in n.ins): return None
   if all(v is None or isinstance(v, np.ndarray) for v in n.ins):
     try: return _reference(n, onnx)
-    except ValueError: return _inferred_empty(n, onnx)  # the reference's numpy fails on some empties (Flatten's reshape(0, -1))
+    except ValueError as e: return _inferred_empty(n, onnx, str(e))  # the reference's numpy fails on some empties (Flatten's reshape(0, -1))
   if n.op == "Concat": n.ins = [None if is_empty(v) else v for v in n.ins]  # an empty piece adds nothing
   if n.op in ("Concat", "CastLike"): return None
   return _inferred_empty(n, onnx)

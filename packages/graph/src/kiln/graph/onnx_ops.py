@@ -15,7 +15,7 @@ from kiln.graph.onnx_empty import empty_slice
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
-from kiln.graph.specialise import Host, RuntimeValue
+from kiln.graph.specialise import Host, Length, RuntimeValue
 from kiln.graph.tensor import Tensor
 from kiln.ir.alu import exec_alu
 from kiln.ir.dtype import dtypes
@@ -61,17 +61,18 @@ class OnnxNode:
                          self, i, text)  # the converter cuts there (specialise.py)
     return v
 
-  def read_back(self, what: str, reads: list[Tensor], host: Host | None = None) -> Value:
+  def read_back(self, what: str, reads: list[Tensor], host: Host | None = None, length: Length | None = None) -> Any:
     """A value this node's output shape depends on, computed at run time: the one array `reads` compute (NonZero's count),
     or what `host` computes from theirs (a host step: NonMaxSuppression). The first time, RuntimeValue: the converter cuts
-    before the node, a run reads the value back and converts the rest for it, when this returns it (a host step's value:
-    a Tensor the run fills, or an empty array)."""
+    before the node, and the rest is converted when this returns the value: a number, a host step's array (a Tensor each
+    run fills, or an empty array), or, for a `length` (a count, a host step's rows, with a bound), a runtime variable in
+    [0, bound] (a Dim; a host step's Tensor of that many rows) that each run binds (specialise.py)."""
     key = f"<{what} of node {self.name}>"
-    if (v := self.env.get(key)) is not None: return v  # type: ignore[no-any-return]
+    if (v := self.env.get(key)) is not None: return v
     text = f"{what} is computed at run time"
     raise RuntimeValue(str(self.error(f"{text}: kiln converts the rest of a model for such a value only in its main graph (or a branch "
                                       "of an If known at load), not inside a Loop or Scan body or a run-time If's branch")),
-                       self, -1, text, reads, key, host)
+                       self, -1, text, reads, key, host, length)
 
   def opt_const(self, i: int, what: str) -> np.ndarray | None:
     return None if i >= len(self.ins) or self.ins[i] is None else self.const(i, what)

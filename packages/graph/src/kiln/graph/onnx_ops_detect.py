@@ -9,8 +9,9 @@ onnxruntime's CPU kernel (non_max_suppression.cc): per batch and class, the boxe
 (all of them without it) taken from a std::priority_queue ordered by score alone (equal scores leave in the order its
 libstdc++ heap gives them, emulated here), each kept unless its IoU with a kept box is above iou_threshold (float32,
 onnxruntime's arithmetic and tests, corners given in either order), at most max_output_boxes_per_class (0 or absent:
-none). The rest of the model is compiled once per number of kept boxes and reads the selection from a slot each run
-fills (specialise.py).
+none). The rest of the model is compiled once, at load, for a number of kept boxes that each run binds (a runtime variable
+up to batches * classes * min(max_output_boxes_per_class, boxes)), and reads the selection from a slot each run fills
+(specialise.py).
 
 RoiAlign (opset 10 and 16, avg and max, sampling_ratio fixed or 0): the rois are data, so each output sample's bilinear
 taps are kernel arithmetic, onnxruntime's in its order (roialign.cc: half_pixel shifts by 0.5, output_half_pixel forces
@@ -30,6 +31,7 @@ from kiln.graph.indexing import index_dtype, wrapped
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.onnx_ops_act import _trunc
+from kiln.graph.specialise import Length
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
@@ -110,7 +112,9 @@ def _nms(n: OnnxNode) -> Value:
   ins = [boxes, scores, *[v for v in opts if v is not None]]
   if all(isinstance(v, np.ndarray) for v in ins): return run([v for v in ins[:2] if isinstance(v, np.ndarray)])  # all known at load
   reads = [v if isinstance(v, Tensor) else Tensor(v) for v in (boxes, scores)] + [v for v in opts if isinstance(v, Tensor)]
-  return n.read_back("the boxes NonMaxSuppression keeps", reads, run)
+  nb, nbox, ncls = int(boxes.shape[0]), int(boxes.shape[1]), int(scores.shape[1])
+  per_class = nbox if not isinstance(opts[0], np.ndarray) else min(nbox, max(int(opts[0].reshape(-1)[0]), 0))
+  return n.read_back("the boxes NonMaxSuppression keeps", reads, run, Length(nb * ncls * per_class, (3,), np.int64))
 
 
 # ---- RoiAlign ----

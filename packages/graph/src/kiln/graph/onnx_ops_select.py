@@ -15,30 +15,33 @@ the lower index. Two ways to put the axis in that order, by a cost rule on its l
 sorted=0 gives the sorted order too (the spec leaves that order open). Values are moved, never recomputed (exact).
 
 NonZero and Unique: the output's length depends on the data. A kernel computes it (the count of nonzeros, of distinct
-values) and OnnxNode.read_back makes it a value read back at run time: the converter cuts the model before the node, each run
-reads the count back, and the rest of the model is converted and compiled for it, cached by it (specialise.py; once per
-distinct count). Given the count c, the output is kernels again:
+values) and OnnxNode.read_back makes it a length read back at run time: the converter cuts the model before the node and
+converts the rest once, at load, with the count as a runtime variable c in [0, numel]; each run reads the count back and
+binds c (specialise.py: one compile for every count; the rest falls back to a compile per count only where it needs the
+count as a number). Given the count c, the output is kernels again:
   - NonZero: the inclusive prefix sums P of the nonzero mask (a blocked scan: sums inside blocks of SCAN_BLOCK, the blocks'
     totals scanned the same way, linear work), then the position of the k-th nonzero, k < c, is #{i : P[i] < k + 1}, found
     by a binary search on P (one kernel per bit of the length, all the same kernel: its step is an array it reads);
   - Unique: rows (the elements, or the slices along axis) compared all against all (n * n * row length, at most
     UNIQUE_MAX_WORK): a row is first when no earlier row equals it; the first rows' order (by value, rows compared
     lexicographically, or by first occurrence) is a count of the first rows before each.
-A binding of a runtime variable for the count (one compile for every count up to its bound, numel) is the better design;
-docs/architecture.md says what it needs.
 """
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.indexing import index_dtype
 from kiln.graph.onnx_ops import OnnxNode, Value, _norm, _op
+from kiln.graph.specialise import Length
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
+from kiln.ir.kernels import Dim
 from kiln.ir.ops import Ops
+from kiln.ir.uop import UOp
 
 RANK_MAX_N = 1024  # TopK ranks by counting up to this axis length (n * n compares in one kernel); a bitonic sort above it
 SCAN_BLOCK = 64  # NonZero's prefix sums: each block's by a masked sum (SCAN_BLOCK compares an element)
@@ -133,7 +136,12 @@ def _scan(m: Tensor) -> Tensor:
   return (local + offsets.reshape(nb, 1)).reshape(nb * SCAN_BLOCK).slice([0], [size], [0]).contiguous()
 
 
-def nth_set(m: Tensor, count: int, label: str) -> Tensor:
+def _count(v: Any) -> Dim:
+  """A count read back: a number (known at load), or the runtime variable it binds (OnnxNode.read_back)."""
+  return v if isinstance(v, UOp) else int(np.asarray(v).reshape(-1)[0])
+
+
+def nth_set(m: Tensor, count: Dim, label: str) -> Tensor:
   """The positions of the first `count` ones of the 0/1 vector m (N,), in order: for the k-th, #{i : P[i] < k + 1} of the
   prefix sums P, by a binary search, one realized kernel a bit."""
   (size,) = sym.static_shape("NonZero", m.shape)
@@ -170,7 +178,7 @@ def _nonzero(n: OnnxNode) -> Value:
   size = math.prod(shape)
   dt = index_dtype(size + 1)
   m = (t if t.dtype.is_bool else t.ne(Tensor.full((), 0, t.dtype))).reshape(size).cast(dt)
-  count = int(np.asarray(n.read_back("the count of nonzero elements", [m.sum()])).reshape(-1)[0])
+  count = _count(n.read_back("the count of nonzero elements", [m.sum()], length=Length(size)))
   if count == 0: return np.zeros((len(shape), 0), np.int64)
   return _unravel(nth_set(m, count, f"node {n.name} ({n.op})"), shape)
 
@@ -214,7 +222,7 @@ def _unique(n: OnnxNode) -> list[Value]:
   first = (eq & earlier).cast(dt).sum(0).eq(Tensor.full((), 0, dt))  # (n,): no earlier row equals it
   total = first.cast(dt).sum()
   known = isinstance(n.ins[0], np.ndarray)  # a constant input: counted now, the whole node folds at load
-  count = int(np.asarray(total.numpy() if known else n.read_back("the count of distinct values", [total])).reshape(-1)[0])
+  count = _count(total.numpy() if known else n.read_back("the count of distinct values", [total], length=Length(cnt)))
   before = _rows_less(rows) if ordered else earlier  # [j, i]: j's value (or first occurrence) comes before i's
   zero = Tensor.full((), 0, dt)
   place = (first.reshape(cnt, 1) & before).where(Tensor.full((), 1, dt), zero).sum(0).contiguous()  # (n,): a first row's place

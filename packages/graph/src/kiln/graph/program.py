@@ -111,7 +111,8 @@ class Tail:
   outputs: list[Slot | np.ndarray]
   then: Specialise | None = None
 
-  def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
+  def run(self, vals: dict[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
+    """Runs the steps, then the Specialise if any, which binds the variables of the lengths it reads back in vals."""
     for s in self.steps: s.run(vals, prof)
     return self.outputs if self.then is None else self.then.run(vals, prof)
 
@@ -207,7 +208,7 @@ def _substitute(roots: Sequence[Node], done: Mapping[Node, Slot]) -> list[Node]:
     if n in done: memo[n] = done[n].node
     else:
       src = tuple(memo[s] for s in n.src)
-      memo[n] = n if all(a is b for a, b in zip(src, n.src)) else Node(n.op, src, n.arg, n.shape, n.dtype, n.realize)
+      memo[n] = n if all(a is b for a, b in zip(src, n.src)) else Node(n.op, src, n.arg, n.shape, n.dtype, n.realize, origin=n.origin)
   return [memo[r] for r in roots]
 
 

@@ -20,11 +20,17 @@ the rest of the graph cannot take (a negative size, an axis out of range, a size
 conversion with an ONNXError naming the node: the run raises it, and so does every run with the same value (the refusal is
 cached as a continuation is).
 
+A *length* is the other kind of value read back: NonZero's and Unique's counts, the number of boxes NonMaxSuppression keeps
+(its host step's rows), each with a bound known at load (the input's size; batches * classes * boxes). The rest of the graph
+does not need its value, only a dim for it: the continuation is converted once, at load, with the length as a runtime
+variable in [0, bound] (`Length`; the output's dim is that variable, its buffers sized for the bound), and each run reads the
+length back and binds the variable, as a model input's dims are bound (one compile for every length; the host step's rows
+are copied into the front of their slot). Only where that continuation cannot be converted with the length symbolic (an op
+after it that needs the length as a number: a Reshape to a shape computed from it) does the cut fall back to a continuation
+per value, as for the shape values above, and `Specialise.unbounded` says why.
+
 Only the main graph is cut, on values of at most MAX_SPECIALISED_ELEMENTS: inside an If's branch or a loop's body, or for
-a larger value, RuntimeValue (an ONNXError) is the refusal at load. A size with a natural bound (NonZero's count, TopK's k,
-the length of a Slice with run-time bounds) would better bind a runtime variable of a continuation compiled once for every
-value (symbolic dims with a lower bound of 0): that would replace `Specialise._continue` for such values, with the same
-read-back step before it (docs/architecture.md).
+a larger value, RuntimeValue (an ONNXError) is the refusal at load.
 """
 from __future__ import annotations
 
@@ -35,12 +41,14 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
 from kiln.graph.program import Body, Builder, Refusal, Slot, Tail, placeholder, read
 from kiln.graph.segments import Weights
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 from kiln.ir.errors import KilnError
+from kiln.ir.uop import UOp
 
 MAX_SPECIALISED_ELEMENTS = 64  # a value read back to specialise on: a shape, axes, sizes, pads (a few numbers, never data)
 MAX_SPECIALISATIONS = 16  # continuations kept per cut, least recently used dropped (each is compiled plans and their buffers)
@@ -51,16 +59,27 @@ Env = dict[str, Any]  # ONNX value name -> Tensor or numpy array (onnx_ops.Value
 Host = Callable[[list[np.ndarray]], np.ndarray]  # a host step: the value from the arrays read back (NonMaxSuppression's selection)
 
 
+@dataclass(frozen=True)
+class Length:
+  """A value read back whose length is all the rest of the graph depends on: one count in [0, bound] (row None), or a host
+  step's array of at most `bound` rows, each of shape `row` and dtype `dtype` (NonMaxSuppression's selection)."""
+  bound: int
+  row: tuple[int, ...] | None = None
+  dtype: Any = None
+
+
 class RuntimeValue(ONNXError):
   """Node.const met a value computed at run time (input `index` of node), or Node.read_back one its output's shape depends
   on (`reads`: NonZero's count, or what a host step computes from). In the model's main graph, or a branch of an If known
   at load, the converter cuts there and specialises the rest of the graph on the value; anywhere else this is the
   refusal, and its message says why."""
 
-  def __init__(self, msg: str, node: Any, index: int, text: str, reads: list[Tensor] | None = None, key: str = "", host: Host | None = None):
+  def __init__(self, msg: str, node: Any, index: int, text: str, reads: list[Tensor] | None = None, key: str = "", host: Host | None = None,
+               length: Length | None = None):
     super().__init__(msg)
     self.node, self.index, self.text = node, index, text  # text: what was computed at run time, for the refusal that says why not
     self.reads, self.key, self.host = reads, key, host  # key: the name the rest of the graph finds the value under (Node.read_back)
+    self.length = length
     self.frames: list[Any] = []  # the scopes it left on its way to the main graph: each branch's rest, then its If (onnx.py)
 
 
@@ -83,6 +102,12 @@ class Cut:
   resume: Callable[[Env], tuple[list[Any] | None, Body]]
   host: Host | None = None  # a host step computes the value from the needed arrays; the rest is keyed by its shape, fed its data
   key: str = ""  # the host step's value's name in env
+  length: Length | None = None  # the value is a length: the rest is compiled once, for a runtime variable
+
+  @property
+  def var(self) -> str:
+    """The runtime variable a length binds: named after its node, so errors and profiles say whose length it is."""
+    return "len_" + ("".join(c if c.isalnum() else "_" for c in self.label.removeprefix("node ")).strip("_") or "value")
 
   @property
   def keep(self) -> list[Node]: return [v.node for v in self.env.values() if isinstance(v, Tensor)]
@@ -101,47 +126,110 @@ class Cut:
     return frozenset(id(a) for a in arrays)
 
 
-def describe(values: Mapping[str, np.ndarray]) -> str:
-  return ", ".join(f"{k} = {v.tolist()}" for k, v in values.items())
+def _mentions(nodes: list[Node], var: UOp) -> bool:
+  """Whether the graph of nodes depends on the runtime variable var: a shape holding it, or a dim's value (Tensor.dim_value)."""
+  for n in toposort(nodes):
+    if any(v is var for v in sym.variables(n.shape)): return True
+    if n.op == "CONST" and isinstance(n.arg, UOp) and any(v is var for v in sym.variables([n.arg])): return True
+  return False
+
+
+def describe(values: Mapping[str, Any]) -> str:
+  """Values read back, for messages: a number's value, a length's variable and bounds."""
+  def one(v: Any) -> str:
+    if isinstance(v, np.ndarray): return str(v.tolist())
+    d = v.node.shape[0] if isinstance(v, Tensor) else v
+    lo, hi = sym.bounds(d)
+    return f"{sym.fmt(d)} in [{lo}, {hi}]"
+  return ", ".join(f"{k} = {one(v)}" for k, v in values.items())
 
 
 class Specialise:
   """The step at a cut: reads the needed values back and runs the continuation compiled for them (compiling it on a miss).
   With a host step, the continuation is keyed by the shape of what the host computes, and each run copies its data into
-  the slot the continuation reads it from (one compile per row count, not per selection)."""
+  the slot the continuation reads it from (one compile per row count, not per selection). A length is bound instead: its
+  continuation is compiled once, when the step is made (at load), and every run binds its variable."""
 
   def __init__(self, cut: Cut, needed: list[Slot], builder: Builder, done: dict[Node, Slot]):
     self.cut, self.needed, self._builder, self._done = cut, needed, builder, done
     self._shared = cut.shared
     self._cache: OrderedDict[tuple[Any, ...], tuple[Tail, Slot | None]] = OrderedDict()
     self.compiles = 0  # continuations made (a cached refusal too): a run whose values are cached adds none
-    self.before: dict[str, np.ndarray] = {}  # the values of the cuts this one follows (a chain), for messages
+    self.before: dict[str, Any] = {}  # the values of the cuts this one follows (a chain), for messages
+    self.unbounded: str | None = None  # why a length could not be bound (the continuation is then per value), None if it was
+    self._bounded = self._bind() if cut.length is not None else None
 
   def compiled(self) -> list[Tail]:
-    """The continuations cached now, least recently used first."""
-    return [t for t, _ in self._cache.values()]
+    """The continuations compiled now: the bound one, or those cached, least recently used first."""
+    return [self._bounded[0]] if self._bounded is not None else [t for t, _ in self._cache.values()]
 
-  def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
+  def _bind(self) -> tuple[Tail, Slot | None] | None:
+    """The continuation for every length at once: the length is a runtime variable in [0, bound] (a count's dim, or the rows
+    of a host step's array); None, with the reason in `unbounded`, where the rest of the graph needs its value."""
+    ln = self.cut.length
+    assert ln is not None
+    if ln.bound < 1:
+      self.unbounded = f"its bound is {ln.bound}: the value is known"
+      return None
+    var = sym.variable(self.cut.var, 0, ln.bound)
+    if ln.row is None: env_val: Any = var
+    else: env_val = Tensor(placeholder((var, *ln.row), dtypes.from_numpy(np.dtype(ln.dtype))))
+    tail, slot = self._continue({self.cut.key: env_val}, {self.cut.key: env_val}, None if ln.row is None else env_val.node)
+    self.compiles += 1
+    if len(tail.steps) == 1 and isinstance(tail.steps[0], Refusal):
+      self.unbounded = tail.steps[0].why
+      return None
+    t: Tail | None = tail
+    while t is not None and t.then is not None:  # a later cut on a value computed from the length: that one needs it as a number
+      if _mentions([n for _, n in t.then.cut.needed], var):
+        self.unbounded = f"{t.then.cut.label} needs a value computed from it ({', '.join(k for k, _ in t.then.cut.needed)}) as a number"
+        return None
+      t = t.then._bounded[0] if t.then._bounded is not None else None
+    return tail, slot
+
+  def run(self, vals: dict[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
+    """Reads the needed values back, binds a length's variable in vals (the run's: its outputs are read with it), and runs
+    the rest of the graph."""
     values = {name: read(s, vals) for (name, _), s in zip(self.cut.needed, self.needed)}
     fed = None if self.cut.host is None else self.cut.host(list(values.values()))  # a typed ONNXError for a bad value, each run
+    if self._bounded is not None: return self._run_bound(vals, prof, values, fed)
     key = (("host", fed.dtype.str, fed.shape),) if fed is not None else tuple((a.dtype.str, a.shape, a.tobytes()) for a in values.values())
     if (hit := self._cache.get(key)) is not None: self._cache.move_to_end(key)
     else:
-      hit = self._cache[key] = self._continue(values, fed)
+      ph = None if fed is None or fed.size == 0 else placeholder(fed.shape, dtypes.from_numpy(fed.dtype))
+      known = values if fed is None else {f"the rows of {self.cut.key}": np.asarray(fed.shape[0])}
+      env = values if fed is None else {self.cut.key: fed if ph is None else Tensor(ph)}
+      hit = self._cache[key] = self._continue(env, known, ph)
       self.compiles += 1
       if len(self._cache) > MAX_SPECIALISATIONS: self._cache.popitem(last=False)
     tail, slot = hit
     if slot is not None and fed is not None: slot.buf.copyin(np.ascontiguousarray(fed))
     return tail.run(vals, prof)
 
-  def _continue(self, values: dict[str, np.ndarray], fed: np.ndarray | None) -> tuple[Tail, Slot | None]:
-    """The rest of the graph for these values: converted, cut into steps, compiled; or a refusal any run with them raises.
-    A failure of the machine (out of memory) is raised, not kept: another run may succeed. A host step's value is a
-    placeholder the continuation reads (its slot, filled by each run), or, holding nothing, an empty array known now."""
-    known = {**self.before, **(values if fed is None else {f"the rows of {self.cut.key}": np.asarray(fed.shape[0])})}
-    where = f"the model from {self.cut.label} on, converted at run time for {describe(known)}"
-    ph = None if fed is None or fed.size == 0 else placeholder(fed.shape, dtypes.from_numpy(fed.dtype))
-    env = {**self.cut.env, **(values if fed is None else {self.cut.key: fed if ph is None else Tensor(ph)})}
+  def _run_bound(self, vals: dict[str, int], prof: list[Any] | None, values: dict[str, np.ndarray],
+                 fed: np.ndarray | None) -> list[Slot | np.ndarray]:
+    assert self._bounded is not None and self.cut.length is not None
+    tail, slot = self._bounded
+    ln = self.cut.length
+    if fed is None: n = int(np.asarray(next(iter(values.values()))).reshape(-1)[0])
+    else:
+      n = int(fed.shape[0])
+      if fed.shape[1:] != ln.row or fed.dtype != np.dtype(ln.dtype):
+        raise ONNXError(f"{self.cut.label}: its host step gave {fed.dtype} {fed.shape}, not rows of {ln.row} {np.dtype(ln.dtype)}")
+    if not 0 <= n <= ln.bound: raise ONNXError(f"{self.cut.label}: {self.cut.key} is {n}, outside [0, {ln.bound}] (its bound at load)")
+    vals[self.cut.var] = n
+    if slot is not None and fed is not None and fed.size:
+      slot.buf.view(0, fed.size).copyin(np.ascontiguousarray(fed))  # the front of a slot sized for the bound
+    return tail.run(vals, prof)
+
+  def _continue(self, values: Env, known: Mapping[str, Any], ph: Node | None) -> tuple[Tail, Slot | None]:
+    """The rest of the graph for these values (numbers, a length's variable, or a host step's value: a placeholder ph the
+    continuation reads from its slot, filled by each run, or an empty array known now): converted, cut into steps,
+    compiled; or a refusal any run with them raises. A failure of the machine (out of memory) is raised, not kept: another
+    run may succeed."""
+    known = {**self.before, **known}
+    where = f"the model from {self.cut.label} on, converted for {describe(known)}"
+    env = {**self.cut.env, **values}
     try:
       outs, body = self.cut.resume(env)
       child = Builder(Weights(self._builder.weights.device, self._builder.weights, self._shared))
