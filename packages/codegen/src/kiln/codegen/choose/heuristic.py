@@ -11,19 +11,33 @@ from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 
-def _out_width(size: int | None, want: int, lanes: int, tile: bool) -> int:
-  """An output axis may take the full width even when it does not divide the size: the lowering peels the rest into a
-  scalar tail. An axis of at most one vector is one vector of its own size (a 256x512 @ 512x10 product: 130 us with
-  2-lane pieces, 30 us as one 10-lane vector; a depthwise conv's 9-wide rows were scalar loops; past one vector, LLVM's
-  odd-sized vectors got slower, not faster). Other small axes keep a width that divides them, and a tile axis (tile: a
-  register-tiled product's columns) of two vectors or more that no power of two divides takes one vector (43 columns on
-  AVX-512 had no vectors at all)."""
-  if size is not None and size >= 2 * want: return want
-  if size is not None and 2 < size <= lanes and _pick_width(size, want) < size: return size
+def _out_width(size: int | None, want: int, lanes: int, lane_bytes: int, overlap: bool) -> int:
+  """An output axis may take the full width even when it does not divide the size: the lowering ends it with a whole
+  vector shifted back over its neighbour (`overlap`: the kernel reads no buffer it writes) or peels the rest into a scalar
+  tail (prepare.peel). An axis of at most one vector is one vector of its own size (a 256x512 @ 512x10 product: 130 us
+  with 2-lane pieces, 30 us as one 10-lane vector; a depthwise conv's 9-wide rows were scalar loops; past one vector,
+  LLVM's odd-sized vectors got slower, not faster). Past one vector, an axis takes one whole vector where that costs
+  less (_cover_cost) than the widest width that divides it: 17 columns on AVX-512 (a vision transformer's 16 patches
+  and its class token) were 17 scalar columns, 43 had no vectors at all, 20 were 4-lane pieces."""
+  if size is None: return 1
+  if size >= 2 * want: return want
+  if 2 < size <= lanes and _pick_width(size, want) < size: return size
   w = _pick_width(size, want)
-  # a tile axis no power of two divides (43 columns on AVX-512) still takes one vector, ending overlapped or peeled
-  if w == 1 and size is not None and tile and size >= 2 * lanes: return lanes
+  if size > lanes and w < lanes and _cover_cost(size, lanes, lane_bytes, overlap) < _cover_cost(size, w, lane_bytes, overlap): return lanes
   return w
+
+
+DATAPATH_BYTES = 32  # a vector step narrower than this costs as much as one this wide: no AVX2 or AVX-512 core's datapath is narrower
+
+
+def _cover_cost(size: int, width: int, lane_bytes: int, overlap: bool) -> int:
+  """What covering an axis of `size` elements with `width`-lane steps costs: each step its bytes, at least DATAPATH_BYTES,
+  the last partial step a whole vector shifted back (overlap) or one scalar step per element left. A full vector
+  costs twice a half one (Zen 4 runs 512-bit operations as two 256-bit halves): AVX-512's 24 columns stay three 8-lane
+  steps (16 and an overlapped 16 measured 0.9x), 20 take 16 and an overlapped 16 (1.4x the five 4-lane steps)."""
+  whole, rest = divmod(size, width)
+  if rest and overlap: whole, rest = whole + 1, 0
+  return whole * max(width * lane_bytes, DATAPATH_BYTES) + rest * DATAPATH_BYTES
 
 
 def _pick_width(size: int | None, lanes: int) -> int:
@@ -73,9 +87,10 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   # two vectors for a register tile, and for a body with an inline polynomial (exp, erf, tanh...): each lane's chain is
   # latency-bound, so a second independent vector fills the pipes (4M-float exact GELU on AVX2: 1.19x with 16 lanes)
   vecs = 2 if mm or any(u.op in _POLY_OPS for u in st.toposort()) else 1
+  overlap = not reads_stored(ast)
   row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
   if row is not None: opts.append(row)
-  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes, mm)) > 1:
+  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
     opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
     vec_axis = inner
   if vec_axis is not None and mm:
@@ -83,7 +98,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     # strides), columns outermost so each thread packs its own panels, fused multiply-adds
     outer, k = matmul_rows(st), red_axes[0]
     assert outer is not None
-    u = _tile_rows(target.vector_registers, w // lanes, axis_size(outer), overlap=not reads_stored(ast))
+    u = _tile_rows(target.vector_registers, w // lanes, axis_size(outer), overlap)
     if u > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
