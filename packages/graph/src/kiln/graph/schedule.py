@@ -32,6 +32,7 @@ from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
+from kiln.graph import progress
 from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
@@ -172,8 +173,10 @@ class Compiled:
   @property
   def kernel_count(self) -> int: return len(self.plan.kernels)
 
-  def run(self, feeds: Mapping[str, np.ndarray] | None = None) -> list[np.ndarray]:
-    vals = self._feed(feeds)
+  def run(self, feeds: Mapping[str, np.ndarray] | None = None, vars: Mapping[str, int] | None = None) -> list[np.ndarray]:  # noqa: A002
+    """The outputs for these feeds. `vars` gives variables no fed input has as a dim (a bound cache's past length:
+    compile(..., bind=)); one a feed also gives must agree with it."""
+    vals = self._feed(feeds, vars)
     if self.variables: self.plan.execute_with_vars(vals)
     else: self.plan.execute()
     self._checks.raise_failed(IndexOutOfRangeError)
@@ -220,12 +223,21 @@ class Compiled:
         vals[name], where[name] = int(got), f"input {i.name!r} dim {k}"
     return vals
 
-  def _feed(self, feeds: Mapping[str, np.ndarray] | None) -> dict[str, int]:
+  def _feed(self, feeds: Mapping[str, np.ndarray] | None, given: Mapping[str, int] | None = None) -> dict[str, int]:
     feeds = dict(feeds or {})
     for i in self.inputs:
       if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {fmt_shape(i.shape)}, {i.dtype}) was not fed")
       feeds[i.name] = np.asarray(feeds[i.name])
     vals = self.infer_vars(feeds)
+    for name, v in (given or {}).items():
+      if (var := self.variables.get(name)) is None: raise GraphError(f"vars: the graph has no variable {name!r} (it has {sorted(self.variables)})")
+      _, lo, hi = var.arg
+      if not isinstance(v, int | np.integer) or not lo <= v <= hi:
+        raise GraphError(f"vars: {name} = {v!r} is outside the bounds [{lo}, {hi}] it was compiled for")
+      if name in vals and vals[name] != v: raise GraphError(f"vars: {name} = {v}, but the feeds give {name} = {vals[name]}")
+      vals[name] = int(v)
+    if missing := sorted(set(self.variables) - set(vals)):
+      raise GraphError(f"variables {missing} are a dim of no fed input (only of bound buffers): give them with run(feeds, vars={{...}})")
     check_sizes(self.sizes, vals)
     for i in self.inputs:
       a = in_plan_dtype(feeds[i.name], i.dtype, i.bfloat16)
@@ -255,14 +267,15 @@ def _spec_dim(d: Dim) -> int | str:
   return "*".join([*([str(c)] if c != 1 or not vs else []), *(v.arg[0] for v in vs)])
 
 
-def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input]) -> dict[str, UOp]:
-  """The graph's variables by name; each must be one dim of some input (run() reads its value there)."""
+def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input], bound: Sequence[Node] = ()) -> dict[str, UOp]:
+  """The graph's variables by name; each must be one dim of some input: a fed one (run() reads its value there) or a
+  bound one (run() takes it in vars)."""
   found: dict[str, UOp] = {}
   for n in nodes:
     for v in variables(n.shape) + ([*variables((n.arg,))] if n.op == "CONST" and isinstance(n.arg, UOp) else []):
       if (prev := found.setdefault(v.arg[0], v)) is not v:
         raise GraphError(f"dim {v.arg[0]!r} has two sets of bounds: {prev.arg[1:]} and {v.arg[1:]}")
-  fed = {d.arg[0] for i in inputs.values() for d in i.shape if isinstance(d, UOp)}
+  fed = {d.arg[0] for i in inputs.values() for d in i.shape if isinstance(d, UOp)} | {v.arg[0] for n in bound for v in variables(n.shape)}
   if missing := sorted(set(found) - fed):
     raise GraphError(f"symbolic dims {missing} are not a dim of any input, so run() cannot learn their values")
   return found
@@ -302,16 +315,25 @@ def precompile(kernels: Sequence[tuple[UOp, Any]], device: str, threads: int) ->
   """Compile the plan's kernels (each distinct one once) on `threads` threads before the plan is built, which then finds
   them in the kernel cache. For a runtime whose compiler runs out of process (CUDA: an nvcc process a kernel), a model's
   few hundred kernels compile side by side instead of one after another. A failure is left for the build, which reports
-  it with the kernel's place in the plan (a compile that raised is not cached)."""
+  it with the kernel's place in the plan (a compile that raised is not cached). While a load reports progress
+  (kiln.graph.progress) they compile here even on one thread, each one reported as it finishes."""
   todo = list({(ast.key, repr(opts)): (ast, opts) for ast, opts in kernels}.values())
-  if threads <= 1 or len(todo) <= 1: return
-  from concurrent.futures import ThreadPoolExecutor
+  if not todo or (threads <= 1 or len(todo) <= 1) and not progress.active(): return  # the build compiles them, in order
+  from concurrent.futures import ThreadPoolExecutor, as_completed
 
   from kiln.executor import compile_kernel
   def one(job: tuple[UOp, Any]) -> None:
     try: compile_kernel(job[0], device, job[1])
     except Exception: pass  # noqa: S110 (the build compiles it again and raises with the kernel's label)
-  with ThreadPoolExecutor(min(threads, len(todo))) as ex: list(ex.map(one, todo))
+  what = "compiling kernels"
+  progress.report(0, len(todo), what)
+  if threads <= 1 or len(todo) <= 1:
+    for i, job in enumerate(todo):
+      one(job)
+      progress.report(i + 1, len(todo), what)
+    return
+  with ThreadPoolExecutor(min(threads, len(todo))) as ex:
+    for i, _ in enumerate(as_completed([ex.submit(one, job) for job in todo])): progress.report(i + 1, len(todo), what)
 
 
 class GraphPlan:
@@ -390,9 +412,30 @@ class GraphPlan:
 def _copy(n: Node) -> Node: return Node("VIEW", (n,), ("reshape", n.shape), n.shape, n.dtype)
 
 
-def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True) -> Compiled:
-  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse)
+def _binder(bind: Mapping[str, Any]) -> tuple[Callable[[Node], Any], list[Node]]:
+  """compile(bind=)'s buffer_for: a named input's node -> the caller's Buffer, checked against the input's dtype and its
+  size at the dims' upper bounds. The nodes it bound are listed (their dims are variables too)."""
+  from kiln.executor import Buffer
+  bound: list[Node] = []
+  def buffer_for(n: Node) -> Any:
+    if n.op != "BUFFER" or n.arg.name is None or (b := bind.get(n.arg.name)) is None: return None
+    if not isinstance(b, Buffer): raise GraphError(f"bind: input {n.arg.name!r} takes a kiln.executor Buffer, got {type(b).__name__}")
+    if b.dtype != n.dtype or b.size != n.max_numel:
+      raise GraphError(f"bind: input {n.arg.name!r} ({fmt_shape(n.shape)}, {n.dtype.name}) needs a {n.dtype.name} buffer of {n.max_numel} "
+                       f"elements (its size at the dims' upper bounds), got {b.size} x {b.dtype.name}")
+    bound.append(n)
+    return b
+  return buffer_for, bound
+
+
+def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None) -> Compiled:
+  """`bind` maps input names to Buffers the caller owns (a KV cache): the plan reads them in place, run() copies nothing
+  into them, and the caller may write them between runs."""
+  buffer_for, bound = _binder(bind or {})
+  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse, buffer_for=buffer_for)
   for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
     if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
-  variables_ = _variables(g.nodes, g.inputs)
+  if unknown := sorted(set(bind or {}) - {n.arg.name for n in bound}):
+    raise GraphError(f"bind: the graph has no input named {unknown} (or no kernel reads it)")
+  variables_ = _variables(g.nodes, g.inputs, bound)
   return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks, g.sizes)

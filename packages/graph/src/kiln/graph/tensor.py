@@ -517,9 +517,10 @@ class Tensor:
     return y if weight is None else y * weight
 
 
-def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True) -> Compiled:  # noqa: A001
-  """Schedule the graphs of outputs into fused kernels and build one ExecutionPlan; `.run(feeds)` returns the outputs."""
+def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None) -> Compiled:  # noqa: A001
+  """Schedule the graphs of outputs into fused kernels and build one ExecutionPlan; `.run(feeds)` returns the outputs.
+  `bind` maps input names to kiln.executor Buffers the caller owns, read in place by every run (schedule.compile_nodes)."""
   if not outputs: raise GraphError("compile: no outputs")
   for t in outputs:
     if not isinstance(t, Tensor): raise GraphError(f"compile: outputs must be Tensors, got {type(t).__name__}")
-  return compile_nodes([t.node for t in outputs], device, fuse)
+  return compile_nodes([t.node for t in outputs], device, fuse, bind)
