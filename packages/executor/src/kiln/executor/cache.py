@@ -159,18 +159,23 @@ def _read_version(path: Path) -> str | None:
 
 
 def _source_stamp(root: Path) -> str:
-  """Sizes and mtimes of a layer's .py files: a changed codegen (an editable install between versions) must not load
-  object code an older codegen made. stat only, no reads: about 0.1 ms a layer."""
-  parts: list[str] = []
+  """A hash of a layer's .py files, each by its path below the layer's directory and its bytes: a changed codegen (an
+  editable install between versions) must not load object code an older codegen made, and the same code installed
+  editable or from a wheel (other directories, other mtimes) has the same stamp, so the two share the disk cache's
+  entries (issue 39). Read once per process (kiln_versions caches it): about 1 MB a few ms."""
+  files: list[tuple[str, str]] = []
   stack = [str(root)]
   while stack:
     with os.scandir(stack.pop()) as it:
       for e in it:
         if e.is_dir(follow_symlinks=False) and e.name != "__pycache__": stack.append(e.path)
-        elif e.name.endswith(".py"):
-          st = e.stat()
-          parts.append(f"{e.path}:{st.st_size}:{st.st_mtime_ns}")
-  return hashlib.sha256(";".join(sorted(parts)).encode()).hexdigest()[:12]
+        elif e.name.endswith(".py"): files.append((os.path.relpath(e.path, root).replace(os.sep, "/"), e.path))
+  h = hashlib.sha256()
+  for rel, path in sorted(files):
+    with open(path, "rb") as f: data = f.read()
+    h.update(b"%s\0%d\0" % (rel.encode(), len(data)))
+    h.update(data)
+  return h.hexdigest()[:12]
 
 
 @functools.lru_cache(maxsize=1)

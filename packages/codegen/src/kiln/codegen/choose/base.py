@@ -49,7 +49,7 @@ class Target:
   aarch64 NEON (16-byte vectors, 32 registers) must say so."""
   device: str = "CPU"
   vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
-  threads: int = 1  # CPU worker threads that claim a split kernel's chunks (each gets its own PACK/KEEP scratch)
+  threads: int = 1  # CPU: the most threads claiming a split kernel's chunks at once (each has its own PACK/KEEP scratch): the cores
   min_work_per_thread: int = 1 << 16  # below twice this many element-ops a kernel stays whole (waking a thread costs more)
   stream_store_bytes: int = 0  # CPU: vector stores to an output at least this large bypass the caches (0: never)
   max_local: int = 1024  # GPU: threads per block

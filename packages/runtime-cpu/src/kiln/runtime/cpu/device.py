@@ -14,7 +14,6 @@ from kiln.runtime.cpu.compiler import LLVMCompiler, target_cpu
 from kiln.runtime.cpu.disk import DiskAllocator
 from kiln.runtime.cpu.machine import CPUChoice, is_x86, read_caches, stream_store_bytes
 from kiln.runtime.cpu.program import CPUProgram, shared_engine
-from kiln.runtime.cpu.threads import thread_count
 
 # outputs from this size up are written with streaming (non-temporal) stores on x86: far past the L2, they would only
 # evict what the caches hold and cost a read-for-ownership each line; from this host's caches (machine.stream_store_bytes)
@@ -24,12 +23,14 @@ STREAM_STORE_BYTES = stream_store_bytes(HOST_CACHES)
 
 def cpu_target(choice: CPUChoice | None = None) -> Target:
   """The machine model: vector width and registers of the CPU compiled for (the host, or KILN_CPU), the caches sysfs
-  reports, the cores this process may use."""
-  c, caches = choice or target_cpu(), HOST_CACHES
+  reports, the cores this process may use. Its `threads` are those cores, never KILN_THREADS: a split kernel's chunks
+  are claimed by however many threads run it, so the code is the same for any thread count and KILN_THREADS=1 shares
+  the disk cache's entries with the default (issue 39)."""
+  c, caches, cores = choice or target_cpu(), HOST_CACHES, available_cores()
   return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, fma=c.fma, round=c.round,
-                threads=thread_count(),
+                threads=cores,
                 stream_store_bytes=stream_store_bytes(caches) if is_x86(platform.machine()) else 0, l1d_bytes=caches[1], l2_bytes=caches[2],
-                l3_bytes=caches[3], cores=available_cores())
+                l3_bytes=caches[3], cores=cores)
 
 
 class CPURuntime:
@@ -43,7 +44,7 @@ class CPURuntime:
     self.target = cpu_target(self.compiler.choice)
     self.renderer = LLVMRenderer(self.target)
     t = self.target  # the render choices live in the code too
-    self.compiler.cache_key += (f"|vec{t.vector_bytes}|regs{t.vector_registers}|threads{t.threads}|stream{t.stream_store_bytes}"
+    self.compiler.cache_key += (f"|vec{t.vector_bytes}|regs{t.vector_registers}|cores{t.cores}|stream{t.stream_store_bytes}"
                                 f"|fma{int(t.fma)}|round{int(t.round)}")
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
