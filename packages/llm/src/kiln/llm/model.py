@@ -1,0 +1,202 @@
+"""The forward graph of a decoder-only language model, per architecture, on kiln.graph's lazy Tensor.
+
+One graph serves every position: a chunk of `seq` new tokens (ids and their positions fed), after `past` tokens whose
+keys and values each layer reads from its cache inputs `k{i}`/`v{i}` of shape (past, kv_heads, head_dim), position-major
+so that the filled part of a cache is its front (the runtime binds them to buffers sized for the context and appends the
+chunk's rows at row `past`; kv.py). Attention reads cat(cache, new) along the positions, past + seq rows, with the causal
+mask from the positions. The outputs are the logits (every row, or the chunk's last row) and each layer's new keys and
+values (seq rows, keys after RoPE) for the runtime to append.
+
+Weights come from `get(name)`: float32 numpy arrays in Hugging Face naming and layout (checkpoint.py's Checkpoint.tensor);
+every choice between families is a field of ModelConfig (config.py). Architectures: the Llama family (llama, mistral,
+qwen2: RMSNorm, RoPE in HF's rotate_half layout with ModelConfig's frequency scaling, grouped-query attention, SwiGLU,
+tied or untied embeddings, optional biases, a sliding window in the mask), gemma (embeddings scaled, RMSNorm as 1 + w,
+GeGLU), phi3 (fused qkv and gate_up projections, partial rotary) and gpt2 (LayerNorm, learned positions, fused Conv1D
+attention, tanh GELU).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kiln.graph import Tensor
+from kiln.ir.dtype import dtypes
+from kiln.llm.config import SUPPORTED, ModelConfig
+from kiln.llm.errors import LLMError, UnsupportedArchitecture
+
+Get = Callable[[str], np.ndarray]
+
+
+class ModelError(LLMError):
+  """The model's configuration and weights do not fit the graph (a weight of the wrong shape)."""
+
+
+def rope_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
+  """cos and sin of position x frequency, (positions, rotary_dim / 2) float32, times longrope's attention factor; HF's
+  table repeats them twice over the head. The frequencies are ModelConfig.rope_inv_freq's for a sequence of `positions`
+  (dynamic and longrope scaling choose by it: one table for the whole context, where HF chooses per call)."""
+  inv = cfg.rope_inv_freq(positions).astype(np.float64)
+  ang = np.arange(positions, dtype=np.float64)[:, None] * inv[None, :]
+  f = cfg.rope_attention_factor()
+  return (np.cos(ang) * f).astype(np.float32), (np.sin(ang) * f).astype(np.float32)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
+  """HF's rotate_half RoPE on x (seq, heads, head_dim) over its first `rot` dims; cos/sin are (seq, 1, rot / 2)."""
+  h = rot // 2
+  x1, x2 = x[:, :, :h], x[:, :, h:rot]
+  out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  if rot < x.shape[2]: out.append(x[:, :, rot:])
+  return Tensor.cat(out, 2)
+
+
+def _act(x: Tensor, kind: str) -> Tensor:
+  if kind == "silu": return x.silu()
+  if kind == "gelu": return x.gelu()
+  return 0.5 * x * (1.0 + ((x + 0.044715 * x * x * x) * math.sqrt(2.0 / math.pi)).tanh())  # gelu_tanh (HF's gelu_new)
+
+
+@dataclass
+class Forward:
+  """The graph: `logits` (seq or 1 rows, vocab) and per layer the new keys and values (seq, kv_heads, head_dim)."""
+  logits: Tensor
+  new_kv: list[tuple[Tensor, Tensor]]
+
+  @property
+  def outputs(self) -> list[Tensor]: return [self.logits, *(t for kv in self.new_kv for t in kv)]
+
+
+class _W:
+  """Weights by name (HF naming, with `prefixes` tried in turn) as graph constants, each checked against the shape the
+  graph needs."""
+  def __init__(self, get: Get, arch: str, prefixes: tuple[str, ...] = ("",)):
+    self.get, self.arch, self.prefixes = get, arch, prefixes
+
+  def arr(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    err: LLMError | None = None
+    for p in self.prefixes:
+      try: a = np.asarray(self.get(p + name), dtype=np.float32)
+      except (LLMError, KeyError) as e:
+        err = e if isinstance(e, LLMError) else ModelError(f"{self.arch}: the checkpoint has no weight {p + name!r}")
+        continue
+      if a.shape != shape: raise ModelError(f"{self.arch}: weight {p + name!r} has shape {a.shape}, the config needs {shape}")
+      return a
+    assert err is not None
+    raise err
+
+  def __call__(self, name: str, *shape: int) -> Tensor: return Tensor(self.arr(name, shape))
+
+  def opt(self, on: bool, name: str, *shape: int) -> Tensor | None: return self(name, *shape) if on else None
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: ModelConfig) -> Tensor:
+  """Grouped-query attention: q (seq, heads, hd), k/v (total, kv_heads, hd), mask (seq, total) -> (seq, heads * hd)."""
+  seq, kvh, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
+  g = cfg.num_heads // kvh
+  qg = q.reshape(seq, kvh, g, hd).permute(1, 2, 0, 3) * (1.0 / math.sqrt(hd))  # (kvh, g, seq, hd)
+  scores = mask.where(qg @ k.permute(1, 2, 0).unsqueeze(1), -math.inf)  # (kvh, g, seq, total); every query reads a key
+  o = scores.softmax(-1) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
+  return o.permute(2, 0, 1, 3).reshape(seq, cfg.num_heads * hd)
+
+
+def _mask(cfg: ModelConfig, pos: Tensor, total: Any) -> Tensor:
+  """(seq, total): key j is read by the query at position p where j <= p (and p - j < sliding_window where there is one)."""
+  j, p = Tensor.arange(total, dtypes.int32).unsqueeze(0), pos.unsqueeze(1)
+  m = j <= p
+  return m if not cfg.sliding_window else m & (j > p - cfg.sliding_window)
+
+
+def _inputs(cfg: ModelConfig, ctx: int, chunk: int) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+  dims = {"seq": (1, chunk), "past": (0, ctx)}
+  ids = Tensor.input("ids", ("seq",), dtypes.int32, dims)
+  pos = Tensor.input("pos", ("seq",), dtypes.int32, dims)
+  row = ("past", cfg.num_kv_heads, cfg.head_dim)
+  return ids, pos, [(Tensor.input(f"k{i}", row, dims=dims), Tensor.input(f"v{i}", row, dims=dims)) for i in range(cfg.num_layers)]
+
+
+def _norm(cfg: ModelConfig, w: _W, x: Tensor, name: str) -> Tensor:
+  d = cfg.hidden_size
+  if cfg.norm == "layer": return x.layernorm(w(name + ".weight", d), w(name + ".bias", d), eps=cfg.norm_eps)
+  g = w.arr(name + ".weight", (d,))
+  return x.rms_norm(Tensor(g + np.float32(1.0)) if cfg.norm_add_one else Tensor(g), eps=cfg.norm_eps)
+
+
+def llama_like(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> Forward:
+  """The Llama family, Gemma and Phi-3: pre-norm blocks of RMSNorm, RoPE attention with GQA, gated MLP."""
+  w = _W(get, cfg.arch)
+  ids, pos, caches = _inputs(cfg, ctx, chunk)
+  d, inter, hd, qd, kd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.q_size, cfg.kv_size
+  embed = w.arr("model.embed_tokens.weight", (cfg.vocab_size, d))
+  x = Tensor(embed).embedding(ids)
+  if cfg.embed_scale != 1.0: x = x * float(np.float32(cfg.embed_scale))  # HF rounds the normaliser to the weights' dtype
+  cos_t, sin_t = rope_tables(cfg, ctx)
+  cos, sin = Tensor(cos_t).embedding(pos).unsqueeze(1), Tensor(sin_t).embedding(pos).unsqueeze(1)  # (seq, 1, rot / 2)
+  seq, new_kv = ids.shape[0], []
+  mask: Tensor | None = None
+  for i, (kc, vc) in enumerate(caches):
+    p = f"model.layers.{i}."
+    h = _norm(cfg, w, x, p + "input_layernorm")
+    if cfg.arch == "phi3":
+      qkv = w.arr(p + "self_attn.qkv_proj.weight", (qd + 2 * kd, d))
+      q, k, v = (h.linear(Tensor(qkv[a:b])) for a, b in ((0, qd), (qd, qd + kd), (qd + kd, qd + 2 * kd)))
+    else:
+      q, k, v = (h.linear(w(p + f"self_attn.{n}.weight", m, d), w.opt(cfg.attention_bias, p + f"self_attn.{n}.bias", m))
+                 for n, m in (("q_proj", qd), ("k_proj", kd), ("v_proj", kd)))
+    q = _rope(q.reshape(seq, cfg.num_heads, hd), cos, sin, cfg.rotary_dim)
+    k = _rope(k.reshape(seq, cfg.num_kv_heads, hd), cos, sin, cfg.rotary_dim)
+    v = v.reshape(seq, cfg.num_kv_heads, hd)
+    kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
+    if mask is None: mask = _mask(cfg, pos, kk.shape[0])
+    a = _attention(q, kk, vv, mask, cfg)
+    x = x + a.linear(w(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
+    h = _norm(cfg, w, x, p + "post_attention_layernorm")
+    if cfg.arch == "phi3":
+      gu = w.arr(p + "mlp.gate_up_proj.weight", (2 * inter, d))
+      gate, up = h.linear(Tensor(gu[:inter])), h.linear(Tensor(gu[inter:]))
+    else:
+      gate = h.linear(w(p + "mlp.gate_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.gate_proj.bias", inter))
+      up = h.linear(w(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
+    x = x + (_act(gate, cfg.act) * up).linear(w(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
+    new_kv.append((k, v))
+  if last_only: x = x[-1:]
+  x = _norm(cfg, w, x, "model.norm")
+  head = embed if cfg.tie_word_embeddings else w.arr("lm_head.weight", (cfg.vocab_size, d))
+  return Forward(x.linear(Tensor(head)), new_kv)
+
+
+def gpt2(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> Forward:
+  """GPT-2: learned positions, pre-LayerNorm blocks, fused Conv1D projections ((in, out) weights), tied head."""
+  w = _W(get, cfg.arch, ("transformer.", ""))  # GPT2LMHeadModel's names, or GPT2Model's (the original checkpoints)
+  ids, pos, caches = _inputs(cfg, ctx, chunk)
+  seq, hd, d, inter = ids.shape[0], cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+  if ctx > cfg.max_position: raise ModelError(f"gpt2: a context of {ctx} is past its {cfg.max_position} learned positions")
+  wte = w.arr("wte.weight", (cfg.vocab_size, d))
+  x = Tensor(wte).embedding(ids) + w("wpe.weight", cfg.max_position, d).embedding(pos)
+  new_kv: list[tuple[Tensor, Tensor]] = []
+  mask: Tensor | None = None
+  for i, (kc, vc) in enumerate(caches):
+    p = f"h.{i}."
+    h = _norm(cfg, w, x, p + "ln_1")
+    qkv = h @ w(p + "attn.c_attn.weight", d, 3 * d) + w(p + "attn.c_attn.bias", 3 * d)
+    q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(seq, cfg.num_heads, hd) for j in range(3))
+    kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
+    if mask is None: mask = _mask(cfg, pos, kk.shape[0])
+    x = x + _attention(q, kk, vv, mask, cfg) @ w(p + "attn.c_proj.weight", d, d) + w(p + "attn.c_proj.bias", d)
+    h = _norm(cfg, w, x, p + "ln_2")
+    m = _act(h @ w(p + "mlp.c_fc.weight", d, inter) + w(p + "mlp.c_fc.bias", inter), cfg.act)
+    x = x + m @ w(p + "mlp.c_proj.weight", inter, d) + w(p + "mlp.c_proj.bias", d)
+    new_kv.append((k, v))
+  if last_only: x = x[-1:]
+  x = _norm(cfg, w, x, "ln_f")
+  return Forward(x.linear(Tensor(wte)), new_kv)
+
+
+def forward(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool = False) -> Forward:
+  """The graph for `cfg`: chunks of 1..chunk tokens after 0..ctx cached ones (the runtime keeps past + seq <= ctx)."""
+  if cfg.arch not in SUPPORTED: raise UnsupportedArchitecture(f"architecture {cfg.arch!r} is not supported (kiln.llm runs {', '.join(SUPPORTED)})")
+  build = gpt2 if cfg.positions == "learned" else llama_like
+  return build(cfg, get, ctx, chunk, last_only)

@@ -1,0 +1,55 @@
+"""Running the forward graph over a KV cache: each plan compiled once for every position, the cache bound in place.
+
+Two plans over one cache (kv.py), each built the first time it is needed: `step` gives the logits of a chunk's last token
+(prefill and decode: generation), `all` gives every token's (teacher-forced logits). Both take chunks of 1..chunk tokens
+after 0..ctx cached ones (seq and past are runtime variables), so no kernel is compiled after a plan's first run. A
+prompt longer than a chunk runs as several chunks."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.llm.config import ModelConfig
+from kiln.llm.errors import LLMError
+from kiln.llm.kv import KVCache
+from kiln.llm.model import Get, forward
+
+DEFAULT_CHUNK = 256
+
+
+class Runner:
+  def __init__(self, cfg: ModelConfig, get: Get, ctx: int, chunk: int = DEFAULT_CHUNK, device: str = "CPU"):
+    if chunk < 1: raise LLMError(f"a prefill chunk of {chunk} tokens: it must be at least 1")
+    self.cfg, self.get, self.ctx, self.chunk, self.device = cfg, get, ctx, min(chunk, ctx), device
+    self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim)
+    self._bound = self.cache.bind()
+    self.plans: dict[bool, Any] = {}
+
+  def plan(self, last_only: bool) -> Any:
+    """The compiled plan (kiln.graph Compiled) for last-row or every-row logits, built on first use."""
+    if (p := self.plans.get(last_only)) is None:
+      from kiln.graph import compile
+      f = forward(self.cfg, self.get, self.ctx, self.chunk, last_only)
+      p = self.plans[last_only] = compile(f.outputs, self.device, bind=self._bound)
+    return p
+
+  def feed(self, ids: Sequence[int], last_only: bool = True) -> np.ndarray:
+    """Run `ids` after the cached tokens, appending their keys and values; the logits of the last token (vocab,), or of
+    every token (len(ids), vocab) when not last_only."""
+    a = np.asarray(list(ids), dtype=np.int64)
+    if a.ndim != 1 or a.size == 0: raise LLMError(f"feed takes a non-empty list of token ids, got shape {a.shape}")
+    if (bad := a[(a < 0) | (a >= self.cfg.vocab_size)]).size:
+      raise LLMError(f"token id {int(bad[0])} is outside the vocabulary of {self.cfg.vocab_size}")
+    self.cache.room(a.size)
+    plan, rows = self.plan(last_only), []
+    for lo in range(0, a.size, self.chunk):
+      part = a[lo:lo + self.chunk]
+      past = self.cache.length
+      out = plan.run({"ids": part.astype(np.int32), "pos": np.arange(past, past + part.size, dtype=np.int32)}, vars={"past": past})
+      self.cache.append(out[1:])
+      rows.append(out[0])
+    return rows[-1][-1] if last_only else np.concatenate(rows, 0)
+
+  def reset(self, length: int = 0) -> None: self.cache.reset(length)

@@ -1,0 +1,54 @@
+"""The forward graph (model.py) per architecture against a numpy float64 reference (reference_model.py), run through the
+runtime (runtime.py): teacher-forced logits of a whole prompt, in chunks, and token by token over the KV cache."""
+import numpy as np
+import pytest
+from reference_model import config, logits, weights
+
+from kiln.executor import cache_stats
+from kiln.llm.errors import LLMError
+from kiln.llm.kv import ContextFullError
+from kiln.llm.model import ModelError
+from kiln.llm.runtime import Runner
+
+TOL = 1e-4  # of the largest logit
+
+
+def _err(got: np.ndarray, want: np.ndarray) -> float: return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma", "phi3", "gpt2"])
+def test_logits_match_the_reference(arch: str):
+  cfg = config(arch)
+  W = weights(cfg)
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 11)
+  want = logits(cfg, W, ids)
+  r = Runner(cfg, W.__getitem__, ctx=24, chunk=4)  # 11 tokens: chunks of 4, 4 and 3
+  assert _err(r.feed(ids, last_only=False), want) <= TOL
+  assert r.cache.length == 11
+  if arch == "gpt2": return
+  r.reset()
+  first = r.feed(ids[:3], last_only=False)
+  rows = [r.feed([int(t)]) for t in ids[3:]]  # decode: the last row's logits, one token at a time
+  assert _err(np.concatenate([first, np.stack(rows)]), want) <= TOL
+
+
+def test_one_compile_serves_every_position():
+  cfg = config("llama")
+  W = weights(cfg)
+  r = Runner(cfg, W.__getitem__, ctx=40, chunk=8)
+  rng = np.random.default_rng(2)
+  r.feed(rng.integers(0, cfg.vocab_size, 5))
+  compiles, plan = cache_stats()["compiles"], r.plans[True]
+  for _ in range(30): r.feed([int(rng.integers(cfg.vocab_size))])
+  r.feed(rng.integers(0, cfg.vocab_size, 5))
+  assert cache_stats()["compiles"] == compiles and r.plans[True] is plan and len(r.plans) == 1
+  assert r.cache.length == 40
+  with pytest.raises(ContextFullError, match="context of 40"): r.feed([1])
+  with pytest.raises(LLMError, match="outside the vocabulary"): Runner(cfg, W.__getitem__, ctx=8).feed([cfg.vocab_size])
+
+
+def test_a_weight_of_the_wrong_shape_is_named():
+  cfg = config("qwen2")
+  W = weights(cfg)
+  W["model.layers.1.mlp.up_proj.weight"] = W["model.layers.1.mlp.up_proj.weight"][:, :-1]
+  with pytest.raises(ModelError, match="model.layers.1.mlp.up_proj.weight"): Runner(cfg, W.__getitem__, ctx=8).feed([1])
