@@ -70,6 +70,12 @@ def weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
   return W
 
 
+def checkpoint_get(cfg: ModelConfig, W: dict[str, np.ndarray]):  # noqa: ANN201
+  """W as Checkpoint.tensor gives it: every linear (out, in), GPT-2's Conv1D weights transposed."""
+  conv = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+  return lambda n: np.ascontiguousarray(W[n].T) if cfg.arch == "gpt2" and n.endswith(conv) else W[n]
+
+
 def _act(x: np.ndarray, kind: str) -> np.ndarray:
   if kind == "silu": return x / (1 + np.exp(-x))
   if kind == "gelu": return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))

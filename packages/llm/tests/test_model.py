@@ -2,7 +2,7 @@
 runtime (runtime.py): teacher-forced logits of a whole prompt, in chunks, and token by token over the KV cache."""
 import numpy as np
 import pytest
-from reference_model import config, logits, weights
+from reference_model import checkpoint_get, config, logits, weights
 
 from kiln.executor import cache_stats
 from kiln.llm.errors import LLMError
@@ -22,7 +22,7 @@ def test_logits_match_the_reference(arch: str):
   W = weights(cfg)
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 11)
   want = logits(cfg, W, ids)
-  r = Runner(cfg, W.__getitem__, ctx=24, chunk=4)  # 11 tokens: chunks of 4, 4 and 3
+  r = Runner(cfg, checkpoint_get(cfg, W), ctx=24, chunk=4)  # 11 tokens: chunks of 4, 4 and 3
   assert _err(r.feed(ids, last_only=False), want) <= TOL
   assert r.cache.length == 11
   if arch == "gpt2": return

@@ -71,22 +71,14 @@ class Forward:
 
 
 class _W:
-  """Weights by name (HF naming, with `prefixes` tried in turn) as graph constants, each checked against the shape the
-  graph needs."""
-  def __init__(self, get: Get, arch: str, prefixes: tuple[str, ...] = ("",)):
-    self.get, self.arch, self.prefixes = get, arch, prefixes
+  """Weights by HF name as graph constants, each checked against the shape the graph needs."""
+  def __init__(self, get: Get, arch: str):
+    self.get, self.arch = get, arch
 
   def arr(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    err: LLMError | None = None
-    for p in self.prefixes:
-      try: a = np.asarray(self.get(p + name), dtype=np.float32)
-      except (LLMError, KeyError) as e:
-        err = e if isinstance(e, LLMError) else ModelError(f"{self.arch}: the checkpoint has no weight {p + name!r}")
-        continue
-      if a.shape != shape: raise ModelError(f"{self.arch}: weight {p + name!r} has shape {a.shape}, the config needs {shape}")
-      return a
-    assert err is not None
-    raise err
+    a = np.asarray(self.get(name), dtype=np.float32)
+    if a.shape != shape: raise ModelError(f"{self.arch}: weight {name!r} has shape {a.shape}, the config needs {shape}")
+    return a
 
   def __call__(self, name: str, *shape: int) -> Tensor: return Tensor(self.arr(name, shape))
 
@@ -169,29 +161,28 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool
 
 
 def gpt2(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> Forward:
-  """GPT-2: learned positions, pre-LayerNorm blocks, fused Conv1D projections ((in, out) weights), tied head."""
-  w = _W(get, cfg.arch, ("transformer.", ""))  # GPT2LMHeadModel's names, or GPT2Model's (the original checkpoints)
+  """GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v projection, tied head. Its Conv1D weights come (out, in)
+  like every linear's (the checkpoint transposes HF's (in, out))."""
+  w = _W(get, cfg.arch)
   ids, pos, caches = _inputs(cfg, ctx, chunk)
   seq, hd, d, inter = ids.shape[0], cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
   if ctx > cfg.max_position: raise ModelError(f"gpt2: a context of {ctx} is past its {cfg.max_position} learned positions")
-  wte = w.arr("wte.weight", (cfg.vocab_size, d))
-  x = Tensor(wte).embedding(ids) + w("wpe.weight", cfg.max_position, d).embedding(pos)
+  wte = w.arr("transformer.wte.weight", (cfg.vocab_size, d))
+  x = Tensor(wte).embedding(ids) + w("transformer.wpe.weight", cfg.max_position, d).embedding(pos)
   new_kv: list[tuple[Tensor, Tensor]] = []
   mask: Tensor | None = None
   for i, (kc, vc) in enumerate(caches):
-    p = f"h.{i}."
-    h = _norm(cfg, w, x, p + "ln_1")
-    qkv = h @ w(p + "attn.c_attn.weight", d, 3 * d) + w(p + "attn.c_attn.bias", 3 * d)
+    p = f"transformer.h.{i}."
+    def lin(x: Tensor, name: str, out: int, inn: int) -> Tensor: return x.linear(w(p + name + ".weight", out, inn), w(p + name + ".bias", out))  # noqa: B023
+    qkv = lin(_norm(cfg, w, x, p + "ln_1"), "attn.c_attn", 3 * d, d)
     q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(seq, cfg.num_heads, hd) for j in range(3))
     kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
     if mask is None: mask = _mask(cfg, pos, kk.shape[0])
-    x = x + _attention(q, kk, vv, mask, cfg) @ w(p + "attn.c_proj.weight", d, d) + w(p + "attn.c_proj.bias", d)
-    h = _norm(cfg, w, x, p + "ln_2")
-    m = _act(h @ w(p + "mlp.c_fc.weight", d, inter) + w(p + "mlp.c_fc.bias", inter), cfg.act)
-    x = x + m @ w(p + "mlp.c_proj.weight", inter, d) + w(p + "mlp.c_proj.bias", d)
+    x = x + lin(_attention(q, kk, vv, mask, cfg), "attn.c_proj", d, d)
+    x = x + lin(_act(lin(_norm(cfg, w, x, p + "ln_2"), "mlp.c_fc", inter, d), cfg.act), "mlp.c_proj", d, inter)
     new_kv.append((k, v))
   if last_only: x = x[-1:]
-  x = _norm(cfg, w, x, "ln_f")
+  x = _norm(cfg, w, x, "transformer.ln_f")
   return Forward(x.linear(Tensor(wte)), new_kv)
 
 
