@@ -65,24 +65,24 @@ def _reads_per_element(n: Node, readers: Mapping[Node, list[Node]]) -> float:
 
 
 def _as_shape(n: Node, shape: tuple) -> Node:
-  return n if n.shape == shape else Node("VIEW", (n,), ("reshape", shape), shape, n.dtype)
+  return n if n.shape == shape else Node("VIEW", (n,), ("reshape", shape), shape, n.dtype, origin=n.origin)
 
 
 def _rebuild(n: Node, src: tuple[Node, ...]) -> Node:
-  return Node(n.op, src, n.arg, n.shape, n.dtype, n.realize)
+  return Node(n.op, src, n.arg, n.shape, n.dtype, n.realize, origin=n.origin)
 
 
 def _fused(r: Node, chain: Sequence[Node], new: Mapping[Node, Node]) -> Node:
   """The chain computed in r's shape over r's own computation (not its buffer), realized: r's kernel with the chain as its
   epilogue. new maps the original graph's nodes to the rewritten ones."""
   shape = r.shape
-  prev, cur = Node(r.op, tuple(new[s] for s in r.src), r.arg, r.shape, r.dtype), r  # r, no longer realized
+  prev, cur = Node(r.op, tuple(new[s] for s in r.src), r.arg, r.shape, r.dtype, origin=r.origin), r  # r, no longer realized
   for p in chain:
     if p.op == "ALU":
       src = tuple(prev if s is cur else _as_shape(new[s], shape) for s in p.src)
-      prev = Node("ALU", src, p.arg, shape, p.dtype)
+      prev = Node("ALU", src, p.arg, shape, p.dtype, origin=p.origin)
     cur = p
-  return Node(prev.op, prev.src, prev.arg, shape, prev.dtype, realize=True)
+  return Node(prev.op, prev.src, prev.arg, shape, prev.dtype, realize=True, origin=prev.origin)
 
 
 def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:

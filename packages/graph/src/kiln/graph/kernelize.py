@@ -142,6 +142,7 @@ class Kernel:
   rendered: dict[Node, set[UOp]] = field(default_factory=dict)
   analysis: Any = None  # the scheduler's _Analysis, made once per rendering
   offenders: set[Node] = field(default_factory=set)
+  op_id: int | None = None  # its op in the plan built from it (GraphPlan), as a profile's records name it
 
 
 class Kernelizer:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph.errors import GraphError, IndexOutOfRangeError, ONNXError  # noqa: F401  (where the layer's errors were first defined)
+from kiln.graph.provenance import Origin, current
 from kiln.ir.dtype import DType
 from kiln.ir.kernels import Dim
 
@@ -51,6 +52,7 @@ class Node:
   dtype: DType
   realize: bool = False  # always gets its own buffer and kernel (the fusion rules never inline it)
   id: int = field(default_factory=lambda: next(_ids))
+  origin: Origin | None = field(default_factory=current)  # the ONNX node whose conversion made it (provenance.py)
 
   def __hash__(self) -> int: return self.id
   def __repr__(self) -> str: return f"Node({self.op} {self.arg if self.op != 'BUFFER' else ''} {self.shape} {self.dtype.name} #{self.id})"

@@ -44,6 +44,7 @@ from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_val
 from kiln.graph.onnx_ops_flow import FLOW
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
+from kiln.graph.provenance import Origin, made_by
 from kiln.graph.progress import Progress, report, reporting
 from kiln.graph.schedule import Compiled
 from kiln.graph.specialise import Cut, RuntimeValue, unspecialisable
@@ -189,11 +190,12 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
     out: Any
     try:
-      if flow is not None: out = flow[0](n, ctx, env)
-      elif folds.passes_through(proto): out = n.t(0)
-      elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
-      else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
-      if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
+      with made_by(Origin(n.name, proto.op_type)):  # the graph nodes it makes remember it (provenance.py: a profile names it)
+        if flow is not None: out = flow[0](n, ctx, env)
+        elif folds.passes_through(proto): out = n.t(0)
+        elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)
+        else: out = fn(n, ctx.onnx) if proto.op_type in WITH_ONNX else fn(n)
+        if flow is None: out = fold_known(out if isinstance(out, list) else [out], n.ins)  # every input known: computed now (onnx_const.py)
     except RuntimeValue as e:
       e.frames.append((nodes[k:] if e.node is n else nodes[k + 1:], env))  # what of this scope is left to convert, and its values
       if ctx.depth: raise

@@ -379,7 +379,7 @@ class GraphPlan:
     precompile([(ast, opts) for _, ast, _, opts in placed], device, int(getattr(rt, "compile_threads", 1)))
     for k, ast, wins, opts in placed:
       slots = [self.view_of(self.buf_of(s), wins[i], self.stored(s)) if i in wins else self.buf_of(s) for i, s in enumerate(k.slots)]
-      pb.add_kernel(ast, slots, opts=opts)
+      k.op_id = pb.add_kernel(ast, slots, opts=opts)  # a profile's records name it (provenance.py)
     pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq)))
     self.checks = [(self.bufs[c], m) for c, m in checks]
     self.sizes = list(dict.fromkeys(d for n in self.nodes for d in negative(n.shape)))  # seq - 1 of a seq that may be 0: run() checks it
