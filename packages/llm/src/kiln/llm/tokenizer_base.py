@@ -1,0 +1,146 @@
+"""What every kiln.llm tokenizer offers (Tokenizer), its errors, and the limits on the untrusted files it is made from.
+
+Limits (each over-limit value is a TokenizerError naming the file, the field and the limit):
+  MAX_VOCAB               kiln.llm.limits's: tokens in a vocabulary
+  MAX_TOKEN_BYTES         65,536    one token's text (real vocabularies' longest are runs of a few hundred spaces)
+  MAX_MERGES              2**22     BPE merge rules (about one per token in real files)
+  MAX_TEMPLATE_CHARS      1 MiB     a chat template (real ones are a few KB, tool-calling ones tens of KB)
+  MAX_RENDERED_CHARS      64 MiB    what one rendering of a chat template may write (a loop that writes without end stops)
+  MAX_TOKENIZER_JSON_BYTES 256 MiB  tokenizer.json (a 256k-token vocabulary's is about 35 MB)
+  MAX_TOKENIZER_CONFIG_BYTES 16 MiB tokenizer_config.json, generation_config.json, chat_template.jinja
+"""
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from kiln.llm.errors import LLMError
+from kiln.llm.limits import MAX_VOCAB
+
+MAX_TOKEN_BYTES = 1 << 16
+MAX_MERGES = 1 << 22
+MAX_TEMPLATE_CHARS = 1 << 20
+MAX_RENDERED_CHARS = 64 << 20
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
+
+__all__ = ["MAX_VOCAB", "ChatTemplateError", "Tokenizer", "TokenizerError", "END_OF_GENERATION_TEXTS"]
+
+# Texts of tokens that end a turn or the text: besides the file's eos (and eot / eom) ids, a vocabulary token with one of
+# these texts is a stop token (llama.cpp's list in llama-vocab.cpp, which the chat templates of the models it names emit).
+END_OF_GENERATION_TEXTS = frozenset({
+  "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
+  "<EOT>", "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "_<EOT>",
+})
+
+
+class TokenizerError(LLMError):
+  """A tokenizer could not be made or used: a malformed or over-limit vocabulary, an unsupported tokenizer model or
+  pre-tokenizer, an id outside the vocabulary. The message names the file and the field."""
+
+
+class ChatTemplateError(TokenizerError):
+  """A chat template is missing, malformed, over a limit, raised an error (raise_exception) or reached for something the
+  sandbox refuses (attributes such as __class__, methods that mutate)."""
+
+
+def limit(what: str, value: int, name: str, maximum: int) -> None:
+  if value > maximum: raise TokenizerError(f"{what} is {value}, over {name} = {maximum}")
+
+
+class Tokenizer:
+  """A model's tokenizer. Subclasses set the attributes and implement _encode_text, decode and the token tables.
+
+  encode(text) cuts the text at the special tokens written in it (CONTROL and USER_DEFINED tokens of a GGUF vocabulary,
+  the added tokens of a tokenizer.json), which become their ids, and tokenizes the rest; with add_special (the default) it
+  puts bos first when the file says add_bos (and eos last when it says add_eos), as Hugging Face's encode and llama.cpp's
+  tokenize do. decode(ids) is its inverse: special tokens are written as their text unless skip_special."""
+
+  vocab_size: int
+  bos_id: int | None
+  eos_id: int | None
+  stop_ids: frozenset[int]     # eos, eot, eom and the end-of-turn tokens END_OF_GENERATION_TEXTS names
+  add_bos: bool
+  add_eos: bool
+  chat_template: str | None    # the template the file carries (None: apply_chat_template's fallback, see chat.py)
+  source: str                  # the file it was read from, for messages
+
+  def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    if not isinstance(text, str): raise TokenizerError(f"{self.source}: encode takes a str, not {type(text).__name__}")
+    ids = self._encode_text(text, parse_special)
+    if add_special:
+      if self.add_bos and self.bos_id is not None: ids.insert(0, self.bos_id)
+      if self.add_eos and self.eos_id is not None: ids.append(self.eos_id)
+    return ids
+
+  def _encode_text(self, text: str, parse_special: bool) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+    raise NotImplementedError
+
+  def token_to_id(self, text: str) -> int | None:
+    raise NotImplementedError
+
+  def id_to_token(self, token_id: int) -> str:
+    raise NotImplementedError
+
+  def check_ids(self, ids: Sequence[int]) -> list[int]:
+    out = [int(i) for i in ids]
+    for i in out:
+      if not 0 <= i < self.vocab_size: raise TokenizerError(f"{self.source}: token id {i} is outside the vocabulary [0, {self.vocab_size})")
+    return out
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    """The conversation as the model's chat template writes it (kiln.llm.chat: sandboxed jinja2), ready for encode."""
+    from kiln.llm.chat import render_chat
+    return render_chat(self, messages, add_generation_prompt, extra)
+
+  def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    """apply_chat_template, encoded; bos is put first when the file says add_bos and the template did not write it."""
+    ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_special=False)
+    if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]: ids.insert(0, self.bos_id)
+    return ids
+
+  def stream(self, ids: Iterable[int], skip_special: bool = False) -> Iterator[str]:
+    """Text as ids arrive: each piece once its bytes make whole characters (a character split over tokens waits)."""
+    decoder = StreamDecoder(self, skip_special)
+    for i in ids:
+      piece = decoder.push(i)
+      if piece: yield piece
+    rest = decoder.flush()
+    if rest: yield rest
+
+
+class StreamDecoder:
+  """Incremental decode: push(id) returns the text the id completes. It decodes a short window of recent ids and emits what
+  the window adds past the text already given, holding back a trailing U+FFFD (a character whose bytes are not all in yet).
+  The window starts at the ids given last time, so a tokenizer that strips the first token's leading space (SentencePiece)
+  strips it from text already given, not from the new piece."""
+
+  def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    self.tokenizer, self.skip_special = tokenizer, skip_special
+    self.ids: list[int] = []
+    self.prefix = 0   # the window's start
+    self.read = 0     # ids whose text is already given
+
+  def push(self, token_id: int) -> str:
+    self.ids.append(int(token_id))
+    decode = self.tokenizer.decode
+    before = decode(self.ids[self.prefix:self.read], self.skip_special)
+    now = decode(self.ids[self.prefix:], self.skip_special)
+    if now.endswith("\ufffd") or len(now) <= len(before): return ""
+    self.prefix, self.read = self.read, len(self.ids)
+    return now[len(before):]
+
+  def flush(self) -> str:
+    decode = self.tokenizer.decode
+    before, now = decode(self.ids[self.prefix:self.read], self.skip_special), decode(self.ids[self.prefix:], self.skip_special)
+    self.prefix = self.read = len(self.ids)
+    return now[len(before):]
+
+
+def utf8_text(data: bytes) -> str:
+  """Bytes decoded as UTF-8, a malformed sequence as U+FFFD (what Hugging Face's and llama.cpp's detokenizers write)."""
+  return codecs.decode(data, "utf-8", errors="replace")
