@@ -142,10 +142,12 @@ class ModelConfig(BaseModel):
 
   @classmethod
   def from_gguf(cls, meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]] | None = None, where: str = "GGUF metadata",
-                rope_freq_factors: tuple[float, ...] | None = None) -> ModelConfig:
+                rope_freq_factors: tuple[float, ...] | None = None, rope_scaling: dict[str, Any] | None = None) -> ModelConfig:
     """The config of a GGUF file from its metadata (`general.architecture` and the `{arch}.*` keys) and, where given, its
-    tensors' GGUF names and numpy shapes, which say the vocabulary size, the biases and whether the output is tied."""
-    return _build(lambda: _from_gguf(meta, tensors or {}, where, rope_freq_factors), where)
+    tensors' GGUF names and numpy shapes, which say the vocabulary size, the biases and whether the output is tied.
+    rope_freq_factors and rope_scaling carry what the file stores as tensors (rope_freqs; phi3's rope_factors_long/short).
+    eos_token_ids are the eos, eot and eom ids the file names (llama.cpp ends generation at any of them)."""
+    return _build(lambda: _from_gguf(meta, tensors or {}, where, rope_freq_factors, rope_scaling), where)
 
 
 def _build(make: Any, where: str) -> ModelConfig:
@@ -260,10 +262,11 @@ def _gpt2_from_hf(cj: Mapping[str, Any], where: str) -> ModelConfig:
 
 
 # GGUF architectures -> kiln arch (mistral GGUFs say "llama")
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3", "gemma": "gemma", "gpt2": "gpt2"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "gemma": "gemma", "gpt2": "gpt2"}
 
 
-def _from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], where: str, factors: tuple[float, ...] | None) -> ModelConfig:
+def _from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], where: str, factors: tuple[float, ...] | None,
+               rope_scaling: dict[str, Any] | None) -> ModelConfig:
   ga = meta.get("general.architecture")
   if ga not in _GGUF_ARCHS:
     raise UnsupportedArchitecture(f"{where}: general.architecture {ga!r} is not supported (kiln.llm runs {', '.join(_GGUF_ARCHS)})")
@@ -282,19 +285,21 @@ def _from_gguf(meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]], 
   kv = key("attention.head_count_kv", heads)
   kv = int(kv[0] if isinstance(kv, (list, tuple, np.ndarray)) else kv)
   bos = meta.get("tokenizer.ggml.bos_token_id")
-  eos = meta.get("tokenizer.ggml.eos_token_id")
+  eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
   common: dict[str, Any] = dict(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=ff, num_layers=int(key("block_count")),
                                 num_heads=heads, num_kv_heads=kv, head_dim=head_dim, max_position=int(key("context_length")),
                                 tie_word_embeddings="output.weight" not in tensors,
-                                bos_token_id=int(bos) if bos is not None else None, eos_token_ids=_ids(eos))
+                                bos_token_id=int(bos) if bos is not None else None,
+                                eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
   if arch == "gpt2":
     return ModelConfig(**common, norm_eps=float(key("attention.layer_norm_epsilon")), positions="learned", attention_bias=True,
                        attention_out_bias=True, mlp_bias=True, mlp="gelu", act="gelu_tanh", norm="layer")
   rope_dim = int(key("rope.dimension_count", head_dim))
-  scaling: dict[str, Any] | None = None
+  scaling = rope_scaling
   st, sf = key("rope.scaling.type", None), key("rope.scaling.factor", None)
-  if st == "linear" and sf: scaling = {"rope_type": "linear", "factor": float(sf)}
-  elif st not in (None, "none", "linear"): raise CheckpointError(f"{where}: {ga}.rope.scaling.type {st!r} is not supported (kiln has linear)")
+  if st == "linear" and sf and scaling is None: scaling = {"rope_type": "linear", "factor": float(sf)}
+  elif st not in (None, "none", "linear") and scaling is None:
+    raise CheckpointError(f"{where}: {ga}.rope.scaling.type {st!r} is not supported (kiln has linear)")
   gemma = arch == "gemma"
   return ModelConfig(**common, norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base", 10000.0)),
                      rope_scaling=scaling, rope_freq_factors=factors, partial_rotary_factor=rope_dim / head_dim,

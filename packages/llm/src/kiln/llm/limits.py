@@ -6,7 +6,8 @@ GGUF (the header is parsed by kiln.llm.gguf_file from the mapped file, never rea
   MAX_GGUF_KV             65,536      metadata key/value pairs (real files have tens)
   MAX_GGUF_STRING_BYTES   16 MiB      one string (a key, a value, an array element, a tensor name): chat templates are KBs
   MAX_GGUF_NAME_BYTES     1,024       a key or a tensor name
-  MAX_GGUF_ARRAY_ITEMS    2**24       elements of one metadata array (vocabularies and merge lists are up to ~10**6)
+  MAX_GGUF_ARRAY_ITEMS    2**21       elements of one metadata array (vocabularies are up to ~2.6 x 10**5 tokens, merge lists
+                                      ~3 x 10**5; each string is parsed in Python, so this also bounds the time)
   MAX_GGUF_ARRAY_DEPTH    2           an array of arrays at most (the format allows nesting; no model uses more)
   MAX_GGUF_HEADER_BYTES   1 GiB       the header: metadata and tensor infos together, before the aligned data section
   MAX_GGUF_DIMS           4           dims of a tensor (ggml's GGML_MAX_DIMS)
@@ -32,7 +33,7 @@ MAX_GGUF_TENSORS = 1 << 16
 MAX_GGUF_KV = 1 << 16
 MAX_GGUF_STRING_BYTES = 16 << 20
 MAX_GGUF_NAME_BYTES = 1024
-MAX_GGUF_ARRAY_ITEMS = 1 << 24
+MAX_GGUF_ARRAY_ITEMS = 1 << 21
 MAX_GGUF_ARRAY_DEPTH = 2
 MAX_GGUF_HEADER_BYTES = 1 << 30
 MAX_GGUF_DIMS = 4
