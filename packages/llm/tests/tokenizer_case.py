@@ -40,7 +40,8 @@ def hf_pre_tokenizer(pre: str) -> Any:
   """The Hugging Face pre-tokenizer equal to llama.cpp's pre-type (as the models' own tokenizer.json files write it)."""
   patterns, _ = pretokenize.PRE_TOKENIZERS[pre]
   if pre == "gpt2": return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if pre == "smollm": return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+  if pre == "smollm":
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
   splits = [pre_tokenizers.Split(Regex(p), "isolated") for p in patterns]
   return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 

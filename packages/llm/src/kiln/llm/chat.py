@@ -78,7 +78,7 @@ def _environment() -> Any:
 def compile_template(source: str) -> Any:
   """The jinja2 template of source, checked against MAX_TEMPLATE_CHARS; a syntax error is a ChatTemplateError."""
   from jinja2 import TemplateError
-  limit("the chat template's characters", len(source), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS)
+  limit("the chat template's characters", len(source), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS, ChatTemplateError)
   try:
     return _environment().from_string(source)
   except TemplateError as e:
@@ -100,7 +100,7 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], add_generation_pr
   try:
     for part in template.generate(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables):
       written += len(part)
-      if written > MAX_RENDERED_CHARS: limit("the rendered chat's characters", written, "MAX_RENDERED_CHARS", MAX_RENDERED_CHARS)
+      if written > MAX_RENDERED_CHARS: limit("the rendered chat's characters", written, "MAX_RENDERED_CHARS", MAX_RENDERED_CHARS, ChatTemplateError)
       parts.append(part)
   except SecurityError as e:
     raise ChatTemplateError(f"the chat template did something the sandbox refuses: {e}") from e

@@ -27,6 +27,7 @@ from kiln.llm.tokenizer_base import (
   MAX_TEMPLATE_CHARS,
   MAX_TOKEN_BYTES,
   MAX_VOCAB,
+  ChatTemplateError,
   Tokenizer,
   TokenizerError,
   limit,
@@ -119,7 +120,8 @@ def vocab_from_fields(fields: Mapping[str, Any], source: str) -> Vocab:
   # llama.cpp's defaults where the file is silent: SentencePiece adds bos and a space prefix; Llama 3's BPE adds bos
   add_bos_default = model == "llama" or PRE_TOKENIZERS.get(pre, ((), False))[1]
   template = _get(fields, "tokenizer.chat_template", str, source)
-  if template is not None: limit(f"{source}: tokenizer.chat_template's characters", len(template), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS)
+  if template is not None:
+    limit(f"{source}: tokenizer.chat_template's characters", len(template), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS, ChatTemplateError)
   return Vocab(source, model, pre, tokens, types, scores, merges,
                token_id("bos_token_id"), token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id"),
                token_id("unknown_token_id"), token_id("padding_token_id"),

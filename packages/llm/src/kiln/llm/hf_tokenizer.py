@@ -21,6 +21,7 @@ from kiln.llm.tokenizer_base import (
   MAX_TOKENIZER_CONFIG_BYTES,
   MAX_TOKENIZER_JSON_BYTES,
   MAX_VOCAB,
+  ChatTemplateError,
   Tokenizer,
   TokenizerError,
   limit,
@@ -113,7 +114,7 @@ class HFTokenizer(Tokenizer):
       if os.path.exists(path): template = read_text(path, "chat_template.jinja", MAX_TOKENIZER_CONFIG_BYTES, "MAX_TOKENIZER_CONFIG_BYTES")
     if template is None: return None
     if not isinstance(template, str): raise TokenizerError(f"{folder}: chat_template is a {type(template).__name__}, not a string")
-    limit(f"{folder}: the chat template's characters", len(template), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS)
+    limit(f"{folder}: the chat template's characters", len(template), "MAX_TEMPLATE_CHARS", MAX_TEMPLATE_CHARS, ChatTemplateError)
     return template
 
   def _encode_text(self, text: str, parse_special: bool) -> list[int]:

@@ -45,8 +45,8 @@ class ChatTemplateError(TokenizerError):
   sandbox refuses (attributes such as __class__, methods that mutate)."""
 
 
-def limit(what: str, value: int, name: str, maximum: int) -> None:
-  if value > maximum: raise TokenizerError(f"{what} is {value}, over {name} = {maximum}")
+def limit(what: str, value: int, name: str, maximum: int, error: type[TokenizerError] | None = None) -> None:
+  if value > maximum: raise (error or TokenizerError)(f"{what} is {value}, over {name} = {maximum}")
 
 
 class Tokenizer:
