@@ -1,4 +1,4 @@
-"""kiln's benchmark as scripts/bench and `kiln bench` run it: the executor's rows and the rows spanning layers
+"""kiln's benchmark as scripts/bench and `kiln bench-suite` run it: the executor's rows and the rows spanning layers
 (benchmarks/stack_bench) as one table, at tiny sizes. It runs, checks every kiln result, prints every row; no timing
 assertions (times on a shared machine are the benchmark's business, never a test's). And its layout: the executor's
 benchmark folder imports no layer above the executor and none of the root's rows, and no benchmark module imports
@@ -70,7 +70,7 @@ def test_cycle_finder_finds_a_lazy_loop():
 
 @pytest.fixture
 def kiln_bench_cli(tmp_path, monkeypatch):
-  """`kiln bench` with a private kernel cache (needs the CPU runtime)."""
+  """`kiln bench-suite` with a private kernel cache (needs the CPU runtime)."""
   pytest.importorskip("kiln.runtime.cpu")
   monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.delenv("KILN_CACHE", raising=False)
@@ -81,7 +81,7 @@ def kiln_bench_cli(tmp_path, monkeypatch):
 def test_bench_runs_and_prints_every_row(kiln_bench_cli, tmp_path, capsys):
   from kiln_bench import table
   out_json = tmp_path / "bench.json"
-  rc = kiln_bench_cli.main(["bench", *TINY, "--no-fail", "--json", str(out_json)])
+  rc = kiln_bench_cli.main(["bench-suite", *TINY, "--no-fail", "--json", str(out_json)])
   out = capsys.readouterr().out
   assert rc == 0, out  # --no-fail: only a wrong result or an error could fail it
   for col in table.COLS: assert col in out
@@ -108,7 +108,7 @@ def test_bench_runs_and_prints_every_row(kiln_bench_cli, tmp_path, capsys):
 
 
 def test_only_runs_the_matching_rows(kiln_bench_cli, capsys):
-  rc = kiln_bench_cli.main(["bench", *TINY, "--no-fail", "--only", "^(softmax|EXP )"])
+  rc = kiln_bench_cli.main(["bench-suite", *TINY, "--no-fail", "--only", "^(softmax|EXP )"])
   out = capsys.readouterr().out
   assert rc == 0, out
   body = out[out.index("work "):]

@@ -2,7 +2,7 @@
 models through kiln.graph), load_rows (a safetensors file larger than the LLC, mapped through kiln.graph.weights) and
 ray_rows (kiln-distributed replicas and a pipeline on a local Ray cluster). main.py runs them after and between the
 executor's own rows (packages/executor/benchmarks/kiln_bench: the harness, the table, and the kernel, model and
-neighbour rows) as one table: scripts/bench, python benchmarks/run.py, or `kiln bench` from a checkout.
+neighbour rows) as one table: scripts/bench, python benchmarks/run.py, or `kiln bench-suite` from a checkout.
 
 Rows here import kiln_bench (the harness they are timed by); kiln_bench never imports them."""
 import sys

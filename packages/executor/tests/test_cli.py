@@ -15,7 +15,7 @@ def test_missing_subcommand_module(rt, capsys, monkeypatch):
 
 def test_bench_outside_a_checkout_says_what_to_run(capsys, monkeypatch, tmp_path):
   monkeypatch.setattr(cli, "BENCH_DIR", tmp_path / "benchmarks")  # an installed wheel: no benchmarks folder beside src/
-  assert cli.main(["bench", "--quick"]) == 2
+  assert cli.main(["bench-suite", "--quick"]) == 2
   err = capsys.readouterr().err
   assert "not part of the installed kiln-executor" in err and "scripts/bench" in err
 

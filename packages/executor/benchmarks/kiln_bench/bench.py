@@ -119,6 +119,6 @@ class Bench:
 
   def run(self, groups: Sequence[Callable[[Bench], None]]) -> None:
     """Measure the machine's limits, then each group of rows in turn (each adds its rows, in the order they print)."""
-    print("kiln bench: measuring the machine's limits ...", file=sys.stderr, flush=True)
+    print("kiln bench-suite: measuring the machine's limits ...", file=sys.stderr, flush=True)
     self.limits()
     for group in groups: group(self)

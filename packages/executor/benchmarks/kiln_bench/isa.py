@@ -30,7 +30,7 @@ def apply_and_restart(argv: list[str]) -> None:
   """Before any import of numpy, torch or kiln: with --isa, set its environment and exec this process again (once)."""
   isa = requested(argv)
   if isa is None or os.environ.get(MARK) == isa: return
-  if isa not in SETTINGS: sys.exit(f"kiln bench: --isa must be one of {', '.join(SETTINGS)}, got {isa!r}")
+  if isa not in SETTINGS: sys.exit(f"kiln bench-suite: --isa must be one of {', '.join(SETTINGS)}, got {isa!r}")
   os.environ.update(SETTINGS[isa][0], **{MARK: isa})
   os.execv(sys.executable, [sys.executable, *sys.argv])
 

@@ -43,7 +43,7 @@ def blas_info() -> str:
 def main(argv: list[str] | None, groups: Sequence[Callable[[Bench], None]]) -> int:
   """The benchmark's command line: run `groups` (each a row module's run(bench), in the order they print), print the
   machine, the peers, the limits and the table, and return the exit code."""
-  ap = argparse.ArgumentParser(prog="kiln bench", description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="kiln bench-suite", description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="a short run: fewer repetitions (noisier medians)")
   ap.add_argument("--json", metavar="PATH", help="also write every number to PATH as JSON")
   ap.add_argument("--no-fail", action="store_true", help="exit 0 even when a target is missed (wrong results still fail)")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None, groups: Sequence[Callable[[Bench], None]]) -> i
   t0, load0 = time.perf_counter(), os.getloadavg()[0]
   b.run(groups)
   lanes, isa = vector_lanes()
-  print(f"kiln bench{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
+  print(f"kiln bench-suite{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
         f"{cpu_name()}, {os.cpu_count()} cores, {isa}; kiln on {b.threads} threads (KILN_THREADS)")
   print(f"  {blas_info()}")
   if args.isa and isa_held() is None: print(f"  WARNING: --isa {args.isa} was not applied (run the bench through run.py or scripts/bench)")

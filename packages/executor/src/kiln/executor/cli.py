@@ -1,6 +1,7 @@
-"""The `kiln` command: `kiln info [--settings]`, `kiln demo`, `kiln bench`, and the commands other kiln layers add through the entry-point
-group `kiln.commands` (`kiln run`, from kiln-graph): an entry point names a `main(argv) -> int`. The executor never imports
-those layers itself; it finds them installed, as it finds runtimes through `kiln.devices`."""
+"""The `kiln` command: `kiln info [--settings]`, `kiln demo`, `kiln bench-suite` (kiln's benchmark, from a checkout), and the
+commands other kiln layers add through the entry-point group `kiln.commands` (`kiln run`, `kiln bench MODEL` and `kiln
+inspect`, from kiln-graph): an entry point names a `main(argv) -> int`. The executor never imports those layers itself; it
+finds them installed, as it finds runtimes through `kiln.devices`."""
 from __future__ import annotations
 
 import argparse
@@ -89,16 +90,19 @@ def _dispatch(module: str, argv: Sequence[str]) -> int:
   return int(ret or 0)
 
 
-def bench(argv: Sequence[str]) -> int:
+def bench_suite(argv: Sequence[str]) -> int:
+  """kiln's benchmark (kernels and models against numpy, torch, onnxruntime, ...), from a checkout; a model's is `kiln bench MODEL`."""
   if not (BENCH_DIR / "stack_bench").is_dir():
-    print("kiln bench: the benchmark is not part of the installed kiln-executor; it lives in kiln's source tree: "
+    print("kiln bench-suite: the benchmark is not part of the installed kiln-executor; it lives in kiln's source tree: "
           "from a checkout run scripts/bench (or python benchmarks/run.py)", file=sys.stderr)
     return 2
   if str(BENCH_DIR) not in sys.path: sys.path.insert(0, str(BENCH_DIR))
   return int(importlib.import_module(BENCH_MODULE).main(list(argv)) or 0)
 
 
-BUILTIN = ("info", "demo", "bench")
+BUILTIN = ("info", "demo", "bench-suite")
+# commands a layer above adds: named here only to say what to install where that layer is missing
+LAYERED = {"run": "kiln-graph[onnx]", "bench": "kiln-graph[onnx]", "inspect": "kiln-graph[onnx]"}
 
 
 def plugin_commands() -> dict[str, Any]:
@@ -122,16 +126,20 @@ def _main(argv: Sequence[str] | None = None) -> int:
   info_p = sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache (--settings: the KILN_* settings)")
   info_p.add_argument("--settings", action="store_true", help="list every KILN_* setting with its value")
   sub.add_parser("demo", help="run the MLP inference demo", add_help=False)
-  sub.add_parser("bench", help="run the benchmarks (from a kiln checkout)", add_help=False)
+  sub.add_parser("bench-suite", help="run kiln's benchmark (from a kiln checkout; a model's: kiln bench MODEL)", add_help=False)
   plugins = plugin_commands()
   for name, ep in sorted(plugins.items()):
     sub.add_parser(name, help=f"from {getattr(getattr(ep, 'dist', None), 'name', None) or 'an installed layer'} (kiln {name} --help)", add_help=False)
+  first = next((a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")), None)
+  if first in LAYERED and first not in plugins:
+    print(f"kiln {first}: comes with kiln-graph, which is not installed here: pip install \"{LAYERED[first]}\"", file=sys.stderr)
+    return 2
   args, rest = ap.parse_known_args(argv)
   if args.cmd in (None, "info"):
     if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return info_settings() if getattr(args, "settings", False) else info()
   if args.cmd in plugins: return _plugin(plugins[args.cmd], rest)
-  return bench(rest) if args.cmd == "bench" else _dispatch(args.cmd, rest)
+  return bench_suite(rest) if args.cmd == "bench-suite" else _dispatch(args.cmd, rest)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

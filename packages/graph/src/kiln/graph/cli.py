@@ -1,95 +1,34 @@
-"""`kiln run model.onnx --input NAME=FILE.npy ... [--dims name=N] [--profile] [--out DIR]`: an ONNX model on kiln from the
-command line. Registered with the `kiln` command through the entry-point group `kiln.commands` (kiln-executor's CLI finds
-it installed; the executor never imports kiln.graph).
+"""`kiln run model.onnx [--input NAME=FILE.npy ...] [--random] [--dims name=N] [--runs N] [--threads N] [--profile]
+[--trace FILE.json] [--out DIR]`: an ONNX model on kiln from the command line. Registered with the `kiln` command through
+the entry-point group `kiln.commands` (kiln-executor's CLI finds it installed; the executor never imports kiln.graph), beside
+`kiln bench` (cli_bench.py) and `kiln inspect` (cli_inspect.py).
 
-Prints each output's shape, dtype and statistics (min, max, mean); `--out DIR` also writes each output as DIR/NAME.npy;
-`--profile` runs once more kernel by kernel and prints the per-kernel profile. A model with a run-time If runs several
-plans (kiln.graph.program): the kernel count sums them all, the profile lists the kernels of the branches taken; so does
-one with a shape computed at run time, compiled from there on for each value (kiln.graph.specialise). A
-symbolic dim with no name is given as INPUT:AXIS (`--dims x:0=4`), as kiln.graph.onnx.load takes it. Bad input (a
-missing or unreadable file, an unknown input name, a wrong shape or dtype, a model kiln cannot load) is one line on
-stderr and exit code 2, no traceback.
+Prints each output's shape, dtype and statistics (min, max, mean); `--out DIR` also writes each output as DIR/NAME.npy.
+`--random` makes the inputs not given from their declared shapes and dtypes (random_feeds.py: the same feeds as `kiln
+bench`). `--runs N` runs N times and prints the first run's time and the median and best of the others. `--profile`
+runs once more kernel by kernel and prints each kernel with the ONNX nodes it covers, then the time per ONNX operator type
+(onnx_profile.py); `--trace FILE.json` writes that run as a Chrome trace (chrome://tracing, Perfetto), each event named
+by its ONNX node. A model with a run-time If runs several plans (kiln.graph.program): the kernel count sums them all, the
+profile lists the kernels of the branches taken, without ONNX nodes; so does one with a shape computed at run time,
+compiled from there on for each value (kiln.graph.specialise). A symbolic dim with no name is given as INPUT:AXIS
+(`--dims x:0=4`), as kiln.graph.onnx.load takes it. Bad input (a missing or unreadable file, an unknown input name, a
+wrong shape or dtype, a model kiln cannot load) is one line on stderr and exit code 2, no traceback.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
-import sys
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from kiln.graph.lazy import GraphError
-from kiln.ir.errors import KilnError
-from kiln.ir.files import open_regular
-
-
-class UsageError(Exception):
-  """Bad command-line input: printed as one line, exit code 2."""
-
-
-def _pairs(items: Sequence[str], what: str) -> list[tuple[str, str]]:
-  out = []
-  for it in items:
-    name, eq, val = it.partition("=")
-    if not eq or not name or not val: raise UsageError(f"{what} takes NAME=VALUE, got {it!r}")
-    out.append((name, val))
-  return out
-
-
-def _read_inputs(items: Sequence[str]) -> dict[str, np.ndarray]:
-  feeds: dict[str, np.ndarray] = {}
-  for name, path in _pairs(items, "--input"):
-    if name in feeds: raise UsageError(f"input {name!r} is given twice")
-    p = Path(path)
-    fd = open_regular(p, f"input {name!r}: the file", UsageError)  # a FIFO would hang np.load
-    try:
-      with os.fdopen(fd, "rb") as f: a = np.load(f, allow_pickle=False)  # a .npy file is untrusted: no pickles
-    except Exception as e: raise UsageError(f"input {name!r}: {path} is not a readable .npy file ({type(e).__name__}: {e})") from e
-    if not isinstance(a, np.ndarray): raise UsageError(f"input {name!r}: {path} holds several arrays (an .npz); give one .npy per input")
-    feeds[name] = a
-  return feeds
-
-
-def _dims(items: Sequence[str]) -> dict[str, int]:
-  out = {}
-  for name, val in _pairs(items, "--dims"):
-    try: n = int(val)
-    except ValueError: raise UsageError(f"--dims {name}={val}: the size must be an integer") from None
-    if n < 1: raise UsageError(f"--dims {name}={val}: the size must be >= 1")
-    out[name] = n
-  return out
-
-
-def _model_inputs(m: object) -> list[tuple[str, list[int | str]]]:
-  """The model's graph inputs (not initializers) and their dims, a name for a symbolic one: its dim_param, or for a dim
-  with no name (or a declared -1) its input's name and axis, "x:0", the key kiln.graph.onnx.load takes it by."""
-  g = m.graph  # type: ignore[attr-defined]
-  inits = {i.name for i in g.initializer}
-  return [(vi.name, [d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or f"{vi.name}:{i}")
-                     for i, d in enumerate(vi.type.tensor_type.shape.dim)])
-          for vi in g.input if vi.name not in inits]
-
-
-def _check_feeds(inputs: list[tuple[str, list[int | str]]], feeds: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, int]:
-  """Names and ranks checked before anything compiles; symbolic dims not given with --dims are taken from the fed arrays."""
-  names = [n for n, _ in inputs]
-  for k in feeds:
-    if k not in names: raise UsageError(f"the model has no input {k!r} (its inputs: {', '.join(names) or 'none'})")
-  dims = dict(dims)
-  for name, shape in inputs:
-    if name not in feeds: raise UsageError(f"input {name!r} (shape {tuple(shape)}) is not given: --input {name}=FILE.npy")
-    a = feeds[name]
-    if a.ndim != len(shape): raise UsageError(f"input {name!r} has shape {a.shape}, the model takes rank {len(shape)} {tuple(shape)}")
-    for i, (d, got) in enumerate(zip(shape, a.shape)):
-      if isinstance(d, str):
-        want = dims.setdefault(d, int(got))
-        if want != got: raise UsageError(f"input {name!r} dim {i} ({d}) is {got}, but {d} = {want}")
-      elif d != got: raise UsageError(f"input {name!r} has shape {a.shape}, the model takes {tuple(shape)}")
-  return dims
+from kiln.graph import cli_args, onnx_profile
+from kiln.graph.cli_args import UsageError
 
 
 def _stats(a: np.ndarray) -> str:
@@ -108,64 +47,82 @@ def _file_name(name: str) -> str:
   return (safe or "output") + ".npy"
 
 
+def _timed_runs(model: Any, feeds: dict[str, np.ndarray], runs: int) -> tuple[dict[str, np.ndarray], list[float]]:
+  """The outputs of the last of `runs` runs, and each run's seconds."""
+  times, outs = [], {}
+  for _ in range(runs):
+    t = time.perf_counter()
+    outs = model.run(feeds)
+    times.append(time.perf_counter() - t)
+  return outs, times
+
+
+def _write(out: str, outs: dict[str, np.ndarray]) -> None:
+  d = Path(out)
+  d.mkdir(parents=True, exist_ok=True)
+  used: set[str] = set()
+  for name, a in outs.items():
+    fn = _file_name(name)
+    while fn in used: fn = fn[:-4] + "_.npy"
+    used.add(fn)
+    np.save(d / fn, a)
+    print(f"  wrote {d / fn}")
+
+
+def _profile(args: argparse.Namespace, model: Any, feeds: dict[str, np.ndarray]) -> None:
+  plans = model.plans
+  prof = model.run_profiled(feeds)[1] if plans else None
+  if not plans: print("profile: every output is a constant, no kernels ran")
+  elif not prof: print("profile: the branches these inputs take run no kernels")
+  else:
+    nodes = onnx_profile.nodes_of(model)
+    taken = ", the branches these inputs take" if len(plans) > 1 else ""
+    print(f"\nper-kernel profile (one run, kernel by kernel{taken}; {prof.total_time * 1e3:.2f} ms in kernels):")
+    print(onnx_profile.table(prof, nodes))
+    if nodes is None: print("(a model of several plans: its kernels are not mapped to ONNX nodes)")
+    else: print("\ntime per ONNX operator (a kernel is charged to the node whose reduction it computes, else the node it writes):\n"
+                + onnx_profile.totals_table(prof, nodes))
+    if args.trace:
+      Path(args.trace).write_text(json.dumps(onnx_profile.chrome_trace(prof, nodes)))
+      print(f"\nwrote the Chrome trace {args.trace}")
+
+
 def run(args: argparse.Namespace) -> int:
   from kiln.graph import onnx as konnx
-  feeds = _read_inputs(args.input)
+  if args.runs < 1: raise UsageError(f"--runs {args.runs}: must be >= 1")
+  cli_args.set_threads(args.threads)
   proto, directory = konnx.read(args.model)  # read once, through every size and file check
-  dims = _check_feeds(_model_inputs(proto), feeds, _dims(args.dims))
+  feeds, dims, notes = cli_args.feeds(konnx._onnx(), proto, args, args.random)
+  for line in notes: print(f"made up: {line}")
   t0 = time.perf_counter()
-  model = konnx.load(proto, device=args.device, dims=dims, directory=directory)
+  model = konnx.load(proto, device=args.device, dims=dims, directory=directory, progress=True)  # a line on stderr for a load over a second
   t1 = time.perf_counter()
-  outs = model.run(feeds)
-  t2 = time.perf_counter()
+  outs, times = _timed_runs(model, feeds, args.runs)
   plans = model.plans  # one, or a program's segments (a run-time If: both sides of each branch; a specialisation: those compiled so far)
   counts = [len(p.kernels) for p in plans]
   what = "both sides of its run-time branches" if model.program is None or not model.program.specialisations() else \
     "its segments, and the rest of the model compiled for the values this run computed"
   where = f" in {len(plans)} plans ({' + '.join(map(str, counts))}: {what})" if len(plans) > 1 else ""
-  print(f"{args.model}: {sum(counts)} kernels{where}, load + compile {(t1 - t0) * 1e3:.0f} ms, run {(t2 - t1) * 1e3:.1f} ms")
+  rest = f"; {len(times) - 1} more: median {statistics.median(times[1:]) * 1e3:.2f} ms, best {min(times[1:]) * 1e3:.2f} ms" if len(times) > 1 else ""
+  print(f"{args.model}: {sum(counts)} kernels{where}, load + compile {(t1 - t0) * 1e3:.0f} ms, run {times[0] * 1e3:.1f} ms{rest}")
   w = max(len(n) for n in outs) if outs else 0
   for name, a in outs.items(): print(f"  {name:<{w}}  {str(a.shape):<16} {a.dtype!s:<8} {_stats(a)}")
-  if args.out:
-    d = Path(args.out)
-    d.mkdir(parents=True, exist_ok=True)
-    used: set[str] = set()
-    for name, a in outs.items():
-      fn = _file_name(name)
-      while fn in used: fn = fn[:-4] + "_.npy"
-      used.add(fn)
-      np.save(d / fn, a)
-      print(f"  wrote {d / fn}")
-  if args.profile:
-    prof = model.run_profiled(feeds)[1] if plans else None
-    if not plans: print("profile: every output is a constant, no kernels ran")
-    elif not prof: print("profile: the branches these inputs take run no kernels")
-    else:
-      taken = ", the branches these inputs take" if len(plans) > 1 else ""
-      print(f"\nper-kernel profile (one run, kernel by kernel{taken}; {prof.total_time * 1e3:.2f} ms in kernels):")
-      print(prof.table())
+  if args.out: _write(args.out, outs)
+  if args.profile or args.trace: _profile(args, model, feeds)
   return 0
 
 
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="kiln run", description="Run an ONNX model on kiln: load, fuse, compile, run; print the outputs.")
-  ap.add_argument("model", help="the .onnx file (external data files beside it are mapped, not read)")
-  ap.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="one model input from a .npy file (repeat)")
-  ap.add_argument("--dims", "-d", action="append", default=[], metavar="NAME=N",
-                  help="the size of a symbolic input dim, an unnamed one as INPUT:AXIS (repeat; default: taken from the input arrays)")
-  ap.add_argument("--profile", action="store_true", help="print the per-kernel profile of one more run")
+  cli_args.add_model_args(ap)
+  ap.add_argument("--random", "-r", action="store_true", help="make up the inputs not given, from their declared shapes and dtypes (as kiln bench)")
+  ap.add_argument("--runs", "-n", type=int, default=1, metavar="N", help="run N times (default 1): the first run's time, the others' median and best")
+  ap.add_argument("--profile", action="store_true", help="profile one more run: each kernel and the ONNX nodes it covers, time per operator type")
+  ap.add_argument("--trace", metavar="FILE.json", help="write the profiled run as a Chrome trace, its events named by ONNX node (implies --profile)")
   ap.add_argument("--out", "-o", metavar="DIR", help="write each output to DIR/NAME.npy")
-  ap.add_argument("--device", default="CPU", help="the device to run on (default CPU)")
   return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)  # argparse errors exit 2 with a usage line
-  try: return run(args)
-  except UsageError as e: msg = str(e)
-  except GraphError as e: msg = str(e)  # ONNXError too: the model cannot be loaded, or a feed does not fit it
-  except KilnError as e:  # a layer below: device, memory, cache
-    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-  except OSError as e: msg = f"{type(e).__name__}: {e}"  # --out not writable, a file vanished
-  print(f"kiln run: error: {msg}", file=sys.stderr)
-  return 2
+  return cli_args.guarded("kiln run", lambda: run(args))

@@ -44,7 +44,7 @@ from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_val
 from kiln.graph.onnx_ops_flow import FLOW
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
-from kiln.graph.provenance import Origin, made_by
+from kiln.graph.provenance import made_by, of_node
 from kiln.graph.progress import Progress, report, reporting
 from kiln.graph.schedule import Compiled
 from kiln.graph.specialise import Cut, RuntimeValue, unspecialisable
@@ -190,7 +190,7 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
     if proto.op_type == "Conv": folds.conv(n, env)  # the batch norm reading it scales its weights instead
     out: Any
     try:
-      with made_by(Origin(n.name, proto.op_type)):  # the graph nodes it makes remember it (provenance.py: a profile names it)
+      with made_by(of_node(ctx.path, proto)):  # the graph nodes it makes remember it (provenance.py: a profile names it)
         if flow is not None: out = flow[0](n, ctx, env)
         elif folds.passes_through(proto): out = n.t(0)
         elif (empty := empty_outputs(n, ctx.onnx)) is not None: out = empty  # an input with a dim of 0 (onnx_empty.py)

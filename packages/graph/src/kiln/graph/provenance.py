@@ -20,6 +20,13 @@ class Origin(NamedTuple):
   op_type: str
 
 
+def of_node(path: str, proto: Any) -> Origin:
+  """An ONNX NodeProto's origin; a node with no name is named by its operator and first output ('<Relu y>'), unique in
+  its graph as an output name is."""
+  out = next((o for o in proto.output if o), "")
+  return Origin(path + (proto.name or f"<{proto.op_type} {out}>"), proto.op_type)
+
+
 _current: ContextVar[Origin | None] = ContextVar("kiln_graph_origin", default=None)
 
 
