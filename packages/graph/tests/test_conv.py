@@ -100,8 +100,11 @@ def test_conv_kernels() -> None:
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
   c = compile([x.conv2d(Tensor(rand(16, 8, 1, 1)), Tensor(rand(16)))])
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()  # product, bias
-  c = compile([x.conv2d(Tensor(rand(8, 1, 3, 3)), padding=1, groups=8)])
+  xw = Tensor.input("x", (2, 8, 10, 20))  # rows of at least BLOCK outputs: a depthwise conv stays NCHW
+  c = compile([xw.conv2d(Tensor(rand(8, 1, 3, 3)), padding=1, groups=8)])
   assert c.kernel_count == 1 and matmul_kernels(c) == [], c.plan.describe()  # depthwise: the window sum, padding inline
+  c = compile([x.conv2d(Tensor(rand(8, 1, 3, 3)), padding=1, groups=8)])  # narrower rows: the blocked layout
+  assert c.kernel_count == 3 and matmul_kernels(c) == [], c.plan.describe()  # to blocks, the window sum, back to NCHW
   # a weight that is not an array is realized as a flat (O, C*kh*kw) matrix first: one more kernel
   w = Tensor.input("w", (16, 8, 3, 3))
   c = compile([x.conv2d(w, padding=1)])
@@ -156,7 +159,7 @@ def test_depthwise_input_computed_once() -> None:
   """A depthwise conv reads each input element once per tap of its windows: a computed input (here a relu) is realized
   first, so the window sum reads a buffer instead of recomputing the relu per tap."""
   from kiln.ir.ops import Ops
-  x, w = rand(2, 4, 6, 6), rand(4, 1, 3, 3)
+  x, w = rand(2, 4, 6, 18), rand(4, 1, 3, 3)
   c = compile([Tensor.input("x", x.shape).relu().conv2d(Tensor(w), padding=1, groups=4)])
   sums = [k.ast.arg for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
   assert c.kernel_count == 2 and len(sums) == 1 and sums[0] not in _alu_max_kernels(c), c.plan.describe()
@@ -164,15 +167,51 @@ def test_depthwise_input_computed_once() -> None:
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
 
 
-def test_depthwise_narrow_rows_vectorised() -> None:
-  """A depthwise conv over a 9-wide map (ConvMixer's) takes its output rows as one 9-lane vector, not a scalar loop."""
+def test_depthwise_narrow_rows_vectorised(monkeypatch) -> None:
+  """A depthwise conv over a 9-wide map (ConvMixer's) in NCHW takes its output rows as one 9-lane vector, not a scalar loop."""
+  from kiln.graph import conv
   from kiln.ir.ops import Ops
+  monkeypatch.setattr(conv, "DEPTHWISE_BLOCKED", False)
   x, w = rand(2, 4, 9, 9), rand(4, 1, 5, 5)
   c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), padding=2, groups=4)])
   k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
   opts = heuristic_opts(prepare(k.ast)[0], Target(vector_bytes=64, threads=2))
   assert any(o.op is OptOps.UPCAST and o.amount == 9 for o in opts), opts
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(2, 2)] * 2, [1, 1], 4), rtol=1e-4, atol=1e-4)
+
+
+# (input shape, kernel, stride, padding, dilation): depthwise convs whose output rows are narrower than
+# a block, so they run in the blocked layout: channels that fill no block, one block and a half, strides, dilation, 1-d
+BLOCKED = [((2, 5, 6, 6), (3, 3), 1, 1, 1), ((2, 24, 4, 4), (5, 5), 1, 4, 2), ((1, 16, 9, 8), (3, 3), 2, ((1, 0), (1, 1)), 1),
+           ((2, 40, 7, 5), (5, 3), (2, 1), 2, (1, 2)), ((2, 6, 2, 2), (5, 5), 1, 2, 1), ((2, 20, 11), (7,), 1, 3, 1)]
+
+
+@pytest.mark.parametrize("xs,ks,stride,padding,dilation", BLOCKED)
+@pytest.mark.parametrize("weight", ["array", "input"])
+def test_depthwise_blocked_matches_numpy(xs, ks, stride, padding, dilation, weight: str) -> None:
+  """A depthwise conv in the blocked channel layout against numpy: channels padded to whole blocks and cropped, the pad
+  read in place, a weight array reordered in numpy or a computed weight reordered by a kernel, the bias per channel."""
+  x, w, b = rand(*xs), rand(xs[1], 1, *ks), rand(xs[1])
+  d = len(ks)
+  st, pads, dl = _spec(stride, padding, dilation, d)
+  wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
+  c = compile([Tensor.input("x", xs).conv2d(wt, Tensor(b), stride=stride, padding=padding, dilation=dilation, groups=xs[1])])
+  assert any(k.ast.arg.endswith("x16") for k in c.kernels), c.plan.describe()  # the window sum over (N, C/16, *out, 16)
+  got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
+  np.testing.assert_allclose(got, conv_ref(x, w, b, st, pads, dl, xs[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_depthwise_blocked_vectorised_across_channels() -> None:
+  """The blocked window sum's vector is the 16 channels of a block (the last axis), whatever the rows' width."""
+  from kiln.ir.ops import Ops
+  x, w = rand(2, 32, 4, 4), rand(32, 1, 5, 5)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), padding=2, groups=32)])
+  k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  ast = prepare(k.ast)[0]
+  last = max(u.arg[0] for u in ast.toposort() if u.op is Ops.RANGE and u.arg[1].name == "LOOP")
+  for t in (Target(vector_bytes=64, threads=2), Target(vector_bytes=32, threads=2)):
+    assert any(o.op is OptOps.UPCAST and o.axis == last and o.amount in (8, 16) for o in heuristic_opts(ast, t)), heuristic_opts(ast, t)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(2, 2)] * 2, [1, 1], 32), rtol=1e-4, atol=1e-4)
 
 
 def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:

@@ -1,11 +1,13 @@
 """Convolution built from the graph's primitives: per group a matrix product over the window view of the input (the
 codegen tiles it as a matmul), Winograd F(4x4, 3x3) where its cost rule says so (winograd.py), or, for a depthwise conv,
-a sum over each window. Tensor.conv2d calls `conv`; this module makes new tensors through its operands' type, so it
+a sum over each window (in NCHW, or in a blocked channel layout where the output rows are narrower than a block). Tensor.conv2d calls `conv`; this module makes new tensors through its operands' type, so it
 imports Tensor only for type checking (tensor.py imports this module)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import winograd
@@ -34,7 +36,8 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   tiles; what follows reads it through an NCHW view (the bias, batch norm and relu become the product kernel's epilogue
   when their readers read each element at least once: epilogue.py). A depthwise conv (one input
   and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
-  where that input is computed (every tap reads each element)."""
+  where that input is computed (every tap reads each element); where its output rows are narrower than BLOCK, in the
+  blocked channel layout (_window_conv_blocked), whose vector runs across channels instead of along a row."""
   d = weight.ndim - 2
   if x.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {x.shape} and weight {weight.shape} need the same rank >= 3")
   sym.require_static("conv", x.shape, range(1, x.ndim))
@@ -52,6 +55,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
+    if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
     if prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
     return _window_conv(xp, w, st, dl, groups, bias)
   if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
@@ -108,3 +112,51 @@ def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: in
   win = xp.windows(sym.static_shape("conv (weight)", w.shape)[2:], st, dl)  # (N, C, *out, *k)
   y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
   return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
+
+
+# a depthwise conv whose output rows are narrower than BLOCK runs in the blocked channel layout (_window_conv_blocked);
+# False: always NCHW, for comparison
+DEPTHWISE_BLOCKED = True
+BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
+
+
+def _row(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> int:
+  """The width of the conv's output rows (its last spatial axis)."""
+  n = int(x.shape[-1]) + pads[-1][0] + pads[-1][1]
+  return (n - dl[-1] * (ks[-1] - 1) - 1) // st[-1] + 1
+
+
+def _window_conv_blocked(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], st: list[int], dl: list[int], bias: Tensor | None) -> Tensor:
+  """A depthwise conv in a blocked channel layout (oneDNN's nChw16c): the input realized as (N, C/16, *sp, 16), the window
+  sum computed as (N, C/16, *out, 16) and copied back to NCHW. The 16 channels of a block are contiguous, so the codegen's
+  vector runs across them: a tap's load is one vector whose pad bounds test is the same for every lane (a masked load,
+  not a gate per lane), the weight, stored (C/16, *k, 16), one contiguous vector per tap, and a block's plane stays in
+  the L1 cache while its windows slide over it. In NCHW the vector ran along an output row, a few lanes wide on a
+  mobile net's small maps (2 to 14), each lane gated. C is padded with zero channels to a multiple of 16."""
+  d = w.ndim - 2
+  ks = sym.static_shape("conv (weight)", w.shape)[2:]
+  c = x.shape[1]
+  cb = -(-c // BLOCK)
+  sp = x.shape[2:]
+  xb = x.pad(((0, 0), (0, cb * BLOCK - c), *[(0, 0)] * d)) if cb * BLOCK != c else x
+  xb = xb.reshape(x.shape[0], cb, BLOCK, *sp).permute(0, 1, *range(3, 3 + d), 2).contiguous()  # (N, CB, *sp, B)
+  xb = xb.pad(((0, 0), (0, 0), *pads, (0, 0)))  # read in place through the pad's bounds test
+  win = xb.permute(0, 1, 2 + d, *range(2, 2 + d)).windows(ks, st, dl)  # (N, CB, B, *out, *k)
+  win = win.permute(0, 1, *range(3, 3 + d), 2, *range(3 + d, 3 + 2 * d))  # (N, CB, *out, B, *k)
+  if (data := w.node.data) is not None:
+    wd = np.zeros((cb * BLOCK, *ks), data.dtype)
+    wd[:c] = data.reshape(c, *ks)
+    wk = type(w)(np.ascontiguousarray(np.moveaxis(wd.reshape(cb, BLOCK, *ks), 1, -1)))  # (CB, *k, B)
+  else:
+    wp = w.reshape(c, *ks)
+    wp = wp.pad(((0, cb * BLOCK - c), *[(0, 0)] * d)) if cb * BLOCK != c else wp
+    wk = wp.reshape(cb, BLOCK, *ks).permute(0, *range(2, 2 + d), 1).contiguous()
+  wk = wk.permute(0, 1 + d, *range(1, 1 + d))  # (CB, B, *k)
+  y = (win * wk.reshape(1, cb, *[1] * d, BLOCK, *ks)).sum(tuple(range(3 + d, 3 + 2 * d)))  # (N, CB, *out, B)
+  if bias is not None:
+    bb = bias.pad(((0, cb * BLOCK - c),)) if cb * BLOCK != c else bias
+    y = y + bb.reshape(1, cb, *[1] * d, BLOCK)
+  y = y.contiguous()
+  out = y.shape[2:2 + d]
+  y = y.permute(0, 1, 2 + d, *range(2, 2 + d)).reshape(x.shape[0], cb * BLOCK, *out)
+  return y.slice([0], [c], [1]) if cb * BLOCK != c else y
