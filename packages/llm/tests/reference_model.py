@@ -154,3 +154,22 @@ def write_hf(folder: Path, arch: str, W: dict[str, np.ndarray]) -> Path:
   (folder / "config.json").write_text(json.dumps(HF_CONFIGS[arch]))
   save_safetensors(str(folder / "model.safetensors"), W)
   return folder
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+  """A character-level tokenizer.json (tokenizers' BPE with no merges) with ChatML's special tokens and template, eos
+  <|im_end|>, its vocabulary filled up to vocab_size with tokens text never encodes to (<x40>: no merges make them)."""
+  from tokenizers import Tokenizer, decoders, models
+  specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+  vocab = {t: i for i, t in enumerate(specials + list("abcdefghijklmnopqrstuvwxyz .,!?\n"))}
+  vocab.update({f"<x{i}>": i for i in range(len(vocab), vocab_size)})
+  tk = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+  tk.add_special_tokens(specials)
+  tk.decoder = decoders.Fuse()
+  tk.save(str(folder / "tokenizer.json"))
+  (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False,
+                                                            "chat_template": CHATML}))

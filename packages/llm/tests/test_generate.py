@@ -1,0 +1,84 @@
+"""load() on a Hugging Face folder written by the test (config.json, model.safetensors, a character tokenizer), and the
+LLM's logits, generate and chat against the numpy reference (reference_model.py); `kiln generate` on the same folder."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from reference_model import config, logits, weights, write_hf, write_tokenizer
+
+from kiln.executor import cache_stats
+from kiln.llm import LLM, load
+from kiln.llm.cli import main
+from kiln.llm.kv import ContextFullError
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, dict]:
+  cfg = config("mistral")  # untied: random weights whose greedy tokens vary (a tied head mostly repeats the last token)
+  W = weights(cfg, seed=5)
+  folder = write_hf(tmp_path_factory.mktemp("mistral"), "mistral", W)
+  write_tokenizer(folder, cfg.vocab_size)
+  return load(folder, context=48, chunk=8), W
+
+
+def _greedy(cfg, W, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+  """The reference's greedy continuation, one full forward pass per token."""
+  out = list(ids)
+  for _ in range(n): out.append(int(np.argmax(logits(cfg, W, np.array(out))[-1])))
+  return out[len(ids):]
+
+
+def test_logits_and_greedy_generation_match_the_reference(model: tuple[LLM, dict]):
+  llm, W = model
+  ids = llm.tokenizer.encode("hello world")
+  got = llm.logits(ids)
+  want = logits(llm.config, W, np.array(ids))
+  assert got.dtype == np.float32 and got.shape == (len(ids), llm.config.vocab_size)
+  assert np.abs(got - want).max() / np.abs(want).max() <= TOL
+  stop = llm.tokenizer.stop_ids
+  gen = list(llm.generate(ids, max_new_tokens=12, stop=[]))
+  ref = _greedy(llm.config, W, ids, 12)
+  cut = next((i for i, t in enumerate(ref) if t in stop), len(ref))  # generate ends at the tokenizer's end-of-turn
+  assert gen == ref[:cut]
+  compiles = cache_stats()["compiles"]
+  llm.logits(ids)  # the cache holds ids
+  again = list(llm.generate(ids + gen[:3], max_new_tokens=5))  # continues from the cached prefix: only 3 tokens run
+  assert llm.timings.prefill_tokens == 3 and cache_stats()["compiles"] == compiles
+  assert again == _greedy(llm.config, W, ids + gen[:3], 5)[:len(again)]
+
+
+def test_sampling_stop_and_context(model: tuple[LLM, dict]):
+  llm, _ = model
+  ids = llm.tokenizer.encode("abc")
+  a = list(llm.generate(ids, max_new_tokens=10, temperature=1.0, top_k=20, seed=11))
+  assert a == list(llm.generate(ids, max_new_tokens=10, temperature=1.0, top_k=20, seed=11))
+  greedy = list(llm.generate(ids, max_new_tokens=6, stop=[]))
+  assert len(greedy) == 6
+  assert list(llm.generate(ids, max_new_tokens=6, stop=[greedy[2]])) == greedy[:greedy.index(greedy[2])]  # the stop token is not yielded
+  assert list(llm.generate(ids, max_new_tokens=0)) == []
+  long = list(llm.generate(ids, max_new_tokens=100, stop=[]))  # context 48: at most 48 - 3 tokens fit after the prompt ... plus the last, unfed
+  assert len(long) <= 48 - len(ids) + 1
+  with pytest.raises(ContextFullError): list(llm.generate(list(range(5)) * 10))
+
+
+def test_chat_streams_the_reply_text(model: tuple[LLM, dict]):
+  llm, W = model
+  msgs = [{"role": "user", "content": "hi there"}]
+  ids = llm.tokenizer.encode_chat(msgs)
+  assert llm.tokenizer.decode(ids).startswith("<|im_start|>user\nhi there<|im_end|>")
+  text = "".join(llm.chat(msgs, max_new_tokens=8))
+  toks = list(llm.generate(ids, max_new_tokens=8))
+  assert text == llm.tokenizer.decode(toks, skip_special=True)
+
+
+def test_kiln_generate_command(model: tuple[LLM, dict], capsys: pytest.CaptureFixture):
+  llm, _ = model
+  folder = str(Path(llm.checkpoint.path))
+  assert main([folder, "-p", "hello", "-n", "4"]) == 0
+  out, err = capsys.readouterr()
+  assert out.startswith("hello") and "decode" in err and "tokens/s" in err
+  assert main([folder, "-p", "hi", "-n", "3", "--chat", "--temp", "0.8", "--seed", "1"]) == 0
+  assert main([folder + "/nope", "-p", "x"]) == 2
+  assert "kiln generate: error" in capsys.readouterr().err
