@@ -180,11 +180,17 @@ class Specialise:
       self.unbounded = tail.steps[0].why
       return None
     t: Tail | None = tail
-    while t is not None and t.then is not None:  # a later cut on a value computed from the length: that one needs it as a number
-      if _mentions([n for _, n in t.then.cut.needed], var):
-        self.unbounded = f"{t.then.cut.label} needs a value computed from it ({', '.join(k for k, _ in t.then.cut.needed)}) as a number"
+    while t is not None and t.then is not None:  # the later cuts of the chain
+      later = t.then
+      if _mentions([n for _, n in later.cut.needed], var):  # it reads back a value computed from the length: it needs a number
+        self.unbounded = f"{later.cut.label} needs a value computed from it ({', '.join(k for k, _ in later.cut.needed)}) as a number"
         return None
-      t = t.then._bounded[0] if t.then._bounded is not None else None
+      if later._bounded is None:  # converted per value at run time: with this length still a variable, if it reaches there
+        if _mentions(later.cut.keep, var):
+          self.unbounded = f"{later.cut.label} is converted per value at run time ({later.unbounded or 'not a length'}), and reads it"
+          return None
+        break
+      t = later._bounded[0]
     return tail, slot
 
   def run(self, vals: dict[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
