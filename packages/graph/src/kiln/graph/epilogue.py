@@ -39,17 +39,37 @@ def _is_product(n: Node) -> bool:
   return n.op == "REDUCE"
 
 
-def _chain(r: Node, readers: Mapping[Node, list[Node]], outputs: set[Node]) -> list[Node]:
-  """The elementwise chain after r: each node the sole reader of the one before, ending on an elementwise op."""
-  chain: list[Node] = []
-  cur = r
-  while cur not in outputs and len(rs := readers[cur]) == 1:
-    p = rs[0]
-    if p.realize or p in outputs or not (p.op == "ALU" or p.op == "VIEW" and p.arg[0] == "reshape"): break
-    chain.append(p)
-    cur = p
-  while chain and chain[-1].op != "ALU": chain.pop()  # a trailing reshape stays a view of the buffer
-  return chain
+def _chain(r: Node, readers: Mapping[Node, list[Node]], outputs: set[Node], order: Mapping[Node, int]) -> list[Node]:
+  """The elementwise ops after r in graph order (`order`), ending on the one whose value leaves them (T): the nodes
+  between r and T, every reader of r and of each of them but T among them. A chain where each node is the sole reader
+  of the one before, or a diamond that reads a value twice (exact GELU x * (1 + erf(x / sqrt 2)) / 2, SiLU x * sigmoid x:
+  a chain stopped at its fork, so a conv's GELU ran in its reader, Whisper's layer norm computing erf three times per
+  element). The largest such T; none where r's readers branch to anything else."""
+  if r in outputs: return []
+  region = {r}  # r and the elementwise nodes it reaches through readers (a graph output needs its own value: not one)
+  todo = [r]
+  while todo:
+    for p in readers[todo.pop()]:
+      if p in region or p.realize or p in outputs or not (p.op == "ALU" or p.op == "VIEW" and p.arg[0] == "reshape"): continue
+      region.add(p)
+      todo.append(p)
+  for t in sorted((n for n in region if n.op == "ALU"), key=lambda n: -order[n]):
+    between = _between(r, t, region)
+    if all(set(readers[n]) <= between for n in between if n is not t): return sorted(between - {r}, key=lambda n: order[n])
+  return []
+
+
+def _between(r: Node, t: Node, region: set[Node]) -> set[Node]:
+  """r, t and the nodes of region on the paths from r to t."""
+  memo: dict[Node, bool] = {r: True}
+  todo = [t]
+  while todo:  # each node's sources first: a node reaches r when one of its sources in region does
+    n = todo[-1]
+    if n in memo: todo.pop(); continue
+    if pending := [s for s in n.src if s in region and s not in memo]: todo += pending; continue
+    memo[n] = any(memo.get(s, False) for s in n.src)
+    todo.pop()
+  return {n for n, ok in memo.items() if ok}
 
 
 def _reads_per_element(n: Node, readers: Mapping[Node, list[Node]]) -> float:
@@ -74,24 +94,25 @@ def _rebuild(n: Node, src: tuple[Node, ...]) -> Node:
 
 def _fused(r: Node, chain: Sequence[Node], new: Mapping[Node, Node]) -> Node:
   """The chain computed in r's shape over r's own computation (not its buffer), realized: r's kernel with the chain as its
-  epilogue. new maps the original graph's nodes to the rewritten ones."""
+  epilogue. new maps the original graph's nodes to the rewritten ones; the chain's reshapes are its values in r's shape."""
   shape = r.shape
-  prev, cur = Node(r.op, tuple(new[s] for s in r.src), r.arg, r.shape, r.dtype, origin=r.origin), r  # r, no longer realized
+  made = {r: Node(r.op, tuple(new[s] for s in r.src), r.arg, r.shape, r.dtype, origin=r.origin)}  # r, no longer realized
   for p in chain:
     if p.op == "ALU":
-      src = tuple(prev if s is cur else _as_shape(new[s], shape) for s in p.src)
-      prev = Node("ALU", src, p.arg, shape, p.dtype, origin=p.origin)
-    cur = p
-  return Node(prev.op, prev.src, prev.arg, shape, prev.dtype, realize=True, origin=prev.origin)
+      src = tuple(made[s] if s in made else _as_shape(new[s], shape) for s in p.src)
+      made[p] = Node("ALU", src, p.arg, shape, p.dtype, origin=p.origin)
+    else: made[p] = made[p.src[0]]
+  last = made[chain[-1]]
+  return Node(last.op, last.src, last.arg, shape, last.dtype, realize=True, origin=last.origin)
 
 
 def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:
   """Each node of the graph of outputs -> its node in the rewritten graph (the table in the module's docstring)."""
   nodes = toposort(list(outputs))
-  readers, outs = consumers(nodes), set(outputs)
+  readers, outs, order = consumers(nodes), set(outputs), {n: i for i, n in enumerate(nodes)}
   moves: dict[Node, tuple[Node, list[Node]]] = {}  # the chain's last node -> (the product, the chain)
   for r in nodes:
-    if _is_product(r) and (chain := _chain(r, readers, outs)) and _reads_per_element(chain[-1], readers) >= 1:
+    if _is_product(r) and (chain := _chain(r, readers, outs, order)) and _reads_per_element(chain[-1], readers) >= 1:
       moves[chain[-1]] = (r, chain)
   new: dict[Node, Node] = {}
   for n in nodes:  # sources first, so a chain's operands are already rewritten when it is

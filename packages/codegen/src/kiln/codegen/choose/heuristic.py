@@ -285,9 +285,12 @@ def _matmul_like(st: UOp, out_axes: list[UOp], red_axes: list[UOp], reduces: lis
 
 def operand_load(u: UOp) -> UOp | None:
   """u's LOAD when u is a load, or a load under a bounds test that gives a constant outside (a padded conv's input:
-  WHERE(valid, LOAD(buffer, index, gate valid), 0)); else None."""
+  WHERE(valid, LOAD(buffer, index, gate valid), 0), or WHERE(out, 0, LOAD(...)) where the only test left is one bound, as
+  simplified: a strided 1-d conv whose windows pass only the start, Whisper's second conv); else None."""
   if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX: return u
-  if u.op is Ops.WHERE and u.src[1].op is Ops.LOAD and u.src[1].src[0].op is Ops.INDEX and u.src[2].op is Ops.CONST: return u.src[1]
+  if u.op is Ops.WHERE:
+    for ld, c in ((u.src[1], u.src[2]), (u.src[2], u.src[1])):
+      if ld.op is Ops.LOAD and ld.src[0].op is Ops.INDEX and c.op is Ops.CONST: return ld
   return None
 
 

@@ -1,0 +1,73 @@
+"""Convs as transformers' stems use them (Whisper's: 1-d, stride 2, GELU, then channels last into a layer norm): the
+product stays a register-tiled product where only its window start is padded, and epilogues that read the product twice
+(exact GELU and SiLU fork on their input, kiln.graph.epilogue) move into the conv's kernel as a whole, unless a value
+inside them has a reader outside."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.codegen.choose import OptOps, Target, heuristic_opts
+from kiln.codegen.lowering.prepare import prepare
+from kiln.graph import Tensor, compile
+from kiln.graph.schedule import Compiled
+from kiln.ir.ops import Ops
+
+RNG = np.random.default_rng(37)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+def _with(c: Compiled, op: Ops) -> list[str]:
+  return [k.ast.arg for k in c.kernels if any(u.op is op for u in k.ast.toposort())]
+
+
+def _conv1d(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """float64 1-d conv, padding 1, stride 2 (Whisper's second conv)."""
+  xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1)))
+  n = (xp.shape[2] - w.shape[2]) // 2 + 1
+  cols = np.stack([xp[:, :, k:k + 2 * n - 1:2] for k in range(w.shape[2])], -1)  # (N, C, n, k)
+  return np.einsum("ncjk,ock->noj", cols, w.astype(np.float64)) + b.astype(np.float64)[:, None]
+
+
+def _gelu(v: np.ndarray) -> np.ndarray: return v * 0.5 * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+
+
+def test_conv_padded_at_the_start_only_is_a_tiled_product() -> None:
+  """Whisper's second conv (k=3, stride 2, padding 1 over an even length) passes only the start of its input: one bounds
+  test left, simplified to WHERE(out, 0, load). Still a register-tiled product with a packed panel (it was a loop
+  gathering every lane, a sixth of the speed)."""
+  x, w, b = rand(2, 16, 32), rand(32, 16, 3), rand(32)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), stride=2, padding=1)])
+  tiled = [k for k in c.kernels if {OptOps.PACK, OptOps.UNROLL} <= {o.op for o in heuristic_opts(prepare(k.ast)[0], Target(threads=2))}]
+  assert len(tiled) == 1, c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], _conv1d(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_gelu_after_a_conv_runs_in_its_kernel() -> None:
+  """Conv, exact GELU, channels last, layer norm over the channels: erf runs in the product's kernel only (in the layer
+  norm it ran three times per element: for the mean, the variance and the output)."""
+  x, w, b = rand(2, 8, 12), rand(16, 8, 3), rand(16)
+  y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), stride=2, padding=1).gelu().permute(0, 2, 1).layernorm()
+  c = compile([y])
+  sums = _with(c, Ops.REDUCE)
+  assert len(sums) == 2 and _with(c, Ops.ERF) == sums[:1], c.plan.describe()  # the product with GELU, the norm
+  g = _gelu(_conv1d(x, w, b)).transpose(0, 2, 1)
+  d = g - g.mean(-1, keepdims=True)
+  np.testing.assert_allclose(c.run({"x": x})[0], d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5), rtol=1e-4, atol=1e-4)
+
+
+def test_silu_after_a_conv_runs_in_its_kernel_unless_its_input_is_read_elsewhere() -> None:
+  x, w, b = rand(2, 8, 12), rand(16, 8, 3), rand(16)
+  y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), stride=2, padding=1)
+  ref = _conv1d(x, w, b)
+  c = compile([y.silu().mean(-1)])
+  assert _with(c, Ops.EXP2) == _with(c, Ops.REDUCE)[:1], c.plan.describe()  # x * sigmoid(x): exp in the product's kernel
+  np.testing.assert_allclose(c.run({"x": x})[0], (ref / (1 + np.exp(-ref))).mean(-1), rtol=1e-4, atol=1e-5)
+  c = compile([y.silu().mean(-1), y.max(-1)])  # the product has a reader outside the SiLU: it stays where it was
+  assert len(_with(c, Ops.EXP2)) == 1 and _with(c, Ops.EXP2) != _with(c, Ops.REDUCE)[:1], c.plan.describe()
+  got = c.run({"x": x})
+  np.testing.assert_allclose(got[0], (ref / (1 + np.exp(-ref))).mean(-1), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got[1], ref.max(-1), rtol=1e-5, atol=1e-5)
