@@ -12,7 +12,8 @@ name) is mapped to the distribution that provides it. Then, per package:
 - every declared dependency, and every extra's, must be imported somewhere (no dead requirements);
 - a kiln layer imports only the layers below it (docs/architecture.md): kiln.ir nothing, kiln.codegen only kiln.ir, a
   runtime kiln.ir and kiln.codegen (never another runtime or the executor), the executor kiln.ir and kiln.codegen
-  (it finds runtimes through the entry-point group `kiln.devices`), the graph layer kiln.ir, kiln.codegen and the executor.
+  (it finds runtimes through the entry-point group `kiln.devices`), the graph layer kiln.ir, kiln.codegen and the executor,
+  kiln.llm (language models) the graph layer and those below it.
 
 And for the family: one version (every version.py and the meta-package's agree), sibling requirements are compatible
 ranges that contain it, and the meta-package pins the exact set.
@@ -45,7 +46,7 @@ class Package:
 
 
 IR, CODEGEN, CPU, CUDA, EXECUTOR, GRAPH = "kiln-uop-ir", "kiln-codegen", "kiln-runtime-cpu", "kiln-runtime-cuda", "kiln-executor", "kiln-graph"
-DISTRIBUTED = "kiln-distributed"
+DISTRIBUTED, LLM = "kiln-distributed", "kiln-llm"
 PACKAGES = [
   Package("uop-ir", IR, "kiln.ir", frozenset()),
   Package("codegen", CODEGEN, "kiln.codegen", frozenset({IR})),
@@ -54,12 +55,13 @@ PACKAGES = [
   Package("executor", EXECUTOR, "kiln.executor", frozenset({IR, CODEGEN})),
   Package("graph", GRAPH, "kiln.graph", frozenset({IR, CODEGEN, EXECUTOR})),
   Package("distributed", DISTRIBUTED, "kiln.distributed", frozenset({IR, EXECUTOR})),
+  Package("llm", LLM, "kiln.llm", frozenset({IR, CODEGEN, EXECUTOR, GRAPH})),
 ]
 KILN_MODULES = {p.module: p.dist for p in PACKAGES}
 KILN_NAMESPACES = {"kiln", "kiln.runtime"}  # PEP 420 namespaces: importing them names no distribution
 THIRD_PARTY = {"numpy": "numpy", "pydantic": "pydantic", "pydantic_core": "pydantic-core", "llvmlite": "llvmlite", "pycuda": "pycuda",
                "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx",
-               "ray": "ray", "tqdm": "tqdm", "cuda": "cuda-python"}
+               "ray": "ray", "tqdm": "tqdm", "cuda": "cuda-python", "gguf": "gguf", "tokenizers": "tokenizers", "jinja2": "jinja2"}
 # distributions that must never be a base dependency: only this extra of this package may declare them
 EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx"), "cuda-python": (CUDA, "cuda-python")}
 # undeclared distributions a package may import lazily or guarded (never at module level), each with its reason;
@@ -277,7 +279,7 @@ def test_sibling_requirements_are_compatible_ranges() -> None:
 def test_meta_package_pins_the_family() -> None:
   version = family_versions()["kiln"]
   base, extras = _requirements(tomllib.loads((ROOT / "pyproject.toml").read_text()))
-  core = {p.dist for p in PACKAGES} - {DISTRIBUTED}  # Ray is heavy: kiln-distributed is the extra kiln[distributed]
+  core = {p.dist for p in PACKAGES} - {DISTRIBUTED, LLM}  # Ray is heavy: kiln-distributed is the extra kiln[distributed]; kiln-llm kiln[llm]
   assert set(base) == core, f"the meta-package must depend on exactly the six core layers, has {sorted(base)}"
   for d, req in base.items():
     assert str(req.specifier) == f"=={version}" and not req.extras and req.marker is None, f"kiln: {req} must be {d}=={version}"
@@ -287,6 +289,8 @@ def test_meta_package_pins_the_family() -> None:
   dist = extras.get("distributed", {})
   assert set(dist) == {DISTRIBUTED} and str(dist[DISTRIBUTED].specifier) == f"=={version}", \
     f"kiln[distributed] must be {DISTRIBUTED}=={version}, is {[str(r) for r in dist.values()]}"
+  llm = extras.get("llm", {})
+  assert set(llm) == {LLM} and str(llm[LLM].specifier) == f"=={version}", f"kiln[llm] must be {LLM}=={version}, is {[str(r) for r in llm.values()]}"
 
 
 # --- packaging metadata that every distribution carries --------------------------------------------------------------

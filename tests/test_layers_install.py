@@ -4,7 +4,8 @@ it must not pull in, are absent.
 
 Adding a layer is one line in LAYERS. Each layer also runs a smoke check of what it can do alone: codegen renders a
 matmul to LLVM IR and CUDA C with neither llvmlite nor pycuda; runtime-cpu compiles and runs it; runtime-cuda without
-its driver extra says what to install; the executor without a runtime says which one is missing.
+its driver extra says what to install; the executor without a runtime says which one is missing; llm opens a GGUF file
+written by the gguf package's writer and refuses a truncated one.
 The venvs are built once per session, in parallel threads."""
 from __future__ import annotations
 
@@ -111,6 +112,36 @@ assert Placement(resources={"host1": 1}).actor_options()["resources"] == {"host1
 report["typed_errors"] = True
 """
 
+CHECK_LLM = """
+import os, tempfile
+import gguf
+import numpy as np
+from gguf.quants import dequantize, quantize
+from kiln.llm.checkpoint import open_checkpoint
+from kiln.llm.errors import CheckpointError
+p = os.path.join(tempfile.mkdtemp(), "m.gguf")
+h, f, v, Q8 = 32, 64, 16, gguf.GGMLQuantizationType.Q8_0
+w = gguf.GGUFWriter(p, "llama")
+w.add_context_length(64); w.add_embedding_length(h); w.add_block_count(1); w.add_feed_forward_length(f)
+w.add_head_count(4); w.add_head_count_kv(4); w.add_layer_norm_rms_eps(1e-5)
+shapes = {"token_embd": (v, h), "output_norm": (h,), "output": (v, h), "blk.0.attn_norm": (h,), "blk.0.ffn_norm": (h,), "blk.0.attn_q": (h, h),
+          "blk.0.attn_k": (h, h), "blk.0.attn_v": (h, h), "blk.0.attn_output": (h, h), "blk.0.ffn_gate": (f, h), "blk.0.ffn_up": (f, h),
+          "blk.0.ffn_down": (h, f)}
+rng, raw = np.random.default_rng(0), {}
+for n, s in shapes.items():
+  a = rng.standard_normal(s).astype(np.float32)
+  if len(s) == 2: raw[n] = quantize(a, Q8); w.add_tensor(n + ".weight", raw[n], raw_dtype=Q8)
+  else: w.add_tensor(n + ".weight", a)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+ck = open_checkpoint(p)
+assert ck.config.arch == "llama" and len(ck.names()) == len(shapes), ck.names()
+assert np.array_equal(ck.tensor("model.layers.0.mlp.up_proj.weight"), dequantize(raw["blk.0.ffn_up"], Q8))
+with open(p, "r+b") as fh: fh.truncate(200)
+try: open_checkpoint(p); raise AssertionError("opened a truncated GGUF")
+except CheckpointError as e: assert p in str(e), str(e)
+report["checkpoint"] = True
+"""
+
 LAYERS = [
   Layer("uop-ir", ("uop-ir",), ("kiln.ir",), UPPER_OF_IR, frozenset({"numpy", "pydantic"})),
   Layer("codegen", ("uop-ir", "codegen"), ("kiln.ir", "kiln.codegen"), UPPER_OF_CODEGEN, check=CHECK_CODEGEN),
@@ -124,6 +155,8 @@ LAYERS = [
         ("onnx", "onnxruntime", "torch", "kiln.runtime.cuda", "pycuda"), check=CHECK_GRAPH),
   Layer("distributed", ("uop-ir", "codegen", "executor", "distributed"), ("kiln.distributed",),
         ("kiln.graph", "kiln.runtime.cpu", "kiln.runtime.cuda", "llvmlite", "pycuda", "onnx", "torch"), check=CHECK_DISTRIBUTED),
+  Layer("llm", ("uop-ir", "codegen", "runtime-cpu", "executor", "graph", "llm"), ("kiln.llm",),
+        ("kiln.distributed", "ray", "kiln.runtime.cuda", "pycuda", "onnx", "onnxruntime", "torch", "transformers"), check=CHECK_LLM),
 ]
 
 # Runs inside the layer's venv with `python -I`; argv[1] is the Layer as JSON. Prints a JSON report.
