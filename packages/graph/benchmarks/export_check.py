@@ -156,7 +156,7 @@ def main() -> int:
       if dynamic: feeds.append({k: resized(v, dyn) for k, v in feeds[0].items()})
       label = f"{name}{' (dynamic ' + ', '.join(dyn) + ')' if dynamic else ''}"
       try:
-        km = konnx.load(data, dims={"batch": (1, 8), "seq": (1, 16)} if dynamic else None)
+        km = konnx.load(data, dims={k: b for k, b in {"batch": (1, 8), "seq": (1, 16)}.items() if k in dyn} if dynamic else None)  # names it has
         errs, shapes_ok = [], True
         for f in feeds:
           want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, f)

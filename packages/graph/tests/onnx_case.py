@@ -60,6 +60,12 @@ def check_exact(m: onnx.ModelProto, dims: dict[str, tuple[int, int]], feeds_list
   return km
 
 
+def named_dims(m: onnx.ModelProto, dims: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+  """The entries of a test module's shared dims that m's inputs name (load refuses a dims name that is no dim of the model)."""
+  names = {d.dim_param for i in m.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param}
+  return {k: v for k, v in dims.items() if k in names}
+
+
 def dyn_model(nodes: list, inputs: dict[str, tuple[int, tuple]], outs: dict[str, int], inits: dict[str, np.ndarray] | None = None,
               opset: int = 17) -> onnx.ModelProto:
   """inputs: name -> (TensorProto type, shape with str dims for the symbolic ones)."""

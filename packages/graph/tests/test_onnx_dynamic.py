@@ -10,7 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
-from onnx_case import N, dyn_model, ort  # noqa: E402
+from onnx_case import N, dyn_model, named_dims, ort  # noqa: E402
 
 from kiln.graph import ONNXError  # noqa: E402
 from kiln.graph import onnx as konnx  # noqa: E402
@@ -21,7 +21,7 @@ DIMS = {"batch": (1, 6), "seq": (1, 12)}
 
 
 def check_sizes(m: onnx.ModelProto, feeds_list: list[dict[str, np.ndarray]], tol: float = 1e-5) -> konnx.Model:
-  km = konnx.load(m, dims=DIMS)
+  km = konnx.load(m, dims=named_dims(m, DIMS))
   sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
   for feeds in feeds_list:
     for name, w, g in zip([o.name for o in m.graph.output], sess.run(None, feeds), km.run(feeds).values()):
@@ -80,7 +80,7 @@ def test_symbolic_refusals_are_typed() -> None:
   nodes = [N("Shape", ["x"], ["sh"]), N("Gather", ["sh", "i0"], ["t"], axis=0), N("Range", ["zero", "t", "two"], ["y"])]
   inits = {"i0": np.asarray(0, np.int64), "zero": np.asarray(0, np.int64), "two": np.asarray(2, np.int64)}
   with pytest.raises(ONNXError, match=r"Range.*delta 1"):
-    konnx.load(dyn_model(nodes, {"x": (TensorProto.FLOAT, ("batch", 3))}, {"y": TensorProto.INT64}, inits), dims=DIMS)
+    konnx.load(dyn_model(nodes, {"x": (TensorProto.FLOAT, ("batch", 3))}, {"y": TensorProto.INT64}, inits), dims={"batch": DIMS["batch"]})
   m = dyn_model([N("Resize", ["x", "", "", "sz"], ["y"], mode="nearest")], {"x": (TensorProto.FLOAT, ("batch", 3))}, {"y": TensorProto.FLOAT},
                 {"sz": np.asarray([4, 6], np.int64)}, opset=13)
-  with pytest.raises(ONNXError, match=r"Resize.*symbolic"): konnx.load(m, dims=DIMS)
+  with pytest.raises(ONNXError, match=r"Resize.*symbolic"): konnx.load(m, dims={"batch": DIMS["batch"]})

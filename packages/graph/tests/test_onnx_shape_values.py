@@ -11,7 +11,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
-from onnx_case import N, dyn_model, ort  # noqa: E402
+from onnx_case import N, dyn_model, named_dims, ort  # noqa: E402
 
 from kiln.graph import ONNXError  # noqa: E402
 from kiln.graph import dims as sym  # noqa: E402
@@ -28,7 +28,7 @@ def i64(*v: int) -> np.ndarray: return np.asarray(v, np.int64)
 
 def _sizes(m: onnx.ModelProto, make: object, sizes: list[tuple[int, int]], tol: float = 1e-5) -> konnx.Model:
   """One load, run at each (batch, seq) against onnxruntime."""
-  km = konnx.load(m, dims=DIMS)
+  km = konnx.load(m, dims=named_dims(m, DIMS))
   sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
   for b, s in sizes:
     feeds = make(b, s)  # type: ignore[operator]

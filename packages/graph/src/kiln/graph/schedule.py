@@ -169,18 +169,23 @@ class Compiled:
     self.checks = list(checks)
     self.sizes = list(sizes)  # dims the bounds do not prove >= 0 (GraphPlan.sizes): each run checks them before the plan runs
     self._checks = CheckReader(plan.buffers, self.checks)
+    # plan op id -> (the ONNX nodes its kernel covers, its primary one) for a plan the plan cache rebuilt, which has no
+    # scheduled kernels to ask (onnx_plan_cache.py); None otherwise
+    self.origins: dict[int, tuple[list[Any], Any]] | None = None
 
   @property
   def kernel_count(self) -> int: return len(self.plan.kernels)
 
-  def run(self, feeds: Mapping[str, np.ndarray] | None = None, vars: Mapping[str, int] | None = None) -> list[np.ndarray]:  # noqa: A002
+  def run(self, feeds: Mapping[str, np.ndarray] | None = None, vars: Mapping[str, int] | None = None,  # noqa: A002
+          out: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
     """The outputs for these feeds. `vars` gives variables no fed input has as a dim (a bound cache's past length:
-    compile(..., bind=)); one a feed also gives must agree with it."""
+    compile(..., bind=)); one a feed also gives must agree with it. `out`: per output, an array to write it into (of its
+    dtype; its shape is checked for every output before any is written) or None for a new one."""
     vals = self._feed(feeds, vars)
     if self.variables: self.plan.execute_with_vars(vals)
     else: self.plan.execute()
     self._checks.raise_failed(IndexOutOfRangeError)
-    return self._outputs(vals)
+    return self._outputs(vals, out)
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], Any]:
     """run, kernel by kernel with each one timed: (outputs, the plan's Profile)."""
@@ -249,13 +254,24 @@ class Compiled:
       buf.copyin(np.ascontiguousarray(a))
     return vals
 
-  def _outputs(self, vals: Mapping[str, int]) -> list[np.ndarray]:
+  def output_shapes(self, feeds: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
+    """The shapes run(feeds) returns its outputs in (symbolic dims read off the feeds), without running anything."""
+    vals = self.infer_vars({i.name: np.asarray(feeds[i.name]) for i in self.inputs})
+    return [tuple(evaluate(d, vals) for d in s) for _, s in self.outputs]
+
+  def _outputs(self, vals: Mapping[str, int], dst: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    shapes = [tuple(evaluate(d, vals) for d in s) for _, s in self.outputs]
+    for i, (a, shape) in enumerate(zip(dst or (), shapes)):
+      if a is not None and a.shape != shape: raise GraphError(f"out: output {i} has shape {shape} in this run, the array given for it {a.shape}")
     out = []
-    for b, s in self.outputs:
-      shape = tuple(evaluate(d, vals) for d in s)
+    for i, ((b, _), shape) in enumerate(zip(self.outputs, shapes)):
       buf = self.plan.buffers[b]
       n = int(np.prod(shape, dtype=np.int64))
-      out.append((buf if n == buf.size else buf.view(0, max(n, 1))).numpy()[:n].reshape(shape).copy())  # n = 0: a dim of 0
+      got = (buf if n == buf.size else buf.view(0, max(n, 1))).numpy()[:n].reshape(shape)  # n = 0: a dim of 0
+      if dst is not None and (a := dst[i]) is not None:
+        np.copyto(a, got, casting="no")
+        out.append(a)
+      else: out.append(got.copy())
     return out
 
 
