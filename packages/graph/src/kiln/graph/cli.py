@@ -80,7 +80,7 @@ def _profile(args: argparse.Namespace, model: Any, feeds: dict[str, np.ndarray])
     print(f"\nper-kernel profile (one run, kernel by kernel{taken}; {prof.total_time * 1e3:.2f} ms in kernels):")
     print(onnx_profile.table(prof, nodes))
     if nodes is None: print("(a model of several plans: its kernels are not mapped to ONNX nodes)")
-    else: print("\ntime per ONNX operator (a kernel is charged to the node whose reduction it computes, else the node it writes):\n"
+    else: print("\ntime per ONNX operator (a kernel is charged to the node whose reduction it computes, else the first it computes):\n"
                 + onnx_profile.totals_table(prof, nodes))
     if args.trace:
       Path(args.trace).write_text(json.dumps(onnx_profile.chrome_trace(prof, nodes)))

@@ -2,7 +2,7 @@
 and a profile's time totalled per ONNX operator type.
 
 A kernel's time is charged to one operator in the totals, its primary node's (provenance.primary: the node whose
-reduction it computes, else the one that made what it writes), so the totals add up to the kernels' time; the table's
+reduction it computes, else the first it computes), so the totals add up to the kernels' time; the table's
 `kernels` column counts every kernel an operator's nodes took part in, fused or not.
 
 The kernel-to-node map covers a model compiled to one plan. A model that branches or specialises at run time (a Program of

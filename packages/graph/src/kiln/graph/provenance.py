@@ -43,18 +43,27 @@ def made_by(origin: Origin) -> Iterator[None]:
   finally: _current.reset(token)
 
 
+COMPUTE = ("ALU", "REDUCE", "GATHER", "CAT", "IOTA")  # node kinds that compute; a VIEW or CONST only says where values are read
+
+
+def _rendered(kernel: Any) -> list[Any]:
+  """The nodes a scheduled kernel (kernelize.Kernel) renders, in the order they were made (the model's order)."""
+  return sorted({kernel.node, *kernel.rendered}, key=lambda n: n.id)
+
+
 def kernel_origins(kernel: Any) -> list[Origin]:
-  """The ONNX nodes a scheduled kernel (kernelize.Kernel) computes: the origins of the nodes it renders, each once, in the
-  order the nodes were made (the model's order)."""
-  nodes = sorted({kernel.node, *kernel.rendered}, key=lambda n: n.id)
-  return list(dict.fromkeys(n.origin for n in nodes if n.origin is not None))
+  """The ONNX nodes a kernel computes, each once, in the model's order: the origins of the computing nodes it renders (a
+  VIEW through which it reads another node's buffer is left out), or of the views where it only moves data (a copy)."""
+  nodes = _rendered(kernel)
+  computing = [n for n in nodes if n.op in COMPUTE and n.origin is not None]
+  return list(dict.fromkeys(n.origin for n in (computing or nodes) if n.origin is not None))
 
 
 def primary(kernel: Any) -> Origin | None:
   """The ONNX node a kernel's time is charged to in totals per operator type: the one whose reduction it computes (a Conv,
-  MatMul or ReduceMean beside the elementwise ops fused around it), else the one that made the node it writes."""
-  nodes = sorted({kernel.node, *kernel.rendered}, key=lambda n: n.id)
-  red = next((n.origin for n in nodes if n.op == "REDUCE" and n.origin is not None), None)
-  if red is not None: return red  # type: ignore[no-any-return]
-  if kernel.node.origin is not None: return kernel.node.origin  # type: ignore[no-any-return]
-  return next((n.origin for n in reversed(nodes) if n.origin is not None), None)
+  MatMul or ReduceMean beside the elementwise ops fused around it), else the first it computes (the op whose epilogue
+  the rest is), else the one that made what it writes."""
+  nodes = _rendered(kernel)
+  for ops in (("REDUCE",), COMPUTE):
+    if (o := next((n.origin for n in nodes if n.op in ops and n.origin is not None), None)) is not None: return o  # type: ignore[no-any-return]
+  return kernel.node.origin if kernel.node.origin is not None else next((n.origin for n in nodes if n.origin is not None), None)
