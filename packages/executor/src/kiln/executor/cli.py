@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kiln.ir.errors import KilnError
+
 # the benchmark lives in the source tree (the repository's benchmarks/, with the executor's rows in packages/executor/benchmarks),
 # never in the wheel
 _UP = Path(__file__).resolve().parents  # packages/executor/src/kiln/executor/ in a checkout: its root is five folders up
@@ -121,7 +123,11 @@ def _plugin(ep: Any, argv: Sequence[str]) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime")
+  ap = argparse.ArgumentParser(prog="kiln", description="kiln: a kernel compiler and runtime",
+                               epilog="A failing command prints one line and exits with 2; --debug (before the command) or KILN_DEBUG=1 "
+                               "shows the traceback.")
+  ap.add_argument("--version", action="store_true", help="print the version of every installed kiln distribution")
+  ap.add_argument("--debug", action="store_true", help="let a failing command's traceback through (as KILN_DEBUG=1 does)")
   sub = ap.add_subparsers(dest="cmd")
   info_p = sub.add_parser("info", help="devices, LLVM, CPU features, threads, kernel cache (--settings: the KILN_* settings)")
   info_p.add_argument("--settings", action="store_true", help="list every KILN_* setting with its value")
@@ -135,6 +141,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     print(f"kiln {first}: comes with kiln-graph, which is not installed here: pip install \"{LAYERED[first]}\"", file=sys.stderr)
     return 2
   args, rest = ap.parse_known_args(argv)
+  if args.version: return versions()
   if args.cmd in (None, "info"):
     if rest: ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return info_settings() if getattr(args, "settings", False) else info()
@@ -142,11 +149,55 @@ def _main(argv: Sequence[str] | None = None) -> int:
   return bench_suite(rest) if args.cmd == "bench-suite" else _dispatch(args.cmd, rest)
 
 
+def versions() -> int:
+  """`kiln --version`: every installed kiln distribution, its version and whether it is an editable install."""
+  from importlib.metadata import distributions
+  found: dict[str, str] = {}
+  for d in distributions():
+    name = (d.metadata["Name"] or "").strip()
+    if name.lower().replace("_", "-") == "kiln" or name.lower().replace("_", "-").startswith("kiln-"):
+      editable = '"editable": true' in (d.read_text("direct_url.json") or "").replace("'", '"').lower()
+      found.setdefault(name, f"{d.version}{'  (editable)' if editable else ''}")
+  if not found: print("kiln: no kiln distribution is installed (running from a source tree?)")
+  w = max(map(len, found), default=0)
+  for name in sorted(found): print(f"{name:<{w}}  {found[name]}")
+  print(f"{'python':<{w}}  {sys.version.split()[0]}")
+  return 0
+
+
+def debugging(argv: Sequence[str]) -> bool:
+  """A failing command shows its traceback: `--debug` before the command, or KILN_DEBUG set to 1 or more."""
+  from kiln.codegen import settings
+  if "--debug" in argv[:next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]: return True
+  try: return bool(settings.DEBUG.get())
+  except KilnError: return False  # a malformed KILN_DEBUG is reported by whatever reads it
+
+
+def one_line(argv: Sequence[str], e: BaseException) -> tuple[str, int]:
+  """A command's failure as the one line it prints and its exit code: 2 for what the user can fix (a kiln error, a setting,
+  a file, a value), 1 for anything else (a bug in kiln: the line says how to see the traceback)."""
+  cmd = next((a for a in argv if not a.startswith("-")), None)
+  msg = str(e).strip() or type(e).__name__
+  head = f"kiln{' ' + cmd if cmd else ''}: error: "
+  if isinstance(e, KilnError | OSError): return f"{head}{type(e).__name__}: {msg}", 2
+  return f"{head}{type(e).__name__}: {msg} (an internal error; kiln --debug {cmd or ''} ... or KILN_DEBUG=1 prints the traceback)", 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  try: return _main(argv)
+  """The `kiln` console script (and `python -m kiln`): the exit code; a failure is one line on stderr, no traceback."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  try: return _main(args)
   except BrokenPipeError:  # `kiln info | head`: a closed pipe is not an error
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+  except KeyboardInterrupt:
+    print("kiln: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:
+    if debugging(args): raise
+    line, code = one_line(args, e)
+    print(line, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__": sys.exit(main())
