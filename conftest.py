@@ -12,6 +12,9 @@ def pytest_configure(config: pytest.Config) -> None:
   if "KILN_TEST_CONFIG_HOME" not in os.environ:  # once per run; subprocesses inherit both variables
     d = tempfile.mkdtemp(prefix="kiln-test-config-")
     os.environ["KILN_TEST_CONFIG_HOME"] = os.environ["XDG_CONFIG_HOME"] = d
+  # the plan cache keys a model on its bytes, arguments, code and settings, never on a module constant a test patches (a
+  # limit lowered to see a refusal): off for the run, on in the tests of it (test_plan_cache.py)
+  os.environ.setdefault("KILN_PLAN_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import re
 import secrets
@@ -244,6 +245,28 @@ class DiskCache:
   def read_plain(self, name: str, max_bytes: int = MAX_ENTRY_BYTES) -> bytes | None:
     """The entry's bytes, or None when it is absent (or the area is not usable). Raises BadEntry for one that is there
     but must not be read: a link, not a regular file, another user's, larger than max_bytes."""
+    if (opened := self._open_entry(name, max_bytes)) is None: return None
+    fd, _ = opened
+    try:
+      data = _read_at_most(fd, max_bytes + 1)
+      if len(data) > max_bytes: raise BadEntry(f"it grew past the bound of {max_bytes} bytes while being read")
+      return data
+    finally: os.close(fd)
+
+  def map_plain(self, name: str, max_bytes: int) -> tuple[mmap.mmap, os.stat_result] | None:
+    """The entry mapped read-only (no copy: a large entry's pages are read as they are touched) and its stat, under
+    read_plain's rules (None when absent; BadEntry for a link, not a regular file, another user's, over max_bytes, empty).
+    The caller verifies its contents (its MAC'd description carries their hash)."""
+    if (opened := self._open_entry(name, max_bytes)) is None: return None
+    fd, st = opened
+    try:
+      if st.st_size == 0: raise BadEntry("it is empty")
+      try: return mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st
+      except (OSError, ValueError) as e: raise BadEntry(f"it cannot be mapped ({e})") from None
+    finally: os.close(fd)
+
+  def _open_entry(self, name: str, max_bytes: int) -> tuple[int, os.stat_result] | None:
+    """A descriptor of the entry (the caller closes it) and its stat after the checks, or None when it is absent."""
     _check_name(name)
     if (afd := self._open_area(create=False)) is None: return None
     try:
@@ -255,10 +278,10 @@ class DiskCache:
         if not stat.S_ISREG(st.st_mode): raise BadEntry("it is not a regular file")
         if st.st_uid != current_uid(): raise BadEntry(f"it is owned by uid {st.st_uid}, not by this user")
         if st.st_size > max_bytes: raise BadEntry(f"it holds {st.st_size} bytes, over the bound of {max_bytes}")
-        data = _read_at_most(fd, max_bytes + 1)
-        if len(data) > max_bytes: raise BadEntry(f"it grew past the bound of {max_bytes} bytes while being read")
-        return data
-      finally: os.close(fd)
+      except BaseException:
+        os.close(fd)
+        raise
+      return fd, st
     finally: os.close(afd)
 
   def write_plain(self, name: str, data: bytes) -> bool:

@@ -70,7 +70,7 @@ class CachedKernel:
 _kernels: dict[tuple[str, str], CachedKernel] = {}
 _inflight: dict[tuple[str, str], Future[CachedKernel]] = {}
 _lock = threading.Lock()
-_stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0, "spec_loads": 0}
+_stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0, "disk_errors": 0, "spec_loads": 0, "plan_hits": 0, "plan_stores": 0}
 
 
 @functools.lru_cache(maxsize=256)

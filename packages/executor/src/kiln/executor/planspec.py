@@ -437,11 +437,15 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
   key = _seal_key() if code == "sealed" else None
   rt = get_runtime(b.device)
   shipped = code != "compile" and target_key(b.device, rt) == spec.target  # else every kernel compiles for this host
+  parsed: dict[str, CompiledSpec] = {}  # a kernel the plan runs at several places is read (AST and all) and seeded once
+  seeded: set[tuple[str, str]] = set()
   for op in spec.ops:
     if isinstance(op, KernelEntry):
-      compiled = op.compiled_spec()
       opts = None if op.opts is None else [o.opt() for o in op.opts]
-      if shipped: _seed(op, compiled, opts, rt, b.device, spec, code, key)
+      if (compiled := parsed.get(op.compiled)) is None: compiled = parsed[op.compiled] = op.compiled_spec()
+      if shipped and (op.compiled, repr(opts)) not in seeded:
+        seeded.add((op.compiled, repr(opts)))
+        _seed(op, compiled, opts, rt, b.device, spec, code, key)
       b.add_kernel(compiled.ast, op.buffers, op.fixedvars, op.deps, opts=opts, tune=False)
     elif isinstance(op, CopyEntry): b.add_copy(op.dst, op.src, op.deps)
     else: b.add_view(op.out, op.base, op.byte_offset, op.byte_size)

@@ -1,0 +1,207 @@
+"""A loaded ONNX model kept whole in the plan cache (kiln.executor.plan_cache): loading the same model again rebuilds
+its plan from the stored PlanSpec, without parsing, converting, scheduling or looking up kernels (issue 37).
+
+The key is the model's content and everything else the built plan depends on:
+
+| part of the key                      | why                                                                       |
+|--------------------------------------|---------------------------------------------------------------------------|
+| sha256 of the model's bytes (and a path's extension: the format follows it) | the model itself                   |
+| `dims`, the device                   | load's other arguments                                                    |
+| the target key (kiln.executor.cache.target_key) | the CPU target, the kiln versions with the code stamps of IR, codegen, runtime |
+| kiln.graph's and kiln.executor's code stamps, onnx's and numpy's versions | they convert, fold and schedule the model |
+| every KILN_* setting but those that never change a plan (NEUTRAL) | KILN_WINOGRAD, KILN_TUNE, a new setting too |
+
+A model file's hash is remembered beside its stat (device, inode, size, mtime and ctime, in a sealed entry of the
+`hashes` area), as git's index does: a file whose stat is unchanged is not read again; any write to it changes its ctime.
+
+| a model is kept when                                 | else                                                        |
+|------------------------------------------------------|-------------------------------------------------------------|
+| it compiles to one plan (no run-time branch or specialisation) | a Program is not a PlanSpec                       |
+| its dims are all fixed (dims gives sizes, not bounds) | symbolic dims would need their expressions kept          |
+| it has no external data                              | its content is more than the bytes hashed                   |
+| its inputs, outputs and constants have numpy dtypes that round-trip by name | (bfloat16 is ml_dtypes')             |
+
+A hit gives a Model that runs as the loaded one does; what it does not have is the graph: `compiled.kernels` is empty
+(the scheduler's kernels), and the ONNX nodes each kernel covers come from the entry (`compiled.origins`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.codegen import diskcache
+from kiln.executor import plan_cache
+from kiln.executor.cache import _source_stamp, cache_dir, target_key
+from kiln.ir import settings as ir_settings
+
+FORMAT = "kiln-onnx-plan 1"
+HASH_AREA = "hashes"
+# settings that never change a built plan (how it runs, where caches are, what is printed): left out of the key
+NEUTRAL = {"KILN_THREADS", "KILN_DEBUG", "KILN_CACHE", "KILN_CACHE_DIR", "KILN_CACHE_KEY", "KILN_POOL", "KILN_SPIN_US",
+           "KILN_COMPILE_THREADS", "KILN_CUDA_LRU_BYTES", "KILN_CUDA_DRIVER", "KILN_EMU_MODE", "KILN_EMU_STACK_KB", "KILN_PLAN_CACHE",
+           "KILN_PLAN_CACHE_BYTES"}
+_settings: list[Any] | None = None
+
+
+def _shaping_settings() -> str:
+  global _settings
+  if _settings is None: _settings = [s for group in ir_settings.installed().values() for s in group if s.name not in NEUTRAL and not s.secret]
+  return ";".join(f"{s.name}={s.raw()}" for s in sorted(_settings, key=lambda s: s.name))
+
+
+_stamps: dict[str, str] = {}
+
+
+def _stamp(module: str) -> str:
+  if (hit := _stamps.get(module)) is None:
+    import importlib.util
+    spec = importlib.util.find_spec(module)
+    locs = list(spec.submodule_search_locations or []) if spec else []
+    hit = _stamps[module] = _source_stamp(Path(locs[0])) if locs else "?"
+  return hit
+
+
+def _digest(data: Any) -> str:
+  """One sha256 over the chunk hashes (plan_cache.chunk_digests: side by side on threads)."""
+  return hashlib.sha256("".join(plan_cache.chunk_digests(data)).encode()).hexdigest()
+
+
+def _stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_digest(path: str) -> tuple[str, list[int]] | None:
+  """The model file's content hash and the stat it was taken under, remembered beside the stat; None when the file cannot
+  be read (load then reports why)."""
+  real = os.path.realpath(path)
+  memo = diskcache.DiskCache(HASH_AREA, "model hash cache", cache_dir())
+  name = hashlib.sha256(real.encode()).hexdigest() + ".json"
+  try: st = os.stat(real)
+  except OSError: return None
+  sid = _stat_id(st)
+  try:
+    got = memo.load_json(name)
+    if got is not None and got.get("path") == real and got.get("stat") == sid and isinstance(got.get("sha256"), str): return got["sha256"], sid
+  except diskcache.CacheKeyError: raise
+  except diskcache.BadEntry: pass
+  try:
+    with open(real, "rb") as f:
+      before = _stat_id(os.fstat(f.fileno()))
+      data = f.read()
+      after = _stat_id(os.fstat(f.fileno()))
+  except OSError: return None
+  digest = _digest(data)
+  if before == after == sid:  # unchanged while read: the hash is the content's under this stat
+    memo.store_json(name, {"path": real, "stat": sid, "sha256": digest})
+    return digest, sid
+  return None
+
+
+def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[str, list[int] | None] | None:
+  """The plan cache key of loading `model` with these arguments (and the model file's stat, checked again before storing),
+  or None when it is not cached (the cache is off, symbolic dims, a model of another kind)."""
+  if not plan_cache.enabled() or diskcache.cache_key() is None: return None
+  if dims and any(not isinstance(v, int) or isinstance(v, bool) for v in dims.values()): return None  # bounds: symbolic dims
+  import onnx
+  sid, fmt = None, "protobuf"
+  if isinstance(model, (str, os.PathLike)):
+    path = os.fspath(model)
+    if (got := file_digest(path)) is None: return None
+    content, sid = got
+    fmt = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1]) or fmt  # as onnx_limits.read_model reads it
+  elif isinstance(model, (bytes, bytearray)): content = _digest(bytes(model))
+  elif isinstance(model, onnx.ModelProto): content = _digest(model.SerializeToString())
+  else: return None  # load refuses it
+  from kiln.codegen.registry import get_runtime
+  from kiln.codegen.spec import DeviceSpec
+  try:
+    dev = str(DeviceSpec.parse(device))
+    target = target_key(dev, get_runtime(dev))
+  except Exception: return None  # noqa: S112 (a bad device: load reports it)
+  parts = [FORMAT, content, fmt, json.dumps(sorted((str(k), v) for k, v in (dims or {}).items())), dev, target,
+           f"graph+{_stamp('kiln.graph')}", f"executor+{_stamp('kiln.executor')}", f"onnx={onnx.__version__}", f"numpy={np.__version__}",
+           _shaping_settings()]
+  return "\n".join(parts), sid
+
+
+def _round_trips(dt: np.dtype) -> bool:
+  try: return np.dtype(dt.str) == dt and dt.kind in "biuf"
+  except TypeError: return False
+
+
+def _inputs_of(m: Any) -> list[tuple[str, tuple[int | str, ...], np.dtype]]:
+  return [(n, tuple(s), np.dtype(dt)) for n, s, dt in getattr(m, "_inputs", None) or m.inputs]
+
+
+def _origins(compiled: Any) -> dict[str, Any]:
+  """Plan op id -> [the ONNX nodes the kernel covers, its primary node] (provenance.py), as JSON."""
+  from kiln.graph.provenance import kernel_origins, primary
+  out: dict[str, Any] = {}
+  for k in compiled.kernels:
+    if getattr(k, "op_id", None) is None: continue
+    p = primary(k)
+    out[str(k.op_id)] = [[list(o) for o in kernel_origins(k)], list(p) if p is not None else None]
+  return out
+
+
+def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any) -> bool:
+  """Store the loaded Model m (of `model`, whose checked ModelProto is `proto`) under key; False when it is not kept
+  (see the module docstring)."""
+  from kiln.graph.onnx_external import model_tensors
+  if m.program is not None or m.compiled is None or m.compiled.variables or m.compiled.sizes: return False
+  if any(t.data_location == 1 for t, _ in model_tensors(proto.graph)): return False  # onnx.TensorProto.EXTERNAL
+  if key[1] is not None:  # the file must still be what was hashed: unchanged since (its ctime moves on any write)
+    try:
+      if _stat_id(os.stat(os.path.realpath(os.fspath(model)))) != key[1]: return False
+    except OSError: return False
+  c, inputs, consts = m.compiled, _inputs_of(m), dict(m._consts)
+  if not all(_round_trips(dt) for _, _, dt in inputs) or not all(_round_trips(a.dtype) for a in [*consts.values(), *m.defaults.values()]):
+    return False
+  try: spec, arrays = c.export(m._computed)
+  except Exception: return False  # noqa: S112 (a plan a spec cannot carry: the model loads as before)
+  extra = {f"const:{n}": np.ascontiguousarray(a) for n, a in consts.items()}
+  extra.update({f"default:{n}": np.ascontiguousarray(a) for n, a in m.defaults.items()})
+  declared = {i.name: [list(i.shape), np.dtype(i.dtype).str] for i in getattr(m, "_outputs", [])
+              if i.name not in consts and i.shape is not None and i.dtype is not None and _round_trips(np.dtype(i.dtype))}
+  meta = {
+    "inputs": [[n, list(s), dt.str] for n, s, dt in inputs],
+    "outputs": [[n, "const" if n in consts else "computed"] for n in m.output_names],
+    "declared": declared,
+    "compiled_inputs": [[i.name, i.buf, list(i.shape), np.dtype(i.dtype).str, bool(i.bfloat16)] for i in c.inputs],
+    "compiled_outputs": [[b, list(s)] for b, s in c.outputs],
+    "checks": [[b, msg] for b, msg in c.checks],
+    "defaults": list(m.defaults), "nodes": m.nodes, "opset": m.opset, "origins": _origins(c),
+  }
+  try: json.dumps(meta)
+  except (TypeError, ValueError): return False
+  return plan_cache.store(key[0], spec, {**arrays, **extra}, meta)
+
+
+def cached_model(key: tuple[str, list[int] | None], model_cls: Any) -> Any | None:
+  """The Model kept under key, rebuilt, or None (a miss)."""
+  from kiln.executor.planspec import builder_from_spec
+  from kiln.graph.provenance import Origin
+  from kiln.graph.schedule import Compiled, _Input
+  hit = plan_cache.load(key[0])
+  if hit is None: return None
+  meta, w = hit.meta, hit.weights
+  try:
+    plan = builder_from_spec(hit.spec, w, code="sealed", verify=False).build()  # the weights' chunks were verified on load
+    inputs = [_Input(n, b, tuple(s), np.dtype(dt), bf) for n, b, s, dt, bf in meta["compiled_inputs"]]
+    compiled = Compiled(plan, inputs, [(b, tuple(s)) for b, s in meta["compiled_outputs"]], [], {}, [(b, m) for b, m in meta["checks"]], [])
+    compiled.origins = {int(k): ([Origin(*o) for o in os_], Origin(*p) if p else None) for k, (os_, p) in meta["origins"].items()}
+    outputs = [(n, w[f"const:{n}"] if kind == "const" else None) for n, kind in meta["outputs"]]
+    declared = {n: (tuple(s), np.dtype(dt)) for n, (s, dt) in meta.get("declared", {}).items()}
+    m = model_cls.from_cache([(n, tuple(s), np.dtype(dt)) for n, s, dt in meta["inputs"]], outputs, compiled, meta["nodes"], meta["opset"],
+                             {n: w[f"default:{n}"] for n in meta["defaults"]}, declared)
+  except Exception as e:  # a sealed entry that no longer builds (another kiln's plan): forget it, load afresh
+    from kiln.executor import debug
+    if debug.DEBUG >= 1: debug.emit(f"kiln: plan cache entry not used ({type(e).__name__}: {str(e)[:160]}); loading the model")
+    plan_cache.remove(key[0])
+    return None
+  return m
