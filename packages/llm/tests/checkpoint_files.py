@@ -67,9 +67,9 @@ def gguf_dequant(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarra
 def write_gguf(path: str | Path, hf_config: dict[str, Any], hf_weights: dict[str, np.ndarray], fmt: Callable[[str], str] = lambda n: "F32",
                meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
   """A GGUF file of the HF model (config dict as config.json, weights in HF naming and layout, GPT-2's Conv1D (in, out)),
-  converted as llama.cpp's converter does, each weight stored in fmt(hf_name) (1-d ones in F32, as the converter keeps
-  them). Returns {HF name: what tensor() must give}: the weight after its round trip through the stored format, in HF
-  layout ((out, in) for GPT-2's Conv1D too)."""
+  converted as llama.cpp's converter does (GPT-2's wte written twice, as token_embd and output), each weight stored in
+  fmt(hf_name) (1-d ones in F32, as the converter keeps them). Returns {HF name: what tensor() must give}: the weight
+  after its round trip through the stored format, in HF layout ((out, in) for GPT-2's Conv1D too)."""
   from kiln.llm.config import ModelConfig
   cfg = ModelConfig.from_hf(hf_config)
   arch = cfg.arch if cfg.arch != "mistral" else "llama"
@@ -101,6 +101,9 @@ def write_gguf(path: str | Path, hf_config: dict[str, Any], hf_weights: dict[str
     raw, qt = encode(f, g, rng)
     w.add_tensor(gguf_name(name), raw, raw_dtype=qt)
     back = gguf_dequant(raw, qt, g.shape)
+    if arch == "gpt2" and name == "transformer.wte.weight":  # the converter writes wte again as the output (GPT2Model.modify_tensors)
+      w.add_tensor("output.weight", raw, raw_dtype=qt)
+      expected["lm_head.weight"] = back
     if permuted:  # undo the permutation by its inverse as an index (independent of kiln's closed form)
       back = back[np.argsort(permute(np.arange(g.shape[0]), cfg.num_heads, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads))]
     if arch == "gemma" and name.endswith("norm.weight"): back = back - np.float32(1)

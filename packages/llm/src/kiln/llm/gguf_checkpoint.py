@@ -4,7 +4,9 @@
     (LlamaModel.permute: rows (head, 2, d/2) -> (head, d/2, 2)); QuantTensor.row_perm gathers them back;
   - gemma: norm weights were stored as 1 + w; QuantTensor.offset = -1 (the float32 sum and difference can lose the last
     bits of a w much smaller than 1);
-  - gpt2: the Conv1D weights were transposed to (out, in) already, as HF's other linears;
+  - gpt2: the Conv1D weights were transposed to (out, in) already, as HF's other linears; wte was written twice, as
+    token_embd and as output, so a gpt2 GGUF has an lm_head.weight of its own (tie_word_embeddings False: the output
+    may be quantized apart from the embeddings, as llama.cpp's quantize does);
   - Llama 3's RoPE scaling was precomputed into a rope_freqs tensor (ModelConfig.rope_freq_factors) and phi3's longrope
     factors into rope_factors_long/short (ModelConfig.rope_scaling); those are config, not weights, so not in names().
 Tensors other than a model's weights and those are left out of names().
