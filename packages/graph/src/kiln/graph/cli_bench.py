@@ -150,7 +150,11 @@ def bench(args: argparse.Namespace) -> int:
     if e.run is not None: e.agrees = bench_peers.agreement(ref, e.run(feeds))
   _measure(engines, feeds, args)
   how = f"{args.runs} runs" if args.runs else f"{args.time or DEFAULT_TIME:g} s"
-  print(f"  {how} each after {args.warmup} warm-up runs{f', in {ROUNDS} interleaved rounds' if len(engines) > 1 else ''}:\n")
+  print(f"  {how} each after {args.warmup} warm-up runs{f', in {ROUNDS} interleaved rounds' if len(engines) > 1 else ''}")
+  if len(engines) > 1:
+    print("  vs kiln: a peer's time over kiln's (the median of the rounds'; above 1: kiln is faster); agrees: the largest difference\n"
+          "  from kiln's outputs, relative to each output's largest magnitude. The peers run on the CPU.")
+  print()
   print(table(engines))
   return 0
 
