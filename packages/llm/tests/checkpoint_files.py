@@ -108,9 +108,27 @@ def write_gguf(path: str | Path, hf_config: dict[str, Any], hf_weights: dict[str
       back = back[np.argsort(permute(np.arange(g.shape[0]), cfg.num_heads, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads))]
     if arch == "gemma" and name.endswith("norm.weight"): back = back - np.float32(1)
     expected[name] = back if f != "F32" or permuted or arch == "gemma" else hf_layout
+  if (cfg.rope_scaling or {}).get("rope_type") == "llama3": w.add_tensor("rope_freqs.weight", llama3_factors(hf_config))
   for name, a in (extra or {}).items(): w.add_tensor(name, a.astype(np.float32))
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
   return expected
+
+
+def llama3_factors(hf_config: dict[str, Any]) -> np.ndarray:
+  """The rope_freqs tensor llama.cpp's converter precomputes for Llama 3's RoPE scaling (LlamaModel.generate_extra_tensors)."""
+  rs = hf_config["rope_scaling"]
+  base, dim = hf_config.get("rope_theta", 10000.0), hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+  factor, lo, hi, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+  freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  out = []
+  for freq in freqs:
+    wavelen = 2 * math.pi / freq
+    if wavelen < old / hi: out.append(1.0)
+    elif wavelen > old / lo: out.append(factor)
+    else:
+      smooth = (old / wavelen - lo) / (hi - lo)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.array(out, np.float32)
 
 
 def write_hf(folder: str | Path, hf_config: dict[str, Any], hf_weights: dict[str, Any], shards: int = 1, files: dict[str, Any] | None = None) -> Path:

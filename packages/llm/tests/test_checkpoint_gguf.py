@@ -105,13 +105,16 @@ def test_llama_biases_are_unpermuted(tmp_path: Path) -> None:
 
 
 def test_llama3_rope_freqs_and_longrope(tmp_path: Path) -> None:
-  cj = tiny_config("llama")
-  factors = np.array([1.0, 2.0, 4.0, 8.0], np.float32)
-  write_gguf(tmp_path / "l3.gguf", cj, hf_weights(cj), extra={"rope_freqs.weight": factors})
+  """Llama 3's scaling as the converter precomputes it (rope_freqs) gives HF's frequencies; so do phi3's longrope factors."""
+  cj = tiny_config("llama", head_dim=32, num_attention_heads=1, num_key_value_heads=1, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64})
+  write_gguf(tmp_path / "l3.gguf", cj, hf_weights(cj))
   ck = open_checkpoint(tmp_path / "l3.gguf")
-  plain = ModelConfig.from_hf(cj).rope_inv_freq()
-  assert ck.config.rope_freq_factors == tuple(factors) and "rope_freqs.weight" not in ck.names()
-  np.testing.assert_allclose(ck.config.rope_inv_freq(), plain / factors, rtol=1e-7)
+  hf = ModelConfig.from_hf(cj)
+  assert ck.config.rope_freq_factors is not None and len(set(ck.config.rope_freq_factors)) > 2  # low, high and smoothed frequencies
+  assert ck.config.rope_scaling is None and "rope_freqs.weight" not in ck.names()
+  np.testing.assert_allclose(ck.config.rope_inv_freq(), hf.rope_inv_freq(), rtol=1e-6)
   pj = tiny_config("phi3")
   long, short = np.linspace(1, 4, 4, dtype=np.float32), np.linspace(1, 1.5, 4, dtype=np.float32)
   write_gguf(tmp_path / "p.gguf", pj, hf_weights(pj), meta={"phi3.rope.scaling.original_context_length": 16},
