@@ -2,9 +2,10 @@
 runtime (runtime.py): teacher-forced logits of a whole prompt, in chunks, and token by token over the KV cache."""
 import numpy as np
 import pytest
-from reference_model import checkpoint_get, config, logits, weights
+from reference_model import HF_CONFIGS, checkpoint_get, config, logits, weights
 
 from kiln.executor import cache_stats
+from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.kv import ContextFullError
 from kiln.llm.model import ModelError
@@ -52,3 +53,16 @@ def test_a_weight_of_the_wrong_shape_is_named():
   W = weights(cfg)
   W["model.layers.1.mlp.up_proj.weight"] = W["model.layers.1.mlp.up_proj.weight"][:, :-1]
   with pytest.raises(ModelError, match="model.layers.1.mlp.up_proj.weight"): Runner(cfg, W.__getitem__, ctx=8).feed([1])
+
+
+def test_a_transformers_5_config_gives_rope_theta_and_scaling_in_rope_parameters():
+  """transformers 5's save_pretrained writes rope_theta and rope_scaling inside rope_parameters (read as 10000 and none,
+  a Llama 3 or a Qwen2 with theta 1e6 gave wrong logits)."""
+  old = dict(HF_CONFIGS["llama"])
+  new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+  new["rope_parameters"] = {**old["rope_scaling"], "rope_theta": old["rope_theta"]}
+  assert ModelConfig.from_hf(new) == ModelConfig.from_hf(old) == config("llama")
+  phi = {k: v for k, v in HF_CONFIGS["phi3"].items() if k != "partial_rotary_factor"}
+  phi["rope_parameters"] = {"rope_type": "default", "rope_theta": 250.0, "partial_rotary_factor": 0.5}
+  c = ModelConfig.from_hf(phi)
+  assert (c.rope_theta, c.rope_scaling, c.rotary_dim) == (250.0, None, c.head_dim // 2)

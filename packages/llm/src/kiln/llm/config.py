@@ -231,12 +231,16 @@ def _from_hf(cj: Mapping[str, Any], where: str) -> ModelConfig:
               "phi3": (1e-5, 4096, False), "gemma": (1e-6, 8192, True)}[arch]
   bias = bool(cj.get("attention_bias", False))
   sw = cj.get("sliding_window") if arch in ("mistral", "phi3") or (arch == "qwen2" and cj.get("use_sliding_window")) else None
-  prf = cj.get("partial_rotary_factor")
+  rp = cj.get("rope_parameters")  # transformers 5 writes rope_theta, the scaling and partial_rotary_factor here, not at the top level
+  rp = rp if isinstance(rp, Mapping) else {}
+  prf = cj.get("partial_rotary_factor", rp.get("partial_rotary_factor"))
+  theta = cj.get("rope_theta", rp.get("rope_theta"))
+  scaling = cj.get("rope_scaling", {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")} or None)
   return ModelConfig(
     arch=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
     num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=int(cj.get("num_key_value_heads") or heads),
     head_dim=int(head_dim), norm_eps=float(cj.get("rms_norm_eps", defaults[0])), max_position=int(cj.get("max_position_embeddings", defaults[1])),
-    rope_theta=float(cj.get("rope_theta", 10000.0)), rope_scaling=_rope_scaling(cj.get("rope_scaling")),
+    rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=_rope_scaling(scaling),
     partial_rotary_factor=float(prf) if prf is not None else 1.0,
     tie_word_embeddings=bool(cj.get("tie_word_embeddings", defaults[2])), attention_bias=bias or arch == "qwen2",
     attention_out_bias=bias, mlp_bias=bool(cj.get("mlp_bias", False)), mlp="geglu" if gemma else "swiglu", act=act, norm="rms",

@@ -104,8 +104,9 @@ def _mask(cfg: ModelConfig, pos: Tensor, total: Any) -> Tensor:
 
 def _inputs(cfg: ModelConfig, ctx: int, chunk: int) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
   dims = {"seq": (1, chunk), "past": (0, ctx)}
-  ids = Tensor.input("ids", ("seq",), dtypes.int32, dims)
-  pos = Tensor.input("pos", ("seq",), dtypes.int32, dims)
+  seq: int | str = 1 if chunk == 1 else "seq"  # a decode step's plan: one token, its kernels built for that size
+  ids = Tensor.input("ids", (seq,), dtypes.int32, dims)
+  pos = Tensor.input("pos", (seq,), dtypes.int32, dims)
   row = ("past", cfg.num_kv_heads, cfg.head_dim)
   return ids, pos, [(Tensor.input(f"k{i}", row, dims=dims), Tensor.input(f"v{i}", row, dims=dims)) for i in range(cfg.num_layers)]
 
