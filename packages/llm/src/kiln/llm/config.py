@@ -30,7 +30,8 @@ _HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
                "GemmaForCausalLM": "gemma", "GPT2LMHeadModel": "gpt2"}
 # rope scaling kinds kiln computes (HF's rope_type names; "su" is longrope's old name)
 ROPE_TYPES = ("linear", "dynamic", "llama3", "longrope")
-_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+_ACTS: dict[str, Any] = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                         "gelu_fast": "gelu_tanh"}
 
 
 class ModelConfig(BaseModel):
@@ -115,14 +116,14 @@ class ModelConfig(BaseModel):
     if kind == "dynamic":
       n = max(seq_len or 0, self.max_position)
       f = float(rs["factor"])
-      base = base * ((f * n / self.max_position) - (f - 1)) ** (dim / (dim - 2))
-    inv = (1.0 / (np.float32(base) ** expo)).astype(np.float32)
+      base = base * math.pow((f * n / self.max_position) - (f - 1), dim / (dim - 2))
+    inv: np.ndarray = (1.0 / np.power(np.float32(base), expo)).astype(np.float32)
     if kind == "linear": inv = inv / np.float32(rs["factor"])
     elif kind == "llama3": inv = _llama3(inv, rs)
     elif kind == "longrope":
       orig = int(rs.get("original_max_position_embeddings") or self.max_position)
       ext = rs["long_factor"] if seq_len is not None and seq_len > orig else rs["short_factor"]
-      inv = (1.0 / (np.asarray(ext, np.float32) * (np.float32(base) ** expo))).astype(np.float32)
+      inv = (1.0 / (np.asarray(ext, np.float32) * np.power(np.float32(base), expo))).astype(np.float32)
     if self.rope_freq_factors is not None: inv = inv / np.asarray(self.rope_freq_factors, np.float32)
     return inv.astype(np.float32)
 
@@ -204,13 +205,13 @@ def _ids(v: Any) -> tuple[int, ...]:
   return tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
 
 
-def _hf_arch(cj: Mapping[str, Any], where: str) -> str:
+def _hf_arch(cj: Mapping[str, Any], where: str) -> Any:
   mt = cj.get("model_type")
   if mt is None:
     classes = cj.get("architectures") or []
     mt = next((_HF_CLASSES[c] for c in classes if c in _HF_CLASSES), classes[0] if classes else None)
   if mt not in SUPPORTED: raise UnsupportedArchitecture(f"{where}: architecture {mt!r} is not supported (kiln.llm runs {', '.join(SUPPORTED)})")
-  return str(mt)
+  return mt
 
 
 def _from_hf(cj: Mapping[str, Any], where: str) -> ModelConfig:
