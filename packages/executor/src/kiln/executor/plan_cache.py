@@ -11,10 +11,13 @@ the device and target, the code's version, the settings that shape plans). An en
   is a view of the map (zero-copy) and its pages are read as the first run touches them.
 
 A hit verifies the weights against the sealed hashes (in chunks, on threads: hashlib releases the GIL) before anything
-uses them, and the spec is validated and rebuilt as any PlanSpec is (a target key that differs compiles every kernel
-again). An entry that is absent, another key's, altered, truncated or written by another kiln is a miss (one debug
-line): the caller builds the plan and stores it again. Only a malformed KILN_CACHE_KEY raises. KILN_CACHE=0 turns the
-plan cache off with the kernel cache.
+uses them, and then seals the weights file's stat (device, inode, size, mtime, ctime) into the entry: a later hit whose
+file has that stat skips the hashing, as git's index trusts an unchanged stat (any write to the file, or putting another
+file in its place, changes its ctime, which no user process can set back; the cache directory is this user's alone). The
+spec is validated and rebuilt as any PlanSpec is (a target key that differs compiles every kernel again). An entry that
+is absent, another key's, altered, truncated or written by another kiln is a miss (one debug line): the caller builds the
+plan and stores it again. Only a malformed KILN_CACHE_KEY raises. KILN_PLAN_CACHE=0 turns the plan cache off, KILN_CACHE=0
+both disk caches; the least recently used plans go once the area holds more than KILN_PLAN_CACHE_BYTES.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ class CachedPlan:
   spec: PlanSpec
   weights: dict[str, np.ndarray]
   meta: dict[str, Any]
+
+
+def _stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def enabled() -> bool: return diskcache.enabled() and settings.PLAN_CACHE.get()
@@ -92,7 +98,7 @@ def store(key: str, spec: PlanSpec, arrays: Mapping[str, np.ndarray], meta: Mapp
     blob[off:off + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
   name = entry_name(key)
   area = _area()
-  if not area.write_plain(name + ".bin", bytes(blob)): return False
+  if not area.write_plain(name + ".bin", blob): return False  # type: ignore[arg-type] (bytes-like: it is written through a memoryview)
   entry = {"format": FORMAT, "key": key, "spec": spec.to_json(), "meta": dict(meta), "weights": where, "size": len(blob),
            "chunks": chunk_digests(blob)}
   if stored := area.store_json(name + ".json", entry):
@@ -141,7 +147,10 @@ def load(key: str) -> CachedPlan | None:
     if mapped is None: raise diskcache.BadEntry("its weights file is missing")
     buf, st = mapped
     if st.st_size != env["size"]: raise diskcache.BadEntry(f"its weights file holds {st.st_size} bytes, the entry says {env['size']}")
-    if chunk_digests(buf) != env["chunks"]: raise diskcache.BadEntry("its weights file does not match the entry's sha256 (altered or torn)")
+    if env.get("verified") != (sid := _stat_id(st)):  # else: verified before, and not written to since (see the module docstring)
+      if chunk_digests(buf) != env["chunks"]: raise diskcache.BadEntry("its weights file does not match the entry's sha256 (altered or torn)")
+      with contextlib.suppress(OSError):
+        if _stat_id(os.stat(area.path / (name + ".bin"), follow_symlinks=False)) == sid: area.store_json(name + ".json", {**env, "verified": sid})
     raw = np.frombuffer(buf, np.uint8)
     weights: dict[str, np.ndarray] = {}
     for wname, (off, n, dt, shape) in env["weights"].items():
