@@ -34,17 +34,23 @@ def test_topk_ties_nan_and_both_methods(monkeypatch: pytest.MonkeyPatch) -> None
       check(m, {"x": x})
 
 
-def test_topk_bitonic_ints_with_ties_and_a_k_fed_at_run_time(monkeypatch: pytest.MonkeyPatch) -> None:
-  """An axis over RANK_MAX_N (100 ints of many ties: the bitonic sort, padded to 128); k fed: compiled once per k, and a
-  k over the axis refused by the run."""
-  monkeypatch.setattr(onnx_ops_select, "RANK_MAX_N", 64)
+@pytest.mark.parametrize("rank_max", [64, 1024])
+def test_topk_with_a_k_fed_at_run_time_compiles_once(monkeypatch: pytest.MonkeyPatch, rank_max: int) -> None:
+  """An axis of 100 ints of many ties, by the bitonic sort (over RANK_MAX_N = 64: padded to 128, the first k sliced) and by
+  counting; k fed: a length in [0, 100] each run binds, the model compiled once at load for every k (0 and the whole axis
+  too), and a k outside the axis refused by the run."""
+  monkeypatch.setattr(onnx_ops_select, "RANK_MAX_N", rank_max)
   x = RNG.integers(0, 9, (2, 100)).astype(np.int32)
   m = model([N("TopK", ["x", "k"], ["v", "i"])], {"x": x, "k": i64(30)}, {"v": np.int32, "i": np.int64})
   km = check(m, {"x": x, "k": i64(30)})
-  got = km.run({"x": x, "k": i64(7)})
-  assert got["v"].shape == (2, 7) and (got["v"] == -np.sort(-x, 1)[:, :7]).all()
-  assert compiles(km) == [2]
-  with pytest.raises(ONNXError, match=r"k = 101 must be in \[0, 100\]"): km.run({"x": x, "k": i64(101)})
+  before = cache_stats()["compiles"]
+  for k in (7, 0, 100, 30):
+    got = km.run({"x": x, "k": i64(k)})
+    assert got["v"].shape == (2, k) and (got["v"] == -np.sort(-x, 1, kind="stable")[:, :k]).all()
+    np.testing.assert_array_equal(got["i"], np.argsort(-x, 1, kind="stable")[:, :k])
+  assert compiles(km) == [1] and cache_stats()["compiles"] == before
+  with pytest.raises(ONNXError, match=r"<k of node <TopK>> is 101, outside \[0, 100\]"): km.run({"x": x, "k": i64(101)})
+  with pytest.raises(ONNXError, match=r"is -1, outside \[0, 100\]"): km.run({"x": x, "k": i64(-1)})
 
 
 def test_nonzero_count_bound_as_a_runtime_variable_one_compile(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,10 +2,10 @@
 module for that). kiln has no sort kernel and no kernel that writes where data says, so each is comparisons, selects and
 reductions, in kernels.
 
-TopK (k known at load; a k computed at run time is read back by OnnxNode.const and the rest of the model converted for it,
-specialise.py). Along the axis the elements take one strict order, onnxruntime's: the larger (largest=1) or smaller value
-first, NaN above every number (first for largest, last for smallest), equal values (NaNs among themselves, -0.0 and 0.0) by
-the lower index. Two ways to put the axis in that order, by a cost rule on its length n:
+TopK (k known at load, or computed at run time: a length in [0, the axis] read back, the rest of the model compiled once for
+a runtime variable each run binds, specialise.py). Along the axis the elements take one strict order, onnxruntime's: the
+larger (largest=1) or smaller value first, NaN above every number (first for largest, last for smallest), equal values (NaNs
+among themselves, -0.0 and 0.0) by the lower index. Two ways to put the axis in that order, by a cost rule on its length n:
   - rank by counting (n <= RANK_MAX_N): each element's place is how many elements come before it (n * n compares summed in
     one kernel), and output place p takes the element whose place is p (k * n): two kernels, cheap while n * n is;
   - a bitonic sort (longer axes: a detector's top-1000 of its anchors): the axis padded to a power of two n2 (the pads after
@@ -60,7 +60,7 @@ def _before(a: Tensor, ai: Tensor, b: Tensor, bi: Tensor, largest: bool) -> Tens
   return strict | (tie & (ai < bi))
 
 
-def _by_rank(x: Tensor, k: int, largest: bool, label: str) -> tuple[Tensor, Tensor]:
+def _by_rank(x: Tensor, k: Dim, largest: bool, label: str) -> tuple[Tensor, Tensor]:
   """The first k of each row of x (B, n) in order, by counting each element's place."""
   b, n = sym.static_shape("TopK", x.shape)
   dt = index_dtype(b * n)
@@ -72,7 +72,7 @@ def _by_rank(x: Tensor, k: int, largest: bool, label: str) -> tuple[Tensor, Tens
   return x.reshape(b * n).gather(rows, 0, name=label), idx
 
 
-def _bitonic(x: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
+def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
   """The first k of each row of x (B, n) in order, by a bitonic sort of the row padded to a power of two (pads last)."""
   b, n = sym.static_shape("TopK", x.shape)
   n2 = 1 << (n - 1).bit_length()
@@ -97,21 +97,30 @@ def _bitonic(x: Tensor, k: int, largest: bool) -> tuple[Tensor, Tensor]:
   return key.slice([0], [k], [1]), idx.slice([0], [k], [1])
 
 
+def _k(n: OnnxNode, d: int) -> Dim:
+  """TopK's k: the attribute (opset < 10), a constant, or one computed at run time, a length in [0, d] each run binds."""
+  if n.opset < 10: return int(n.attr("k"))
+  kin = n.ins[1] if len(n.ins) > 1 else None
+  if isinstance(kin, Tensor) and 1 not in n.from_shape:
+    if sym.max_numel(kin.shape) != 1 or not kin.dtype.is_int:
+      raise n.error(f"input 1 (k) must be one integer, got {kin.dtype.name} {sym.fmt_shape(kin.shape)}")
+    return _count(n.read_back("k", [kin.reshape(1)], length=Length(d)))
+  kv = n.const(1, "k").reshape(-1)
+  if kv.size != 1 or kv.dtype.kind not in "iu": raise n.error(f"input 1 (k) must be one integer, got {kv.dtype} of shape {kv.shape}")
+  return int(kv[0])
+
+
 def _topk(n: OnnxNode) -> list[Value]:
   x = n.t(0)
-  if n.opset < 10: kk = n.attr("k")
-  else:
-    kv = n.const(1, "k").reshape(-1)
-    if kv.size != 1 or kv.dtype.kind not in "iu": raise n.error(f"input 1 (k) must be one integer, got {kv.dtype} of shape {kv.shape}")
-    kk = int(kv[0])
   if x.ndim == 0: raise n.error("input 0 must have at least one axis")
   a = _norm(n.attr("axis", -1), x.ndim, n)
   largest, _ = bool(n.attr("largest", 1)), n.attr("sorted", 1)
   shape = sym.static_shape("TopK", x.shape)
   d = shape[a]
-  if not 0 <= kk <= d: raise n.error(f"k = {kk} must be in [0, {d}] (axis {a} of {shape})")
+  kk = _k(n, d)
+  if isinstance(kk, int) and not 0 <= kk <= d: raise n.error(f"k = {kk} must be in [0, {d}] (axis {a} of {shape})")
   out = shape[:a] + (kk,) + shape[a + 1:]
-  if kk == 0: return [np.zeros(out, x.dtype.np), np.zeros(out, np.int64)]  # nothing to select: empty arrays (onnx_empty.py)
+  if isinstance(kk, int) and kk == 0: return [np.zeros(out, x.dtype.np), np.zeros(out, np.int64)]  # nothing to select: empty arrays
   if x.dtype.is_bool: raise n.error("input 0 must be numbers, got bool")
   order = [i for i in range(x.ndim) if i != a] + [a]
   lead = tuple(shape[i] for i in order[:-1])

@@ -356,9 +356,11 @@ class Tensor:
         newaxes.append(len(shape) - len(drop) + len(newaxes))
         continue
       n = self.shape[d]
-      if isinstance(n, UOp):  # a slice of step 1: its start and length are dims (seq - 1 for [1:]), as dims.span works them out
+      bounded = isinstance(k, slice) and (isinstance(k.start, UOp) or isinstance(k.stop, UOp))  # a fixed axis cut to a symbolic length
+      if isinstance(n, UOp) or bounded:  # a slice of step 1: its start and length are dims (seq - 1 for [1:]), as dims.span works them out
         if not (isinstance(k, slice) and k.step in (None, 1)):
           raise GraphError(f"index: {k!r} on the symbolic axis {d} of {sym.fmt_shape(self.shape)} (only slices of step 1 are supported)")
+        if bounded and k.step not in (None, 1): raise GraphError(f"index: {k!r} of axis {d}: a symbolic bound takes step 1 only")
         b0, m0 = sym.span(n, k.start, k.stop, f"index: slice {k} of axis {d} of {sym.fmt_shape(self.shape)}")
         spec.append((b0, 1)); shape.append(m0); d += 1
         continue
