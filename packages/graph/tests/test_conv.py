@@ -214,6 +214,26 @@ def test_depthwise_blocked_vectorised_across_channels() -> None:
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(2, 2)] * 2, [1, 1], 32), rtol=1e-4, atol=1e-4)
 
 
+# (input shape, weight shape, stride, padding, groups): convs over fewer output positions than a block, whose product
+# runs channels-last: 1x1 over a 2x2 map, a 3x3 over a 3x3 map, grouped, strided, 1-d
+FEW_POSITIONS = [((2, 24, 2, 2), (40, 24, 1, 1), 1, 0, 1), ((1, 8, 3, 3), (12, 8, 3, 3), 1, 1, 1), ((2, 8, 3, 3), (6, 4, 1, 1), 1, 0, 2),
+                 ((2, 6, 7, 6), (10, 6, 3, 3), 2, 1, 1), ((2, 5, 9), (7, 5, 3), 1, 0, 1)]
+
+
+@pytest.mark.parametrize("xs,ws,stride,padding,groups", FEW_POSITIONS)
+@pytest.mark.parametrize("weight", ["array", "input"])
+def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, groups, weight: str) -> None:
+  """A conv over fewer output positions than a block computes its product as (N, g, P, O/g), read back as NCHW."""
+  x, w, b = rand(*xs), rand(*ws), rand(ws[0])
+  st, pads, dl = _spec(stride, padding, 1, len(ws) - 2)
+  wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
+  c = compile([Tensor.input("x", xs).conv2d(wt, Tensor(b), stride=stride, padding=padding, groups=groups).relu()])
+  sums = [k.ast.arg for k in c.kernels if k.ast.arg.startswith("reduce")]
+  assert len(sums) == 1 and sums[0].endswith(f"x{ws[0] // groups}"), c.plan.describe()  # the output channels are the last axis
+  got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
+  np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
+
+
 def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
   o = [(n - k) // st + 1 for n in r.shape[2:]]
   return np.stack([np.stack([r[:, :, i * st:i * st + k, j * st:j * st + k].max((2, 3)) for j in range(o[1])], -1) for i in range(o[0])], -2)

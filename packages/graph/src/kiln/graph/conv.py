@@ -1,7 +1,8 @@
 """Convolution built from the graph's primitives: per group a matrix product over the window view of the input (the
 codegen tiles it as a matmul), Winograd F(4x4, 3x3) where its cost rule says so (winograd.py), or, for a depthwise conv,
-a sum over each window (in NCHW, or in a blocked channel layout where the output rows are narrower than a block). Tensor.conv2d calls `conv`; this module makes new tensors through its operands' type, so it
-imports Tensor only for type checking (tensor.py imports this module)."""
+a sum over each window (in NCHW, or in a blocked channel layout where the output rows are narrower than a block).
+Tensor.conv2d calls `conv`; this module makes new tensors through its operands' type, so it imports Tensor only for
+type checking (tensor.py imports this module)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
 # a padded conv reads its realized input through the pad (gated loads its packed panel copies as masked row runs) instead
 # of realizing the padded copy first (a kernel of its own per conv); False: the padded copy, for comparison
 PAD_INLINE = True
+# a depthwise conv whose output rows are narrower than BLOCK runs in the blocked channel layout (_window_conv_blocked);
+# False: always NCHW, for comparison
+DEPTHWISE_BLOCKED = True
+BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
+# a conv with fewer output positions than BLOCK computes its product channels-last (_product_channels_last); False: never
+PRODUCT_CHANNELS_LAST = True
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -32,10 +39,10 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). A padded input is
   read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
   copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
-  The product is realized as (N, groups, O/groups, P), the loops the matmul
-  tiles; what follows reads it through an NCHW view (the bias, batch norm and relu become the product kernel's epilogue
-  when their readers read each element at least once: epilogue.py). A depthwise conv (one input
-  and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
+  The product is realized as (N, groups, O/groups, P), the loops the matmul tiles (as (N, groups, P, O/groups) where P
+  is smaller than BLOCK: _product_channels_last); what follows reads it through an NCHW view (the bias, batch norm and
+  relu become the product kernel's epilogue when their readers read each element at least once: epilogue.py). A
+  depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
   where that input is computed (every tap reads each element); where its output rows are narrower than BLOCK, in the
   blocked channel layout (_window_conv_blocked), whose vector runs across channels instead of along a row."""
   d = weight.ndim - 2
@@ -70,9 +77,24 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
+  if PRODUCT_CHANNELS_LAST and p < BLOCK: return _product_channels_last(cols, w, bias, groups, og, out)
   wm = _flat(w, (1, groups, og, kk, 1))
   y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
   return y if bias is None else y + bias.reshape(1, o, *([1] * d))
+
+
+def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, og: int, out: tuple[Dim, ...]) -> Tensor:
+  """The product of a conv over few output positions (a mobile net's last 2x2 and 4x4 maps) as (N, g, P, O/g): the
+  output channels are the contiguous axis, so the matmul's vector runs across them and its rows are the positions. In
+  (N, g, O/g, P) the vector was the P positions, a quarter of a vector for a 2x2 map, and the weight streamed through
+  it once per vector of positions. The weight is read as (g, K, O/g), contiguous along O/g (an array reordered in numpy)."""
+  n, kk, p = cols.shape[0], cols.shape[2], cols.shape[3]
+  if (data := w.node.data) is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
+  else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
+  wm = wt.reshape(1, groups, 1, kk, og)  # (1, g, 1, K, O/g)
+  y = (wm * cols.permute(0, 1, 3, 2).reshape(n, groups, p, kk, 1)).sum(3)  # (N, g, P, O/g)
+  if bias is not None: y = y + bias.reshape(1, groups, 1, og)
+  return y.contiguous().permute(0, 1, 3, 2).reshape(n, groups * og, *out)
 
 
 def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
@@ -112,12 +134,6 @@ def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: in
   win = xp.windows(sym.static_shape("conv (weight)", w.shape)[2:], st, dl)  # (N, C, *out, *k)
   y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
   return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
-
-
-# a depthwise conv whose output rows are narrower than BLOCK runs in the blocked channel layout (_window_conv_blocked);
-# False: always NCHW, for comparison
-DEPTHWISE_BLOCKED = True
-BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
 
 
 def _row(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> int:
