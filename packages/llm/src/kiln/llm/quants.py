@@ -95,8 +95,12 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-  """Bytes (..., k) -> (..., 2k): the k low nibbles, then the k high nibbles (ggml's order within a block)."""
-  return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+  """Bytes (n, k) -> uint8 (n, 2k): the k low nibbles, then the k high nibbles (ggml's order within a block)."""
+  k = qs.shape[1]
+  out = np.empty((len(qs), 2 * k), np.uint8)
+  np.bitwise_and(qs, np.uint8(0x0F), out=out[:, :k])
+  np.right_shift(qs, np.uint8(4), out=out[:, k:])
+  return out
 
 
 def _fifth_bits(qh: np.ndarray, n: int) -> np.ndarray:
@@ -116,10 +120,18 @@ def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q8_0(b: np.ndarray) -> np.ndarray: return b[:, 2:].view(np.int8).astype(np.float32) * _f16(b[:, 0:2])
 
 
-def _q4_0(b: np.ndarray) -> np.ndarray: return (_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)).astype(np.float32) * _f16(b[:, 0:2])
+def _q4_0(b: np.ndarray) -> np.ndarray:
+  x = _nibbles(b[:, 2:]).astype(np.float32)
+  x -= np.float32(8)
+  x *= _f16(b[:, 0:2])
+  return x
 
 
-def _q4_1(b: np.ndarray) -> np.ndarray: return _f16(b[:, 0:2]) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b[:, 2:4])
+def _q4_1(b: np.ndarray) -> np.ndarray:
+  x = _nibbles(b[:, 4:]).astype(np.float32)
+  x *= _f16(b[:, 0:2])
+  x += _f16(b[:, 2:4])
+  return x
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
@@ -138,33 +150,49 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return (_f16(b[:, 0:2]) * sc)[:, :, None], (_f16(b[:, 2:4]) * mn)[:, :, None]
 
 
+def _split_nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
+  """Bytes (n, groups * 32) -> uint8 (n, groups, 2, 32): per group of 32 bytes, their low nibbles, then their high ones."""
+  n = len(qs)
+  out = np.empty((n, groups, 2, 32), np.uint8)
+  g = qs.reshape(n, groups, 32)
+  np.bitwise_and(g, np.uint8(0x0F), out=out[:, :, 0])
+  np.right_shift(g, np.uint8(4), out=out[:, :, 1])
+  return out
+
+
 def _q4_k(b: np.ndarray) -> np.ndarray:
   n = len(b)
-  q = np.stack([b[:, 16:].reshape(n, 4, 32) & np.uint8(0x0F), b[:, 16:].reshape(n, 4, 32) >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+  x = _split_nibbles(b[:, 16:], 4).reshape(n, 8, 32).astype(np.float32)
   d, m = _k_scales(b)
-  return (d * q.astype(np.float32) - m).reshape(n, 256)
+  x *= d
+  x -= m
+  return x.reshape(n, 256)
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
   n = len(b)
-  qs = b[:, 48:].reshape(n, 4, 32)
-  q = np.stack([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2).reshape(n, 8, 32)
+  q = _split_nibbles(b[:, 48:], 4).reshape(n, 8, 32)
   high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # (n, 8, 32): bit j for sub-block j
+  q |= high << np.uint8(4)
+  x = q.astype(np.float32)
   d, m = _k_scales(b)
-  return (d * (q | (high << np.uint8(4))).astype(np.float32) - m).reshape(n, 256)
+  x *= d
+  x -= m
+  return x.reshape(n, 256)
 
 
 def _q6_k(b: np.ndarray) -> np.ndarray:
   n = len(b)
-  ql = b[:, 0:128].reshape(n, 2, 2, 32)  # (half, first or second 32 bytes, l)
+  low = _split_nibbles(b[:, 0:128], 4).reshape(n, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4).reshape(n, 2, 4, 32)  # (half, group 0..3, l)
   qh = b[:, 128:192].reshape(n, 2, 1, 32)
-  low = np.stack([ql & np.uint8(0x0F), ql >> np.uint8(4)], axis=2).reshape(n, 2, 4, 32)  # value groups 0..3 of each half
   high = (qh >> (np.arange(4, dtype=np.uint8) * 2)[None, None, :, None]) & np.uint8(3)
-  q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32).reshape(n, 16, 16)
-  d = (_f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
-  return (d * q).reshape(n, 256)
+  x = (low | (high << np.uint8(4))).astype(np.float32).reshape(n, 16, 16)
+  x -= np.float32(32)
+  x *= (_f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
+  return x.reshape(n, 256)
 
 
+CHUNK_BLOCKS = 1 << 13  # blocks decoded at a time: the temporaries of one chunk stay in cache
 _BLOCK_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
@@ -180,4 +208,7 @@ def dequantize(data: np.ndarray, fmt: str) -> np.ndarray:
   if fmt == "F16": return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
   if fmt == "BF16": return (np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
   blocks = np.ascontiguousarray(raw).reshape(rows * nb, f.type_size)
-  return _BLOCK_DEQUANT[fmt](blocks).reshape(rows, nb * f.block_size)
+  out = np.empty((rows * nb, f.block_size), np.float32)
+  decode = _BLOCK_DEQUANT[fmt]
+  for i in range(0, len(blocks), CHUNK_BLOCKS): out[i:i + CHUNK_BLOCKS] = decode(blocks[i:i + CHUNK_BLOCKS])
+  return out.reshape(rows, nb * f.block_size)
