@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tokenizer_case import CORPUS, SPECIALS, gguf_bpe_fields, hf_bpe, random_texts
+from tokenizers import Tokenizer, models
 
 from kiln.llm.bpe import ByteLevelBPE, byte_alphabet, merge
 from kiln.llm.pretokenize import PRE_TOKENIZERS, PreTokenizer
@@ -50,6 +51,16 @@ def test_merge_order_is_rank_then_leftmost():
   assert merge([0, 1, 0, 1], {(0, 1): (1, 2), (1, 0): (0, 3)}) == [0, 3, 1]
   # a merge made of a merge may rank before the pair it was made from: priority order, not "all of a pair at once"
   assert merge([0, 1, 0, 1], {(0, 1): (1, 2), (2, 0): (0, 4), (4, 1): (2, 5)}) == [5]
+
+
+def test_ignore_merges_takes_a_whole_piece_that_is_a_token():
+  # "abc" is a token no merge makes (a+b -> ab only): Llama 3's BPE (ignore_merges) takes it whole, GPT-2's does not
+  tokens = ["a", "b", "c", "ab", "abc"]
+  fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"]}
+  for pre, ignore in (("gpt2", False), ("llama-bpe", True)):
+    ours = tokenizer_from_gguf_fields(fields | {"tokenizer.ggml.pre": pre}, "t")
+    theirs = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [("a", "b")], ignore_merges=ignore))
+    assert ours.encode("abc", add_special=False) == theirs.encode("abc").ids == ([4] if ignore else [3, 2])
 
 
 def test_byte_alphabet_is_gpt2s():

@@ -21,6 +21,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from kiln.llm.tokenizer_base import (
   END_OF_GENERATION_TEXTS,
   MAX_MERGES,
@@ -130,31 +132,11 @@ def vocab_from_fields(fields: Mapping[str, Any], source: str) -> Vocab:
 
 
 def read_gguf_fields(path: str) -> dict[str, Any]:
-  """The tokenizer.* metadata of a GGUF file as Python values, through gguf's GGUFReader (which maps the file)."""
-  from gguf import GGUFReader
-  try:
-    reader = GGUFReader(path)
-  except (ValueError, OSError, IndexError) as e:
-    raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from e
-  out: dict[str, Any] = {}
-  for name, field in reader.fields.items():
-    if not name.startswith("tokenizer."): continue
-    try:
-      out[name] = _field_value(field)
-    except UnicodeDecodeError as e:
-      raise TokenizerError(f"{path}: {name} holds a string that is not UTF-8 ({e})") from e
-  return out
-
-
-def _field_value(field: Any) -> Any:
-  from gguf import GGUFValueType
-  if not field.types: return None
-  if field.types[0] == GGUFValueType.ARRAY:
-    if field.types[-1] == GGUFValueType.STRING: return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    if len(field.types) > 2: return None    # arrays of arrays: no tokenizer field is one
-    return [v for i in field.data for v in field.parts[i].tolist()]
-  if field.types[0] == GGUFValueType.STRING: return bytes(field.parts[-1]).decode("utf-8")
-  return field.parts[-1].tolist()[0]
+  """The tokenizer.* metadata of a GGUF file as Python values (arrays as lists), parsed by kiln.llm.gguf_file (its limits
+  and CheckpointErrors for a malformed file)."""
+  from kiln.llm.gguf_file import GGUFFile
+  meta = GGUFFile(path).metadata
+  return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in meta.items() if k.startswith("tokenizer.")}
 
 
 class VocabTokenizer(Tokenizer):

@@ -25,17 +25,12 @@ _WHITE_SPACE = "\\t\\n\\x0b\\x0c\\r \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u20
 @functools.cache
 def _category_classes() -> dict[str, str]:
   """Class bodies (the text between [ and ]) for the general categories L, N and P, as ranges of code points."""
-  out: dict[str, list[str]] = {"L": [], "N": [], "P": []}
-  start: dict[str, int] = {}
-  for cp in range(0x110001):
-    major = unicodedata.category(chr(cp))[0] if cp <= 0x10FFFF else ""
-    for key, spans in out.items():
-      if major == key:
-        if key not in start: start[key] = cp
-      elif key in start:
-        first = start.pop(key)
-        spans.append(f"\\U{first:08x}" if first == cp - 1 else f"\\U{first:08x}-\\U{cp - 1:08x}")
-  return {key: "".join(spans) for key, spans in out.items()}
+  majors = "".join(unicodedata.category(chr(cp))[0] for cp in range(0x110000))
+  out = {}
+  for key in "LNP":
+    spans = (m.span() for m in re.finditer(f"{key}+", majors))
+    out[key] = "".join(f"\\U{a:08x}" if b == a + 1 else f"\\U{a:08x}-\\U{b - 1:08x}" for a, b in spans)
+  return out
 
 
 def _expand(pattern: str) -> str:
