@@ -93,6 +93,7 @@ def test_hostile_fields(tmp_path: Path) -> None:
   info_a = data.rindex(b"\x01\x00\x00\x00\x00\x00\x00\x00a") + 9  # after tensor a's name (not the token): n_dims, 2 dims, type, offset
   b = bytearray(data); struct.pack_into("<I", b, info_a, 99); cases.append((bytes(b), "99 dims"))
   b = bytearray(data); struct.pack_into("<I", b, info_a + 20, 10); cases.append((bytes(b), "Q2_K, which kiln does not read"))
+  b = bytearray(data); struct.pack_into("<I", b, info_a + 20, 8); cases.append((bytes(b), "rows of 4 values are not whole Q8_0 blocks"))
   b = bytearray(data); struct.pack_into("<Q", b, info_a + 24, 2 ** 50); cases.append((bytes(b), "past the end of the file"))
   b = bytearray(data); struct.pack_into("<Q", b, info_a + 24, 4); cases.append((bytes(b), "not a multiple of the alignment"))
   b = bytearray(data); struct.pack_into("<Q", b, info_a + 4, 0); cases.append((bytes(b), "zero"))
