@@ -165,10 +165,20 @@ def versions() -> int:
   return 0
 
 
+_debug_flag = False  # `kiln --debug CMD` was given (main sets it before running CMD)
+
+
 def debugging(argv: Sequence[str]) -> bool:
   """A failing command shows its traceback: `--debug` before the command, or KILN_DEBUG set to 1 or more."""
-  from kiln.codegen import settings
   if "--debug" in argv[:next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))]: return True
+  return tracebacks()
+
+
+def tracebacks() -> bool:
+  """Whether a failing command lets its traceback through (`kiln --debug CMD`, or KILN_DEBUG >= 1): the one answer every
+  command's error handler asks, kiln-graph's one-line errors too."""
+  from kiln.codegen import settings
+  if _debug_flag: return True
   try: return bool(settings.DEBUG.get())
   except KilnError: return False  # a malformed KILN_DEBUG is reported by whatever reads it
 
@@ -183,10 +193,25 @@ def one_line(argv: Sequence[str], e: BaseException) -> tuple[str, int]:
   return f"{head}{type(e).__name__}: {msg} (an internal error; kiln --debug {cmd or ''} ... or KILN_DEBUG=1 prints the traceback)", 1
 
 
+def check_settings() -> None:
+  """The settings every command reads (kiln-codegen's and the executor's: KILN_THREADS, KILN_CACHE, ...) read once before it
+  starts, so a bad value is the same one-line error whatever the command goes on to do (a model too small to start the
+  thread pool never read KILN_THREADS). Other layers' settings are checked where they are read."""
+  from kiln.codegen import settings as codegen_settings
+  from kiln.executor import settings as executor_settings
+  from kiln.ir.settings import declared
+  for module in (codegen_settings, executor_settings):
+    for s in declared(module): s.get()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """The `kiln` console script (and `python -m kiln`): the exit code; a failure is one line on stderr, no traceback."""
+  global _debug_flag
   args = list(sys.argv[1:] if argv is None else argv)
-  try: return _main(args)
+  _debug_flag = "--debug" in args[:next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
+  try:
+    if next((a for a in args if not a.startswith("-")), "info") != "info": check_settings()  # info --settings shows a bad one
+    return _main(args)
   except BrokenPipeError:  # `kiln info | head`: a closed pipe is not an error
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
@@ -194,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("kiln: interrupted", file=sys.stderr)
     return 130
   except Exception as e:
-    if debugging(args): raise
+    if tracebacks(): raise
     line, code = one_line(args, e)
     print(line, file=sys.stderr)
     return code

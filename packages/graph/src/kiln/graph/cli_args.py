@@ -122,13 +122,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 
 
 def guarded(prog: str, fn: Callable[[], int]) -> int:
-  """fn's exit code, or bad input as one line `PROG: error: ...` on stderr and exit code 2."""
+  """fn's exit code, or bad input as one line `PROG: error: ...` on stderr and exit code 2 (`kiln --debug` or KILN_DEBUG=1:
+  the traceback instead, as the kiln command decides for every command)."""
+  from kiln.executor.cli import tracebacks
   try: return fn()
-  except UsageError as e: msg = str(e)
-  except GraphError as e: msg = str(e)  # ONNXError too: the model cannot be loaded, or a feed does not fit it
-  except KilnError as e:  # a layer below: device, memory, cache
-    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
   except BrokenPipeError: raise  # `kiln inspect m.onnx | head`: the kiln command's own handler makes it quiet
-  except OSError as e: msg = f"{type(e).__name__}: {e}"  # --out not writable, a file vanished
-  print(f"{prog}: error: {msg}", file=sys.stderr)
-  return 2
+  except (UsageError, KilnError, OSError) as e:
+    if tracebacks(): raise
+    print(f"{prog}: error: {_message(e)}", file=sys.stderr)
+    return 2
+
+
+def _message(e: Exception) -> str:
+  if isinstance(e, UsageError | GraphError): return str(e)  # ONNXError too: the model cannot be loaded, or a feed does not fit it
+  if isinstance(e, KilnError): return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"  # a layer below
+  return f"{type(e).__name__}: {e}"  # --out not writable, a file vanished
