@@ -11,10 +11,9 @@ is refused at load time with the node, the op and the attribute named. Needs the
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +34,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_select,
   onnx_ops_shape,
 )
+from kiln.graph.feeds import FeedError, TensorInfo, check_dims, check_feeds, check_out, check_out_shapes, chosen_outputs, output_info, write_out
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_const import fold_known
 from kiln.graph.onnx_empty import empty_input, empty_outputs
@@ -42,10 +42,11 @@ from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_value
 from kiln.graph.onnx_ops_flow import FLOW
+from kiln.graph.onnx_plan_cache import cached_model, keep_model, plan_key
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
-from kiln.graph.provenance import made_by, of_node
 from kiln.graph.progress import Progress, report, reporting
+from kiln.graph.provenance import made_by, of_node
 from kiln.graph.schedule import Compiled
 from kiln.graph.specialise import Cut, RuntimeValue, unspecialisable
 from kiln.graph.tensor import Tensor, compile
@@ -61,8 +62,9 @@ def _onnx() -> Any:
 
 
 class Model:
-  """A loaded ONNX model: `run(feeds) -> {output name: array}`, `plan` (its ExecutionPlan, None when every output is a
-  constant or the model branches at run time), `plans` (every plan it runs), `summary()`.
+  """A loaded ONNX model: `run(feeds) -> {output name: array}`, `inputs` and `outputs` (what it takes and gives, as
+  TensorInfo: name, shape, dtype), `plan` (its ExecutionPlan, None when every output is a constant or the model branches
+  at run time), `plans` (every plan it runs), `summary()`.
 
   A model with an If whose condition is computed at run time is a `program` (kiln.graph.program): segments, each a plan,
   and the branches between them, all compiled at load; `compiled` is then None. So is one with a value that sets a shape
@@ -70,17 +72,43 @@ class Model:
   (cached), and `plans` are those compiled so far. An output given as None is computed by the program."""
 
   def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value | None]], compiled: Compiled | None,
-               nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None, program: Program | None = None):
-    self.inputs, self.output_names, self.compiled, self.nodes, self.opset = inputs, [n for n, _ in outputs], compiled, nodes, opset
+               nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None, program: Program | None = None,
+               declared: Mapping[str, TensorInfo] | None = None):
+    self._inputs = [TensorInfo(*i) for i in inputs]
+    self.output_names, self.compiled, self.nodes, self.opset = [n for n, _ in outputs], compiled, nodes, opset
     self.program = program
     self.defaults = dict(defaults or {})  # graph inputs an initializer of the same name gives a value: folded in at load
     # a folded bfloat16 (ml_dtypes') comes back as its uint16 bits, as a computed one does (kiln's numpy form of bfloat16)
     self._consts = {n: host_array(v) for n, v in outputs if isinstance(v, np.ndarray)}
     self._computed = [n for n, v in outputs if not isinstance(v, np.ndarray)]
     self._empty = {n for n, shape, _ in inputs if 0 in shape}  # inputs with no elements, known at load (onnx_empty.py)
+    self._outputs = [output_info(n, self._consts.get(n, v), (declared or {}).get(n)) for n, v in outputs]
 
   @property
-  def plan(self) -> Any: return None if self.compiled is None else self.compiled.plan
+  def inputs(self) -> list[TensorInfo]:
+    """The inputs run() must be fed, in the model's order: name, shape (an int per fixed dim, a symbolic dim's name: a
+    dim_param, or dim_INPUT_AXIS for one with no name; each with the bounds load's dims gave it) and numpy dtype (a
+    bfloat16 input takes ml_dtypes' bfloat16 or uint16, its bits). Inputs an initializer gives a value are not among them."""
+    return list(self._inputs)
+
+  @property
+  def outputs(self) -> list[TensorInfo]:
+    """The outputs run() returns, in the model's order: name, shape (symbolic dims named as kiln computes them, 'batch' or
+    'batch*128'; for a model compiled at run time, the shape the model declares, None where it declares none) and the
+    numpy dtype of the returned array."""
+    return list(self._outputs)
+
+  @property
+  def plan(self) -> Any:
+    """The model's one ExecutionPlan; None when every output is a constant or the model runs several (`plans`)."""
+    return None if self.compiled is None else self.compiled.plan
+
+  @classmethod
+  def from_cache(cls, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value | None]], compiled: Compiled,
+                 nodes: int, opset: int, defaults: Mapping[str, np.ndarray], declared: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> Model:
+    """A Model whose plan the plan cache rebuilt (onnx_plan_cache.py): outputs given None are computed, `declared` gives
+    their shapes and dtypes as the loaded model had them (what `outputs` reports)."""
+    return cls(inputs, outputs, compiled, nodes, opset, defaults, None, {n: TensorInfo(n, s, dt) for n, (s, dt) in declared.items()})
 
   @property
   def plans(self) -> list[Any]:
@@ -88,39 +116,48 @@ class Model:
     specialisation's compiled so far)."""
     return self.program.plans if self.program is not None else [] if self.compiled is None else [self.compiled.plan]
 
-  def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return self._run(feeds, False)[0]
+  def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None,
+          cast: bool = False) -> dict[str, np.ndarray]:
+    """Run the model: {output name: array}.
 
-  def run_profiled(self, feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], Any]:
+    feeds: {input name: array} for every input in `inputs`, no other name (a misspelt one is an error naming the closest
+    input), each of the input's dtype; cast=True casts one of another dtype where every value survives (feeds.py), else a
+    differing dtype is a FeedError. Symbolic dims are read off the arrays' shapes. outputs: the names to return, in that
+    order (default: every output; the plan computes them all). out: {output name: array} to write outputs into instead of
+    new arrays (a loop's buffers), each of the output's dtype and this run's shape; those entries of the result are the
+    caller's arrays. Every refusal is a FeedError (an ONNXError) raised before the model runs (an out= array whose shape a
+    symbolic dim decides: after, with nothing written)."""
+    return self._run(feeds, False, outputs, out, cast)[0]
+
+  def run_profiled(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None,
+                   cast: bool = False) -> tuple[dict[str, np.ndarray], Any]:
     """run, kernel by kernel with each kernel timed: (outputs, the plan's Profile; None when no kernel runs)."""
-    return self._run(feeds, True)
+    return self._run(feeds, True, outputs, out, cast)
 
-  def _run(self, feeds: Mapping[str, np.ndarray], profile: bool) -> tuple[dict[str, np.ndarray], Any]:
-    if not isinstance(feeds, Mapping): raise ONNXError(f"run takes a mapping of input name -> array, got {type(feeds).__name__}")
-    names = [n for n, _, _ in self.inputs] + list(self.defaults)
-    if unknown := [k for k in feeds if k not in names]:  # a misspelt name would otherwise be ignored
-      near = {k: difflib.get_close_matches(str(k), names, 1) for k in unknown}
-      raise ONNXError("the model has no input " + ", ".join(f"{k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown)
-                      + f"; its inputs: {', '.join(names) or 'none'}")
-    for name, shape, dt in self.inputs:
-      if name not in feeds: raise ONNXError(f"model input {name!r} (shape {shape}, {dt}) was not fed")
-      if name in self._empty and np.shape(feeds[name]) != shape:  # the compiled model never reads it: check it here
-        raise ONNXError(f"model input {name!r} has shape {np.shape(feeds[name])}, the model takes {shape} (empty)")
-    for name, value in self.defaults.items():
-      if name in feeds and not np.array_equal(np.asarray(feeds[name]), value):
-        raise ONNXError(f"model input {name!r} has a value in the model (an initializer of the same name), which kiln folds in at load "
-                        "time: it cannot be fed another value (remove the initializer, or the input, from the model)")
+  def _run(self, feeds: Mapping[str, np.ndarray], profile: bool, outputs: Sequence[str] | None = None,
+           out: Mapping[str, np.ndarray] | None = None, cast: bool = False) -> tuple[dict[str, np.ndarray], Any]:
+    arrays = check_feeds(self._inputs, self.defaults, feeds, cast)
+    chosen = chosen_outputs(self.output_names, outputs)
+    dst = check_out(out, {i.name: i for i in self._outputs}, chosen)
+    for i in self._inputs:
+      if i.name in self._empty and arrays[i.name].shape != i.shape:  # the compiled model never reads it: check it here
+        raise FeedError(f"model input {i.name!r} has shape {arrays[i.name].shape}, the model takes {i.shape} (empty)")
     prof = None
     try:
       got: list[np.ndarray] = []
-      if self.program is not None: got, prof = self.program.run(feeds, profile)
+      if self.program is not None: got, prof = self.program.run(arrays, profile)
       elif self.compiled is None: pass
-      elif profile: got, prof = self.compiled.run_profiled(feeds)
-      else: got = self.compiled.run(feeds)
+      elif profile: got, prof = self.compiled.run_profiled(arrays)
+      else:
+        if dst: check_out_shapes(dst, dict(zip(self._computed, self.compiled.output_shapes(arrays))))  # before the run: nothing written
+        got = self.compiled.run(arrays, out=[dst.get(n) for n in self._computed] if dst else None)
     except IndexOutOfRangeError: raise  # typed: it names the node and the index already
+    except FeedError: raise
     except GraphError as e: raise ONNXError(str(e)) from e
-    out = dict(zip(self._computed, got))
-    return {n: out[n] if n in out else self._consts[n].copy() for n in self.output_names}, prof
+    res = dict(zip(self._computed, got))
+    res = {n: res[n] if n in res else self._consts[n].copy() for n in chosen}
+    check_out_shapes(dst, {n: a.shape for n, a in res.items()})  # a program's: known only now, still before anything is written
+    return {n: a if n not in dst or a is dst[n] else write_out(a, dst[n]) for n, a in res.items()}, prof
 
   def export(self) -> tuple[Any, dict[str, np.ndarray]]:
     """The model's plan as a kiln.executor PlanSpec with the model's input and output names, and the arrays its weights
@@ -134,11 +171,14 @@ class Model:
     if self.compiled is None: raise ONNXError("every output of the model is a constant: there is no plan to export")
     return self.compiled.export(self._computed)  # type: ignore[no-any-return]
 
-  def to_spec(self) -> Any: return self.export()[0]
+  def to_spec(self) -> Any:
+    """The model's plan as a kiln.executor PlanSpec (export() without the weights' arrays)."""
+    return self.export()[0]
 
   def summary(self) -> str:
+    """The model in lines: opset, node count, inputs and outputs, then its plans' kernels, buffers and peak memory."""
     lines = [f"ONNX model: opset {self.opset}, {self.nodes} nodes; inputs " +
-             ", ".join(f"{n} {s} {dt}" for n, s, dt in self.inputs) + "; outputs " + ", ".join(self.output_names)]
+             ", ".join(f"{n} {s} {dt}" for n, s, dt in self._inputs) + "; outputs " + ", ".join(self.output_names)]
     p = self.plan
     if self.program is not None:
       specs = self.program.specialisations()
@@ -344,6 +384,8 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
 
 def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | None, directory: str | os.PathLike[str] | None) -> Model:
   onnx = _onnx()
+  cache_key = plan_key(model, device, dims)  # the whole built plan, kept by the model's content (onnx_plan_cache.py)
+  if cache_key is not None and (hit := cached_model(cache_key, Model)) is not None: return hit
   m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
   if bad := _unsupported(m.graph, opset):  # all of them at once: a user learns the whole gap from one try
@@ -356,6 +398,7 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
   for init in g.initializer: env[init.name] = stored.array(init, f"initializer {init.name!r}")
   inputs: list[tuple[str, tuple[int | str, ...], np.dtype]] = []
   defaults: dict[str, np.ndarray] = {}
+  used: list[str] = []  # the dims keys the inputs name: any other key of dims is an error (a typo would be ignored)
   for vi in g.input:
     if vi.name in env:  # an initializer gives it a default (ONNX IR >= 4): kiln folds that in, and refuses another value at run time
       if isinstance(value := env[vi.name], np.ndarray): defaults[vi.name] = value
@@ -370,6 +413,7 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
         shape.append(int(d.dim_value))
         continue
       key = d.dim_param or f"{vi.name}:{i}"  # a dim with no name (silero_vad.onnx's) or declared -1: the input's name and the axis
+      used.append(key)
       if not dims or key not in dims:
         raise ONNXError(f"input {vi.name!r} dim {i} is symbolic ({d.dim_param or 'unnamed'}): give its size with dims={{{key!r}: n}} "
                         f"or its bounds with dims={{{key!r}: (lo, hi)}}")
@@ -388,6 +432,7 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
       continue
     try: env[vi.name] = Tensor.input(vi.name, tuple(shape), dt, dims=bounds)
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
+  check_dims(dims, used)
   main = Body()
   _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
   report(len(g.node), len(g.node), "converting nodes")
@@ -403,4 +448,19 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
   except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)
     raise ONNXError("compiling the model failed: a chain of fused operations is too deep for kiln.graph's renderer") from None
-  return Model(inputs, outputs, compiled, len(g.node), opset, defaults, program)
+  loaded = Model(inputs, outputs, compiled, len(g.node), opset, defaults, program, _declared(onnx, g))
+  if cache_key is not None: keep_model(cache_key, model, loaded, m)
+  return loaded
+
+
+def _declared(onnx: Any, g: Any) -> dict[str, TensorInfo]:
+  """The outputs as the graph declares them (for an output computed at run time, whose shape kiln learns only then)."""
+  out = {}
+  for vo in g.output:
+    tt = vo.type.tensor_type
+    try: dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+    except Exception: continue  # noqa: S112  (no element type declared: the output's TensorInfo says it is unknown)
+    dt = np.dtype(np.uint16) if dt.name == "bfloat16" else dt  # run() returns a bfloat16 as its bits
+    shape = tuple(int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim) if tt.HasField("shape") else None
+    out[vo.name] = TensorInfo(vo.name, shape, dt)
+  return out
