@@ -11,6 +11,11 @@ gives the same ids.
 Decoding: "▁" is a space again, a BYTE token is its byte, CONTROL, UNKNOWN and USER_DEFINED tokens are their text; the
 space encoding put before a piece is taken off again (after the start and after each special token), so decode(encode(t))
 is t for any text the vocabulary can write. (llama.cpp drops only the first one; Hugging Face likewise.)
+
+The space prefix is llama.cpp's, SentencePiece's add_dummy_prefix and the legacy Llama tokenizer.json's (Prepend("▁") on
+every piece between special tokens): put even before a text that starts with a space. transformers 5's own conversion of
+a GGUF vocabulary (AutoTokenizer with gguf_file=) instead prefixes only the text's first piece and only when it does not
+start with a space, so its ids differ from these (and from llama.cpp's) for such texts.
 """
 from __future__ import annotations
 
