@@ -172,7 +172,7 @@ def _read_at_most(fd: int, limit: int) -> bytes:
   return b"".join(parts)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
   """Every byte of data to fd (the one place entries are written: tests make it fail as a full disk would)."""
   view = memoryview(data)
   while view: view = view[os.write(fd, view):]
@@ -284,7 +284,7 @@ class DiskCache:
       return fd, st
     finally: os.close(afd)
 
-  def write_plain(self, name: str, data: bytes) -> bool:
+  def write_plain(self, name: str, data: bytes | bytearray) -> bool:
     """Write the entry atomically (temporary file in the area, fsync, rename over the old entry or link). A failure
     (full disk, quota, read-only file system, no permission) is one warning, never an error; False then."""
     _check_name(name)

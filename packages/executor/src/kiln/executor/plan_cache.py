@@ -68,7 +68,7 @@ def _area() -> diskcache.DiskCache: return diskcache.DiskCache(AREA, "plan cache
 def entry_name(key: str) -> str: return hashlib.sha256(key.encode()).hexdigest()
 
 
-def chunk_digests(data: memoryview | bytes | mmap.mmap) -> list[str]:
+def chunk_digests(data: memoryview | bytes | bytearray | mmap.mmap) -> list[str]:
   """The sha256 of each CHUNK of `data`, hashed side by side on threads."""
   view = memoryview(data)
   spans = [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)]
@@ -98,7 +98,7 @@ def store(key: str, spec: PlanSpec, arrays: Mapping[str, np.ndarray], meta: Mapp
     blob[off:off + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
   name = entry_name(key)
   area = _area()
-  if not area.write_plain(name + ".bin", blob): return False  # type: ignore[arg-type] (bytes-like: it is written through a memoryview)
+  if not area.write_plain(name + ".bin", blob): return False
   entry = {"format": FORMAT, "key": key, "spec": spec.to_json(), "meta": dict(meta), "weights": where, "size": len(blob),
            "chunks": chunk_digests(blob)}
   if stored := area.store_json(name + ".json", entry):
