@@ -310,6 +310,21 @@ def test_global_average_pool_reads_its_maps_as_vectors() -> None:
   assert len(reduce_axes) == 1 and upcast == [f"UPCAST(axis={next(iter(reduce_axes))}, 64)"], (reduce_axes, upcast)
 
 
+def test_mean_over_rows_and_columns_reads_its_maps_as_vectors() -> None:
+  """ReduceMean over a map's rows and columns (torch's dynamo export of an adaptive pool; a squeeze-and-excitation block's
+  pool of a SiLU) vectorises its innermost reduce axis, the columns, not the channels (a gather per load), within tolerance."""
+  from kiln.ir.ops import AxisType, Ops
+  x = f32(2, 24, 6, 32)
+  nodes = [N("Sigmoid", ["x"], ["s"]), N("Mul", ["x", "s"], ["m"]), N("ReduceMean", ["m", "axes"], ["y"], keepdims=1)]
+  km = check(model(nodes, {"x": x}, {"y": np.float32}, {"axes": np.asarray([2, 3], np.int64)}, opset=18), {"x": x}, 1e-5, kernels=1)
+  xd = x.astype(np.float64)
+  np.testing.assert_allclose(km.run({"x": x})["y"], (xd / (1 + np.exp(-xd))).mean((2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+  k = km.plan.kernels[0]
+  inner = max(u.arg[0] for u in k.ast.toposort() if u.op is Ops.RANGE and u.arg[1] is AxisType.REDUCE)
+  upcast = [o for o in k.kernel.compiled.applied_opts if o.startswith("UPCAST")]
+  assert upcast and all(o.startswith(f"UPCAST(axis={inner},") for o in upcast), (inner, upcast)
+
+
 def test_static_shape_arithmetic_through_a_scalar_gather() -> None:
   # torch's LSTM export before its LSTM node: Shape -> Gather(scalar index) -> Unsqueeze -> Concat -> Expand, every dim
   # fixed. A scalar Gather of a plain shape once became an object array, which Expand then refused with an AttributeError
