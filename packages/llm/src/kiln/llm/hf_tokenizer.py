@@ -132,7 +132,9 @@ class HFTokenizer(Tokenizer):
 
   def id_to_token(self, token_id: int) -> str:
     self.check_ids([token_id])
-    return str(self._tok.id_to_token(token_id))
+    text = self._tok.id_to_token(token_id)
+    if text is None: raise TokenizerError(f"{self.source}: no token has id {token_id}")
+    return str(text)
 
   def is_special(self, token_id: int) -> bool:
     return token_id in self._special

@@ -28,10 +28,11 @@ MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
 __all__ = ["MAX_VOCAB", "ChatTemplateError", "Tokenizer", "TokenizerError", "END_OF_GENERATION_TEXTS"]
 
 # Texts of tokens that end a turn or the text: besides the file's eos (and eot / eom) ids, a vocabulary token with one of
-# these texts is a stop token (llama.cpp's list in llama-vocab.cpp, which the chat templates of the models it names emit).
+# these texts is a stop token (llama.cpp's end-of-generation list in llama-vocab.cpp, plus "</s>" and "<|end_of_text|>", the
+# eos texts of SentencePiece models and Llama 3, for a file that leaves its eos id out).
 END_OF_GENERATION_TEXTS = frozenset({
-  "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
-  "<EOT>", "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "_<EOT>",
+  "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+  "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>", "</s>", "<|end_of_text|>",
 })
 
 
