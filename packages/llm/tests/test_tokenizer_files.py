@@ -108,3 +108,19 @@ def test_hugging_face_folder_errors(tmp_path):
   hf_folder(tmp_path, config={"chat_template": 5})
   with pytest.raises(TokenizerError, match="not a string"):
     load_tokenizer(tmp_path)
+
+
+def test_limits(tmp_path, monkeypatch):
+  from kiln.llm import gguf_vocab, hf_tokenizer
+  from kiln.llm.tokenizer import tokenizer_from_gguf_fields
+  monkeypatch.setattr(gguf_vocab, "MAX_MERGES", 10)
+  with pytest.raises(TokenizerError, match="MAX_MERGES = 10"):
+    tokenizer_from_gguf_fields(gguf_bpe_fields("gpt2"), "big.gguf")
+  monkeypatch.setattr(gguf_vocab, "MAX_VOCAB", 100)
+  with pytest.raises(TokenizerError, match="MAX_VOCAB = 100"):
+    tokenizer_from_gguf_fields(gguf_spm_fields(), "big.gguf")
+  hf_folder(tmp_path)
+  monkeypatch.setattr(hf_tokenizer, "MAX_TOKENIZER_JSON_BYTES", 1000)
+  with pytest.raises(TokenizerError, match="MAX_TOKENIZER_JSON_BYTES = 1000"):
+    load_tokenizer(tmp_path)
+
