@@ -51,7 +51,7 @@ def test_each_refusal_is_one_line_exit_2(files, capsys) -> None:
   _one_line(capsys, ["run", files["bad"], "--random"], "not a valid ONNX model")
   _one_line(capsys, ["run", files["model"], "-i", f"x={files['x64']}"], "dtype float64, the model takes float32")
   _one_line(capsys, [*run, "--dims", "btach=2"], "dims names 'btach' (did you mean 'batch'?)")
-  _one_line(capsys, ["run", files["model"], "-i", f"X={files['x']}"], "'X'")
+  _one_line(capsys, ["run", files["model"], "-i", f"X={files['x']}"], "no input 'X' (did you mean 'x'?)")
 
 
 def test_a_bad_setting_is_one_line_in_a_fresh_process(files) -> None:

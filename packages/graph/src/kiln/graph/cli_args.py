@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import model_info, random_feeds
+from kiln.graph.feeds import did_you_mean
 from kiln.graph.lazy import GraphError
 from kiln.ir.errors import KilnError
 from kiln.ir.files import open_regular
@@ -63,7 +64,7 @@ def check_feeds(inputs: Sequence[model_info.Declared], feeds: Mapping[str, np.nd
   """Names and ranks checked before anything compiles; symbolic dims not given with --dims are taken from the fed arrays."""
   names = [d.name for d in inputs]
   for k in feeds:
-    if k not in names: raise UsageError(f"the model has no input {k!r} (its inputs: {', '.join(names) or 'none'})")
+    if k not in names: raise UsageError(f"the model has no input {k!r}{did_you_mean(k, names)} (its inputs: {', '.join(names) or 'none'})")
   out = dict(given)
   for d in inputs:
     shape = d.dims or ()
