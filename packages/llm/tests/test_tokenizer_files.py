@@ -99,6 +99,15 @@ def test_hugging_face_folder_without_config(tmp_path):
   assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"  # ChatML
 
 
+def test_stream_equals_decode(tmp_path):
+  hf_spm().save(str(tmp_path / "tokenizer.json"))   # its decoder strips the first token's leading space: the stream strips it once
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+  tok = load_tokenizer(tmp_path)
+  for text in CORPUS:
+    ids = tok.encode(text.replace("<|im_end|>", "</s>"))
+    assert "".join(tok.stream(ids)) == tok.decode(ids), text
+
+
 def test_hugging_face_folder_errors(tmp_path):
   with pytest.raises(TokenizerError, match="no tokenizer.json"):
     load_tokenizer(tmp_path)
