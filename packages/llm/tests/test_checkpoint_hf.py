@@ -102,3 +102,11 @@ def test_malformed_folders(tmp_path: Path) -> None:
   (d / "model.safetensors").write_bytes(raw[: len(raw) // 2])
   with pytest.raises(CheckpointError, match="model.safetensors"): open_checkpoint(d)
   with pytest.raises(CheckpointError, match="no weight named 'nope'"): open_checkpoint(write_hf(tmp_path / "h", cj, w)).tensor("nope")
+
+
+def test_ids_outside_the_vocabulary(tmp_path: Path) -> None:
+  """A small model's config with its family's default ids (phi3's eos 32000, gpt2's 50256) past its vocabulary: those eos
+  ids are dropped (never produced), such a bos is None; ids inside stay."""
+  cj = tiny_config("phi3", eos_token_id=[32000, 7], bos_token_id=32001)
+  ck = open_checkpoint(write_hf(tmp_path / "p", cj, hf_weights(cj), files={"generation_config.json": {"eos_token_id": [32000, 9]}}))
+  assert ck.config.eos_token_ids == (7, 9) and ck.config.bos_token_id is None

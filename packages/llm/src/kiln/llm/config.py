@@ -71,6 +71,18 @@ class ModelConfig(BaseModel):
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
 
+  @model_validator(mode="before")
+  @classmethod
+  def _ids_in_vocab(cls, data: Any) -> Any:
+    """End-of-sequence ids outside the vocabulary are dropped (the model can never produce them, and configs of small test
+    models carry their family's defaults: phi3's 32000 with a vocabulary of 100), a bos outside it is None."""
+    if not isinstance(data, dict) or not isinstance(data.get("vocab_size"), int): return data
+    n, out = data["vocab_size"], dict(data)
+    ok = lambda t: isinstance(t, int) and 0 <= t < n  # noqa: E731
+    if isinstance(out.get("eos_token_ids"), (list, tuple)): out["eos_token_ids"] = tuple(t for t in out["eos_token_ids"] if ok(t))
+    if out.get("bos_token_id") is not None and not ok(out["bos_token_id"]): out["bos_token_id"] = None
+    return out
+
   @model_validator(mode="after")
   def _check(self) -> ModelConfig:
     for name, v, top in (("vocab_size", self.vocab_size, limits.MAX_VOCAB), ("hidden_size", self.hidden_size, limits.MAX_HIDDEN),
@@ -236,7 +248,7 @@ def _from_hf(cj: Mapping[str, Any], where: str) -> ModelConfig:
   rp = rp if isinstance(rp, Mapping) else {}
   prf = cj.get("partial_rotary_factor", rp.get("partial_rotary_factor"))
   theta = cj.get("rope_theta", rp.get("rope_theta"))
-  scaling = cj.get("rope_scaling", {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")} or None)
+  scaling = cj.get("rope_scaling") or {k: v for k, v in rp.items() if k not in ("rope_theta", "partial_rotary_factor")} or None
   return ModelConfig(
     arch=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
     num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=int(cj.get("num_key_value_heads") or heads),
