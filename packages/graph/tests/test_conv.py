@@ -13,6 +13,7 @@ from kiln.codegen.choose import OptOps, Target, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
 from kiln.graph import GraphError, Tensor, compile
 from kiln.graph.schedule import Compiled
+from kiln.ir.ops import Ops
 
 RNG = np.random.default_rng(15)
 
@@ -212,6 +213,19 @@ def test_depthwise_blocked_vectorised_across_channels() -> None:
   for t in (Target(vector_bytes=64, threads=2), Target(vector_bytes=32, threads=2)):
     assert any(o.op is OptOps.UPCAST and o.axis == last and o.amount in (8, 16) for o in heuristic_opts(ast, t)), heuristic_opts(ast, t)
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(2, 2)] * 2, [1, 1], 32), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ks,stride,padding", [((3, 3), 2, 1), ((5, 5), 2, 2), ((3, 3), (1, 2), ((1, 0), (0, 1)))])
+def test_strided_depthwise_reads_a_padded_copy(ks, stride, padding) -> None:
+  """A depthwise conv strided along its rows (rows of 16+ outputs: NCHW) reads a realized padded copy of its input, so
+  its window sum loads without a bounds test (strided gated loads were a gather of scalars), against numpy."""
+  x, w, b = rand(2, 6, 9, 34), rand(6, 1, *ks), rand(6)
+  st, pads, dl = _spec(stride, padding, 1, 2)
+  c = compile([Tensor.input("x", x.shape).relu().conv2d(Tensor(w), Tensor(b), stride=stride, padding=padding, groups=6)])
+  sums = [k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert c.kernel_count == 2 and len(sums) == 1, c.plan.describe()  # the padded copy (with the relu), the window sum
+  assert not any(u.op is Ops.INDEX and len(u.src) > 2 for u in sums[0].ast.toposort()), "the window sum's loads are gated"
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(np.maximum(x, 0), w, b, st, pads, dl, 6), rtol=1e-4, atol=1e-4)
 
 
 # (input shape, weight shape, stride, padding, groups): convs over fewer output positions than a block, whose product

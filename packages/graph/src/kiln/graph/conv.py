@@ -28,6 +28,9 @@ DEPTHWISE_BLOCKED = True
 BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
 # a conv with fewer output positions than BLOCK computes its product channels-last (_product_channels_last); False: never
 PRODUCT_CHANNELS_LAST = True
+# a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
+# `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
+STRIDED_PADDED_COPY = True
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -63,7 +66,8 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
     if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
-    if prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
+    if prod(ks) > 1 and STRIDED_PADDED_COPY and st[-1] > 1 and xp is not x: xp = xp.contiguous()
+    elif prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
     return _window_conv(xp, w, st, dl, groups, bias)
   if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
     xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
