@@ -95,8 +95,8 @@ def fit_dtype(name: str, a: np.ndarray, want: np.dtype | None, cast: bool) -> np
   bits), cast when cast=True and every value survives, else a FeedError naming both dtypes."""
   if want is None or a.dtype == want or (want.name == "bfloat16" and a.dtype == np.uint16): return a
   if not cast:
-    return_as = f"np.{want}" if want.name != "bfloat16" else "ml_dtypes.bfloat16"
-    raise FeedError(f"input {name!r} has dtype {a.dtype}, the model takes {want}: convert it (.astype({return_as})) or run(..., cast=True)")
+    raise FeedError(f"input {name!r} has dtype {a.dtype}, the model takes {want}: give it as {want} (in Python, Model.run(..., cast=True) "
+                    "casts where every value survives)")
   if not (_numeric(a.dtype) and _numeric(want)):
     raise FeedError(f"input {name!r} has dtype {a.dtype}, the model takes {want}: cast=True casts only between numbers and bools")
   if want.kind in "biu" and a.size: _check_integral(name, a, want)
