@@ -49,6 +49,12 @@ class CPURuntime:
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 
+  @property
+  def compile_threads(self) -> int:
+    """How many kernels a plan's builder compiles at once (kiln.graph.schedule.precompile): one per core. LLVM's part runs
+    under one lock (its global context), with the GIL released, so a second thread renders the next kernel meanwhile."""
+    return self.target.cores
+
   def load(self, compiled: CompiledSpec) -> CPUProgram: return CPUProgram(compiled)
   def synchronize(self) -> None: pass
 
