@@ -82,6 +82,8 @@ def test_a_second_load_is_a_hit_with_the_same_outputs(cache: Path, tmp_path: Pat
   with pytest.raises(konnx.ONNXError, match="initializer"): again.run({"x": X, "k": np.array([3.0], np.float32)})
   assert [n for n, *_ in again.inputs] == ["x"] and again.output_names == ["y", "c"] and again.nodes == first.nodes
   assert again.outputs == first.outputs and again.inputs == first.inputs
+  from kiln.graph.onnx_profile import nodes_of
+  assert nodes_of(again) == nodes_of(first) and any(o.op_type == "Conv" for os_, _ in nodes_of(again).values() for o in os_)  # a profile's ONNX names
   bytes_hit = _load(path.read_bytes())[1]
   assert bytes_hit  # the same content given as bytes: the same key
 

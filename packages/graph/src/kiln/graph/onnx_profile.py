@@ -20,6 +20,7 @@ from kiln.graph.provenance import Origin, kernel_origins, primary
 def nodes_of(model: Any) -> dict[int, tuple[list[Origin], Origin | None]] | None:
   """Plan op id -> (the ONNX nodes the kernel covers, its primary node), for a model with one plan; None otherwise."""
   if model.program is not None or model.compiled is None: return None
+  if model.compiled.origins is not None: return dict(model.compiled.origins)  # rebuilt by the plan cache: the entry kept them
   return {k.op_id: (kernel_origins(k), primary(k)) for k in model.compiled.kernels if k.op_id is not None}
 
 
