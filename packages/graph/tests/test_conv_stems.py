@@ -49,7 +49,8 @@ def test_conv_padded_at_the_start_only_is_a_tiled_product() -> None:
 def test_gelu_after_a_conv_runs_in_its_kernel() -> None:
   """Conv, exact GELU, channels last, layer norm over the channels: erf runs in the product's kernel only (in the layer
   norm it ran three times per element: for the mean, the variance and the output)."""
-  x, w, b = rand(2, 8, 32)  # 16 output positions: over fewer, conv.py's product runs channels-last and its epilogue apart, rand(16, 8, 3), rand(16)
+  # 16 output positions: over fewer, conv.py's product runs channels-last and its epilogue apart
+  x, w, b = rand(2, 8, 32), rand(16, 8, 3), rand(16)
   y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), stride=2, padding=1).gelu().permute(0, 2, 1).layernorm()
   c = compile([y])
   sums = _with(c, Ops.REDUCE)
