@@ -237,7 +237,7 @@ FEW_POSITIONS = [((2, 24, 2, 2), (40, 24, 1, 1), 1, 0, 1), ((1, 8, 3, 3), (12, 8
 @pytest.mark.parametrize("xs,ws,stride,padding,groups", FEW_POSITIONS)
 @pytest.mark.parametrize("weight", ["array", "input"])
 def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, groups, weight: str) -> None:
-  """A conv over fewer output positions than a block computes its product as (N, g, P, O/g), read back as NCHW."""
+  """A conv over fewer output positions than a block computes its product as (g, N*P, O/g), read back as NCHW."""
   x, w, b = rand(*xs), rand(*ws), rand(ws[0])
   st, pads, dl = _spec(stride, padding, 1, len(ws) - 2)
   wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
@@ -246,6 +246,17 @@ def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, grou
   assert len(sums) == 1 and sums[0].endswith(f"x{ws[0] // groups}"), c.plan.describe()  # the output channels are the last axis
   got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
+
+
+def test_few_positions_channels_last_under_a_symbolic_batch() -> None:
+  """A static batch folds into the product's rows, (g, N*P, O/g); a symbolic one stays its outer loop, (N, g, P, O/g)."""
+  w, b = rand(40, 24, 1, 1), rand(40)
+  c = compile([Tensor.input("x", (2, 24, 2, 2)).conv2d(Tensor(w), Tensor(b))])
+  assert [k.ast.arg for k in c.kernels if k.ast.arg.startswith("reduce")] == ["reduce_1x8x40"], c.plan.describe()
+  c = compile([Tensor.input("x", ("n", 24, 2, 2), dims={"n": (1, 4)}).conv2d(Tensor(w), Tensor(b))])
+  for n in (1, 3):
+    x = rand(n, 24, 2, 2)
+    np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, b, [1, 1], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
 
 
 def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:

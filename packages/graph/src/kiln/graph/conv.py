@@ -28,6 +28,7 @@ DEPTHWISE_BLOCKED = True
 BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
 # a conv with fewer output positions than BLOCK computes its product channels-last (_product_channels_last); False: never
 PRODUCT_CHANNELS_LAST = True
+FOLD_BATCH = True  # ... with a static batch's images as more rows of one product; False: the batch an outer loop
 # a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
 # `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
 STRIDED_PADDED_COPY = True
@@ -88,15 +89,20 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
 
 
 def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, og: int, out: tuple[Dim, ...]) -> Tensor:
-  """The product of a conv over few output positions (a mobile net's last 2x2 and 4x4 maps) as (N, g, P, O/g): the
-  output channels are the contiguous axis, so the matmul's vector runs across them and its rows are the positions. In
-  (N, g, O/g, P) the vector was the P positions, a quarter of a vector for a 2x2 map, and the weight streamed through
-  it once per vector of positions. The weight is read as (g, K, O/g), contiguous along O/g (an array reordered in numpy)."""
+  """The product of a conv over few output positions (a mobile net's last 2x2 and 4x4 maps) as (g, N*P, O/g): the
+  output channels are the contiguous axis, so the matmul's vector runs across them, and its rows are every image's
+  positions, so the weight streams through once per run, not once per image. In (N, g, O/g, P) the vector was the P
+  positions, a quarter of a vector for a 2x2 map. The weight is read as (g, K, O/g), contiguous along O/g (an array
+  reordered in numpy). A symbolic batch stays an outer loop, (N, g, P, O/g): the codegen tiles no symbolic axis."""
   n, kk, p = cols.shape[0], cols.shape[2], cols.shape[3]
   if (data := w.node.data) is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
   else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
-  wm = wt.reshape(1, groups, 1, kk, og)  # (1, g, 1, K, O/g)
-  y = (wm * cols.permute(0, 1, 3, 2).reshape(n, groups, p, kk, 1)).sum(3)  # (N, g, P, O/g)
+  if isinstance(n, int) and FOLD_BATCH:
+    rows = cols.permute(1, 0, 3, 2).reshape(groups, n * p, kk, 1)  # (g, N*P, K, 1)
+    y = (wt.reshape(groups, 1, kk, og) * rows).sum(2)  # (g, N*P, O/g)
+    if bias is not None: y = y + bias.reshape(groups, 1, og)
+    return y.contiguous().reshape(groups, n, p, og).permute(1, 0, 3, 2).reshape(n, groups * og, *out)
+  y = (wt.reshape(1, groups, 1, kk, og) * cols.permute(0, 1, 3, 2).reshape(n, groups, p, kk, 1)).sum(3)  # (N, g, P, O/g)
   if bias is not None: y = y + bias.reshape(1, groups, 1, og)
   return y.contiguous().permute(0, 1, 3, 2).reshape(n, groups * og, *out)
 
