@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Iterable
 
 from kiln.llm.gguf_vocab import CONTROL, UNKNOWN, USER_DEFINED, Vocab, VocabTokenizer
 from kiln.llm.pretokenize import PRE_TOKENIZERS, PreTokenizer
@@ -70,11 +69,11 @@ class ByteLevelBPE(VocabTokenizer):
     syms = [i for i in (self._byte_ids[b] for b in data) if i is not None]
     return tuple(merge(syms, self.merges))
 
-  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+  def _decode(self, ids: list[int], skip_special: bool) -> str:
     pieces = self._pieces
     types = self.vocab.types
     out = bytearray()
-    for i in self.check_ids(list(ids)):
+    for i in ids:
       if skip_special and types[i] in (CONTROL, UNKNOWN): continue
       piece = pieces.get(i)
       if piece is None: piece = pieces[i] = self._piece(i)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 from kiln.ir.files import open_regular
@@ -124,8 +123,8 @@ class HFTokenizer(Tokenizer):
     finally:
       self._tok.encode_special_tokens = False
 
-  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-    return str(self._tok.decode(self.check_ids(list(ids)), skip_special_tokens=skip_special))
+  def _decode(self, ids: list[int], skip_special: bool) -> str:
+    return str(self._tok.decode(ids, skip_special_tokens=skip_special))
 
   def token_to_id(self, text: str) -> int | None:
     return self._tok.token_to_id(text)

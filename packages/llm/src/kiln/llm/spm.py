@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Iterable
 
 from kiln.llm.gguf_vocab import BYTE, CONTROL, UNKNOWN, USER_DEFINED, Vocab, VocabTokenizer
 from kiln.llm.tokenizer_base import TokenizerError, utf8_text
@@ -76,12 +75,12 @@ class SentencePiece(VocabTokenizer):
           out.append(byte_id)
       i = nxt[i]
 
-  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+  def _decode(self, ids: list[int], skip_special: bool) -> str:
     vocab = self.vocab
     types, tokens = vocab.types, vocab.tokens
     out = bytearray()
     at_start = True
-    for i in self.check_ids(list(ids)):
+    for i in ids:
       kind = types[i]
       if kind in self._special_types:
         if not (skip_special and kind != USER_DEFINED): out += tokens[i].encode("utf-8", "surrogatepass")

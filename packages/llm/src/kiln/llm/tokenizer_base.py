@@ -56,7 +56,8 @@ class Tokenizer:
   encode(text) cuts the text at the special tokens written in it (CONTROL and USER_DEFINED tokens of a GGUF vocabulary,
   the added tokens of a tokenizer.json), which become their ids, and tokenizes the rest; with add_special (the default) it
   puts bos first when the file says add_bos (and eos last when it says add_eos), as Hugging Face's encode and llama.cpp's
-  tokenize do. decode(ids) is its inverse: special tokens are written as their text unless skip_special."""
+  tokenize do. decode(ids) is its inverse, so decode(encode(t)) == t: the bos that encode puts first (eos last) as the file
+  says is taken off again (strip_added=False keeps it), special tokens are written as their text unless skip_special."""
 
   vocab_size: int
   bos_id: int | None
@@ -78,7 +79,14 @@ class Tokenizer:
   def _encode_text(self, text: str, parse_special: bool) -> list[int]:
     raise NotImplementedError
 
-  def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+  def decode(self, ids: Iterable[int], skip_special: bool = False, strip_added: bool = True) -> str:
+    ids = self.check_ids(list(ids))
+    if strip_added:
+      if self.add_bos and ids[:1] == [self.bos_id]: ids = ids[1:]
+      if self.add_eos and ids[-1:] == [self.eos_id]: ids = ids[:-1]
+    return self._decode(ids, skip_special)
+
+  def _decode(self, ids: list[int], skip_special: bool) -> str:
     raise NotImplementedError
 
   def token_to_id(self, text: str) -> int | None:
@@ -121,14 +129,19 @@ class StreamDecoder:
   strips it from text already given, not from the new piece."""
 
   def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
-    self.tokenizer, self.skip_special = tokenizer, skip_special
+    self.skip_special = skip_special
+    self.decode = lambda ids, skip: tokenizer.decode(ids, skip, strip_added=False)
+    # decode's strip_added: a bos first, as encode puts it, gives no text
+    self.skip_bos = tokenizer.bos_id if tokenizer.add_bos else None
     self.ids: list[int] = []
     self.prefix = 0   # the window's start
     self.read = 0     # ids whose text is already given
 
   def push(self, token_id: int) -> str:
+    first, self.skip_bos = self.skip_bos, None
+    if not self.ids and token_id == first: return ""
     self.ids.append(int(token_id))
-    decode = self.tokenizer.decode
+    decode = self.decode
     before = decode(self.ids[self.prefix:self.read], self.skip_special)
     now = decode(self.ids[self.prefix:], self.skip_special)
     if now.endswith("\ufffd") or len(now) <= len(before): return ""
@@ -136,7 +149,7 @@ class StreamDecoder:
     return now[len(before):]
 
   def flush(self) -> str:
-    decode = self.tokenizer.decode
+    decode = self.decode
     before, now = decode(self.ids[self.prefix:self.read], self.skip_special), decode(self.ids[self.prefix:], self.skip_special)
     self.prefix = self.read = len(self.ids)
     return now[len(before):]
