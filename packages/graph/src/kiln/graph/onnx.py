@@ -383,9 +383,9 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
 
 
 def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | None, directory: str | os.PathLike[str] | None) -> Model:
-  onnx = _onnx()
   cache_key = plan_key(model, device, dims)  # the whole built plan, kept by the model's content (onnx_plan_cache.py)
-  if cache_key is not None and (hit := cached_model(cache_key, Model)) is not None: return hit
+  if cache_key is not None and (hit := cached_model(cache_key, Model)) is not None: return hit  # onnx is not even imported
+  onnx = _onnx()
   m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
   if bad := _unsupported(m.graph, opset):  # all of them at once: a user learns the whole gap from one try

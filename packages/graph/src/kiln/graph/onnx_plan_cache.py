@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,15 +108,16 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
   or None when it is not cached (the cache is off, symbolic dims, a model of another kind)."""
   if not plan_cache.enabled() or diskcache.cache_key() is None: return None
   if dims and any(not isinstance(v, int) or isinstance(v, bool) for v in dims.values()): return None  # bounds: symbolic dims
-  import onnx
+  if (version := _onnx_version()) is None: return None  # no onnx: load says what to install
   sid, fmt = None, "protobuf"
   if isinstance(model, (str, os.PathLike)):
     path = os.fspath(model)
     if (got := file_digest(path)) is None: return None
     content, sid = got
-    fmt = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1]) or fmt  # as onnx_limits.read_model reads it
+    ext = os.path.splitext(path)[1].lower()
+    fmt = "protobuf" if ext in (".onnx", ".pb", "") else f"ext:{ext}"  # onnx reads a .json or .txt model as text
   elif isinstance(model, (bytes, bytearray)): content = _digest(bytes(model))
-  elif isinstance(model, onnx.ModelProto): content = _digest(model.SerializeToString())
+  elif (onnx := sys.modules.get("onnx")) is not None and isinstance(model, onnx.ModelProto): content = _digest(model.SerializeToString())
   else: return None  # load refuses it
   from kiln.codegen.registry import get_runtime
   from kiln.codegen.spec import DeviceSpec
@@ -124,9 +126,17 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
     target = target_key(dev, get_runtime(dev))
   except Exception: return None  # noqa: S112 (a bad device: load reports it)
   parts = [FORMAT, content, fmt, json.dumps(sorted((str(k), v) for k, v in (dims or {}).items())), dev, target,
-           f"graph+{_stamp('kiln.graph')}", f"executor+{_stamp('kiln.executor')}", f"onnx={onnx.__version__}", f"numpy={np.__version__}",
+           f"graph+{_stamp('kiln.graph')}", f"executor+{_stamp('kiln.executor')}", f"onnx={version}", f"numpy={np.__version__}",
            _shaping_settings()]
   return "\n".join(parts), sid
+
+
+def _onnx_version() -> str | None:
+  """The installed onnx's version without importing it (a hit never needs onnx: about 0.25 s of a new process's first load)."""
+  if (onnx := sys.modules.get("onnx")) is not None: return str(onnx.__version__)
+  import importlib.metadata
+  try: return importlib.metadata.version("onnx")
+  except importlib.metadata.PackageNotFoundError: return None
 
 
 def _round_trips(dt: np.dtype) -> bool:
