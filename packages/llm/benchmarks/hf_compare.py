@@ -90,7 +90,7 @@ def speed(rounds: int, tokens: int, folder: Path) -> None:
   model.save_pretrained(folder, safe_serialization=True)
   t = time.perf_counter()
   llm = load(folder, context=512)
-  llm.runner.plan(True)
+  llm.runner.plan("prefill"); llm.runner.plan("decode")
   print(f"\nSmolLM-135M-shaped llama (float32, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters): kiln load + compile "
         f"{time.perf_counter() - t:.1f} s")
   prompt = [int(i) for i in np.random.default_rng(2).integers(0, cfg.vocab_size, 64)]

@@ -33,15 +33,15 @@ def _greedy(cfg, W, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
 def test_logits_and_greedy_generation_match_the_reference(model: tuple[LLM, dict]):
   llm, W = model
   ids = llm.tokenizer.encode("hello world")
-  got = llm.logits(ids)
+  stop = llm.tokenizer.stop_ids
+  gen = list(llm.generate(ids, max_new_tokens=12, stop=[]))  # the prefill and decode plans
+  ref = _greedy(llm.config, W, ids, 12)
+  cut = next((i for i, t in enumerate(ref) if t in stop), len(ref))  # generate ends at the tokenizer's end-of-turn
+  assert gen == ref[:cut] and len(gen) > 3
+  got = llm.logits(ids)  # the plan of every row's logits
   want = logits(llm.config, W, np.array(ids))
   assert got.dtype == np.float32 and got.shape == (len(ids), llm.config.vocab_size)
   assert np.abs(got - want).max() / np.abs(want).max() <= TOL
-  stop = llm.tokenizer.stop_ids
-  gen = list(llm.generate(ids, max_new_tokens=12, stop=[]))
-  ref = _greedy(llm.config, W, ids, 12)
-  cut = next((i for i, t in enumerate(ref) if t in stop), len(ref))  # generate ends at the tokenizer's end-of-turn
-  assert gen == ref[:cut]
   compiles = cache_stats()["compiles"]
   llm.logits(ids)  # the cache holds ids
   again = list(llm.generate(ids + gen[:3], max_new_tokens=5))  # continues from the cached prefix: only 3 tokens run

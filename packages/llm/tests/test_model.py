@@ -38,11 +38,12 @@ def test_one_compile_serves_every_position():
   W = weights(cfg)
   r = Runner(cfg, W.__getitem__, ctx=40, chunk=8)
   rng = np.random.default_rng(2)
+  r.feed(rng.integers(0, cfg.vocab_size, 5))  # the prefill plan
+  r.feed([3])  # the decode plan
+  compiles, plans = cache_stats()["compiles"], dict(r.plans)
+  for _ in range(29): r.feed([int(rng.integers(cfg.vocab_size))])
   r.feed(rng.integers(0, cfg.vocab_size, 5))
-  compiles, plan = cache_stats()["compiles"], r.plans[True]
-  for _ in range(30): r.feed([int(rng.integers(cfg.vocab_size))])
-  r.feed(rng.integers(0, cfg.vocab_size, 5))
-  assert cache_stats()["compiles"] == compiles and r.plans[True] is plan and len(r.plans) == 1
+  assert cache_stats()["compiles"] == compiles and r.plans == plans and sorted(plans) == ["decode", "prefill"]
   assert r.cache.length == 40
   with pytest.raises(ContextFullError, match="context of 40"): r.feed([1])
   with pytest.raises(LLMError, match="outside the vocabulary"): Runner(cfg, W.__getitem__, ctx=8).feed([cfg.vocab_size])

@@ -1,9 +1,10 @@
 """Running the forward graph over a KV cache: each plan compiled once for every position, the cache bound in place.
 
-Two plans over one cache (kv.py), each built the first time it is needed: `step` gives the logits of a chunk's last token
-(prefill and decode: generation), `all` gives every token's (teacher-forced logits). Both take chunks of 1..chunk tokens
-after 0..ctx cached ones (seq and past are runtime variables), so no kernel is compiled after a plan's first run. A
-prompt longer than a chunk runs as several chunks."""
+Three plans over one cache (kv.py), each built the first time it is needed: "decode" (one token: its kernels built for
+a single row, which runs faster than the chunk plan at seq = 1), "prefill" (a chunk of 1..chunk tokens, the last one's
+logits) and "all" (a chunk, every token's logits: teacher-forced logits). past (0..ctx) is a runtime variable of each,
+and seq one of the chunk plans, so no kernel is compiled after a plan's first run. A prompt longer than a chunk runs as
+several chunks."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,14 +26,15 @@ class Runner:
     self.cfg, self.get, self.ctx, self.chunk, self.device = cfg, get, ctx, min(chunk, ctx), device
     self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim)
     self._bound = self.cache.bind()
-    self.plans: dict[bool, Any] = {}
+    self.plans: dict[str, Any] = {}
 
-  def plan(self, last_only: bool) -> Any:
-    """The compiled plan (kiln.graph Compiled) for last-row or every-row logits, built on first use."""
-    if (p := self.plans.get(last_only)) is None:
+  def plan(self, kind: str) -> Any:
+    """The compiled plan (kiln.graph Compiled) "decode", "prefill" or "all", built on first use."""
+    if (p := self.plans.get(kind)) is None:
       from kiln.graph import compile
-      f = forward(self.cfg, self.get, self.ctx, self.chunk, last_only)
-      p = self.plans[last_only] = compile(f.outputs, self.device, bind=self._bound)
+      if kind not in ("decode", "prefill", "all"): raise LLMError(f"no plan {kind!r} (decode, prefill, all)")
+      f = forward(self.cfg, self.get, self.ctx, 1 if kind == "decode" else self.chunk, last_only=kind != "all")
+      p = self.plans[kind] = compile(f.outputs, self.device, bind=self._bound)
     return p
 
   def feed(self, ids: Sequence[int], last_only: bool = True) -> np.ndarray:
@@ -43,9 +45,10 @@ class Runner:
     if (bad := a[(a < 0) | (a >= self.cfg.vocab_size)]).size:
       raise LLMError(f"token id {int(bad[0])} is outside the vocabulary of {self.cfg.vocab_size}")
     self.cache.room(a.size)
-    plan, rows = self.plan(last_only), []
+    rows = []
     for lo in range(0, a.size, self.chunk):
       part = a[lo:lo + self.chunk]
+      plan = self.plan("all" if not last_only else "decode" if part.size == 1 else "prefill")
       past = self.cache.length
       out = plan.run({"ids": part.astype(np.int32), "pos": np.arange(past, past + part.size, dtype=np.int32)}, vars={"past": past})
       self.cache.append(out[1:])
