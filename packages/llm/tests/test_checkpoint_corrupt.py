@@ -101,6 +101,9 @@ def test_hostile_fields(tmp_path: Path) -> None:
   info_b = data.rindex(b"\x01\x00\x00\x00\x00\x00\x00\x00b") + 9  # n_dims, 1 dim, type, offset
   b = bytearray(data); struct.pack_into("<Q", b, info_b + 16, 0); cases.append((bytes(b), "overlap"))  # b on top of a
   b = bytearray(data); b[:4] = b"GGUG"; cases.append((bytes(b), "not a GGUF file"))
+  at = data.index(b"bb")
+  b = bytearray(data); b[at:at + 2] = b"\xff\xfe"; cases.append((bytes(b), r"tokenizer.ggml.tokens'\[1\]: a string that is not UTF-8"))
+  b = bytearray(data); struct.pack_into("<Q", b, at - 8, 2 ** 30); cases.append((bytes(b), r"tokens'\[1\]: a string of 1073741824 bytes is over"))
   for bad, match in cases:
     with pytest.raises(CheckpointError, match=match): _open(p, bad)
   assert len(_open(p, _nested(2)).metadata["k"][0]) == 0  # an array of one empty array: within the limit

@@ -78,6 +78,26 @@ class _Cursor:
     try: return bytes(self.mem[p:p + n]).decode("utf-8")
     except UnicodeDecodeError as e: raise self.fail(what, f"a string that is not UTF-8 ({e.reason} at byte {e.start})") from None
 
+  def strings(self, n: int, what: str) -> list[str]:
+    """n strings in a row (a vocabulary: up to 10**5 and more): string()'s checks in one tight loop; any failure is
+    reported by string() itself, re-reading the culprit."""
+    mem, pos, end, limit, out = self.mem, self.pos, self.end, limits.MAX_GGUF_STRING_BYTES, []
+    unpack, append = struct.Struct("<Q").unpack_from, out.append
+    try:
+      for _ in range(n):
+        if pos + 8 > end: break
+        (k,) = unpack(mem, pos)
+        if k > limit or pos + 8 + k > end: break
+        append(mem[pos + 8:pos + 8 + k].decode("utf-8"))
+        pos += 8 + k
+    except UnicodeDecodeError: pass
+    if len(out) < n:  # the one that failed: string() names it and why
+      self.pos = pos
+      self.string(f"{what}[{len(out)}]")
+      raise self.fail(what, f"string {len(out)} could not be read")  # string() raised; not reached
+    self.pos = pos
+    return out
+
   def value(self, vtype: int, what: str, depth: int = 0) -> Any:
     if vtype in _SCALARS:
       name, code, _ = _SCALARS[vtype]
@@ -102,7 +122,7 @@ class _Cursor:
         if n and int(a.max()) > 1: raise self.fail(what, "a BOOL array holding values other than 0 and 1")
         return a.astype(bool)
       return a
-    if etype == STRING: return [self.string(f"{what}[{i}]") for i in range(n)]
+    if etype == STRING: return self.strings(n, what)
     if etype == ARRAY: return [self.array(f"{what}[{i}]", depth + 1) for i in range(n)]
     raise self.fail(what, f"unknown array element type {etype}")
 
