@@ -18,11 +18,12 @@ A model file's hash is remembered beside its stat (device, inode, size, mtime an
 |------------------------------------------------------|-------------------------------------------------------------|
 | it compiles to one plan (no run-time branch or specialisation) | a Program is not a PlanSpec                       |
 | its dims are all fixed (dims gives sizes, not bounds) | symbolic dims would need their expressions kept          |
-| it has no external data                              | its content is more than the bytes hashed                   |
+| it has no external data, and no weight is a mapped file | its content is more than the bytes hashed                |
 | its inputs, outputs and constants have numpy dtypes that round-trip by name | (bfloat16 is ml_dtypes')             |
 
-A hit gives a Model that runs as the loaded one does; what it does not have is the graph: `compiled.kernels` is empty
-(the scheduler's kernels), and the ONNX nodes each kernel covers come from the entry (`compiled.origins`).
+A hit gives a Model that runs as the loaded one does, without importing onnx; what it does not have is the graph:
+`compiled.kernels` is empty (the scheduler's kernels), and the ONNX nodes each kernel covers come from the entry
+(`compiled.origins`).
 """
 from __future__ import annotations
 
@@ -174,6 +175,7 @@ def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any
     return False
   try: spec, arrays = c.export(m._computed)
   except Exception: return False  # noqa: S112 (a plan a spec cannot carry: the model loads as before)
+  if any(st.weight is not None and st.weight.kind == "file" for st in spec.storages): return False  # a mapped file: not what was hashed
   extra = {f"const:{n}": np.ascontiguousarray(a) for n, a in consts.items()}
   extra.update({f"default:{n}": np.ascontiguousarray(a) for n, a in m.defaults.items()})
   declared = {i.name: [list(i.shape), np.dtype(i.dtype).str] for i in getattr(m, "_outputs", [])
