@@ -108,6 +108,20 @@ def test_stream_equals_decode(tmp_path):
     assert "".join(tok.stream(ids)) == tok.decode(ids), text
 
 
+def test_text_must_be_unicode(tmp_path):
+  hf_folder(tmp_path)
+  for tok in (load_tokenizer(tmp_path), load_tokenizer_of(gguf_spm_fields())):
+    with pytest.raises(TokenizerError, match="lone surrogate at index 1"):
+      tok.encode("a\ud800b")
+    with pytest.raises(TokenizerError, match="takes a str"):
+      tok.encode(b"bytes")
+
+
+def load_tokenizer_of(fields):
+  from kiln.llm.tokenizer import tokenizer_from_gguf_fields
+  return tokenizer_from_gguf_fields(fields, "t.gguf")
+
+
 def test_hugging_face_folder_errors(tmp_path):
   with pytest.raises(TokenizerError, match="no tokenizer.json"):
     load_tokenizer(tmp_path)

@@ -70,6 +70,10 @@ class Tokenizer:
 
   def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
     if not isinstance(text, str): raise TokenizerError(f"{self.source}: encode takes a str, not {type(text).__name__}")
+    if not text.isascii():
+      try: text.encode("utf-8")
+      except UnicodeEncodeError as e:
+        raise TokenizerError(f"{self.source}: the text holds a lone surrogate at index {e.start}, not Unicode text") from None
     ids = self._encode_text(text, parse_special)
     if add_special:
       if self.add_bos and self.bos_id is not None: ids.insert(0, self.bos_id)
