@@ -81,7 +81,6 @@ def test_pre_tokenizers_keep_every_character():
   ({"tokenizer.ggml.merges": ["nospace"]}, "not 'left right'"),
   ({"tokenizer.ggml.merges": None}, "needs tokenizer.ggml.merges"),
   ({"tokenizer.ggml.token_type": [1, 2]}, "2 entries for"),
-  ({"tokenizer.ggml.bos_token_id": 10**6}, "outside the vocabulary"),
   ({"tokenizer.ggml.tokens": ["x" * 70000]}, "MAX_TOKEN_BYTES"),
   ({"tokenizer.ggml.tokens": [1, 2]}, "holds a int"),
   ({"tokenizer.chat_template": "x" * (1 << 21)}, "MAX_TEMPLATE_CHARS"),
@@ -91,6 +90,12 @@ def test_malformed_vocabularies_are_typed_errors(change, message):
   if change.get("tokenizer.ggml.tokens"): fields.pop("tokenizer.ggml.token_type")
   with pytest.raises(TokenizerError, match=message):
     tokenizer_from_gguf_fields(fields, "bad.gguf")
+
+
+def test_a_special_id_outside_the_vocabulary_is_ignored():
+  with pytest.warns(UserWarning, match="bos_token_id 4294967295 is outside the vocabulary"):
+    tok = tokenizer_from_gguf_fields(gguf_bpe_fields("gpt2") | {"tokenizer.ggml.bos_token_id": 2**32 - 1}, "t.gguf")
+  assert tok.bos_id is None
 
 
 def test_ids_outside_the_vocabulary_are_refused():

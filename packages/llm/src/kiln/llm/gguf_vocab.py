@@ -12,12 +12,14 @@ Fields read (llama.cpp's meaning, llama-vocab.cpp):
   tokenizer.ggml.{bos,eos,eot,eom,unknown,padding}_token_id, add_bos_token, add_eos_token, add_space_prefix
   tokenizer.chat_template      the jinja2 chat template
 Of tokens with the same text the last wins the lookup (llama.cpp's token_to_id), a merge repeated keeps its first
-rank (llama.cpp's bpe_ranks). Absent bos/eos ids stay None (llama.cpp guesses 1/2 or 11; kiln does not guess).
+rank (llama.cpp's bpe_ranks). Absent bos/eos ids stay None (llama.cpp guesses 1/2 or 11; kiln does not guess); an id
+outside the vocabulary is ignored with a warning, as llama.cpp does.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,8 +92,8 @@ def vocab_from_fields(fields: Mapping[str, Any], source: str) -> Vocab:
   if not tokens: raise TokenizerError(f"{source}: tokenizer.ggml.tokens is missing or empty")
   n = len(tokens)
   limit(f"{source}: tokenizer.ggml.tokens' count", n, "MAX_VOCAB", MAX_VOCAB)
-  longest = max(tokens, key=len)
-  limit(f"{source}: the longest token's bytes", len(longest.encode("utf-8", "surrogateescape")), "MAX_TOKEN_BYTES", MAX_TOKEN_BYTES)
+  longest = max(len(t.encode("utf-8", "surrogatepass")) for t in tokens)
+  limit(f"{source}: the longest token's bytes", longest, "MAX_TOKEN_BYTES", MAX_TOKEN_BYTES)
   types = _list(fields, _PREFIX + "token_type", int, source, n) or [NORMAL] * n
   bad = next((t for t in types if not NORMAL <= t <= BYTE), None)
   if bad is not None: raise TokenizerError(f"{source}: tokenizer.ggml.token_type holds {bad}, not a token type 1..6")
@@ -109,7 +111,9 @@ def vocab_from_fields(fields: Mapping[str, Any], source: str) -> Vocab:
 
   def token_id(key: str) -> int | None:
     value = _get(fields, _PREFIX + key, int, source)
-    if value is not None and not 0 <= value < n: raise TokenizerError(f"{source}: tokenizer.ggml.{key} {value} is outside the vocabulary [0, {n})")
+    if value is not None and not 0 <= value < n:   # llama.cpp too warns and goes on: files write -1 as 2**32 - 1 for "none"
+      warnings.warn(f"{source}: tokenizer.ggml.{key} {value} is outside the vocabulary [0, {n}): ignored", stacklevel=3)
+      return None
     return value
 
   def flag(key: str, default: bool) -> bool:
