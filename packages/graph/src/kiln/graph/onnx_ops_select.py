@@ -73,11 +73,13 @@ def _by_rank(x: Tensor, k: Dim, largest: bool, label: str) -> tuple[Tensor, Tens
 
 
 def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
-  """The first k of each row of x (B, n) in order, by a bitonic sort of the row padded to a power of two (pads last)."""
-  b, n = sym.static_shape("TopK", x.shape)
-  n2 = 1 << (n - 1).bit_length()
+  """The first k of each row of x (B, n) in order, by a bitonic sort of the row padded to a power of two (pads last). A
+  symbolic n is padded to the power of two of its upper bound, the pads told by the run-time value of n."""
+  b, n = sym.static_dim("TopK", x.shape, 0), x.shape[1]
+  n2 = 1 << (sym.dmax(n) - 1).bit_length()
   dt = index_dtype(n2)
-  key = x.pad(((0, 0), (0, n2 - n))) if n2 > n else x
+  key = x.pad(((0, 0), (0, sym.sub(n2, n)))) if n2 != n else x
+  last: Tensor | int = n - 1 if isinstance(n, int) else Tensor.dim_value(n, dt) - 1  # the last element's index: after it, pads
   idx = Tensor.arange(n2, dt).reshape(1, n2).expand(b, n2)
   lower = Tensor(np.array([True, False]).reshape(1, 1, 2, 1))  # the first element of each compared pair
   size = 2
@@ -88,7 +90,7 @@ def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
       kv, iv = key.reshape(b, g, 2, j), idx.reshape(b, g, 2, j)
       pk, pi = (Tensor.cat([t.slice([1], [2], [2]), t.slice([0], [1], [2])], 2) for t in (kv, iv))  # each element's partner, i ^ j
       up = Tensor(((np.arange(g) * 2 * j // size) % 2 == 0).reshape(1, g, 1, 1))  # this block sorts into the order (else against it)
-      pad_p, pad_s = pi > n - 1, iv > n - 1
+      pad_p, pad_s = pi > last, iv > last
       partner_first = (pad_s & pad_p.logical_not()) | (pad_s.eq(pad_p) & _before(pk, pi, kv, iv, largest))
       take = lower.eq(up).eq(partner_first)  # the first of a pair in an up block takes the one that comes first, and so on
       key, idx = (take.where(p, s).contiguous().reshape(b, n2) for p, s in ((pk, kv), (pi, iv)))
@@ -97,14 +99,15 @@ def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
   return key.slice([0], [k], [1]), idx.slice([0], [k], [1])
 
 
-def _k(n: OnnxNode, d: int) -> Dim:
-  """TopK's k: the attribute (opset < 10), a constant, or one computed at run time, a length in [0, d] each run binds."""
+def _k(n: OnnxNode, d: Dim) -> Dim:
+  """TopK's k: the attribute (opset < 10), a constant, or one computed at run time, a length in [0, d] each run binds (d's
+  run-time value checked by the run where the axis is symbolic)."""
   if n.opset < 10: return int(n.attr("k"))
   kin = n.ins[1] if len(n.ins) > 1 else None
   if isinstance(kin, Tensor) and 1 not in n.from_shape:
     if sym.max_numel(kin.shape) != 1 or not kin.dtype.is_int:
       raise n.error(f"input 1 (k) must be one integer, got {kin.dtype.name} {sym.fmt_shape(kin.shape)}")
-    return _count(n.read_back("k", [kin.reshape(1)], length=Length(d)))
+    return _count(n.read_back("k", [kin.reshape(1)], length=Length(sym.dmax(d), at_most=d if isinstance(d, UOp) else None)))
   kv = n.const(1, "k").reshape(-1)
   if kv.size != 1 or kv.dtype.kind not in "iu": raise n.error(f"input 1 (k) must be one integer, got {kv.dtype} of shape {kv.shape}")
   return int(kv[0])
@@ -115,17 +118,21 @@ def _topk(n: OnnxNode) -> list[Value]:
   if x.ndim == 0: raise n.error("input 0 must have at least one axis")
   a = _norm(n.attr("axis", -1), x.ndim, n)
   largest, _ = bool(n.attr("largest", 1)), n.attr("sorted", 1)
-  shape = sym.static_shape("TopK", x.shape)
+  shape = x.shape
+  sym.require_static("TopK", shape, [i for i in range(x.ndim) if i != a], "(only its axis may be symbolic)")
   d = shape[a]
   kk = _k(n, d)
-  if isinstance(kk, int) and not 0 <= kk <= d: raise n.error(f"k = {kk} must be in [0, {d}] (axis {a} of {shape})")
+  if isinstance(kk, int) and not 0 <= kk <= sym.dmin(d):
+    raise n.error(f"k = {kk} must be in [0, {sym.fmt(d)}] (axis {a} of {sym.fmt_shape(shape)}" +
+                  ("" if isinstance(d, int) else f": {sym.fmt(d)} may be as small as {sym.dmin(d)}") + ")")
   out = shape[:a] + (kk,) + shape[a + 1:]
   if isinstance(kk, int) and kk == 0: return [np.zeros(out, x.dtype.np), np.zeros(out, np.int64)]  # nothing to select: empty arrays
   if x.dtype.is_bool: raise n.error("input 0 must be numbers, got bool")
   order = [i for i in range(x.ndim) if i != a] + [a]
-  lead = tuple(shape[i] for i in order[:-1])
+  lead = tuple(int(shape[i]) for i in order[:-1])
   rows = x.permute(order).reshape(math.prod(lead), d)
-  vals, idx = _by_rank(rows, kk, largest, f"node {n.name} ({n.op})") if d <= RANK_MAX_N else _bitonic(rows, kk, largest)
+  rank = isinstance(d, int) and d <= RANK_MAX_N
+  vals, idx = _by_rank(rows, kk, largest, f"node {n.name} ({n.op})") if rank else _bitonic(rows, kk, largest)
   back = [order.index(i) for i in range(x.ndim)]
   return [t.reshape(*lead, kk).permute(back) for t in (vals, idx.cast(dtypes.int64))]
 

@@ -66,6 +66,7 @@ class Length:
   bound: int
   row: tuple[int, ...] | None = None
   dtype: Any = None
+  at_most: Any = None  # a dim the value may not pass in a run (TopK's k, its axis when that is symbolic), checked by the run
 
 
 class RuntimeValue(ONNXError):
@@ -180,12 +181,12 @@ class Specialise:
       self.unbounded = tail.steps[0].why
       return None
     t: Tail | None = tail
-    while t is not None and t.then is not None:  # the later cuts of the chain
+    while t is not None and t.then is not None:  # the later cuts of the chain: a bound one reads and binds its own length
       later = t.then
-      if _mentions([n for _, n in later.cut.needed], var):  # it reads back a value computed from the length: it needs a number
-        self.unbounded = f"{later.cut.label} needs a value computed from it ({', '.join(k for k, _ in later.cut.needed)}) as a number"
-        return None
-      if later._bounded is None:  # converted per value at run time: with this length still a variable, if it reaches there
+      if later._bounded is None:  # converted per value at run time, with this length still a variable where it reaches
+        if _mentions([n for _, n in later.cut.needed], var):  # a value computed from the length, needed as a number
+          self.unbounded = f"{later.cut.label} needs a value computed from it ({', '.join(k for k, _ in later.cut.needed)}) as a number"
+          return None
         if _mentions(later.cut.keep, var):
           self.unbounded = f"{later.cut.label} is converted per value at run time ({later.unbounded or 'not a length'}), and reads it"
           return None
@@ -223,6 +224,8 @@ class Specialise:
       if fed.shape[1:] != ln.row or fed.dtype != np.dtype(ln.dtype):
         raise ONNXError(f"{self.cut.label}: its host step gave {fed.dtype} {fed.shape}, not rows of {ln.row} {np.dtype(ln.dtype)}")
     if not 0 <= n <= ln.bound: raise ONNXError(f"{self.cut.label}: {self.cut.key} is {n}, outside [0, {ln.bound}] (its bound at load)")
+    if ln.at_most is not None and n > (most := sym.evaluate(ln.at_most, vals)):
+      raise ONNXError(f"{self.cut.label}: {self.cut.key} is {n}, outside [0, {most}] ({sym.fmt(ln.at_most)} in this run)")
     vals[self.cut.var] = n
     if slot is not None and fed is not None and fed.size:
       slot.buf.view(0, fed.size).copyin(np.ascontiguousarray(fed))  # the front of a slot sized for the bound

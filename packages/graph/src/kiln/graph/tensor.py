@@ -381,9 +381,10 @@ class Tensor:
     for a in newaxes: final.insert(a, 1)
     return x.reshape(tuple(final))
 
-  def pad(self, pads: Sequence[tuple[int, int]], value: Scalar = 0) -> Tensor:
-    """Pad each axis by (before, after) >= 0 elements of value."""
-    if len(pads) != self.ndim or any(b < 0 or a < 0 for b, a in pads):
+  def pad(self, pads: Sequence[tuple[int, Dim]], value: Scalar = 0) -> Tensor:
+    """Pad each axis by (before, after) >= 0 elements of value. An after may be a dim (a symbolic axis padded to a fixed
+    size: n + (16 - n) is 16) that is >= 0 for every value in its bounds."""
+    if len(pads) != self.ndim or any(not isinstance(b, int) or b < 0 or sym.dmin(a) < 0 for b, a in pads):
       raise GraphError(f"pad: {list(pads)} does not fit {self.shape} (one (before, after) >= 0 per axis)")
     shape = tuple(sym.add(d, b, a) for d, (b, a) in zip(self.shape, pads))  # a symbolic axis: a sum (seq + 2)
     return self if shape == self.shape else self._view("pad", (tuple(b for b, _ in pads), value), shape)
