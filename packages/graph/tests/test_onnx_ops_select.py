@@ -188,3 +188,25 @@ def test_roialign_fed_rois_both_modes_and_sampling() -> None:
   check(roi_model(rois[:2], mode="avg", sampling_ratio=0, coordinate_transformation_mode="half_pixel"), {"x": x, "r": rois[:2], "bi": bi[:2]})
   with pytest.raises(IndexOutOfRangeError, match=r"node ra \(RoiAlign\): batch_indices: index 2 is out of range \[-2, 2\)"):
     konnx.load(roi_model(rois, sampling_ratio=2)).run({"x": x, "r": rois, "bi": i64(0, 2, 1, 0)})
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+def test_topk_over_a_symbolic_axis_with_a_fed_k(largest: int) -> None:
+  """The axis is a model dim n in [0, 40] (the bitonic sort pads it to 64, the pads told by n's run-time value) and k is
+  fed: one compile at load for every n and k (0, 1, the whole axis), NaN first for largest and last for smallest, ties by
+  the lower index; a k over this run's n is refused by the run."""
+  g = helper.make_graph([helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1, largest=largest)], "g",
+                        [helper.make_tensor_value_info("x", 1, [3, "n"]), helper.make_tensor_value_info("k", 7, [1])],
+                        [helper.make_tensor_value_info("v", 1, [3, "k"]), helper.make_tensor_value_info("i", 7, [3, "k"])])
+  km = konnx.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), dims={"n": (0, 40)})
+  before = cache_stats()["compiles"]
+  for n, k in ((10, 3), (40, 40), (0, 0), (1, 1), (33, 20), (5, 0)):
+    x = RNG.integers(0, 5, (3, n)).astype(np.float32)
+    if n: x[0, 0] = np.nan
+    got = km.run({"x": x, "k": i64(k)})
+    order = np.argsort(np.where(np.isnan(x), -np.inf if largest else np.inf, -x if largest else x), 1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(got["i"], order)
+    np.testing.assert_array_equal(got["v"], np.take_along_axis(x, order, 1))
+  assert compiles(km) == [1] and cache_stats()["compiles"] == before
+  with pytest.raises(ONNXError, match=r"<k of node <TopK>> is 6, outside \[0, 5\] \(n in this run\)"):
+    km.run({"x": np.zeros((3, 5), np.float32), "k": i64(6)})
