@@ -210,3 +210,22 @@ def test_topk_over_a_symbolic_axis_with_a_fed_k(largest: int) -> None:
   assert compiles(km) == [1] and cache_stats()["compiles"] == before
   with pytest.raises(ONNXError, match=r"<k of node <TopK>> is 6, outside \[0, 5\] \(n in this run\)"):
     km.run({"x": np.zeros((3, 5), np.float32), "k": i64(6)})
+
+
+def test_a_length_deciding_an_if_whose_branch_needs_a_cut_falls_back_to_per_value() -> None:
+  """NonZero's count decides an If ("no nonzero?") whose else branch reads a count back itself: with the count a variable
+  the If is chosen at run time, and a cut inside a run-time branch is refused, so the length is not bound (it says why)
+  and the rest is converted per count, where the If folds: every run gives onnxruntime's answer."""
+  then = helper.make_graph([helper.make_node("Constant", [], ["t"], value=helper.make_tensor("v", 7, [], [0]))], "then", [],
+                           [helper.make_tensor_value_info("t", 7, [])])
+  other = helper.make_graph([helper.make_node("NonZero", ["x"], ["z"]), helper.make_node("ReduceSum", ["z"], ["r"], keepdims=0)], "else", [],
+                            [helper.make_tensor_value_info("r", 7, [])])
+  m = model([N("NonZero", ["x"], ["y"]), N("Shape", ["y"], ["s"]), N("Gather", ["s", "one"], ["g"]), N("Cast", ["g"], ["f"], to=1),
+             N("Equal", ["f", "zero"], ["c"]), N("If", ["c"], ["o"], then_branch=then, else_branch=other)],
+            {"x": f32(3, 4)}, {"o": np.int64}, {"zero": np.float32(0).reshape(()), "one": i64(1).reshape(())})
+  km = konnx.load(m)
+  assert km.program is not None
+  spec = km.program.specialisations()[0]
+  assert spec.unbounded is not None and spec.unbounded.startswith("a branch chosen at run time could not be converted")
+  for x in (f32(3, 4), np.zeros((3, 4), np.float32), np.eye(3, 4, dtype=np.float32)):
+    check(m, {"x": x})

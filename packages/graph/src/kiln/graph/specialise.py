@@ -43,7 +43,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
-from kiln.graph.program import Body, Builder, Refusal, Slot, Tail, placeholder, read
+from kiln.graph.program import Body, Builder, Refusal, Slot, Switch, Tail, placeholder, read
 from kiln.graph.segments import Weights
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
@@ -127,6 +127,17 @@ class Cut:
     return frozenset(id(a) for a in arrays)
 
 
+def _refused_branch(tail: Tail) -> str | None:
+  """Why a branch of a run-time If in tail (or in the bound continuations after it) is refused, None if none is."""
+  todo: list[Any] = list(tail.steps)
+  if tail.then is not None and tail.then._bounded is not None: todo += tail.then._bounded[0].steps
+  while todo:
+    s = todo.pop()
+    if isinstance(s, Refusal): return s.why
+    if isinstance(s, Switch): todo += s.then + s.else_
+  return None
+
+
 def _mentions(nodes: list[Node], var: UOp) -> bool:
   """Whether the graph of nodes depends on the runtime variable var: a shape holding it, or a dim's value (Tensor.dim_value)."""
   for n in toposort(nodes):
@@ -179,6 +190,9 @@ class Specialise:
     self.compiles += 1
     if len(tail.steps) == 1 and isinstance(tail.steps[0], Refusal):
       self.unbounded = tail.steps[0].why
+      return None
+    if (why := _refused_branch(tail)) is not None:  # a run-time If's branch it could not convert, the length still a variable
+      self.unbounded = f"a branch chosen at run time could not be converted with it a variable: {why}"  # per value, it may fold
       return None
     t: Tail | None = tail
     while t is not None and t.then is not None:  # the later cuts of the chain: a bound one reads and binds its own length
