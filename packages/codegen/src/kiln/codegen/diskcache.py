@@ -284,9 +284,11 @@ class DiskCache:
       return fd, st
     finally: os.close(afd)
 
-  def write_plain(self, name: str, data: bytes | bytearray) -> bool:
+  def write_plain(self, name: str, data: bytes | bytearray, durable: bool = True) -> bool:
     """Write the entry atomically (temporary file in the area, fsync, rename over the old entry or link). A failure
-    (full disk, quota, read-only file system, no permission) is one warning, never an error; False then."""
+    (full disk, quota, read-only file system, no permission) is one warning, never an error; False then. durable=False
+    skips the fsync, for an entry whose reader verifies every byte against a hash kept elsewhere (a plan's weights): a
+    crash may then leave it torn, which is a miss, and a large file is not waited on."""
     _check_name(name)
     if (afd := self._open_area(create=True)) is None: return False
     tmp = f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
@@ -294,7 +296,7 @@ class DiskCache:
       fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=afd)
       try:
         _write_all(fd, data)
-        os.fsync(fd)  # a crash must not leave a renamed but empty entry (it would fail its MAC, but cost a rebuild)
+        if durable: os.fsync(fd)  # a crash must not leave a renamed but empty entry (it would fail its MAC, but cost a rebuild)
       finally: os.close(fd)
       os.replace(tmp, name, src_dir_fd=afd, dst_dir_fd=afd)
       return True
