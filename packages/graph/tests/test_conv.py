@@ -228,6 +228,19 @@ def test_strided_depthwise_reads_a_padded_copy(ks, stride, padding) -> None:
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(np.maximum(x, 0), w, b, st, pads, dl, 6), rtol=1e-4, atol=1e-4)
 
 
+def test_depthwise_window_rows_unrolled_where_they_slide_along_the_vector() -> None:
+  """An NCHW depthwise conv's 5-tap window rows slide along its vector (each tap's load one element on): the heuristic
+  unrolls them whole. In the blocked layout a tap steps a whole vector: the row keeps its loop."""
+  def window_unrolls(xs: tuple[int, ...]) -> list[int]:
+    c = compile([Tensor.input("x", xs).conv2d(Tensor(rand(xs[1], 1, 5, 5)), padding=2, groups=xs[1])])
+    k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+    ast = prepare(k.ast)[0]
+    red = {u.arg[0] for u in ast.toposort() if u.op is Ops.RANGE and u.arg[1].name == "REDUCE"}
+    return [o.amount for o in heuristic_opts(ast, Target(vector_bytes=64, threads=2)) if o.op is OptOps.UNROLL and o.axis in red]
+  assert window_unrolls((2, 8, 6, 20)) == [5]  # NCHW (rows of 16+)
+  assert window_unrolls((2, 32, 4, 4)) == []  # blocked
+
+
 # (input shape, weight shape, stride, padding, groups): convs over fewer output positions than a block, whose product
 # runs channels-last: 1x1 over a 2x2 map, a 3x3 over a 3x3 map, grouped, strided, 1-d
 FEW_POSITIONS = [((2, 24, 2, 2), (40, 24, 1, 1), 1, 0, 1), ((1, 8, 3, 3), (12, 8, 3, 3), 1, 1, 1), ((2, 8, 3, 3), (6, 4, 1, 1), 1, 0, 2),

@@ -119,7 +119,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   if not mm:
     keeps = _keeps(st, reduces, vec_axis)
     opts += keeps + _interleaved_rows(reduces, keeps, out_axes, vec_axis, lanes)
-  if not mm and out_axes: opts += _small_windows(red_axes, {o.axis for o in opts})
+  if not mm and out_axes: opts += _small_windows(red_axes, {o.axis for o in opts}, reduces, vec_axis)
   selects = _selected_axes(st, out_axes, {o.axis for o in opts}) if not mm else []
   opts += selects
   if vec_axis is None and not out_axes and len(red_axes) == 1 and len(reduces) == 1:
@@ -217,17 +217,34 @@ def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[O
 SMALL_WINDOW = 4  # reduce axes of at most this many trips (a 2x2 pool, a 3x3 window sum) are unrolled whole
 
 
-def _small_windows(red_axes: list[UOp], taken: set[int]) -> list[Opt]:
+def _small_windows(red_axes: list[UOp], taken: set[int], reduces: list[UOp], vec_axis: UOp | None) -> list[Opt]:
   """A reduce loop of 2-4 trips (a pool's window rows and columns) unrolled whole, up to 16 copies in all: its loop
   branches cost as much as its body (the CNN bench's 2x2 max pools with batch norm: 116 -> 100 us and 89 -> 81 us, hot,
-  2-core Zen 4), and the order of operations stays the same."""
+  2-core Zen 4), and the order of operations stays the same. A window row that slides along the output's vector (a load
+  moves with it as with the vector's lanes: an NCHW depthwise conv's 5x5 and 7x7 taps) is unrolled up to
+  SLIDING_WINDOW trips: a 5x5 depthwise conv over 144 maps of 16x16, 120-150 -> 82-87 us (1 thread). A window whose
+  taps step a whole vector apart (the blocked layout's) measured slower unrolled, and keeps its loop."""
+  sliding = _sliding_axis(red_axes, reduces, vec_axis)
   out: list[Opt] = []
   copies = 1
-  for r in red_axes:
-    if r.arg[0] in taken or (size := axis_size(r)) is None or not 1 < size <= SMALL_WINDOW or copies * size > 16: continue
+  for r in ([sliding] if sliding is not None else []) + [r for r in red_axes if r is not sliding]:
+    limit = SLIDING_WINDOW if r is sliding else SMALL_WINDOW
+    if r.arg[0] in taken or (size := axis_size(r)) is None or not 1 < size <= limit or copies * size > 16: continue
     out.append(Opt(OptOps.UNROLL, r.arg[0], size))
     copies *= size
   return out
+
+
+SLIDING_WINDOW = 8  # a window row sliding along the vector unrolled whole up to this many trips (_small_windows)
+
+
+def _sliding_axis(red_axes: list[UOp], reduces: list[UOp], vec_axis: UOp | None) -> UOp | None:
+  """The innermost reduce axis when a load moves one element per trip of it as it does per lane of the vector (a window
+  sliding along the row the vector covers; the weight, the same for every lane, moves with the tap alone)."""
+  if vec_axis is None or not red_axes or len(reduces) != 1: return None
+  r = red_axes[-1]
+  ok = any(affine_coeff(ld.src[0].src[1], r) == 1 and affine_coeff(ld.src[0].src[1], vec_axis) == 1 for ld in _loads(reduces[0].src[0]))
+  return r if ok else None
 
 
 SELECT_UNROLL = 64  # the most copies an output axis that selects among pieces is unrolled into (_selected_axes)
