@@ -134,6 +134,17 @@ def _evict(area: diskcache.DiskCache, keep: str) -> None:
     total -= size
 
 
+def _seal_verified(area: diskcache.DiskCache, name: str, env: dict[str, Any], sid: list[int]) -> None:
+  """Seal the weights file's stat into the entry once its bytes verified, after an fsync: it was written without one, and
+  a crash must not leave torn bytes on disk under a stat the entry vouches for."""
+  fd = os.open(area.path / (name + ".bin"), os.O_RDONLY | os.O_NOFOLLOW)
+  try:
+    if _stat_id(os.fstat(fd)) != sid: return  # replaced since it was mapped
+    os.fsync(fd)
+  finally: os.close(fd)
+  area.store_json(name + ".json", {**env, "verified": sid})
+
+
 def load(key: str) -> CachedPlan | None:
   """The plan stored under `key`, verified, or None (a miss; see the module docstring)."""
   if not enabled(): return None
@@ -149,8 +160,7 @@ def load(key: str) -> CachedPlan | None:
     if st.st_size != env["size"]: raise diskcache.BadEntry(f"its weights file holds {st.st_size} bytes, the entry says {env['size']}")
     if env.get("verified") != (sid := _stat_id(st)):  # else: verified before, and not written to since (see the module docstring)
       if chunk_digests(buf) != env["chunks"]: raise diskcache.BadEntry("its weights file does not match the entry's sha256 (altered or torn)")
-      with contextlib.suppress(OSError):
-        if _stat_id(os.stat(area.path / (name + ".bin"), follow_symlinks=False)) == sid: area.store_json(name + ".json", {**env, "verified": sid})
+      with contextlib.suppress(OSError): _seal_verified(area, name, env, sid)
     raw = np.frombuffer(buf, np.uint8)
     weights: dict[str, np.ndarray] = {}
     for wname, (off, n, dt, shape) in env["weights"].items():
