@@ -61,13 +61,16 @@ KILN_MODULES = {p.module: p.dist for p in PACKAGES}
 KILN_NAMESPACES = {"kiln", "kiln.runtime"}  # PEP 420 namespaces: importing them names no distribution
 THIRD_PARTY = {"numpy": "numpy", "pydantic": "pydantic", "pydantic_core": "pydantic-core", "llvmlite": "llvmlite", "pycuda": "pycuda",
                "numba": "numba", "tinygrad": "tinygrad", "threadpoolctl": "threadpoolctl", "onnx": "onnx",
-               "ray": "ray", "tqdm": "tqdm", "cuda": "cuda-python", "gguf": "gguf", "tokenizers": "tokenizers", "jinja2": "jinja2"}
+               "ray": "ray", "tqdm": "tqdm", "cuda": "cuda-python", "gguf": "gguf", "tokenizers": "tokenizers", "jinja2": "jinja2",
+               "onnxruntime": "onnxruntime", "openvino": "openvino"}
 # distributions that must never be a base dependency: only this extra of this package may declare them
 EXTRA_ONLY = {"pycuda": (CUDA, "driver"), "onnx": (GRAPH, "onnx"), "cuda-python": (CUDA, "cuda-python")}
 # undeclared distributions a package may import lazily or guarded (never at module level), each with its reason;
 # anything else undeclared fails
 OPTIONAL_PROBES = {
   (EXECUTOR, "llvmlite"): "`kiln info` prints the LLVM version when kiln-runtime-cpu (and so llvmlite) is installed, inside try/except ImportError",
+  (GRAPH, "onnxruntime"): "`kiln bench --compare` times onnxruntime beside kiln when the user has it installed (a peer, never a dependency)",
+  (GRAPH, "openvino"): "`kiln bench --compare` times OpenVINO beside kiln when the user has it installed (a peer, never a dependency)",
 }
 IMPORT_FUNCS = {"import_module", "__import__"}
 
