@@ -194,3 +194,10 @@ def test_a_hit_keeps_the_run_time_index_checks(cache: Path) -> None:
   assert was_hit
   np.testing.assert_array_equal(hit.run({"ids": np.array([1, 9, -1])})["y"], table[[1, 9, -1]])
   with pytest.raises(IndexOutOfRangeError, match=r"node tok_emb \(Gather\).*index 10 is out of range"): hit.run({"ids": np.array([0, 10, 2])})
+
+
+def test_a_path_that_is_no_regular_file_is_refused_as_before(cache: Path, tmp_path: Path) -> None:
+  fifo = tmp_path / "m.onnx"
+  os.mkfifo(fifo)  # hashing it for the key must not block on it: load refuses it as it always has
+  with pytest.raises(konnx.ONNXError, match="not a regular file"): konnx.load(str(fifo))
+  with pytest.raises(konnx.ONNXError, match="does not exist"): konnx.load(str(tmp_path / "absent.onnx"))

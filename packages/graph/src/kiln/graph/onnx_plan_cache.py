@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,7 +41,9 @@ import numpy as np
 from kiln.codegen import diskcache
 from kiln.executor import plan_cache
 from kiln.executor.cache import _source_stamp, cache_dir, target_key
+from kiln.graph.onnx_limits import MAX_MODEL_BYTES
 from kiln.ir import settings as ir_settings
+from kiln.ir.files import open_regular
 
 FORMAT = "kiln-onnx-plan 1"
 HASH_AREA = "hashes"
@@ -80,11 +83,13 @@ def _stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.
 def file_digest(path: str) -> tuple[str, list[int]] | None:
   """The model file's content hash and the stat it was taken under, remembered beside the stat; None when the file cannot
   be read (load then reports why)."""
+  if "\0" in path: return None
   real = os.path.realpath(path)
   memo = diskcache.DiskCache(HASH_AREA, "model hash cache", cache_dir())
-  name = hashlib.sha256(real.encode()).hexdigest() + ".json"
+  name = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest() + ".json"
   try: st = os.stat(real)
   except OSError: return None
+  if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MODEL_BYTES: return None  # a FIFO must not hang us; load refuses both
   sid = _stat_id(st)
   try:
     got = memo.load_json(name)
@@ -92,9 +97,10 @@ def file_digest(path: str) -> tuple[str, list[int]] | None:
   except diskcache.CacheKeyError: raise
   except diskcache.BadEntry: pass
   try:
-    with open(real, "rb") as f:
+    fd = open_regular(real, "the model file", OSError)  # non-blocking, and refused unless a regular file
+    with os.fdopen(fd, "rb") as f:
       before = _stat_id(os.fstat(f.fileno()))
-      data = f.read()
+      data = f.read(MAX_MODEL_BYTES + 1)
       after = _stat_id(os.fstat(f.fileno()))
   except OSError: return None
   digest = _digest(data)
