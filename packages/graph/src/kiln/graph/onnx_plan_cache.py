@@ -119,7 +119,7 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
   sid, fmt = None, "protobuf"
   if isinstance(model, (str, os.PathLike)):
     path = os.fspath(model)
-    if (got := file_digest(path)) is None: return None
+    if not isinstance(path, str) or (got := file_digest(path)) is None: return None  # a bytes path: loaded, never kept
     content, sid = got
     ext = os.path.splitext(path)[1].lower()
     fmt = "protobuf" if ext in (".onnx", ".pb", "") else f"ext:{ext}"  # onnx reads a .json or .txt model as text
