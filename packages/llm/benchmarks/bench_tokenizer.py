@@ -111,14 +111,16 @@ def main() -> None:
   args = ap.parse_args()
   print(f"nproc {os.cpu_count()}  load {os.getloadavg()}")
   train, held = corpus()
-  base = Tokenizer(models.BPE())
-  base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  s = time.perf_counter()
-  base.train_from_iterator(train, trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=SPECIALS, show_progress=False,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  print(f"trained {base.get_vocab_size()} tokens in {time.perf_counter() - s:.0f} s")
-  for pre in args.pre.split(","):
-    from kiln.llm.pretokenize import PRE_TOKENIZERS
+  pres = [p for p in args.pre.split(",") if p]   # --pre "" checks the SentencePiece vocabulary alone
+  if pres:
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    s = time.perf_counter()
+    base.train_from_iterator(train, trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=SPECIALS, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    print(f"trained {base.get_vocab_size()} tokens in {time.perf_counter() - s:.0f} s")
+  from kiln.llm.pretokenize import PRE_TOKENIZERS
+  for pre in pres:
     s = time.perf_counter()
     ours = tokenizer_from_gguf_fields(bpe_fields(base, pre), f"{pre}.gguf")
     print(f"{pre}: kiln tokenizer made in {time.perf_counter() - s:.2f} s")
