@@ -67,7 +67,9 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
     if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
-    if prod(ks) > 1 and STRIDED_PADDED_COPY and st[-1] > 1 and xp is not x: xp = xp.contiguous()
+    if prod(ks) > 1 and STRIDED_PADDED_COPY and st[-1] > 1 and xp is not x:
+      # a computed input realized first: padded as computed, its loads' indices are clamped, not gated (a gather)
+      xp = (x.contiguous() if _computes(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
     elif prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
     return _window_conv(xp, w, st, dl, groups, bias)
   if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
