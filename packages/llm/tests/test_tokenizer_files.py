@@ -99,6 +99,13 @@ def test_hugging_face_folder_without_config(tmp_path):
   assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"  # ChatML
 
 
+def test_a_null_bos_token_is_no_bos(tmp_path):
+  # Qwen2's tokenizer_config says bos_token: null while its config.json names a bos_token_id: the tokenizer has no bos
+  hf_folder(tmp_path, {"bos_token": None, "eos_token": "<|im_end|>"}, {"bos_token_id": 0, "eos_token_id": 2})
+  tok = load_tokenizer(tmp_path)
+  assert tok.bos_id is None and tok.eos_id == 2 and not tok.add_bos
+
+
 def test_stream_equals_decode(tmp_path):
   hf_spm().save(str(tmp_path / "tokenizer.json"))   # its decoder strips the first token's leading space: the stream strips it once
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))

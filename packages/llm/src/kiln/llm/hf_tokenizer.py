@@ -76,8 +76,10 @@ class HFTokenizer(Tokenizer):
     model = _json(folder, "config.json")
 
     def config_id(key: str) -> int | None:
-      text = _token_text(config.get(key.replace("_id", "")))
-      if text is not None: return self._tok.token_to_id(text)
+      name = key.replace("_id", "")
+      if name in config:   # the tokenizer's own word, null included (Qwen2's bos_token: null), as transformers reads it
+        text = _token_text(config[name])
+        return None if text is None else self._tok.token_to_id(text)
       for src in (gen, model):
         value = src.get(key)
         if isinstance(value, list): value = value[0] if value else None
