@@ -14,6 +14,7 @@ its innermost one. Its *recompute factor* is the trip count of its placement ove
 | a REDUCE with recompute factor > 1 (a column sum read in a row loop)                   | its whole reduction would run again per element |
 | a REDUCE rendered at two different indices in one kernel, or inlined into two kernels  | computed twice                                  |
 | an elementwise, gather or concat node with recompute factor > 1 (a GELU feeding a matmul) | recomputed per step of the reduction reading it |
+| a concatenation's piece that holds a reduction or a gather                             | computed for every element of the concatenation |
 
 Only the topmost offending node on each path is realized per round (its inputs then fuse into its own kernel), and a
 realized REDUCE pulls up with it the chain of same-shape elementwise ops that are its sole consumers (a matmul's bias,
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen.choose.heuristic import SELECT_UNROLL
 from kiln.codegen.spec import DeviceSpec
 from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
@@ -114,10 +116,34 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
       if n is not k.node and (n in k.offenders or n in k.rendered and _offends(n, k.rendered[n], an, kernels_of or {})):
         new.add(_lift(n, cons, realized))
         continue
+      if n.op == "CAT" and n in k.rendered: new |= {_lift(p, cons, realized) for p in _costly_pieces(n, k, realized)}
       for s in n.src:
         if s not in seen and s not in realized and s.op != "BUFFER" and (s in k.rendered or s in k.offenders):
           seen.add(s); stack.append(s)
   return new - realized
+
+
+def _costly_pieces(cat: Node, k: Kernel, realized: set[Node]) -> list[Node]:
+  """The pieces of a concatenation that hold a reduction or a gather, each below its views: a concatenation renders as
+  selects among its pieces, and a vector kernel computes every piece for every element (a select is not a branch), so a
+  piece's reduction or gathers ran over the whole output (SegFormer's head: a linear layer and three bilinear resizes
+  concatenated along the channels, each computed for all 256 channels where it gives 64). Realized, each runs over its
+  own piece, and the concatenation selects among loads. Not along an axis the codegen unrolls whole (SELECT_UNROLL: a
+  Winograd transform's 16 or 36 stacked sums), where each copy folds to its own piece."""
+  if (n := cat.shape[cat.arg]) is not None and isinstance(n, int) and n <= SELECT_UNROLL: return []
+  out = []
+  for p in cat.src:
+    while p.op == "VIEW" and p not in realized: p = p.src[0]
+    if p in realized or p.op == "BUFFER" or p not in k.rendered: continue
+    seen, todo = {p}, [p]
+    while todo:
+      n = todo.pop()
+      if n.op in ("REDUCE", "GATHER"):
+        out.append(p)
+        break
+      for q in n.src:
+        if q not in seen and q not in realized and q in k.rendered: seen.add(q); todo.append(q)
+  return out
 
 
 def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000, stored: Callable[[Node], DType] | None = None) -> list[Kernel]:
