@@ -123,12 +123,12 @@ def main() -> None:
   for pre in pres:
     s = time.perf_counter()
     ours = tokenizer_from_gguf_fields(bpe_fields(base, pre), f"{pre}.gguf")
-    print(f"{pre}: kiln tokenizer made in {time.perf_counter() - s:.2f} s")
+    print(f"{pre}: {ours.vocab_size} tokens, kiln tokenizer made in {time.perf_counter() - s:.2f} s")
     compare(pre, ours, with_pre(base, pre, PRE_TOKENIZERS[pre][1]), held, args.rounds)
   fields, hf = spm_pair(train, args.vocab)
   s = time.perf_counter()
   ours = tokenizer_from_gguf_fields(fields, "spm.gguf")
-  print(f"spm: kiln tokenizer made in {time.perf_counter() - s:.2f} s")
+  print(f"spm: {ours.vocab_size} tokens, kiln tokenizer made in {time.perf_counter() - s:.2f} s")
   compare("spm", ours, hf, held[:100], args.rounds)
 
 
