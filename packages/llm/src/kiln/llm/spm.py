@@ -41,32 +41,32 @@ class SentencePiece(VocabTokenizer):
   def _encode_segment(self, text: str, after_special: bool, out: list[int]) -> None:
     if self.add_space_prefix and after_special: text = " " + text
     text = text.replace(" ", SPACE)
-    ids, scores = self.ids, self.scores
+    get, scores = self.ids.get, self.scores
+    push, pop = heapq.heappush, heapq.heappop
     n = len(text)
-    # symbol i spans text[i:i + size[i]]; dead symbols have size 0
+    # symbol i spans text[i:i + size[i]] (symbols are contiguous: prv's ends where i starts); dead symbols have size 0.
+    # A heap entry (-score, left, right, joined size) is stale once either side has changed size
     size = [1] * n
     nxt = list(range(1, n + 1))
     prv = list(range(-1, n - 1))
-    heap: list[tuple[float, int, int, int]] = []
-
-    def offer(left: int, right: int) -> None:
-      if left < 0 or right >= n: return
-      tid = ids.get(text[left:right + size[right]])
-      if tid is not None: heapq.heappush(heap, (-scores[tid], left, right, size[left] + size[right]))
-
-    for i in range(n - 1): offer(i, i + 1)
+    heap = [(-scores[t], i, i + 1, 2) for i in range(n - 1) if (t := get(text[i:i + 2])) is not None]
+    heapq.heapify(heap)
     while heap:
-      _, left, right, joined = heapq.heappop(heap)
-      if size[left] == 0 or size[right] == 0 or size[left] + size[right] != joined: continue   # stale
+      _, left, right, joined = pop(heap)
+      a, b = size[left], size[right]
+      if a == 0 or b == 0 or a + b != joined: continue
       size[left], size[right] = joined, 0
       k = nxt[left] = nxt[right]
-      if k < n: prv[k] = left
-      offer(prv[left], left)
-      offer(left, k)
+      p = prv[left]
+      if p >= 0 and (t := get(text[p:left + joined])) is not None: push(heap, (-scores[t], p, left, size[p] + joined))
+      if k < n:
+        prv[k] = left
+        end = k + size[k]
+        if (t := get(text[left:end])) is not None: push(heap, (-scores[t], left, k, end - left))
     i = 0
     while i < n:
       piece = text[i:i + size[i]]
-      tid = ids.get(piece)
+      tid = get(piece)
       if tid is not None: out.append(tid)
       else:
         for b in piece.encode("utf-8", "surrogatepass"):
