@@ -242,6 +242,34 @@ def test_depthwise_window_rows_unrolled_where_they_slide_along_the_vector() -> N
   assert window_unrolls((2, 32, 4, 4)) == []  # blocked
 
 
+# (input shape, weight shape, stride, padding, dilation, groups): kernels with taps that read only padding
+PAD_TAPS = [((2, 6, 2, 2), (6, 1, 5, 5), 1, 2, 1, 6), ((2, 8, 4, 4), (6, 8, 3, 3), 1, 12, 12, 1), ((1, 16, 2, 2), (16, 1, 7, 7), 1, 3, 1, 16),
+            ((2, 4, 3, 5), (5, 4, 5, 3), 2, ((4, 1), (1, 1)), (1, 2), 1), ((2, 3, 3), (4, 3, 7), 1, ((5, 3),), 1, 1)]
+
+
+@pytest.mark.parametrize("xs,ws,stride,padding,dilation,groups", PAD_TAPS)
+@pytest.mark.parametrize("weight", ["array", "input"])
+def test_taps_reading_only_padding_are_dropped(xs, ws, stride, padding, dilation, groups, weight: str) -> None:
+  """A kernel tap that reads only padding at every output position adds zeros: the conv drops it (a weight array sliced
+  in numpy, a computed one through a view), keeping the output's size, against numpy."""
+  x, w, b = rand(*xs), rand(*ws), rand(ws[0])
+  st, pads, dl = _spec(stride, padding, dilation, len(ws) - 2)
+  wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
+  c = compile([Tensor.input("x", xs).conv2d(wt, Tensor(b), stride=stride, padding=padding, dilation=dilation, groups=groups)])
+  got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
+  np.testing.assert_allclose(got, conv_ref(x, w, b, st, pads, dl, groups), rtol=1e-4, atol=1e-4)
+
+
+def test_an_atrous_conv_over_a_small_map_is_its_centre_tap() -> None:
+  """DeepLabV3's atrous 3x3 conv of dilation 12 over a 4x4 map reads its input with the centre tap alone: a 1x1 conv,
+  one product reading the input as its matrix (no window view, no padded reads)."""
+  x, w = rand(2, 8, 4, 4), rand(6, 8, 3, 3)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), padding=12, dilation=12)])
+  sums = [k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert len(sums) == 1 and not any(u.op is Ops.INDEX and len(u.src) > 2 for u in sums[0].ast.toposort()), c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [1, 1], [(12, 12)] * 2, [12, 12], 1), rtol=1e-4, atol=1e-4)
+
+
 # (input shape, weight shape, stride, padding, groups): convs over fewer output positions than a block, whose product
 # runs channels-last: 1x1 over a 2x2 map, a 3x3 over a 3x3 map, grouped, strided, 1-d
 FEW_POSITIONS = [((2, 24, 2, 2), (40, 24, 1, 1), 1, 0, 1), ((1, 8, 3, 3), (12, 8, 3, 3), 1, 1, 1), ((2, 8, 3, 3), (6, 4, 1, 1), 1, 0, 2),

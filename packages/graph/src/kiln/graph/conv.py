@@ -32,6 +32,8 @@ FOLD_BATCH = True  # ... with a static batch's images as more rows of one produc
 # a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
 # `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
 STRIDED_PADDED_COPY = True
+# kernel taps that read only padding at every output position are dropped (_live_taps); False: every tap computed
+DROP_PAD_TAPS = True
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -62,6 +64,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   pads = [(padding, padding)] * d if isinstance(padding, int) else list(padding)
   if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {x.shape}")
   x, w = x._coerce(weight)
+  if DROP_PAD_TAPS: w, pads = _live_taps(x, w, pads, st, dl)
   if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
   xp = x.pad(((0, 0), (0, 0), *pads))
@@ -107,6 +110,29 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   y = (wt.reshape(1, groups, 1, kk, og) * cols.permute(0, 1, 3, 2).reshape(n, groups, p, kk, 1)).sum(3)  # (N, g, P, O/g)
   if bias is not None: y = y + bias.reshape(1, groups, 1, og)
   return y.contiguous().permute(0, 1, 3, 2).reshape(n, groups * og, *out)
+
+
+def _live_taps(x: Tensor, w: Tensor, pads: list[tuple[int, int]], st: list[int], dl: list[int]) -> tuple[Tensor, list[tuple[int, int]]]:
+  """The weight and pads without the kernel taps that read only padding at every output position: they add zeros. A
+  kernel larger than its padded map is mostly such taps (a 5x5 depthwise conv over a mobile net's 2x2 maps reads its
+  input with 3x3 of them, DeepLabV3's atrous 3x3 convs of dilation 12-36 over 4x4 maps with their centre alone). Along
+  each spatial axis the taps that reach the input form one run [lo, hi]; the pads shrink by the taps dropped on each
+  side, so the output keeps its size. A run whose pads would go negative is kept whole."""
+  ks = sym.static_shape("conv (weight)", w.shape)[2:]
+  sp = sym.static_shape("conv", x.shape[2:])
+  keep: list[tuple[int, int]] = []
+  new_pads: list[tuple[int, int]] = []
+  for n, k, (pb, pa), s, q in zip(sp, ks, pads, st, dl):
+    out = (n + pb + pa - q * (k - 1) - 1) // s + 1
+    live = [t for t in range(k) if t * q - pb <= n - 1 and (out - 1) * s + t * q - pb >= 0]  # reads a row of the input
+    lo, hi = (live[0], live[-1]) if live else (0, k - 1)
+    if pb - lo * q < 0 or pa - (k - 1 - hi) * q < 0: lo, hi = 0, k - 1
+    keep.append((lo, hi + 1))
+    new_pads.append((pb - lo * q, pa - (k - 1 - hi) * q))
+  if all(b - a == k for (a, b), k in zip(keep, ks)): return w, pads
+  sl = (slice(None), slice(None), *(slice(a, b) for a, b in keep))
+  if (data := w.node.data) is not None: return type(w)(np.ascontiguousarray(data[sl])), new_pads
+  return w[sl], new_pads
 
 
 def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
