@@ -87,19 +87,21 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
-  if PRODUCT_CHANNELS_LAST and p < BLOCK: return _product_channels_last(cols, w, bias, groups, og, out)
+  if PRODUCT_CHANNELS_LAST and p < BLOCK: return _product_channels_last(cols, w, bias, groups, out)
   wm = _flat(w, (1, groups, og, kk, 1))
   y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
   return y if bias is None else y + bias.reshape(1, o, *([1] * d))
 
 
-def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, og: int, out: tuple[Dim, ...]) -> Tensor:
+def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, out: tuple[Dim, ...]) -> Tensor:
   """The product of a conv over few output positions (a mobile net's last 2x2 and 4x4 maps) as (g, N*P, O/g): the
   output channels are the contiguous axis, so the matmul's vector runs across them, and its rows are every image's
   positions, so the weight streams through once per run, not once per image. In (N, g, O/g, P) the vector was the P
   positions, a quarter of a vector for a 2x2 map. The weight is read as (g, K, O/g), contiguous along O/g (an array
   reordered in numpy). A symbolic batch stays an outer loop, (N, g, P, O/g): the codegen tiles no symbolic axis."""
-  n, kk, p = cols.shape[0], cols.shape[2], cols.shape[3]
+  n = cols.shape[0]
+  kk, p = sym.static_shape("conv", cols.shape[2:])
+  og = sym.static_shape("conv (weight)", w.shape)[0] // groups
   if (data := w.node.data) is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
   else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
   if isinstance(n, int) and FOLD_BATCH:
@@ -176,7 +178,7 @@ def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: in
 
 def _row(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> int:
   """The width of the conv's output rows (its last spatial axis)."""
-  n = int(x.shape[-1]) + pads[-1][0] + pads[-1][1]
+  n = sym.static_shape("conv", x.shape[-1:])[0] + pads[-1][0] + pads[-1][1]
   return (n - dl[-1] * (ks[-1] - 1) - 1) // st[-1] + 1
 
 
@@ -189,7 +191,7 @@ def _window_conv_blocked(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], 
   mobile net's small maps (2 to 14), each lane gated. C is padded with zero channels to a multiple of 16."""
   d = w.ndim - 2
   ks = sym.static_shape("conv (weight)", w.shape)[2:]
-  c = x.shape[1]
+  c = sym.static_shape("conv", x.shape[1:2])[0]
   cb = -(-c // BLOCK)
   sp = x.shape[2:]
   xb = x.pad(((0, 0), (0, cb * BLOCK - c), *[(0, 0)] * d)) if cb * BLOCK != c else x
