@@ -161,7 +161,7 @@ def _tokenizer(ck: Checkpoint) -> Tokenizer | None:
 
 def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = DEFAULT_CHUNK, device: str = "CPU") -> LLM:
   """The model at `path` (a GGUF file or a Hugging Face folder), ready to run `context` positions (default: its trained
-  length, at most DEFAULT_CONTEXT); prompts run in chunks of up to `chunk` tokens. The plans compile on first use."""
+  length, at most DEFAULT_CONTEXT); prompts run in chunks of `chunk` tokens (the last padded). The plans compile on first use."""
   ck = open_checkpoint(path)
   cfg = ck.config
   ctx = min(cfg.max_position, DEFAULT_CONTEXT) if context is None else int(context)

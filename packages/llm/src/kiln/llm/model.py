@@ -1,11 +1,14 @@
 """The forward graph of a decoder-only language model, per architecture, on kiln.graph's lazy Tensor.
 
-One graph serves every position: a chunk of `seq` new tokens (ids and their positions fed), after `past` tokens whose
-keys and values each layer reads from its cache inputs `k{i}`/`v{i}` of shape (past, kv_heads, head_dim), position-major
-so that the filled part of a cache is its front (the runtime binds them to buffers sized for the context and appends the
-chunk's rows at row `past`; kv.py). Attention reads cat(cache, new) along the positions, past + seq rows, with the causal
-mask from the positions. The outputs are the logits (every row, or the chunk's last row) and each layer's new keys and
-values (seq rows, keys after RoPE) for the runtime to append.
+One graph serves every position: a chunk of `seq` new tokens (ids and their positions fed; seq is fixed when the graph
+is built), after `past` tokens (a runtime variable, 0..ctx) whose keys and values each layer reads from its cache
+inputs `k{i}`/`v{i}` of shape (past, kv_heads, head_dim), position-major so that the filled part of a cache is its front
+(the runtime binds them to buffers sized for the context and appends the chunk's rows at row `past`; kv.py). Attention
+reads cat(cache, new) along the positions, past + seq rows, with the causal mask from the positions. The outputs are
+the logits (every row, or the row `last` names) and each layer's new keys and values (seq rows, keys after RoPE) for the
+runtime to append. seq is a fixed size, not a variable: the code generator tiles and threads no symbolic loop, so a
+chunk's matrix products over a symbolic seq ran about 3x slower than over a fixed one; the runtime pads a shorter chunk
+(padded rows come after every real one, so the causal mask keeps them out of the real rows' attention).
 
 Weights come from `get(name)`: float32 numpy arrays in Hugging Face naming and layout (checkpoint.py's Checkpoint.tensor);
 every choice between families is a field of ModelConfig (config.py). Architectures: the Llama family (llama, mistral,
@@ -102,13 +105,23 @@ def _mask(cfg: ModelConfig, pos: Tensor, total: Any) -> Tensor:
   return m if not cfg.sliding_window else m & (j > p - cfg.sliding_window)
 
 
-def _inputs(cfg: ModelConfig, ctx: int, chunk: int) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
-  dims = {"seq": (1, chunk), "past": (0, ctx)}
-  seq: int | str = 1 if chunk == 1 else "seq"  # a decode step's plan: one token, its kernels built for that size
-  ids = Tensor.input("ids", (seq,), dtypes.int32, dims)
-  pos = Tensor.input("pos", (seq,), dtypes.int32, dims)
+@dataclass
+class _Inputs:
+  ids: Tensor
+  pos: Tensor
+  caches: list[tuple[Tensor, Tensor]]
+  last: Tensor | None  # the row whose logits to give (last-row graphs of seq > 1)
+
+  def pick(self, x: Tensor) -> Tensor: return x if self.last is None else x.gather(self.last, 0)
+
+
+def _inputs(cfg: ModelConfig, ctx: int, seq: int, last_only: bool) -> _Inputs:
+  dims = {"past": (0, ctx)}
+  ids = Tensor.input("ids", (seq,), dtypes.int32)
+  pos = Tensor.input("pos", (seq,), dtypes.int32)
   row = ("past", cfg.num_kv_heads, cfg.head_dim)
-  return ids, pos, [(Tensor.input(f"k{i}", row, dims=dims), Tensor.input(f"v{i}", row, dims=dims)) for i in range(cfg.num_layers)]
+  caches = [(Tensor.input(f"k{i}", row, dims=dims), Tensor.input(f"v{i}", row, dims=dims)) for i in range(cfg.num_layers)]
+  return _Inputs(ids, pos, caches, Tensor.input("last", (1,), dtypes.int32) if last_only and seq > 1 else None)
 
 
 def _norm(cfg: ModelConfig, w: _W, x: Tensor, name: str) -> Tensor:
@@ -118,17 +131,18 @@ def _norm(cfg: ModelConfig, w: _W, x: Tensor, name: str) -> Tensor:
   return x.rms_norm(Tensor(g + np.float32(1.0)) if cfg.norm_add_one else Tensor(g), eps=cfg.norm_eps)
 
 
-def llama_like(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> Forward:
+def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> Forward:
   """The Llama family, Gemma and Phi-3: pre-norm blocks of RMSNorm, RoPE attention with GQA, gated MLP."""
   w = _W(get, cfg.arch)
-  ids, pos, caches = _inputs(cfg, ctx, chunk)
+  inp = _inputs(cfg, ctx, seq, last_only)
+  ids, pos, caches = inp.ids, inp.pos, inp.caches
   d, inter, hd, qd, kd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.q_size, cfg.kv_size
   embed = w.arr("model.embed_tokens.weight", (cfg.vocab_size, d))
   x = Tensor(embed).embedding(ids)
   if cfg.embed_scale != 1.0: x = x * float(np.float32(cfg.embed_scale))  # HF rounds the normaliser to the weights' dtype
   cos_t, sin_t = rope_tables(cfg, ctx)
   cos, sin = Tensor(cos_t).embedding(pos).unsqueeze(1), Tensor(sin_t).embedding(pos).unsqueeze(1)  # (seq, 1, rot / 2)
-  seq, new_kv = ids.shape[0], []
+  new_kv: list[tuple[Tensor, Tensor]] = []
   mask: Tensor | None = None
   for i, (kc, vc) in enumerate(caches):
     p = f"model.layers.{i}."
@@ -155,18 +169,19 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool
       up = h.linear(w(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
     x = x + (_act(gate, cfg.act) * up).linear(w(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
     new_kv.append((k, v))
-  if last_only: x = x[-1:]
+  if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "model.norm")
   head = embed if cfg.tie_word_embeddings else w.arr("lm_head.weight", (cfg.vocab_size, d))
   return Forward(x.linear(Tensor(head)), new_kv)
 
 
-def gpt2(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> Forward:
+def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> Forward:
   """GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v projection, tied head. Its Conv1D weights come (out, in)
   like every linear's (the checkpoint transposes HF's (in, out))."""
   w = _W(get, cfg.arch)
-  ids, pos, caches = _inputs(cfg, ctx, chunk)
-  seq, hd, d, inter = ids.shape[0], cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+  inp = _inputs(cfg, ctx, seq, last_only)
+  ids, pos, caches = inp.ids, inp.pos, inp.caches
+  hd, d, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
   if ctx > cfg.max_position: raise ModelError(f"gpt2: a context of {ctx} is past its {cfg.max_position} learned positions")
   wte = w.arr("transformer.wte.weight", (cfg.vocab_size, d))
   x = Tensor(wte).embedding(ids) + w("transformer.wpe.weight", cfg.max_position, d).embedding(pos)
@@ -182,13 +197,13 @@ def gpt2(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool) -> F
     x = x + lin(_attention(q, kk, vv, mask, cfg), "attn.c_proj", d, d)
     x = x + lin(_act(lin(_norm(cfg, w, x, p + "ln_2"), "mlp.c_fc", inter, d), cfg.act), "mlp.c_proj", d, inter)
     new_kv.append((k, v))
-  if last_only: x = x[-1:]
+  if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "transformer.ln_f")
   return Forward(x.linear(Tensor(wte)), new_kv)
 
 
-def forward(cfg: ModelConfig, get: Get, ctx: int, chunk: int, last_only: bool = False) -> Forward:
-  """The graph for `cfg`: chunks of 1..chunk tokens after 0..ctx cached ones (the runtime keeps past + seq <= ctx)."""
+def forward(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool = False) -> Forward:
+  """The graph for `cfg`: chunks of `seq` tokens after 0..ctx cached ones (the runtime keeps the real rows within ctx)."""
   if cfg.arch not in SUPPORTED: raise UnsupportedArchitecture(f"architecture {cfg.arch!r} is not supported (kiln.llm runs {', '.join(SUPPORTED)})")
   build = gpt2 if cfg.positions == "learned" else llama_like
-  return build(cfg, get, ctx, chunk, last_only)
+  return build(cfg, get, ctx, seq, last_only)

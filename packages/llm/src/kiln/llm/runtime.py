@@ -1,10 +1,10 @@
 """Running the forward graph over a KV cache: each plan compiled once for every position, the cache bound in place.
 
-Three plans over one cache (kv.py), each built the first time it is needed: "decode" (one token: its kernels built for
-a single row, which runs faster than the chunk plan at seq = 1), "prefill" (a chunk of 1..chunk tokens, the last one's
-logits) and "all" (a chunk, every token's logits: teacher-forced logits). past (0..ctx) is a runtime variable of each,
-and seq one of the chunk plans, so no kernel is compiled after a plan's first run. A prompt longer than a chunk runs as
-several chunks."""
+Three plans over one cache (kv.py), each built the first time it is needed: "decode" (one token), "prefill" (a chunk of
+`chunk` tokens, the last real one's logits) and "all" (a chunk, every token's logits: teacher-forced logits). past
+(0..ctx) is a runtime variable of each, so no kernel is compiled after a plan's first run. A prompt runs in chunks, the
+last one padded to the chunk's size (model.py says why the chunk is a fixed size): the padded rows' keys and values are
+not appended and their logits not returned."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,7 +17,7 @@ from kiln.llm.errors import LLMError
 from kiln.llm.kv import KVCache
 from kiln.llm.model import Get, forward
 
-DEFAULT_CHUNK = 256
+DEFAULT_CHUNK = 64  # rows a prefill chunk's matrix products are tiled over; a shorter prompt pays for the padding
 
 
 class Runner:
@@ -48,11 +48,17 @@ class Runner:
     rows = []
     for lo in range(0, a.size, self.chunk):
       part = a[lo:lo + self.chunk]
-      plan = self.plan("all" if not last_only else "decode" if part.size == 1 else "prefill")
-      past = self.cache.length
-      out = plan.run({"ids": part.astype(np.int32), "pos": np.arange(past, past + part.size, dtype=np.int32)}, vars={"past": past})
-      self.cache.append(out[1:])
-      rows.append(out[0])
+      n, past = part.size, self.cache.length
+      single = n == 1 and last_only
+      size = 1 if single else self.chunk
+      chunk = np.zeros(size, np.int32)
+      chunk[:n] = part
+      pos = np.minimum(np.arange(past, past + size, dtype=np.int32), self.ctx - 1)  # padded rows: any position in the tables
+      feeds = {"ids": chunk, "pos": pos}
+      if last_only and not single: feeds["last"] = np.array([n - 1], np.int32)
+      out = self.plan("decode" if single else "prefill" if last_only else "all").run(feeds, vars={"past": past})
+      self.cache.append([kv[:n] for kv in out[1:]])
+      rows.append(out[0] if last_only else out[0][:n])
     return rows[-1][-1] if last_only else np.concatenate(rows, 0)
 
   def reset(self, length: int = 0) -> None: self.cache.reset(length)
