@@ -45,12 +45,14 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   the input, which the matmul's packing copies panel by panel (im2col without a buffer of its own). A padded input is
   read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
   copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
-  The product is realized as (N, groups, O/groups, P), the loops the matmul tiles (as (N, groups, P, O/groups) where P
+  The product is realized as (N, groups, O/groups, P), the loops the matmul tiles (as (groups, N*P, O/groups) where P
   is smaller than BLOCK: _product_channels_last); what follows reads it through an NCHW view (the bias, batch norm and
   relu become the product kernel's epilogue when their readers read each element at least once: epilogue.py). A
-  depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window, of its input realized first
-  where that input is computed (every tap reads each element); where its output rows are narrower than BLOCK, in the
-  blocked channel layout (_window_conv_blocked), whose vector runs across channels instead of along a row."""
+  depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window,
+  of its input realized first where that input is computed (every tap reads each element), padded by a copy where it
+  is strided along its rows; where its output rows are narrower than BLOCK, in the blocked channel layout
+  (_window_conv_blocked), whose vector runs across channels instead of along a row. Before any of this, kernel taps
+  that read only padding are dropped (_live_taps)."""
   d = weight.ndim - 2
   if x.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {x.shape} and weight {weight.shape} need the same rank >= 3")
   sym.require_static("conv", x.shape, range(1, x.ndim))
