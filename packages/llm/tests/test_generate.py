@@ -82,3 +82,27 @@ def test_kiln_generate_command(model: tuple[LLM, dict], capsys: pytest.CaptureFi
   assert main([folder, "-p", "hi", "-n", "3", "--chat", "--temp", "0.8", "--seed", "1"]) == 0
   assert main([folder + "/nope", "-p", "x"]) == 2
   assert "kiln generate: error" in capsys.readouterr().err
+
+
+def test_a_quantized_gguf_with_its_own_vocabulary(tmp_path: Path):
+  """load() of a GGUF file (Q8_0 weights, Q/K rows permuted as llama.cpp's converter writes them, a byte-level BPE
+  vocabulary and a chat template in its metadata): logits against the numpy reference on what the weights dequantise
+  to, greedy tokens against the teacher-forced logits' argmax, text through the file's tokenizer."""
+  from checkpoint_files import hf_weights, tiny_config, write_gguf
+  from tokenizer_case import gguf_bpe_fields
+  fields = gguf_bpe_fields("qwen2")
+  cj = tiny_config("llama", vocab_size=len(fields["tokenizer.ggml.tokens"]))
+  template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+  want_w = write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=3, scale=0.3), fmt=lambda n: "Q8_0",
+                      meta={**fields, "tokenizer.chat_template": template})
+  llm = load(tmp_path / "m.gguf", context=64)
+  ids = llm.tokenizer.encode("hello world")
+  assert llm.tokenizer.decode(ids) == "hello world"
+  want = logits(llm.config, want_w, np.array(ids))
+  assert np.abs(llm.logits(ids) - want).max() / np.abs(want).max() <= TOL
+  toks = list(llm.generate(ids, max_new_tokens=8, stop=[]))
+  assert len(toks) > 2
+  forced = llm.logits(ids + toks).argmax(-1)[len(ids) - 1:-1]
+  assert toks == [int(t) for t in forced[:len(toks)]]
+  text = "".join(llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=6))
+  assert text == llm.tokenizer.decode(list(llm.generate(llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}]), 6)), skip_special=True)
