@@ -167,6 +167,7 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
     else:
       gate = h.linear(w(p + "mlp.gate_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.gate_proj.bias", inter))
       up = h.linear(w(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
+    gate, up = gate.contiguous(), up.contiguous()  # each its own product: left to the scheduler, both ran in one kernel 3-8x slower
     x = x + (_act(gate, cfg.act) * up).linear(w(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
     new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
