@@ -104,7 +104,10 @@ def test_register_tile_fits_the_register_file(t: Target, want: tuple[int, int]):
   vecs = width // (t.vector_bytes // 4)
   assert (rows, width) == want and rows * vecs + vecs + 1 <= t.vector_registers
   assert tile(t, 1000) == want  # 1000 rows: the last tile is shifted back over its neighbour (prepare.peel)
-  assert tile(t, 20)[0] == want[0] and tile(t, want[0])[0] == want[0]
+  assert tile(t, want[0])[0] == want[0]
+  # rows the most that fit do not divide: the count, down to 12 accumulators, whose tiles compute the fewest rows (each
+  # tile's loads of B as a row more): 20 rows in 3 tiles of 7, not 8; 36 (a ViT's 2 x 18 tokens) in 6 of 6, not 5 of 8
+  assert tile(t, 20)[0] == (7 if want[0] == 8 else want[0]) and tile(t, 36)[0] == (6 if want[0] == 8 else want[0])
 
 
 def accumulate(ast: UOp) -> UOp:
@@ -120,8 +123,8 @@ def test_sixteen_registers_tile_six_rows():
   # a product that reads its output cannot recompute rows: a row count that divides
   rows = [o.amount for o in heuristic_opts(accumulate(matmul(1024, 1024, 1024)), Target(vector_bytes=32)) if o.op is OptOps.UNROLL and o.axis == 0]
   assert rows == [4]
-  # 32 registers: 8 rows
-  assert tile(Target(vector_bytes=64), 1536) == (8, 32) and tile(Target(vector_bytes=64), 12)[0] == 8
+  # 32 registers: 8 rows, but 12 rows are two tiles of 6 (two of 8 would compute 16)
+  assert tile(Target(vector_bytes=64), 1536) == (8, 32) and tile(Target(vector_bytes=64), 12)[0] == 6
 
 
 def test_overlapped_row_tile_lowers_to_whole_tiles():

@@ -47,6 +47,9 @@ def _pick_width(size: int | None, lanes: int) -> int:
   return w
 
 
+MIN_ACCUMULATORS = 12  # a register tile's accumulators that keep enough multiply-adds in flight (_tile_rows)
+
+
 def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> int:
   """Rows of a matmul register tile: rows*vecs accumulators, vecs loads of B and one broadcast of A must fit the vector
   registers, or the inner loop spills (AVX2's 16 with 8 rows x 2 vectors: 77-121 stack references, half the GFLOP/s of
@@ -54,10 +57,16 @@ def _tile_rows(registers: int, vecs: int, size: int | None, overlap: bool) -> in
   accumulators, enough multiply-adds in flight to cover FMA latency: 960 and 1536 went from 0.85-0.88x to 0.99-1.02x
   OpenBLAS's Haswell kernel, 8 accumulators stall; 32 registers: 8). When the kernel reads no buffer it writes (`overlap`),
   the lowering ends a row axis the tile does not divide with a tile shifted back over its neighbour (prepare.peel), so
-  any size of at least one tile takes them; otherwise a count that divides the axis: the most that fit, else a power of two."""
+  any size of at least one tile takes them, as the count of rows, from the most that fit down to the fewest that keep
+  MIN_ACCUMULATORS, whose tiles compute the fewest rows, each tile's loads of B counted as one row more (a ViT's 2 x 18
+  tokens: 6 tiles of 6, not 5 of 8 of which the last recomputes 4 rows: 68 -> 73 GFLOP/s); otherwise a count that
+  divides the axis: the most that fit, else a power of two."""
   vecs = max(vecs, 1)
   rows = min(8, max(1, (registers - vecs - 1) // vecs))
-  if size is not None and (size % rows == 0 or (overlap and size > rows)): return rows
+  if size is not None and overlap and size > rows:
+    fewest = min(rows, max(1, -(-MIN_ACCUMULATORS // vecs)))
+    return min(range(fewest, rows + 1), key=lambda r: (-(-size // r) * (r + 1), -r))
+  if size is not None and size % rows == 0: return rows
   return _pick_width(size, 1 << (rows.bit_length() - 1))
 
 
