@@ -112,7 +112,8 @@ def _nms(n: OnnxNode) -> Value:
   ins = [boxes, scores, *[v for v in opts if v is not None]]
   if all(isinstance(v, np.ndarray) for v in ins): return run([v for v in ins[:2] if isinstance(v, np.ndarray)])  # all known at load
   reads = [v if isinstance(v, Tensor) else Tensor(v) for v in (boxes, scores)] + [v for v in opts if isinstance(v, Tensor)]
-  nb, nbox, ncls = int(boxes.shape[0]), int(boxes.shape[1]), int(scores.shape[1])
+  nb, nbox, ncls = sym.static_dim("NonMaxSuppression", boxes.shape, 0), sym.static_dim("NonMaxSuppression", boxes.shape, 1), \
+    sym.static_dim("NonMaxSuppression", scores.shape, 1)
   per_class = nbox if not isinstance(opts[0], np.ndarray) else min(nbox, max(int(opts[0].reshape(-1)[0]), 0))
   return n.read_back("the boxes NonMaxSuppression keeps", reads, run, Length(nb * ncls * per_class, (3,), np.int64))
 

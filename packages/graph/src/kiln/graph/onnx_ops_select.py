@@ -96,7 +96,7 @@ def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
       key, idx = (take.where(p, s).contiguous().reshape(b, n2) for p, s in ((pk, kv), (pi, iv)))
       j //= 2
     size *= 2
-  return key.slice([0], [k], [1]), idx.slice([0], [k], [1])
+  return key.slice([0], [k], [1]), idx.slice([0], [k], [1])  # type: ignore[list-item]  # a symbolic k: a slice to a dim
 
 
 def _k(n: OnnxNode, d: Dim) -> Dim:
@@ -126,10 +126,11 @@ def _topk(n: OnnxNode) -> list[Value]:
     raise n.error(f"k = {kk} must be in [0, {sym.fmt(d)}] (axis {a} of {sym.fmt_shape(shape)}" +
                   ("" if isinstance(d, int) else f": {sym.fmt(d)} may be as small as {sym.dmin(d)}") + ")")
   out = shape[:a] + (kk,) + shape[a + 1:]
-  if isinstance(kk, int) and kk == 0: return [np.zeros(out, x.dtype.np), np.zeros(out, np.int64)]  # nothing to select: empty arrays
+  if isinstance(kk, int) and kk == 0:  # nothing to select: empty arrays (the other axes are static)
+    return [np.zeros(sym.static_shape("TopK", out), x.dtype.np), np.zeros(sym.static_shape("TopK", out), np.int64)]
   if x.dtype.is_bool: raise n.error("input 0 must be numbers, got bool")
   order = [i for i in range(x.ndim) if i != a] + [a]
-  lead = tuple(int(shape[i]) for i in order[:-1])
+  lead = tuple(sym.static_dim("TopK", shape, i) for i in order[:-1])
   rows = x.permute(order).reshape(math.prod(lead), d)
   rank = isinstance(d, int) and d <= RANK_MAX_N
   vals, idx = _by_rank(rows, kk, largest, f"node {n.name} ({n.op})") if rank else _bitonic(rows, kk, largest)
