@@ -137,7 +137,9 @@ EINSUMS = {"ij,jk->ik": [(3, 4), (4, 5)], "bij,bjk->bik": [(2, 3, 4), (2, 4, 5)]
            "i,i->": [(7,), (7,)], "ij->ji": [(3, 4)], "ij->": [(3, 4)], "...ij,...jk->...ik": [(2, 1, 3, 4), (1, 5, 4, 2)],
            "...j,...j->...": [(2, 3, 4), (2, 3, 4)],
            "ij,jk": [(3, 4), (4, 5)], "i,j->ij": [(3,), (4,)], "ij,jk,kl->il": [(2, 3), (3, 4), (4, 5)], "bid,bjd->bij": [(2, 5, 3), (2, 4, 3)],
-           "abc->ca": [(2, 3, 4)], "ik,kj->ji": [(3, 4), (4, 2)]}
+           "abc->ca": [(2, 3, 4)], "ik,kj->ji": [(3, 4), (4, 2)],
+           # diagonals (a letter twice in a term): the trace, a batch of diagonals, non-adjacent axes, beside a product
+           "ii->": [(4, 4)], "ii->i": [(4, 4)], "bii->bi": [(2, 3, 3)], "iji->j": [(3, 5, 3)], "ij,jj->i": [(2, 3), (3, 3)]}
 
 
 @pytest.mark.parametrize("eq", list(EINSUMS))
@@ -149,8 +151,13 @@ def test_einsum(eq: str) -> None:
 def test_einsum_two_operands_is_one_kernel_and_refusals() -> None:
   feeds = {"a": f32(2, 3, 8, 4), "b": f32(2, 3, 8, 4)}
   check(model([N("Einsum", ["a", "b"], ["y"], equation="bhqd,bhkd->bhqk")], feeds, {"y": np.float32}), feeds, kernels=1)
-  with pytest.raises(ONNXError, match=r"Einsum.*repeats a letter"):
-    konnx.load(model([N("Einsum", ["x"], ["y"], equation="ii->i")], {"x": f32(3, 3)}, {"y": np.float32}))
+  with pytest.raises(ONNXError, match=r"letter 'i' of term 'ii' has sizes 3 and 4"):
+    konnx.load(model([N("Einsum", ["x"], ["y"], equation="ii->i")], {"x": f32(3, 4)}, {"y": np.float32}))
+
+
+def test_einsum_of_scalars() -> None:
+  feeds = {"a": np.array(3, np.float32), "b": np.array(-2, np.float32)}
+  check(model([N("Einsum", ["a", "b"], ["y"], equation=",->")], feeds, {"y": np.float32}), feeds)
 
 
 @pytest.mark.parametrize("ctm,near", [("asymmetric", "floor"), ("half_pixel", "round_prefer_floor"), ("pytorch_half_pixel", "round_prefer_ceil")])

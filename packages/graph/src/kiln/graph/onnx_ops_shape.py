@@ -241,7 +241,8 @@ def _depth_space(to_space: bool) -> Callable[[OnnxNode], Value]:
 
 
 
-# ---- Einsum: one broadcast product summed over the contracted letters (the graph Tensor.matmul builds) ----
+# ---- Einsum: one broadcast product summed over the contracted letters (the graph Tensor.matmul builds); a letter repeated in a
+# term takes that operand's diagonal first ----
 def _einsum_terms(n: OnnxNode, ops: list[Tensor]) -> tuple[list[str], str]:
   """The equation's operand terms and output, each letter one axis: '...' becomes placeholder letters (right-aligned,
   numpy's broadcasting), an implicit output is the broadcast dims then the letters used once, in alphabetical order."""
@@ -255,8 +256,7 @@ def _einsum_terms(n: OnnxNode, ops: list[Tensor]) -> tuple[list[str], str]:
   out_terms = []
   for t, op, k in zip(terms, ops, dots):
     t = t.replace("...", ph[width - k:]) if "..." in t else t
-    if not t.isalpha() or len(t) != op.ndim: raise n.error(f"term {t!r} of {eq!r} does not fit operand {op.shape}")
-    if len(set(t)) != len(t): raise n.error(f"term {t!r} repeats a letter (a diagonal): not supported")
+    if (t and not t.isalpha()) or len(t) != op.ndim: raise n.error(f"term {t!r} of {eq!r} does not fit operand {op.shape}")
     out_terms.append(t)
   if arrow: out = rhs.replace("...", ph)
   else:
@@ -267,10 +267,24 @@ def _einsum_terms(n: OnnxNode, ops: list[Tensor]) -> tuple[list[str], str]:
   return out_terms, out
 
 
+def _diagonal(n: OnnxNode, op: Tensor, t: str) -> tuple[Tensor, str]:
+  """An operand whose term repeats a letter ('ii'): its diagonal along those axes, the letter once (last). The two axes
+  moved last and merged, every (size + 1)-th element of the merged axis is the diagonal: a strided view, no copy."""
+  while (c := next((c for c in t if t.count(c) > 1), None)) is not None:
+    i, j = t.index(c), t.index(c, t.index(c) + 1)
+    d = sym.static_dim("Einsum", op.shape, i)
+    if op.shape[j] != d: raise n.error(f"letter {c!r} of term {t!r} has sizes {sym.fmt(op.shape[i])} and {sym.fmt(op.shape[j])}")
+    rest = [k for k in range(op.ndim) if k not in (i, j)]
+    op = op.permute(rest + [i, j]).reshape(*[op.shape[k] for k in rest], d * d).slice([0], [d * d], [len(rest)], [d + 1])
+    t = "".join(t[k] for k in rest) + c
+  return op, t
+
+
 def _einsum(n: OnnxNode) -> Value:
   ops = [n.t(i) for i in range(len(n.ins))]
   if not ops: raise n.error("no operands")
   terms, out = _einsum_terms(n, ops)
+  ops, terms = map(list, zip(*(_diagonal(n, op, t) for op, t in zip(ops, terms))))
   sizes: dict[str, Dim] = {}  # a symbolic dim (batch, seq) is one UOp wherever it stands, so the same letter matches
   for t, op in zip(terms, ops):
     for c, d in zip(t, op.shape):
