@@ -117,7 +117,7 @@ import os, tempfile
 import gguf
 import numpy as np
 from gguf.quants import dequantize, quantize
-from kiln.llm.checkpoint import open_checkpoint
+from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.errors import CheckpointError
 p = os.path.join(tempfile.mkdtemp(), "m.gguf")
 h, f, v, Q8 = 32, 64, 16, gguf.GGMLQuantizationType.Q8_0

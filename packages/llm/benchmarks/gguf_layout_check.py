@@ -38,7 +38,7 @@ def transformers_tensors(path: Path) -> dict[str, np.ndarray]:
 def main() -> int:
   from checkpoint_files import hf_weights, tiny_config, write_gguf
 
-  from kiln.llm.checkpoint import open_checkpoint
+  from kiln.llm.checkpoint_open import open_checkpoint
   warnings.filterwarnings("ignore")
   vocab = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [chr(65 + i % 26) * (1 + i // 26) for i in range(40)],
            "tokenizer.ggml.token_type": [1] * 40, "tokenizer.ggml.merges": ["A A"], "tokenizer.ggml.bos_token_id": 1,

@@ -13,7 +13,7 @@ import pytest
 from checkpoint_files import hf_weights, tiny_config, write_gguf
 
 from kiln.llm import limits
-from kiln.llm.checkpoint import open_checkpoint
+from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.errors import CheckpointError
 from kiln.llm.gguf_file import GGUFFile
 

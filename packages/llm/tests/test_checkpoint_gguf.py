@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from checkpoint_files import hf_weights, permute, tiny_config, write_gguf
 
-from kiln.llm.checkpoint import open_checkpoint
+from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.config import ModelConfig
 from kiln.llm.errors import CheckpointError, UnsupportedArchitecture
 from kiln.llm.gguf_checkpoint import unpermute_rows

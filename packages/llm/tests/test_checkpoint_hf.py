@@ -11,7 +11,7 @@ import pytest
 from checkpoint_files import hf_weights, tiny_config, write_hf
 
 from kiln.ir.dtype import f32_to_bf16_bits
-from kiln.llm.checkpoint import open_checkpoint
+from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.errors import CheckpointError, UnsupportedArchitecture
 from kiln.llm.hf import HFCheckpoint
 

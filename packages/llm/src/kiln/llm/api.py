@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.llm.checkpoint import Checkpoint, open_checkpoint
+from kiln.llm.checkpoint import Checkpoint
+from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.runtime import DEFAULT_CHUNK, Runner

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kiln.llm.tokenizer_base import MAX_RENDERED_CHARS, MAX_TEMPLATE_CHARS, ChatTemplateError, limit
+from kiln.llm.tokenizer_limits import MAX_RENDERED_CHARS, MAX_TEMPLATE_CHARS, ChatTemplateError, limit
 
 if TYPE_CHECKING:
   from kiln.llm.tokenizer_base import Tokenizer

@@ -1,7 +1,7 @@
 """A language model's checkpoint: its ModelConfig and its weights by Hugging Face name, whatever file holds them.
 
-`open_checkpoint(path)` opens a GGUF file (kiln.llm.gguf_checkpoint) or a Hugging Face folder (kiln.llm.hf: config.json
-with model.safetensors, or shards named by model.safetensors.index.json). Either way:
+kiln.llm.checkpoint_open's `open_checkpoint(path)` opens a GGUF file (kiln.llm.gguf_checkpoint) or a Hugging Face folder
+(kiln.llm.hf: config.json with model.safetensors, or shards named by model.safetensors.index.json). Either way:
   config            ModelConfig
   names()           the weights in HF naming ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight",
                     "model.norm.weight", "lm_head.weight" unless the embeddings are tied; phi3's fused
@@ -16,7 +16,6 @@ Before a checkpoint is returned, every weight its config needs is checked to be 
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -89,14 +88,3 @@ def expected_weights(c: ModelConfig) -> dict[str, tuple[int, ...]]:
   if not c.tie_word_embeddings: out["lm_head.weight"] = (v, h)
   return out
 
-
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-  """The checkpoint at path: a GGUF file, or a Hugging Face folder (config.json and safetensors weights)."""
-  try: p = os.path.abspath(os.fspath(path))
-  except TypeError: raise CheckpointError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}") from None
-  if os.path.isdir(p):
-    from kiln.llm.hf import HFCheckpoint
-    return HFCheckpoint(p)
-  if not os.path.exists(p): raise CheckpointError(f"checkpoint {p} does not exist")
-  from kiln.llm.gguf_checkpoint import GGUFCheckpoint
-  return GGUFCheckpoint(p)

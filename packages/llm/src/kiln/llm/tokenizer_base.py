@@ -1,13 +1,6 @@
 """What every kiln.llm tokenizer offers (Tokenizer), its errors, and the limits on the untrusted files it is made from.
 
-Limits (each over-limit value is a TokenizerError naming the file, the field and the limit):
-  MAX_VOCAB               kiln.llm.limits's: tokens in a vocabulary
-  MAX_TOKEN_BYTES         65,536    one token's text (real vocabularies' longest are runs of a few hundred spaces)
-  MAX_MERGES              2**22     BPE merge rules (about one per token in real files)
-  MAX_TEMPLATE_CHARS      1 MiB     a chat template (real ones are a few KB, tool-calling ones tens of KB)
-  MAX_RENDERED_CHARS      64 MiB    what one rendering of a chat template may write (a loop that writes without end stops)
-  MAX_TOKENIZER_JSON_BYTES 256 MiB  tokenizer.json (a 256k-token vocabulary's is about 35 MB)
-  MAX_TOKENIZER_CONFIG_BYTES 16 MiB tokenizer_config.json, generation_config.json, chat_template.jinja
+The errors and limits live in tokenizer_limits (below chat.py, which this module renders through) and are re-exported here.
 """
 from __future__ import annotations
 
@@ -15,17 +8,23 @@ import codecs
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kiln.llm.errors import LLMError
-from kiln.llm.limits import MAX_VOCAB
+from kiln.llm.chat import render_chat
+from kiln.llm.tokenizer_limits import (
+  MAX_MERGES,
+  MAX_RENDERED_CHARS,
+  MAX_TEMPLATE_CHARS,
+  MAX_TOKEN_BYTES,
+  MAX_TOKENIZER_CONFIG_BYTES,
+  MAX_TOKENIZER_JSON_BYTES,
+  MAX_VOCAB,
+  ChatTemplateError,
+  TokenizerError,
+  limit,
+)
 
-MAX_TOKEN_BYTES = 1 << 16
-MAX_MERGES = 1 << 22
-MAX_TEMPLATE_CHARS = 1 << 20
-MAX_RENDERED_CHARS = 64 << 20
-MAX_TOKENIZER_JSON_BYTES = 256 << 20
-MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
-
-__all__ = ["MAX_VOCAB", "ChatTemplateError", "Tokenizer", "TokenizerError", "END_OF_GENERATION_TEXTS"]
+__all__ = ["END_OF_GENERATION_TEXTS", "MAX_MERGES", "MAX_RENDERED_CHARS", "MAX_TEMPLATE_CHARS", "MAX_TOKENIZER_CONFIG_BYTES",
+           "MAX_TOKENIZER_JSON_BYTES", "MAX_TOKEN_BYTES", "MAX_VOCAB", "ChatTemplateError", "StreamDecoder", "Tokenizer", "TokenizerError",
+           "limit", "utf8_text"]
 
 # Texts of tokens that end a turn or the text: besides the file's eos (and eot / eom) ids, a vocabulary token with one of
 # these texts is a stop token (llama.cpp's end-of-generation list in llama-vocab.cpp, plus "</s>" and "<|end_of_text|>", the
@@ -34,20 +33,6 @@ END_OF_GENERATION_TEXTS = frozenset({
   "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
   "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>", "</s>", "<|end_of_text|>",
 })
-
-
-class TokenizerError(LLMError):
-  """A tokenizer could not be made or used: a malformed or over-limit vocabulary, an unsupported tokenizer model or
-  pre-tokenizer, an id outside the vocabulary. The message names the file and the field."""
-
-
-class ChatTemplateError(TokenizerError):
-  """A chat template is missing, malformed, over a limit, raised an error (raise_exception) or reached for something the
-  sandbox refuses (attributes such as __class__, methods that mutate)."""
-
-
-def limit(what: str, value: int, name: str, maximum: int, error: type[TokenizerError] | None = None) -> None:
-  if value > maximum: raise (error or TokenizerError)(f"{what} is {value}, over {name} = {maximum}")
 
 
 class Tokenizer:
@@ -107,7 +92,6 @@ class Tokenizer:
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
     """The conversation as the model's chat template writes it (kiln.llm.chat: sandboxed jinja2), ready for encode."""
-    from kiln.llm.chat import render_chat
     return render_chat(self, messages, add_generation_prompt, extra)
 
   def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
