@@ -30,6 +30,15 @@ def test_cast_like_with_an_empty_like():
   check(model([N("CastLike", ["x", "like"], ["y"])], {"x": x, "like": like}, {"y": np.int32}, opset=19), {"x": x, "like": like})
 
 
+def test_cast_like_of_an_empty_value_to_a_computed_like():
+  """An empty input cast like a computed value (a causal conv's empty state, as the ONNX causal conv case): an empty array
+  of the like's dtype, not a Tensor of no elements."""
+  x, e = f32(2, 3), np.zeros((2, 0), np.float32)
+  m = model([N("Relu", ["x"], ["r"]), N("Cast", ["r"], ["h"], to=10), N("CastLike", ["e", "h"], ["y"]), N("Concat", ["y", "h"], ["z"], axis=1)],
+            {"x": x, "e": e}, {"z": np.float16})
+  check(m, {"x": x, "e": e})
+
+
 def test_empty_beside_computed_values():
   x, e = f32(1, 3), np.zeros((0, 3), np.float32)
   check(model([N("Expand", ["e", "s"], ["y"]), N("Add", ["y", "x"], ["z"])], {"x": x, "e": e}, {"z": np.float32},

@@ -324,7 +324,9 @@ def _cast(n: OnnxNode, onnx: Any) -> Value:
 def _cast_like(n: OnnxNode) -> Value:
   x, like = n.ins[0], n.ins[1] if len(n.ins) > 1 else None
   if like is None: raise n.error("input 1 (target_type) is missing")
-  if isinstance(like, Tensor): return n.t(0).cast(like.dtype)  # kiln's dtype: a bfloat16's numpy form is its uint16 bits
+  if isinstance(like, Tensor):
+    if isinstance(x, np.ndarray) and x.size == 0: return np.zeros(x.shape, like.dtype.np)  # an empty value stays an array
+    return n.t(0).cast(like.dtype)  # kiln's dtype: a bfloat16's numpy form is its uint16 bits
   return x.astype(like.dtype) if isinstance(x, np.ndarray) else n.t(0).cast(like.dtype)
 
 
