@@ -103,3 +103,20 @@ def test_kiln_info_settings_lists_every_setting_with_its_value(monkeypatch: pyte
   assert rows["KILN_SPIN_US"] == "250" and rows["KILN_CACHE"] == "True (default)" and rows["KILN_CPU"] == "(unset)"
   assert rows["KILN_EMU_MODE"] == "BAD: KILN_EMU_MODE must be one of fibers, threads, got 'coroutines'"  # listed, not raised
   assert all(f"; takes {s.takes}" in "\n".join(lines) for s in names.values())
+
+
+def test_set_and_temporarily_check_the_value_and_restore_it(monkeypatch: pytest.MonkeyPatch) -> None:
+  n = integer("KILN_TEST_INT", 7, "a test number", 1)
+  monkeypatch.setenv("KILN_TEST_INT", "3")
+  with n.temporarily(5): assert n.get() == 5
+  assert n.get() == 3
+  with pytest.raises(RuntimeError), n.temporarily(None):
+    assert not n.is_set() and n.get() == 7
+    raise RuntimeError  # put back however the block ends
+  assert n.raw() == "3"
+  with pytest.raises(SettingError, match=r"^KILN_TEST_INT must be a whole number >= 1, got '0'$"): n.set(0)
+  assert n.raw() == "3"  # a refused value leaves the variable as it was
+  n.set(9)
+  assert n.get() == 9
+  n.set(None)
+  assert not n.is_set()

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen import settings
 from kiln.graph import model_info, random_feeds
 from kiln.graph.feeds import did_you_mean
 from kiln.graph.lazy import GraphError
@@ -108,7 +109,7 @@ def set_threads(n: int | None) -> None:
   """--threads: kiln's CPU threads (KILN_THREADS), read when the CPU runtime starts its pool."""
   if n is None: return
   if n < 1: raise UsageError(f"--threads {n}: must be >= 1")
-  os.environ["KILN_THREADS"] = str(n)
+  settings.THREADS.set(n)
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen import settings
 from kiln.graph import bench_peers, cli_args
 
 DEFAULT_TIME = 5.0  # seconds each engine runs when neither --runs nor --time is given
@@ -50,20 +51,14 @@ def _kiln(args: argparse.Namespace, proto: Any, directory: str | None, dims: dic
   from kiln.executor.cache import cache_stats, clear_memory_cache
   from kiln.graph import onnx as konnx
   e = Engine("kiln")
-  old = os.environ.get("KILN_CACHE_DIR")
-  with tempfile.TemporaryDirectory(prefix="kiln-bench-cache-") as cache_dir:
-    os.environ["KILN_CACHE_DIR"] = cache_dir
-    try:
-      times, compiles = [], []
-      for _ in range(2):
-        clear_memory_cache()
-        c0, t = cache_stats()["compiles"], time.perf_counter()
-        model = konnx.load(proto, device=args.device, dims=dims, directory=directory, progress=True)
-        times.append(time.perf_counter() - t)
-        compiles.append(cache_stats()["compiles"] - c0)
-    finally:
-      if old is None: os.environ.pop("KILN_CACHE_DIR", None)
-      else: os.environ["KILN_CACHE_DIR"] = old
+  with tempfile.TemporaryDirectory(prefix="kiln-bench-cache-") as cache_dir, settings.CACHE_DIR.temporarily(cache_dir):
+    times, compiles = [], []
+    for _ in range(2):
+      clear_memory_cache()
+      c0, t = cache_stats()["compiles"], time.perf_counter()
+      model = konnx.load(proto, device=args.device, dims=dims, directory=directory, progress=True)
+      times.append(time.perf_counter() - t)
+      compiles.append(cache_stats()["compiles"] - c0)
   e.cold, e.warm = times
   e.why = f"kernels compiled: {compiles[0]} cold, {compiles[1]} warm"
   e.run = model.run

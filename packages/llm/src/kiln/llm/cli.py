@@ -5,7 +5,6 @@ tokens/s (and the time to first token) on stderr. Registered with the `kiln` com
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)  # argparse errors exit 2 with a usage line
-  if args.threads is not None:
-    if args.threads < 1: parser().error("--threads must be at least 1")
-    os.environ["KILN_THREADS"] = str(args.threads)  # read when the CPU runtime's pool starts, which nothing has started yet
-  from kiln.graph.cli_args import guarded
+  if args.threads is not None and args.threads < 1: parser().error("--threads must be at least 1")
+  from kiln.graph.cli_args import guarded, set_threads
+  set_threads(args.threads)  # KILN_THREADS, read when the CPU runtime's pool starts, which nothing has started yet
   return guarded("kiln generate", lambda: run(args))

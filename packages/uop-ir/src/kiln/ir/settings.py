@@ -5,12 +5,15 @@ package can use it.
 
 A setting is read from the environment each time it is asked for (tests and users change it between runs); unset or
 empty (an unresolved CI variable) is the default. A bad value is one SettingError naming the variable and what it takes.
+A command that sets one for what reads it later (`--threads` before the CPU runtime's pool starts, a benchmark's own
+cache directory) does so through set() or temporarily(), which check the value as get() does.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -49,6 +52,29 @@ class Setting(Generic[T]):
       got = "another value" if self.secret else repr(text)
       why = f" ({e})" if str(e) and not self.secret else ""
       raise SettingError(f"{self.name} must be {self.takes}, got {got}{why}") from None
+
+  def set(self, value: object) -> None:
+    """Puts str(value) in the environment (None unsets it), for what reads the setting later in this process or in a child;
+    a value get() would refuse is a SettingError and leaves the variable as it was."""
+    old = os.environ.get(self.name)
+    if value is None: os.environ.pop(self.name, None)
+    else: os.environ[self.name] = str(value)
+    try: self.get()
+    except SettingError:
+      self._restore(old)
+      raise
+
+  @contextlib.contextmanager
+  def temporarily(self, value: object) -> Iterator[None]:
+    """set(value) for the block; the variable's old text (or its absence) is put back after it, however it ends."""
+    old = os.environ.get(self.name)
+    self.set(value)
+    try: yield
+    finally: self._restore(old)
+
+  def _restore(self, old: str | None) -> None:
+    if old is None: os.environ.pop(self.name, None)
+    else: os.environ[self.name] = old
 
   def shown(self) -> str:
     """The value as `kiln info --settings` prints it: what is in force, and whether it is the default."""
