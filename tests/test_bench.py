@@ -6,6 +6,7 @@ another in a loop, lazily or not."""
 import ast
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,11 @@ def test_cycle_finder_finds_a_lazy_loop():
 
 @pytest.fixture
 def kiln_bench_cli(tmp_path, monkeypatch):
-  """`kiln bench-suite` with a private kernel cache (needs the CPU runtime)."""
+  """`kiln bench-suite` with a private kernel cache (needs the CPU runtime), and the harness importable as the command finds
+  it: benchmarks/ on the path, whose stack_bench puts the executor's kiln_bench there (as benchmarks/run.py does)."""
   pytest.importorskip("kiln.runtime.cpu")
+  if str(ROOT / "benchmarks") not in sys.path: sys.path.insert(0, str(ROOT / "benchmarks"))
+  import stack_bench  # noqa: F401
   monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.delenv("KILN_CACHE", raising=False)
   from kiln.executor import cli
