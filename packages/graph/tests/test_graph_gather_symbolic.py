@@ -10,7 +10,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 from onnx import TensorProto  # noqa: E402
-from onnx_case import N, check_exact, dyn_model  # noqa: E402
+from onnx_case import N, check_exact, dyn_model, named_dims  # noqa: E402
 
 from kiln.graph import IndexOutOfRangeError, ONNXError  # noqa: E402
 from kiln.graph import onnx as konnx  # noqa: E402
@@ -74,7 +74,7 @@ def test_gathernd_with_batch_dims_on_symbolic_data() -> None:
   # batch_dims=1: each batch row picks its own seq positions of (batch, seq, 3)
   m = dyn_model([N("GatherND", ["x", "idx"], ["y"], batch_dims=1)], {"x": (TensorProto.FLOAT, ("batch", "seq", 3)),
                 "idx": (TensorProto.INT64, ("batch", 4, 1))}, {"y": TensorProto.FLOAT})
-  check_exact(m, DIMS, [{"x": f32(b, s, 3), "idx": RNG.integers(-s, s, (b, 4, 1))} for b, s in ((3, 2), (1, 9))])
+  check_exact(m, named_dims(m, DIMS), [{"x": f32(b, s, 3), "idx": RNG.integers(-s, s, (b, 4, 1))} for b, s in ((3, 2), (1, 9))])
 
 
 def test_gather_elements_on_symbolic_data() -> None:
@@ -82,7 +82,7 @@ def test_gather_elements_on_symbolic_data() -> None:
   m = dyn_model([N("GatherElements", ["x", "idx"], ["y"], axis=1), N("GatherElements", ["x", "c"], ["z"], axis=0)],
                 {"x": (TensorProto.FLOAT, ("batch", "seq")), "idx": (TensorProto.INT64, ("batch", 3))},
                 {"y": TensorProto.FLOAT, "z": TensorProto.FLOAT}, {"c": np.array([[-1]], np.int64)})
-  check_exact(m, DIMS, [{"x": f32(b, s), "idx": RNG.integers(-s, s, (b, 3))} for b, s in ((2, 4), (5, 2))])
+  check_exact(m, named_dims(m, DIMS), [{"x": f32(b, s), "idx": RNG.integers(-s, s, (b, 3))} for b, s in ((2, 4), (5, 2))])
   bigger = dyn_model([N("GatherElements", ["x", "idx"], ["y"], axis=1)], {"x": (TensorProto.FLOAT, ("batch", 4)),
                      "idx": (TensorProto.INT64, ("seq", 2))}, {"y": TensorProto.FLOAT})
-  with pytest.raises(ONNXError, match=r"indices \(seq, 2\) can be larger than data \(batch, 4\) on axis 0"): konnx.load(bigger, dims=DIMS)
+  with pytest.raises(ONNXError, match=r"indices \(seq, 2\) can be larger than data \(batch, 4\) on axis 0"): konnx.load(bigger, dims=named_dims(bigger, DIMS))
