@@ -110,7 +110,7 @@ class DeviceSpec(BaseModel):
 def _first_error(e: Exception) -> str:
   errs = getattr(e, "errors", None)
   if callable(errs):
-    try: return "; ".join(str(x.get("msg", x)) for x in errs())
+    try: return "; ".join(str(x.get("msg", x)).removeprefix("Value error, ") for x in errs())  # pydantic's prefix means nothing to a user
     except Exception: pass  # noqa: S110
   return str(e)
 

@@ -81,7 +81,8 @@ def check_feeds(inputs: Sequence[TensorInfo], defaults: Mapping[str, np.ndarray]
   names = [i.name for i in inputs] + list(defaults)
   if unknown := [k for k in feeds if k not in names]: raise _unknown("input", unknown, names)
   if missing := [i for i in inputs if i.name not in feeds]:
-    raise FeedError("model input " + ", ".join(f"{i.name!r} ({i})" for i in missing) + (" was" if len(missing) == 1 else " were") + " not fed")
+    listed = ", ".join(f"{i.name!r} ({str(i)[len(i.name) + 1:]})" for i in missing)  # str(i) is 'name shape dtype': the name once
+    raise FeedError(f"model input {listed} {'was' if len(missing) == 1 else 'were'} not fed")
   arrays = {i.name: fit_dtype(i.name, np.asarray(feeds[i.name]), i.dtype, cast) for i in inputs}
   for name, value in defaults.items():
     if name in feeds and not np.array_equal(np.asarray(feeds[name]), value):

@@ -57,7 +57,7 @@ def _onnx() -> Any:
   try:
     import onnx
   except ImportError as e:
-    raise ONNXError('loading ONNX models needs the onnx package: pip install "kiln-graph[onnx]"') from e
+    raise ONNXError('loading ONNX models needs the onnx package: pip install onnx (or pip install "kiln-graph[onnx]")') from e
   return onnx
 
 
