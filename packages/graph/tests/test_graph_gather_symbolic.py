@@ -85,4 +85,5 @@ def test_gather_elements_on_symbolic_data() -> None:
   check_exact(m, named_dims(m, DIMS), [{"x": f32(b, s), "idx": RNG.integers(-s, s, (b, 3))} for b, s in ((2, 4), (5, 2))])
   bigger = dyn_model([N("GatherElements", ["x", "idx"], ["y"], axis=1)], {"x": (TensorProto.FLOAT, ("batch", 4)),
                      "idx": (TensorProto.INT64, ("seq", 2))}, {"y": TensorProto.FLOAT})
-  with pytest.raises(ONNXError, match=r"indices \(seq, 2\) can be larger than data \(batch, 4\) on axis 0"): konnx.load(bigger, dims=named_dims(bigger, DIMS))
+  with pytest.raises(ONNXError, match=r"indices \(seq, 2\) can be larger than data \(batch, 4\) on axis 0"):
+    konnx.load(bigger, dims=named_dims(bigger, DIMS))

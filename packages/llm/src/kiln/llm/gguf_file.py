@@ -81,7 +81,8 @@ class _Cursor:
   def strings(self, n: int, what: str) -> list[str]:
     """n strings in a row (a vocabulary: up to 10**5 and more): string()'s checks in one tight loop; any failure is
     reported by string() itself, re-reading the culprit."""
-    mem, pos, end, limit, out = self.mem, self.pos, self.end, limits.MAX_GGUF_STRING_BYTES, []
+    mem, pos, end, limit = self.mem, self.pos, self.end, limits.MAX_GGUF_STRING_BYTES
+    out: list[str] = []
     unpack, append = struct.Struct("<Q").unpack_from, out.append
     try:
       for _ in range(n):
