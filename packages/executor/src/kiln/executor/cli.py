@@ -105,6 +105,10 @@ def bench_suite(argv: Sequence[str]) -> int:
 BUILTIN = ("info", "demo", "bench-suite")
 # commands a layer above adds: named here only to say what to install where that layer is missing
 LAYERED = {"run": "kiln-graph[onnx]", "bench": "kiln-graph[onnx]", "inspect": "kiln-graph[onnx]"}
+# their one line in `kiln --help`, which lists a layer's commands without importing it
+ABOUT = {"run": "run an ONNX model: outputs, --profile, --random inputs", "bench": "time an ONNX model (--compare: onnxruntime, OpenVINO)",
+         "inspect": "an ONNX model's inputs, outputs, operators and what kiln refuses",
+         "generate": "generate text with a language model (GGUF file or Hugging Face folder)"}
 
 
 def plugin_commands() -> dict[str, Any]:
@@ -135,7 +139,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
   sub.add_parser("bench-suite", help="run kiln's benchmark (from a kiln checkout; a model's: kiln bench MODEL)", add_help=False)
   plugins = plugin_commands()
   for name, ep in sorted(plugins.items()):
-    sub.add_parser(name, help=f"from {getattr(getattr(ep, 'dist', None), 'name', None) or 'an installed layer'} (kiln {name} --help)", add_help=False)
+    dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed layer"
+    sub.add_parser(name, help=f"{ABOUT[name] + ' ' if name in ABOUT else ''}(from {dist}: kiln {name} --help)", add_help=False)
   first = next((a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-")), None)
   if first in LAYERED and first not in plugins:
     print(f"kiln {first}: comes with kiln-graph, which is not installed here: pip install \"{LAYERED[first]}\"", file=sys.stderr)
