@@ -106,3 +106,18 @@ def test_a_quantized_gguf_with_its_own_vocabulary(tmp_path: Path):
   assert toks == [int(t) for t in forced[:len(toks)]]
   text = "".join(llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=6))
   assert text == llm.tokenizer.decode(list(llm.generate(llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}]), 6)), skip_special=True)
+
+
+@pytest.mark.parametrize("model_name", ["no_vocab", "none"])
+def test_a_gguf_marked_as_having_no_vocabulary_loads_without_a_tokenizer(tmp_path: Path, model_name: str):
+  """llama.cpp writes tokenizer.ggml.model "no_vocab" or "none" for a model without a vocabulary (and llama.cpp loads
+  such a file): load() gives it no tokenizer, as for a GGUF without the key, and runs on token ids."""
+  from checkpoint_files import hf_weights, tiny_config, write_gguf
+  cj = tiny_config("llama")
+  want_w = write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=4, scale=0.3), meta={"tokenizer.ggml.model": model_name})
+  llm = load(tmp_path / "m.gguf", context=32)
+  assert llm.tokenizer is None
+  ids = [3, 1, 4, 1, 5]
+  want = logits(llm.config, want_w, np.array(ids))
+  assert np.abs(llm.logits(ids) - want).max() / np.abs(want).max() <= TOL
+  assert list(llm.generate(ids, max_new_tokens=3, stop=[])) == _greedy(llm.config, want_w, ids, 3)

@@ -154,10 +154,11 @@ def _ids(ids: Sequence[int]) -> list[int]:
 
 
 def _tokenizer(ck: Checkpoint) -> Tokenizer | None:
-  """The checkpoint's tokenizer, or None where it carries none (a folder without tokenizer.json, a GGUF without a vocabulary)."""
+  """The checkpoint's tokenizer, or None where it carries none (a folder without tokenizer.json, a GGUF without a vocabulary:
+  no tokenizer.ggml.model, or the "none" / "no_vocab" llama.cpp writes and loads for a model without one)."""
   if os.path.isdir(ck.path): return load_tokenizer(ck.path) if "tokenizer.json" in ck.tokenizer_files else None
   meta = ck.tokenizer_metadata
-  return tokenizer_from_gguf_fields(meta, ck.path) if meta.get("tokenizer.ggml.model") is not None else None
+  return tokenizer_from_gguf_fields(meta, ck.path) if meta.get("tokenizer.ggml.model") not in (None, "none", "no_vocab") else None
 
 
 def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = DEFAULT_CHUNK, device: str = "CPU") -> LLM:
