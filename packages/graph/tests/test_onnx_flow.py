@@ -142,6 +142,48 @@ def test_loop_unrolled(kind: str) -> None:
   check(model(nodes, {"x0": f32(2, 3)}, {"y": np.float32, "sy": np.float32, "si": np.int64}, inits), {"x0": f32(2, 3)})
 
 
+def _run_time_loop_model(trips: bool) -> onnx.ModelProto:
+  """y += x * i while sum(y) < lim (a condition computed from data each iteration), x read from the outer graph (a
+  capture), the body holding a run-time If (y doubled when i is odd); M fed (trips) or absent (a while loop)."""
+  odd = [N("Mod", ["i", "two"], ["r"]), N("Cast", ["r"], ["rb"], to=B)]
+  dbl = helper.make_graph([N("Add", ["y_out", "y_out"], ["d"])], "then", [], [vi("d", F, [2, 3])])
+  same_ = helper.make_graph([N("Identity", ["y_out"], ["d"])], "else", [], [vi("d", F, [2, 3])])
+  body = helper.make_graph([N("Cast", ["i"], ["fi"], to=F), N("Mul", ["x", "fi"], ["xi"]), N("Add", ["y_in", "xi"], ["y_out"]), *odd,
+                            N("If", ["rb"], ["y2"], then_branch=dbl, else_branch=same_), N("ReduceSum", ["y2"], ["s"], keepdims=0),
+                            N("Less", ["s", "lim"], ["cond_out"])], "body",
+                           [vi("i", I64, []), vi("cond_in", B, []), vi("y_in", F, [2, 3])], [vi("cond_out", B, []), vi("y2", F, [2, 3])])
+  feeds = {"x0": f32(2, 3), "y0": f32(2, 3), "lim": np.array(40.0, np.float32)} | ({"M": np.array(5, np.int64)} if trips else {})
+  return model([N("Exp", ["x0"], ["x"]), N("Loop", ["M" if trips else "", "" if trips else "go", "y0"], ["y"], body=body, name="lp")], feeds,
+               {"y": np.float32}, {"two": np.array(2, np.int64)} | ({} if trips else {"go": np.array(True)}))
+
+
+@pytest.mark.parametrize("trips", [True, False])
+def test_loop_at_run_time_compiles_once(trips: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+  """A trip count fed at run time, or none and a condition the body computes from data: the body is compiled once, at
+  load (a LoopStep), and every run steps it as many times as the data says (0 to many), as onnxruntime; a condition that
+  never turns false stops at MAX_LOOP_ITERATIONS with an error, never a hang."""
+  from kiln.graph import program
+  m = _run_time_loop_model(trips)
+  km = konnx.load(m)
+  assert km.program is not None and any(isinstance(s, program.LoopStep) for s in km.program.steps)
+  before = cache_stats()["compiles"]
+  for k, lim in enumerate((40.0, -1.0, 1e4, 5.0)):
+    f = {"x0": f32(2, 3), "y0": f32(2, 3), "lim": np.array(lim, np.float32)} | ({"M": np.array((0, 1, 7, 3)[k], np.int64)} if trips else {})
+    same(km.run(f), ort_run(m, f))
+  assert cache_stats()["compiles"] == before
+  monkeypatch.setattr(program, "MAX_LOOP_ITERATIONS", 4)
+  f = {"x0": f32(2, 3), "y0": f32(2, 3), "lim": np.array(1e30, np.float32)} | ({"M": np.array(9, np.int64)} if trips else {})
+  with pytest.raises(ONNXError, match=r"node lp \(Loop\) runs over MAX_LOOP_ITERATIONS = 4 iterations"): km.run(f)
+
+
+def test_loop_at_run_time_refuses_a_carried_value_that_changes_shape() -> None:
+  body = helper.make_graph([N("Identity", ["c_in"], ["c_out"]), N("Concat", ["v", "v"], ["w"], axis=0)], "body",
+                           [vi("i", I64, []), vi("c_in", B, []), vi("v", F, [2])], [vi("c_out", B, []), vi("w", F, [4])])
+  m = model([N("Loop", ["M", "", "v0"], ["v"], body=body, name="lp")], {"M": np.array(3, np.int64), "v0": f32(2)}, {"v": np.float32})
+  with pytest.raises(ONNXError, match=r"node lp \(Loop.*loop-carried value 0 is float32 \(2,\) before an iteration and float32 \(4,\) after"):
+    konnx.load(m)
+
+
 @pytest.mark.parametrize("dirs", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 0, 1)])
 def test_scan_unrolled(dirs: tuple[int, ...]) -> None:
   """Scan (opset 16): two states, two scan inputs (axes 0 and 1), two scan outputs (axes 0 and -1), each direction."""
@@ -193,13 +235,13 @@ def test_errors_name_the_node_path(monkeypatch) -> None:
   with pytest.raises(ONNXError, match=r"^node lp > body \(iteration 0\) > node ge \(Gelu, opset 20\): attribute approximate='fast'"):
     konnx.load(loop("fast"))
   check(loop("tanh"), {"v0": f32(2)})
-  fed = konnx.load(loop("tanh", fed=True))  # a trip count fed at run time: each run reads it and unrolls for it (specialise.py)
+  fed = konnx.load(loop("tanh", fed=True))  # a trip count fed at run time: a run-time loop, its body compiled once
   v0 = f32(2)
   np.testing.assert_allclose(fed.run({"M": np.array(3, np.int64), "v0": v0})["v"], konnx.load(loop("tanh")).run({"v0": v0})["v"], rtol=1e-6)
   monkeypatch.setattr(onnx_limits, "MAX_UNROLLED_STEPS", 2)
   with pytest.raises(ONNXError, match=r"node lp \(Loop\): the time steps .* is 3, over MAX_UNROLLED_STEPS = 2"): konnx.load(loop("tanh"))
-  with pytest.raises(ONNXError, match=r"node lp \(Loop\): the time steps .* is 3, over MAX_UNROLLED_STEPS = 2 .* for M = 5"):
-    fed.run({"M": np.array(5, np.int64), "v0": v0})
+  five = {"M": np.array(5, np.int64), "v0": v0}  # a run-time loop unrolls nothing: no MAX_UNROLLED_STEPS
+  np.testing.assert_allclose(fed.run(five)["v"], ort_run(loop("tanh", fed=True), five)["v"], rtol=1e-5)
 
 
 def test_subgraph_limits(monkeypatch) -> None:

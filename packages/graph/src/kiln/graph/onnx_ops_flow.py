@@ -7,13 +7,17 @@ so that OPS names every operator kiln converts.
 | If   | the condition (a constant, or folded from static shapes: the usual torch export) | converts the branch taken, in place |
 | If   | nothing (computed at run time)         | converts both: constant outputs of one shape are a Where, else a run-time branch (program.py) |
 | Loop | trip count M and each iteration's condition | unrolled: the body once per iteration, carried values passed on, scan outputs stacked |
+| Loop | M or a condition computed at run time, no scan outputs | a run-time loop (program.RunLoop): the body compiled once, each run steps it |
 | Scan | the sequence length (opset 9 on)       | unrolled the same way, each input sliced along its axis, in its direction      |
 
-A trip count or first condition computed at run time (in the main graph) is read back by each run, which unrolls the loop
-and the rest of the model for it (specialise.py: compiled once per value, cached); a condition the body computes at run
-time is refused (ONNXError naming the node): kiln has no run-time loop yet. Unrolled iterations count against
-onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each iteration's carried Tensors are realized (a
-buffer each), so an unrolled chain never fuses into one deep expression.
+A run-time loop's body reads its iteration number, condition and carried values from slots, and the outer Tensors it
+reads through placeholders (captures, as a run-time If's branches do); each carried value keeps its shape and dtype; a
+LoopStep copies the next values back after each iteration and reads the body's condition (a host read, as a Switch's).
+A loop with scan outputs and a trip count or first condition computed at run time (in the main graph) is still read back
+by each run, which unrolls it and the rest of the model for it (specialise.py: compiled once per value, cached); with a
+condition the body computes at run time it is refused (the scan outputs' length would be known only at run time).
+Unrolled iterations count against onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each iteration's
+carried Tensors are realized (a buffer each), so an unrolled chain never fuses into one deep expression.
 """
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ import numpy as np
 from kiln.graph.lazy import ONNXError
 from kiln.graph.onnx_ops import OPS, OnnxNode, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
-from kiln.graph.program import Body, Branch, placeholder
+from kiln.graph.program import Body, Branch, RunLoop, placeholder
 from kiln.graph.specialise import RuntimeValue
 from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import dtypes
 
 Handler = Callable[[OnnxNode, Ctx, dict[str, Value]], list[Value]]
 
@@ -158,6 +163,8 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   c = n.ins[1] if len(n.ins) > 1 else None
   carried = [v for v in n.ins[2:] if v is not None]
   if len(carried) < len(n.ins) - 2: raise n.error("a loop-carried input is missing")
+  if len(body.output) == 1 + len(carried) == len(body.input) - 1 and (isinstance(m, Tensor) or isinstance(c, Tensor)) and 0 not in n.from_shape:
+    return _run_time_loop(n, ctx, env, body, m, c, carried)  # no scan outputs: one body, compiled once, stepped by each run
   trips = None
   if m is not None:
     _one(n, m, "input 0 (M, the trip count)")
@@ -172,6 +179,7 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
                   f"{2 + n_carried} (iteration number, condition, the values) and give at least {1 + n_carried}")
   scans: list[list[Value]] = [[] for _ in range(n_out - 1 - n_carried)]
   inits = initializers(n, ctx, body, "body")
+  first, recorded = list(carried), len(ctx.body.branches)
   i = 0
   while go and (trips is None or i < trips):
     ctx.budget.unroll(f"node {n.name} (Loop)", 1)
@@ -180,9 +188,46 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
     for k, v in enumerate(outs[1 + n_carried:]): scans[k].append(v)
     i += 1
     if trips is None or i < trips:  # the body's condition decides whether another runs (with no cond input too, as onnxruntime)
+      if isinstance(outs[0], Tensor) and not scans:  # computed at run time: the loop becomes a run-time one, the unrolled start dropped
+        del ctx.body.branches[recorded:]
+        return _run_time_loop(n, ctx, env, body, m, c, first)
       go = _flag(n, outs[0], f"the condition the body gives at iteration {i - 1}", "each iteration's condition")
   if scans and i == 0: raise n.error("the loop runs no iteration, so its scan outputs would be empty (kiln has no empty tensors)")
   return carried + [_stack(n, f"scan output {k}", vals, 0) for k, vals in enumerate(scans)]
+
+
+def _run_time_loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value], body: Any, m: Value | None, c: Value | None, carried: list[Value]) -> list[Value]:
+  """A Loop whose trip count or first condition is computed at run time, with no scan outputs: its body converted once over
+  placeholders (the iteration number, the condition, the carried values, the outer Tensors it reads) and recorded as a
+  RunLoop, which program.py compiles once and each run steps (the body's own condition read back per iteration). Each
+  carried value keeps its shape and dtype from one iteration to the next."""
+  label = f"node {n.name} (Loop)"
+  if m is not None and not (m.dtype.is_int if isinstance(m, Tensor) else m.dtype.kind in "iu"):
+    raise n.error(f"input 0 (M, the trip count) must be an integer, got {m.dtype}")
+  if isinstance(c, Tensor) and not c.dtype.is_bool: raise n.error(f"input 1 (cond) must be bool, got {c.dtype.name}")
+  ts = [_as_tensor(n, k, "the loop-carried inputs", v) for k, v in enumerate(carried)]
+  names = sorted(outer_names(body))
+  caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
+  it, go = placeholder((), dtypes.int64), placeholder((), dtypes.bool)
+  phs = [placeholder(t.shape, t.dtype) for t in ts]
+  inner = Body(inputs=[it, go, *phs, *[placeholder(v.shape, v.dtype) for _, v in caps]])
+  scope = Scope(env)  # the body reads each outer Tensor through a placeholder: another step computed it
+  for (name, _), p in zip(caps, inner.inputs[2 + len(phs):]): scope[name] = Tensor(p)
+  outs = run_graph(n, ctx, body, "body", [Tensor(it), Tensor(go), *[Tensor(p) for p in phs]], scope, inner, initializers(n, ctx, body, "body"))
+  cond = _one(n, outs[0], "the condition the body gives")
+  nxt = [_as_tensor(n, k + 1, "body", v) for k, v in enumerate(outs[1:])]
+  for k, (a, b) in enumerate(zip(ts, nxt)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise n.error(f"loop-carried value {k} is {a.dtype.name} {tuple(a.shape)} before an iteration and {b.dtype.name} {tuple(b.shape)} after: "
+                    "a loop run at run time keeps each carried value's shape and dtype")
+  inner.outputs = [_as_tensor(n, 0, "body", cond).cast(dtypes.bool).reshape(()).node, *[t.node for t in nxt]]
+  mt = m.reshape(1) if isinstance(m, Tensor) else None
+  ct = c.reshape(1) if isinstance(c, Tensor) else None
+  ends = [placeholder(t.shape, t.dtype) for t in ts]
+  ctx.body.branches.append(RunLoop(label, None if mt is None else mt.node, max(int(m.reshape(-1)[0]), 0) if isinstance(m, np.ndarray) else None,
+                                   None if ct is None else ct.node, True if c is None or ct is not None else bool(np.asarray(c).reshape(-1)[0]),
+                                   [t.node for t in ts], [v.node for _, v in caps], inner, ends))
+  return [Tensor(p) for p in ends]
 
 
 def _slice(v: Value, axis: int, t: int) -> Value:

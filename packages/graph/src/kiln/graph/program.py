@@ -50,7 +50,7 @@ class Body:
   the run-time branches recorded while it converted, in order."""
   inputs: list[Node] = field(default_factory=list)
   outputs: list[Node] = field(default_factory=list)
-  branches: list[Branch] = field(default_factory=list)
+  branches: list[Branch | RunLoop] = field(default_factory=list)  # in the order they were met
   cut: Cut | None = None  # where its conversion stopped for a value known only at run time (specialise.py); outputs are then empty
   refused: str | None = None  # why it could not be converted: a run that takes it raises this (ONNXError), as onnxruntime fails then
 
@@ -64,6 +64,22 @@ class Branch:
   then: Body
   else_: Body
   outs: list[Node]  # placeholders of its outputs in the enclosing scope
+
+
+@dataclass(eq=False)
+class RunLoop:
+  """A Loop whose trip count or condition is known only at run time (and that has no scan outputs): its body is converted
+  once (inputs: placeholders of the iteration number, the condition, the carried values, then its captures; outputs: the
+  next condition, then the carried values) and compiled once; a run steps it."""
+  label: str
+  trips: Node | None  # M computed at run time (one integer), else None
+  max_trips: int | None  # M known at load (None: no M)
+  cond: Node | None  # the first condition computed at run time, else None
+  first: bool  # the first condition known at load (True when the Loop has none)
+  inits: list[Node]  # the carried values' first values
+  captures: list[Node]
+  body: Body
+  outs: list[Node]  # placeholders of the carried values' last values in the enclosing scope
 
 
 def placeholder(shape: tuple[Dim, ...], dtype: Any) -> Node:
@@ -100,7 +116,47 @@ class Refusal:
   def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> None: raise ONNXError(self.why)
 
 
-Step = Segment | Switch | Refusal
+def _copy(dst: Slot, src: Slot, vals: Mapping[str, int]) -> None:
+  """src's value into dst's buffer (both sized for the same dims' bounds), through the host: a carried value per iteration."""
+  a = read(src, vals)
+  if a.size: (dst.buf if a.size == dst.buf.size else dst.buf.view(0, a.size)).copyin(np.ascontiguousarray(a))
+
+
+@dataclass(eq=False)
+class LoopStep:
+  """A RunLoop's step: reads its trip count and first condition, puts the carried values' first values in their slots,
+  then per iteration writes the iteration number and condition, runs the body's steps (which read the carried slots and
+  write the next values beside them), copies those back and reads the next condition. At most MAX_LOOP_ITERATIONS
+  iterations (a loop whose condition never turns false is an error, never a hang)."""
+  label: str
+  trips: Slot | int | None
+  cond: Slot | bool
+  inits: list[Slot]
+  carried: list[Slot]  # the loop's values: the body reads them, the enclosing scope reads the last ones
+  it: Slot
+  go: Slot
+  nxt: list[Slot]  # the body's outputs: the next condition, the next carried values
+  body: list[Step]
+
+  def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> None:
+    m = self.trips if not isinstance(self.trips, Slot) else int(read(self.trips, vals).reshape(-1)[0])
+    go = self.cond if isinstance(self.cond, bool) else bool(read(self.cond, vals).reshape(-1)[0])
+    for dst, src in zip(self.carried, self.inits): _copy(dst, src, vals)
+    i = 0
+    while go and (m is None or i < m):
+      if i >= MAX_LOOP_ITERATIONS:
+        raise ONNXError(f"{self.label} runs over MAX_LOOP_ITERATIONS = {MAX_LOOP_ITERATIONS} iterations (its condition never turned false)")
+      self.it.buf.copyin(np.array([i], np.int64))
+      self.go.buf.copyin(np.array([go], np.bool_))
+      for s in self.body: s.run(vals, prof)
+      for dst, src in zip(self.carried, self.nxt[1:]): _copy(dst, src, vals)
+      go = bool(read(self.nxt[0], vals).reshape(-1)[0])
+      i += 1
+
+
+MAX_LOOP_ITERATIONS = 1 << 20  # a run-time loop's iterations: a condition that never turns false is refused, not a hang
+
+Step = Segment | Switch | Refusal | LoopStep
 
 
 @dataclass(eq=False)
@@ -127,6 +183,7 @@ def _steps_plans(steps: Sequence[Step]) -> list[Any]:
   for s in steps:
     if isinstance(s, Segment): out.append(s.plan)
     elif isinstance(s, Switch): out += _steps_plans(s.then) + _steps_plans(s.else_)
+    elif isinstance(s, LoopStep): out += _steps_plans(s.body)
   return out
 
 
@@ -231,10 +288,12 @@ class Builder:
     node = n if n.op == "BUFFER" and n.data is None else placeholder(n.shape, n.dtype)
     return Slot(node, Buffer(self.weights.device, n.max_numel, n.dtype).ensure_allocated())  # allocated: no plan reuses its memory
 
-  def steps(self, roots: list[Node], outs: list[Slot] | None, branches: list[Branch], done: dict[Node, Slot]) -> list[Step]:
-    """The steps of one scope: before each branch a segment computing its condition and captures, then a Switch; last a
-    segment computing roots (into outs where given: a branch's outputs, which it writes even when they are its inputs)."""
-    stages = [[b.cond, *b.captures] for b in branches] + [roots]
+  def steps(self, roots: list[Node], outs: list[Slot] | None, branches: list[Branch | RunLoop], done: dict[Node, Slot]) -> list[Step]:
+    """The steps of one scope: before each branch a segment computing its condition and captures, then a Switch (before a
+    run-time loop, what it reads, then its LoopStep); last a segment computing roots (into outs where given: a branch's
+    outputs, which it writes even when they are its inputs)."""
+    stages = [[b.cond, *b.captures] if isinstance(b, Branch) else [*(t for t in (b.trips, b.cond) if t is not None), *b.inits, *b.captures]
+              for b in branches] + [roots]
     steps: list[Step] = []
     for i, stage in enumerate(stages):
       last = i == len(branches)
@@ -251,6 +310,9 @@ class Builder:
         for n, s in zip(nodes, slots): done.setdefault(n, s)
       if last: break
       b = branches[i]
+      if isinstance(b, RunLoop):
+        steps.append(self._loop(b, done))
+        continue
       caps = [done[c] for c in b.captures]
       outs_b = [self.slot(o) for o in b.outs]
       done.update(zip(b.outs, outs_b))
@@ -258,6 +320,18 @@ class Builder:
                                 self.steps(body.outputs, outs_b, body.branches, dict(zip(body.inputs, caps))) for body in (b.then, b.else_)]
       steps.append(Switch(b.label, done[b.cond], *arms))
     return steps
+
+  def _loop(self, b: RunLoop, done: dict[Node, Slot]) -> LoopStep:
+    """A run-time loop's step: slots for its carried values (the enclosing scope reads the last ones from them), the
+    iteration number and condition, and the body's outputs; the body's steps compiled once over them."""
+    carried = [self.slot(o) for o in b.outs]
+    done.update(zip(b.outs, carried))
+    it, go = self.slot(b.body.inputs[0]), self.slot(b.body.inputs[1])
+    nxt = [self.slot(o) for o in b.body.outputs]
+    inner = dict(zip(b.body.inputs, [it, go, *carried, *[done[c] for c in b.captures]]))
+    body = self.steps(b.body.outputs, nxt, b.body.branches, inner)
+    trips = done[b.trips] if b.trips is not None else b.max_trips
+    return LoopStep(b.label, trips, done[b.cond] if b.cond is not None else b.first, [done[x] for x in b.inits], carried, it, go, nxt, body)
 
   def tail(self, outputs: Sequence[Node | np.ndarray], body: Body, done: dict[Node, Slot]) -> Tail:
     """A scope's steps and outputs (constants stay constants); where its conversion was cut, the steps computing what the

@@ -43,7 +43,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
-from kiln.graph.program import Body, Builder, Refusal, Slot, Switch, Tail, placeholder, read
+from kiln.graph.program import Body, Builder, LoopStep, Refusal, Slot, Switch, Tail, placeholder, read
 from kiln.graph.segments import Weights
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
@@ -135,6 +135,7 @@ def _refused_branch(tail: Tail) -> str | None:
     s = todo.pop()
     if isinstance(s, Refusal): return s.why
     if isinstance(s, Switch): todo += s.then + s.else_
+    if isinstance(s, LoopStep): todo += s.body
   return None
 
 
