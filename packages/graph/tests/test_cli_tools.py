@@ -69,7 +69,7 @@ def test_inspect_prints_what_the_model_declares(tmp_path, capsys) -> None:
   assert cli_inspect.main([mlp(tmp_path)]) == 0
   out = capsys.readouterr().out
   assert "producer: kiln-test 1.0" in out and "opsets: ai.onnx 17" in out and "4 nodes, 3 initializers" in out
-  assert "x  (batch, 4)  float" in out and "y  (batch, 3)  float" in out and "z  (batch,)  float" in out
+  assert "x  (batch, 4)  float32" in out and "y  (batch, 3)  float32" in out and "z  (batch,)  float32" in out
   census = {ln.split()[0]: ln.split()[1:] for ln in out[out.index("operators"):].splitlines()[1:5]}
   assert census == {"MatMul": ["1"], "Add": ["1"], "Relu": ["1"], "ReduceSum": ["1"]}
   assert "supports every node" in out and "built" not in out

@@ -24,7 +24,8 @@ class Declared:
 
   def shown(self) -> str:
     dims = "?" if self.dims is None else "(" + ", ".join(map(str, self.dims)) + ("," if len(self.dims) == 1 else "") + ")"
-    return f"{self.name}  {dims}  {self.elem_type.lower()}"
+    # numpy's name where it has one (float32, int64): what `kiln run`, the made-up feeds and Model.inputs say
+    return f"{self.name}  {dims}  {self.dtype if self.dtype is not None else self.elem_type.lower()}"
 
 
 def _declared(onnx: Any, vi: Any) -> Declared:
