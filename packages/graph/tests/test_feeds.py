@@ -1,6 +1,6 @@
 """Model's documented inputs/outputs and run()'s strict feeds (issue 39): unknown, missing and extra names, dtypes refused
-unless cast=True (and then only where every value survives), outputs= and out=, and load(dims=) naming no dim of the model.
-One small model (y = relu(src @ W), n = count of ids as int64) loaded once with a symbolic batch."""
+unless cast=True (and then only where every value survives), a wrong shape or a dim out of its bounds, outputs= and out=,
+and load(dims=) naming no dim of the model. One small model (y = relu(src @ W), n = count of ids as int64) loaded once with a symbolic batch."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,6 +60,14 @@ def test_a_differing_dtype_is_refused_unless_cast(km) -> None:
   np.testing.assert_array_equal(got["n"], IDS + 1)
   got = km.run({"src": X.astype(np.float16), "ids": np.array([3.0, 7.0])}, cast=True)  # whole floats make integers
   np.testing.assert_array_equal(got["n"], IDS + 1)
+
+
+@pytest.mark.parametrize(("src", "ids", "why"), [(X[0], IDS, r"input 'src' has shape \(4,\), the model takes rank 2 \(batch, 4\)"),
+                                                 (X[:, :3], IDS, r"input 'src' has shape \(3, 3\), the model takes \(batch, 4\) \(dim 1\)"),
+                                                 (X, IDS[:1], r"input 'ids' has shape \(1,\), the model takes \(2,\)"),
+                                                 (np.zeros((9, 4), np.float32), IDS, r"dim 0 \(batch\) is 9, outside the bounds \[1, 8\]")])
+def test_a_wrong_shape_or_a_dim_out_of_bounds_is_a_feed_error(km, src, ids, why) -> None:
+  with pytest.raises(FeedError, match=why): km.run({"src": src, "ids": ids})
 
 
 @pytest.mark.parametrize(("ids", "why"), [(np.array([3.5, 7.0]), "fractions"), (np.array([np.nan, 1.0]), "NaN"),

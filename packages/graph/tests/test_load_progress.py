@@ -3,6 +3,7 @@ once a load has taken over a second, and anything else is refused."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -40,6 +41,24 @@ def test_true_is_silent_for_a_fast_load_and_shows_after_its_delay() -> None:
   with reporting(shown): konnx.load(_model())
   text = out.getvalue()
   assert "compiling kernels" in text and text.endswith("\n"), text
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool: return True
+
+
+def test_true_off_a_terminal_writes_a_plain_line_per_stage_and_on_one_overwrites() -> None:
+  log = io.StringIO()  # isatty() is false: `kiln run ... 2>log`
+  with reporting(StderrProgress(log, after_s=0)): konnx.load(_model())
+  lines = log.getvalue().splitlines()
+  assert "\r" not in log.getvalue() and "\033" not in log.getvalue(), log.getvalue()
+  got = [re.fullmatch(r"kiln: loading: ([a-z ]+) (\d+)/(\d+) \(\d+\.\d s\)", ln) for ln in lines]
+  assert all(got) and [g[1] for g in got] == ["converting nodes", "compiling kernels"], lines  # type: ignore[index]
+  assert all(g[2] == g[3] for g in got), lines  # type: ignore[index]  (each stage once, as it ends)
+  term = _Terminal()
+  with reporting(StderrProgress(term, after_s=0)): konnx.load(_model())
+  text = term.getvalue()
+  assert text.count("\n") == 1 and text.endswith("\n") and text.count("\r") > 2 and "\033[K" in text, text
 
 
 def test_progress_of_another_type_is_refused() -> None:

@@ -5,8 +5,10 @@ None where kiln learns it only at run time) and its numpy dtype. Feeds are check
 problem of one kind is named at once: a name the model does not take (with the closest one it does), an input not fed,
 a dtype that differs from the input's. A differing dtype is cast only when the caller asks (cast=True), and then only
 when every value survives: an integer narrowed must fit its new type, a float made an integer must be whole and fit,
-a float made a narrower float must not overflow to infinity (rounding is what such a cast means). Selected outputs
-(`outputs=`) and preallocated ones (`out=`) are checked the same way. Every refusal is a FeedError, an ONNXError.
+a float made a narrower float must not overflow to infinity (rounding is what such a cast means). Then each array's
+shape against the compiled input's (check_shapes: rank, fixed dims, a symbolic dim within the bounds load gave it and
+equal in every input that names it). Selected outputs (`outputs=`) and preallocated ones (`out=`) are checked the same
+way. Every refusal is a FeedError, an ONNXError.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kiln.graph.dims import fmt
+from kiln.graph.dims import fmt, fmt_shape
 from kiln.graph.errors import ONNXError
 
 
@@ -89,6 +91,25 @@ def check_feeds(inputs: Sequence[TensorInfo], defaults: Mapping[str, np.ndarray]
       raise FeedError(f"model input {name!r} has a value in the model (an initializer of the same name), which kiln folds in at load "
                       "time: it cannot be fed another value (remove the initializer, or the input, from the model)")
   return arrays
+
+
+def check_shapes(inputs: Iterable[tuple[str, Sequence[Any]]], arrays: Mapping[str, np.ndarray]) -> None:
+  """Each fed array's shape against its compiled input's (name, shape of ints and variables UOp(name, lo, hi)), before
+  anything runs, so a wrong shape is a FeedError: the rank, each fixed dim, each symbolic dim within its bounds and the
+  same in every input that names it. The plan checks again as it binds the dims (a GraphError there, for its callers)."""
+  vals: dict[str, tuple[int, str]] = {}
+  for name, shape in inputs:
+    if name not in arrays: continue  # not a model input: the plan names what it lacks
+    got = arrays[name].shape
+    if len(got) != len(shape): raise FeedError(f"input {name!r} has shape {got}, the model takes rank {len(shape)} {fmt_shape(shape)}")
+    for k, (n, d) in enumerate(zip(got, shape)):
+      if isinstance(d, int):
+        if n != d: raise FeedError(f"input {name!r} has shape {got}, the model takes {fmt_shape(shape)} (dim {k})")
+        continue
+      var, lo, hi = d.arg
+      if not lo <= n <= hi: raise FeedError(f"input {name!r} dim {k} ({var}) is {n}, outside the bounds [{lo}, {hi}] the model was loaded with")
+      if var in vals and vals[var][0] != n: raise FeedError(f"input {name!r} dim {k} ({var}) is {n}, but {vals[var][1]} gave {var} = {vals[var][0]}")
+      vals[var] = (int(n), f"input {name!r} dim {k}")
 
 
 def fit_dtype(name: str, a: np.ndarray, want: np.dtype | None, cast: bool) -> np.ndarray:

@@ -34,7 +34,18 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_select,
   onnx_ops_shape,
 )
-from kiln.graph.feeds import FeedError, TensorInfo, check_dims, check_feeds, check_out, check_out_shapes, chosen_outputs, output_info, write_out
+from kiln.graph.feeds import (
+  FeedError,
+  TensorInfo,
+  check_dims,
+  check_feeds,
+  check_out,
+  check_out_shapes,
+  check_shapes,
+  chosen_outputs,
+  output_info,
+  write_out,
+)
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_const import fold_known
 from kiln.graph.onnx_empty import empty_input, empty_outputs
@@ -83,6 +94,9 @@ class Model:
     self._computed = [n for n, v in outputs if not isinstance(v, np.ndarray)]
     self._empty = {n for n, shape, _ in inputs if 0 in shape}  # inputs with no elements, known at load (onnx_empty.py)
     self._outputs = [output_info(n, self._consts.get(n, v), (declared or {}).get(n)) for n, v in outputs]
+    # the inputs the plan (or program) reads, with its dims' variables and bounds: run() checks fed shapes against them
+    self._shapes = [(i.name, i.shape) for i in compiled.inputs] if compiled is not None else \
+      [(n, s.node.shape) for n, s in program.inputs] if program is not None else []
 
   @property
   def inputs(self) -> list[TensorInfo]:
@@ -122,7 +136,8 @@ class Model:
 
     feeds: {input name: array} for every input in `inputs`, no other name (a misspelt one is an error naming the closest
     input), each of the input's dtype; cast=True casts one of another dtype where every value survives (feeds.py), else a
-    differing dtype is a FeedError. Symbolic dims are read off the arrays' shapes. outputs: the names to return, in that
+    differing dtype is a FeedError. Symbolic dims are read off the arrays' shapes (a wrong rank or fixed dim, a dim outside
+    the bounds load gave it or two inputs disagreeing on one: a FeedError). outputs: the names to return, in that
     order (default: every output; the plan computes them all). out: {output name: array} to write outputs into instead of
     new arrays (a loop's buffers), each of the output's dtype and this run's shape; those entries of the result are the
     caller's arrays. Every refusal is a FeedError (an ONNXError) raised before the model runs (an out= array whose shape a
@@ -142,6 +157,7 @@ class Model:
     for i in self._inputs:
       if i.name in self._empty and arrays[i.name].shape != i.shape:  # the compiled model never reads it: check it here
         raise FeedError(f"model input {i.name!r} has shape {arrays[i.name].shape}, the model takes {i.shape} (empty)")
+    check_shapes(self._shapes, arrays)
     prof = None
     try:
       got: list[np.ndarray] = []

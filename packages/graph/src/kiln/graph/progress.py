@@ -1,8 +1,9 @@
 """Load progress: `kiln.graph.onnx.load(..., progress=)` reports what a load is doing as it goes.
 
-`progress` is None (silent), True (a line on stderr, shown only once the load has taken over a second: a warm load
-stays quiet) or a callable `progress(done, total, what)`: `what` names the stage ("converting nodes", "compiling
-kernels"), `done` of `total` steps of it are finished. A stage starts with done=0 and ends with done=total. The
+`progress` is None (silent), True (on stderr, shown only once the load has taken over a second: a warm load stays
+quiet; on a terminal one line that overwrites itself, elsewhere, a log file or a pipe, one plain line as each stage
+ends) or a callable `progress(done, total, what)`: `what` names the stage ("converting nodes", "compiling kernels"),
+`done` of `total` steps of it are finished. A stage starts with done=0 and ends with done=total. The
 callable is held in a context variable for the load's duration, so the scheduler deep inside it reports without every
 function between passing it on; a load in another thread reports to its own callable.
 """
@@ -23,18 +24,30 @@ _current: ContextVar[Progress | None] = ContextVar("kiln_load_progress", default
 
 
 class StderrProgress:
-  """progress=True: one self-overwriting line on a stream (stderr), from the first report after SHOW_AFTER_S on."""
+  """progress=True, from the first report after SHOW_AFTER_S on: on a terminal one self-overwriting line (`\\r`, erase to
+  the line's end); off a terminal (`isatty()` false: `2>log`, a pipe) one plain line as each stage ends, no control codes,
+  so a log holds a few lines, not every step run together. `tty` overrides what the stream says."""
 
-  def __init__(self, stream: TextIO | None = None, after_s: float = SHOW_AFTER_S, label: str = "kiln: loading"):
-    self.stream, self.after_s, self.label = stream, after_s, label
+  def __init__(self, stream: TextIO | None = None, after_s: float = SHOW_AFTER_S, label: str = "kiln: loading", tty: bool | None = None):
+    self.stream, self.after_s, self.label, self.tty = stream, after_s, label, tty
     self.start = time.perf_counter()
-    self.shown = False
+    self.shown = False  # the overwritten line is on the terminal: close() ends it
+
+  def _on_terminal(self, out: TextIO) -> bool:
+    if self.tty is None:
+      try: self.tty = bool(out.isatty())
+      except (AttributeError, ValueError): self.tty = False  # no isatty, or a closed stream
+    return self.tty
 
   def __call__(self, done: int, total: int, what: str) -> None:
     if not self.shown and time.perf_counter() - self.start < self.after_s: return
-    self.shown = True
     out = self.stream or sys.stderr
-    out.write(f"\r{self.label}: {what} {done}/{total}\033[K")
+    if not self._on_terminal(out):
+      if done != total: return
+      out.write(f"{self.label}: {what} {done}/{total} ({time.perf_counter() - self.start:.1f} s)\n")
+    else:
+      self.shown = True
+      out.write(f"\r{self.label}: {what} {done}/{total}\033[K")
     out.flush()
 
   def close(self) -> None:
