@@ -149,10 +149,12 @@ def test_bench_prints_latency_and_loads(tmp_path, capsys) -> None:
   out = capsys.readouterr().out
   assert "x (2, 4) float32: standard normal" in out and "kernels compiled: 2 cold, 0 warm" in out
   assert "3 runs each after 1 warm-up runs" in out
+  assert "items/s: runs/s x 2, the leading dim of input 'x'" in out and "p99 of fewer than 100 runs is about the slowest" in out
   head, row = out.splitlines()[-2:]
-  for col in ("load cold", "load warm", "p50 ms", "p90 ms", "p99 ms", "runs/s", "runs"): assert col in head
+  for col in ("load cold", "load warm", "p50 ms", "p90 ms", "p99 ms", "runs/s", "items/s", "runs"): assert col in head
   cells = row.split()
   assert cells[0] == "kiln" and cells[-3] == "3" and all(float(c) > 0 for c in (cells[1], cells[3], cells[5], cells[6], cells[7], cells[8]))
+  assert abs(float(cells[9]) - 2 * float(cells[8])) < 0.2, row  # items/s: runs/s x the batch (each printed to 0.1)
 
 
 def test_bench_compare_runs_the_installed_peers(tmp_path, capsys) -> None:
@@ -166,6 +168,24 @@ def test_bench_compare_runs_the_installed_peers(tmp_path, capsys) -> None:
   from kiln.graph.bench_peers import PEERS
   if not next(p for p in PEERS if p.name == "openvino").installed(): assert rows["openvino"].split()[1:] == ["not", "installed"]
   else: assert float(rows["openvino"].split()[-1]) < 1e-5
+
+
+def test_a_bad_device_or_dims_name_is_refused_before_anything_is_made_or_loaded(tmp_path, capsys, monkeypatch) -> None:
+  from kiln.codegen import registry
+  from kiln.graph import onnx as konnx
+  from kiln.ir.errors import DeviceError
+  def no_driver(spec: object) -> object: raise DeviceError("CUDA launch needs a driver: none here")
+  monkeypatch.setitem(registry._registered, "CUDA", no_driver)  # CUDA as a machine without its driver has it, wherever this runs
+  monkeypatch.setattr(registry, "_instances", {})
+  def never(*a: object, **k: object) -> None: raise AssertionError("the model was loaded")
+  monkeypatch.setattr(konnx, "load", never)
+  p = embedder(tmp_path)
+  for argv, says in ((["--device", "FOO"], "DeviceError: invalid device 'FOO'"), (["--device", "CUDA"], "DeviceError: CUDA launch needs a driver"),
+                     (["--dims", "bacth=3"], "--dims names 'bacth' (did you mean 'batch'?), which is no symbolic dim")):
+    assert run_cli.main([p, "--random", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"kiln run: error: {says}") and len(err.strip().splitlines()) == 1, (argv, out, err)  # no 'made up:' first
+  assert cli_bench.main([p, "--device", "GPU"]) == 2 and "DeviceError: CUDA launch needs a driver" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, says", [(["--runs", "0"], "--runs 0: must be >= 1"), (["--time", "-1"], "--time -1.0: must be > 0"),

@@ -52,9 +52,8 @@ def test_true_off_a_terminal_writes_a_plain_line_per_stage_and_on_one_overwrites
   with reporting(StderrProgress(log, after_s=0)): konnx.load(_model())
   lines = log.getvalue().splitlines()
   assert "\r" not in log.getvalue() and "\033" not in log.getvalue(), log.getvalue()
-  got = [re.fullmatch(r"kiln: loading: ([a-z ]+) (\d+)/(\d+) \(\d+\.\d s\)", ln) for ln in lines]
-  assert all(got) and [g[1] for g in got] == ["converting nodes", "compiling kernels"], lines  # type: ignore[index]
-  assert all(g[2] == g[3] for g in got), lines  # type: ignore[index]  (each stage once, as it ends)
+  got = [m.groups() if (m := re.fullmatch(r"kiln: loading: ([a-z ]+) (\d+)/(\d+) \(\d+\.\d s\)", ln)) else ln for ln in lines]
+  assert got == [("converting nodes", "3", "3"), ("compiling kernels", "1", "1")], lines  # each stage once, as it ends
   term = _Terminal()
   with reporting(StderrProgress(term, after_s=0)): konnx.load(_model())
   text = term.getvalue()

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
   from kiln.graph import onnx as konnx
   if args.runs < 1: raise UsageError(f"--runs {args.runs}: must be >= 1")
   cli_args.set_threads(args.threads)
+  cli_args.probe_device(args.device)
   proto, directory = konnx.read(args.model)  # read once, through every size and file check
   feeds, dims, notes = cli_args.feeds(konnx._onnx(), proto, args, args.random)
   for line in notes: print(f"made up: {line}")

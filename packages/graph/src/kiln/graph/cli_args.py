@@ -1,5 +1,7 @@
 """What kiln-graph's commands (`kiln run`, `kiln bench`, `kiln inspect`) share: the model's feeds from --input files and
---random, --dims, --threads, and the one-line error with exit code 2 that every bad input ends in.
+--random, --dims, --threads, --device, and the one-line error with exit code 2 that every bad input ends in. What can be
+checked without converting the model is checked first: --device is parsed and its runtime started (probe_device), and
+--dims names are checked against the model's declared dims (model_dims), before any feed is made or the model loads.
 
 A .npy file is untrusted (no pickles, never a FIFO). Symbolic dims not given with --dims are taken from the fed arrays,
 else (random feeds) random_feeds.DEFAULT_DIM. `--threads N` sets KILN_THREADS for the process before any kernel runs: the
@@ -18,7 +20,7 @@ import numpy as np
 
 from kiln.codegen import settings
 from kiln.graph import model_info, random_feeds
-from kiln.graph.feeds import did_you_mean
+from kiln.graph.feeds import FeedError, check_dims, did_you_mean
 from kiln.graph.lazy import GraphError
 from kiln.ir.errors import KilnError
 from kiln.ir.files import open_regular
@@ -61,6 +63,15 @@ def dims(items: Sequence[str]) -> dict[str, int]:
   return out
 
 
+def model_dims(items: Sequence[str], declared: Sequence[model_info.Declared]) -> dict[str, int]:
+  """--dims, each name a symbolic dim the model's inputs declare (load's check, made before any feed: a typo is the first
+  line, not one after the made-up feeds)."""
+  given = dims(items)
+  try: check_dims(given, [x for d in declared for x in d.dims or () if isinstance(x, str)])
+  except FeedError as e: raise UsageError(f"--{e}") from None  # 'dims names ...': the option the user typed
+  return given
+
+
 def check_feeds(inputs: Sequence[model_info.Declared], feeds: Mapping[str, np.ndarray], given: Mapping[str, int]) -> dict[str, int]:
   """Names and ranks checked before anything compiles; symbolic dims not given with --dims are taken from the fed arrays."""
   names = [d.name for d in inputs]
@@ -85,7 +96,7 @@ def feeds(onnx: Any, proto: Any, args: argparse.Namespace, random: bool) -> tupl
   """The model's feeds and dims from --input, --dims and (random) made-up values for the inputs not given: (feeds, dims,
   one line per made feed saying what it holds, the defaulted dims first)."""
   declared = model_info.inputs(onnx, proto)
-  given, fed = dims(args.dims), read_inputs(args.input)
+  given, fed = model_dims(args.dims, declared), read_inputs(args.input)
   notes: list[str] = []
   if random:
     known = dict(given)
@@ -110,6 +121,13 @@ def set_threads(n: int | None) -> None:
   if n is None: return
   if n < 1: raise UsageError(f"--threads {n}: must be >= 1")
   settings.THREADS.set(n)
+
+
+def probe_device(device: str) -> None:
+  """--device parsed and its runtime started (cached for the load) before the model is read: a name that is no device
+  (FOO) or a device with no runtime here (CUDA without its driver) is one line at once, not after the whole conversion."""
+  from kiln.codegen.registry import get_runtime
+  get_runtime(device)  # a DeviceError names the device and what it lacks: guarded() prints its first line
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@ Inputs not given are made from the declared shapes and dtypes (random_feeds.py: 
 attention masks all ones). Load time is measured twice: cold, the first load in this process into a fresh, empty kernel
 cache directory (every kernel compiled), and warm, again from the kernel cache that load filled, its in-memory copy
 dropped first (what a second process finds on disk). The runs use the warm model: `--warmup` runs first (not counted),
-then `--runs` runs, or runs for `--time` seconds (default DEFAULT_TIME), each timed alone: latency p50, p90 and p99, and
-the throughput (runs a second, one run after another).
+then `--runs` runs, or runs for `--time` seconds (default DEFAULT_TIME), each timed alone: latency p50, p90 and p99 (of
+fewer than 100 runs, p99 is about the slowest run), and the throughput (runs a second, one run after another) and items a
+second: runs/s times the batch, taken as the leading dim of the model's first input (the line above the table names it).
 
 With --compare the peers (bench_peers.py) that are installed load the same file and run the same feeds on the same
 thread count; the engines take turns in ROUNDS interleaved rounds (kiln, onnxruntime, openvino, kiln, ...), so a change
@@ -108,9 +109,16 @@ def _measure(engines: list[Engine], feeds: Mapping[str, np.ndarray], args: argpa
 def _ms(s: float | None) -> str: return "-" if s is None else f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}"
 
 
-def table(engines: list[Engine]) -> str:
+def batch_of(inputs: Sequence[Any], feeds: Mapping[str, np.ndarray]) -> tuple[str, int] | None:
+  """(the first input's name, its leading dim): the batch items/s counts; None for a model with no input or a scalar first one."""
+  if not inputs or (a := feeds.get(inputs[0].name)) is None or a.ndim == 0: return None
+  return inputs[0].name, int(a.shape[0])
+
+
+def table(engines: list[Engine], batch: int | None = None) -> str:
+  """One row per engine; items/s is runs/s times `batch` ('-' where it is unknown)."""
   kiln = engines[0]
-  lines = [f"{'engine':<12} {'load cold':>10} {'load warm':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'runs/s':>9} {'runs':>5} "
+  lines = [f"{'engine':<12} {'load cold':>10} {'load warm':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'runs/s':>9} {'items/s':>9} {'runs':>5} "
            f"{'vs kiln':>8}  agrees"]
   for e in engines:
     if not e.times:
@@ -118,8 +126,10 @@ def table(engines: list[Engine]) -> str:
       continue
     p50, p90, p99 = (float(np.percentile(e.times, q)) for q in (50, 90, 99))
     vs = "-" if e is kiln else f"{statistics.median(a / b for a, b in zip(e.rounds, kiln.rounds)):.2f}x"
+    per_s = len(e.times) / sum(e.times)
+    items = "-" if batch is None else f"{per_s * batch:.1f}"
     lines.append(f"{e.name:<12} {_ms(e.cold):>7} ms {_ms(e.warm):>7} ms {p50 * 1e3:>9.3f} {p90 * 1e3:>9.3f} {p99 * 1e3:>9.3f} "
-                 f"{len(e.times) / sum(e.times):>9.1f} {len(e.times):>5} {vs:>8}  {e.agrees or '-'}")
+                 f"{per_s:>9.1f} {items:>9} {len(e.times):>5} {vs:>8}  {e.agrees or '-'}")
   return "\n".join(lines)
 
 
@@ -130,13 +140,15 @@ def bench(args: argparse.Namespace) -> int:
   if args.time is not None and args.time <= 0: raise cli_args.UsageError(f"--time {args.time}: must be > 0")
   if args.warmup < 0: raise cli_args.UsageError(f"--warmup {args.warmup}: must be >= 0")
   cli_args.set_threads(args.threads)
+  cli_args.probe_device(args.device)
   proto, directory = konnx.read(args.model)
   feeds, dims, notes = cli_args.feeds(konnx._onnx(), proto, args, True)
   threads = thread_count()
   load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
   print(f"kiln bench {args.model}: {args.device}, {threads} threads ({os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
   for line in notes: print(f"  made up: {line}")
-  engines = [_kiln(args, proto, directory, dims)[0]]
+  kiln, model = _kiln(args, proto, directory, dims)
+  engines = [kiln]
   print(f"  {engines[0].why}")
   engines[0].why = ""
   if args.compare: engines += _peers(args.model, feeds, threads)
@@ -149,17 +161,23 @@ def bench(args: argparse.Namespace) -> int:
   if len(engines) > 1:
     print("  vs kiln: a peer's time over kiln's (the median of the rounds'; above 1: kiln is faster); agrees: the largest difference\n"
           "  from kiln's outputs, relative to each output's largest magnitude. The peers run on the CPU.")
+  batch = batch_of(model.inputs, feeds)
+  print(f"  items/s: runs/s x {batch[1]}, the leading dim of input {batch[0]!r}" if batch else
+        "  items/s: - (the model's first input has no leading dim)")
+  if any(0 < len(e.times) < 100 for e in engines): print("  p99 of fewer than 100 runs is about the slowest run")
   print()
-  print(table(engines))
+  print(table(engines, batch[1] if batch else None))
   return 0
 
 
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="kiln bench", description="Time an ONNX model on kiln (load cold and warm, latency percentiles, "
-                                                                "throughput); --compare: onnxruntime and OpenVINO beside it.")
+                                                                "throughput: runs/s, and items/s = runs/s x the leading dim of the first "
+                                                                "input); --compare: onnxruntime and OpenVINO beside it.",
+                               epilog="p50/p90/p99: percentiles of the single runs' times; of fewer than 100 runs, p99 is about the slowest.")
   cli_args.add_model_args(ap)
   how = ap.add_mutually_exclusive_group()
-  how.add_argument("--runs", "-n", type=int, metavar="N", help="timed runs per engine")
+  how.add_argument("--runs", "-n", type=int, metavar="N", help="timed runs per engine (p99 of fewer than 100 runs is about the slowest)")
   how.add_argument("--time", type=float, metavar="S", help=f"seconds each engine runs (default {DEFAULT_TIME:g})")
   ap.add_argument("--warmup", "-w", type=int, default=3, metavar="N", help="untimed runs first (default 3)")
   ap.add_argument("--compare", "-c", action="store_true", help="also onnxruntime and OpenVINO (f32), where installed, in interleaved rounds")

@@ -36,7 +36,7 @@ def _describe(onnx: Any, m: Any, path: str) -> list[str]:
 def _build(args: argparse.Namespace, m: Any, directory: str | None) -> list[str]:
   from kiln.graph import onnx as konnx
   declared = model_info.inputs(konnx._onnx(), m)
-  given = cli_args.dims(args.dims)
+  given = cli_args.model_dims(args.dims, declared)
   _, defaulted = random_feeds.sizes(declared, given)
   dims = {**given, **defaulted}
   t = time.perf_counter()
@@ -61,6 +61,7 @@ def _build(args: argparse.Namespace, m: Any, directory: str | None) -> list[str]
 
 def inspect(args: argparse.Namespace) -> int:
   from kiln.graph import onnx as konnx
+  if args.build: cli_args.probe_device(args.device)  # before anything prints: a bad --device is the one line
   m, directory = konnx.read(args.model)  # every size and file check load makes, and onnx.checker
   lines = _describe(konnx._onnx(), m, args.model)
   bad = model_info.refused(m)
