@@ -72,3 +72,21 @@ def test_silu_after_a_conv_runs_in_its_kernel_unless_its_input_is_read_elsewhere
   got = c.run({"x": x})
   np.testing.assert_allclose(got[0], (ref / (1 + np.exp(-ref))).mean(-1), rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(got[1], ref.max(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_depthwise_conv_written_channels_last_takes_its_lanes_along_the_map() -> None:
+  """PVTv2's and SegFormer's Mix-FFN: a depthwise conv over (C, H, W) whose output is read as (H*W, C) by the next
+  linear layer. Lanes along the store's contiguous channels would gather every tap with stride H*W; they go along the
+  map instead, whose taps are contiguous, and the store scatters once per output."""
+  x, w = rand(2, 32, 16, 16), rand(32, 1, 3, 3)
+  y = Tensor.input("x", x.shape).conv2d(Tensor(w), padding=1, groups=32).reshape(2, 32, 256).permute(0, 2, 1)
+  c = compile([y.gelu()])
+  k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  p = prepare(k.ast)[0]
+  store = next(s for s in p.src if s.op is Ops.STORE)
+  lanes = [o.axis for o in heuristic_opts(p, Target(vector_bytes=64, threads=2)) if o.op is OptOps.UPCAST]
+  inner = max(r.arg[0] for r in store.src[0].toposort() if r.op is Ops.RANGE)
+  assert lanes and lanes[0] != inner, (lanes, inner)
+  xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+  ref = sum(xp[:, :, i:i + 16, j:j + 16] * w[None, :, 0, i, j, None, None] for i in range(3) for j in range(3)).reshape(2, 32, 256).transpose(0, 2, 1)
+  np.testing.assert_allclose(c.run({"x": x})[0], _gelu(ref), rtol=1e-4, atol=1e-5)

@@ -99,9 +99,11 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   overlap = not reads_stored(ast)
   row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
   if row is not None: opts.append(row)
-  elif inner is not None and affine_coeff(idx, inner) == 1 and (w := _out_width(axis_size(inner), lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
-    opts.append(Opt(OptOps.UPCAST, inner.arg[0], w))
-    vec_axis = inner
+  elif inner is not None and affine_coeff(idx, inner) == 1:
+    lane_axis = inner if mm or (other := _read_along(reduces, out_axes, inner, lanes)) is None else other
+    if (w := _out_width(axis_size(lane_axis), lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
+      opts.append(Opt(OptOps.UPCAST, lane_axis.arg[0], w))
+      vec_axis = lane_axis
   if vec_axis is not None and mm:
     # register tile of rows x two vectors, the B panel packed per column tile (no cache-set conflicts on power-of-two
     # strides), columns outermost so each thread packs its own panels, fused multiply-adds
@@ -155,6 +157,22 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if work >= per_thread * 2 and (units is None or units >= 2):
       opts.append(Opt(OptOps.THREAD, first.arg[0], chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)))
   return opts
+
+
+def _read_along(reduces: list[UOp], out_axes: list[UOp], inner: UOp, lanes: int) -> UOp | None:
+  """Another output axis for the lanes, where every load in a reduction's body gathers along the store's contiguous
+  axis (`inner`) and reads contiguously along that one: its loads run once per reduction step, the store once per
+  output, so lanes that scatter the store beat lanes that gather every load (PVTv2's and SegFormer's depthwise conv
+  over (C, H*W) written as (H*W, C) for the next linear layer: 9 taps gathered with stride H*W, 789 -> 190 us on
+  AVX-512). None where any reading load would gather either way, or no such axis has a vector's worth of elements."""
+  lds = [ld for red in reduces for ld in _loads(red.src[0]) if len(ld.src[0].src) >= 2]
+  along = [ld for ld in lds if inner in ld.src[0].src[1].toposort()]
+  if not along or any(affine_coeff(ld.src[0].src[1], inner) in (0, 1) for ld in along): return None
+  for a in reversed(out_axes):
+    if a is inner or (n := axis_size(a)) is None or n < lanes: continue
+    reads = [ld for ld in lds if a in ld.src[0].src[1].toposort()]
+    if reads and all(affine_coeff(ld.src[0].src[1], a) == 1 for ld in reads): return a
+  return None
 
 
 def _contiguous_reduce(reduces: list[UOp], inner: UOp, lanes: int) -> Opt | None:
