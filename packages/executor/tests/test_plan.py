@@ -231,6 +231,24 @@ def test_overlap_and_conflicts(rt):
   np.testing.assert_array_equal(plan.output_buffer(1).numpy(), np.full(N, 4.0))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_overlap_only_when_more_than_one_thread_is_asked_for(rt, monkeypatch, threads):
+  """By default (parallel=None) independent kernels overlap on the plan's pool only when kiln may use more than one
+  thread: KILN_THREADS=1 means one thread, the pool's second worker included."""
+  from kiln.executor import builder
+  monkeypatch.setattr(builder, "PARALLEL_MIN_COST", 0)
+  monkeypatch.setattr(builder, "thread_count", lambda: threads)
+  b = ExecutionPlanBuilder("CPU")
+  x0, x1, x2 = bufs(b, 3, fill=1.0)
+  for name in ("P", "Q"): rt.BEHAVIOR[name] = {"sleep": 0.1}
+  b.add_kernel(rt.elementwise("P", 0, [1], N), [x0, x1])
+  b.add_kernel(rt.elementwise("Q", 0, [1], N), [x2, x1])
+  b.set_outputs([x0, x2])
+  b.build().execute()
+  (_, s1, e1, *_), (_, s2, e2, *_) = rt.EVENTS
+  assert (e1 <= s2 or e2 <= s1) == (threads == 1)
+
+
 def test_no_overlap_when_serial(rt):
   b = ExecutionPlanBuilder("CPU", parallel=False)
   x0, x1, x2 = bufs(b, 3, fill=1.0)

@@ -13,6 +13,7 @@ import numpy as np
 from kiln.codegen.choose import Opt
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.spec import DeviceSpec
+from kiln.codegen.threads import thread_count
 from kiln.executor import tune as tuning
 from kiln.executor.buffer import Buffer, Storage
 from kiln.executor.cache import compile_kernel_with_origin
@@ -428,8 +429,9 @@ class _Builder:
     steps: list[Callable[[], Any]] = []
     for group in op_levels:
       ps = [prepared[i] for i in group]
+      auto = self.b.parallel is None and thread_count() > 1  # one thread asked for (KILN_THREADS=1): no kernel beside another
       safe = [p for p in ps if isinstance(p, PreparedKernel) and p.kernel.host_parallel_safe and
-              (self.b.parallel or (self.b.parallel is None and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
+              (self.b.parallel or (auto and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
       if self.b.parallel is False or len(safe) < 2: safe = []
       if safe:
         steps.extend(_syncs(sorted({q for p in safe for q in p.waits})))  # a kernel's waits run before it (the group's before the group)
