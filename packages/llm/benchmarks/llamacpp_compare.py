@@ -1,0 +1,263 @@
+"""kiln.llm against llama.cpp (llama-cpp-python) on the same GGUF files (bench environment; issue 38's comparison).
+
+A random-weight Llama the shape of SmolLM-135M (hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, vocab
+49152, tied embeddings) is built by transformers from a config (no download; initializer_range 0.2 so that greedy picks
+are decided by the model, not by rounding). Its weights are written as an F16 GGUF the way llama.cpp's convert_hf_to_gguf.py
+writes them (through the tests' converter-style writer, packages/llm/tests/checkpoint_files.py: the converter itself
+wants a tokenizer whose pre-tokenizer hash it knows), with the vocabulary type "no_vocab" (token ids are fed to both
+directly). Q8_0 and Q4_0 are made from the F16 file by llama.cpp's own quantizer (llama_model_quantize, default
+recipe: a Q4_0 file gives the tied embedding / output matrix Q6_K, as downloads have it, which llama.cpp replaces by
+Q8_0 here since 576 columns are not a multiple of Q6_K's 256; the tensor types are printed with each row).
+
+Correctness (16-token prompt, teacher-forced logits and 16 greedy tokens): kiln on the F16 file against a numpy
+float64 reference model (packages/llm/tests/reference_model.py) on the same float16-rounded weights, and against
+llama.cpp on an F32 file with a float32 KV cache, both to 1e-3 of the largest logit; then kiln against llama.cpp on the
+F16 file as llama.cpp runs it by default (float16 KV cache, activations rounded to float16 before its F16 matrix
+products): reported, not checked, since 30 random layers amplify that rounding.
+
+Speed, per weight type, in interleaved rounds in this process (kiln, llama.cpp, kiln, ...): a 256-token prompt's prefill
+and 64 greedy decode steps, each round a new random prompt (kiln would otherwise reuse its cached prefix). Both use the
+same thread count; kiln's times are its own Timings (prefill, and the feed of each decode step), llama.cpp's are its
+eval() calls (the argmax of the logits is outside the timer, as kiln's sampling is). llama.cpp is built with OpenMP,
+whose threads spin at every barrier by default: on a machine busier than its cores that costs llama.cpp far more than
+kiln, so --omp-wait-policy passive is offered to measure it both ways (the variable must be set before the OpenMP
+runtime loads, hence a flag, not a second peer in the same process).
+Decode bandwidth: the weight bytes a decode step reads (every matrix once, the tied embedding once as the output
+matrix) x tokens/s, against a BLAS matrix-vector product's read rate on the same threads (a lower bound of the
+machine's read bandwidth). kiln currently dequantises GGUF weights to float32 at load, so it reads 4 bytes per weight
+whatever the file.
+
+Run: `$BPY packages/llm/benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--types F16 Q8_0 Q4_0] [--skip-speed]`.
+Exits 1 when a strict check fails."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+N_CTX = 512
+PROMPT, DECODE, CHECK = 256, 64, 16
+STRICT_TOL = 1e-3  # float32 arithmetic in different orders, over 30 layers
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2)
+HF_CONFIG = {"model_type": "llama", **SMOL}
+
+
+def build(folder: Path) -> dict[str, Any]:
+  """The SmolLM-135M-shaped random Llama as F32 and F16 GGUF files in folder; returns {"F32": the HF weights as the F32
+  file holds them, "F16": as the F16 file holds them (float16-rounded)}."""
+  import torch
+  from checkpoint_files import write_gguf  # the tests' converter-style writer (convert_hf_to_gguf.py's names and Q/K permutation)
+  from transformers import AutoModelForCausalLM, LlamaConfig
+  torch.manual_seed(0)
+  cfg = LlamaConfig(**SMOL, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  model = AutoModelForCausalLM.from_config(cfg).float().eval()
+  weights = {k: v.detach().numpy() for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+  print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+  out = {}
+  for ft, code in (("F32", 0), ("F16", 1)):
+    meta = {"tokenizer.ggml.model": "no_vocab", "llama.vocab_size": SMOL["vocab_size"], "general.file_type": code}
+    out[ft] = write_gguf(gguf_path(folder, ft), HF_CONFIG, weights, fmt=lambda n, ft=ft: ft, meta=meta)
+  return out
+
+
+def gguf_path(folder: Path, ftype: str) -> Path: return folder / f"smol135m-random-{ftype}.gguf"
+
+
+def quantize(src: Path, dst: Path, ftype: str, threads: int) -> None:
+  import llama_cpp
+  params = llama_cpp.llama_model_quantize_default_params()
+  params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+  params.nthread = threads
+  with _quiet_stderr(): rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+  if rc != 0: raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+  """File descriptor 2 to /dev/null (llama.cpp's quantizer logs every tensor from C)."""
+  sys.stderr.flush()
+  saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+  os.dup2(null, 2)
+  try: yield
+  finally: os.dup2(saved, 2); os.close(saved); os.close(null)
+
+
+def decode_bytes(path: Path) -> tuple[int, dict[str, int]]:
+  """The bytes of the weights one decode step reads (2-d tensors; the embedding as the tied output matrix), and the
+  bytes by tensor type."""
+  import gguf
+  r = gguf.GGUFReader(str(path))
+  total, by_type = 0, {}
+  for t in r.tensors:
+    if len(t.shape) < 2: continue
+    total += int(t.n_bytes)
+    by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+  return total, by_type
+
+
+def read_bandwidth(threads: int, mb: int = 512) -> float:
+  """GB/s of a float32 matrix-vector product over an `mb` MB matrix on numpy's BLAS limited to `threads` threads (it
+  reads the matrix once): a lower bound of the machine's read bandwidth, best of 5."""
+  from threadpoolctl import threadpool_limits
+  a = np.ones((mb * 2**20 // 4096, 1024), np.float32)
+  x = np.ones(1024, np.float32)
+  best = 0.0
+  with threadpool_limits(threads):
+    for _ in range(5):
+      t = time.perf_counter(); a @ x
+      best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+  return best
+
+
+class LlamaCpp:
+  """llama.cpp through llama-cpp-python: token ids in, the last position's logits out."""
+
+  def __init__(self, path: Path, threads: int, n_ctx: int = N_CTX, logits_all: bool = False, f32_cache: bool = False) -> None:
+    import llama_cpp
+    kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}  # default: a float16 KV cache
+    self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=PROMPT, n_ubatch=PROMPT, n_threads=threads, n_threads_batch=threads,
+                               logits_all=logits_all, verbose=False, **kv)
+    self.n_vocab = self.llm.n_vocab()
+
+  def last_logits(self) -> np.ndarray:
+    import llama_cpp
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,)).copy()
+
+  def logits(self, ids: list[int]) -> np.ndarray:
+    self.llm.reset(); self.llm.eval(ids)
+    return np.array(self.llm.scores[:len(ids)], np.float32)
+
+  def greedy(self, ids: list[int], n: int) -> tuple[list[int], float, float]:
+    """n greedy tokens after ids, with the prefill and decode seconds."""
+    self.llm.reset()
+    t = time.perf_counter(); self.llm.eval(ids); pre = time.perf_counter() - t
+    out, dec = [int(np.argmax(self.last_logits()))], 0.0
+    for _ in range(n - 1):
+      t = time.perf_counter(); self.llm.eval([out[-1]]); dec += time.perf_counter() - t
+      out.append(int(np.argmax(self.last_logits())))
+    return out, pre, dec
+
+
+def agreement(folder: Path, weights: dict[str, Any], threads: int) -> bool:
+  """kiln against a numpy float64 reference (packages/llm/tests/reference_model.py) on the F16 file's weights, and against
+  llama.cpp on the F32 file with a float32 KV cache (both strict: float32 rounding only), then on the F16 file as
+  llama.cpp runs it by default (reported, not checked: llama.cpp rounds the activations to float16 before its F16
+  matrix products and keeps a float16 KV cache, and 30 random layers amplify that)."""
+  from reference_model import logits as reference_logits
+
+  from kiln.llm import load
+  from kiln.llm.config import ModelConfig
+  ids = [int(i) for i in np.random.default_rng(1).integers(0, SMOL["vocab_size"], CHECK)]
+  ok = True
+
+  def rel(a: np.ndarray, b: np.ndarray) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
+  k16 = load(gguf_path(folder, "F16"), context=64)
+  ref = reference_logits(ModelConfig.from_hf(HF_CONFIG), weights["F16"], np.array(ids))
+  err = rel(k16.logits(ids), ref)
+  ok &= err <= STRICT_TOL
+  print(f"kiln (F16 file) vs numpy reference: logits max|diff|/max|logit| {err:.1e}   {'OK' if err <= STRICT_TOL else 'WRONG'}")
+  for ft, f32_cache in (("F32", True), ("F16", False)):
+    k = load(gguf_path(folder, ft), context=64) if ft == "F32" else k16
+    got = k.logits(ids)
+    want = LlamaCpp(gguf_path(folder, ft), threads, n_ctx=64, logits_all=True, f32_cache=f32_cache).logits(ids)
+    err = rel(got, want)
+    top1 = int((got.argmax(-1) == want.argmax(-1)).sum())
+    top5 = statistics.mean(len(set(np.argsort(-g)[:5]) & set(np.argsort(-w)[:5])) / 5 for g, w in zip(got, want))
+    kg = list(k.generate(ids, max_new_tokens=CHECK, stop=[]))
+    lg, _, _ = LlamaCpp(gguf_path(folder, ft), threads, n_ctx=64, f32_cache=f32_cache).greedy(ids, CHECK)
+    same = next((i for i, (a, b) in enumerate(zip(kg, lg)) if a != b), min(len(kg), len(lg)))
+    strict = ft == "F32"
+    good = err <= STRICT_TOL and top1 == CHECK and kg == lg
+    if strict: ok &= good
+    verdict = ("OK" if good else "WRONG") if strict else "(float16 activations and cache in llama.cpp: not checked)"
+    print(f"kiln vs llama.cpp, {ft} file, {'float32' if f32_cache else 'float16'} KV cache ({CHECK}-token prompt): logits max|diff|/max|logit| "
+          f"{err:.1e}, top-1 equal {top1}/{CHECK}, top-5 overlap {top5:.0%}; greedy {same}/{CHECK} tokens equal   {verdict}")
+  return ok
+
+
+def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[str, Any]:
+  from kiln.llm import load
+  t = time.perf_counter()
+  k = load(path, context=N_CTX)
+  k.runner.plan("prefill"); k.runner.plan("decode")
+  k_load = time.perf_counter() - t
+  t = time.perf_counter()
+  lc = LlamaCpp(path, threads)
+  l_load = time.perf_counter() - t
+  rows: dict[str, list[tuple[float, float]]] = {"kiln": [], "llama.cpp": []}
+  for r in range(rounds + 1):  # round 0 warms both up and is not counted
+    prompt = [int(i) for i in np.random.default_rng(100 + r).integers(0, SMOL["vocab_size"], PROMPT)]
+    list(k.generate(prompt, max_new_tokens=DECODE, stop=[]))
+    tm = k.timings
+    _, pre, dec = lc.greedy(prompt, DECODE)
+    if r:
+      rows["kiln"].append((tm.rate(tm.prefill_tokens, tm.prefill_s), tm.rate(tm.decode_tokens, tm.decode_s)))
+      rows["llama.cpp"].append((PROMPT / pre, (DECODE - 1) / dec))
+  wbytes, by_type = decode_bytes(path)
+  med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
+  load_avg = os.getloadavg()
+  types = ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in sorted(by_type.items()))
+  print(f"\n{ftype}: matrices {wbytes / 1e6:.0f} MB ({types}); load+compile kiln {k_load:.1f} s, llama.cpp {l_load:.1f} s; "
+        f"load average {load_avg[0]:.1f}")
+  kiln_bytes = 4 * sum(int(np.prod(s)) for s in _shapes(path))
+  for name, (p, d) in med.items():
+    b = kiln_bytes if name == "kiln" else wbytes
+    print(f"  {name:<10} prefill {p:7.1f} tok/s   decode {d:6.1f} tok/s   decode reads {b / 1e6:4.0f} MB/token = {b * d / 1e9:5.1f} GB/s "
+          f"({b * d / 1e9 / bw:.0%} of {bw:.0f} GB/s)")
+  rp, rd = med["kiln"][0] / med["llama.cpp"][0], med["kiln"][1] / med["llama.cpp"][1]
+  print(f"  kiln / llama.cpp: prefill {rp:.2f}x, decode {rd:.2f}x")
+  return {"type": ftype, "kiln": med["kiln"], "llama.cpp": med["llama.cpp"], "ratio": (rp, rd), "load": load_avg[0]}
+
+
+def _shapes(path: Path) -> list[tuple[int, ...]]:
+  import gguf
+  return [tuple(int(d) for d in t.shape) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) >= 2]
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--threads", type=int, default=2)
+  ap.add_argument("--types", nargs="*", default=["F16", "Q8_0", "Q4_0"])
+  ap.add_argument("--skip-speed", action="store_true")
+  ap.add_argument("--keep", help="a folder to write the GGUF files to (default: a temporary one)")
+  ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
+                  help="OMP_WAIT_POLICY for llama.cpp's OpenMP threads (unset: libgomp's default, which spins at barriers)")
+  args = ap.parse_args()
+  if args.omp_wait_policy: os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch or llama.cpp loads an OpenMP runtime
+  sys.path.insert(0, str(ROOT / "packages/llm/tests"))  # the converter-style GGUF writer and the numpy reference model
+  from kiln.codegen import settings
+  settings.THREADS.set(args.threads)
+  sys.path.insert(0, str(ROOT / "packages/graph/benchmarks"))
+  from zoo.tvshim import import_torchvision
+  import_torchvision()  # transformers imports torchvision where it is installed
+  import torch
+  torch.set_num_threads(args.threads)
+  with tempfile.TemporaryDirectory() as tmp:
+    d = Path(args.keep or tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    weights = build(d)
+    for ft in args.types:
+      if ft not in ("F16", "F32"): quantize(gguf_path(d, "F16"), gguf_path(d, ft), ft, args.threads)
+    ok = agreement(d, weights, args.threads)
+    if args.skip_speed: return 0 if ok else 1
+    bw = read_bandwidth(args.threads)
+    print(f"\n{os.cpu_count()} CPUs, {args.threads} threads each, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+          f"BLAS matrix-vector read bandwidth {bw:.1f} GB/s; {args.rounds} rounds, prompt {PROMPT} tokens, {DECODE} decoded")
+    for ft in args.types: speed(gguf_path(d, ft), ft, args.rounds, args.threads, bw)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__": sys.exit(main())
