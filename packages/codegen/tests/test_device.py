@@ -72,6 +72,7 @@ def test_reregister_drops_cached_instances(monkeypatch):
 
 def test_unknown_device_says_what_to_install(monkeypatch):
   monkeypatch.setattr(devmod, "_entry_point_factories", lambda: {})
+  monkeypatch.setattr(devmod, "_instances", {})  # a CPU runtime another test of this process made is cached there
   with pytest.raises(DeviceError, match="install kiln-runtime-cpu"): get_runtime("CPU")
   with pytest.raises(DeviceError, match="invalid device 'NPU'"): get_runtime("NPU")
 

@@ -10,11 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # platforms); without it the nodes pick an interface address each, which differed between them in a pytest run
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-
-def connect(c) -> None:
-  """This process as the cluster's driver (again, after a test that shut Ray down)."""
-  import ray
-  ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": c.kiln_env})
+from ray_driver import connect  # noqa: E402  (a module of its own: tests import it, and "conftest" names another package's too)
 
 
 @pytest.fixture(scope="session")

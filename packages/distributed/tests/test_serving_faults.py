@@ -19,8 +19,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from encoder import encoder, feeds, same  # noqa: E402
+from ray_driver import connect  # noqa: E402
 
-from conftest import connect  # noqa: E402
 from kiln.distributed import ClusterLost, DistributedError, PlacementError, RequestsFailed, pipeline, serve  # noqa: E402
 from kiln.executor.portable import check_feeds  # noqa: E402
 from kiln.ir.errors import PlanSpecError  # noqa: E402
