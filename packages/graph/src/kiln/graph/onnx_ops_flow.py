@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.graph.lazy import ONNXError
+from kiln.graph.lazy import Node, ONNXError
 from kiln.graph.onnx_ops import OPS, OnnxNode, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
 from kiln.graph.program import Body, Branch, RunLoop, placeholder
@@ -70,6 +70,21 @@ def _one(n: OnnxNode, v: Value, what: str) -> Value:
   return v
 
 
+def _captures(env: dict[str, Value], *graphs: Any) -> list[tuple[str, Tensor]]:
+  """The outer Tensors the subgraphs read (name, value), by name: what a run-time If's branches or loop body capture."""
+  names = sorted(set().union(*(outer_names(g) for g in graphs)))
+  return [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
+
+
+def _captured(env: dict[str, Value], caps: list[tuple[str, Tensor]]) -> tuple[Scope, list[Node]]:
+  """A scope over env that reads each capture through a placeholder of its own (another step computed it: the subgraph
+  is compiled as steps of its own), and those placeholders, in caps' order."""
+  scope = Scope(env)
+  held = [placeholder(v.shape, v.dtype) for _, v in caps]
+  for (name, _), p in zip(caps, held): scope[name] = Tensor(p)
+  return scope, held
+
+
 def _as_tensor(n: OnnxNode, k: int, attr: str, v: Value) -> Tensor:
   if isinstance(v, Tensor): return v
   if v.dtype == object: raise n.error(f"output {k} of {attr} is a Shape with symbolic dims, in a branch chosen at run time (not supported)")
@@ -89,15 +104,13 @@ def _if(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
       e.frames.append((n.proto, graphs[attr]))
       raise
   if not c.dtype.is_bool: raise n.error(f"input 0 (cond) must be bool, got {c.dtype.name}")
-  names = sorted(set().union(*(outer_names(g) for g in graphs.values())))
-  caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
+  caps = _captures(env, *graphs.values())
   bodies: list[Body] = []
   outs: list[list[Value] | None] = []
   failed: list[ONNXError] = []
   for attr, g in graphs.items():
-    body = Body(inputs=[placeholder(v.shape, v.dtype) for _, v in caps])
-    scope = Scope(env)  # the branch reads each outer Tensor through a placeholder: another step computed it
-    for (name, _), p in zip(caps, body.inputs): scope[name] = Tensor(p)
+    scope, held = _captured(env, caps)
+    body = Body(inputs=held)
     bodies.append(body)
     try: outs.append(run_graph(n, ctx, g, attr, [], scope, body))
     except ONNXError as e:  # a branch for other inputs (Silero's 8 kHz branch fed 16 kHz frames): refused if a run takes it
@@ -206,13 +219,11 @@ def _run_time_loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value], body: Any, m: V
     raise n.error(f"input 0 (M, the trip count) must be an integer, got {m.dtype}")
   if isinstance(c, Tensor) and not c.dtype.is_bool: raise n.error(f"input 1 (cond) must be bool, got {c.dtype.name}")
   ts = [_as_tensor(n, k, "the loop-carried inputs", v) for k, v in enumerate(carried)]
-  names = sorted(outer_names(body))
-  caps = [(name, v) for name in names if name in env and isinstance(v := env[name], Tensor)]
+  caps = _captures(env, body)
   it, go = placeholder((), dtypes.int64), placeholder((), dtypes.bool)
   phs = [placeholder(t.shape, t.dtype) for t in ts]
-  inner = Body(inputs=[it, go, *phs, *[placeholder(v.shape, v.dtype) for _, v in caps]])
-  scope = Scope(env)  # the body reads each outer Tensor through a placeholder: another step computed it
-  for (name, _), p in zip(caps, inner.inputs[2 + len(phs):]): scope[name] = Tensor(p)
+  scope, held = _captured(env, caps)
+  inner = Body(inputs=[it, go, *phs, *held])
   outs = run_graph(n, ctx, body, "body", [Tensor(it), Tensor(go), *[Tensor(p) for p in phs]], scope, inner, initializers(n, ctx, body, "body"))
   cond = _one(n, outs[0], "the condition the body gives")
   nxt = [_as_tensor(n, k + 1, "body", v) for k, v in enumerate(outs[1:])]
