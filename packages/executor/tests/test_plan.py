@@ -238,27 +238,23 @@ def test_overlap_only_when_more_than_one_thread_is_asked_for(rt, monkeypatch, th
   from kiln.executor import builder
   monkeypatch.setattr(builder, "PARALLEL_MIN_COST", 0)
   monkeypatch.setattr(builder, "thread_count", lambda: threads)
-  b = ExecutionPlanBuilder("CPU")
+  assert _two_independent_kernels_in_turn(rt, ExecutionPlanBuilder("CPU"), 0.1) == (threads == 1)
+
+
+def _two_independent_kernels_in_turn(rt, b: ExecutionPlanBuilder, sleep: float) -> bool:
+  """Builds and runs two kernels that only share an input (each sleeping `sleep` s); whether one ran after the other."""
   x0, x1, x2 = bufs(b, 3, fill=1.0)
-  for name in ("P", "Q"): rt.BEHAVIOR[name] = {"sleep": 0.1}
+  for name in ("P", "Q"): rt.BEHAVIOR[name] = {"sleep": sleep}
   b.add_kernel(rt.elementwise("P", 0, [1], N), [x0, x1])
   b.add_kernel(rt.elementwise("Q", 0, [1], N), [x2, x1])
   b.set_outputs([x0, x2])
   b.build().execute()
   (_, s1, e1, *_), (_, s2, e2, *_) = rt.EVENTS
-  assert (e1 <= s2 or e2 <= s1) == (threads == 1)
+  return e1 <= s2 or e2 <= s1
 
 
 def test_no_overlap_when_serial(rt):
-  b = ExecutionPlanBuilder("CPU", parallel=False)
-  x0, x1, x2 = bufs(b, 3, fill=1.0)
-  for name in ("P", "Q"): rt.BEHAVIOR[name] = {"sleep": 0.05}
-  b.add_kernel(rt.elementwise("P", 0, [1], N), [x0, x1])
-  b.add_kernel(rt.elementwise("Q", 0, [1], N), [x2, x1])
-  b.set_outputs([x0, x2])
-  b.build().execute()
-  (_, s1, e1, *_), (_, s2, e2, *_) = rt.EVENTS
-  assert e1 <= s2 or e2 <= s1
+  assert _two_independent_kernels_in_turn(rt, ExecutionPlanBuilder("CPU", parallel=False), 0.05)
 
 
 def test_poisoned_plan(rt):

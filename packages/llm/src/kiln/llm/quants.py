@@ -160,13 +160,17 @@ def _split_nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
   return out
 
 
-def _q4_k(b: np.ndarray) -> np.ndarray:
-  n = len(b)
-  x = _split_nibbles(b[:, 16:], 4).reshape(n, 8, 32).astype(np.float32)
+def _scale_k(b: np.ndarray, x: np.ndarray) -> np.ndarray:
+  """Q4_K's and Q5_K's (n, 8, 32) quants times each sub-block's scale, less its min (in place, float32), as (n, 256)."""
   d, m = _k_scales(b)
   x *= d
   x -= m
-  return x.reshape(n, 256)
+  return x.reshape(len(b), 256)
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray:
+  n = len(b)
+  return _scale_k(b, _split_nibbles(b[:, 16:], 4).reshape(n, 8, 32).astype(np.float32))
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
@@ -174,11 +178,7 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
   q = _split_nibbles(b[:, 48:], 4).reshape(n, 8, 32)
   high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # (n, 8, 32): bit j for sub-block j
   q |= high << np.uint8(4)
-  x = q.astype(np.float32)
-  d, m = _k_scales(b)
-  x *= d
-  x -= m
-  return x.reshape(n, 256)
+  return _scale_k(b, q.astype(np.float32))
 
 
 def _q6_k(b: np.ndarray) -> np.ndarray:
