@@ -137,6 +137,13 @@ def test_slice_to_nothing_of_a_computed_value() -> None:
            N("Concat", ["q_rot", "q_pass"], ["y"], axis=-1)]
   inits = {"zero1": _c([0]), "rot": _c([16]), "big": _c([1 << 62]), "m1": _c([-1])}
   check_exact(dyn_model(nodes, {"x": (F, (2, 3, 16))}, {"y": F}, inits), {}, [{"x": f32(2, 3, 16)}])
-  sym = dyn_model(nodes, {"x": (F, ("batch", 3, 16))}, {"y": F}, inits)
-  with pytest.raises(ONNXError, match=r"the slice of \(batch, 3, 16\) is \(batch, 3, 0\), empty for every size: .* no symbolic dims"):
-    konnx.load(sym, dims={"batch": (1, 4)})
+  # with a symbolic batch the empty piece is a SymbolicEmpty (no array holds (batch, 3, 0)): Concat drops it, Shape reads its dims
+  shaped = nodes + [N("Shape", ["q_pass"], ["pass_shape"])]
+  sym = dyn_model(shaped, {"x": (F, ("batch", 3, 16))}, {"y": F, "pass_shape": onnx.TensorProto.INT64}, inits)
+  check_exact(sym, {"batch": (1, 4)}, [{"x": f32(b, 3, 16)} for b in (1, 4, 2)])
+  other = dyn_model(nodes[:3] + [N("Relu", ["q_pass"], ["y"])], {"x": (F, ("batch", 3, 16))}, {"y": F}, inits)
+  with pytest.raises(ONNXError, match=r"input 'q_pass' is empty \(a dim of 0\) beside symbolic dims \(batch, 3, 0\): only Concat and Shape"):
+    konnx.load(other, dims={"batch": (1, 4)})
+  out = dyn_model(nodes[:3], {"x": (F, ("batch", 3, 16))}, {"q_pass": F}, inits)
+  with pytest.raises(ONNXError, match=r"graph output 'q_pass' is empty \(a dim of 0\) beside symbolic dims \(batch, 3, 0\)"):
+    konnx.load(out, dims={"batch": (1, 4)})

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph import onnx_limits as lim
 from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_act,
@@ -34,6 +35,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_select,
   onnx_ops_shape,
 )
+from kiln.graph import shape_values as sv
 from kiln.graph.feeds import (
   FeedError,
   TensorInfo,
@@ -48,7 +50,7 @@ from kiln.graph.feeds import (
 )
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, ONNXError
 from kiln.graph.onnx_const import fold_known
-from kiln.graph.onnx_empty import empty_input, empty_outputs
+from kiln.graph.onnx_empty import SymbolicEmpty, empty_input, empty_outputs
 from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_value
@@ -312,12 +314,13 @@ def _cut(rest: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, folds: BatchN
 
 
 def _outputs(g: Any, env: dict[str, Value]) -> list[tuple[str, Value]]:
-  """The graph's outputs (name, value), each produced and none a Shape of symbolic dims."""
+  """The graph's outputs (name, value), each produced; a Shape of symbolic dims as the dims' run-time values."""
   outputs = []
   for vo in g.output:
     if vo.name not in env: raise ONNXError(f"graph output {vo.name!r} is produced by no node")
-    if isinstance(env[vo.name], np.ndarray) and env[vo.name].dtype == object:
-      raise ONNXError(f"graph output {vo.name!r} is a Shape with symbolic dims, known only at run time (not supported)")
+    if isinstance(v := env[vo.name], np.ndarray) and sv.is_shape_value(v): env[vo.name] = sv.as_data(v) if sv.symbolic(v) else v.astype(np.int64)
+    if isinstance(env[vo.name], SymbolicEmpty):
+      raise ONNXError(f"graph output {vo.name!r} is empty (a dim of 0) beside symbolic dims {sym.fmt_shape(env[vo.name].shape)} (not supported)")
     outputs.append((vo.name, env[vo.name]))
   return outputs
 

@@ -6,17 +6,20 @@ kiln's kernels never see one: an empty value is an empty numpy array in the conv
 |--------------------------------------------------|--------------------------------------------------------------|
 | a model input with a static dim of 0             | an empty array at load; run() checks the fed array's shape   |
 | a node whose inputs are all known, one empty     | onnx's reference implementation computes it (only shapes and a reduction's fill are at stake) |
-| a Slice of a computed value that selects nothing on a fixed axis | an empty array (phi3's q[..., rotary_dim:] with the whole head rotated) |
+| a Slice of a computed value that selects nothing on a fixed axis | an empty array (phi3's q[..., rotary_dim:] with the whole head rotated) (2) |
 | a Concat with empty pieces beside computed ones  | the empty pieces are dropped                                 |
 | CastLike with an empty target beside a computed input | its handler reads only the target's dtype                |
 | any other node with an empty and a computed input | shape inference gives its outputs, empty ones empty arrays; a non-empty one is refused (1) |
 
 (1) unless its computed inputs are a few numbers each (a Pad's pads, a Reduce's axes): a run reads them back, and the node is
 then computed as in the second row (specialise.py)
+(2) with symbolic dims beside (phi3 exported with a dynamic batch), a SymbolicEmpty, which no array can hold: only Concat
+(which drops it) and Shape (its dims) read one; any other reader, or a graph output, is refused naming it.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,12 +27,27 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.specialise import unspecialisable
 from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import DType
+from kiln.ir.kernels import Dim
 
 if TYPE_CHECKING:  # onnx_ops' Slice handler calls empty_slice
   from kiln.graph.onnx_ops import OnnxNode, Value
 
 
-def is_empty(v: Value | None) -> bool: return isinstance(v, np.ndarray) and v.size == 0
+@dataclass(frozen=True)
+class SymbolicEmpty:
+  """An empty value (a dim of 0) whose other dims are symbolic: no array can hold it, and no kernel needs to."""
+  shape: tuple[Dim, ...]
+  dtype: DType
+
+  @property
+  def ndim(self) -> int: return len(self.shape)
+
+  @property
+  def size(self) -> int: return 0
+
+
+def is_empty(v: Any) -> bool: return isinstance(v, SymbolicEmpty) or (isinstance(v, np.ndarray) and v.size == 0)
 
 
 def _elem_type(onnx: Any, v: Value) -> int:
@@ -86,7 +104,11 @@ def empty_outputs(n: OnnxNode, onnx: Any) -> list[Value] | None:
     try: return _reference(n, onnx)
     except ValueError as e: return _inferred_empty(n, onnx, str(e))  # the reference's numpy fails on some empties (Flatten's reshape(0, -1))
   if n.op == "Concat": n.ins = [None if is_empty(v) else v for v in n.ins]  # an empty piece adds nothing
-  if n.op in ("Concat", "CastLike"): return None
+  if n.op in ("Concat", "CastLike") or (n.op == "Shape" and isinstance(n.ins[0], SymbolicEmpty)): return None
+  for name, v in zip(n.proto.input, n.ins):
+    if isinstance(v, SymbolicEmpty):
+      raise n.error(f"input {name!r} is empty (a dim of 0) beside symbolic dims {sym.fmt_shape(v.shape)}: "
+                    "only Concat and Shape may read such a value")
   return _inferred_empty(n, onnx)
 
 
@@ -96,14 +118,12 @@ def empty_input(shape: Sequence[int | str], dt: np.dtype) -> np.ndarray | None:
   return np.zeros([int(d) for d in shape], dt) if static and 0 in shape else None
 
 
-def empty_slice(n: OnnxNode, t: Tensor, axes: Sequence[int], starts: Sequence[Any], ends: Sequence[Any], steps: Sequence[int]) -> np.ndarray | None:
-  """A Slice of computed t that selects nothing on a fixed axis: its result has no elements, so it is an empty array known
-  at load (None when every fixed axis keeps an element). Its other dims must be fixed too: an array has no symbolic dims."""
+def empty_slice(n: OnnxNode, t: Tensor, axes: Sequence[int], starts: Sequence[Any], ends: Sequence[Any],
+                steps: Sequence[int]) -> np.ndarray | SymbolicEmpty | None:
+  """A Slice of computed t that selects nothing on a fixed axis: its result has no elements, so it is known at load, an
+  empty array, or a SymbolicEmpty where its other dims are symbolic (None when every fixed axis keeps an element)."""
   shape: list[Any] = list(t.shape)
   for a, b, e, st in zip(axes, starts, ends, steps):
     if isinstance(shape[a], int) and isinstance(b, int) and isinstance(e, int) and st != 0: shape[a] = len(range(*slice(b, e, st).indices(shape[a])))
   if 0 not in shape: return None
-  if not sym.is_static(shape):
-    raise n.error(f"the slice of {sym.fmt_shape(t.shape)} is {sym.fmt_shape(shape)}, empty for every size: kiln holds an empty value as an "
-                  "array known at load, which has no symbolic dims")
-  return np.zeros(shape, t.dtype.np)
+  return np.zeros(shape, t.dtype.np) if sym.is_static(shape) else SymbolicEmpty(tuple(shape), t.dtype)

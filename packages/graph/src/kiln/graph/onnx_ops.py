@@ -11,7 +11,7 @@ from kiln.graph import dims as sym
 from kiln.graph import shape_values as sv
 from kiln.graph.index_check import bad_index, out_of_range
 from kiln.graph.lazy import ONNXError
-from kiln.graph.onnx_empty import empty_slice
+from kiln.graph.onnx_empty import SymbolicEmpty, empty_slice
 from kiln.graph.onnx_external import Tensors
 from kiln.graph.onnx_limits import LoadBudget
 from kiln.graph.power import np_power, power
@@ -275,7 +275,7 @@ def _concat(n: OnnxNode) -> Value:
   return Tensor.cat([v if isinstance(v, Tensor) else Tensor(v) for v in vals], a)
 
 
-def _slice(n: OnnxNode) -> Value:
+def _slice(n: OnnxNode) -> Value | SymbolicEmpty:
   if n.opset < 10: starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
   else:
     starts, ends = [sv.dim(v) for v in n.const(1, "starts")], [sv.dim(v) for v in n.const(2, "ends")]  # UOps: a Shape's symbolic dims
