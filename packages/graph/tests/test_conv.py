@@ -290,6 +290,22 @@ def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, grou
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
 
 
+# (input shape, weight shape, padding, groups, the product kernel): more output channels per group than one block of the
+# weight: 64 in blocks of 32, 48 (two groups) in blocks of 16, each block one contiguous run of the weight along K
+BLOCKED = [((2, 16, 2, 2), (64, 16, 3, 3), 1, 1, "reduce_1x2x8x32"), ((2, 12, 2, 2), (96, 6, 1, 1), 0, 2, "reduce_2x3x8x16")]
+
+
+@pytest.mark.parametrize("xs,ws,padding,groups,kernel", BLOCKED)
+def test_few_positions_weight_in_blocks_of_output_channels(xs, ws, padding, groups, kernel) -> None:
+  """The channels-last product of a weight array with more than one block of output channels per group runs as
+  (g, O/g/block, N*P, block) over the weight stored (g, O/g/block, K, block), read back as NCHW."""
+  x, w, b = rand(*xs), rand(*ws), rand(ws[0])
+  c = compile([Tensor.input("x", xs).conv2d(Tensor(w), Tensor(b), padding=padding, groups=groups).relu()])
+  assert [k.ast.arg for k in c.kernels if k.ast.arg.startswith("reduce")] == [kernel], c.plan.describe()
+  st, pads, dl = _spec(1, padding, 1, 2)
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
+
+
 def test_few_positions_channels_last_under_a_symbolic_batch() -> None:
   """A static batch folds into the product's rows, (g, N*P, O/g); a symbolic one stays its outer loop, (N, g, P, O/g)."""
   w, b = rand(40, 24, 1, 1), rand(40)

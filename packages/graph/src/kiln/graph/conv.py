@@ -32,8 +32,15 @@ FOLD_BATCH = True  # ... with a static batch's images as more rows of one produc
 # a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
 # `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
 STRIDED_PADDED_COPY = True
+# ... with a weight array stored in blocks of WEIGHT_BLOCK output channels, (g, O/WB, K, WB) (_product_blocked); False: (g, K, O/g)
+BLOCKED_WEIGHT = True
+# the widest register tile's columns (two AVX-512 vectors of float32): one K step of a block is one contiguous 128-byte run
+WEIGHT_BLOCK = 32
 # kernel taps that read only padding at every output position are dropped (_live_taps); False: every tap computed
 DROP_PAD_TAPS = True
+# a conv of one input channel per group and several outputs (a depthwise multiplier, FastViT's downsampling 7x7) runs as
+# a depthwise conv over its input's channels each repeated (_repeat_channels); False: a product of one row per group
+DEPTHWISE_MULTIPLIER = True
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -69,6 +76,8 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   if DROP_PAD_TAPS: w, pads = _live_taps(x, w, pads, st, dl)
   if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
+  if cg == 1 and og > 1 and DEPTHWISE_MULTIPLIER:  # each input channel feeds og outputs: depthwise over the channels repeated
+    x, groups, og = _repeat_channels(x.contiguous() if _computes(x.node) else x, og), o, 1
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
     if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
@@ -104,7 +113,10 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   n = cols.shape[0]
   kk, p = sym.static_shape("conv", cols.shape[2:])
   og = sym.static_shape("conv (weight)", w.shape)[0] // groups
-  if (data := w.node.data) is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
+  data = w.node.data
+  if isinstance(n, int) and FOLD_BATCH and BLOCKED_WEIGHT and data is not None and (b := _weight_block(og)):
+    return _product_blocked(cols, data, bias, groups, b, out)
+  if data is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
   else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
   if isinstance(n, int) and FOLD_BATCH:
     rows = cols.permute(1, 0, 3, 2).reshape(groups, n * p, kk, 1)  # (g, N*P, K, 1)
@@ -114,6 +126,28 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   y = (wt.reshape(1, groups, 1, kk, og) * cols.permute(0, 1, 3, 2).reshape(n, groups, p, kk, 1)).sum(3)  # (N, g, P, O/g)
   if bias is not None: y = y + bias.reshape(1, groups, 1, og)
   return y.contiguous().permute(0, 1, 3, 2).reshape(n, groups * og, *out)
+
+
+def _product_blocked(cols: Tensor, data: np.ndarray, bias: Tensor | None, groups: int, block: int, out: tuple[Dim, ...]) -> Tensor:
+  """The channels-last product with its weight array stored in blocks of `block` output channels, (g, O/g/block, K,
+  block): a register tile's columns stream one contiguous run of the weight along K. Stored (g, K, O/g), a tile read
+  `block` channels of each K row, a short run every O/g * 4 bytes: over a 2x2 map the weight is read once per run and
+  that stride made it a scattered read from memory, not a stream. The product is computed as (g, O/g/block, N*P, block)."""
+  n = sym.static_shape("conv", cols.shape[:1])[0]
+  kk, p = sym.static_shape("conv", cols.shape[2:])
+  og = data.shape[0] // groups
+  ob = og // block
+  wb = type(cols)(np.ascontiguousarray(data.reshape(groups, ob, block, kk).transpose(0, 1, 3, 2)))  # (g, OB, K, B)
+  rows = cols.permute(1, 0, 3, 2).reshape(groups, 1, n * p, kk, 1)  # (g, 1, N*P, K, 1)
+  y = (wb.reshape(groups, ob, 1, kk, block) * rows).sum(3)  # (g, OB, N*P, B)
+  if bias is not None: y = y + bias.reshape(groups, ob, 1, block)
+  return y.contiguous().reshape(groups, ob, n, p, block).permute(2, 0, 1, 4, 3).reshape(n, groups * og, *out)
+
+
+def _weight_block(og: int) -> int:
+  """The output channels of one block of the channels-last product's weight (0: not blocked): WEIGHT_BLOCK, else one
+  64-byte line of float32, whichever divides O/g; O/g of at most WEIGHT_BLOCK is one block already ((g, K, O/g))."""
+  return next((b for b in (WEIGHT_BLOCK, 16) if og > WEIGHT_BLOCK and og % b == 0), 0)
 
 
 def _live_taps(x: Tensor, w: Tensor, pads: list[tuple[int, int]], st: list[int], dl: list[int]) -> tuple[Tensor, list[tuple[int, int]]]:
@@ -137,6 +171,15 @@ def _live_taps(x: Tensor, w: Tensor, pads: list[tuple[int, int]], st: list[int],
   sl = (slice(None), slice(None), *(slice(a, b) for a, b in keep))
   if (data := w.node.data) is not None: return type(w)(np.ascontiguousarray(data[sl])), new_pads
   return w[sl], new_pads
+
+
+def _repeat_channels(x: Tensor, r: int) -> Tensor:
+  """x (N, C, *sp) as (N, C*r, *sp), channel c*r + j a view of channel c: a conv with one input channel per group and r
+  outputs each (output g*r + j reads input g) is then a depthwise conv, vectorised as one (across channels in the
+  blocked layout, along the rows in NCHW). As a product each group was a matrix of one row, K = the taps: no register
+  tile, and its vector along the output positions."""
+  n, c, *sp = x.shape
+  return x.reshape(n, c, 1, *sp).expand(n, c, r, *sp).reshape(n, c * r, *sp)
 
 
 def _flat(t: Tensor, shape: tuple[Dim, ...]) -> Tensor:
