@@ -11,8 +11,9 @@ for text in llm.chat([{"role": "user", "content": "Hi"}]): print(text, end="")
 
 One LLM holds one KV cache: a generate() or chat() continues from the longest prefix of its prompt already cached (a
 chat's earlier turns are not computed again), and two of its generators must not be interleaved.
-Weights are float32 (Checkpoint.tensor dequantises a GGUF's quantized weights at load; matrix kernels that read the
-quantized blocks are not built yet).
+Matrices in Q8_0, Q4_0, Q4_1, F16 or BF16 stay in their format (qweight.py: repacked once at load into planes no bigger
+than the file's bytes, dequantised inside the kernels that read them); other formats (Q5_0, Q5_1, the K-quants) and the
+vectors (norms, biases) are dequantised to float32 at load.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
+from kiln.llm.model import Matrix
+from kiln.llm.qweight import pack
 from kiln.llm.runtime import DEFAULT_CHUNK, Runner
 from kiln.llm.sampling import Sampler, Stop
 from kiln.llm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_fields
@@ -170,9 +173,11 @@ def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = 
   if not 1 <= ctx <= cfg.max_position and cfg.positions == "learned":
     raise LLMError(f"context {ctx}: {cfg.arch} has {cfg.max_position} learned positions")
   if ctx < 1: raise LLMError(f"context {ctx} must be at least 1")
-  weights: dict[str, np.ndarray] = {}
+  weights: dict[str, Matrix] = {}
 
-  def get(name: str) -> np.ndarray:  # once per weight: both plans wrap the same array
-    if (a := weights.get(name)) is None: a = weights[name] = ck.tensor(name)
+  def get(name: str) -> Matrix:  # once per weight: both plans wrap the same arrays
+    if (a := weights.get(name)) is None:
+      qt = ck.quant(name)
+      a = weights[name] = pack(qt) or qt.dequantize()
     return a
   return LLM(ck, _tokenizer(ck), Runner(cfg, get, ctx, chunk, device))

@@ -10,8 +10,10 @@ runtime to append. seq is a fixed size, not a variable: the code generator tiles
 chunk's matrix products over a symbolic seq ran about 3x slower than over a fixed one; the runtime pads a shorter chunk
 (padded rows come after every real one, so the causal mask keeps them out of the real rows' attention).
 
-Weights come from `get(name)`: float32 numpy arrays in Hugging Face naming and layout (checkpoint.py's Checkpoint.tensor);
-every choice between families is a field of ModelConfig (config.py). Architectures: the Llama family (llama, mistral,
+Weights come from `get(name)` in Hugging Face naming and layout: float32 numpy arrays (checkpoint.py's Checkpoint.tensor), or
+for a matrix (a linear layer's weight, an embedding table) a QuantWeight (qweight.py: the stored format's codes and
+scales, dequantised inside the kernels that read them); every choice between families is a field of ModelConfig
+(config.py). Architectures: the Llama family (llama, mistral,
 qwen2: RMSNorm, RoPE in HF's rotate_half layout with ModelConfig's frequency scaling, grouped-query attention, SwiGLU,
 tied or untied embeddings, optional biases, a sliding window in the mask), gemma (embeddings scaled, RMSNorm as 1 + w,
 GeGLU), phi3 (fused qkv and gate_up projections, partial rotary) and gpt2 (LayerNorm, learned positions, fused Conv1D
@@ -30,8 +32,10 @@ from kiln.graph import Tensor
 from kiln.ir.dtype import dtypes
 from kiln.llm.config import SUPPORTED, ModelConfig
 from kiln.llm.errors import LLMError, UnsupportedArchitecture
+from kiln.llm.qweight import QuantWeight
 
-Get = Callable[[str], np.ndarray]
+Matrix = np.ndarray | QuantWeight
+Get = Callable[[str], Matrix]
 
 
 class ModelError(LLMError):
@@ -79,13 +83,33 @@ class _W:
     self.get, self.arch = get, arch
 
   def arr(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    a = np.asarray(self.get(name), dtype=np.float32)
+    g = self.get(name)
+    if isinstance(g, QuantWeight): raise ModelError(f"{self.arch}: weight {name!r} is a packed {g.format} matrix; the graph needs it as float32")
+    a = np.asarray(g, dtype=np.float32)
     if a.shape != shape: raise ModelError(f"{self.arch}: weight {name!r} has shape {a.shape}, the config needs {shape}")
     return a
+
+  def mat(self, name: str, out: int, inn: int) -> Matrix:
+    """A matrix (out, in): a QuantWeight as it comes, else float32."""
+    g = self.get(name)
+    if not isinstance(g, QuantWeight): return self.arr(name, (out, inn))
+    if g.shape != (out, inn): raise ModelError(f"{self.arch}: weight {name!r} has shape {g.shape}, the config needs {(out, inn)}")
+    return g
 
   def __call__(self, name: str, *shape: int) -> Tensor: return Tensor(self.arr(name, shape))
 
   def opt(self, on: bool, name: str, *shape: int) -> Tensor | None: return self(name, *shape) if on else None
+
+
+def _linear(x: Tensor, w: Matrix, bias: Tensor | None = None) -> Tensor:
+  return w.linear(x, bias) if isinstance(w, QuantWeight) else x.linear(Tensor(w), bias)
+
+
+def _embedding(w: Matrix, ids: Tensor) -> Tensor:
+  return w.embedding(ids) if isinstance(w, QuantWeight) else Tensor(w).embedding(ids)
+
+
+def _rows(w: Matrix, lo: int, hi: int) -> Matrix: return w.rows(lo, hi) if isinstance(w, QuantWeight) else w[lo:hi]
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: ModelConfig) -> Tensor:
@@ -137,8 +161,8 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
   inp = _inputs(cfg, ctx, seq, last_only)
   ids, pos, caches = inp.ids, inp.pos, inp.caches
   d, inter, hd, qd, kd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.q_size, cfg.kv_size
-  embed = w.arr("model.embed_tokens.weight", (cfg.vocab_size, d))
-  x = Tensor(embed).embedding(ids)
+  embed = w.mat("model.embed_tokens.weight", cfg.vocab_size, d)
+  x = _embedding(embed, ids)
   if cfg.embed_scale != 1.0: x = x * float(np.float32(cfg.embed_scale))  # HF rounds the normaliser to the weights' dtype
   cos_t, sin_t = rope_tables(cfg, ctx)
   cos, sin = Tensor(cos_t).embedding(pos).unsqueeze(1), Tensor(sin_t).embedding(pos).unsqueeze(1)  # (seq, 1, rot / 2)
@@ -148,10 +172,10 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
     p = f"model.layers.{i}."
     h = _norm(cfg, w, x, p + "input_layernorm")
     if cfg.arch == "phi3":
-      qkv = w.arr(p + "self_attn.qkv_proj.weight", (qd + 2 * kd, d))
-      q, k, v = (h.linear(Tensor(qkv[a:b])) for a, b in ((0, qd), (qd, qd + kd), (qd + kd, qd + 2 * kd)))
+      qkv = w.mat(p + "self_attn.qkv_proj.weight", qd + 2 * kd, d)
+      q, k, v = (_linear(h, _rows(qkv, a, b)) for a, b in ((0, qd), (qd, qd + kd), (qd + kd, qd + 2 * kd)))
     else:
-      q, k, v = (h.linear(w(p + f"self_attn.{n}.weight", m, d), w.opt(cfg.attention_bias, p + f"self_attn.{n}.bias", m))
+      q, k, v = (_linear(h, w.mat(p + f"self_attn.{n}.weight", m, d), w.opt(cfg.attention_bias, p + f"self_attn.{n}.bias", m))
                  for n, m in (("q_proj", qd), ("k_proj", kd), ("v_proj", kd)))
     q = _rope(q.reshape(seq, cfg.num_heads, hd), cos, sin, cfg.rotary_dim)
     k = _rope(k.reshape(seq, cfg.num_kv_heads, hd), cos, sin, cfg.rotary_dim)
@@ -159,21 +183,21 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
     kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
     if mask is None: mask = _mask(cfg, pos, kk.shape[0])
     a = _attention(q, kk, vv, mask, cfg)
-    x = x + a.linear(w(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
+    x = x + _linear(a, w.mat(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
     h = _norm(cfg, w, x, p + "post_attention_layernorm")
     if cfg.arch == "phi3":
-      gu = w.arr(p + "mlp.gate_up_proj.weight", (2 * inter, d))
-      gate, up = h.linear(Tensor(gu[:inter])), h.linear(Tensor(gu[inter:]))
+      gu = w.mat(p + "mlp.gate_up_proj.weight", 2 * inter, d)
+      gate, up = _linear(h, _rows(gu, 0, inter)), _linear(h, _rows(gu, inter, 2 * inter))
     else:
-      gate = h.linear(w(p + "mlp.gate_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.gate_proj.bias", inter))
-      up = h.linear(w(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
+      gate = _linear(h, w.mat(p + "mlp.gate_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.gate_proj.bias", inter))
+      up = _linear(h, w.mat(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
     gate, up = gate.contiguous(), up.contiguous()  # each its own product: left to the scheduler, both ran in one kernel 3-8x slower
-    x = x + (_act(gate, cfg.act) * up).linear(w(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
+    x = x + _linear(_act(gate, cfg.act) * up, w.mat(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
     new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "model.norm")
-  head = embed if cfg.tie_word_embeddings else w.arr("lm_head.weight", (cfg.vocab_size, d))
-  return Forward(x.linear(Tensor(head)), new_kv)
+  head = embed if cfg.tie_word_embeddings else w.mat("lm_head.weight", cfg.vocab_size, d)
+  return Forward(_linear(x, head), new_kv)
 
 
 def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> Forward:
@@ -184,13 +208,13 @@ def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> For
   ids, pos, caches = inp.ids, inp.pos, inp.caches
   hd, d, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
   if ctx > cfg.max_position: raise ModelError(f"gpt2: a context of {ctx} is past its {cfg.max_position} learned positions")
-  wte = w.arr("transformer.wte.weight", (cfg.vocab_size, d))
-  x = Tensor(wte).embedding(ids) + w("transformer.wpe.weight", cfg.max_position, d).embedding(pos)
+  wte = w.mat("transformer.wte.weight", cfg.vocab_size, d)
+  x = _embedding(wte, ids) + _embedding(w.mat("transformer.wpe.weight", cfg.max_position, d), pos)
   new_kv: list[tuple[Tensor, Tensor]] = []
   mask: Tensor | None = None
   for i, (kc, vc) in enumerate(caches):
     p = f"transformer.h.{i}."
-    def lin(x: Tensor, name: str, out: int, inn: int) -> Tensor: return x.linear(w(p + name + ".weight", out, inn), w(p + name + ".bias", out))  # noqa: B023
+    def lin(x: Tensor, name: str, out: int, inn: int) -> Tensor: return _linear(x, w.mat(p + name + ".weight", out, inn), w(p + name + ".bias", out))  # noqa: B023
     qkv = lin(_norm(cfg, w, x, p + "ln_1"), "attn.c_attn", 3 * d, d)
     q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(seq, cfg.num_heads, hd) for j in range(3))
     kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
@@ -200,7 +224,7 @@ def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> For
     new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "transformer.ln_f")
-  return Forward(x.linear(Tensor(wte)), new_kv)
+  return Forward(_linear(x, wte), new_kv)
 
 
 def forward(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool = False) -> Forward:

@@ -1,0 +1,65 @@
+"""Matrices kept in their stored format (qweight.py) against the numpy oracle: the planes dequantise to what
+Checkpoint.tensor gives bit for bit, and a model whose matrices stay packed gives the float32 path's logits to float32
+accumulation order."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoint_files import hf_weights, tiny_config, write_gguf
+
+from kiln.graph import Tensor
+from kiln.llm import load
+from kiln.llm.checkpoint_open import open_checkpoint
+from kiln.llm.qweight import PACKED, QuantWeight, pack
+from kiln.llm.runtime import Runner
+
+IDS = [1, 5, 7, 3, 9, 2]
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_planes_dequantise_as_the_oracle(tmp_path: Path, fmt: str) -> None:
+  """Each matrix of a llama (Q and K rows permuted in the file) as planes: no more bytes than the file's, the dequantised
+  matrix equal to Checkpoint.tensor's bit for bit, and an embedding lookup its rows."""
+  cj = tiny_config("llama", num_hidden_layers=1)
+  write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=3), fmt=lambda n: fmt)
+  ck = open_checkpoint(tmp_path / "m.gguf")
+  for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+    qt = ck.quant(name)
+    qw = pack(qt)
+    assert isinstance(qw, QuantWeight) and qw.format == fmt and qw.shape == qt.shape, name
+    assert qw.nbytes <= qt.data.nbytes, name
+    want = ck.tensor(name)
+    np.testing.assert_array_equal(qw.matrix().numpy().T.view(np.uint32), want.view(np.uint32), err_msg=name)
+  emb = pack(ck.quant("model.embed_tokens.weight"))
+  assert emb is not None
+  np.testing.assert_array_equal(emb.embedding(Tensor(np.array([3, 0, 3], np.int32))).numpy(), ck.tensor("model.embed_tokens.weight")[[3, 0, 3]])
+
+
+def test_formats_left_to_float32(tmp_path: Path) -> None:
+  """Q5_0 (not packed) and the vectors come back as None: load() dequantises them."""
+  cj = tiny_config("llama", num_hidden_layers=1)
+  write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=3), fmt=lambda n: "Q5_0")
+  ck = open_checkpoint(tmp_path / "m.gguf")
+  assert pack(ck.quant("model.layers.0.mlp.up_proj.weight")) is None and pack(ck.quant("model.norm.weight")) is None
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("phi3", "BF16"), ("gpt2", "Q8_0")])
+def test_packed_model_logits_match_the_float32_path(tmp_path: Path, arch: str, fmt: str) -> None:
+  """load() keeps every matrix packed (none is a float32 array) and its logits, prefill and decode, are the float32
+  path's (each weight dequantised by numpy at load) to 1e-4 of the largest logit."""
+  cj = tiny_config(arch, num_hidden_layers=1)
+  write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=5, scale=0.2), fmt=lambda n: fmt)
+  llm = load(tmp_path / "m.gguf", context=16, chunk=4)
+  got = llm.logits(IDS)
+  mats = [n for n in llm.checkpoint.names() if len(llm.checkpoint.shape(n)) == 2]
+  assert mats and all(isinstance(llm.runner.get(n), QuantWeight) for n in mats)
+  ref = Runner(llm.config, llm.checkpoint.tensor, ctx=16, chunk=4)
+  want = ref.feed(IDS, last_only=False)
+  tol = 1e-4 * np.abs(want).max()
+  assert np.abs(got - want).max() <= tol
+  if arch == "llama":  # the decode plan (one row: its products fuse the dequantisation)
+    llm.runner.reset(3)
+    ref.reset(3)
+    assert np.abs(llm.runner.feed([IDS[3]]) - ref.feed([IDS[3]])).max() <= tol
