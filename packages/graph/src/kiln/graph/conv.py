@@ -58,8 +58,9 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window,
   of its input realized first where that input is computed (every tap reads each element), padded by a copy where it
   is strided along its rows; where its output rows are narrower than BLOCK, in the blocked channel layout
-  (_window_conv_blocked), whose vector runs across channels instead of along a row. Before any of this, kernel taps
-  that read only padding are dropped (_live_taps)."""
+  (_window_conv_blocked), whose vector runs across channels instead of along a row. A conv of one input channel per
+  group and several outputs is such a depthwise conv over its input's channels repeated (_repeat_channels). Before any
+  of this, kernel taps that read only padding are dropped (_live_taps)."""
   d = weight.ndim - 2
   if x.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {x.shape} and weight {weight.shape} need the same rank >= 3")
   sym.require_static("conv", x.shape, range(1, x.ndim))
@@ -77,7 +78,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
   if cg == 1 and og > 1 and DEPTHWISE_MULTIPLIER:  # each input channel feeds og outputs: depthwise over the channels repeated
-    x, groups, og = _repeat_channels(x.contiguous() if _computes(x.node) else x, og), o, 1
+    x, groups, og = _repeat_channels(x, og), o, 1
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
     if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)

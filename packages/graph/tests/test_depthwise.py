@@ -1,0 +1,35 @@
+"""Mobile-net convs that lower as depthwise window sums (conv.py): a conv with one input channel per group and several
+outputs each (a depthwise multiplier, FastViT's downsampling) against numpy, in the blocked layout and in NCHW."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_conv import conv_ref
+
+from kiln.graph import Tensor, compile
+from kiln.ir.ops import Ops
+
+RNG = np.random.default_rng(41)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+# (input shape, outputs per input channel, kernel, stride, padding, the window sum's kernel): narrow rows take the
+# blocked layout (C*r channels in blocks of 16), rows of 16 and more NCHW
+MULTIPLIER = [((2, 6, 8, 8), 2, 7, 2, 3, "reduce_2x1x4x4x16"), ((1, 5, 6, 6), 3, 3, 1, 1, "reduce_1x1x6x6x16"),
+              ((2, 3, 8, 20), 2, 3, 1, 1, "reduce_2x6x8x20"), ((1, 4, 9, 34), 3, 5, 2, 2, "reduce_1x12x5x17")]
+
+
+@pytest.mark.parametrize("xs,r,k,stride,padding,window_sum", MULTIPLIER)
+def test_depthwise_multiplier_is_a_depthwise_window_sum(xs, r, k, stride, padding, window_sum: str) -> None:
+  """Each input channel read by r output channels (groups = C, O = C*r): the conv runs as a depthwise one over the
+  channels repeated r times, its window sum over the output's channels (one kernel tap a step); its input, computed (a
+  relu), against numpy. As a product of one row per group its window sum was over (N, C, r, 1, P)."""
+  x, w, b = rand(*xs), rand(xs[1] * r, 1, k, k), rand(xs[1] * r)
+  c = compile([Tensor.input("x", xs).relu().conv2d(Tensor(w), Tensor(b), stride=stride, padding=padding, groups=xs[1])])
+  sums = [kk.ast.arg for kk in c.kernels if any(u.op is Ops.REDUCE for u in kk.ast.toposort())]
+  assert sums == [window_sum], c.plan.describe()
+  pads = [(padding, padding)] * 2
+  want = conv_ref(np.maximum(x, 0), w, b, [stride] * 2, pads, [1, 1], xs[1])
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
