@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx_case import RNG, N, check, f32, helper, model
 
@@ -212,20 +213,84 @@ def test_topk_over_a_symbolic_axis_with_a_fed_k(largest: int) -> None:
     km.run({"x": np.zeros((3, 5), np.float32), "k": i64(6)})
 
 
-def test_a_length_deciding_an_if_whose_branch_needs_a_cut_falls_back_to_per_value() -> None:
-  """NonZero's count decides an If ("no nonzero?") whose else branch reads a count back itself: with the count a variable
-  the If is chosen at run time, and a cut inside a run-time branch is refused, so the length is not bound (it says why)
-  and the rest is converted per count, where the If folds: every run gives onnxruntime's answer."""
+def test_a_length_deciding_an_if_whose_branch_reads_a_value_back_compiles_once() -> None:
+  """NonZero's count decides an If ("no nonzero?") whose else branch reads a count back itself (torchvision's batched_nms):
+  with the count a variable the If cannot be a run-time branch (a cut inside one), so the graph is cut before it on its
+  condition, and both continuations are compiled at load, the count still a variable in each: no run compiles a kernel,
+  whatever the count, and every run gives onnxruntime's answer (the then branch for no nonzero)."""
   then = helper.make_graph([helper.make_node("Constant", [], ["t"], value=helper.make_tensor("v", 7, [], [0]))], "then", [],
                            [helper.make_tensor_value_info("t", 7, [])])
   other = helper.make_graph([helper.make_node("NonZero", ["x"], ["z"]), helper.make_node("ReduceSum", ["z"], ["r"], keepdims=0)], "else", [],
                             [helper.make_tensor_value_info("r", 7, [])])
   m = model([N("NonZero", ["x"], ["y"]), N("Shape", ["y"], ["s"]), N("Gather", ["s", "one"], ["g"]), N("Cast", ["g"], ["f"], to=1),
-             N("Equal", ["f", "zero"], ["c"]), N("If", ["c"], ["o"], then_branch=then, else_branch=other)],
+             N("Equal", ["f", "zero"], ["c"]), N("If", ["c"], ["o"], then_branch=then, else_branch=other, name="if")],
             {"x": f32(3, 4)}, {"o": np.int64}, {"zero": np.float32(0).reshape(()), "one": i64(1).reshape(())})
   km = konnx.load(m)
   assert km.program is not None
-  spec = km.program.specialisations()[0]
-  assert spec.unbounded is not None and spec.unbounded.startswith("a branch chosen at run time could not be converted")
-  for x in (f32(3, 4), np.zeros((3, 4), np.float32), np.eye(3, 4, dtype=np.float32)):
-    check(m, {"x": x})
+  specs = km.program.specialisations()
+  assert [s.unbounded for s in specs] == [None] * len(specs)
+  assert specs[1].cut.label == "node if (If)" and specs[1].compiles == 2  # both conditions, at load
+  before, counts = cache_stats()["compiles"], compiles(km)
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for x in (f32(3, 4), np.zeros((3, 4), np.float32), np.eye(3, 4, dtype=np.float32), f32(3, 4)):
+    np.testing.assert_array_equal(km.run({"x": x})["o"], sess.run(None, {"x": x})[0])
+  assert cache_stats()["compiles"] == before and compiles(km) == counts
+
+
+def test_an_if_whose_outputs_differ_in_shape_by_branch_is_cut_on_its_condition() -> None:
+  """A run-time If whose then branch gives an empty (0,) and else branch a (4,) cannot be one Switch: the main graph is cut
+  on its condition, both continuations compiled at load, and each run gives the branch's own shape."""
+  then = helper.make_graph([helper.make_node("Constant", [], ["t"], value=helper.make_tensor("v", 1, [0], []))], "then", [],
+                           [helper.make_tensor_value_info("t", 1, None)])
+  other = helper.make_graph([helper.make_node("Neg", ["x"], ["r"])], "else", [], [helper.make_tensor_value_info("r", 1, None)])
+  m = model([N("ReduceSum", ["x"], ["sm"], keepdims=0), N("Less", ["sm", "zero"], ["c"]),
+             N("If", ["c"], ["o"], then_branch=then, else_branch=other, name="if"), N("Relu", ["o"], ["y"])],
+            {"x": f32(4)}, {"y": np.float32}, {"zero": np.float32(0).reshape(())})
+  km = konnx.load(m)
+  assert km.program is not None and compiles(km) == [2]
+  before = cache_stats()["compiles"]
+  for x in (np.array([1, 2, -1, 0.5], np.float32), np.array([-1, -2, 1, 0.5], np.float32)):
+    got = km.run({"x": x})["y"]
+    np.testing.assert_array_equal(got, np.zeros(0, np.float32) if x.sum() < 0 else np.maximum(-x, 0))
+  assert cache_stats()["compiles"] == before
+
+
+def test_a_slice_to_a_fixed_end_of_a_length_read_back_is_a_capped_variable() -> None:
+  """[0:6] of NonZero's positions (torchvision's keep[:detections_per_img]) is min(6, count) rows: a capped variable each run
+  binds from the count, so the rest is compiled once at load; counts below, at and above 6, and none. The same of a model
+  input's symbolic dim."""
+  m = model([N("NonZero", ["x"], ["y"]), N("Slice", ["y", "z", "e", "one"], ["s"]), N("Neg", ["s"], ["o"])],
+            {"x": f32(4, 5)}, {"o": np.int64}, {"z": i64(0), "e": i64(6), "one": i64(1)})
+  km = konnx.load(m)
+  assert compiles(km) == [1] and km.program is not None and km.program.specialisations()[0].unbounded is None
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  before = cache_stats()["compiles"]
+  for x in (f32(4, 5), np.zeros((4, 5), np.float32), np.eye(4, 5, dtype=np.float32), np.ones((4, 5), np.float32), np.eye(4, 5, 1, dtype=np.float32)):
+    got, want = km.run({"x": x})["o"], sess.run(None, {"x": x})[0]
+    assert got.shape == want.shape and (got == want).all()
+  assert cache_stats()["compiles"] == before
+  inits = [helper.make_tensor(k, 7, [1], v) for k, v in (("z", [0]), ("e", [3]), ("one", [0]))]
+  g = helper.make_graph([N("Slice", ["x", "z", "e", "one"], ["s"]), N("Relu", ["s"], ["o"])], "g", [helper.make_tensor_value_info("x", 1, ["n", 2])],
+                        [helper.make_tensor_value_info("o", 1, ["m", 2])], inits)
+  km = konnx.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), dims={"n": (1, 8)})
+  for n in (1, 3, 8):
+    x = f32(n, 2, lo=-1)
+    np.testing.assert_array_equal(km.run({"x": x})["o"], np.maximum(x[:3], 0))
+
+
+def test_nms_over_boxes_of_a_length_read_back_compiles_once() -> None:
+  """As torchvision's detectors: NonMaxSuppression over the boxes TopK keeps, k fed (a length each run binds): the host step
+  reads this run's boxes, and the selection's bound is the boxes' bound; one compile at load for every k."""
+  b, s = np.abs(f32(1, 40, 4)) * 3, f32(1, 40, lo=0, hi=1)
+  b[..., 2:] += b[..., :2]
+  m = model([N("TopK", ["s", "k"], ["v", "i"], axis=1), N("Gather", ["b", "i"], ["bk"], axis=1), N("Squeeze", ["bk", "zero"], ["bs"]),
+             N("Unsqueeze", ["v", "one"], ["vs"]), N("NonMaxSuppression", ["bs", "vs", "mx", "iou"], ["sel"])],
+            {"b": b, "s": s, "k": i64(10)}, {"sel": np.int64}, {"mx": i64(5), "iou": np.array([0.3], np.float32), "zero": i64(0), "one": i64(1)})
+  km = konnx.load(m)
+  assert km.program is not None and all(sp.unbounded is None for sp in km.program.specialisations())
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  before = cache_stats()["compiles"]
+  for k in (10, 0, 40, 3):
+    feeds = {"b": b, "s": s, "k": i64(k)}
+    np.testing.assert_array_equal(km.run(feeds)["sel"], sess.run(None, feeds)[0])
+  assert cache_stats()["compiles"] == before

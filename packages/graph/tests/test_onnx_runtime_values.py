@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx_case import N, f32, helper, model, ort
+from onnx_case import N, check, f32, helper, model, ort
 
 from kiln.graph import onnx as konnx
 from kiln.graph import specialise
@@ -136,11 +136,21 @@ def test_fed_dropout_training_mode() -> None:
 
 
 def test_where_kiln_does_not_specialise_it_refuses_at_load() -> None:
+  """Over MAX_SPECIALISED_ELEMENTS, or inside a Loop body, a value computed at run time is refused at load; in a run-time If
+  of the main graph the If is cut on its condition first, so its branch may cut again."""
   x = f32(2, 6)
   big = model([N("Reshape", ["x", "s"], ["y"], name="rs")], {"x": x, "s": np.ones(65, np.int64)}, {"y": np.float32})
   with pytest.raises(ONNXError, match=r"node rs \(Reshape.*up to 65 elements.*MAX_SPECIALISED_ELEMENTS = 64"): konnx.load(big)
   then = helper.make_graph([N("Reshape", ["x", "s"], ["t"])], "then", [], [helper.make_tensor_value_info("t", 1, None)])
   other = helper.make_graph([N("Identity", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", 1, None)])
   sub = model([N("If", ["c"], ["y"], then_branch=then, else_branch=other)], {"x": x, "c": np.array(True), "s": i64(6, 2)}, {"y": np.float32})
+  for c in (True, False):  # in the main graph the If is cut on its condition, and its then branch on the shape
+    check(sub, {"x": x, "c": np.array(c), "s": i64(6, 2)})
+  loop_body = helper.make_graph([N("Identity", ["c_in"], ["c_out"]), N("If", ["c"], ["w"], then_branch=then, else_branch=other)], "body",
+                                [helper.make_tensor_value_info("i", 7, []), helper.make_tensor_value_info("c_in", 9, []),
+                                 helper.make_tensor_value_info("v", 1, None)],
+                                [helper.make_tensor_value_info("c_out", 9, []), helper.make_tensor_value_info("w", 1, None)])
+  looped = model([N("Loop", ["m", "", "x"], ["y"], body=loop_body)], {"x": x, "c": np.array(True), "s": i64(6, 2)}, {"y": np.float32},
+                 {"m": np.array(2, np.int64)})
   with pytest.raises(ONNXError, match=r"input 1 \(shape\) is computed at run time: kiln specialises .* only in its main graph"):
-    konnx.load(sub).run({"x": x, "c": np.array(True), "s": i64(6, 2)})
+    konnx.load(looped).run({"x": x, "c": np.array(True), "s": i64(6, 2)})

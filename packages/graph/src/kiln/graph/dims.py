@@ -40,6 +40,42 @@ def variable(name: str, lo: int, hi: int) -> UOp:
   return UOp.variable(name, lo, hi)
 
 
+CAPPED = "__upto"  # a capped variable's name: f"{CAPPED}{cap}__{source}", its value min(cap, source's): the name says how to bind it
+
+
+def capped(v: UOp, cap: int) -> UOp:
+  """min(cap, v) as a variable of its own (a Slice [0:300] of an axis of a length read back at run time, which may be
+  shorter): every run binds it from v's value, so it needs no registry (value_of)."""
+  lo, hi = v.arg[1], v.arg[2]
+  return variable(f"{CAPPED}{cap}__{v.arg[0]}", min(lo, cap), min(hi, cap))
+
+
+def _capped_of(name: str) -> tuple[int, str] | None:
+  """(cap, source) of a capped variable's name, None for any other."""
+  if not name.startswith(CAPPED) or "__" not in (rest := name[len(CAPPED):]): return None
+  cap, source = rest.split("__", 1)
+  return (int(cap), source) if cap.isdigit() else None
+
+
+def source_of(name: str) -> str:
+  """The variable a capped one is bound from (itself for any other)."""
+  while (c := _capped_of(name)) is not None: name = c[1]
+  return name
+
+
+def value_of(name: str, vals: Mapping[str, int]) -> int:
+  """A variable's value in a run: bound in vals, or a capped variable's from its source's."""
+  if (got := vals.get(name)) is not None: return got
+  if (c := _capped_of(name)) is None: raise KeyError(name)
+  return min(c[0], value_of(c[1], vals))
+
+
+def with_capped(vals: Mapping[str, int], names: Iterable[str]) -> Mapping[str, int]:
+  """vals with the capped variables among names bound (the plan's variables: its executor reads them by name)."""
+  missing = [n for n in names if n not in vals and _capped_of(n) is not None]
+  return vals if not missing else {**vals, **{n: value_of(n, vals) for n in missing}}
+
+
 def _names(vs: tuple[UOp, ...]) -> tuple[str, ...]: return tuple(v.arg[0] for v in vs)
 
 
@@ -168,7 +204,7 @@ def max_numel(shape: Iterable[Dim]) -> int:
 
 def evaluate(d: Dim, vals: Mapping[str, int]) -> int:
   out = 0
-  for vs, c in terms(d).items(): out += c * math.prod(vals[v.arg[0]] for v in vs)
+  for vs, c in terms(d).items(): out += c * math.prod(value_of(v.arg[0], vals) for v in vs)
   return out
 
 
@@ -219,9 +255,9 @@ def divides(a: Dim, b: Dim) -> bool:
 def span(n: Dim, b: Dim | None, e: Dim | None, what: str) -> tuple[Dim, Dim]:
   """(start, length) of [b:e] (step 1) on an axis of n elements, by Python's rules: None is an end of the axis, a negative
   int counts from the end, an end past the axis is its end. b and e are ints or dims. The result is exact when
-  0 <= start and end <= n for every value in the bounds (else a GraphError names the bound: Python would clamp it for
-  some sizes only, and min(e, n) is no dim kiln makes); length >= 0 is left to the run-time check of `negative` dims
-  where the bounds cannot prove it ([1:] of a seq that may be 0)."""
+  0 <= start and end <= n for every value in the bounds, or for [0:e] of an axis of one variable's length (min(e, n):
+  a capped variable); else a GraphError names the bound (Python would clamp it for some sizes only); length >= 0 is left
+  to the run-time check of `negative` dims where the bounds cannot prove it ([1:] of a seq that may be 0)."""
   def at(x: Dim | None, default: Dim) -> Dim:
     if x is None: return default
     if isinstance(x, UOp) and dmin(x) < 0: raise GraphError(f"{what}: the bound {fmt(x)} may be negative")
@@ -230,6 +266,9 @@ def span(n: Dim, b: Dim | None, e: Dim | None, what: str) -> tuple[Dim, Dim]:
   start, end = at(b, 0), at(e, n)
   over = _bounds(_add_terms(terms(end), terms(n), -1))  # end - n, in Python ints (INT64_MAX is no int32 dim)
   if over[0] >= 0: end = n  # past the end for every size (INT64_MAX, an int >= n's upper bound)
+  elif over[1] > 0 and isinstance(e, int) and isinstance(start, int) and start == 0 and len(vs := variables([n])) == 1 \
+      and terms(n) == {tuple(vs): 1}:
+    end = capped(vs[0], e)  # [0:e] of an axis of v elements: min(e, v), a variable bound from v's value each run
   elif over[1] > 0:
     raise GraphError(f"{what}: the end {fmt(end)} lies past the axis' {fmt(n)} for some sizes, so the length would be min({fmt(end)}, {fmt(n)}), "
                      "which is no dim kiln makes")

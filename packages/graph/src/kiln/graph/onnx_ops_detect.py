@@ -94,7 +94,6 @@ def _nms(n: OnnxNode) -> Value:
   if boxes.ndim != 3 or scores.ndim != 3 or boxes.shape[2] != 4 or boxes.shape[0] != scores.shape[0] or boxes.shape[1] != scores.shape[2]:
     raise n.error(f"boxes {sym.fmt_shape(boxes.shape)} and scores {sym.fmt_shape(scores.shape)} must be (batches, boxes, 4) and "
                   "(batches, classes, boxes)")
-  sym.static_shape("NonMaxSuppression", (*boxes.shape, *scores.shape))
   if any((v.dtype.np if isinstance(v, Tensor) else v.dtype) != np.float32 for v in (boxes, scores)):
     raise n.error("boxes and scores must be float32 (as onnxruntime's kernel)")
   opts = [n.ins[i] if i < len(n.ins) else None for i in (2, 3, 4)]
@@ -112,8 +111,7 @@ def _nms(n: OnnxNode) -> Value:
   ins = [boxes, scores, *[v for v in opts if v is not None]]
   if all(isinstance(v, np.ndarray) for v in ins): return run([v for v in ins[:2] if isinstance(v, np.ndarray)])  # all known at load
   reads = [v if isinstance(v, Tensor) else Tensor(v) for v in (boxes, scores)] + [v for v in opts if isinstance(v, Tensor)]
-  nb, nbox, ncls = sym.static_dim("NonMaxSuppression", boxes.shape, 0), sym.static_dim("NonMaxSuppression", boxes.shape, 1), \
-    sym.static_dim("NonMaxSuppression", scores.shape, 1)
+  nb, nbox, ncls = (sym.dmax(d) for d in (boxes.shape[0], boxes.shape[1], scores.shape[1]))  # symbolic: the host reads this run's
   per_class = nbox if not isinstance(opts[0], np.ndarray) else min(nbox, max(int(opts[0].reshape(-1)[0]), 0))
   return n.read_back("the boxes NonMaxSuppression keeps", reads, run, Length(nb * ncls * per_class, (3,), np.int64))
 

@@ -6,6 +6,7 @@ so that OPS names every operator kiln converts.
 |------|----------------------------------------|-------------------------------------------------------------------------------|
 | If   | the condition (a constant, or folded from static shapes: the usual torch export) | converts the branch taken, in place |
 | If   | nothing (computed at run time)         | converts both: constant outputs of one shape are a Where, else a run-time branch (program.py) |
+| If   | nothing; a branch reads a value back, or outputs differ in shape | cut on the condition, the rest converted for each (specialise.py) |
 | Loop | trip count M and each iteration's condition | unrolled: the body once per iteration, carried values passed on, scan outputs stacked |
 | Loop | M or a condition computed at run time, no scan outputs | a run-time loop (program.RunLoop): the body compiled once, each run steps it |
 | Scan | the sequence length (opset 9 on)       | unrolled the same way, each input sliced along its axis, in its direction      |
@@ -26,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph.lazy import Node, ONNXError
+from kiln.graph.onnx_empty import is_empty
 from kiln.graph.onnx_ops import OPS, OnnxNode, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
 from kiln.graph.program import Body, Branch, RunLoop, placeholder
@@ -43,11 +46,11 @@ def initializers(n: OnnxNode, ctx: Ctx, graph: Any, where: str) -> dict[str, Val
 
 
 def run_graph(n: OnnxNode, ctx: Ctx, graph: Any, where: str, binds: list[Value], env: dict[str, Value], body: Body | None = None,
-              inits: dict[str, Value] | None = None) -> list[Value]:
+              inits: dict[str, Value] | None = None, folded: bool = False) -> list[Value]:
   """Convert a subgraph of node n (`where`: its attribute, e.g. 'then_branch' or 'body (iteration 3)') in a scope of its own
   over env, its inputs bound to binds; its outputs' values. body: where its run-time branches are recorded (default: the
-  enclosing scope's, as for an unrolled loop's body). inits: its initializers, if already read."""
-  sub = ctx.sub(f"{n.name} > {where}", body)
+  enclosing scope's, as for an unrolled loop's body). inits: its initializers, if already read; folded: the branch an If known at load takes."""
+  sub = ctx.sub(f"{n.name} > {where}", body, folded)
   if len(binds) != len(graph.input): raise n.error(f"{where} takes {len(graph.input)} inputs, {n.op} gives it {len(binds)}")
   scope = Scope(env)
   scope.update(initializers(n, ctx, graph, where) if inits is None else inits)
@@ -99,7 +102,7 @@ def _if(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   if any(g is None for g in graphs.values()): raise n.error("attributes then_branch and else_branch are required")
   if isinstance(c, np.ndarray):  # known at load: only the branch taken is converted (the other may not even convert)
     attr = "then_branch" if bool(c.reshape(-1)[0]) else "else_branch"
-    try: return run_graph(n, ctx, graphs[attr], attr, [], env)
+    try: return run_graph(n, ctx, graphs[attr], attr, [], env, folded=True)
     except RuntimeValue as e:  # a value the branch reads back: the rest of the branch, then of the graph, resume for it (onnx.py)
       e.frames.append((n.proto, graphs[attr]))
       raise
@@ -117,10 +120,17 @@ def _if(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
       body.refused, body.branches = f"node {n.name} (If) took its {attr}, which kiln could not convert at load: {e}", []
       outs.append(None)
       failed.append(e)
+  if ctx.cuts and any(isinstance(e, RuntimeValue) for e in failed): _cut_on(n, c, "a branch reads a value back")
   if len(failed) == 2: raise failed[0]
   want = len(n.proto.output)
   for attr, vals in zip(graphs, outs):
     if vals is not None and len(vals) != want: raise n.error(f"{attr} gives {len(vals)} outputs; the node has {want}")
+  if ctx.cuts:
+    if outs[0] is not None and outs[1] is not None:
+      for k, (a, b) in enumerate(zip(*outs)):
+        if tuple(a.shape) != tuple(b.shape):
+          _cut_on(n, c, f"output {k} is {sym.fmt_shape(a.shape)} in then_branch, {sym.fmt_shape(b.shape)} in else_branch")
+    if any(is_empty(v) for vals in outs for v in vals or []): _cut_on(n, c, "a branch gives an empty output")  # no Tensor holds one
   ts = [None if vals is None else [_as_tensor(n, k, attr, v) for k, v in enumerate(vals)] for attr, vals in zip(graphs, outs)]
   then, other = (t or ts[1 - i] for i, t in enumerate(ts))
   assert then is not None and other is not None
@@ -135,6 +145,16 @@ def _if(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   for body, t in zip(bodies, ts): body.outputs = [] if t is None else [v.node for v in t]
   ctx.body.branches.append(Branch(f"node {n.name} (If)", c.node, [v.node for _, v in caps], bodies[0], bodies[1], phs))
   return [Tensor(p) for p in phs]
+
+
+def _cut_on(n: OnnxNode, c: Tensor, why: str) -> None:
+  """Raise the RuntimeValue that cuts the main graph before If n, on its condition c: the rest of the graph is converted for
+  each value of c (two continuations, both compiled at load: specialise.py), where the If folds to its branch. Chosen where
+  a run-time branch cannot be a Switch (why): a branch reads a value back (torchvision's batched_nms on 'no boxes?'), or an
+  output's shape differs by branch."""
+  text = f"input 0 (cond) is computed at run time, and {why}"
+  raise RuntimeValue(str(n.error(f"{text}: kiln converts the rest of a model for each condition only in its main graph (or a branch of "
+                                 "an If known at load), not inside a Loop or Scan body or a run-time If's branch")), n, 0, text)
 
 
 def _carry(v: Value) -> Value:

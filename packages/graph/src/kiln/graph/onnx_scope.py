@@ -54,12 +54,14 @@ class Ctx:
   body: Body
   path: str = ""
   depth: int = 0
+  cuts: bool = True  # whether the main graph can be cut here: in it, or in a branch of an If known at load (specialise.py)
 
-  def sub(self, where: str, body: Body | None = None) -> Ctx:
-    """The context of a subgraph one level deeper: `where` is its node's path-qualified name and attribute ('If_3 > then_branch')."""
+  def sub(self, where: str, body: Body | None = None, folded: bool = False) -> Ctx:
+    """The context of a subgraph one level deeper: `where` is its node's path-qualified name and attribute ('If_3 > then_branch');
+    folded: the branch an If known at load takes (the main graph may still be cut in it)."""
     if self.depth + 1 > MAX_GRAPH_NESTING:
       raise ONNXError(f"node {where}: subgraphs nest {self.depth + 1} deep, over MAX_GRAPH_NESTING = {MAX_GRAPH_NESTING}")
-    return replace(self, path=f"{where} > node ", depth=self.depth + 1, body=self.body if body is None else body)
+    return replace(self, path=f"{where} > node ", depth=self.depth + 1, body=self.body if body is None else body, cuts=self.cuts and folded)
 
 
 def subgraphs(node: Any) -> Iterator[tuple[str, Any]]:

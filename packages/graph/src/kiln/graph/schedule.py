@@ -35,7 +35,7 @@ from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph import progress
-from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, variables
+from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, source_of, variables, with_capped
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.kernelize import Kernel, Kernelizer, stored_dtype
@@ -267,6 +267,7 @@ class Compiled:
         raise GraphError(f"vars: {name} = {v!r} is outside the bounds [{lo}, {hi}] it was compiled for")
       if name in vals and vals[name] != v: raise GraphError(f"vars: {name} = {v}, but the feeds give {name} = {vals[name]}")
       vals[name] = int(v)
+    vals = dict(with_capped(vals, self.variables))
     if missing := sorted(set(self.variables) - set(vals)):
       raise GraphError(f"variables {missing} are a dim of no fed input (only of bound buffers): give them with run(feeds, vars={{...}})")
     check_sizes(self.sizes, vals)
@@ -318,7 +319,7 @@ def _variables(nodes: Sequence[Node], inputs: Mapping[str, _Input], bound: Seque
       if (prev := found.setdefault(v.arg[0], v)) is not v:
         raise GraphError(f"dim {v.arg[0]!r} has two sets of bounds: {prev.arg[1:]} and {v.arg[1:]}")
   fed = {d.arg[0] for i in inputs.values() for d in i.shape if isinstance(d, UOp)} | {v.arg[0] for n in bound for v in variables(n.shape)}
-  if missing := sorted(set(found) - fed):
+  if missing := sorted(k for k in found if source_of(k) not in fed):  # a capped variable is bound from its source (dims.capped)
     raise GraphError(f"symbolic dims {missing} are not a dim of any input, so run() cannot learn their values")
   return found
 

@@ -29,8 +29,14 @@ are copied into the front of their slot). Only where that continuation cannot be
 after it that needs the length as a number: a Reshape to a shape computed from it) does the cut fall back to a continuation
 per value, as for the shape values above, and `Specialise.unbounded` says why.
 
-Only the main graph is cut, on values of at most MAX_SPECIALISED_ELEMENTS: inside an If's branch or a loop's body, or for
-a larger value, RuntimeValue (an ONNXError) is the refusal at load.
+A *condition* is the third: a run-time If in the main graph whose branch reads a value back (torchvision's batched_nms:
+"no boxes?" with NonMaxSuppression in the else branch) or gives an output of another shape cannot be a Switch, so the
+graph is cut before it on its condition (onnx_ops_flow._cut_on). Its two continuations, the If folded to each branch, are
+both compiled when the step is made, at load: a run picks one, as a Switch would, and none compiles. A length the
+condition is computed from stays a variable in both.
+
+Only the main graph (and a branch of an If known at load) is cut, on values of at most MAX_SPECIALISED_ELEMENTS: inside a
+run-time If's branch or a loop's body, or for a larger value, RuntimeValue (an ONNXError) is the refusal at load.
 """
 from __future__ import annotations
 
@@ -113,6 +119,13 @@ class Cut:
   @property
   def keep(self) -> list[Node]: return [v.node for v in self.env.values() if isinstance(v, Tensor)]
 
+  @property
+  def condition(self) -> Node | None:
+    """The one bool the cut reads back, where it is an If's condition (two values: both continuations compiled at load)."""
+    if self.host is not None or self.length is not None or len(self.needed) != 1: return None
+    node = self.needed[0][1]
+    return node if node.dtype.is_bool and node.max_numel == 1 and sym.is_static(node.shape) else None
+
   def step(self, needed: list[Slot], builder: Builder, done: dict[Node, Slot]) -> Specialise:
     """The Specialise that runs the rest of the graph at this cut (program.Builder.tail asks the cut for it, so program.py
     never imports this module: this one builds on it)."""
@@ -128,14 +141,32 @@ class Cut:
 
 
 def _refused_branch(tail: Tail) -> str | None:
-  """Why a branch of a run-time If in tail (or in the bound continuations after it) is refused, None if none is."""
+  """Why a branch of a run-time If in tail (or in the continuations compiled at load after it) is refused, None if none is."""
   todo: list[Any] = list(tail.steps)
-  if tail.then is not None and tail.then._bounded is not None: todo += tail.then._bounded[0].steps
+  if tail.then is not None and tail.then.at_load: todo += [s for t in tail.then.compiled() for s in t.steps]
   while todo:
     s = todo.pop()
     if isinstance(s, Refusal): return s.why
     if isinstance(s, Switch): todo += s.then + s.else_
     if isinstance(s, LoopStep): todo += s.body
+  return None
+
+
+def _needs_value(tail: Tail, var: UOp) -> str | None:
+  """Why the continuations after tail need the length var's value (None: they take it as a variable). A later cut converted
+  per value at run time must neither need a value computed from it as a number nor read tensors of its length; a bound
+  length's continuation, or a condition's two (compiled at load, the length a variable in each), are checked in turn."""
+  todo = [tail]
+  while todo:
+    later = todo.pop().then
+    if later is None: continue
+    if later.at_load:
+      todo += later.compiled()
+      continue
+    if _mentions([n for _, n in later.cut.needed], var):  # a value computed from the length, needed as a number
+      return f"{later.cut.label} needs a value computed from it ({', '.join(k for k, _ in later.cut.needed)}) as a number"
+    if _mentions(later.cut.keep, var):
+      return f"{later.cut.label} is converted per value at run time ({later.unbounded or 'not a length'}), and reads it"
   return None
 
 
@@ -171,6 +202,13 @@ class Specialise:
     self.before: dict[str, Any] = {}  # the values of the cuts this one follows (a chain), for messages
     self.unbounded: str | None = None  # why a length could not be bound (the continuation is then per value), None if it was
     self._bounded = self._bind() if cut.length is not None else None
+    if (c := cut.condition) is not None:
+      for value in (False, True): self._compiled_for({cut.needed[0][0]: np.full(sym.static_shape("an If's condition", c.shape), value)})
+
+  @property
+  def at_load(self) -> bool:
+    """Whether every continuation it runs was compiled when it was made: a length's bound one, or a condition's two."""
+    return self._bounded is not None or self.cut.condition is not None
 
   def compiled(self) -> list[Tail]:
     """The continuations compiled now: the bound one, or those cached, least recently used first."""
@@ -195,18 +233,9 @@ class Specialise:
     if (why := _refused_branch(tail)) is not None:  # a run-time If's branch it could not convert, the length still a variable
       self.unbounded = f"a branch chosen at run time could not be converted with it a variable: {why}"  # per value, it may fold
       return None
-    t: Tail | None = tail
-    while t is not None and t.then is not None:  # the later cuts of the chain: a bound one reads and binds its own length
-      later = t.then
-      if later._bounded is None:  # converted per value at run time, with this length still a variable where it reaches
-        if _mentions([n for _, n in later.cut.needed], var):  # a value computed from the length, needed as a number
-          self.unbounded = f"{later.cut.label} needs a value computed from it ({', '.join(k for k, _ in later.cut.needed)}) as a number"
-          return None
-        if _mentions(later.cut.keep, var):
-          self.unbounded = f"{later.cut.label} is converted per value at run time ({later.unbounded or 'not a length'}), and reads it"
-          return None
-        break
-      t = later._bounded[0]
+    if (why := _needs_value(tail, var)) is not None:
+      self.unbounded = why
+      return None
     return tail, slot
 
   def run(self, vals: dict[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
@@ -215,18 +244,23 @@ class Specialise:
     values = {name: read(s, vals) for (name, _), s in zip(self.cut.needed, self.needed)}
     fed = None if self.cut.host is None else self.cut.host(list(values.values()))  # a typed ONNXError for a bad value, each run
     if self._bounded is not None: return self._run_bound(vals, prof, values, fed)
-    key = (("host", fed.dtype.str, fed.shape),) if fed is not None else tuple((a.dtype.str, a.shape, a.tobytes()) for a in values.values())
-    if (hit := self._cache.get(key)) is not None: self._cache.move_to_end(key)
-    else:
-      ph = None if fed is None or fed.size == 0 else placeholder(fed.shape, dtypes.from_numpy(fed.dtype))
-      known = values if fed is None else {f"the rows of {self.cut.key}": np.asarray(fed.shape[0])}
-      env = values if fed is None else {self.cut.key: fed if ph is None else Tensor(ph)}
-      hit = self._cache[key] = self._continue(env, known, ph)
-      self.compiles += 1
-      if len(self._cache) > MAX_SPECIALISATIONS: self._cache.popitem(last=False)
-    tail, slot = hit
+    tail, slot = self._compiled_for(values, fed)
     if slot is not None and fed is not None: slot.buf.copyin(np.ascontiguousarray(fed))
     return tail.run(vals, prof)
+
+  def _compiled_for(self, values: dict[str, np.ndarray], fed: np.ndarray | None = None) -> tuple[Tail, Slot | None]:
+    """The continuation for these values read back (for a host step's value fed: its shape), compiled on a miss."""
+    key = (("host", fed.dtype.str, fed.shape),) if fed is not None else tuple((a.dtype.str, a.shape, a.tobytes()) for a in values.values())
+    if (hit := self._cache.get(key)) is not None:
+      self._cache.move_to_end(key)
+      return hit
+    ph = None if fed is None or fed.size == 0 else placeholder(fed.shape, dtypes.from_numpy(fed.dtype))
+    known = values if fed is None else {f"the rows of {self.cut.key}": np.asarray(fed.shape[0])}
+    env = values if fed is None else {self.cut.key: fed if ph is None else Tensor(ph)}
+    hit = self._cache[key] = self._continue(env, known, ph)
+    self.compiles += 1
+    if len(self._cache) > MAX_SPECIALISATIONS: self._cache.popitem(last=False)
+    return hit
 
   def _run_bound(self, vals: dict[str, int], prof: list[Any] | None, values: dict[str, np.ndarray],
                  fed: np.ndarray | None) -> list[Slot | np.ndarray]:
