@@ -104,15 +104,39 @@ def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
   if bad or r["rel_err"] > tol:
     return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale "
                 f"(onnxruntime without its graph optimizations moves {r['ort_noise']:.1e})"}
+  f0 = feeds[0]
+  ov = openvino(job["onnx"], f0, threads, want[0], r)
   kt: list[float] = []
   ot: list[float] = []
+  vt: list[float] = []
   spent = 0.0
-  f0 = feeds[0]
   while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
     kt.append(timed(lambda: km.run(f0)))
     ot.append(timed(lambda: sess.run(None, f0)))
-    spent += (kt[-1] + ot[-1]) / 1e3
+    if ov is not None: vt.append(timed(lambda: ov(f0)))  # noqa: B023
+    spent += (kt[-1] + ot[-1] + (vt[-1] if vt else 0.0)) / 1e3
+  if vt: r["ov_ms"] = statistics.median(vt)
   return r | {"status": "OK", "message": "", "kiln_ms": statistics.median(kt), "ort_ms": statistics.median(ot), "rounds": len(kt)}
+
+
+def openvino(path: str, feeds: dict[str, np.ndarray], threads: int, want: list[Any], r: dict[str, Any]) -> Any:
+  """OpenVINO (float32 hint, the same threads: kiln.graph.bench_peers) on the model, timed beside kiln where it loads and agrees
+  with onnxruntime (within TOL of each output's scale); r gets why not (ov_error) or how far it is (ov_rel_err). None: not timed."""
+  from kiln.graph.bench_peers import PEERS
+  peer = next(p for p in PEERS if p.name == "openvino")
+  if not peer.installed(): return None
+  try:
+    run = peer.load(path, {k: tuple(v.shape) for k, v in feeds.items()}, threads)
+    got = run(feeds)
+  except Exception as e:
+    r["ov_error"] = first_line(e)[:MESSAGE]
+    return None
+  pairs = [(np.asarray(g), w) for g, w in zip(got, want) if isinstance(w, np.ndarray)]
+  if len(got) != len(want) or any(g.shape != w.shape for g, w in pairs):
+    r["ov_error"] = "its outputs differ in number or shape from onnxruntime's"
+    return None
+  r["ov_rel_err"] = max((rel_error(g, w) for g, w in pairs), default=0.0)
+  return run
 
 
 def same_rows(got: list[np.ndarray], want: list[np.ndarray], tol: float) -> str | None:

@@ -3,7 +3,9 @@ matching export), totals per export kind and per model, the refusals ranked by h
 messages grouped by operator with node names and numbers taken out), then the crashes, timeouts and wrong results."""
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -54,13 +56,37 @@ def fmt(x: float | None, spec: str) -> str: return "" if x is None else format(x
 def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
   cells = [f"`{rec['name']}`"] + [SHORT.get(status_of(rec, v) or "", "") for v in cols]
   oks = [rec["results"][v] for v in TIMING_ORDER if rec["results"].get(v, {}).get("status") == "OK"]
-  t = oks[0] if oks else {}
+  t = timing(rec)
   err = max((r.get("rel_err", 0.0) for r in oks), default=None)
   ratio = t["kiln_ms"] / t["ort_ms"] if t and t.get("ort_ms") else None
-  cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f")]
+  ov = t["kiln_ms"] / t["ov_ms"] if t and t.get("ov_ms") else None
+  cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f"),
+            fmt(t.get("ov_ms"), ".2f"), fmt(ov, ".2f")]
   first = next((r for v in (*VARIANTS, "build") if (r := rec["results"].get(v)) and r["status"] != "OK"), None)
   cells.append("" if first is None else f"{first['variant']}: {short(first['message'])[:140]}".replace("|", "/"))
   return "| " + " | ".join(cells) + " |"
+
+
+def timing(rec: dict[str, Any]) -> dict[str, Any]:
+  """The timings of a model's first matching export (TIMING_ORDER), {} where none matched."""
+  return next((r for v in TIMING_ORDER if (r := rec["results"].get(v, {})).get("status") == "OK"), {})
+
+
+def _geomean(xs: list[float]) -> float: return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def speed(recs: list[dict[str, Any]]) -> list[str]:
+  """kiln's time over each peer's (lower is faster): geometric mean, median, how many models kiln is faster on, per family
+  and in all, then the models furthest behind onnxruntime."""
+  out = ["kiln ms / peer ms over the models timed (below 1: kiln is faster).", "",
+         "| family | peer | models | geomean | median | kiln faster on |", "|---|---|---|---|---|---|"]
+  for fam in [*sorted({r["family"] for r in recs}), "all"]:
+    rows = [timing(r) for r in recs if fam in ("all", r["family"])]
+    for peer, key in (("onnxruntime", "ort_ms"), ("OpenVINO f32", "ov_ms")):
+      xs = [t["kiln_ms"] / t[key] for t in rows if t.get(key)]
+      if xs: out.append(f"| {fam} | {peer} | {len(xs)} | {_geomean(xs):.2f} | {statistics.median(xs):.2f} | {sum(x < 1 for x in xs)} |")
+  slow = sorted(((t["kiln_ms"] / t["ort_ms"], r["name"]) for r in recs if (t := timing(r)).get("ort_ms")), reverse=True)[:12]
+  return out + ["", "Furthest behind onnxruntime: " + ", ".join(f"{n} {x:.2f}" for x, n in slow)]
 
 
 def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:
@@ -127,14 +153,15 @@ def markdown(recs: list[dict[str, Any]], header: str) -> str:
   recs = sorted(recs, key=lambda r: (r["family"], r["name"]))
   cols = tuple(v for v in VARIANTS if any(status_of(r, v) for r in recs))
   lines = [f"# kiln ONNX model zoo\n\n{header}\n", "## Totals\n", *totals(recs, cols), "", "## Refusals, ranked by models blocked\n", *refusals(recs),
+           "", "## Speed\n", *speed(recs),
            "", "## Wrong results, crashes, timeouts, no reference\n", *problems(recs), "", "## Export failures (torch's exporter, not kiln)\n",
            *export_failures(recs), "", "## Per model\n",
            "rel err: the largest |kiln - onnxruntime| over the matching exports, relative to each output's largest magnitude; load s, kiln ms, "
-           "ort ms: the first matching export among " + ", ".join(TIMING_ORDER) + " (median of interleaved runs, same thread count); first failure: "
-           "the first export that is not OK, and why.\n"]
+           "ort ms, ov ms (OpenVINO, INFERENCE_PRECISION_HINT f32): the first matching export among " + ", ".join(TIMING_ORDER) + " (median of "
+           "interleaved runs, same thread count); first failure: the first export that is not OK, and why.\n"]
   for fam in sorted({r["family"] for r in recs}):
     rows = [r for r in recs if r["family"] == fam]
     fcols = tuple(v for v in cols if any(status_of(r, v) for r in rows))
-    head = "| model | " + " | ".join(fcols) + " | rel err | load s | kiln ms | ort ms | kiln/ort | first failure |"
-    lines += [f"### {fam}\n", head, "|---" * (len(fcols) + 7) + "|", *[model_row(r, fcols) for r in rows], ""]
+    head = "| model | " + " | ".join(fcols) + " | rel err | load s | kiln ms | ort ms | kiln/ort | ov ms | kiln/ov | first failure |"
+    lines += [f"### {fam}\n", head, "|---" * (len(fcols) + 9) + "|", *[model_row(r, fcols) for r in rows], ""]
   return "\n".join(lines)
