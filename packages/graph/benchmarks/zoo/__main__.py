@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import re
 import shutil
 import signal
@@ -64,9 +65,9 @@ def main(argv: list[str]) -> int:
     finally:
       pool.shutdown(wait=False, cancel_futures=True)
       runner.kill_all()
-  header = (f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; {opts.threads} thread(s) for kiln and onnxruntime; "
-            f"only {opts.only!r}" if opts.only else f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; "
-            f"{opts.threads} thread(s) for kiln and onnxruntime")
+  target = f"kiln compiled for KILN_CPU={os.environ['KILN_CPU']}" if os.environ.get("KILN_CPU") else "kiln compiled for the host CPU"
+  header = (f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; {opts.threads} thread(s) for kiln, onnxruntime and "
+            f"OpenVINO; {target}" + (f"; only {opts.only!r}" if opts.only else ""))
   md = report.markdown(recs, header)
   if opts.markdown: Path(opts.markdown).write_text(md + "\n")
   print(md)
