@@ -33,3 +33,25 @@ def test_depthwise_multiplier_is_a_depthwise_window_sum(xs, r, k, stride, paddin
   pads = [(padding, padding)] * 2
   want = conv_ref(np.maximum(x, 0), w, b, [stride] * 2, pads, [1, 1], xs[1])
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def _silu(v: np.ndarray) -> np.ndarray: return v / (1 + np.exp(-v))
+
+
+@pytest.mark.parametrize("stride,padding,kernels", [(1, (1, 1), ["reduce_2x1x24x1x640", "reduce_2x24x20x32"]),
+                                                    (2, (0, 1), ["reduce_2x1x24x1x640", "elementwise_2x24x21x33", "reduce_2x24x10x16"])])
+def test_depthwise_reads_its_producers_buffer_through_the_pad(stride: int, padding: tuple[int, int], kernels: list[str]) -> None:
+  """A mobile block's expansion (1x1 conv, SiLU) and depthwise conv (NCHW: rows of 16 and more): the SiLU is the
+  product's epilogue, and the depthwise conv's realized input, which then only copied the product's buffer, is dropped:
+  the window sum (or, strided, its padded copy) reads the product's buffer through the NCHW reshape under the pad's
+  bounds test, a gated load at the unclamped index (a clamped one was a gather)."""
+  x, w1, w2 = rand(2, 8, 20, 32), rand(24, 8, 1, 1), rand(24, 1, 3, 3)
+  h = Tensor.input("x", x.shape).conv2d(Tensor(w1)).silu()
+  c = compile([h.conv2d(Tensor(w2), stride=stride, padding=[padding, padding], groups=24)])
+  assert [k.ast.arg for k in c.kernels] == kernels, c.plan.describe()
+  reader = c.kernels[1]  # reads the product's buffer through the pad
+  loads = [u for u in reader.ast.toposort() if u.op is Ops.INDEX and u.src[0].arg == 1]
+  assert loads and all(len(u.src) == 3 for u in loads), "the product's buffer is read by gated loads"
+  ref = _silu(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1))
+  want = conv_ref(ref, w2, None, [stride] * 2, [padding, padding], [1, 1], 24)
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)

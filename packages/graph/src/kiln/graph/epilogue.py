@@ -17,7 +17,8 @@ the one before.
 | T's readers read T                           | T's readers read T' reshaped to T's shape (index arithmetic, no copy)  |
 
 A chain stops at a node with several readers, a realized node or a graph output (each needs its own value), and at
-anything that is not a reshape or an elementwise op.
+anything that is not a reshape or an elementwise op. A reader that realized T's reshape (Tensor.contiguous: a depthwise
+conv realizes a computed input, read per tap) would now copy T' in its own order: it reads T' through the reshape instead.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from kiln.graph.dims import is_static
 from kiln.graph.lazy import Node, consumers, toposort
 
+# a realized reshape whose source became a reshape of a realized product is read in place, not copied (_copy_of_realized)
+DROP_COPIES = True
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
 # read nothing, so each source element is read once
 _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
@@ -119,5 +122,17 @@ def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:
     if n in moves:
       r, chain = moves[n]
       new[n] = _as_shape(_fused(r, chain, new), n.shape)
-    else: new[n] = n if all(new[s] is s for s in n.src) else _rebuild(n, tuple(new[s] for s in n.src))
+    elif all(new[s] is s for s in n.src): new[n] = n
+    elif n not in outs and _copy_of_realized(n, new[n.src[0]]):
+      new[n] = Node("VIEW", (new[n.src[0]],), n.arg, n.shape, n.dtype, origin=n.origin)  # the same reshape, inline
+    else: new[n] = _rebuild(n, tuple(new[s] for s in n.src))
   return new
+
+
+def _copy_of_realized(n: Node, src: Node) -> bool:
+  """Whether n realizes a reshape (Tensor.contiguous) whose source, rewritten, is now reshapes of a realized node: a conv
+  realizes its computed input before reading it per tap, and once that input's chain moved into its product the copy
+  would copy the product's buffer in the same order. Read through the reshape instead, it is one kernel fewer."""
+  if not (DROP_COPIES and n.realize and n.op == "VIEW" and n.arg[0] == "reshape"): return False
+  while src.op == "VIEW" and not src.realize and src.arg[0] == "reshape": src = src.src[0]
+  return src.realize

@@ -222,7 +222,15 @@ class Kernelizer:
 
   def _load(self, n: Node, idx: tuple[UOp, ...], valid: UOp | None = None) -> UOp:
     """n's element at idx from its buffer (gated by valid), in n's compute dtype."""
-    at = self.splits.flat(idx, n.shape)
+    return self._load_flat(n, self.splits.flat(idx, n.shape), valid)
+
+  def _reshaped(self, n: Node) -> Node:
+    """The node n is a reshape of (through reshapes computed inline), else n itself."""
+    while n.op == "VIEW" and n.arg[0] == "reshape" and n not in self.realized and n is not self.node: n = n.src[0]
+    return n
+
+  def _load_flat(self, n: Node, at: UOp, valid: UOp | None = None) -> UOp:
+    """n's element at the flat index `at` of its buffer (gated by valid), in n's compute dtype."""
     ix = self._global(n).index(at) if valid is None else self._global(n).index(at, valid)
     return ix.load().cast(compute_dtype(n.dtype))
 
@@ -300,10 +308,12 @@ class Kernelizer:
         valid = ok if valid is None else valid & ok
         sub.append(ZERO if sd == 1 else _clamp(j, sd))
         raw.append(ZERO if sd == 1 else j)
-      if valid is not None and (s in self.realized or s.op == "BUFFER") and s is not self.node:
+      base = self._reshaped(s)
+      if valid is not None and (base in self.realized or base.op == "BUFFER") and base is not self.node:
         # a buffer read under the pad's bounds test: a gated load at the unclamped index (it reads nothing outside), so
-        # the index stays affine in the output's lanes and a conv's packed panel copies each row run as one masked load
-        v = self._load(s, tuple(raw), valid)
+        # the index stays affine in the output's lanes and a conv's packed panel copies each row run as one masked load.
+        # Through reshapes too (a conv's product read as NCHW): a reshape keeps the flat index
+        v = self._load(s, tuple(raw), valid) if base is s else self._load_flat(base, self.splits.flat(tuple(raw), s.shape), valid)
       else: v = self.render(s, tuple(sub))
       return v if valid is None else valid.where(v, UOp.const(n.dtype, value).cast(compute_dtype(n.dtype)))
     raise GraphError(f"unknown view {kind}")
