@@ -176,12 +176,56 @@ def test_loop_at_run_time_compiles_once(trips: bool, monkeypatch: pytest.MonkeyP
   with pytest.raises(ONNXError, match=r"node lp \(Loop\) runs over MAX_LOOP_ITERATIONS = 4 iterations"): km.run(f)
 
 
-def test_loop_at_run_time_refuses_a_carried_value_that_changes_shape() -> None:
+@pytest.mark.parametrize("kind", ["fed M", "while", "M and a data condition"])
+def test_loop_at_run_time_with_scan_outputs_compiles_once(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+  """Scan outputs of a loop run a number of times known only at run time (M fed, a condition from data, or both): the body
+  is compiled once, each iteration writes its scan rows into slots with room for the bound, and the iterations run are a
+  length read back after the loop, so the rest of the model (here a Relu of each scan output and a ReduceSum over the
+  iterations) is compiled once too, at load: every run matches onnxruntime, 0 iterations included, and none compiles.
+  A run past the rows there is room for is refused, naming the loop."""
+  from kiln.graph import onnx_limits
+  stop = None if kind == "fed M" else 0
+  body = _loop_body(stop)
+  if stop is not None:  # the condition from data: i < lim, lim fed
+    body.node[0].input[:] = ["i", "lim_in"]
+  nodes = [N("Exp", ["x0"], ["x"]), N("Loop", ["" if kind == "while" else "M", "T", "y0"], ["y", "sy", "si"], body=body, name="lp"),
+           N("Relu", ["sy"], ["ry"]), N("ReduceSum", ["si"], ["ssum"], keepdims=0)]
+  feeds = {"x0": f32(2, 3), "y0": f32(2, 3)} | ({} if kind == "while" else {"M": np.array(4, np.int64)}) | \
+    ({} if stop is None else {"lim_in": np.array(3, np.int64)})
+  m = model(nodes, feeds, {"y": np.float32, "ry": np.float32, "ssum": np.int64}, {"T": np.array(True)})
+  km = konnx.load(m)
+  assert km.program is not None and all(sp.unbounded is None for sp in km.program.specialisations())
+  before = cache_stats()["compiles"]
+  for trips, lim in ((4, 3), (0, 5), (7, 0), (2, 9)):
+    f = {"x0": f32(2, 3), "y0": f32(2, 3)} | ({} if kind == "while" else {"M": np.array(trips, np.int64)}) | \
+      ({} if stop is None else {"lim_in": np.array(lim, np.int64)})
+    same(km.run(f), ort_run(m, f))
+  assert cache_stats()["compiles"] == before
+  monkeypatch.setattr(onnx_limits, "MAX_SCAN_BYTES", 5 * 2 * 3 * 4)  # room for 5 rows of the (2, 3) float32 scan output
+  small = konnx.load(m)
+  f = {"x0": f32(2, 3), "y0": f32(2, 3)} | ({} if kind == "while" else {"M": np.array(9, np.int64)}) | \
+    ({} if stop is None else {"lim_in": np.array(9, np.int64)})
+  with pytest.raises(ONNXError, match=r"node lp \(Loop\) runs more than the 5 iterations its scan outputs have room for"): small.run(f)
+
+
+def test_a_carried_value_that_changes_shape_is_unrolled_per_trip_count() -> None:
+  """A loop-carried value that doubles each iteration cannot be one run-time loop (each carried value keeps its shape): with
+  M fed the loop is unrolled for each M read back instead (compiled per value), as onnxruntime computes it; with a
+  condition from data it is refused, naming the value."""
   body = helper.make_graph([N("Identity", ["c_in"], ["c_out"]), N("Concat", ["v", "v"], ["w"], axis=0)], "body",
-                           [vi("i", I64, []), vi("c_in", B, []), vi("v", F, [2])], [vi("c_out", B, []), vi("w", F, [4])])
+                           [vi("i", I64, []), vi("c_in", B, []), vi("v", F, [2])], [vi("c_out", B, []), vi("w", F, None)])
   m = model([N("Loop", ["M", "", "v0"], ["v"], body=body, name="lp")], {"M": np.array(3, np.int64), "v0": f32(2)}, {"v": np.float32})
+  km = konnx.load(m)
+  for trips in (3, 1, 3):
+    f = {"M": np.array(trips, np.int64), "v0": f32(2)}
+    same(km.run(f), ort_run(m, f))
+  assert km.program is not None and km.program.specialisations()[0].compiles == 2
+  wbody = helper.make_graph([N("ReduceSum", ["v"], ["s"], keepdims=0), N("Less", ["s", "lim"], ["c_out"]), N("Concat", ["v", "v"], ["w"], axis=0)],
+                            "body", [vi("i", I64, []), vi("c_in", B, []), vi("v", F, [2])], [vi("c_out", B, []), vi("w", F, None)])
+  w = model([N("Loop", ["", "go", "v0"], ["v"], body=wbody, name="lp")], {"v0": f32(2), "lim": np.array(5, np.float32)}, {"v": np.float32},
+            {"go": np.array(True)})
   with pytest.raises(ONNXError, match=r"node lp \(Loop.*loop-carried value 0 is float32 \(2,\) before an iteration and float32 \(4,\) after"):
-    konnx.load(m)
+    konnx.load(w)
 
 
 @pytest.mark.parametrize("dirs", [(0, 0, 0, 0), (1, 0, 1, 0), (0, 1, 0, 1)])

@@ -17,6 +17,8 @@ converted. Each is an ONNXError naming the limit and the value:
                                     load still loads): ten folds each under MAX_FOLDED_ELEMENTS cannot add up to more
   MAX_UNROLLED_STEPS    4096        time steps the recurrent nodes (LSTM, GRU, RNN) of one model unroll together, each
                                     direction counted: every step is a few kernels to build and compile
+  MAX_SCAN_BYTES        2**28       a scan output of a Loop run a number of times known only at run time: its slot has room
+                                    for this many bytes of rows (memory the OS maps as rows are written), a run past it refused
   MAX_ATTRIBUTE_ITEMS   2**20       ints, floats or strings of one attribute
   MAX_ATTRIBUTE_BYTES   2**20       a string attribute (and each string of a list)
 An initializer stored in the model must hold exactly its dims' worth of data.
@@ -43,6 +45,7 @@ MAX_TENSOR_BYTES = MAX_BUFFER_BYTES
 MAX_FOLDED_ELEMENTS = 1 << 27
 MAX_FOLDED_BYTES = 1 << 30
 MAX_UNROLLED_STEPS = 4096
+MAX_SCAN_BYTES = 1 << 28
 MAX_ATTRIBUTE_ITEMS = 1 << 20
 MAX_ATTRIBUTE_BYTES = 1 << 20
 

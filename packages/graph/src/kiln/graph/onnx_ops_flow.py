@@ -8,15 +8,18 @@ so that OPS names every operator kiln converts.
 | If   | nothing (computed at run time)         | converts both: constant outputs of one shape are a Where, else a run-time branch (program.py) |
 | If   | nothing; a branch reads a value back, or outputs differ in shape | cut on the condition, the rest converted for each (specialise.py) |
 | Loop | trip count M and each iteration's condition | unrolled: the body once per iteration, carried values passed on, scan outputs stacked |
-| Loop | M or a condition computed at run time, no scan outputs | a run-time loop (program.RunLoop): the body compiled once, each run steps it |
+| Loop | M or a condition computed at run time | a run-time loop (program.RunLoop): the body compiled once, each run steps it |
 | Scan | the sequence length (opset 9 on)       | unrolled the same way, each input sliced along its axis, in its direction      |
 
 A run-time loop's body reads its iteration number, condition and carried values from slots, and the outer Tensors it
 reads through placeholders (captures, as a run-time If's branches do); each carried value keeps its shape and dtype; a
 LoopStep copies the next values back after each iteration and reads the body's condition (a host read, as a Switch's).
-A loop with scan outputs and a trip count or first condition computed at run time (in the main graph) is still read back
-by each run, which unrolls it and the rest of the model for it (specialise.py: compiled once per value, cached); with a
-condition the body computes at run time it is refused (the scan outputs' length would be known only at run time).
+Scan outputs of a run-time loop (in the main graph, or a branch of an If known at load) are written row by row into slots
+with room for its bound (M where known at load, else what onnx_limits.MAX_SCAN_BYTES allows), and the iterations run are a
+length read back after it (specialise.py): the rest of the model is compiled once, at load, with the scan outputs that many
+rows long. A body that cannot be converted once for every iteration (a Slice at its iteration number, a carried value that
+changes shape) is unrolled instead, for each trip count read back (compiled per value, cached); with a condition the body
+computes at run time that is refused, naming why.
 Unrolled iterations count against onnx_limits' MAX_UNROLLED_STEPS with the recurrent operators' steps. Each iteration's
 carried Tensors are realized (a buffer each), so an unrolled chain never fuses into one deep expression.
 """
@@ -28,12 +31,13 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph import onnx_limits as lim
 from kiln.graph.lazy import Node, ONNXError
 from kiln.graph.onnx_empty import is_empty
 from kiln.graph.onnx_ops import OPS, OnnxNode, Value
 from kiln.graph.onnx_scope import Ctx, Scope, outer_names
-from kiln.graph.program import Body, Branch, RunLoop, placeholder
-from kiln.graph.specialise import RuntimeValue
+from kiln.graph.program import MAX_LOOP_ITERATIONS, Body, Branch, RunLoop, placeholder
+from kiln.graph.specialise import Length, RuntimeValue
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
@@ -196,8 +200,11 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
   c = n.ins[1] if len(n.ins) > 1 else None
   carried = [v for v in n.ins[2:] if v is not None]
   if len(carried) < len(n.ins) - 2: raise n.error("a loop-carried input is missing")
-  if len(body.output) == 1 + len(carried) == len(body.input) - 1 and (isinstance(m, Tensor) or isinstance(c, Tensor)) and 0 not in n.from_shape:
-    return _run_time_loop(n, ctx, env, body, m, c, carried)  # no scan outputs: one body, compiled once, stepped by each run
+  if len(body.output) >= 1 + len(carried) == len(body.input) - 1 and (isinstance(m, Tensor) or isinstance(c, Tensor)) and 0 not in n.from_shape \
+      and (len(body.output) == 1 + len(carried) or ctx.cuts):
+    try: return _run_time_loop(n, ctx, env, body, m, c, carried)  # one body, compiled once, stepped by each run
+    except ONNXError as e:  # a body that needs its iteration number as a constant (a Slice at i): unrolled per value below
+      if isinstance(e, RuntimeValue) and e.node is n: raise  # the iterations read back after the loop: the cut, not a failure
   trips = None
   if m is not None:
     _one(n, m, "input 0 (M, the trip count)")
@@ -221,7 +228,7 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
     for k, v in enumerate(outs[1 + n_carried:]): scans[k].append(v)
     i += 1
     if trips is None or i < trips:  # the body's condition decides whether another runs (with no cond input too, as onnxruntime)
-      if isinstance(outs[0], Tensor) and not scans:  # computed at run time: the loop becomes a run-time one, the unrolled start dropped
+      if isinstance(outs[0], Tensor) and (not scans or ctx.cuts):  # computed at run time: a run-time loop, the unrolled start dropped
         del ctx.body.branches[recorded:]
         return _run_time_loop(n, ctx, env, body, m, c, first)
       go = _flag(n, outs[0], f"the condition the body gives at iteration {i - 1}", "each iteration's condition")
@@ -230,10 +237,14 @@ def _loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value]) -> list[Value]:
 
 
 def _run_time_loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value], body: Any, m: Value | None, c: Value | None, carried: list[Value]) -> list[Value]:
-  """A Loop whose trip count or first condition is computed at run time, with no scan outputs: its body converted once over
-  placeholders (the iteration number, the condition, the carried values, the outer Tensors it reads) and recorded as a
-  RunLoop, which program.py compiles once and each run steps (the body's own condition read back per iteration). Each
-  carried value keeps its shape and dtype from one iteration to the next."""
+  """A Loop whose trip count or condition is computed at run time: its body converted once over placeholders (the iteration
+  number, the condition, the carried values, the outer Tensors it reads) and recorded as a RunLoop, which program.py
+  compiles once and each run steps (the body's own condition read back per iteration). Each carried value keeps its shape
+  and dtype from one iteration to the next. Scan outputs (main graph only) are written row by row into slots with room
+  for `bound` iterations; the iterations run are a length read back after the loop (specialise.py), so the rest of the
+  graph is compiled once, with the scan outputs that many rows long. A continuation converting the Loop again finds the
+  loop the prefix ran (ctx.loops) and reads its slots."""
+  if (made := ctx.loops.get(id(n.proto))) is not None: return _scanned(n, *made)
   label = f"node {n.name} (Loop)"
   if m is not None and not (m.dtype.is_int if isinstance(m, Tensor) else m.dtype.kind in "iu"):
     raise n.error(f"input 0 (M, the trip count) must be an integer, got {m.dtype}")
@@ -255,10 +266,37 @@ def _run_time_loop(n: OnnxNode, ctx: Ctx, env: dict[str, Value], body: Any, m: V
   mt = m.reshape(1) if isinstance(m, Tensor) else None
   ct = c.reshape(1) if isinstance(c, Tensor) else None
   ends = [placeholder(t.shape, t.dtype) for t in ts]
-  ctx.body.branches.append(RunLoop(label, None if mt is None else mt.node, max(int(m.reshape(-1)[0]), 0) if isinstance(m, np.ndarray) else None,
-                                   None if ct is None else ct.node, True if c is None or ct is not None else bool(np.asarray(c).reshape(-1)[0]),
-                                   [t.node for t in ts], [v.node for _, v in caps], inner, ends))
-  return [Tensor(p) for p in ends]
+  rows = nxt[len(ts):]
+  max_trips = max(int(m.reshape(-1)[0]), 0) if isinstance(m, np.ndarray) else None
+  bound = _scan_bound(n, rows, max_trips) if rows else 0
+  scans = [placeholder((bound, *r.shape), r.dtype) for r in rows]
+  count = placeholder((1,), dtypes.int64) if rows else None
+  ctx.body.branches.append(RunLoop(label, None if mt is None else mt.node, max_trips, None if ct is None else ct.node,
+                                   True if c is None or ct is not None else bool(np.asarray(c).reshape(-1)[0]),
+                                   [t.node for t in ts], [v.node for _, v in caps], inner, ends, scans, count, bound))
+  if not rows: return [Tensor(p) for p in ends]
+  assert count is not None
+  ctx.loops[id(n.proto)] = (ends, scans, count, bound)
+  return _scanned(n, ends, scans, count, bound)
+
+
+def _scan_bound(n: OnnxNode, rows: list[Tensor], max_trips: int | None) -> int:
+  """The iterations a run-time loop's scan outputs have room for: its trip count where known at load, else as many rows
+  as the largest scan output's MAX_SCAN_BYTES allow (at most MAX_LOOP_ITERATIONS); a run past it is refused by its step."""
+  for k, r in enumerate(rows):
+    if not sym.is_static(r.shape):
+      raise n.error(f"scan output {k} is {sym.fmt_shape(r.shape)} per iteration: a loop run at run time needs its scan rows of a fixed shape")
+  row_bytes = max(max(int(np.prod(sym.static_shape("a scan row", r.shape), dtype=np.int64)) * r.dtype.itemsize for r in rows), 1)
+  room = min(MAX_LOOP_ITERATIONS, max(lim.MAX_SCAN_BYTES // row_bytes, 1))
+  return max(min(room, max_trips) if max_trips is not None else room, 1)
+
+
+def _scanned(n: OnnxNode, ends: list[Node], scans: list[Node], count: Node, bound: int) -> list[Value]:
+  """A run-time loop's outputs: the carried values' last values, then each scan output's first `iterations` rows, that
+  length read back after the loop (the first conversion raises RuntimeValue there: the cut; the continuation's gets a
+  variable in [0, bound])."""
+  its = n.read_back("the iterations of the loop", [Tensor(count)], length=Length(bound))
+  return [*(Tensor(p) for p in ends), *(Tensor(p)[:its] for p in scans)]
 
 
 def _slice(v: Value, axis: int, t: int) -> Value:

@@ -8,7 +8,7 @@ values whose misses fall through to the enclosing scope. Errors inside a subgrap
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kiln.graph import onnx_limits as lim
@@ -55,6 +55,8 @@ class Ctx:
   path: str = ""
   depth: int = 0
   cuts: bool = True  # whether the main graph can be cut here: in it, or in a branch of an If known at load (specialise.py)
+  loops: dict[int, Any] = field(default_factory=dict)  # run-time loops with scan outputs made, by id of their NodeProto: a
+  # continuation converting the Loop again reads the slots the prefix's loop filled (onnx_ops_flow._scan_loop)
 
   def sub(self, where: str, body: Body | None = None, folded: bool = False) -> Ctx:
     """The context of a subgraph one level deeper: `where` is its node's path-qualified name and attribute ('If_3 > then_branch');

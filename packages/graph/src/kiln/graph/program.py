@@ -80,6 +80,9 @@ class RunLoop:
   captures: list[Node]
   body: Body
   outs: list[Node]  # placeholders of the carried values' last values in the enclosing scope
+  scans: list[Node] = field(default_factory=list)  # placeholders (bound, *row) of the scan outputs, row i written by iteration i
+  count: Node | None = None  # placeholder of the iterations run (int64, one), with scan outputs: their length, read back
+  bound: int = 0  # the iterations the scan outputs have room for
 
 
 def placeholder(shape: tuple[Dim, ...], dtype: Any) -> Node:
@@ -135,8 +138,11 @@ class LoopStep:
   carried: list[Slot]  # the loop's values: the body reads them, the enclosing scope reads the last ones
   it: Slot
   go: Slot
-  nxt: list[Slot]  # the body's outputs: the next condition, the next carried values
+  nxt: list[Slot]  # the body's outputs: the next condition, the next carried values, then this iteration's scan values
   body: list[Step]
+  scans: list[Slot] = field(default_factory=list)  # the scan outputs, row i of each written after iteration i
+  count: Slot | None = None  # the iterations run, written after the last
+  bound: int = 0  # the rows of each scan output's slot
 
   def run(self, vals: Mapping[str, int], prof: list[Any] | None) -> None:
     m = self.trips if not isinstance(self.trips, Slot) else int(read(self.trips, vals).reshape(-1)[0])
@@ -148,10 +154,17 @@ class LoopStep:
         raise ONNXError(f"{self.label} runs over MAX_LOOP_ITERATIONS = {MAX_LOOP_ITERATIONS} iterations (its condition never turned false)")
       self.it.buf.copyin(np.array([i], np.int64))
       self.go.buf.copyin(np.array([go], np.bool_))
+      if self.scans and i >= self.bound:
+        raise ONNXError(f"{self.label} runs more than the {self.bound} iterations its scan outputs have room for (each scan output is "
+                        "at most onnx_limits.MAX_SCAN_BYTES, and at most the trip count where that is known at load)")
       for s in self.body: s.run(vals, prof)
       for dst, src in zip(self.carried, self.nxt[1:]): _copy(dst, src, vals)
+      for dst, src in zip(self.scans, self.nxt[1 + len(self.carried):]):
+        a = np.ascontiguousarray(read(src, vals))
+        if a.size: dst.buf.view(i * a.nbytes, a.size).copyin(a)
       go = bool(read(self.nxt[0], vals).reshape(-1)[0])
       i += 1
+    if self.count is not None: self.count.buf.copyin(np.array([i], np.int64))
 
 
 MAX_LOOP_ITERATIONS = 1 << 20  # a run-time loop's iterations: a condition that never turns false is refused, not a hang
@@ -331,7 +344,12 @@ class Builder:
     inner = dict(zip(b.body.inputs, [it, go, *carried, *[done[c] for c in b.captures]]))
     body = self.steps(b.body.outputs, nxt, b.body.branches, inner)
     trips = done[b.trips] if b.trips is not None else b.max_trips
-    return LoopStep(b.label, trips, done[b.cond] if b.cond is not None else b.first, [done[x] for x in b.inits], carried, it, go, nxt, body)
+    scans = [self.slot(o) for o in b.scans]
+    count = None if b.count is None else self.slot(b.count)
+    done.update(zip(b.scans, scans))
+    if b.count is not None and count is not None: done[b.count] = count
+    return LoopStep(b.label, trips, done[b.cond] if b.cond is not None else b.first, [done[x] for x in b.inits], carried, it, go, nxt, body,
+                    scans, count, b.bound)
 
   def tail(self, outputs: Sequence[Node | np.ndarray], body: Body, done: dict[Node, Slot]) -> Tail:
     """A scope's steps and outputs (constants stay constants); where its conversion was cut, the steps computing what the
