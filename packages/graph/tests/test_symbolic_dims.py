@@ -176,7 +176,7 @@ def test_run_checks_bounds_and_consistency() -> None:
   c = compile([x + y])
   with pytest.raises(GraphError, match=r"input 'x' dim 0 \(batch\) is 65, outside the bounds \[1, 64\]"): c.run({"x": f32(65, 4), "y": f32(65, 4)})
   with pytest.raises(GraphError, match=r"input 'y' dim 0 \(batch\) is 3, but input 'x' dim 0 gave batch = 2"): c.run({"x": f32(2, 4), "y": f32(3, 4)})
-  with pytest.raises(GraphError, match=r"input 'x' has shape \(2, 5\), the graph was compiled for \(batch, 4\) \(dim 1\)"):
+  with pytest.raises(GraphError, match=r"input 'x' has shape \(2, 5\), the graph takes \(batch, 4\) \(dim 1\)"):
     c.run({"x": f32(2, 5), "y": f32(2, 5)})
   with pytest.raises(GraphError, match="rank 2"): c.run({"x": f32(2), "y": f32(2, 4)})
   a, b = f32(2, 4), f32(2, 4)

@@ -217,6 +217,28 @@ def negative(shape: Iterable[Dim]) -> list[UOp]:
   return [d for d in shape if isinstance(d, UOp) and dmin(d) < 0]
 
 
+def bind_dims(inputs: Iterable[tuple[str, Sequence[Dim]]], shapes: Mapping[str, tuple[int, ...]], whose: str,
+              error: type[Exception] = GraphError) -> dict[str, int]:
+  """Each variable's value off the fed arrays' shapes (by input name; an input not fed is skipped: the caller names it),
+  checked against each input's shape of ints and variables: the rank, each fixed dim, each symbolic dim within its bounds
+  and the same in every input that names it. The first that does not fit is `error` naming the input and `whose` shape
+  it is ("the model", "the graph"). The one home of this check: Model.run (a FeedError), a Program and Compiled.run."""
+  vals: dict[str, int] = {}
+  where: dict[str, str] = {}
+  for name, shape in inputs:
+    if (got := shapes.get(name)) is None: continue
+    if len(got) != len(shape): raise error(f"input {name!r} has shape {got}, {whose} takes rank {len(shape)} {fmt_shape(shape)}")
+    for k, (n, d) in enumerate(zip(got, shape)):
+      if isinstance(d, int):
+        if n != d: raise error(f"input {name!r} has shape {got}, {whose} takes {fmt_shape(shape)} (dim {k})")
+        continue
+      var, lo, hi = d.arg
+      if not lo <= n <= hi: raise error(f"input {name!r} dim {k} ({var}) is {n}, outside the bounds [{lo}, {hi}] {whose} was loaded with")
+      if var in vals and vals[var] != n: raise error(f"input {name!r} dim {k} ({var}) is {n}, but {where[var]} gave {var} = {vals[var]}")
+      vals[var], where[var] = int(n), f"input {name!r} dim {k}"
+  return vals
+
+
 def check_sizes(ds: Iterable[Dim], vals: Mapping[str, int]) -> None:
   """A GraphError when one of the dims (`negative`'s) is below 0 for the values run() read off the feeds."""
   for d in ds:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kiln.graph.dims import fmt, fmt_shape
+from kiln.graph.dims import bind_dims, fmt
 from kiln.graph.errors import ONNXError
 
 
@@ -94,22 +94,9 @@ def check_feeds(inputs: Sequence[TensorInfo], defaults: Mapping[str, np.ndarray]
 
 
 def check_shapes(inputs: Iterable[tuple[str, Sequence[Any]]], arrays: Mapping[str, np.ndarray]) -> None:
-  """Each fed array's shape against its compiled input's (name, shape of ints and variables UOp(name, lo, hi)), before
-  anything runs, so a wrong shape is a FeedError: the rank, each fixed dim, each symbolic dim within its bounds and the
-  same in every input that names it. The plan checks again as it binds the dims (a GraphError there, for its callers)."""
-  vals: dict[str, tuple[int, str]] = {}
-  for name, shape in inputs:
-    if name not in arrays: continue  # not a model input: the plan names what it lacks
-    got = arrays[name].shape
-    if len(got) != len(shape): raise FeedError(f"input {name!r} has shape {got}, the model takes rank {len(shape)} {fmt_shape(shape)}")
-    for k, (n, d) in enumerate(zip(got, shape)):
-      if isinstance(d, int):
-        if n != d: raise FeedError(f"input {name!r} has shape {got}, the model takes {fmt_shape(shape)} (dim {k})")
-        continue
-      var, lo, hi = d.arg
-      if not lo <= n <= hi: raise FeedError(f"input {name!r} dim {k} ({var}) is {n}, outside the bounds [{lo}, {hi}] the model was loaded with")
-      if var in vals and vals[var][0] != n: raise FeedError(f"input {name!r} dim {k} ({var}) is {n}, but {vals[var][1]} gave {var} = {vals[var][0]}")
-      vals[var] = (int(n), f"input {name!r} dim {k}")
+  """Each fed array's shape against its compiled input's, before anything runs, so a wrong shape is a FeedError naming it
+  (dims.bind_dims: the rank, each fixed dim, each symbolic dim within its bounds and the same in every input)."""
+  bind_dims(inputs, {name: a.shape for name, a in arrays.items()}, "the model", FeedError)
 
 
 def fit_dtype(name: str, a: np.ndarray, want: np.dtype | None, cast: bool) -> np.ndarray:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kiln.executor.portable import in_plan_dtype
-from kiln.graph.dims import evaluate, fmt_shape
+from kiln.graph.dims import bind_dims, evaluate
 from kiln.graph.lazy import GraphError, Node, ONNXError, Source, toposort
 from kiln.graph.segments import Segment, Weights, compile_segment
 from kiln.ir.dtype import dtypes
@@ -246,19 +246,7 @@ class Program:
 
   def _feed(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
     arrays = {name: np.asarray(feeds[name]) for name, _ in self.inputs}
-    vals: dict[str, int] = {}
-    where: dict[str, str] = {}
-    for name, s in self.inputs:  # each dim's value off the fed arrays (as Compiled.infer_vars: every input naming it agrees)
-      a, shape = arrays[name], s.node.shape
-      if a.ndim != len(shape): raise GraphError(f"input {name!r} has shape {a.shape}, the model takes rank {len(shape)} {fmt_shape(shape)}")
-      for k, (got, d) in enumerate(zip(a.shape, shape)):
-        if isinstance(d, int):
-          if got != d: raise GraphError(f"input {name!r} has shape {a.shape}, the model was compiled for {fmt_shape(shape)} (dim {k})")
-          continue
-        var, lo, hi = d.arg
-        if not lo <= got <= hi: raise GraphError(f"input {name!r} dim {k} ({var}) is {got}, outside the bounds [{lo}, {hi}] it was compiled for")
-        if var in vals and vals[var] != got: raise GraphError(f"input {name!r} dim {k} ({var}) is {got}, but {where[var]} gave {var} = {vals[var]}")
-        vals[var], where[var] = int(got), f"input {name!r} dim {k}"
+    vals = bind_dims([(name, s.node.shape) for name, s in self.inputs], {name: a.shape for name, a in arrays.items()}, "the model")
     for name, s in self.inputs:
       bf16 = s.node.dtype == dtypes.bfloat16
       cast = in_plan_dtype(arrays[name], s.node.dtype.np, bf16)

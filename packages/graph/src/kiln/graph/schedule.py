@@ -35,7 +35,7 @@ from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph import progress
-from kiln.graph.dims import check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, source_of, variables, with_capped
+from kiln.graph.dims import bind_dims, check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, source_of, variables, with_capped
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.kernelize import Kernel, Kernelizer, stored_dtype
@@ -236,23 +236,7 @@ class Compiled:
 
   def infer_vars(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
     """Each variable's value from the fed arrays' shapes (every input that names it must agree, within its bounds)."""
-    vals: dict[str, int] = {}
-    where: dict[str, str] = {}
-    for i in self.inputs:
-      a = feeds[i.name]
-      if len(a.shape) != len(i.shape):
-        raise GraphError(f"input {i.name!r} has shape {tuple(a.shape)}, the graph takes rank {len(i.shape)} {fmt_shape(i.shape)}")
-      for k, (got, d) in enumerate(zip(a.shape, i.shape)):
-        if isinstance(d, int):
-          if got != d: raise GraphError(f"input {i.name!r} has shape {tuple(a.shape)}, the graph was compiled for {fmt_shape(i.shape)} (dim {k})")
-          continue
-        name, lo, hi = d.arg
-        if not lo <= got <= hi:
-          raise GraphError(f"input {i.name!r} dim {k} ({name}) is {got}, outside the bounds [{lo}, {hi}] it was compiled for")
-        if name in vals and vals[name] != got:
-          raise GraphError(f"input {i.name!r} dim {k} ({name}) is {got}, but {where[name]} gave {name} = {vals[name]}")
-        vals[name], where[name] = int(got), f"input {i.name!r} dim {k}"
-    return vals
+    return bind_dims([(i.name, i.shape) for i in self.inputs], {i.name: feeds[i.name].shape for i in self.inputs}, "the graph")
 
   def _feed(self, feeds: Mapping[str, np.ndarray] | None, given: Mapping[str, int] | None = None) -> dict[str, int]:
     feeds = dict(feeds or {})
