@@ -24,8 +24,8 @@ kiln, so --omp-wait-policy passive is offered to measure it both ways (the varia
 runtime loads, hence a flag, not a second peer in the same process).
 Decode bandwidth: the weight bytes a decode step reads (every matrix once, the tied embedding once as the output
 matrix) x tokens/s, against a BLAS matrix-vector product's read rate on the same threads (a lower bound of the
-machine's read bandwidth). kiln currently dequantises GGUF weights to float32 at load, so it reads 4 bytes per weight
-whatever the file.
+machine's read bandwidth). kiln keeps Q8_0, Q4_0, Q4_1, F16 and BF16 matrices in the file's
+bytes (kiln.llm.qweight) and dequantises others (llama.cpp's Q6_K, K-quants) to float32 at load: 4 bytes per weight.
 
 Run: `$BPY packages/llm/benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--types F16 Q8_0 Q4_0] [--skip-speed]`.
 Exits 1 when a strict check fails."""
@@ -211,7 +211,8 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
   types = ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in sorted(by_type.items()))
   print(f"\n{ftype}: matrices {wbytes / 1e6:.0f} MB ({types}); load+compile kiln {k_load:.1f} s, llama.cpp {l_load:.1f} s; "
         f"load average {load_avg[0]:.1f}")
-  kiln_bytes = 4 * sum(int(np.prod(s)) for s in _shapes(path))
+  from kiln.llm.qweight import PACKED
+  kiln_bytes = sum(n if t in PACKED else 4 * int(np.prod(s)) for s, t, n in _matrices(path))
   for name, (p, d) in med.items():
     b = kiln_bytes if name == "kiln" else wbytes
     print(f"  {name:<10} prefill {p:7.1f} tok/s   decode {d:6.1f} tok/s   decode reads {b / 1e6:4.0f} MB/token = {b * d / 1e9:5.1f} GB/s "
@@ -221,9 +222,10 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
   return {"type": ftype, "kiln": med["kiln"], "llama.cpp": med["llama.cpp"], "ratio": (rp, rd), "load": load_avg[0]}
 
 
-def _shapes(path: Path) -> list[tuple[int, ...]]:
+def _matrices(path: Path) -> list[tuple[tuple[int, ...], str, int]]:
+  """(shape, type name, bytes) of each 2-d tensor of the file."""
   import gguf
-  return [tuple(int(d) for d in t.shape) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) >= 2]
+  return [(tuple(int(d) for d in t.shape), t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) >= 2]
 
 
 def main() -> int:
