@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.graph import conv
+from kiln.graph import conv, few_rows
 from kiln.graph import dims as sym
 from kiln.graph.index_check import gather_node
 from kiln.graph.kernelize import compute_dtype
@@ -484,8 +484,8 @@ class Tensor:
     a, b = a._coerce(b)
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], op="matmul")
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    prodt = a.expand(batch + (m, k)).unsqueeze(-1) * b.expand(batch + (k, n)).unsqueeze(-3)  # (*batch, m, k, n)
-    out = prodt.sum(-2)
+    if (out := few_rows.product(a, b)) is None:  # a weight array read by few rows: in blocks of columns
+      out = (a.expand(batch + (m, k)).unsqueeze(-1) * b.expand(batch + (k, n)).unsqueeze(-3)).sum(-2)  # (*batch, m, k, n) summed over k
     if va: out = out.squeeze(-2)
     if vb: out = out.squeeze(-1)
     return out

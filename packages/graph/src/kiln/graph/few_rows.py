@@ -1,0 +1,64 @@
+"""A matrix product of few rows by a weight array (a classifier's Gemm at batch 1 or 2, AlexNet's fully connected layers):
+the weight is stored in blocks of BLOCK output columns, (N/BLOCK, K, BLOCK), and the product computed as
+(N/BLOCK, rows, BLOCK), so the register tile of each block streams one contiguous run of the weight along K.
+
+Why: with few rows the weight is read once per run, from memory, and how it is laid out decides the speed. Read as the
+model stores it, (K, N) or a transposed (N, K) view, a tile of 32 columns either walked K rows of 128 bytes each
+N * 4 bytes apart or gathered its lanes a row apart: 9216 -> 4096 at batch 1 took 38 ms (N, K) and 67 ms (K, N) for a
+151 MB weight. Many rows instead reuse each panel of the weight (the codegen's packed panel), so this applies only up
+to MAX_ROWS: the rows one register tile takes, a weight panel read by one tile in any layout."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kiln.graph.dims import is_static, static_shape
+from kiln.graph.lazy import Node, prod
+
+if TYPE_CHECKING:  # Tensor.matmul calls this module: new tensors are made through the operands' own type (no import loop)
+  from kiln.graph.tensor import Tensor
+
+ENABLED = True  # False: every product as Tensor.matmul writes it, for comparison
+# the widest register tile's columns (two AVX-512 vectors of float32): one K step of a block is one contiguous 128-byte run
+BLOCK = 32
+MAX_ROWS = 8  # the most rows the codegen's register tile takes (choose.heuristic._tile_rows)
+
+
+def weight_array(n: Node) -> np.ndarray | None:
+  """The array a node reads when it is a weight array seen through reshapes and transposes (None otherwise)."""
+  views: list[tuple[str, tuple[int, ...]]] = []
+  while n.op == "VIEW" and n.arg[0] in ("reshape", "permute"):
+    views.append(n.arg)
+    n = n.src[0]
+  if (data := n.data) is None: return None
+  for kind, p in reversed(views):
+    data = data.reshape(p) if kind == "reshape" else data.transpose(p)
+  return data
+
+
+def in_memory(data: np.ndarray) -> bool:
+  """Whether an array's memory is numpy's or Python bytes' (an ONNX initializer), not a mapped file's pages (a DISK
+  buffer, an mmap of external data): those stay mapped, as the file's page cache, and are not copied into blocks."""
+  base: object = data
+  while isinstance(base, np.ndarray) and base.base is not None: base = base.base
+  return isinstance(base, np.ndarray | bytes | bytearray) and not isinstance(base, np.memmap)
+
+
+def product(a: Tensor, b: Tensor) -> Tensor | None:
+  """a (..., M, K) @ b (K, N) as a product over the blocked weight, where b is a weight array in memory of more than BLOCK
+  columns and a has at most MAX_ROWS static rows in all; None where it does not apply (the caller writes the plain product)."""
+  if not ENABLED or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape) or not is_static(b.shape): return None
+  rows = prod(static_shape("matmul", a.shape[:-1]))
+  k, n = static_shape("matmul", b.shape)
+  if rows > MAX_ROWS or rows == 0 or n <= BLOCK or (data := weight_array(b.node)) is None or not in_memory(data): return None
+  width = next((w for w in (BLOCK, BLOCK // 2, BLOCK // 4) if n % w == 0), BLOCK)
+  nb = -(-n // width)
+  padded = np.zeros((k, nb * width), data.dtype) if nb * width != n else data
+  if padded is not data: padded[:, :n] = data
+  wb = type(b)(np.ascontiguousarray(padded.reshape(k, nb, width).transpose(1, 0, 2)))  # (N/B, K, B)
+  # realized as (rows, N/B, B), which is (rows, N) as stored: what follows (a bias, an activation) reads it through a
+  # reshape, so the product's kernel takes it as its epilogue (epilogue.py)
+  y = (a.reshape(rows, 1, k, 1) * wb.reshape(1, nb, k, width)).sum(2).contiguous().reshape(rows, nb * width)
+  if nb * width != n: y = y.slice([0], [n], [1])
+  return y.reshape(*a.shape[:-1], n)

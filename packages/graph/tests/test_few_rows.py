@@ -1,0 +1,52 @@
+"""A product of few rows by a weight array runs over the weight stored in blocks of columns (few_rows.py): against numpy,
+the kernel it schedules, and where it does not apply."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.graph import Tensor, compile
+
+RNG = np.random.default_rng(37)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+def products(c) -> list[str]: return [k.ast.arg for k in c.kernels if k.ast.arg.startswith("reduce")]
+
+
+# (input shape, weight (K, N), the product kernel: (rows, N / block, block)): blocks of 32, of 8 (40 columns), 33 columns
+# padded to two blocks of 32, and two rows as a batch of one-row matrices
+CASES = [((1, 48), (48, 64), "reduce_1x2x32"), ((2, 24), (24, 40), "reduce_2x5x8"), ((3, 16), (16, 33), "reduce_3x2x32"),
+         ((2, 1, 20), (20, 96), "reduce_2x3x32")]
+
+
+@pytest.mark.parametrize("xs,ws,kernel", CASES)
+@pytest.mark.parametrize("stored", ["(K, N)", "(N, K) read transposed"])
+def test_few_rows_product_matches_numpy(xs, ws, kernel, stored) -> None:
+  x, w, b = rand(*xs), rand(*ws), rand(ws[1])
+  wt = Tensor(w) if stored == "(K, N)" else Tensor(np.ascontiguousarray(w.T)).T
+  c = compile([((Tensor.input("x", xs) @ wt) + Tensor(b)).relu() * 2])
+  assert products(c) == [kernel], c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(x @ w + b, 0) * 2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_layer_at_batch_one_takes_its_bias_and_activation_in_the_product() -> None:
+  """The product is realized as (rows, N/block, block), (rows, N) as stored: the bias and relu after it are its epilogue."""
+  x, w, b = rand(1, 32), rand(64, 32), rand(64)
+  c = compile([Tensor.input("x", x.shape).linear(Tensor(w), Tensor(b)).relu().sum()])
+  assert products(c)[0] == "reduce_1x2x32" and len(c.kernels) == 2, c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(x @ w.T + b, 0).sum(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["more rows than a register tile", "one block of columns", "a computed weight", "symbolic rows"])
+def test_few_rows_product_does_not_apply(case: str) -> None:
+  rows, n = (9, 64) if case == "more rows than a register tile" else (2, 32 if case == "one block of columns" else 64)
+  x, w = rand(rows, 16), rand(16, n)
+  if case == "symbolic rows": xt = Tensor.input("x", ("n", 16), dims={"n": (1, 4)})
+  else: xt = Tensor.input("x", x.shape)
+  wt = Tensor.input("w", w.shape) if case == "a computed weight" else Tensor(w)
+  c = compile([xt @ wt])
+  assert not any(p.endswith(f"x{n // 32}x32") for p in products(c)), c.plan.describe()  # not (rows, N/32, 32)
+  np.testing.assert_allclose(c.run({"x": x, "w": w} if case == "a computed weight" else {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)
