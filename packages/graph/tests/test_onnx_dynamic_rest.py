@@ -147,3 +147,18 @@ def test_slice_to_nothing_of_a_computed_value() -> None:
   out = dyn_model(nodes[:3], {"x": (F, ("batch", 3, 16))}, {"q_pass": F}, inits)
   with pytest.raises(ONNXError, match=r"graph output 'q_pass' is empty \(a dim of 0\) beside symbolic dims \(batch, 3, 0\)"):
     konnx.load(out, dims={"batch": (1, 4)})
+
+
+# ---- reductions over a Shape's symbolic dims ----
+def test_reductions_of_a_shape_stay_dims() -> None:
+  """ReduceProd of (batch, 3, seq)'s Shape is batch*3*seq, a dim: a Reshape to it is the flatten, symbolic (not a cut);
+  ReduceProd of its first two, and ReduceSum (opset 13, axes an input) fold the same way; ReduceMax (max(batch, 3) is no
+  dim) stays data, computed at run time."""
+  nodes = [N("Shape", ["x"], ["sh"]), N("ReduceProd", ["sh"], ["n"], keepdims=1), N("Reshape", ["x", "n"], ["flat"]),
+           N("Slice", ["sh", "zero1", "two1"], ["bs"]), N("ReduceProd", ["bs"], ["mx0"], keepdims=1), N("ReduceMax", ["sh"], ["mx1"], keepdims=1),
+           N("Add", ["mx0", "mx1"], ["mx"]), N("ReduceSum", ["sh", "zero1"], ["sm"], keepdims=1),
+           N("Concat", ["mx", "sm"], ["both"], axis=0), N("Cast", ["both"], ["bf"], to=F), N("Mul", ["flat", "two_f"], ["y"])]
+  inits = {"zero1": _c([0]), "two1": _c([2]), "two_f": np.array([2.0], np.float32)}
+  m = dyn_model(nodes, {"x": (F, ("batch", 3, "seq"))}, {"y": F, "bf": F}, inits, opset=13)
+  km = check_exact(m, {"batch": (1, 4), "seq": (1, 8)}, [{"x": f32(b, 3, s)} for b, s in ((1, 1), (4, 8), (2, 5))])
+  assert km.program is None  # no cut: every dim stayed symbolic

@@ -74,11 +74,25 @@ def test_nonzero_count_bound_as_a_runtime_variable_one_compile(monkeypatch: pyte
   check(m, {"x": xs[0]})
 
 
-def test_a_count_the_rest_needs_as_a_number_falls_back_to_one_compile_per_count() -> None:
-  """A Reshape to a shape computed from NonZero's count (its Shape, then arithmetic) cannot take the count as a runtime
-  variable: the cut says why and compiles the rest per count, as before; the answers are the same."""
+def test_a_reshape_to_the_element_count_of_a_count_compiles_once() -> None:
+  """A Reshape to ReduceProd(Shape(NonZero(x))) (the positions flattened): the product of the shape's dims is a dim, 2 times
+  the count, so the Reshape stays symbolic and the rest is compiled once at load for every count (none included)."""
   m = model([N("NonZero", ["x"], ["y"]), N("Shape", ["y"], ["s"]), N("ReduceProd", ["s"], ["p"], keepdims=1),
              N("Reshape", ["y", "p"], ["z"], allowzero=1)], {"x": f32(3, 4)}, {"z": np.int64}, {})  # allowzero: a count of 0 is a size
+  km = konnx.load(m)
+  assert km.program is not None and km.program.specialisations()[0].unbounded is None
+  before = cache_stats()["compiles"]
+  for x in (f32(3, 4), np.zeros((3, 4), np.float32), f32(3, 4) > 0.3):
+    x = np.asarray(x, np.float32)
+    np.testing.assert_array_equal(km.run({"x": x})["z"], np.array(np.nonzero(x)).reshape(-1))
+  assert compiles(km) == [1] and cache_stats()["compiles"] == before
+
+
+def test_a_count_the_rest_needs_as_a_number_falls_back_to_one_compile_per_count() -> None:
+  """A Reshape to a shape computed from NonZero's count through float arithmetic (data, not a dim) cannot take the count
+  as a runtime variable: the cut says why and compiles the rest per count, as before; the answers are the same."""
+  m = model([N("NonZero", ["x"], ["y"]), N("Shape", ["y"], ["s"]), N("Cast", ["s"], ["fs"], to=1), N("ReduceProd", ["fs"], ["fp"], keepdims=1),
+             N("Cast", ["fp"], ["p"], to=7), N("Reshape", ["y", "p"], ["z"], allowzero=1)], {"x": f32(3, 4)}, {"z": np.int64}, {})
   km = konnx.load(m)
   assert km.program is not None
   spec = km.program.specialisations()[0]

@@ -8,6 +8,9 @@ legacy `expand(batch, -1, -1)`, a mask of (batch, 1, 1, seq)); this module is wh
 | an elementwise op whose result is no dim / no known bool | a refusal naming the op and the dims (a truncated quotient, an undecided comparison) |
 | any other op or input (Cast to float, Add into data) | data: a Tensor of the dims' run-time values (`as_data`)           |
 
+ReduceProd and ReduceSum over a shape value with known axes fold by the same rules (ReduceProd of a NonZero's Shape is its
+element count, a dim: the Reshape to it stays one compile).
+
 Add, Sub and Mul give polynomials in the dims (past + seq, seq - 1), Div an exact quotient, or a truncated one that is
 still a polynomial for every value ((2*batch + 1) / 2 is batch: torch.chunk's split size). A comparison is decided from
 the variables' bounds (a symbolic dim is >= its lower bound, so `seq == -1` is False), never with UOp's operators (which
@@ -177,6 +180,43 @@ def _where(n: OnnxNode) -> Value:
   return pack(np.where(c, np.asarray(a, object), np.asarray(b, object)))  # type: ignore[arg-type]
 
 
+# a reduction over shape values: the binary rule it folds with, its value over no element, the opset from which its axes
+# are an input. Only those whose result is always a dim (a product, a sum): max(batch, 3) is none, and stays data
+_REDUCES: dict[str, tuple[str, int, int]] = {"ReduceProd": ("Mul", 1, 18), "ReduceSum": ("Add", 0, 13)}
+
+
+def _reduce_axes(n: OnnxNode) -> list[int] | None:
+  """A reduction's axes where known at load (an attribute, or an input of ints), None where computed at run time."""
+  if n.opset < _REDUCES[n.op][2]: return list(n.attr("axes") or [])
+  a = n.ins[1] if len(n.ins) > 1 else None
+  if a is None: return []
+  return [int(x) for x in a.reshape(-1)] if isinstance(a, np.ndarray) and a.dtype != object else None
+
+
+def _reduce(n: OnnxNode) -> Value:
+  """ReduceProd or ReduceSum over a shape value (the element count of a NonZero's positions: ReduceProd of its Shape) by
+  the dims' rules, so a Reshape to it stays symbolic."""
+  v, axes = n.ins[0], _reduce_axes(n)
+  assert isinstance(v, np.ndarray) and axes is not None
+  if not axes:
+    if n.attr("noop_with_empty_axes", 0): return v
+    axes = list(range(v.ndim))
+  if any(not -v.ndim <= a < v.ndim for a in axes): raise Refused(f"axes {axes} are out of range for rank {v.ndim}")
+  op, empty, _ = _REDUCES[n.op]
+  f = BINARY[op]
+  out = np.asarray(v, object)
+  for a in sorted({a % v.ndim for a in axes}, reverse=True):
+    moved = np.moveaxis(out, a, -1)
+    res = np.empty(moved.shape[:-1], object)
+    for i in np.ndindex(res.shape):
+      row = [dim(x) for x in moved[i]]
+      acc = row[0] if row else empty
+      for x in row[1:]: acc = f(acc, x)
+      res[i] = acc
+    out = np.expand_dims(res, a) if n.attr("keepdims", 1) else res
+  return pack(out)
+
+
 def _expand(n: OnnxNode) -> Value:
   """Expand to a shape holding symbolic dims: a 1 keeps the input's dim, a dim of 1 takes the target's (a lazy broadcast)."""
   x, tgt = n.ins[0], [dim(d) for d in np.asarray(n.ins[1]).reshape(-1)]
@@ -228,6 +268,7 @@ RULES: dict[str, Rule] = {
   # arithmetic that stays a dim (or a known bool)
   **{k: Rule(None, _all_ints, _elementwise) for k in BINARY},
   "Where": Rule((1, 2), _known_condition, _where),
+  **{k: Rule((0,), lambda n: _reduce_axes(n) is not None, _reduce) for k in _REDUCES},
   "Cast": Rule((0,), lambda n: n.attr("to") in _INT_CODES, _cast),
 }
 
