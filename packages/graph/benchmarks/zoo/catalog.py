@@ -5,7 +5,7 @@ import importlib
 
 from zoo.spec import Spec
 
-FAMILIES = ("models_tv", "models_timm", "models_hf", "models_files")
+FAMILIES = ("models_tv", "models_timm", "models_hf", "models_hf_tasks", "models_ultralytics", "models_diffusers", "models_smp", "models_files")
 
 
 def entries() -> list[tuple[Spec, str]]:

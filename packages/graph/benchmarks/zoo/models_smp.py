@@ -1,0 +1,26 @@
+"""segmentation-models-pytorch: its decoders on small encoders (resnet18, mobilenet_v2, efficientnet-b0, mit_b0), random
+weights (encoder_weights=None), 5 classes, 64 px, batch dynamic: U-Net and U-Net++ (skip connections, upsampling), FPN,
+DeepLabV3+ (atrous convs, ASPP's image pooling), PSPNet (pyramid pooling), MAnet (attention blocks) and SegFormer."""
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.spec import Built, Spec, image
+
+
+def smp_model(arch: str, encoder: str, side: int = 64, **kw: Any) -> Spec:
+  def build() -> Built:
+    import torch
+
+    from zoo.tvshim import import_torchvision
+    import_torchvision()  # smp imports timm, which imports torchvision
+    import segmentation_models_pytorch as smp
+    return image(torch, getattr(smp, arch)(encoder_name=encoder, encoder_weights=None, classes=5, **kw), side)
+  return Spec(f"smp/{arch.lower()}_{encoder.replace('-', '_')}", "smp", build)
+
+
+SPECS = [
+  smp_model("Unet", "resnet18"), smp_model("UnetPlusPlus", "mobilenet_v2"), smp_model("FPN", "resnet18"),
+  smp_model("DeepLabV3Plus", "mobilenet_v2"), smp_model("PSPNet", "resnet18"), smp_model("MAnet", "efficientnet-b0"),
+  smp_model("Segformer", "mit_b0"),
+]
