@@ -157,6 +157,20 @@ def test_bench_prints_latency_and_loads(tmp_path, capsys) -> None:
   assert abs(float(cells[9]) - 2 * float(cells[8])) < 0.2, row  # items/s: runs/s x the batch (each printed to 0.1)
 
 
+def test_bench_no_cold_loads_once_from_the_caches(tmp_path, capsys) -> None:
+  """--no-cold: one load from the caches as they are (a second bench of the same model compiles nothing), no cold column."""
+  from kiln.executor.cache import clear_memory_cache
+  path = mlp(tmp_path)
+  for compiled in ("2", "0"):
+    with cli_bench.settings.CACHE_DIR.temporarily(str(tmp_path / "cache")):
+      clear_memory_cache()  # what another process finds: the disk cache only
+      assert cli_bench.main([path, "--runs", "2", "--warmup", "0", "--dims", "batch=2", "--no-cold"]) == 0
+    out = capsys.readouterr().out
+    assert f"kernels compiled: {compiled} (--no-cold: the caches as they are)" in out, out
+    cells = out.splitlines()[-1].split()
+    assert cells[0] == "kiln" and cells[1] == "-" and float(cells[3]) > 0  # no cold load; the load's time in the warm column
+
+
 def test_bench_compare_runs_the_installed_peers(tmp_path, capsys) -> None:
   pytest.importorskip("onnxruntime")
   assert cli_bench.main([mlp(tmp_path), "--runs", "2", "--warmup", "0", "--compare"]) == 0
