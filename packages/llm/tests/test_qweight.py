@@ -32,6 +32,11 @@ def test_planes_dequantise_as_the_oracle(tmp_path: Path, fmt: str) -> None:
     assert qw.nbytes <= qt.data.nbytes, name
     want = ck.tensor(name)
     np.testing.assert_array_equal(qw.matrix().numpy().T.view(np.uint32), want.view(np.uint32), err_msg=name)
+    x = np.random.default_rng(0).standard_normal((1, qt.shape[1])).astype(np.float32)
+    ref = x.astype(np.float64) @ want.T.astype(np.float64)
+    for rows in (x, np.repeat(x, 3, 0)):  # one row takes the block-by-block product, several the dequantised matrix
+      got = qw.linear(Tensor(rows)).numpy()
+      assert got.shape == (len(rows), qt.shape[0]) and np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), name
   emb = pack(ck.quant("model.embed_tokens.weight"))
   assert emb is not None
   np.testing.assert_array_equal(emb.embedding(Tensor(np.array([3, 0, 3], np.int32))).numpy(), ck.tensor("model.embed_tokens.weight")[[3, 0, 3]])

@@ -69,8 +69,31 @@ class QuantWeight:
 
   def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ W.T (+ bias) for x (..., in), as Tensor.linear with the HF (out, in) weight."""
-    y = x @ self.matrix()
+    rows = 1
+    for n in x.shape[:-1]: rows *= n if isinstance(n, int) else 2
+    y = self._one_row(x) if rows == 1 and self.scales else x @ self.matrix()
     return y if bias is None else y + bias
+
+  def _one_row(self, x: Tensor) -> Tensor:
+    """x @ W.T for one row of x, block by block: each block's dot product on the codes, then times its scale (and for
+    Q4_0 less 8 x the block's sum of x, for Q4_1 plus m x it), so the codes are multiplied once each, not dequantised
+    first. Two kernels: the per-block sums (in / 32, out), then their scaled sum. A product of many rows runs on matrix()
+    instead: the register-tiled kernel wants one (in, out) matrix."""
+    out, inn = self.shape
+    nb = inn // 32
+    lead = x.shape[:-1]
+    xb = x.reshape(nb, 32, 1)
+    d = Tensor(self.scales[0]).cast(dtypes.float32)
+    c = Tensor(self.codes)
+    if self.format == "Q8_0": y = ((xb * c.reshape(nb, 32, out).cast(dtypes.float32)).sum(1) * d).sum(0)
+    else:
+      c = c.reshape(nb, 16, out)
+      lo, hi = (c & 0x0F).cast(dtypes.float32), (c & 0xF0).cast(dtypes.float32)
+      part = (xb[:, :16] * lo + (xb[:, 16:] * (1.0 / 16)) * hi).sum(1)  # (nb, out): the codes' dot products
+      xs = xb.sum(1)  # (nb, 1)
+      if self.format == "Q4_0": y = ((part - xs * 8.0) * d).sum(0)
+      else: y = (part * d + xs * Tensor(self.scales[1]).cast(dtypes.float32)).sum(0)
+    return y.reshape(*lead, out)
 
   def embedding(self, ids: Tensor) -> Tensor:
     """Rows `ids` of the HF (out, in) weight (an embedding table's lookup), (len(ids), in) float32: only those columns of
