@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_files import hf_weights, tiny_config, write_gguf
+from checkpoint_files import hf_weights, tiny_config, write_gguf, write_hf
 
 from kiln.graph import Tensor
 from kiln.llm import load
@@ -68,3 +68,16 @@ def test_packed_model_logits_match_the_float32_path(tmp_path: Path, arch: str, f
     llm.runner.reset(3)
     ref.reset(3)
     assert np.abs(llm.runner.feed([IDS[3]]) - ref.feed([IDS[3]])).max() <= tol
+
+
+def test_hf_float16_folder_conv1d(tmp_path: Path) -> None:
+  """A Hugging Face gpt2 folder in float16: its Conv1D weights, stored (in, out), are packed as they are (no transpose)
+  and the logits are the float32 path's."""
+  cj = tiny_config("gpt2", n_layer=1)
+  write_hf(tmp_path, cj, {k: v.astype(np.float16) for k, v in hf_weights(cj, seed=5, scale=0.2).items()})
+  llm = load(tmp_path, context=16, chunk=4)
+  assert llm.checkpoint.quant("transformer.h.0.attn.c_attn.weight").transposed
+  assert isinstance(llm.runner.get("transformer.h.0.attn.c_attn.weight"), QuantWeight)
+  got = llm.logits(IDS)
+  want = Runner(llm.config, llm.checkpoint.tensor, ctx=16, chunk=4).feed(IDS, last_only=False)
+  assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
