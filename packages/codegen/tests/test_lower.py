@@ -482,9 +482,32 @@ def test_small_reduce_windows_unroll_whole():
     return UOp.sink(o.index(c * 256 + y * 16 + xx).store(v), name="pool")
   opts = heuristic_opts(pool(2), CPU)
   assert Opt(OptOps.UNROLL, 3, 2) in opts and Opt(OptOps.UNROLL, 4, 2) in opts
-  assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(pool(5), CPU))
+  assert not any(o.op is OptOps.UNROLL and o.axis in (3, 4) for o in heuristic_opts(pool(5), CPU))  # (its output rows are)
   assert not any(o.op is OptOps.UNROLL and o.axis == 2 and o.amount > 2 for o in heuristic_opts(matmul(64, 64, 3), CPU))
 
+
+
+def window_sum(k: int, blocked: bool) -> UOp:
+  """A depthwise conv's window sum over 8x8 maps of 32 channels, k x k taps: blocked, (2, 8, 8, 16) per block with the
+  16 channels contiguous (the vector, each tap a whole vector on); NCHW, (32, 8, 16) with the rows contiguous."""
+  o, x, wt = UOp.define_global(0, F32.ptr(32 * 8 * 16)), UOp.define_global(1, F32.ptr(32 * 24 * 24)), UOp.define_global(2, F32.ptr(32 * k * k))
+  i, j = UOp.range(k, 3, AxisType.REDUCE), UOp.range(k, 4, AxisType.REDUCE)
+  if blocked:
+    b, y, xx, c = UOp.range(2, 0), UOp.range(8, 1), UOp.range(8, 2), UOp.range(16, 5)
+    v = (x.index(((b * 24 + y + i) * 24 + xx + j) * 16 + c).load() * wt.index((b * k * k + i * k + j) * 16 + c).load()).reduce(Ops.ADD, i, j)
+    return UOp.sink(o.index(((b * 8 + y) * 8 + xx) * 16 + c).store(v), name="blocked")
+  ch, y, xx = UOp.range(32, 0), UOp.range(8, 1), UOp.range(16, 2)
+  v = (x.index((ch * 24 + y + i) * 24 + xx + j).load() * wt.index(ch * k * k + i * k + j).load()).reduce(Ops.ADD, i, j)
+  return UOp.sink(o.index((ch * 8 + y) * 16 + xx).store(v), name="nchw")
+
+
+def test_a_window_sum_along_the_vector_keeps_independent_outputs():
+  """A window sum whose vector is one output per lane (a blocked depthwise conv's 16 channels) adds its k*k taps in one
+  chain per output: the innermost other output axis is unrolled by 4, four independent chains sharing each weight load.
+  An NCHW window sum unrolled along its vector in part (a 5x5's rows slide along it, its rows stay a loop) is not."""
+  assert Opt(OptOps.UNROLL, 2, 4) in heuristic_opts(window_sum(5, True), CPU)
+  assert Opt(OptOps.UNROLL, 2, 4) in heuristic_opts(window_sum(3, True), CPU)  # the 3x3 window unrolled whole
+  assert not any(o.op is OptOps.UNROLL and o.axis in (0, 1) for o in heuristic_opts(window_sum(5, False), CPU))
 
 def stacked(pieces: int, rest: int = 4096, pad: bool = False) -> UOp:
   """out[e, i] = piece e at i: a stack of `pieces` rows as a chain of selects on e (what kiln.graph renders for a CAT of

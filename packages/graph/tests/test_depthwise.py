@@ -55,3 +55,20 @@ def test_depthwise_reads_its_producers_buffer_through_the_pad(stride: int, paddi
   ref = _silu(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1))
   want = conv_ref(ref, w2, None, [stride] * 2, [padding, padding], [1, 1], 24)
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("xs,k,stride,copy", [((2, 32, 8, 8), 5, 1, "elementwise_2x2x12x12x16"), ((1, 16, 9, 9), 7, 1, "elementwise_1x1x15x15x16"),
+                                              ((2, 32, 4, 4), 3, 1, "elementwise_2x2x4x4x16"), ((2, 32, 8, 8), 5, 2, "elementwise_2x2x8x8x16")])
+def test_blocked_copy_takes_the_padding_where_the_taps_outnumber_it(xs, k: int, stride: int, copy: str) -> None:
+  """A blocked depthwise conv copies its input into blocks anyway: where its window sum reads at least
+  conv.PADDED_COPY_TAPS taps per padded element (a 5x5 window over 8x8 maps: 11, a 7x7 over 9x9: 18), the copy takes
+  the padding along and every tap is an ungated load; a 3x3 over 4x4 maps (4) and a strided 5x5 (2.8) read it in place,
+  each tap under the pad's bounds test. Against numpy either way."""
+  x, w, b = rand(*xs), rand(xs[1], 1, k, k), rand(xs[1])
+  c = compile([Tensor.input("x", xs).conv2d(Tensor(w), Tensor(b), stride=stride, padding=k // 2, groups=xs[1])])
+  assert c.kernels[0].ast.arg == copy, c.plan.describe()
+  window = next(kk for kk in c.kernels if any(u.op is Ops.REDUCE for u in kk.ast.toposort()))
+  gated = any(u.op is Ops.INDEX and len(u.src) > 2 for u in window.ast.toposort())
+  assert gated == (copy.split("x")[-2] == str(xs[-1])), "in place: gated taps; padded: none"
+  want = conv_ref(x, w, b, [stride] * 2, [(k // 2, k // 2)] * 2, [1, 1], xs[1])
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)

@@ -41,6 +41,9 @@ DROP_PAD_TAPS = True
 # a conv of one input channel per group and several outputs (a depthwise multiplier, FastViT's downsampling 7x7) runs as
 # a depthwise conv over its input's channels each repeated (_repeat_channels); False: a product of one row per group
 DEPTHWISE_MULTIPLIER = True
+# the blocked layout's copy takes the padding along where the window sum reads at least PADDED_COPY_TAPS taps per element
+# of the padded copy (_padded_copy_pays): its loads are then ungated, where each was a bounds test and a masked load; 0: never
+PADDED_COPY_TAPS = 8
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -228,21 +231,36 @@ def _row(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequ
   return (n - dl[-1] * (ks[-1] - 1) - 1) // st[-1] + 1
 
 
+def _padded_copy_pays(sp: Sequence[int], ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> bool:
+  """Whether a blocked depthwise conv copies its input with the padding (ungated taps) rather than reading it in place:
+  where its window sum reads at least PADDED_COPY_TAPS taps (output positions x kernel taps) per padded element copied.
+  A 5x5 window over 8x8 maps reads 11 per element (its window sum 32 -> 20 us, the copy 6 -> 12 us: 240 channels), a
+  stride-2 one 2.8 and a 3x3 over 4x4 maps 4, where the larger copy costs more than the gates it saves."""
+  if not PADDED_COPY_TAPS or not any(b or a for b, a in pads): return False
+  padded, taps = 1, 1
+  for n, k, (b, a), s, q in zip(sp, ks, pads, st, dl):
+    padded *= n + b + a
+    taps *= ((n + b + a - q * (k - 1) - 1) // s + 1) * k
+  return taps >= PADDED_COPY_TAPS * padded
+
+
 def _window_conv_blocked(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], st: list[int], dl: list[int], bias: Tensor | None) -> Tensor:
   """A depthwise conv in a blocked channel layout (oneDNN's nChw16c): the input realized as (N, C/16, *sp, 16), the window
   sum computed as (N, C/16, *out, 16) and copied back to NCHW. The 16 channels of a block are contiguous, so the codegen's
   vector runs across them: a tap's load is one vector whose pad bounds test is the same for every lane (a masked load,
   not a gate per lane), the weight, stored (C/16, *k, 16), one contiguous vector per tap, and a block's plane stays in
   the L1 cache while its windows slide over it. In NCHW the vector ran along an output row, a few lanes wide on a
-  mobile net's small maps (2 to 14), each lane gated. C is padded with zero channels to a multiple of 16."""
+  mobile net's small maps (2 to 14), each lane gated. C is padded with zero channels to a multiple of 16. Where the
+  window's taps outnumber the padded map's elements enough (_padded_copy_pays), the copy in takes the padding along."""
   d = w.ndim - 2
   ks = sym.static_shape("conv (weight)", w.shape)[2:]
   c = sym.static_shape("conv", x.shape[1:2])[0]
   cb = -(-c // BLOCK)
   sp = x.shape[2:]
   xb = x.pad(((0, 0), (0, cb * BLOCK - c), *[(0, 0)] * d)) if cb * BLOCK != c else x
-  xb = xb.reshape(x.shape[0], cb, BLOCK, *sp).permute(0, 1, *range(3, 3 + d), 2).contiguous()  # (N, CB, *sp, B)
-  xb = xb.pad(((0, 0), (0, 0), *pads, (0, 0)))  # read in place through the pad's bounds test
+  xb = xb.reshape(x.shape[0], cb, BLOCK, *sp).permute(0, 1, *range(3, 3 + d), 2)  # (N, CB, *sp, B)
+  if _padded_copy_pays(sym.static_shape("conv", sp), ks, pads, st, dl): xb = xb.pad(((0, 0), (0, 0), *pads, (0, 0))).contiguous()
+  else: xb = xb.contiguous().pad(((0, 0), (0, 0), *pads, (0, 0)))  # read in place through the pad's bounds test
   win = xb.permute(0, 1, 2 + d, *range(2, 2 + d)).windows(ks, st, dl)  # (N, CB, B, *out, *k)
   win = win.permute(0, 1, *range(3, 3 + d), 2, *range(3 + d, 3 + 2 * d))  # (N, CB, *out, B, *k)
   if (data := w.node.data) is not None:
