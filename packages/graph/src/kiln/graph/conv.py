@@ -32,6 +32,8 @@ FOLD_BATCH = True  # ... with a static batch's images as more rows of one produc
 # a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
 # `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
 STRIDED_PADDED_COPY = True
+# ... and so does a padded conv's product strided along its rows, in NCHW (_positions >= BLOCK); False: in place
+STRIDED_PRODUCT_PADDED_COPY = True
 # ... with a weight array stored in blocks of WEIGHT_BLOCK output channels, (g, O/WB, K, WB) (_product_blocked); False: (g, K, O/g)
 BLOCKED_WEIGHT = True
 # the widest register tile's columns (two AVX-512 vectors of float32): one K step of a block is one contiguous 128-byte run
@@ -80,8 +82,8 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   if DROP_PAD_TAPS: w, pads = _live_taps(x, w, pads, st, dl)
   if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
-  if cg == 1 and og > 1 and DEPTHWISE_MULTIPLIER:  # each input channel feeds og outputs: depthwise over the channels repeated
-    x, groups, og = _repeat_channels(x, og), o, 1
+  if cg == 1 and isinstance(og, int) and og > 1 and DEPTHWISE_MULTIPLIER:  # each input channel feeds og outputs: depthwise over the channels repeated
+    x, groups, og = _repeat_channels(x, og), groups * og, 1
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
     if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
@@ -90,7 +92,11 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
       xp = (x.contiguous() if _computes(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
     elif prod(ks) > 1 and _computes(x.node): xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
     return _window_conv(xp, w, st, dl, groups, bias)
-  if xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
+  if xp is not x and STRIDED_PRODUCT_PADDED_COPY and st[-1] > 1 and _positions(x, ks, pads, st, dl) >= BLOCK:
+    # the packed panel's rows are output positions `stride` apart: read through the pad's bounds test, a gather of gated
+    # scalars; from a padded copy, one masked span shuffled (expand.STRIDE_LOADS), as the strided depthwise conv does
+    xp = (x.contiguous() if _computes(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
+  elif xp is not x and PAD_INLINE:  # the input realized, its padding read in place (the product's loads gated by the bounds)
     xp = x.contiguous().pad(((0, 0), (0, 0), *pads))
   elif xp is not x:
     xp = (x.contiguous() if _reduces(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
@@ -223,6 +229,12 @@ def _window_conv(xp: Tensor, w: Tensor, st: list[int], dl: list[int], groups: in
   win = xp.windows(sym.static_shape("conv (weight)", w.shape)[2:], st, dl)  # (N, C, *out, *k)
   y = (win * w.reshape(1, groups, *[1] * d, *w.shape[2:])).sum(tuple(range(2 + d, 2 + 2 * d)))
   return y if bias is None else y + bias.reshape(1, groups, *([1] * d))
+
+
+def _positions(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> int:
+  """The conv's output positions per image (the product of its output's spatial sizes)."""
+  sp = sym.static_shape("conv", x.shape[2:])
+  return prod([(n + b + a - q * (k - 1) - 1) // s + 1 for n, k, (b, a), s, q in zip(sp, ks, pads, st, dl)])
 
 
 def _row(x: Tensor, ks: Sequence[int], pads: Sequence[tuple[int, int]], st: Sequence[int], dl: Sequence[int]) -> int:
