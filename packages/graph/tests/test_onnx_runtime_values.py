@@ -61,9 +61,9 @@ def test_resize_to_fed_sizes() -> None:
   for sz in ((1, 2, 8, 9), (1, 2, 3, 5)): compare(m, km, {"x": x, "sz": i64(*sz)})
 
 
-def test_a_chain_of_values_and_a_branch_before_the_cut() -> None:
-  """A Slice with starts and ends both fed is two cuts (the second inside the first's continuation); the If before it is a
-  run-time branch of the prefix."""
+def test_a_fed_window_and_a_branch_before_the_cut() -> None:
+  """A Slice with starts and ends both fed is one window (a start and a length per axis, runtime variables a host step binds:
+  compiled once at load); the If before it is a run-time branch of the prefix."""
   x = f32(6, 5)
   then = helper.make_graph([N("Neg", ["x"], ["t"])], "then", [], [helper.make_tensor_value_info("t", 1, [6, 5])])
   other = helper.make_graph([N("Exp", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", 1, [6, 5])])
@@ -72,7 +72,27 @@ def test_a_chain_of_values_and_a_branch_before_the_cut() -> None:
   km = konnx.load(m)
   for c, b, e in ((True, (1, 0), (5, 4)), (False, (1, 0), (5, 4)), (False, (0, 2), (-1, 5)), (True, (1, 0), (5, 4))):
     compare(m, km, {**feeds, "c": np.array(c), "starts": i64(*b), "ends": i64(*e)})
-  assert compiles(km) == [2, 1, 1]  # two starts; an ends for each
+  assert compiles(km) == [1]  # the window's continuation, at load
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_slice_window_computed_from_data_compiles_once(symbolic: bool) -> None:
+  """x[:, s:e] and x[a:b, s:e] with the bounds computed from data (an ArgMax and a count, fed ints), Python's clamping:
+  negative starts, ends past the axis, an empty window, the whole axis; over a fixed or a symbolic batch. One compile at
+  load, none in any run, each result onnxruntime's."""
+  g = helper.make_graph([N("Add", ["st", "zero"], ["s2"]), N("Slice", ["x", "s2", "en", "ax"], ["y"]), N("Relu", ["y"], ["o"])], "g",
+                        [helper.make_tensor_value_info("x", 1, ["b" if symbolic else 4, 10]), helper.make_tensor_value_info("st", 7, [2]),
+                         helper.make_tensor_value_info("en", 7, [2])], [helper.make_tensor_value_info("o", 1, ["r", "c"])],
+                        [helper.make_tensor("zero", 7, [2], [0, 0]), helper.make_tensor("ax", 7, [2], [0, 1])])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  km = konnx.load(m, dims={"b": (1, 6)} if symbolic else None)
+  assert compiles(km) == [1] and all(sp.unbounded is None for sp in km.program.specialisations())  # type: ignore[union-attr]
+  from kiln.executor import cache_stats
+  before = cache_stats()["compiles"]
+  for rows, st, en in ((4, (1, 2), (3, 7)), (4, (-3, -12), (100, -1)), (3 if symbolic else 4, (2, 6), (1, 6)), (4, (0, 0), (4, 10)),
+                       (6 if symbolic else 4, (-1, 9), (2**62, 2**62))):
+    compare(m, km, {"x": f32(rows, 10), "st": i64(*st), "en": i64(*en)})
+  assert cache_stats()["compiles"] == before
 
 
 def test_a_bad_value_is_a_typed_error_at_run_time_naming_the_node() -> None:

@@ -27,7 +27,8 @@ variable in [0, bound] (`Length`; the output's dim is that variable, its buffers
 length back and binds the variable, as a model input's dims are bound (one compile for every length; the host step's rows
 are copied into the front of their slot). Only where that continuation cannot be converted with the length symbolic (an op
 after it that needs the length as a number: a Reshape to a shape computed from it) does the cut fall back to a continuation
-per value, as for the shape values above, and `Specialise.unbounded` says why.
+per value, as for the shape values above, and `Specialise.unbounded` says why. A host step may bind several lengths at
+once (`Length.vars`): a Slice window computed from data, a start and a length per axis.
 
 A *condition* is the third: a run-time If in the main graph whose branch reads a value back (torchvision's batched_nms:
 "no boxes?" with NonMaxSuppression in the else branch) or gives an output of another shape cannot be a Switch, so the
@@ -73,6 +74,7 @@ class Length:
   row: tuple[int, ...] | None = None
   dtype: Any = None
   at_most: Any = None  # a dim the value may not pass in a run (TopK's k, its axis when that is symbolic), checked by the run
+  vars: int = 1  # more than one: a host step's ints, each a variable in [0, bound] (a Slice's start and length per axis)
 
 
 class RuntimeValue(ONNXError):
@@ -182,6 +184,7 @@ def describe(values: Mapping[str, Any]) -> str:
   """Values read back, for messages: a number's value, a length's variable and bounds."""
   def one(v: Any) -> str:
     if isinstance(v, np.ndarray): return str(v.tolist())
+    if isinstance(v, tuple): return "(" + ", ".join(one(x) for x in v) + ")"
     d = v.node.shape[0] if isinstance(v, Tensor) else v
     lo, hi = sym.bounds(d)
     return f"{sym.fmt(d)} in [{lo}, {hi}]"
@@ -222,8 +225,10 @@ class Specialise:
     if ln.bound < 1:
       self.unbounded = f"its bound is {ln.bound}: the value is known"
       return None
-    var = sym.variable(self.cut.var, 0, ln.bound)
-    if ln.row is None: env_val: Any = var
+    vs = [sym.variable(name, 0, ln.bound) for name in self.var_names]
+    var = vs[0]
+    if ln.vars > 1: env_val: Any = tuple(vs)
+    elif ln.row is None: env_val = var
     else: env_val = Tensor(placeholder((var, *ln.row), dtypes.from_numpy(np.dtype(ln.dtype))))
     tail, slot = self._continue({self.cut.key: env_val}, {self.cut.key: env_val}, None if ln.row is None else env_val.node)
     self.compiles += 1
@@ -233,10 +238,17 @@ class Specialise:
     if (why := _refused_branch(tail)) is not None:  # a run-time If's branch it could not convert, the length still a variable
       self.unbounded = f"a branch chosen at run time could not be converted with it a variable: {why}"  # per value, it may fold
       return None
-    if (why := _needs_value(tail, var)) is not None:
-      self.unbounded = why
-      return None
+    for v in vs:
+      if (why := _needs_value(tail, v)) is not None:
+        self.unbounded = why
+        return None
     return tail, slot
+
+  @property
+  def var_names(self) -> list[str]:
+    """The runtime variables a length binds: the cut's, or one per value of a host step's ints (cut.var_0, cut.var_1, ...)."""
+    n = self.cut.length.vars if self.cut.length is not None else 1
+    return [self.cut.var] if n == 1 else [f"{self.cut.var}_{i}" for i in range(n)]
 
   def run(self, vals: dict[str, int], prof: list[Any] | None) -> list[Slot | np.ndarray]:
     """Reads the needed values back, binds a length's variable in vals (the run's: its outputs are read with it), and runs
@@ -267,6 +279,12 @@ class Specialise:
     assert self._bounded is not None and self.cut.length is not None
     tail, slot = self._bounded
     ln = self.cut.length
+    if ln.vars > 1:
+      got = np.asarray(fed).reshape(-1)
+      if got.size != ln.vars or not all(0 <= int(x) <= ln.bound for x in got):
+        raise ONNXError(f"{self.cut.label}: its host step gave {got.tolist()}, not {ln.vars} values in [0, {ln.bound}]")
+      vals.update(zip(self.var_names, (int(x) for x in got)))
+      return tail.run(vals, prof)
     if fed is None: n = int(np.asarray(next(iter(values.values()))).reshape(-1)[0])
     else:
       n = int(fed.shape[0])
