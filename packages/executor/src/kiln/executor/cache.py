@@ -286,25 +286,39 @@ def compile_kernel_with_origin(ast: UOp, device: str | DeviceSpec = "CPU", opts:
 
   def build() -> CachedKernel:
     rt = get_runtime(dev)
-    use_disk = disk_cache_enabled()
-    dkey = kernel_disk_key(ast, dev, rt, opts) if use_disk else ""
-    if use_disk and (compiled := disk_load(dkey, ast)) is not None:
-      try:
-        ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "disk")
-        _stats["disk_hits"] += 1
-        debug.on_compiled(ck, "disk cache")
-        return ck
-      except Exception as e:  # bytes that no longer load (e.g. a different LLVM): compile afresh
-        _stats["disk_errors"] += 1
-        if debug.DEBUG >= 1: debug.emit(f"kiln: cached kernel {compiled.name} failed to load ({e}); recompiling")
+    if (ck := _from_disk(rt, ast, dev, opts, key)) is not None: return ck
     ck = build_kernel(rt, ast, opts, key)
     _stats["compiles"] += 1
-    if use_disk and ck.compiled is not None: disk_store(dkey, ck.compiled)
+    if disk_cache_enabled() and ck.compiled is not None: disk_store(kernel_disk_key(ast, dev, rt, opts), ck.compiled)
     debug.on_compiled(ck, "compiled")
     return ck
 
   ck = get_or_compile_kernel(key, dev, build)
   return ck, ck.origin
+
+
+def _from_disk(rt: Runtime, ast: UOp, dev: str, opts: Sequence[Any] | None, key: str) -> CachedKernel | None:
+  """The kernel loaded from the disk cache (None: off, a miss, or bytes that no longer load, e.g. a different LLVM)."""
+  if not disk_cache_enabled() or (compiled := disk_load(kernel_disk_key(ast, dev, rt, opts), ast)) is None: return None
+  try:
+    ck = CachedKernel.from_compiled(compiled, rt.load(compiled), rt, key, "disk")
+  except Exception as e:
+    _stats["disk_errors"] += 1
+    if debug.DEBUG >= 1: debug.emit(f"kiln: cached kernel {compiled.name} failed to load ({e}); recompiling")
+    return None
+  _stats["disk_hits"] += 1
+  debug.on_compiled(ck, "disk cache")
+  return ck
+
+
+def cached_kernel(ast: UOp, device: str | DeviceSpec = "CPU", opts: Sequence[Any] | None = None) -> CachedKernel | None:
+  """The kernel from the memory cache, else from the disk cache (then kept in memory too); None where it would have to be
+  compiled."""
+  dev = _dev(device) if isinstance(device, str) else str(device)
+  key = kernel_key(ast, dev, opts)
+  if (hit := _kernels.get((key, dev))) is not None: return hit
+  if (ck := _from_disk(get_runtime(dev), ast, dev, opts, key)) is None: return None
+  return get_or_compile_kernel(key, dev, lambda: ck)
 
 
 def adopt_kernel(ast: UOp, device: str | DeviceSpec, opts: Sequence[Any] | None, ck: CachedKernel) -> CachedKernel:

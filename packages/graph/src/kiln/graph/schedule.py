@@ -339,28 +339,20 @@ def aligned_windows(ast: UOp, wins: dict[int, Window], itemsizes: Sequence[int],
 
 
 def precompile(kernels: Sequence[tuple[UOp, Any]], device: str, threads: int) -> None:
-  """Compile the plan's kernels (each distinct one once) on `threads` threads before the plan is built, which then finds
-  them in the kernel cache. For a runtime whose compiler runs out of process (CUDA: an nvcc process a kernel), a model's
-  few hundred kernels compile side by side instead of one after another. A failure is left for the build, which reports
+  """Compile the plan's kernels (each distinct one once), `threads` at a time, before the plan is built, which then finds
+  them in the kernel cache: in worker processes where the runtime's compile work holds the interpreter (the CPU's), else
+  on threads (CUDA: an nvcc process a kernel); kiln.executor.compile_pool decides. A failure is left for the build, which reports
   it with the kernel's place in the plan (a compile that raised is not cached). While a load reports progress
   (kiln.graph.progress) they compile here even on one thread, each one reported as it finishes."""
   todo = list({(ast.key, repr(opts)): (ast, opts) for ast, opts in kernels}.values())
   if not todo or (threads <= 1 or len(todo) <= 1) and not progress.active(): return  # the build compiles them, in order
-  from concurrent.futures import ThreadPoolExecutor, as_completed
-
-  from kiln.executor import compile_kernel
-  def one(job: tuple[UOp, Any]) -> None:
-    try: compile_kernel(job[0], device, job[1])
-    except Exception: pass  # noqa: S110 (the build compiles it again and raises with the kernel's label)
-  what = "compiling kernels"
+  from kiln.executor import precompile_kernels
+  what, count = "compiling kernels", [0]
   progress.report(0, len(todo), what)
-  if threads <= 1 or len(todo) <= 1:
-    for i, job in enumerate(todo):
-      one(job)
-      progress.report(i + 1, len(todo), what)
-    return
-  with ThreadPoolExecutor(min(threads, len(todo))) as ex:
-    for i, _ in enumerate(as_completed([ex.submit(one, job) for job in todo])): progress.report(i + 1, len(todo), what)
+  def done() -> None:
+    count[0] += 1
+    progress.report(count[0], len(todo), what)
+  precompile_kernels(todo, device, threads, done)  # processes or threads, as the runtime's compile work allows
 
 
 class GraphPlan:

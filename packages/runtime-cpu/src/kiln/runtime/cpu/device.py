@@ -55,6 +55,12 @@ class CPURuntime:
     under one lock (its global context), with the GIL released, so a second thread renders the next kernel meanwhile."""
     return self.target.cores
 
+  @property
+  def compile_processes(self) -> bool:
+    """Whether a plan's kernels compile in worker processes (kiln.executor.compile_pool): yes, as threads cannot compile two
+    at once here: the lowering is Python (the GIL), and llvmlite runs every LLVM call under one process-wide lock."""
+    return True
+
   def load(self, compiled: CompiledSpec) -> CPUProgram: return CPUProgram(compiled)
   def synchronize(self) -> None: pass
 
