@@ -98,7 +98,7 @@ def test_conv_kernels() -> None:
   c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), Tensor(rand(16)))])
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
   c = compile([x.conv2d(Tensor(rand(16, 8, 3, 3)), stride=2, padding=1, dilation=2)])
-  assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()
+  assert c.kernel_count == 3 and len(matmul_kernels(c)) == 1, c.plan.describe()  # strided: a padded copy, product, output
   c = compile([x.conv2d(Tensor(rand(16, 8, 1, 1)), Tensor(rand(16)))])
   assert c.kernel_count == 2 and len(matmul_kernels(c)) == 1, c.plan.describe()  # product, bias
   xw = Tensor.input("x", (2, 8, 10, 20))  # rows of at least BLOCK outputs: a depthwise conv stays NCHW
@@ -227,6 +227,22 @@ def test_strided_depthwise_reads_a_padded_copy(ks, stride, padding) -> None:
   assert c.kernel_count == 3 and len(sums) == 1, c.plan.describe()  # the relu, its padded copy, the window sum
   assert not any(u.op is Ops.INDEX and len(u.src) > 2 for u in sums[0].ast.toposort()), "the window sum's loads are gated"
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(np.maximum(x, 0), w, b, st, pads, dl, 6), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("xs,ws,stride,padding", [((2, 3, 32, 32), (16, 3, 7, 7), 2, 3), ((1, 8, 9, 9), (8, 8, 3, 3), 2, 1),
+                                                   ((1, 4, 12, 30), (8, 4, 3, 3), (1, 3), ((0, 1), (2, 2)))])
+def test_strided_product_reads_a_padded_copy(xs, ws, stride, padding) -> None:
+  """A padded conv strided along its rows, over at least BLOCK output positions (its product in NCHW), reads a realized
+  padded copy of its input: its packed panel's rows (positions `stride` apart) load a masked span, no bounds test,
+  against numpy. A ResNet stem's 7x7 at stride 2; a 3x3 at stride 2 over a 9x9 map (5x5 outputs); a stride along the rows only."""
+  x, w, b = rand(*xs), rand(*ws), rand(ws[0])
+  st, pads, dl = _spec(stride, padding, 1, 2)
+  c = compile([Tensor.input("x", xs).conv2d(Tensor(w), Tensor(b), stride=stride, padding=padding).relu()])
+  padded = tuple(n + p0 + p1 for n, (p0, p1) in zip(xs[2:], pads))
+  assert [k.ast.arg for k in c.kernels if k.ast.arg.startswith("elementwise")][0] == "elementwise_" + "x".join(map(str, (*xs[:2], *padded)))
+  sums = [k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert len(sums) == 1 and not any(u.op is Ops.INDEX and len(u.src) > 2 for u in sums[0].ast.toposort()), "the product's loads are gated"
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, b, st, pads, dl, 1), 0), rtol=1e-4, atol=1e-4)
 
 
 def test_depthwise_window_rows_unrolled_where_they_slide_along_the_vector() -> None:
