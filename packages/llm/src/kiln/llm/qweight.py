@@ -114,11 +114,12 @@ class QuantWeight:
     sum)."""
     (out, inn), lead = self.shape, x.shape[:-1]
     t, _, lanes = self.codes.shape
-    if not self.scales: return (x.reshape(1, inn, 1) * self._tiled_matrix()).sum(1).reshape(*lead, out)
+    if not self.scales and inn % 32: return (x.reshape(1, inn, 1) * self._tiled_matrix()).sum(1).reshape(*lead, out)
     nb = inn // 32
     xb = x.reshape(1, nb, 32, 1)
     c = self._codes()
-    if self.format == "Q8_0": y = ((xb * c.reshape(t, nb, 32, lanes).cast(dtypes.float32)).sum(2) * self._scale(0)).sum(1)
+    if not self.scales: y = (xb * c.reshape(t, nb, 32, lanes).cast(dtypes.float32)).sum(2).sum(1)  # F16, BF16: in blocks of 32 too
+    elif self.format == "Q8_0": y = ((xb * c.reshape(t, nb, 32, lanes).cast(dtypes.float32)).sum(2) * self._scale(0)).sum(1)
     else:
       c = c.reshape(t, nb, 16, lanes)
       lo, hi = (c & 0x0F).cast(dtypes.float32), (c & 0xF0).cast(dtypes.float32)
