@@ -322,6 +322,17 @@ def test_few_positions_weight_in_blocks_of_output_channels(xs, ws, padding, grou
   np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
 
 
+def test_few_positions_weight_in_blocks_under_a_symbolic_batch() -> None:
+  """Under a symbolic batch (an outer loop) the blocked weight's product runs as (N, g, O/g/block, P, block)."""
+  w, b = rand(64, 16, 3, 3), rand(64)
+  c = compile([Tensor.input("x", ("n", 16, 2, 2), dims={"n": (1, 4)}).conv2d(Tensor(w), Tensor(b), padding=1).relu()])
+  assert [k.ast.arg for k in c.kernels if k.ast.arg.startswith("reduce")] == ["reduce_nx1x2x4x32"], c.plan.describe()
+  for n in (1, 3):
+    x = rand(n, 16, 2, 2)
+    want = np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0)
+    np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
 def test_few_positions_channels_last_under_a_symbolic_batch() -> None:
   """A static batch folds into the product's rows, (g, N*P, O/g); a symbolic one stays its outer loop, (N, g, P, O/g)."""
   w, b = rand(40, 24, 1, 1), rand(40)

@@ -124,8 +124,7 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   kk, p = sym.static_shape("conv", cols.shape[2:])
   og = sym.static_shape("conv (weight)", w.shape)[0] // groups
   data = w.node.data
-  if isinstance(n, int) and FOLD_BATCH and BLOCKED_WEIGHT and data is not None and (b := _weight_block(og)):
-    return _product_blocked(cols, data, bias, groups, b, out)
+  if BLOCKED_WEIGHT and data is not None and (b := _weight_block(og)): return _product_blocked(cols, data, bias, groups, b, out)
   if data is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
   else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
   if isinstance(n, int) and FOLD_BATCH:
@@ -142,16 +141,22 @@ def _product_blocked(cols: Tensor, data: np.ndarray, bias: Tensor | None, groups
   """The channels-last product with its weight array stored in blocks of `block` output channels, (g, O/g/block, K,
   block): a register tile's columns stream one contiguous run of the weight along K. Stored (g, K, O/g), a tile read
   `block` channels of each K row, a short run every O/g * 4 bytes: over a 2x2 map the weight is read once per run and
-  that stride made it a scattered read from memory, not a stream. The product is computed as (g, O/g/block, N*P, block)."""
-  n = sym.static_shape("conv", cols.shape[:1])[0]
+  that stride made it a scattered read from memory, not a stream. The product is computed as (g, O/g/block, N*P, block),
+  or under a symbolic batch (an outer loop) as (N, g, O/g/block, P, block)."""
+  n = cols.shape[0]
   kk, p = sym.static_shape("conv", cols.shape[2:])
   og = data.shape[0] // groups
   ob = og // block
   wb = type(cols)(np.ascontiguousarray(data.reshape(groups, ob, block, kk).transpose(0, 1, 3, 2)))  # (g, OB, K, B)
-  rows = cols.permute(1, 0, 3, 2).reshape(groups, 1, n * p, kk, 1)  # (g, 1, N*P, K, 1)
-  y = (wb.reshape(groups, ob, 1, kk, block) * rows).sum(3)  # (g, OB, N*P, B)
-  if bias is not None: y = y + bias.reshape(groups, ob, 1, block)
-  return y.contiguous().reshape(groups, ob, n, p, block).permute(2, 0, 1, 4, 3).reshape(n, groups * og, *out)
+  if isinstance(n, int) and FOLD_BATCH:
+    rows = cols.permute(1, 0, 3, 2).reshape(groups, 1, n * p, kk, 1)  # (g, 1, N*P, K, 1)
+    y = (wb.reshape(groups, ob, 1, kk, block) * rows).sum(3)  # (g, OB, N*P, B)
+    if bias is not None: y = y + bias.reshape(groups, ob, 1, block)
+    return y.contiguous().reshape(groups, ob, n, p, block).permute(2, 0, 1, 4, 3).reshape(n, groups * og, *out)
+  rows = cols.permute(0, 1, 3, 2).reshape(n, groups, 1, p, kk, 1)  # (N, g, 1, P, K, 1)
+  y = (wb.reshape(1, groups, ob, 1, kk, block) * rows).sum(4)  # (N, g, OB, P, B)
+  if bias is not None: y = y + bias.reshape(1, groups, ob, 1, block)
+  return y.contiguous().permute(0, 1, 2, 4, 3).reshape(n, groups * og, *out)
 
 
 def _weight_block(og: int) -> int:
