@@ -92,3 +92,8 @@ def test_a_failing_job_is_left_for_the_caller(cpu, monkeypatch):
                       else real(self, src))
   precompile_kernels([(bad, None)] + [(g, None) for g in good], "CPU", 2)
   assert all(cache.cached_kernel(g, "CPU") is not None for g in good) and cache.cached_kernel(bad, "CPU") is None
+
+
+def test_largest_first():
+  small, big = _adds(1)[0], kernels.elementwise(lambda x: (x * 2.0 + 1.0) * x, dtypes.float32, ((64,), dtypes.float32), name="big")
+  assert compile_pool.largest_first([(small, None), (big, None), (small, None)]) == [1, 0, 2]

@@ -43,6 +43,12 @@ def can_fork() -> bool:
   return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
 
 
+def largest_first(jobs: Sequence[Job]) -> list[int]:
+  """The jobs' indices, the largest AST first: a kernel's compile time grows with its AST, and a few large kernels hold
+  much of a model's compile time; one of them started last would leave the other workers idle while it finishes."""
+  return sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0].toposort()))
+
+
 def _compile_one(i: int) -> tuple[int, str | None]:
   """In a worker: render and compile job i; (i, its CompiledSpec as JSON without the AST), or (i, None) when it raised
   (the parent's build compiles it again and reports the error where it belongs)."""
@@ -83,7 +89,7 @@ def precompile_kernels(jobs: Sequence[Job], device: str, workers: int, done: Cal
     _JOBS, _DEVICE = todo, dev
     try:
       with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as ex:
-        futs = [ex.submit(_compile_one, i) for i in range(len(todo))]
+        futs = [ex.submit(_compile_one, i) for i in largest_first(todo)]
         for fut in as_completed(futs):
           try: i, payload = fut.result()
           except BrokenProcessPool: payload = None  # a worker died: this job (and the rest) are left for the build
