@@ -72,3 +72,36 @@ def test_blocked_copy_takes_the_padding_where_the_taps_outnumber_it(xs, k: int, 
   assert gated == (copy.split("x")[-2] == str(xs[-1])), "in place: gated taps; padded: none"
   want = conv_ref(x, w, b, [stride] * 2, [(k // 2, k // 2)] * 2, [1, 1], xs[1])
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def _kernels_with(c, op: Ops) -> list[str]: return [k.ast.arg for k in c.kernels if any(u.op is op for u in k.ast.toposort())]
+
+
+def test_a_channels_last_products_activation_is_its_epilogue() -> None:
+  """A 1x1 conv over 2x2 maps computes its product channels-last and reads it back through a permute: its batch norm
+  and ReLU6 run in the product's kernel (their per-channel operands read in the product's layout through the permute
+  undone), not in a kernel of their own before the next conv."""
+  x, w, b, a, s, w2 = rand(2, 64, 2, 2), rand(128, 64, 1, 1), rand(128), rand(1, 128, 1, 1), rand(1, 128, 1, 1), rand(32, 128, 1, 1)
+  h = (Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b)) * Tensor(a) + Tensor(s)).minimum(6).maximum(0)
+  c = compile([h.conv2d(Tensor(w2))])
+  first = c.kernels[0].ast.arg
+  assert _kernels_with(c, Ops.MAX) == [first] and first in _kernels_with(c, Ops.REDUCE), c.plan.describe()
+  ref = np.clip((conv_ref(x, w, b, [1, 1], [(0, 0)] * 2, [1, 1], 1)) * a + s, 0, 6)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(ref, w2, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_blocked_depthwise_convs_activation_is_its_epilogue() -> None:
+  """A squeeze-and-excitation block after a blocked depthwise conv: the SiLU, read by the pool and by the scaling, runs
+  once, in the window sum's kernel (read back through the blocked layout's permute, it ran in both readers), and the
+  residual input, an operand from outside the chain, is read in the blocked layout."""
+  x, w, a = rand(2, 32, 4, 4), rand(32, 1, 3, 3), rand(1, 32, 1, 1)
+  xi = Tensor.input("x", x.shape)
+  d = xi.conv2d(Tensor(w), padding=1, groups=32).silu() * Tensor(a) + xi
+  y = d * d.mean((2, 3), keepdims=True).sigmoid()
+  c = compile([y.mean((2, 3))])
+  window = next(k.ast.arg for k in c.kernels if k.ast.arg.endswith("x16") and any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  assert window in _kernels_with(c, Ops.EXP2) and len(_kernels_with(c, Ops.EXP2)) == 2, c.plan.describe()  # the SiLU; the gate
+  dd = conv_ref(x, w, None, [1, 1], [(1, 1)] * 2, [1, 1], 32)
+  dd = _silu(dd) * a + x
+  want = (dd / (1 + np.exp(-dd.mean((2, 3), keepdims=True)))).mean((2, 3))
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-5)

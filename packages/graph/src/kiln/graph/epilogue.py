@@ -17,8 +17,12 @@ the one before.
 | T's readers read T                           | T's readers read T' reshaped to T's shape (index arithmetic, no copy)  |
 
 A chain stops at a node with several readers, a realized node or a graph output (each needs its own value), and at
-anything that is not a reshape or an elementwise op. A reader that realized T's reshape (Tensor.contiguous: a depthwise
-conv realizes a computed input, read per tap) would now copy T' in its own order: it reads T' through the reshape instead.
+anything that is not a reshape, a permute or an elementwise op. Through a permute (a channels-last product, a blocked
+depthwise conv, each read back as NCHW) the chain is still computed in R's layout: an operand from outside it (a batch
+norm's scale, a residual input) is read through the chain's views undone, and T's readers read T' through them. A
+product whose bias is added in its own layout before it is realized (R = the sum plus the bias) counts as one. A reader
+that realized T's reshape (Tensor.contiguous: a depthwise conv realizes a computed input, read per tap) would now copy T'
+in its own order: it reads T' through the reshape instead.
 """
 from __future__ import annotations
 
@@ -26,9 +30,13 @@ from collections.abc import Mapping, Sequence
 
 from kiln.graph.dims import is_static
 from kiln.graph.lazy import Node, consumers, toposort
+from kiln.ir.ops import Ops
 
 # a realized reshape whose source became a reshape of a realized product is read in place, not copied (_copy_of_realized)
 DROP_COPIES = True
+# the chain after a product goes through permutes too (a channels-last product or a blocked depthwise conv read as NCHW),
+# its operands read in the product's layout through the permutes undone; False: reshapes only
+THROUGH_PERMUTES = True
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
 # read nothing, so each source element is read once
 _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
@@ -39,7 +47,16 @@ def _is_product(n: Node) -> bool:
   Winograd conv's tiles put back in NCHW order and cropped: reshapes, a permute, a slice, whose copy takes the chain)."""
   if not n.realize or not is_static(n.shape): return False  # (a conv's product is static; symbolic reshapes are left alone)
   while n.op == "VIEW" and n.arg[0] in ("reshape", "permute", "shrink"): n = n.src[0]
+  # a product with its bias added in its own layout (a channels-last product, a blocked depthwise conv) is one as well
+  if THROUGH_PERMUTES and n.op == "ALU" and n.arg is Ops.ADD:
+    return any(m.op == "REDUCE" and not m.realize for m in map(_unreshaped, n.src))
   return n.op == "REDUCE"
+
+
+def _unreshaped(n: Node) -> Node:
+  """The node n reshapes (through reshapes computed inline: a sum without keepdims), else n."""
+  while n.op == "VIEW" and not n.realize and n.arg[0] == "reshape": n = n.src[0]
+  return n
 
 
 def _chain(r: Node, readers: Mapping[Node, list[Node]], outputs: set[Node], order: Mapping[Node, int]) -> list[Node]:
@@ -53,13 +70,16 @@ def _chain(r: Node, readers: Mapping[Node, list[Node]], outputs: set[Node], orde
   todo = [r]
   while todo:
     for p in readers[todo.pop()]:
-      if p in region or p.realize or p in outputs or not (p.op == "ALU" or p.op == "VIEW" and p.arg[0] == "reshape"): continue
+      if p in region or p.realize or p in outputs or not (p.op == "ALU" or p.op == "VIEW" and _chain_view(p)): continue
       region.add(p)
       todo.append(p)
   for t in sorted((n for n in region if n.op == "ALU"), key=lambda n: -order[n]):
     between = _between(r, t, region)
     if all(set(readers[n]) <= between for n in between if n is not t): return sorted(between - {r}, key=lambda n: order[n])
   return []
+
+
+def _chain_view(v: Node) -> bool: return v.arg[0] == "reshape" or THROUGH_PERMUTES and v.arg[0] == "permute"
 
 
 def _between(r: Node, t: Node, region: set[Node]) -> set[Node]:
@@ -95,14 +115,44 @@ def _rebuild(n: Node, src: tuple[Node, ...]) -> Node:
   return Node(n.op, src, n.arg, n.shape, n.dtype, n.realize, origin=n.origin)
 
 
-def _fused(r: Node, chain: Sequence[Node], new: Mapping[Node, Node]) -> Node:
+def _views(r: Node, chain: Sequence[Node]) -> dict[Node, tuple[Node, ...]] | None:
+  """Each chain node's views from r (reshapes and permutes, in order), r's own none; None where two sources of an
+  elementwise op reach it through different views (their values are not laid out alike in r's shape)."""
+  views: dict[Node, tuple[Node, ...]] = {r: ()}
+  for p in chain:
+    got = {views[s] for s in p.src if s in views}
+    if len(got) != 1: return None
+    views[p] = next(iter(got)) + ((p,) if p.op == "VIEW" else ())
+  return views
+
+
+def _back(n: Node, views: tuple[Node, ...]) -> Node:
+  """n (in the shape the views end in) as the same elements in the shape they start from: each view undone, last first."""
+  if not any(v.arg[0] == "permute" for v in views): return _as_shape(n, views[0].src[0].shape) if views else n
+  for v in reversed(views):
+    src = v.src[0]
+    if v.arg[0] == "permute":
+      inv = tuple(sorted(range(len(v.arg[1])), key=lambda a: v.arg[1][a]))
+      n = Node("VIEW", (n,), ("permute", inv), src.shape, n.dtype, origin=n.origin)
+    else: n = _as_shape(n, src.shape)
+  return n
+
+
+def _forward(n: Node, views: tuple[Node, ...]) -> Node:
+  """n (in r's shape) through the views, as the chain's end reads it."""
+  for v in views: n = Node("VIEW", (n,), v.arg, v.shape, n.dtype, origin=n.origin)
+  return n
+
+
+def _fused(r: Node, chain: Sequence[Node], new: Mapping[Node, Node], views: Mapping[Node, tuple[Node, ...]]) -> Node:
   """The chain computed in r's shape over r's own computation (not its buffer), realized: r's kernel with the chain as its
-  epilogue. new maps the original graph's nodes to the rewritten ones; the chain's reshapes are its values in r's shape."""
+  epilogue. new maps the original graph's nodes to the rewritten ones; the chain's views are its values in r's shape, and
+  an operand from outside the chain is read in r's shape through the chain's views undone."""
   shape = r.shape
   made = {r: Node(r.op, tuple(new[s] for s in r.src), r.arg, r.shape, r.dtype, origin=r.origin)}  # r, no longer realized
   for p in chain:
     if p.op == "ALU":
-      src = tuple(made[s] if s in made else _as_shape(new[s], shape) for s in p.src)
+      src = tuple(made[s] if s in made else _back(new[s], views[p]) for s in p.src)
       made[p] = Node("ALU", src, p.arg, shape, p.dtype, origin=p.origin)
     else: made[p] = made[p.src[0]]
   last = made[chain[-1]]
@@ -114,14 +164,17 @@ def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:
   nodes = toposort(list(outputs))
   readers, outs, order = consumers(nodes), set(outputs), {n: i for i, n in enumerate(nodes)}
   moves: dict[Node, tuple[Node, list[Node]]] = {}  # the chain's last node -> (the product, the chain)
+  paths: dict[Node, dict[Node, tuple[Node, ...]]] = {}
   for r in nodes:
     if _is_product(r) and (chain := _chain(r, readers, outs, order)) and _reads_per_element(chain[-1], readers) >= 1:
-      moves[chain[-1]] = (r, chain)
+      if (views := _views(r, chain)) is None: continue
+      moves[chain[-1]], paths[chain[-1]] = (r, chain), views
   new: dict[Node, Node] = {}
   for n in nodes:  # sources first, so a chain's operands are already rewritten when it is
     if n in moves:
       r, chain = moves[n]
-      new[n] = _as_shape(_fused(r, chain, new), n.shape)
+      done = _fused(r, chain, new, paths[n])
+      new[n] = _forward(done, paths[n][n]) if any(v.arg[0] == "permute" for v in paths[n][n]) else _as_shape(done, n.shape)
     elif all(new[s] is s for s in n.src): new[n] = n
     elif n not in outs and _copy_of_realized(n, new[n.src[0]]):
       new[n] = Node("VIEW", (new[n.src[0]],), n.arg, n.shape, n.dtype, origin=n.origin)  # the same reshape, inline
