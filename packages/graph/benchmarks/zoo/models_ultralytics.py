@@ -36,7 +36,7 @@ def yolo(name: str, cfg: str, task: str = "detect") -> Spec:
     for m in model.modules():
       if hasattr(m, "export"): m.export, m.format = True, "onnx"
       if hasattr(m, "dynamic"): m.dynamic = True
-    if task == "classify": return image(torch, model, SIDE)
+    if task == "classify": return image(torch, wrap(torch, model, lambda m, x: m(x)), SIDE)  # its forward's *args would name the input
     nc = head.nc
     def parts(m: Any, x: Any) -> Any:
       y = m(x)
