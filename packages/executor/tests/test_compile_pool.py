@@ -1,6 +1,7 @@
 """kiln.executor.compile_pool: a plan's kernels compiled in forked worker processes on the real CPU runtime, loaded and
 cached by the parent; threads where forking is unsafe; a kernel a worker cannot compile is left for the caller."""
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,3 +98,20 @@ def test_a_failing_job_is_left_for_the_caller(cpu, monkeypatch):
 def test_largest_first():
   small, big = _adds(1)[0], kernels.elementwise(lambda x: (x * 2.0 + 1.0) * x, dtypes.float32, ((64,), dtypes.float32), name="big")
   assert compile_pool.largest_first([(small, None), (big, None), (small, None)]) == [1, 0, 2]
+
+
+def _report_can_fork(q: Any) -> None: q.put(compile_pool.can_fork())
+
+
+def test_a_daemonic_process_compiles_on_threads() -> None:
+  """A multiprocessing pool's worker is daemonic and may not have children: there kernels compile on threads (the ONNX
+  node-test runner, which loads each case in such a worker, crashed with 'daemonic processes are not allowed to have
+  children')."""
+  import multiprocessing
+  ctx = multiprocessing.get_context("fork")
+  q = ctx.Queue()
+  p = ctx.Process(target=_report_can_fork, args=(q,), daemon=True)
+  p.start()
+  got = q.get(timeout=60)
+  p.join(60)
+  assert got is False

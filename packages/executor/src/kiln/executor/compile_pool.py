@@ -39,8 +39,10 @@ _DEVICE = ""
 
 
 def can_fork() -> bool:
-  """Whether worker processes may be forked from here now: the platform forks, and this is the only Python thread."""
-  return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+  """Whether worker processes may be forked from here now: the platform forks, this is the only Python thread, and this
+  process may have children (a daemonic one, a multiprocessing pool's worker, may not: its pool would fail to start)."""
+  return ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+          and not multiprocessing.current_process().daemon)
 
 
 def largest_first(jobs: Sequence[Job]) -> list[int]:
