@@ -123,6 +123,32 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
   return new - realized
 
 
+def _sibling_reductions(k: Kernel) -> list[Node]:
+  """The reductions of a settled kernel k side by side with the one it keeps (k's own node where that is a reduction, else the
+  first rendered), as many outputs as it and neither reading the other: an MLP's gate and up products read by
+  silu(gate) * up. One kernel of two products gets no product's tiling and ran several times slower than each product in
+  its own kernel with the elementwise work in the second's epilogue. A chain stays (softmax's sum reads its max, a
+  variance its mean), and so does a small one beside a big one (a masked mean's count beside its sum)."""
+  reds = [n for n, uops in k.rendered.items() if n.op == "REDUCE" and any(u.op is Ops.REDUCE for u in uops)]
+  if len(reds) < 2: return []
+  keep = k.node if k.node in reds else reds[0]
+  below = {r: _reductions_below(r, k) for r in reds}
+  return [r for r in reds if r is not keep and r.max_numel == keep.max_numel and r not in below[keep] and keep not in below[r]]
+
+
+def _reductions_below(n: Node, k: Kernel) -> set[Node]:
+  """The reductions rendered in kernel k that n reads, directly or through other rendered nodes."""
+  out: set[Node] = set()
+  seen, todo = {n}, [n]
+  while todo:
+    for s in todo.pop().src:
+      if s in seen or s not in k.rendered: continue
+      seen.add(s)
+      todo.append(s)
+      if s.op == "REDUCE": out.add(s)
+  return out
+
+
 def _costly_pieces(cat: Node, k: Kernel, realized: set[Node]) -> list[Node]:
   """The pieces of a concatenation that hold a reduction or a gather, each below its views: a concatenation renders as
   selects among its pieces, and a vector kernel computes every piece for every element (a select is not a branch), so a
@@ -168,6 +194,8 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000,
     new = _offenders(kernels, cons, realized, None)
     if not new:  # a REDUCE inlined into several kernels is judged only once everything else is settled
       new = _offenders(kernels, cons, realized, kernels_of)
+    if not new:  # and reductions side by side only in the kernels that settled (the first round inlines whole layers)
+      new = {_lift(n, cons, realized) for k in kernels.values() for n in _sibling_reductions(k)} - realized
     if not new: return [kernels[n] for n in sorted(kernels, key=order.__getitem__)]
     realized |= new
   raise GraphError(f"schedule: no fixed point after {max_rounds} rounds")
