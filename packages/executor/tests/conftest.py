@@ -14,6 +14,16 @@ from kiln.executor import cache, debug
 
 
 @pytest.fixture
+def cpu(tmp_path, monkeypatch):
+  """The real CPU runtime with a fresh memory cache and a private disk cache, for one test (test_tune.py has its own)."""
+  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.delenv("KILN_CACHE", raising=False)
+  cache.clear_memory_cache()
+  yield
+  cache.clear_memory_cache()
+
+
+@pytest.fixture
 def rt(tmp_path, monkeypatch):
   """The numpy test runtime registered as "CPU", a fresh memory cache and a private disk cache, for one test."""
   monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))

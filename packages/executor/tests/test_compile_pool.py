@@ -16,15 +16,6 @@ pytestmark = requires_cpu_runtime()
 
 
 @pytest.fixture
-def cpu(tmp_path, monkeypatch):
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.delenv("KILN_CACHE", raising=False)
-  cache.clear_memory_cache()
-  yield
-  cache.clear_memory_cache()
-
-
-@pytest.fixture
 def here(monkeypatch):
   """The LLVM compiles this process runs (a forked worker's count stays in the worker)."""
   calls: list[str] = []

@@ -19,15 +19,6 @@ from kiln.ir.uop import UOp
 pytestmark = requires_cpu_runtime()
 
 
-@pytest.fixture
-def cpu(tmp_path, monkeypatch):
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.delenv("KILN_CACHE", raising=False)
-  cache.clear_memory_cache()
-  yield
-  cache.clear_memory_cache()
-
-
 def add1(n):
   return kernels.elementwise(lambda x: x + 1.0, dtypes.float32, ((n,), dtypes.float32), name="add1")
 
