@@ -97,6 +97,19 @@ def test_clamps_and_bitwise_with_constants_are_tight():
   assert ((x & 15).vmin, (x & 15).vmax) == (0, 15)
 
 
+def test_a_where_on_a_bound_of_x_bounds_an_arm_affine_in_x_over_the_x_it_is_chosen_for():
+  """min(2r + 1, 1499) as the simplifier writes it, (r < 749).where(2r + 1, 1499), is at most 1499, not 2047: the union of
+  the arms proved a TopK's padded bitonic read (yolo26n) past its 3000-element buffer and the verifier refused the kernel."""
+  r = UOp.variable("r", 0, 1023)
+  assert ((e := (r < 749).where(r * 2 + 1, 1499)).vmin, e.vmax) == (1, 1499)
+  assert ((e := (r < 749).where(1499, r * 2 + 1)).vmin, e.vmax) == (1499, 2047)  # the false arm: r >= 749
+  assert ((e := (UOp.const(dtypes.int32, 100) < r).where(r - 100, 0)).vmin, e.vmax) == (0, 923)  # 100 < r: r - 100 >= 1
+  assert ((e := (r < 749).where(r * -3, 5)).vmin, e.vmax) == (-2244, 5)  # a negative slope
+  buf, out = UOp.define_global(1, dtypes.float32.ptr(3000)), UOp.define_global(0, dtypes.float32.ptr(1))
+  i = UOp.variable("b", 0, 1) * 1500 + (r < 749).where(r * 2 + 1, 1499)
+  verify(UOp.sink(out.index(0).store(buf.index(i).load()), name="bitonic_pad_read"))  # was rejected: proven only in [1, 3547]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.sampled_from(INT_DTYPES), st.data())
 def test_min_max_and_constant_bitwise_bounds_are_sound(dt, data):

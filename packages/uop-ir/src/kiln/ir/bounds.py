@@ -127,7 +127,8 @@ def _node_bounds(u: UOp) -> Bounds:
     if c[0] == c[1]: return srcb[1] if c[0] else srcb[2]
     if any(isinstance(v, float) and math.isnan(v) for v in (*srcb[1], *srcb[2])): return _full(dt)  # min(1.0, nan) would drop the NaN
     if (mm := _min_max(u, srcb)) is not None: return mm
-    return min(srcb[1][0], srcb[2][0]), max(srcb[1][1], srcb[2][1])
+    a, b = _guarded(u, 1, srcb[1]), _guarded(u, 2, srcb[2])
+    return min(a[0], b[0]), max(a[1], b[1])
   if op is Ops.CAST: return _cast_bounds(srcb[0], u.src[0].dtype, dt)
   if op in (Ops.ERF, Ops.TANH) and dt.count == 1 and all(math.isfinite(v) for v in srcb[0]): return -1.0, 1.0  # NaN only from NaN
   if dt.count != 1 or dt.is_float: return _full(dt)
@@ -153,6 +154,38 @@ def _min_max(u: UOp, srcb: list[Bounds]) -> Bounds | None:
   (xl, xh), (yl, yh) = srcb[1], srcb[2]
   if c.src[0] is x: return min(xl, yl), min(xh, yh)  # the smaller one
   return max(xl, yl), max(xh, yh)
+
+
+def _int_const(u: UOp) -> int | None: return u.arg if u.op is Ops.CONST and isinstance(u.arg, int) and not isinstance(u.arg, bool) else None
+
+
+def _affine(e: UOp, x: UOp) -> tuple[int, int] | None:
+  """(k, d) where e is k * x + d with integer constants k, d (x itself, times, plus or minus a constant), else None."""
+  if e is x: return 1, 0
+  if e.op not in (Ops.ADD, Ops.MUL, Ops.SUB) or len(e.src) != 2: return None
+  for i, (v, c) in enumerate(((e.src[0], e.src[1]), (e.src[1], e.src[0]))):
+    if (k := _int_const(c)) is None or (inner := _affine(v, x)) is None: continue
+    if e.op is Ops.ADD: return inner[0], inner[1] + k
+    if e.op is Ops.MUL: return inner[0] * k, inner[1] * k
+    return (inner[0], inner[1] - k) if i == 0 else (-inner[0], k - inner[1])  # v - k, or k - v
+  return None
+
+
+def _guarded(u: UOp, arm: int, own: Bounds) -> Bounds:
+  """The bounds of arm 1 (true) or 2 (false) of u = (x < c).where(..) or (c < x).where(..), c an integer constant, where
+  the arm is affine in x: taken over the x the arm is chosen for, intersected with its own bounds. The simplifier writes
+  min(2x + 1, 1499) as (x < 749).where(2x + 1, 1499), whose union of arms would prove an index past its buffer."""
+  c = u.src[0]
+  if c.op is not Ops.CMPLT or u.dtype.is_float or u.dtype.count != 1: return own
+  x, k = (c.src[0], _int_const(c.src[1])) if _int_const(c.src[1]) is not None else (c.src[1], _int_const(c.src[0]))
+  if k is None or x.dtype.is_float or (lin := _affine(u.src[arm], x)) is None: return own
+  lo, hi = int(x.vmin), int(x.vmax)
+  if (x is c.src[0]) == (arm == 1): hi = min(hi, k - 1)  # x < k where chosen
+  else: lo = max(lo, k if x is c.src[0] else k + 1)  # x >= k, or x > k
+  if lo > hi: return own  # never chosen: its bounds do not matter, keep them sound anyway
+  ends = (lin[0] * lo + lin[1], lin[0] * hi + lin[1])
+  if min(ends) < u.dtype.min or max(ends) > u.dtype.max: return own  # it may wrap there: the arm's own bounds say so
+  return max(own[0], min(ends)), min(own[1], max(ends))
 
 
 def _cast_bounds(b: Bounds, src: DType, dst: DType) -> Bounds:
