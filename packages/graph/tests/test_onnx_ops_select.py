@@ -308,3 +308,19 @@ def test_nms_over_boxes_of_a_length_read_back_compiles_once() -> None:
     feeds = {"b": b, "s": s, "k": i64(k)}
     np.testing.assert_array_equal(km.run(feeds)["sel"], sess.run(None, feeds)[0])
   assert cache_stats()["compiles"] == before
+
+
+@pytest.mark.parametrize("rank_max", [64, 1024])
+def test_topk_over_rows_of_a_symbolic_batch(monkeypatch: pytest.MonkeyPatch, rank_max: int) -> None:
+  """TopK along a fixed axis of rows whose batch is symbolic (yolo26n's head exported with a dynamic batch): by counting and
+  by the bitonic sort (RANK_MAX_N = 64: the 100-wide axis padded to 128), at batches 1, 3 and 4 of one load."""
+  monkeypatch.setattr(onnx_ops_select, "RANK_MAX_N", rank_max)
+  g = helper.make_graph([helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1)], "g", [helper.make_tensor_value_info("x", 1, ["batch", 100])],
+                        [helper.make_tensor_value_info("v", 1, ["batch", 7]), helper.make_tensor_value_info("i", 7, ["batch", 7])],
+                        [helper.make_tensor("k", 7, [1], [7])])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  km = konnx.load(m, dims={"batch": (1, 4)})
+  sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+  for b in (1, 3, 4):
+    x = RNG.integers(0, 20, (b, 100)).astype(np.float32)  # ties: the lower index first
+    for got, want in zip(km.run({"x": x}).values(), sess.run(None, {"x": x})): np.testing.assert_array_equal(got, want)

@@ -62,20 +62,20 @@ def _before(a: Tensor, ai: Tensor, b: Tensor, bi: Tensor, largest: bool) -> Tens
 
 def _by_rank(x: Tensor, k: Dim, largest: bool, label: str) -> tuple[Tensor, Tensor]:
   """The first k of each row of x (B, n) in order, by counting each element's place."""
-  b, n = sym.static_shape("TopK", x.shape)
-  dt = index_dtype(b * n)
+  b, n = x.shape[0], sym.static_dim("TopK", x.shape, 1)  # b: the rows, a symbolic batch too
+  dt = index_dtype(sym.mul(b, n))
   i = Tensor.arange(n, dt)
   place = _before(x.unsqueeze(-2), i.reshape(1, 1, n), x.unsqueeze(-1), i.reshape(1, n, 1), largest).cast(dt).sum(-1).contiguous()  # (B, n)
   hit = place.unsqueeze(1).eq(Tensor.arange(k, dt).reshape(1, k, 1))  # (B, k, n): exactly one element a place
   idx = hit.where(i.reshape(1, 1, n), Tensor.full((), 0, dt)).sum(-1)  # (B, k)
-  rows = idx + Tensor.arange(b, dt).reshape(b, 1) * n if b > 1 else idx
-  return x.reshape(b * n).gather(rows, 0, name=label), idx
+  rows = idx if isinstance(b, int) and b == 1 else idx + Tensor.arange(b, dt).reshape(b, 1) * n
+  return x.reshape(sym.mul(b, n)).gather(rows, 0, name=label), idx
 
 
 def _bitonic(x: Tensor, k: Dim, largest: bool) -> tuple[Tensor, Tensor]:
   """The first k of each row of x (B, n) in order, by a bitonic sort of the row padded to a power of two (pads last). A
   symbolic n is padded to the power of two of its upper bound, the pads told by the run-time value of n."""
-  b, n = sym.static_dim("TopK", x.shape, 0), x.shape[1]
+  b, n = x.shape  # a symbolic batch of rows too (with a static axis)
   n2 = 1 << (sym.dmax(n) - 1).bit_length()
   dt = index_dtype(n2)
   key = x.pad(((0, 0), (0, sym.sub(n2, n)))) if n2 != n else x
@@ -119,8 +119,9 @@ def _topk(n: OnnxNode) -> list[Value]:
   a = _norm(n.attr("axis", -1), x.ndim, n)
   largest, _ = bool(n.attr("largest", 1)), n.attr("sorted", 1)
   shape = x.shape
-  sym.require_static("TopK", shape, [i for i in range(x.ndim) if i != a], "(only its axis may be symbolic)")
   d = shape[a]
+  if not isinstance(d, int):
+    sym.require_static("TopK", shape, [i for i in range(x.ndim) if i != a], "(with its axis symbolic, the other axes must be fixed)")
   kk = _k(n, d)
   if isinstance(kk, int) and not 0 <= kk <= sym.dmin(d):
     raise n.error(f"k = {kk} must be in [0, {sym.fmt(d)}] (axis {a} of {sym.fmt_shape(shape)}" +
@@ -130,8 +131,8 @@ def _topk(n: OnnxNode) -> list[Value]:
     return [np.zeros(sym.static_shape("TopK", out), x.dtype.np), np.zeros(sym.static_shape("TopK", out), np.int64)]
   if x.dtype.is_bool: raise n.error("input 0 must be numbers, got bool")
   order = [i for i in range(x.ndim) if i != a] + [a]
-  lead = tuple(sym.static_dim("TopK", shape, i) for i in order[:-1])
-  rows = x.permute(order).reshape(math.prod(lead), d)
+  lead = tuple(shape[i] for i in order[:-1])
+  rows = x.permute(order).reshape(sym.mul(*lead) if lead else 1, d)
   rank = isinstance(d, int) and d <= RANK_MAX_N
   vals, idx = _by_rank(rows, kk, largest, f"node {n.name} ({n.op})") if rank else _bitonic(rows, kk, largest)
   back = [order.index(i) for i in range(x.ndim)]
