@@ -105,6 +105,9 @@ def test_a_where_on_a_bound_of_x_bounds_an_arm_affine_in_x_over_the_x_it_is_chos
   assert ((e := (r < 749).where(1499, r * 2 + 1)).vmin, e.vmax) == (1499, 2047)  # the false arm: r >= 749
   assert ((e := (UOp.const(dtypes.int32, 100) < r).where(r - 100, 0)).vmin, e.vmax) == (0, 923)  # 100 < r: r - 100 >= 1
   assert ((e := (r < 749).where(r * -3, 5)).vmin, e.vmax) == (-2244, 5)  # a negative slope
+  assert ((e := (UOp.const(dtypes.int32, 100) < r).where(0, r + 1)).vmin, e.vmax) == (0, 101)  # the false arm of 100 < r: r <= 100
+  x8 = UOp.variable("x8", 0, 10, dtype=dtypes.int8)  # a step that wraps in int8 (x * 30 for x >= 5): the arm's own bounds
+  assert ((e := (x8 < 9).where(x8 * 30 - 100, 0)).vmin, e.vmax) == (dtypes.int8.min, dtypes.int8.max)
   buf, out = UOp.define_global(1, dtypes.float32.ptr(3000)), UOp.define_global(0, dtypes.float32.ptr(1))
   i = UOp.variable("b", 0, 1) * 1500 + (r < 749).where(r * 2 + 1, 1499)
   verify(UOp.sink(out.index(0).store(buf.index(i).load()), name="bitonic_pad_read"))  # was rejected: proven only in [1, 3547]

@@ -171,20 +171,36 @@ def _affine(e: UOp, x: UOp) -> tuple[int, int] | None:
   return None
 
 
+def _fits(e: UOp, x: UOp, lo: int, hi: int) -> bool:
+  """Whether every step of the affine e (as _affine reads it) stays in its dtype for x in [lo, hi]: then e's value is the
+  affine one, with no wrap on the way."""
+  if e is x: return True
+  lin = _affine(e, x)
+  assert lin is not None
+  ends = (lin[0] * lo + lin[1], lin[0] * hi + lin[1])
+  if min(ends) < e.dtype.min or max(ends) > e.dtype.max: return False
+  return all(_fits(s, x, lo, hi) for s in e.src if s.op is not Ops.CONST)
+
+
 def _guarded(u: UOp, arm: int, own: Bounds) -> Bounds:
   """The bounds of arm 1 (true) or 2 (false) of u = (x < c).where(..) or (c < x).where(..), c an integer constant, where
   the arm is affine in x: taken over the x the arm is chosen for, intersected with its own bounds. The simplifier writes
   min(2x + 1, 1499) as (x < 749).where(2x + 1, 1499), whose union of arms would prove an index past its buffer."""
   c = u.src[0]
-  if c.op is not Ops.CMPLT or u.dtype.is_float or u.dtype.count != 1: return own
+  # int64 (a kernel past 2**31 elements) keeps the union: its lowering narrows a vector's base index that fits int32,
+  # and a tighter base bound would let the lanes after it pass int32 there (test_index_width's 2**31 + 3 kernel)
+  if c.op is not Ops.CMPLT or u.dtype.is_float or u.dtype.count != 1 or u.dtype.itemsize > 4: return own
   x, k = (c.src[0], _int_const(c.src[1])) if _int_const(c.src[1]) is not None else (c.src[1], _int_const(c.src[0]))
   if k is None or x.dtype.is_float or (lin := _affine(u.src[arm], x)) is None: return own
   lo, hi = int(x.vmin), int(x.vmax)
-  if (x is c.src[0]) == (arm == 1): hi = min(hi, k - 1)  # x < k where chosen
-  else: lo = max(lo, k if x is c.src[0] else k + 1)  # x >= k, or x > k
+  if x is c.src[0]:  # x < k: the true arm's x are below k, the false arm's at or above
+    if arm == 1: hi = min(hi, k - 1)
+    else: lo = max(lo, k)
+  elif arm == 1: lo = max(lo, k + 1)  # k < x: the true arm's x are above k, the false arm's at or below
+  else: hi = min(hi, k)
   if lo > hi: return own  # never chosen: its bounds do not matter, keep them sound anyway
   ends = (lin[0] * lo + lin[1], lin[0] * hi + lin[1])
-  if min(ends) < u.dtype.min or max(ends) > u.dtype.max: return own  # it may wrap there: the arm's own bounds say so
+  if not _fits(u.src[arm], x, lo, hi): return own  # a step may wrap there: the arm's own bounds say so
   return max(own[0], min(ends)), min(own[1], max(ends))
 
 
