@@ -70,9 +70,14 @@ def value_of(name: str, vals: Mapping[str, int]) -> int:
   return min(c[0], value_of(c[1], vals))
 
 
-def with_capped(vals: Mapping[str, int], names: Iterable[str]) -> Mapping[str, int]:
-  """vals with the capped variables among names bound (the plan's variables: its executor reads them by name)."""
-  missing = [n for n in names if n not in vals and _capped_of(n) is not None]
+def capped_names(names: Iterable[str]) -> list[str]:
+  """The capped variables among names (a plan's, found once when it is built: each run binds them with with_capped)."""
+  return [n for n in names if _capped_of(n) is not None]
+
+
+def with_capped(vals: Mapping[str, int], capped: Iterable[str]) -> Mapping[str, int]:
+  """vals with the capped variables (capped_names') bound from their sources (a plan's executor reads them by name)."""
+  missing = [n for n in capped if n not in vals]
   return vals if not missing else {**vals, **{n: value_of(n, vals) for n in missing}}
 
 

@@ -35,7 +35,21 @@ from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph import progress
-from kiln.graph.dims import bind_dims, check_sizes, evaluate, fmt, fmt_shape, is_mono, is_static, mono, negative, source_of, variables, with_capped
+from kiln.graph.dims import (
+  bind_dims,
+  capped_names,
+  check_sizes,
+  evaluate,
+  fmt,
+  fmt_shape,
+  is_mono,
+  is_static,
+  mono,
+  negative,
+  source_of,
+  variables,
+  with_capped,
+)
 from kiln.graph.epilogue import fuse_epilogues
 from kiln.graph.index_check import gather_checks
 from kiln.graph.kernelize import Kernel, Kernelizer, stored_dtype
@@ -220,6 +234,7 @@ class Compiled:
                variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = (), sizes: Sequence[Dim] = ()):
     self.plan, self.inputs, self.outputs, self.kernels = plan, inputs, outputs, kernels
     self.variables: dict[str, UOp] = dict(variables or {})  # name -> UOp.variable(name, lo, hi)
+    self._capped = capped_names(self.variables)  # bound from their sources' values each run (dims.capped)
     self.checks = list(checks)
     self.sizes = list(sizes)  # dims the bounds do not prove >= 0 (GraphPlan.sizes): each run checks them before the plan runs
     self._checks = CheckReader(plan.buffers, self.checks)
@@ -279,7 +294,7 @@ class Compiled:
         raise GraphError(f"vars: {name} = {v!r} is outside the bounds [{lo}, {hi}] it was compiled for")
       if name in vals and vals[name] != v: raise GraphError(f"vars: {name} = {v}, but the feeds give {name} = {vals[name]}")
       vals[name] = int(v)
-    vals = dict(with_capped(vals, self.variables))
+    if self._capped: vals = dict(with_capped(vals, self._capped))
     if missing := sorted(set(self.variables) - set(vals)):
       raise GraphError(f"variables {missing} are a dim of no fed input (only of bound buffers): give them with run(feeds, vars={{...}})")
     check_sizes(self.sizes, vals)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kiln.executor.checks import CheckReader
-from kiln.graph.dims import CAPPED, check_sizes, with_capped
+from kiln.graph.dims import capped_names, check_sizes, with_capped
 from kiln.graph.lazy import GraphError, IndexOutOfRangeError, Node
 from kiln.graph.schedule import GraphPlan
 
@@ -51,7 +51,7 @@ class Segment:
     self.plan, self.kernels, self.sizes = plan, kernels, list(sizes)  # sizes: dims the bounds do not prove >= 0 (GraphPlan.sizes)
     self._checks = CheckReader(plan.buffers, checks)
     self._vars = bool(plan.var_bounds)
-    self._capped = [v for v in plan.var_bounds if v.startswith(CAPPED)]  # bound from their sources' values (dims.capped)
+    self._capped = capped_names(plan.var_bounds)  # bound from their sources' values each run (dims.capped)
 
   def run(self, vals: Mapping[str, int], prof: list[Any] | None = None) -> None:
     if self._capped: vals = with_capped(vals, self._capped)
