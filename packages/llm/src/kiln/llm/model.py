@@ -113,12 +113,23 @@ def _rows(w: Matrix, lo: int, hi: int) -> Matrix: return w.rows(lo, hi) if isins
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: ModelConfig) -> Tensor:
-  """Grouped-query attention: q (seq, heads, hd), k/v (total, kv_heads, hd), mask (seq, total) -> (seq, heads * hd)."""
+  """Grouped-query attention: q (seq, heads, hd), k/v (total, kv_heads, hd), mask (seq, total) -> (seq, heads * hd).
+
+  A chunk of several queries takes its scores keys-major, (kvh, g, total, seq): total (past + seq) is symbolic, and
+  the code generator vectorises and tiles only fixed-size axes, so with the keys innermost the scores were a scalar
+  loop; with the queries innermost they are a register-tiled product over head_dim. The probabilities are realized
+  before they meet v: inlined, the softmax's max and sum ran again for every output column."""
   seq, kvh, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
   g = cfg.num_heads // kvh
-  qg = q.reshape(seq, kvh, g, hd).permute(1, 2, 0, 3) * (1.0 / math.sqrt(hd))  # (kvh, g, seq, hd)
-  scores = mask.where(qg @ k.permute(1, 2, 0).unsqueeze(1), -math.inf)  # (kvh, g, seq, total); every query reads a key
-  o = scores.softmax(-1) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
+  if seq == 1:
+    qg = q.reshape(seq, kvh, g, hd).permute(1, 2, 0, 3) * (1.0 / math.sqrt(hd))  # (kvh, g, seq, hd)
+    scores = mask.where(qg @ k.permute(1, 2, 0).unsqueeze(1), -math.inf)  # (kvh, g, seq, total); every query reads a key
+    o = scores.softmax(-1) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
+  else:
+    qt = q.reshape(seq, kvh, g, hd).permute(1, 2, 3, 0) * (1.0 / math.sqrt(hd))  # (kvh, g, hd, seq)
+    scores = mask.T.where(k.permute(1, 0, 2).unsqueeze(1) @ qt, -math.inf)  # (kvh, g, total, seq)
+    probs = scores.softmax(-2).contiguous()
+    o = probs.permute(0, 1, 3, 2) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
   return o.permute(2, 0, 1, 3).reshape(seq, cfg.num_heads * hd)
 
 
