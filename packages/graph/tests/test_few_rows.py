@@ -17,9 +17,10 @@ def products(c) -> list[str]: return [k.ast.arg for k in c.kernels if k.ast.arg.
 
 
 # (input shape, weight (K, N), the product kernel: (rows, N / block, block)): blocks of 32, of 8 (40 columns), 33 columns
-# padded to two blocks of 32, and two rows as a batch of one-row matrices
+# padded to two blocks of 32, two rows as a batch of one-row matrices, and more rows than a register tile (tokens of a
+# batch: 2 x 18 and 2 x 7, rows no tile divides) over whole blocks
 CASES = [((1, 48), (48, 64), "reduce_1x2x32"), ((2, 24), (24, 40), "reduce_2x5x8"), ((3, 16), (16, 33), "reduce_3x2x32"),
-         ((2, 1, 20), (20, 96), "reduce_2x3x32")]
+         ((2, 1, 20), (20, 96), "reduce_2x3x32"), ((2, 18, 40), (40, 64), "reduce_36x2x32"), ((2, 7, 24), (24, 96), "reduce_14x3x32")]
 
 
 @pytest.mark.parametrize("xs,ws,kernel", CASES)
@@ -40,13 +41,14 @@ def test_a_linear_layer_at_batch_one_takes_its_bias_and_activation_in_the_produc
   np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(x @ w.T + b, 0).sum(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["more rows than a register tile", "one block of columns", "a computed weight", "symbolic rows"])
+@pytest.mark.parametrize("case", ["more rows than a register tile, columns in no whole blocks", "one block of columns", "a computed weight",
+                                  "symbolic rows"])
 def test_few_rows_product_does_not_apply(case: str) -> None:
-  rows, n = (9, 64) if case == "more rows than a register tile" else (2, 32 if case == "one block of columns" else 64)
+  rows, n = (9, 48) if case.startswith("more rows") else (2, 32 if case == "one block of columns" else 64)
   x, w = rand(rows, 16), rand(16, n)
   if case == "symbolic rows": xt = Tensor.input("x", ("n", 16), dims={"n": (1, 4)})
   else: xt = Tensor.input("x", x.shape)
   wt = Tensor.input("w", w.shape) if case == "a computed weight" else Tensor(w)
   c = compile([xt @ wt])
-  assert not any(p.endswith(f"x{n // 32}x32") for p in products(c)), c.plan.describe()  # not (rows, N/32, 32)
+  assert len(products(c)) == 1 and products(c)[0].endswith(f"x{n}"), c.plan.describe()  # (rows, N), not (rows, N/B, B)
   np.testing.assert_allclose(c.run({"x": x, "w": w} if case == "a computed weight" else {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,16 @@
-"""A matrix product of few rows by a weight array (a classifier's Gemm at batch 1 or 2, AlexNet's fully connected layers):
-the weight is stored in blocks of BLOCK output columns, (N/BLOCK, K, BLOCK), and the product computed as
-(N/BLOCK, rows, BLOCK), so the register tile of each block streams one contiguous run of the weight along K.
+"""A matrix product by a weight array (a linear layer, a classifier's Gemm): the weight is stored in blocks of BLOCK
+output columns, (N/BLOCK, K, BLOCK), and the product computed as (rows, N/BLOCK, BLOCK), so the register tile of each
+block streams one contiguous run of the weight along K.
 
 Why: with few rows the weight is read once per run, from memory, and how it is laid out decides the speed. Read as the
 model stores it, (K, N) or a transposed (N, K) view, a tile of 32 columns either walked K rows of 128 bytes each
 N * 4 bytes apart or gathered its lanes a row apart: 9216 -> 4096 at batch 1 took 38 ms (N, K) and 67 ms (K, N) for a
-151 MB weight. Many rows instead reuse each panel of the weight (the codegen's packed panel), so this applies only up
-to MAX_ROWS: the rows one register tile takes, a weight panel read by one tile in any layout."""
+151 MB weight. With more rows (a transformer's or an MLP-mixer's tokens) the codegen's packed panel reuses each
+panel of the weight over the row tiles, but it copies the whole weight, K rows of 128 bytes N * 4 bytes apart, on every
+run: with a few row tiles the copy cost about as much as the product (32 x 512 @ 512 x 2048: 1.29 -> 0.77 ms in blocks).
+The blocks are that panel laid out once at load, so every static row count takes them; past MAX_ROWS (one register
+tile's rows, where the product is compute-bound) only a column count BLOCK divides does, since narrower blocks would
+narrow the register tile and padded columns would be computed for nothing."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,7 +26,7 @@ if TYPE_CHECKING:  # Tensor.matmul calls this module: new tensors are made throu
 ENABLED = True  # False: every product as Tensor.matmul writes it, for comparison
 # the widest register tile's columns (two AVX-512 vectors of float32): one K step of a block is one contiguous 128-byte run
 BLOCK = 32
-MAX_ROWS = 8  # the most rows the codegen's register tile takes (choose.heuristic._tile_rows)
+MAX_ROWS = 8  # the most rows the codegen's register tile takes (choose.heuristic._tile_rows): past it, whole blocks only
 
 
 def weight_array(n: Node) -> np.ndarray | None:
@@ -47,11 +51,12 @@ def in_memory(data: np.ndarray) -> bool:
 
 def product(a: Tensor, b: Tensor) -> Tensor | None:
   """a (..., M, K) @ b (K, N) as a product over the blocked weight, where b is a weight array in memory of more than BLOCK
-  columns and a has at most MAX_ROWS static rows in all; None where it does not apply (the caller writes the plain product)."""
+  columns, a multiple of BLOCK where a has more than MAX_ROWS rows, and a's rows are static; None where it does not apply
+  (the caller writes the plain product)."""
   if not ENABLED or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape) or not is_static(b.shape): return None
   rows = prod(static_shape("matmul", a.shape[:-1]))
   k, n = static_shape("matmul", b.shape)
-  if rows > MAX_ROWS or rows == 0 or n <= BLOCK or (data := weight_array(b.node)) is None or not in_memory(data): return None
+  if rows == 0 or n <= BLOCK or rows > MAX_ROWS and n % BLOCK or (data := weight_array(b.node)) is None or not in_memory(data): return None
   width = next((w for w in (BLOCK, BLOCK // 2, BLOCK // 4) if n % w == 0), BLOCK)
   nb = -(-n // width)
   padded = np.zeros((k, nb * width), data.dtype) if nb * width != n else data
