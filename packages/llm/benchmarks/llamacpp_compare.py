@@ -191,7 +191,7 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
   from kiln.llm import load
   t = time.perf_counter()
   k = load(path, context=N_CTX)
-  k.runner.plan("prefill"); k.runner.plan("decode")
+  k.runner.plan("prefill"); k.runner.plan("long"); k.runner.plan("decode")
   k_load = time.perf_counter() - t
   t = time.perf_counter()
   lc = LlamaCpp(path, threads)

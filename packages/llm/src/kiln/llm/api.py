@@ -31,7 +31,7 @@ from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.model import Matrix
 from kiln.llm.qweight import pack
-from kiln.llm.runtime import DEFAULT_CHUNK, Runner
+from kiln.llm.runtime import DEFAULT_CHUNK, DEFAULT_LONG, Runner
 from kiln.llm.sampling import Sampler, Stop
 from kiln.llm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_fields
 
@@ -164,9 +164,11 @@ def _tokenizer(ck: Checkpoint) -> Tokenizer | None:
   return tokenizer_from_gguf_fields(meta, ck.path) if meta.get("tokenizer.ggml.model") not in (None, "none", "no_vocab") else None
 
 
-def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = DEFAULT_CHUNK, device: str = "CPU") -> LLM:
+def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = DEFAULT_CHUNK, device: str = "CPU",
+         long: int = DEFAULT_LONG) -> LLM:
   """The model at `path` (a GGUF file or a Hugging Face folder), ready to run `context` positions (default: its trained
-  length, at most DEFAULT_CONTEXT); prompts run in chunks of `chunk` tokens (the last padded). The plans compile on first use."""
+  length, at most DEFAULT_CONTEXT); prompts run in chunks of `chunk` tokens (the last padded), and in chunks of `long`
+  while that many are left (runtime.py). The plans compile on first use."""
   ck = open_checkpoint(path)
   cfg = ck.config
   ctx = min(cfg.max_position, DEFAULT_CONTEXT) if context is None else int(context)
@@ -180,4 +182,4 @@ def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = 
       qt = ck.quant(name)
       a = weights[name] = pack(qt) or qt.dequantize()
     return a
-  return LLM(ck, _tokenizer(ck), Runner(cfg, get, ctx, chunk, device))
+  return LLM(ck, _tokenizer(ck), Runner(cfg, get, ctx, chunk, device, long))

@@ -1,10 +1,13 @@
 """Running the forward graph over a KV cache: each plan compiled once for every position, the cache bound in place.
 
-Three plans over one cache (kv.py), each built the first time it is needed: "decode" (one token), "prefill" (a chunk of
-`chunk` tokens, the last real one's logits) and "all" (a chunk, every token's logits: teacher-forced logits). past
-(0..ctx) is a runtime variable of each, so no kernel is compiled after a plan's first run. A prompt runs in chunks, the
-last one padded to the chunk's size (model.py says why the chunk is a fixed size): the padded rows' keys and values are
-not appended and their logits not returned."""
+Four plans over one cache (kv.py), each built the first time it is needed: "decode" (one token), "prefill" (a chunk of
+`chunk` tokens, the last real one's logits), "long" (the same over `long` tokens) and "all" (a chunk, every token's
+logits: teacher-forced logits). past (0..ctx) is a runtime variable of each, so no kernel is compiled after a plan's
+first run. A prompt runs in chunks, the last one padded to the chunk's size (model.py says why the chunk is a fixed
+size): the padded rows' keys and values are not appended and their logits not returned. While `long` tokens or more are
+left, a prompt takes long chunks: each run of a plan pays once for what does not grow with its rows (a packed matrix
+dequantised into the plan's scratch, each kernel's start), so long prompts run faster in fewer, longer chunks, while a
+short prompt pays for the padding of a chunk only."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,22 +21,25 @@ from kiln.llm.kv import KVCache
 from kiln.llm.model import Get, forward
 
 DEFAULT_CHUNK = 64  # rows a prefill chunk's matrix products are tiled over; a shorter prompt pays for the padding
+DEFAULT_LONG = 256  # rows of a long prompt's chunks (the "long" plan)
 
 
 class Runner:
-  def __init__(self, cfg: ModelConfig, get: Get, ctx: int, chunk: int = DEFAULT_CHUNK, device: str = "CPU"):
+  def __init__(self, cfg: ModelConfig, get: Get, ctx: int, chunk: int = DEFAULT_CHUNK, device: str = "CPU", long: int = DEFAULT_LONG):
     if chunk < 1: raise LLMError(f"a prefill chunk of {chunk} tokens: it must be at least 1")
     self.cfg, self.get, self.ctx, self.chunk, self.device = cfg, get, ctx, min(chunk, ctx), device
+    self.long = min(long, ctx)  # no long chunks where it is not longer than a chunk
     self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim)
     self._bound = self.cache.bind()
     self.plans: dict[str, Any] = {}
 
   def plan(self, kind: str) -> Any:
-    """The compiled plan (kiln.graph Compiled) "decode", "prefill" or "all", built on first use."""
+    """The compiled plan (kiln.graph Compiled) "decode", "prefill", "long" or "all", built on first use."""
     if (p := self.plans.get(kind)) is None:
       from kiln.graph import compile
-      if kind not in ("decode", "prefill", "all"): raise LLMError(f"no plan {kind!r} (decode, prefill, all)")
-      f = forward(self.cfg, self.get, self.ctx, 1 if kind == "decode" else self.chunk, last_only=kind != "all")
+      if kind not in ("decode", "prefill", "long", "all"): raise LLMError(f"no plan {kind!r} (decode, prefill, long, all)")
+      seq = 1 if kind == "decode" else self.long if kind == "long" else self.chunk
+      f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all")
       p = self.plans[kind] = compile(f.outputs, self.device, bind=self._bound)
     return p
 
@@ -45,20 +51,27 @@ class Runner:
     if (bad := a[(a < 0) | (a >= self.cfg.vocab_size)]).size:
       raise LLMError(f"token id {int(bad[0])} is outside the vocabulary of {self.cfg.vocab_size}")
     self.cache.room(a.size)
-    rows = []
-    for lo in range(0, a.size, self.chunk):
-      part = a[lo:lo + self.chunk]
+    rows, lo = [], 0
+    while lo < a.size:
+      kind, size = self._next(a.size - lo, last_only)
+      part = a[lo:lo + size]
       n, past = part.size, self.cache.length
-      single = n == 1 and last_only
-      size = 1 if single else self.chunk
       chunk = np.zeros(size, np.int32)
       chunk[:n] = part
       pos = np.minimum(np.arange(past, past + size, dtype=np.int32), self.ctx - 1)  # padded rows: any position in the tables
       feeds = {"ids": chunk, "pos": pos}
-      if last_only and not single: feeds["last"] = np.array([n - 1], np.int32)
-      out = self.plan("decode" if single else "prefill" if last_only else "all").run(feeds, vars={"past": past})
+      if kind in ("prefill", "long"): feeds["last"] = np.array([n - 1], np.int32)
+      out = self.plan(kind).run(feeds, vars={"past": past})
       self.cache.append([kv[:n] for kv in out[1:]])
       rows.append(out[0] if last_only else out[0][:n])
+      lo += n
     return rows[-1][-1] if last_only else np.concatenate(rows, 0)
+
+  def _next(self, left: int, last_only: bool) -> tuple[str, int]:
+    """The plan for the next chunk of a feed with `left` tokens to go, and its rows."""
+    if not last_only: return "all", self.chunk
+    if left == 1 or self.chunk == 1: return "decode", 1
+    if self.long > self.chunk and left >= self.long: return "long", self.long
+    return "prefill", self.chunk
 
   def reset(self, length: int = 0) -> None: self.cache.reset(length)
