@@ -258,6 +258,21 @@ def test_depthwise_window_rows_unrolled_where_they_slide_along_the_vector() -> N
   assert window_unrolls((2, 32, 4, 4)) == []  # blocked
 
 
+def test_blocked_depthwise_over_rows_of_nine_sums_three_outputs_at_once() -> None:
+  """Each output of a blocked depthwise conv is a chain of dependent adds as long as its window; the heuristic unrolls an
+  output axis to interleave chains, by 3 where neither 4 nor 2 divides it (ConvMixer's 9x9 maps had a single chain),
+  against numpy."""
+  x, w, b = rand(2, 32, 9, 9), rand(32, 1, 7, 7), rand(32)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), padding=3, groups=32)])
+  k = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  ast = prepare(k.ast)[0]
+  out = {u.arg[0]: u for u in ast.toposort() if u.op is Ops.RANGE and u.arg[1].name != "REDUCE"}
+  opts = heuristic_opts(ast, Target(vector_bytes=64, threads=2))
+  unrolls = [(int(out[o.axis].src[0].arg), o.amount) for o in opts if o.op is OptOps.UNROLL and o.axis in out]
+  assert unrolls == [(9, 3)], (k.ast.arg, unrolls)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, b, [1, 1], [(3, 3)] * 2, [1, 1], 32), rtol=1e-4, atol=1e-4)
+
+
 # (input shape, weight shape, stride, padding, dilation, groups): kernels with taps that read only padding
 PAD_TAPS = [((2, 6, 2, 2), (6, 1, 5, 5), 1, 2, 1, 6), ((2, 8, 4, 4), (6, 8, 3, 3), 1, 12, 12, 1), ((1, 16, 2, 2), (16, 1, 7, 7), 1, 3, 1, 16),
             ((2, 4, 3, 5), (5, 4, 5, 3), 2, ((4, 1), (1, 1)), (1, 2), 1), ((2, 3, 3), (4, 3, 7), 1, ((5, 3),), 1, 1)]

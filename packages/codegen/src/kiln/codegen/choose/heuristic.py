@@ -270,13 +270,14 @@ INDEPENDENT_OUTPUTS = 4
 
 
 def _independent_outputs(reduces: list[UOp], out_axes: list[UOp], vec_axis: UOp | None, opts: list[Opt]) -> list[Opt]:
-  """UNROLL by INDEPENDENT_OUTPUTS (or 2) the innermost other output axis of a REDUCE that varies along the vector, where
-  the REDUCE takes at least as many steps: each step's add waits for the last one's (a chain as long as the window, its
-  latency, not the pipes, the limit: a blocked depthwise conv's 5x5 window, a vector of 16 channels per output, ran at
-  a sixth of the multiply-adds' rate), and the copies' chains are independent; a weight load the copies share is loaded
-  once. A 5x5 window in the blocked layout 32 -> 20 us, an NCHW 3x3 over 32x32 maps 90 -> 57 us. Not where a copy's body
-  holds an inline polynomial (registers), nor where the window is unrolled in part (an NCHW row unrolled along the
-  vector, its rows a loop: 74 -> 87-93 us for a 5x5 over 16x16 maps)."""
+  """UNROLL by INDEPENDENT_OUTPUTS (else 3, else 2: the first that divides it) the innermost other output axis of a REDUCE
+  that varies along the vector, where the REDUCE takes at least as many steps: each step's add waits for the last one's
+  (a chain as long as the window, its latency, not the pipes, the limit: a blocked depthwise conv's 5x5 window, a vector
+  of 16 channels per output, ran at a sixth of the multiply-adds' rate), and the copies' chains are independent; a
+  weight load the copies share is loaded once. A 5x5 window in the blocked layout 32 -> 20 us, an NCHW 3x3 over 32x32
+  maps 90 -> 57 us. Not where a copy's body holds an inline polynomial (registers), nor where the window is unrolled in
+  part (an NCHW row unrolled along the vector, its rows a loop: 74 -> 87-93 us for a 5x5 over 16x16 maps). An axis of 9
+  (ConvMixer's 9x9 maps) had no copies: by 3, its blocked 7x7 depthwise conv 28 -> 17 us."""
   if vec_axis is None or len(reduces) != 1 or (red := reduces[0]).op is not Ops.REDUCE or vec_axis not in free_ranges(red): return []
   if any(u.op in _POLY_OPS for u in red.src[0].toposort()): return []
   taken = {o.axis for o in opts}
@@ -288,7 +289,7 @@ def _independent_outputs(reduces: list[UOp], out_axes: list[UOp], vec_axis: UOp 
   for a in reversed(out_axes):
     if a is vec_axis or a not in free_ranges(red): continue
     if a.arg[0] in taken or (n := axis_size(a)) is None: return []
-    u = next((u for u in (INDEPENDENT_OUTPUTS, 2) if u > 1 and n % u == 0), 0)
+    u = next((u for u in (INDEPENDENT_OUTPUTS, 3, 2) if u > 1 and n % u == 0), 0)
     return [Opt(OptOps.UNROLL, a.arg[0], u)] if u else []
   return []
 
