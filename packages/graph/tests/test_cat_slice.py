@@ -103,3 +103,31 @@ def test_a_slice_of_only_padding_under_a_symbolic_batch() -> None:
     c = compile([y], fuse=fuse)
     for b in (1, 4):
       np.testing.assert_array_equal(c.run({"x": np.ones((b, 2), np.float32)})[0], np.full((b, 1), 8.0, np.float32))
+
+
+def test_dual_path_chain_renders_each_node_at_a_bounded_number_of_indices() -> None:
+  """DPN's blocks: each block's residual half and dense half are slices of the one before, concatenated again, so the
+  pieces of the first block are reached along 2**depth paths, each at its own index. Inlined whole, a kernel rendered them
+  2**depth times (dpn68's load took a minute); a node inlined at more than MAX_INDICES indices is realized instead."""
+  from collections import Counter
+
+  from kiln.graph import kernelize
+
+  depth, c = 5, 2
+  x0 = RNG.uniform(-1, 1, (2, 2 * c)).astype(np.float32)
+  t, want = Tensor(x0).exp(), np.exp(x0)
+  for i in range(depth):
+    t = Tensor.cat([t[:, :c] + t[:, c:2 * c] * 0.5, t[:, c:] * 1.5, t[:, :c] - 0.25], 1)
+    want = np.concatenate([want[:, :c] + want[:, c:2 * c] * 0.5, want[:, c:] * 1.5, want[:, :c] - 0.25], 1)
+  sizes: list[int] = []
+  orig = kernelize.Kernelizer.kernel
+
+  def kernel(self: kernelize.Kernelizer) -> kernelize.Kernel:
+    k = orig(self)
+    sizes.append(max(Counter(n for n, _ in self.memo).values()))
+    return k
+  kernelize.Kernelizer.kernel = kernel  # type: ignore[method-assign]
+  try: got = compile([t]).run({})[0]
+  finally: kernelize.Kernelizer.kernel = orig  # type: ignore[method-assign]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert max(sizes) <= kernelize.MAX_INDICES, max(sizes)  # the most indices one node was rendered at in one kernel

@@ -16,6 +16,10 @@ from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
 
 ZERO = UOp.const(dtypes.index, 0)
+# a node inlined at more distinct indices than this in one kernel is realized: each index computes it again, and chains of
+# concatenations with slices of each other (DPN's dense paths: both halves of a block read the one before) double its
+# indices per level, so rendering grew as 2**depth; above every window a kernel unrolls (a Winograd tile's 36, a 7x7 tap)
+MAX_INDICES = 64
 
 
 def _clamp(i: UOp, n: Dim) -> UOp:
@@ -158,6 +162,7 @@ class Kernelizer:
     self.reduce_at: dict[Node, tuple[UOp, ...]] = {}
     self.rr: dict[UOp, bool] = {}
     self.splits = Splits()
+    self.indices: dict[Node, int] = {}  # distinct indices each inlined node was rendered at (MAX_INDICES)
 
   def _in_reduce(self, u: UOp) -> bool:
     """Whether an index varies over a reduce range (the value is inside some reduction's body)."""
@@ -215,6 +220,11 @@ class Kernelizer:
       # first render of a whole graph stays linear in its size instead of nesting every reduction in every other)
       self.offenders.add(n)
       return self._load(n, idx)
+    if not top:
+      if (seen := self.indices.get(n, 0)) >= MAX_INDICES:
+        self.offenders.add(n)
+        return self._load(n, idx)
+      self.indices[n] = seen + 1
     out = self._render(n, idx)
     self.memo[key] = out
     self.rendered.setdefault(n, set()).add(out)
