@@ -81,3 +81,21 @@ def test_hf_float16_folder_conv1d(tmp_path: Path) -> None:
   got = llm.logits(IDS)
   want = Runner(llm.config, llm.checkpoint.tensor, ctx=16, chunk=4).feed(IDS, last_only=False)
   assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_many_rows_read_the_matrix_realized(fmt: str) -> None:
+  """A product of many rows runs as two kernels, the float32 tiles realized and the product reading them, in every
+  format: left inline, an F16 or BF16 cast made the product one kernel with no register tile. Random planes, 64 x 64."""
+  from kiln.graph import compile
+  rng = np.random.default_rng(4)
+  def f16(*shape: int) -> np.ndarray: return rng.uniform(0.01, 0.1, shape).astype(np.float16)
+  if fmt == "F16": qw = QuantWeight.of(fmt, (64, 64), f16(64, 64))
+  elif fmt == "BF16": qw = QuantWeight.of(fmt, (64, 64), (rng.standard_normal((64, 64)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+  elif fmt == "Q8_0": qw = QuantWeight.of(fmt, (64, 64), rng.integers(-128, 128, (64, 64)).astype(np.int8), (f16(2, 64),))
+  else: qw = QuantWeight.of(fmt, (64, 64), rng.integers(0, 256, (32, 64)).astype(np.uint8), (f16(2, 64),) * (1 if fmt == "Q4_0" else 2))
+  x = rng.standard_normal((8, 64)).astype(np.float32)
+  plan = compile([qw.linear(Tensor(x))])
+  assert plan.kernel_count == 2
+  want = x.astype(np.float64) @ qw.matrix().numpy().astype(np.float64)
+  np.testing.assert_allclose(plan.run()[0], want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -10,9 +10,9 @@ of outputs (a 49152-output head: 32 steps of 49 KB apart per block, 18x slower).
 of float32 lanes on every x86 and Arm vector width kiln targets, and 32 int8 codes are one AVX2 register.
 
 A product of one row (a decode step) runs block by block (_one_row): each block's dot product on the codes, then times
-its scale, so every code is converted and multiplied once. A product of many rows (a prefill chunk) reads matrix(): the
-scheduler realizes the dequantised (in, out) matrix once per run in a scratch buffer of the plan for its register-tiled
-kernel.
+its scale, so every code is converted and multiplied once. A product of many rows (a prefill chunk) reads
+matrix(realized=True): the dequantised tiles are computed once per run into a scratch buffer of the plan, and kiln's
+register-tiled kernel reads them as an (in, out) float32 matrix.
 
 Formats (quants.py has the byte layouts and the numpy oracle):
   Q8_0   codes int8, d float16                                                   34 bytes per 32 values, as the file
@@ -95,16 +95,21 @@ class QuantWeight:
       q = Tensor.cat([lo * d + m, hi * d + m], 2)
     return q.reshape(t, inn, lanes)
 
-  def matrix(self) -> Tensor:
-    """The dequantised weight as a graph expression, (in, out) float32: a kernel that reads it reads the planes."""
+  def matrix(self, realized: bool = False) -> Tensor:
+    """The dequantised weight as a graph expression, (in, out) float32: a kernel that reads it reads the planes.
+    realized: its tiles computed into a buffer of their own first (a product of many rows; see linear)."""
     out, inn = self.shape
-    return self._tiled_matrix().permute(1, 0, 2).reshape(inn, out)
+    m = self._tiled_matrix()
+    return (m.contiguous() if realized else m).permute(1, 0, 2).reshape(inn, out)
 
   def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ W.T (+ bias) for x (..., in), as Tensor.linear with the HF (out, in) weight."""
+    """x @ W.T (+ bias) for x (..., in), as Tensor.linear with the HF (out, in) weight. Many rows read the matrix
+    realized: the scheduler realizes a block format's dequantised tiles by itself, but leaves an F16 or BF16 cast inline
+    in the product, where the code generator takes it for no matrix product (no register tile, no packed panel) and
+    converts each weight again for every few rows."""
     rows = 1
     for n in x.shape[:-1]: rows *= n if isinstance(n, int) else 2
-    y = self._one_row(x) if rows == 1 else x @ self.matrix()
+    y = self._one_row(x) if rows == 1 else x @ self.matrix(realized=True)
     return y if bias is None else y + bias
 
   def _one_row(self, x: Tensor) -> Tensor:
