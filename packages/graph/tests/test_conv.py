@@ -321,6 +321,26 @@ def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, grou
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, st, pads, dl, groups), 0), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("weight", ["array", "input"])
+def test_few_positions_product_reads_realized_patches(weight: str) -> None:
+  """A padded 3x3 conv over 3x3 maps (SqueezeNet's last expand convs) realizes its patches, (g, N*P, K), K = (*k, C/g), and
+  its product reads them with plain loads: no bounds test, no division of K into channel and tap, against numpy. Of at
+  most 32 output channels (each patch read once) it reads its input in place."""
+  x, w, b = rand(2, 24, 3, 3), rand(40, 24, 3, 3), rand(40)
+  wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
+  c = compile([Tensor.input("x", x.shape).conv2d(wt, Tensor(b), padding=1).relu()])
+  assert "elementwise_1x18x216" in [k.ast.arg for k in c.kernels], c.plan.describe()
+  few = compile([Tensor.input("x", x.shape).conv2d(Tensor(w[:32]), padding=1)])  # one tile of columns: read in place
+  assert "elementwise_1x18x216" not in [k.ast.arg for k in few.kernels], few.plan.describe()
+  sums = [k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert len(sums) == 1, c.plan.describe()
+  body = sums[0].ast.toposort()
+  k_divided = [u for u in body if u.op in (Ops.IDIV, Ops.MOD) and any(r.op is Ops.RANGE and r.arg[1].name == "REDUCE" for r in u.toposort())]
+  assert not any(u.op is Ops.INDEX and len(u.src) > 2 for u in body) and not k_divided
+  got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
+  np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
+
+
 # (input shape, weight shape, padding, groups, the product kernel): more output channels per group than one block of the
 # weight: 64 in blocks of 32, 48 (two groups) in blocks of 16, each block one contiguous run of the weight along K
 BLOCKED = [((2, 16, 2, 2), (64, 16, 3, 3), 1, 1, "reduce_1x2x8x32"), ((2, 12, 2, 2), (96, 6, 1, 1), 0, 2, "reduce_2x3x8x16")]
