@@ -116,7 +116,7 @@ def test_dual_path_chain_renders_each_node_at_a_bounded_number_of_indices() -> N
   depth, c = 5, 2
   x0 = RNG.uniform(-1, 1, (2, 2 * c)).astype(np.float32)
   t, want = Tensor(x0).exp(), np.exp(x0)
-  for i in range(depth):
+  for _ in range(depth):
     t = Tensor.cat([t[:, :c] + t[:, c:2 * c] * 0.5, t[:, c:] * 1.5, t[:, :c] - 0.25], 1)
     want = np.concatenate([want[:, :c] + want[:, c:2 * c] * 0.5, want[:, c:] * 1.5, want[:, :c] - 0.25], 1)
   sizes: list[int] = []

@@ -118,3 +118,19 @@ def test_dims_naming_no_dim_of_the_model_is_an_error() -> None:
     konnx.load(m, dims={"batch": 3, "btach": 3})
   with pytest.raises(FeedError, match="no symbolic dims"):
     konnx.load(model([helper.make_node("Relu", ["x"], ["y"])], {"x": np.zeros((2, 4), np.float32)}, {"y": np.float32}), dims={"batch": 3})
+
+
+def test_outputs_are_the_callers_and_feeds_may_be_strided(km) -> None:
+  """run copies the inputs into the plan's buffers through arrays made once (a strided feed too) and returns copies of its
+  outputs: a later run, of another batch, changes neither the first run's results nor reads a stale input."""
+  big = np.tile(X, (2, 1))
+  first = km.run({"src": X[:, ::1], "ids": IDS})
+  strided = np.asfortranarray(big)[::2]  # not contiguous: rows 0, 2, 4 of big
+  second = km.run({"src": strided, "ids": IDS[::-1].copy()})
+  np.testing.assert_allclose(first["y"], np.maximum(X @ W, 0), rtol=1e-6)
+  np.testing.assert_array_equal(first["n"], IDS + 1)
+  np.testing.assert_allclose(second["y"], np.maximum(big[::2] @ W, 0), rtol=1e-6)
+  np.testing.assert_array_equal(second["n"], IDS[::-1] + 1)
+  again = km.run({"src": X[:1], "ids": IDS})  # a smaller batch fills the buffer's front
+  np.testing.assert_allclose(again["y"], np.maximum(X[:1] @ W, 0), rtol=1e-6)
+  np.testing.assert_allclose(first["y"], np.maximum(X @ W, 0), rtol=1e-6)

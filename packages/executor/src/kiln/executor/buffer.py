@@ -175,6 +175,12 @@ class Buffer:
     arr = self._storage.host_array()
     return None if arr is None else arr[self.offset:self.offset + self.nbytes]
 
+  def host_view(self) -> np.ndarray | None:
+    """The contents as a zero-copy 1-d numpy array of its storage type (writes go to the buffer), or None when the memory is
+    not host-visible (a device buffer: copyin/copyout then)."""
+    raw = self._host_bytes()
+    return None if raw is None else raw.view(self.dtype.np)
+
   def numpy(self) -> np.ndarray:
     """The contents as a 1-d numpy array: zero-copy (writes go to the buffer) when the memory is host-visible, else a copy."""
     raw = self._host_bytes()

@@ -23,6 +23,7 @@ realized product moves into the product's kernel when its readers read each elem
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -238,6 +239,10 @@ class Compiled:
     self.checks = list(checks)
     self.sizes = list(sizes)  # dims the bounds do not prove >= 0 (GraphPlan.sizes): each run checks them before the plan runs
     self._checks = CheckReader(plan.buffers, self.checks)
+    # each run's fixed costs, which a small model's run is mostly made of: the outputs' shapes when no dim is symbolic, and
+    # zero-copy arrays over the host-visible input and output buffers (the plan's buffers never move once it is built)
+    self._static_shapes = None if self.variables else [tuple(int(d) for d in s) for _, s in self.outputs]
+    self._views: dict[int, np.ndarray | None] = {}
     # plan op id -> (the ONNX nodes its kernel covers, its primary one) for a plan the plan cache rebuilt, which has no
     # scheduled kernels to ask (onnx_plan_cache.py); None otherwise
     self.origins: dict[int, tuple[list[Any], Any]] | None = None
@@ -286,7 +291,8 @@ class Compiled:
     for i in self.inputs:
       if i.name not in feeds: raise GraphError(f"input {i.name!r} (shape {fmt_shape(i.shape)}, {i.dtype}) was not fed")
       feeds[i.name] = np.asarray(feeds[i.name])
-    vals = self.infer_vars(feeds)
+    static = not self.variables and all(feeds[i.name].shape == i.shape for i in self.inputs)
+    vals = {} if static else self.infer_vars(feeds)  # infer_vars names a wrong shape
     for name, v in (given or {}).items():
       if (var := self.variables.get(name)) is None: raise GraphError(f"vars: the graph has no variable {name!r} (it has {sorted(self.variables)})")
       _, lo, hi = var.arg
@@ -302,11 +308,19 @@ class Compiled:
       a = in_plan_dtype(feeds[i.name], i.dtype, i.bfloat16)
       if a is None:
         raise GraphError(f"input {i.name!r} has dtype {feeds[i.name].dtype}, the graph takes {'bfloat16' if i.bfloat16 else i.dtype}")
-      buf = self.plan.buffers[i.buf]
       if a.size == 0: continue  # a dim of 0 (an empty KV cache): nothing to copy, the kernels read none of it
-      if a.size != buf.size: buf = buf.view(0, a.size)  # a symbolic input below its maximum fills the buffer's front
+      if (view := self._view(i.buf)) is not None and view.dtype == a.dtype and view.flags.writeable:
+        np.copyto(view[:a.size], a.reshape(-1), casting="no")  # a symbolic input below its maximum fills the buffer's front
+        continue
+      buf = self.plan.buffers[i.buf]
+      if a.size != buf.size: buf = buf.view(0, a.size)
       buf.copyin(np.ascontiguousarray(a))
     return vals
+
+  def _view(self, b: int) -> np.ndarray | None:
+    """Plan buffer b as a zero-copy array (None: not host-visible), made once."""
+    if b not in self._views: self._views[b] = self.plan.buffers[b].host_view()
+    return self._views[b]
 
   def output_shapes(self, feeds: Mapping[str, np.ndarray]) -> list[tuple[int, ...]]:
     """The shapes run(feeds) returns its outputs in (symbolic dims read off the feeds), without running anything."""
@@ -314,14 +328,16 @@ class Compiled:
     return [tuple(evaluate(d, vals) for d in s) for _, s in self.outputs]
 
   def _outputs(self, vals: Mapping[str, int], dst: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
-    shapes = [tuple(evaluate(d, vals) for d in s) for _, s in self.outputs]
+    shapes = self._static_shapes or [tuple(evaluate(d, vals) for d in s) for _, s in self.outputs]
     for i, (a, shape) in enumerate(zip(dst or (), shapes)):
       if a is not None and a.shape != shape: raise GraphError(f"out: output {i} has shape {shape} in this run, the array given for it {a.shape}")
     out = []
     for i, ((b, _), shape) in enumerate(zip(self.outputs, shapes)):
-      buf = self.plan.buffers[b]
-      n = int(np.prod(shape, dtype=np.int64))
-      got = (buf if n == buf.size else buf.view(0, max(n, 1))).numpy()[:n].reshape(shape)  # n = 0: a dim of 0
+      n = math.prod(shape)
+      if (view := self._view(b)) is not None: got = view[:n].reshape(shape)
+      else:
+        buf = self.plan.buffers[b]
+        got = (buf if n == buf.size else buf.view(0, max(n, 1))).numpy()[:n].reshape(shape)  # n = 0: a dim of 0
       if dst is not None and (a := dst[i]) is not None:
         np.copyto(a, got, casting="no")
         out.append(a)
