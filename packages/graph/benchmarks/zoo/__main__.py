@@ -35,11 +35,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--resume", action="store_true", help="skip every entry with a cached result, current or not (finish a cut-off run)")
   p.add_argument("--list", action="store_true", help="list the entries and exit")
   p.add_argument("--report-only", action="store_true", help="report from the cache, running nothing")
+  p.add_argument("--avx2", action="store_true", help="hold kiln and the peers to AVX2 on an AVX-512 host: KILN_CPU=x86-64-v3 (unless "
+                 "set), OpenVINO ONEDNN_MAX_CPU_ISA=AVX2 (onnxruntime has no such switch: its MLAS picks kernels by CPUID)")
   return p.parse_args(argv)
+
+
+# what --avx2 sets: kiln's target, and oneDNN's ceiling in OpenVINO's CPU plugin (its convolutions and matmuls; a few of its
+# own elementwise emitters still use AVX-512, and onnxruntime cannot be held)
+AVX2_ENV = {"KILN_CPU": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def peers_held() -> str:
+  """The header's words on the peers' ISA."""
+  if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+    return f"OpenVINO held by ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}, onnxruntime not held (no switch)"
+  return "peers on the host's ISA"
 
 
 def main(argv: list[str]) -> int:
   opts = parse(argv)
+  if opts.avx2:
+    for k, v in AVX2_ENV.items(): os.environ.setdefault(k, v)  # inherited by every check's process
   todo = [(s, f) for s, f in catalog.entries() if not opts.only or re.search(opts.only, s.name)]
   if opts.list:
     for s, _ in todo: print(f"{s.family:14} {s.name}")
@@ -67,7 +83,7 @@ def main(argv: list[str]) -> int:
       runner.kill_all()
   target = f"kiln compiled for KILN_CPU={os.environ['KILN_CPU']}" if os.environ.get("KILN_CPU") else "kiln compiled for the host CPU"
   header = (f"{len(recs)} entries; kiln source tree {tree}; {cache.versions()}; {opts.threads} thread(s) for kiln, onnxruntime and "
-            f"OpenVINO; {target}" + (f"; only {opts.only!r}" if opts.only else ""))
+            f"OpenVINO; {target}; {peers_held()}" + (f"; only {opts.only!r}" if opts.only else ""))
   md = report.markdown(recs, header)
   if opts.markdown: Path(opts.markdown).write_text(md + "\n")
   print(md)

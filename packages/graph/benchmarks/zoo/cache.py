@@ -61,8 +61,10 @@ def export_key(spec: Spec, module_file: str) -> str:
 
 
 def check_key(tree: str, export: str, threads: int) -> str:
-  """What a check's result depends on: kiln's tree, the export, the threads, the CPU kiln compiles for (KILN_CPU), the check code."""
-  return _sha(tree, export, str(threads), os.environ.get("KILN_CPU", ""), (HERE / "check.py").read_bytes(), (HERE / "spec.py").read_bytes())
+  """What a check's result depends on: kiln's tree, the export, the threads, the CPU kiln compiles for (KILN_CPU), OpenVINO's ISA
+  ceiling, the check code."""
+  isa = os.environ.get("KILN_CPU", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+  return _sha(tree, export, str(threads), *isa, (HERE / "check.py").read_bytes(), (HERE / "spec.py").read_bytes())
 
 
 def read_json(path: Path) -> Any:
