@@ -4,10 +4,10 @@ Four plans over one cache (kv.py), each built the first time it is needed: "deco
 `chunk` tokens, the last real one's logits), "long" (the same over `long` tokens) and "all" (a chunk, every token's
 logits: teacher-forced logits). past (0..ctx) is a runtime variable of each, so no kernel is compiled after a plan's
 first run. A prompt runs in chunks, the last one padded to the chunk's size (model.py says why the chunk is a fixed
-size): the padded rows' keys and values are not appended and their logits not returned. While `long` tokens or more are
-left, a prompt takes long chunks: each run of a plan pays once for what does not grow with its rows (a packed matrix
-dequantised into the plan's scratch, each kernel's start), so long prompts run faster in fewer, longer chunks, while a
-short prompt pays for the padding of a chunk only."""
+size): the padded rows' keys and values are not appended and their logits not returned. While more than `long` less
+`chunk` tokens are left, a prompt takes a long chunk (padded by less than a chunk's rows): each run of a plan pays once
+for what does not grow with its rows (a packed matrix dequantised into the plan's scratch, each kernel's start), so
+long prompts run faster in fewer, longer chunks, while a short prompt pays for the padding of a chunk only."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -71,7 +71,7 @@ class Runner:
     """The plan for the next chunk of a feed with `left` tokens to go, and its rows."""
     if not last_only: return "all", self.chunk
     if left == 1 or self.chunk == 1: return "decode", 1
-    if self.long > self.chunk and left >= self.long: return "long", self.long
+    if self.long > self.chunk and left > self.long - self.chunk: return "long", self.long
     return "prefill", self.chunk
 
   def reset(self, length: int = 0) -> None: self.cache.reset(length)
