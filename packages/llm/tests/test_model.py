@@ -35,8 +35,9 @@ def test_logits_match_the_reference(arch: str):
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt2"])
 def test_long_chunks_then_chunks(arch: str):
-  """Long chunks of 8 and chunks of 4: 16 tokens run as two long chunks, the next 3 as one chunk padded to 4; each
-  feed's last logits as the reference's (mistral: a sliding window shorter than a long chunk)."""
+  """Long chunks of 8 and chunks of 4: 16 tokens run as two long chunks, the next 3 as one chunk padded to 4, and 7
+  tokens (more than 8 - 4) as one long chunk; each feed's last logits as the reference's (mistral: a sliding window
+  shorter than a long chunk)."""
   cfg = config(arch)
   W = weights(cfg)
   ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 19)
@@ -46,6 +47,8 @@ def test_long_chunks_then_chunks(arch: str):
   assert _err(r.feed(ids[16:]), want[-1]) <= TOL
   assert r.cache.length == 19 and sorted(r.plans) == ["long", "prefill"]
   assert _err(r.feed([int(ids[0])]), logits(cfg, W, np.append(ids, ids[0]))[-1]) <= TOL  # a decode step reads what both appended
+  r = Runner(cfg, checkpoint_get(cfg, W), ctx=24, chunk=4, long=8)
+  assert _err(r.feed(ids[:7]), want[6]) <= TOL and sorted(r.plans) == ["long"]  # 7 tokens: one long chunk padded by 1
 
 
 def test_one_compile_serves_every_position():
