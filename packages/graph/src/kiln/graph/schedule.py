@@ -241,7 +241,7 @@ class Compiled:
     self._checks = CheckReader(plan.buffers, self.checks)
     # each run's fixed costs, which a small model's run is mostly made of: the outputs' shapes when no dim is symbolic, and
     # zero-copy arrays over the host-visible input and output buffers (the plan's buffers never move once it is built)
-    self._static_shapes = None if self.variables else [tuple(int(d) for d in s) for _, s in self.outputs]
+    self._static_shapes = None if self.variables else [tuple(evaluate(d, {}) for d in s) for _, s in self.outputs]
     self._views: dict[int, np.ndarray | None] = {}
     # plan op id -> (the ONNX nodes its kernel covers, its primary one) for a plan the plan cache rebuilt, which has no
     # scheduled kernels to ask (onnx_plan_cache.py); None otherwise

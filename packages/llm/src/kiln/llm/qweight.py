@@ -19,7 +19,9 @@ Formats (quants.py has the byte layouts and the numpy oracle):
   Q4_0   nibbles uint8 (T, in / 2, LANES): byte j of a block holds value j (low) and j + 16 (high), d float16   18 bytes
   Q4_1   nibbles as Q4_0, d and m float16                                                                      20 bytes
   F16    float16;  BF16  bfloat16                                                                               2 bytes a value
-Other formats (Q5_0, Q5_1, the K-quants) are not packed: pack() returns None and the caller dequantises them.
+  Q4_K, Q5_0, Q5_1, Q5_K, Q6_K   repacked at load (qrepack.py): Q4_K as Q4_1's nibbles with float32 scales and mins, the
+         others as int8 codes beside a scale (and a min) per block of 32 (Q6_K: 16)
+Other formats (Q2_K, Q3_K: refused by the checkpoint reader) are not packed: pack() returns None.
 Weights come in Hugging Face layout: a llama.cpp row permutation (QuantTensor.row_perm) is applied to the outputs, and a
 weight stored transposed (GPT-2's Conv1D in safetensors) is already (in, out).
 """
@@ -32,10 +34,13 @@ import numpy as np
 from kiln.graph import Node, Tensor
 from kiln.graph.lazy import Source
 from kiln.ir.dtype import dtypes
+from kiln.llm.qrepack import REPACK, repack
 from kiln.llm.quants import QuantTensor
 
 LANES = 32
-PACKED = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16")
+BYTES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # int8 codes, a scale (and a min) per block
+NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # two 4-bit codes a byte, per block of 32 a scale (Q4_0: less 8) or a scale and a min
+PACKED = (*BYTES, *NIBBLES, "F16", "BF16")
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
@@ -54,23 +59,25 @@ def _untiled(a: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class QuantWeight:
   """A linear weight of HF shape (out, in) as planes (see the module's docstring): `codes` (T, in, L) or, for the 4-bit
-  formats, (T, in / 2, L); `scales` ((T, in / 32, L) float16: d, then m for Q4_1)."""
+  formats, (T, in / 2, L); `scales` ((T, in / block, L) float16 or float32: the scale, then the min where there is one)."""
   format: str
   shape: tuple[int, int]
   codes: np.ndarray
   scales: tuple[np.ndarray, ...] = ()
+  block: int = 32
 
   @staticmethod
-  def of(fmt: str, shape: tuple[int, int], codes: np.ndarray, scales: tuple[np.ndarray, ...] = ()) -> QuantWeight:
-    """From planes in (in, out) order (codes (in or in / 2, out), scales (in / 32, out)): tiled."""
-    return QuantWeight(fmt, shape, _tiles(codes), tuple(_tiles(s) for s in scales))
+  def of(fmt: str, shape: tuple[int, int], codes: np.ndarray, scales: tuple[np.ndarray, ...] = (), block: int = 32) -> QuantWeight:
+    """From planes in (in, out) order (codes (in or in / 2, out), scales (in / block, out)): tiled."""
+    return QuantWeight(fmt, shape, _tiles(codes), tuple(_tiles(s) for s in scales), block)
 
   @property
   def nbytes(self) -> int: return self.codes.nbytes + sum(s.nbytes for s in self.scales)
 
   def rows(self, lo: int, hi: int) -> QuantWeight:
     """HF rows lo..hi (outputs): phi3's fused projections split at load."""
-    return QuantWeight.of(self.format, (hi - lo, self.shape[1]), _untiled(self.codes)[:, lo:hi], tuple(_untiled(s)[:, lo:hi] for s in self.scales))
+    return QuantWeight.of(self.format, (hi - lo, self.shape[1]), _untiled(self.codes)[:, lo:hi], tuple(_untiled(s)[:, lo:hi] for s in self.scales),
+                          self.block)
 
   def _codes(self) -> Tensor:
     if self.format == "BF16": return Tensor(Node("BUFFER", (), Source(data=self.codes), self.codes.shape, dtypes.bfloat16))
@@ -83,10 +90,12 @@ class QuantWeight:
     t, _, lanes = self.codes.shape
     inn, f = self.shape[1], self.format
     if f in ("F16", "BF16"): return self._codes().cast(dtypes.float32)
-    nb = inn // 32
+    nb = inn // self.block
     d = self._scale(0).reshape(t, nb, 1, lanes)
     c = self._codes()
-    if f == "Q8_0": return (c.reshape(t, nb, 32, lanes).cast(dtypes.float32) * d).reshape(t, inn, lanes)
+    if f in BYTES:
+      q = c.reshape(t, nb, self.block, lanes).cast(dtypes.float32) * d
+      return (q if len(self.scales) == 1 else q + self._scale(1).reshape(t, nb, 1, lanes)).reshape(t, inn, lanes)
     c = c.reshape(t, nb, 16, lanes)
     lo, hi = (c & 0x0F).cast(dtypes.float32), (c & 0xF0).cast(dtypes.float32) * (1.0 / 16)  # the high nibble, exactly
     if f == "Q4_0": q = Tensor.cat([(lo - 8.0) * d, (hi - 8.0) * d], 2)
@@ -120,11 +129,14 @@ class QuantWeight:
     (out, inn), lead = self.shape, x.shape[:-1]
     t, _, lanes = self.codes.shape
     if not self.scales and inn % 32: return (x.reshape(1, inn, 1) * self._tiled_matrix()).sum(1).reshape(*lead, out)
-    nb = inn // 32
-    xb = x.reshape(1, nb, 32, 1)
+    bl = self.block
+    nb = inn // bl
+    xb = x.reshape(1, nb, bl, 1)
     c = self._codes()
-    if not self.scales: y = (xb * c.reshape(t, nb, 32, lanes).cast(dtypes.float32)).sum(2).sum(1)  # F16, BF16: in blocks of 32 too
-    elif self.format == "Q8_0": y = ((xb * c.reshape(t, nb, 32, lanes).cast(dtypes.float32)).sum(2) * self._scale(0)).sum(1)
+    if not self.scales: y = (xb * c.reshape(t, nb, bl, lanes).cast(dtypes.float32)).sum(2).sum(1)  # F16, BF16: in blocks of 32 too
+    elif self.format in BYTES:
+      part = (xb * c.reshape(t, nb, bl, lanes).cast(dtypes.float32)).sum(2) * self._scale(0)
+      y = (part if len(self.scales) == 1 else part + xb.sum(2) * self._scale(1)).sum(1)  # a min: plus m x the block's sum of x
     else:
       c = c.reshape(t, nb, 16, lanes)
       lo, hi = (c & 0x0F).cast(dtypes.float32), (c & 0xF0).cast(dtypes.float32)
@@ -157,8 +169,11 @@ def pack(qt: QuantTensor) -> QuantWeight | None:
       if qt.row_perm is not None: a = a[qt.row_perm]
       a = a.reshape(out, inn).T
     return QuantWeight.of(qt.format, (out, inn), a)
-  if qt.transposed or inn % 32: return None
+  if qt.transposed or inn % qt.block_size: return None
   if qt.row_perm is not None: data = data[qt.row_perm]
+  if qt.format in REPACK:
+    codes, planes, block = repack(qt.format, np.asarray(data).reshape(-1, qt.type_size), out)
+    return QuantWeight.of(qt.format, (out, inn), codes.T, tuple(p.T for p in planes), block)
   nb = inn // 32
   b = np.asarray(data).reshape(out, nb, qt.type_size)
   if qt.format == "Q8_0": return QuantWeight.of("Q8_0", (out, inn), b[:, :, 2:].reshape(out, inn).T.view(np.int8), (_f16(b[:, :, 0:2]),))
