@@ -26,7 +26,7 @@ def test_polynomial_dims_are_canonical() -> None:
   assert dims.evaluate(dims.mul(ps, b), {"past": 3, "seq": 2, "batch": 4}) == 20
   assert dims.mul(b, 128) is dims.mul(128, b) and dims.mono(dims.mul(b, 128)) == (128, (b,))  # a monomial keeps its form
   with pytest.raises(GraphError, match="past \\+ seq is a sum, not a product"): dims.mono(ps)
-  assert dims.reshape_groups((1, ps, 16), (ps, 16)) == [([0, 1], [0]), ([2], [1])]  # a sum is a dim of its own (1s may join it)
+  assert dims.reshape_groups((1, ps, 16), (ps, 16)) == (((0, 1), (0,)), ((2,), (1,)))  # a sum is a dim of its own (1s may join it)
   with pytest.raises(GraphError, match="a sum of dims: only with 1s"): dims.reshape_groups((dims.mul(ps, 16),), (ps, 16))
   with pytest.raises(GraphError, match="0 <= lo <= hi, hi >= 1"): dims.variable("n", 0, 0)
 

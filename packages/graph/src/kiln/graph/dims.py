@@ -358,12 +358,17 @@ def _smaller(a: Dim, b: Dim) -> bool:
   return len(va) < len(vb) and divides(from_mono(1, va), from_mono(1, vb))
 
 
-def reshape_groups(out_shape: Sequence[Dim], in_shape: Sequence[Dim]) -> list[tuple[list[int], list[int]]]:
+def reshape_groups(out_shape: Sequence[Dim], in_shape: Sequence[Dim]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
   """The groups of a reshape: runs of output and input dims with the same product (a merge or a split each). A
   symbolic dim must sit in a group whose products match as monomials (batch*128 from (batch, 128)), and a sum
   (past + seq) in a group of its own with 1s at most; anything else (a symbolic dim split across groups, or traded for
   static ones) is a GraphError."""
-  out: list[tuple[list[int], list[int]]] = []
+  return _reshape_groups(tuple(out_shape), tuple(in_shape))
+
+
+@lru_cache(maxsize=1 << 14)  # dims are hash-consed: every kernel that renders one reshape asks again (a decoder's layers)
+def _reshape_groups(out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+  out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
   i = j = 0
   no, ni = len(out_shape), len(in_shape)
   while i < no or j < ni:
@@ -380,5 +385,5 @@ def reshape_groups(out_shape: Sequence[Dim], in_shape: Sequence[Dim]) -> list[tu
                              "must stay a dim of its own or be merged with (split from) whole neighbouring dims (a sum of dims: "
                              "only with 1s)")
     i, j = i + 1, j + 1
-    out.append(([k for k in gi if k < no], [k for k in gj if k < ni]))
-  return out
+    out.append((tuple(k for k in gi if k < no), tuple(k for k in gj if k < ni)))
+  return tuple(out)

@@ -2,9 +2,10 @@
 as an expression of the output's loop indices (movement ops become index arithmetic, reductions nested REDUCEs)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from kiln.graph.dims import add, dmin, mul, negative, reshape_groups, same
@@ -60,13 +61,17 @@ def _exact(v: UOp, dt: DType) -> UOp:
 _EXACT_OPERANDS = frozenset({Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE, Ops.TRUNC})
 
 
-def strides(shape: tuple[Dim, ...]) -> list[Dim]:
+def strides(shape: Sequence[Dim]) -> tuple[Dim, ...]: return _strides(tuple(shape))
+
+
+@lru_cache(maxsize=1 << 14)  # dims are hash-consed: a decoder's layers ask for the same strides kernel after kernel
+def _strides(shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
   out: list[Dim] = []
   acc: Dim = 1
   for d in reversed(shape):
     out.append(acc)
     acc = mul(acc, d)
-  return out[::-1]
+  return tuple(out[::-1])
 
 
 def _is1(d: Dim) -> bool: return isinstance(d, int) and d == 1

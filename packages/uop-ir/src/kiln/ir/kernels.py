@@ -7,6 +7,7 @@ Size-1 dims get no RANGE (their index is 0), which is also how broadcasting work
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -65,6 +66,14 @@ def flat_index(idx: Sequence[UOp | int], shape: Sequence[Dim]) -> UOp:
   """Row-major flat index of the n-d index idx into shape (size-1 dims are skipped, which broadcasts them). Built in
   dtypes.index while the bounds of every product and partial sum fit int32, in dtypes.index64 from the first that does
   not (an int32 stride past 2**31, or a sum past it, would wrap)."""
+  return _flat_index(tuple(idx), tuple(shape))
+
+
+# UOps are hash-consed, so the same index into the same shape is the same key: a model's repeated layers render the same
+# loads kernel after kernel (a 30-layer decoder's plans asked for ~1k distinct indices ~190k times), and each build costs
+# a dozen UOps with their bounds
+@functools.lru_cache(maxsize=1 << 14)
+def _flat_index(idx: tuple[UOp | int, ...], shape: tuple[Dim, ...]) -> UOp:
   out: UOp | int = 0
   stride: Dim = 1
   for i, d in zip(reversed(idx), reversed(shape)):
