@@ -125,7 +125,15 @@ class Splits:
     return (m, sp.lin) if symbolic else None
 
   def reshape_index(self, idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[UOp, ...]:
-    """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %."""
+    """The source index of a reshape, group by group (dims whose products match), so a merge or split costs one // and %.
+    What it depends on is idx, the shapes and what this kernel knows of idx's entries, so it is cached on those (a decoder's
+    layers render the same reshapes kernel after kernel), and a hit records the same splits a computation would."""
+    known = tuple(self.of.get(i) for i in idx) if self.of else None
+    res, made = _reshape_index(idx, out_shape, in_shape, known)
+    for e, sp in made: self.of.setdefault(e, sp)
+    return res
+
+  def _reshape_index(self, idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...]) -> tuple[UOp, ...]:
     res: list[UOp] = []
     for oi, ij in reshape_groups(out_shape, in_shape):
       lin = self.flat(tuple(idx[k] for k in oi), tuple(out_shape[k] for k in oi))
@@ -139,6 +147,17 @@ class Splits:
         if e is not ZERO and lin is not ZERO: self.of.setdefault(e, _Split(lin, s, in_shape[k], outer))
         res.append(e)
     return tuple(res[:len(in_shape)])
+
+
+@lru_cache(maxsize=1 << 14)
+def _reshape_index(idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: tuple[Dim, ...],
+                   known: tuple[_Split | None, ...] | None) -> tuple[tuple[UOp, ...], tuple[tuple[UOp, _Split], ...]]:
+  """Splits.reshape_index for a kernel that knows `known` of idx's entries: the index, and the splits it records."""
+  sp = Splits()
+  if known is not None: sp.of = {i: k for i, k in zip(idx, known) if k is not None}
+  before = dict(sp.of)
+  res = sp._reshape_index(idx, out_shape, in_shape)
+  return res, tuple((e, v) for e, v in sp.of.items() if e not in before)
 
 
 @dataclass
