@@ -341,6 +341,18 @@ def test_few_positions_product_reads_realized_patches(weight: str) -> None:
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
 
 
+def test_few_positions_patches_of_a_computed_input_compute_it_once() -> None:
+  """The patches of a computed input (EdgeNeXt's downsampling 2x2 conv after a layer norm) are copied from it realized: the
+  copy had computed it inline, its mean over the channels once per element, against numpy."""
+  x, w = rand(2, 16, 4, 4), rand(40, 16, 2, 2)
+  xt = Tensor.input("x", x.shape)
+  c = compile([(xt - xt.mean(1, keepdims=True)).conv2d(Tensor(w), stride=2)])
+  copies = [k for k in c.kernels if k.ast.arg.startswith("elementwise_1x8x")]
+  assert copies and not any(u.op is Ops.REDUCE for k in copies for u in k.ast.toposort()), c.plan.describe()
+  xc = x - x.mean(1, keepdims=True)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(xc, w, None, [2, 2], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
 # (input shape, weight shape, padding, groups, the product kernel): more output channels per group than one block of the
 # weight: 64 in blocks of 32, 48 (two groups) in blocks of 16, each block one contiguous run of the weight along K
 BLOCKED = [((2, 16, 2, 2), (64, 16, 3, 3), 1, 1, "reduce_1x2x8x32"), ((2, 12, 2, 2), (96, 6, 1, 1), 0, 2, "reduce_2x3x8x16")]

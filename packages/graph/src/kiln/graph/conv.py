@@ -109,6 +109,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     out = win.shape[2:2 + d]
     # the patches pay where the product reads each of them more than once: more output channels than one register tile's
     if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and FOLD_BATCH and isinstance(n, int) and prod(out) < BLOCK and og > WEIGHT_BLOCK:
+      if _computes(xp.node): win = xp.contiguous().windows(ks, st, dl)  # computed once, not in the copy (a layer norm's sums per element)
       cols, w = _patches(win, w, groups)
       return _product_channels_last(cols, w, bias, groups, out)
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
