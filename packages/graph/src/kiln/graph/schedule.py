@@ -23,6 +23,7 @@ realized product moves into the product's kernel when its readers read each elem
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,8 +72,8 @@ def _trips(rs: set[UOp]) -> int:
 
 class _Analysis:
   """Placement and recompute factors of the UOps of one kernel."""
-  def __init__(self, k: Kernel):
-    topo = k.ast.toposort()
+  def __init__(self, ast: UOp):
+    topo = ast.toposort()
     self.free = free_ranges_of(topo)
     self.owner = {r: u for u in topo if u.op is Ops.REDUCE for r in u.src[1:]}
     self.cache: dict[UOp, frozenset[UOp]] = {}
@@ -96,6 +97,15 @@ class _Analysis:
   def factor(self, u: UOp) -> float: return _trips(set(self.placement(u))) / _trips(set(self.free.get(u, frozenset())))
 
   def in_reduce_body(self, u: UOp) -> bool: return any(r.arg[1] is AxisType.REDUCE for r in self.free.get(u, frozenset()))
+
+
+# an analysis depends on the kernel's AST alone, and ASTs are hash-consed: a model's repeated layers render the same kernel
+# again and again (each round of the scheduler renders again the kernels a realized node changed)
+@functools.lru_cache(maxsize=1 << 10)
+def _analysis_of(ast: UOp) -> _Analysis: return _Analysis(ast)
+
+
+def _analysis(k: Kernel) -> _Analysis: return _analysis_of(k.ast)
 
 
 def _offends(n: Node, uops: set[UOp], an: _Analysis, kernels_of: Mapping[Node, int]) -> bool:
@@ -123,7 +133,7 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
                kernels_of: Mapping[Node, int] | None) -> set[Node]:
   new: set[Node] = set()
   for k in kernels.values():
-    if k.analysis is None: k.analysis = _Analysis(k)
+    if k.analysis is None: k.analysis = _analysis(k)
     an = k.analysis
     stack, seen = [k.node], {k.node}
     while stack:  # top-down: the first offender on each path
