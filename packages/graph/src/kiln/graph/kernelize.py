@@ -160,6 +160,10 @@ def _reshape_index(idx: tuple[UOp, ...], out_shape: tuple[Dim, ...], in_shape: t
   return res, tuple((e, v) for e, v in sp.of.items() if e not in before)
 
 
+@lru_cache(maxsize=1 << 10)  # ASTs are hash-consed: a model's repeated layers render the same kernel again
+def _globals_of(ast: UOp) -> frozenset[UOp]: return frozenset(u for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL)
+
+
 @dataclass
 class Kernel:
   """A rendered kernel: the AST, the nodes whose buffers fill its slots (slot 0: the node it computes), and what each
@@ -225,7 +229,7 @@ class Kernelizer:
   def _drop_unread(self, ast: UOp) -> tuple[UOp, list[Node]]:
     """The slots the AST still reads, renumbered in order: a value that folded away (a slice of nothing but a pad's
     zeros) leaves its input unread, and a plan binds exactly the buffers a kernel's DEFINE_GLOBALs name."""
-    used = {u for u in ast.toposort() if u.op is Ops.DEFINE_GLOBAL}
+    used = _globals_of(ast)
     kept = [s for s in self.slots if self.globals[s] in used]
     if len(kept) == len(self.slots): return ast, self.slots
     renum: dict[UOp, UOp] = {}
