@@ -76,6 +76,31 @@ def test_onnxruntime_rules_at_the_edges() -> None:
   check(model(nodes, {"x": x}, {f"y{i}": np.float32 for i in range(5)}, inits, opset=19), {"x": x})
 
 
+def test_linear_without_a_gather() -> None:
+  """Bilinear at a whole factor whose taps repeat (half_pixel, pytorch_half_pixel, asymmetric at 2 and 4) is shifted slices
+  interleaved, and a short axis (align_corners on 8) a product with the taps' matrix: one kernel, or two, and no gather.
+  An inf reaches only the outputs whose taps read it, as onnxruntime's on that row (a product's 0 * inf would be NaN across
+  it); onnxruntime also spreads NaN to the next row through its weight 0 on H at scale 1, which kiln does not resize."""
+  x = f32(1, 3, 12, 20)
+  for ctm, s in (("half_pixel", 4), ("pytorch_half_pixel", 2), ("asymmetric", 2)):
+    km = check(model([N("Resize", ["x", "", "s"], ["y"], mode="linear", coordinate_transformation_mode=ctm)], {"x": x}, {"y": np.float32},
+                     {"s": f32a(1, 1, s, s)}, opset=13), {"x": x}, kernels=1)
+    assert "gather" not in km.summary(), (ctm, km.summary())
+  x = f32(1, 2, 5, 8)
+  x[0, 1, 2, 3] = np.inf
+  m = model([N("Resize", ["x", "", "s"], ["y"], mode="linear", coordinate_transformation_mode="align_corners")], {"x": x},
+            {"y": np.float32}, {"s": f32a(1, 1, 1, 4)}, opset=13)
+  km = konnx.load(m)
+  assert "gather" not in km.summary(), km.summary()
+  want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+  got = km.run({"x": x})["y"]
+  np.testing.assert_allclose(got[0, 1, 2], want[0, 1, 2], rtol=1e-5, atol=1e-5)  # inf and NaN where onnxruntime has them
+  rest = np.ones(got.shape, bool)
+  rest[0, 1, 2] = False
+  assert np.isfinite(got[rest]).all()
+  np.testing.assert_allclose(got[rest & np.isfinite(want)], want[rest & np.isfinite(want)], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
 def test_layouts_and_ranks_onnxruntime_takes(mode: str) -> None:
   """2-D, NHWC (the scales on H and W of N, H, W, C), 3-D and 5-D (trilinear), and an axis left alone between two resized."""

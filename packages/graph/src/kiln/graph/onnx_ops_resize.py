@@ -84,6 +84,7 @@ def _keys(x: np.ndarray, a: np.float32) -> np.ndarray:
 
 FILTERS: dict[str, tuple[float, Callable[[np.ndarray, np.float32], np.ndarray]]] = {"linear": (2.0, _triangle), "cubic": (4.0, _keys)}
 TIE = 1e-6  # how near a half a nearest coordinate is a tie for round_prefer_floor/ceil, as onnxruntime rounds
+DENSE_PER_TAP = 4  # an axis of up to this many inputs per tap is resized as a matrix product (_small_axis)
 UNROLL = 4  # taps per axis up to which the weighted sum is written out (bilinear: 2, bicubic: 4); more gather and reduce
 
 
@@ -197,6 +198,51 @@ def _pick(x: Tensor, a: int, col: np.ndarray, name: str) -> Tensor:
   return x.gather(Tensor(col.astype(np.int32)), a, name=name)
 
 
+def _dense(idx: np.ndarray, w: np.ndarray, m: int) -> np.ndarray:
+  """The (out, m) matrix that taps idx with weights w make (a tap read twice adds its weights)."""
+  d = np.zeros((idx.shape[0], m))
+  np.add.at(d, (np.arange(idx.shape[0])[:, None], idx), w)
+  return d
+
+
+def _periodic(x: Tensor, a: int, idx: np.ndarray, w: np.ndarray) -> Tensor | None:
+  """An axis grown by a whole factor r whose taps repeat every r outputs, shifted by one input each time (bilinear at
+  scale 2, 4, ... under half_pixel, pytorch_half_pixel, asymmetric): output r*i + p is a fixed weighted sum of inputs
+  i + c[p, j], clamped to the axis. That is r weighted sums of shifted slices of the edge-extended input, interleaved:
+  views and arithmetic, no index table read per element. None where the taps are not of that form (to rounding). An edge
+  output reads only the inputs its weights use, where onnxruntime also reads a neighbour at weight 0 (differs for inf/NaN only)."""
+  m, (n, k) = x.shape[a], idx.shape
+  if not isinstance(m, int) or n % m or n == m or m < 2: return None
+  r, mid = n // m, m // 2
+  c, wp = idx[r * mid:r * mid + r] - mid, w[r * mid:r * mid + r]  # each phase's offsets and weights, read off the middle
+  i = np.repeat(np.arange(m), r)
+  want = _dense(np.clip(i[:, None] + np.tile(c, (m, 1)), 0, m - 1), np.tile(wp, (m, 1)), m)
+  if np.abs(want - _dense(idx, w, m)).max() > 4 * np.finfo(F32).eps: return None
+  lo, hi = max(0, -int(c.min())), max(0, int(c.max()))
+  edge = [x.slice([0], [1], [a]).expand(*(lo if j == a else d for j, d in enumerate(x.shape)))] if lo else []
+  edge_hi = [x.slice([m - 1], [m], [a]).expand(*(hi if j == a else d for j, d in enumerate(x.shape)))] if hi else []
+  xp = Tensor.cat([*edge, x, *edge_hi], a)
+  phases = []
+  for p in range(r):
+    y = xp.slice([lo + int(c[p, 0])], [lo + int(c[p, 0]) + m], [a]) * float(F32(wp[p, 0]))
+    for j in range(1, k): y = y + xp.slice([lo + int(c[p, j])], [lo + int(c[p, j]) + m], [a]) * float(F32(wp[p, j]))
+    phases.append(y)
+  out = Tensor.stack(phases, a + 1)
+  return out.reshape(tuple(x.shape[:a]) + (n,) + tuple(x.shape[a + 1:]))
+
+
+def _small_axis(x: Tensor, a: int, idx: np.ndarray, w: np.ndarray) -> Tensor | None:
+  """A short axis (at most DENSE_PER_TAP inputs per tap) resized as a product with the (out, m) matrix of the taps: m
+  multiply-adds per output, contiguous and vectorised, in place of a gather of each tap through an index table. The
+  entries off the taps are selected away, not multiplied by 0, so an inf or NaN reaches only the outputs whose taps read it."""
+  m, (n, k) = x.shape[a], idx.shape
+  if not isinstance(m, int) or m > DENSE_PER_TAP * k: return None
+  tail = (1,) * (x.ndim - a - 1)
+  read = _dense(idx, np.ones_like(w), m).reshape((n, m) + tail) != 0
+  d = _dense(idx, w, m).astype(F32).reshape((n, m) + tail)
+  return Tensor(read).where(x.unsqueeze(a) * Tensor(d), 0.0).sum(a + 1)
+
+
 def apply_taps(x: Tensor, a: int, t: Taps, name: str) -> Tensor:
   if t.w is None: return _pick(x, a, t.idx[:, 0], name)
   used = np.abs(t.w).sum(0) != 0  # a tap of weight 0 everywhere is left out
@@ -205,6 +251,8 @@ def apply_taps(x: Tensor, a: int, t: Taps, name: str) -> Tensor:
   n, k = idx.shape
   if k == 1 and (w == 1).all(): return _pick(x, a, idx[:, 0], name)
   tail = (1,) * (x.ndim - a - 1)
+  for way in (_periodic, _small_axis):  # without a gather where the taps allow
+    if (fast := way(x, a, idx, w)) is not None: return fast
   if k > UNROLL:  # a wide antialias filter: one gather of every tap and a sum over them
     g = x.gather(Tensor(idx.astype(np.int32)), a, name=name)
     return (g * Tensor(w.astype(F32).reshape((n, k) + tail))).sum(a + 1)
