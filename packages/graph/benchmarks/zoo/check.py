@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,9 @@ def timed(f: Any) -> float:
   return (time.perf_counter() - t) * 1e3
 
 
-def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
+def check(variant: str, job: dict[str, Any], threads: int, partial: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
+  """One export on kiln against onnxruntime, then timed beside it and OpenVINO. `partial` gets kiln's result before OpenVINO
+  loads the model: a peer that kills the process (OpenVINO held to AVX2 segfaults on some models) leaves kiln's result."""
   import onnxruntime as ort
 
   from kiln.graph import ONNXError
@@ -105,6 +108,7 @@ def check(variant: str, job: dict[str, Any], threads: int) -> dict[str, Any]:
     return r | {"status": "WRONG", "message": "; ".join(bad) or f"max |kiln - onnxruntime| is {r['rel_err']:.2e} of the output's scale "
                 f"(onnxruntime without its graph optimizations moves {r['ort_noise']:.1e})"}
   f0 = feeds[0]
+  partial(r | {"status": "OK", "message": ""})
   ov = openvino(job["onnx"], f0, threads, want[0], r)
   kt: list[float] = []
   ot: list[float] = []
@@ -215,7 +219,10 @@ def main(job_path: str, progress: str) -> int:
     for variant, spec in job["variants"].items():
       p.write(json.dumps({"begin": variant, "t": time.time()}) + "\n")
       p.flush()
-      try: r = check(variant, spec, threads)
+      def partial(r: dict[str, Any]) -> None:
+        p.write(json.dumps({"partial": r}) + "\n")
+        p.flush()
+      try: r = check(variant, spec, threads, partial)
       except Exception as e:
         r = {"variant": variant, "status": "CRASH", "message": f"in the zoo's check: {first_line(e)}", "traceback": traceback.format_exc()[-2500:]}
       p.write(json.dumps({"result": r}) + "\n")

@@ -97,6 +97,7 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
     job.write_text(json.dumps({"threads": threads, "variants": {v: jobs[v] for v in left}}))
     progress.write_text("")
     current: str | None = None
+    partial: dict[str, Any] | None = None  # the current variant's result before its peers ran (kiln loaded and matched)
     began = 0.0
     with open(log, "w") as out:
       p = start(["zoo.check", str(job), str(progress)], out, threads)
@@ -108,7 +109,8 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
           try: ev = json.loads(line)
           except ValueError: break  # a line still being written
           seen += 1
-          if "begin" in ev: current, began = ev["begin"], time.time()
+          if "begin" in ev: current, began, partial = ev["begin"], time.time(), None
+          elif "partial" in ev: partial = ev["partial"]
           else: results[ev["result"]["variant"]], current = ev["result"], None
         if rc is not None:
           LIVE.discard(p)
@@ -121,7 +123,9 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
         time.sleep(POLL_S)
     if current is not None:  # died inside a variant
       sig = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit code {rc}"
-      results[current] = {"variant": current, "status": "CRASH", "message": f"the process died ({sig})", "log": tail(log)}
+      if partial is not None:  # in a peer, after kiln had matched onnxruntime: kiln's result stands, untimed
+        results[current] = partial | {"ov_error": f"OpenVINO's process died ({sig}); nothing was timed"}
+      else: results[current] = {"variant": current, "status": "CRASH", "message": f"the process died ({sig})", "log": tail(log)}
     elif not any(v in results for v in left):  # no variant even began: a fresh child would fail the same way
       msg = f"the check process ended ({p.returncode}) before any variant: {tail(log, 300)}"
       for v in left: results[v] = {"variant": v, "status": "CRASH", "message": msg}
