@@ -236,7 +236,7 @@ def _small_axis(x: Tensor, a: int, idx: np.ndarray, w: np.ndarray) -> Tensor | N
   multiply-adds per output, contiguous and vectorised, in place of a gather of each tap through an index table. The
   entries off the taps are selected away, not multiplied by 0, so an inf or NaN reaches only the outputs whose taps read it."""
   m, (n, k) = x.shape[a], idx.shape
-  if not isinstance(m, int) or m > DENSE_PER_TAP * k: return None
+  if not isinstance(m, int) or m < 2 or m > DENSE_PER_TAP * k: return None  # one input: a view already (_pick)
   tail = (1,) * (x.ndim - a - 1)
   read = _dense(idx, np.ones_like(w), m).reshape((n, m) + tail) != 0
   d = _dense(idx, w, m).astype(F32).reshape((n, m) + tail)
