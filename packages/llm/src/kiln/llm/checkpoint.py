@@ -41,6 +41,11 @@ class Checkpoint(ABC):
 
   def tensor(self, name: str) -> np.ndarray: return self.quant(name).dequantize()
 
+  def release(self, name: str) -> None:
+    """The stored bytes of `name` are no longer needed resident (the caller repacked them): a mapped file may drop them
+    from the process's memory (GGUF); reading them again still works. A folder's safetensors keep theirs."""
+    return None
+
   def rows(self, name: str, ids: Any) -> np.ndarray: return self.quant(name).dequantize(rows=np.asarray(ids))
 
   def shape(self, name: str) -> tuple[int, ...]: return self.quant(name).shape

@@ -101,6 +101,9 @@ class GGUFCheckpoint(Checkpoint):
 
   def __contains__(self, name: object) -> bool: return name in self._map
 
+  def release(self, name: str) -> None:
+    if (g := self._map.get(name)) is not None: self.file.release(g)
+
   def quant(self, name: str) -> QuantTensor:
     g = self._map.get(name)
     if g is None: raise self._missing(name)

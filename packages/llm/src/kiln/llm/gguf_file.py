@@ -200,6 +200,15 @@ class GGUFFile:
     for (_, end0, a), (begin1, _, b) in zip(spans, spans[1:]):
       if begin1 < end0: raise CheckpointError(f"{p}: tensors {a!r} and {b!r} overlap (file bytes {begin1}..{end0})")
 
+  def release(self, name: str) -> None:
+    """Drops the pages of tensor `name` from this process's resident memory, for a caller that keeps its own copy (a
+    matrix repacked at load). The map is file-backed and read-only: a later read faults them in again from the page
+    cache, so nothing is lost, and until then the file's bytes do not count twice in the process's memory."""
+    t = self.tensors.get(name)
+    if t is None or not t.nbytes or not hasattr(mmap, "MADV_DONTNEED"): return
+    lo = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+    self._mem.madvise(mmap.MADV_DONTNEED, lo, t.offset + t.nbytes - lo)
+
   def raw(self, name: str) -> np.ndarray:
     """The stored bytes of tensor `name`: a read-only uint8 view of the map, (rows, row_bytes)."""
     t = self.tensors.get(name)
