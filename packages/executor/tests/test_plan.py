@@ -20,6 +20,22 @@ def bufs(b, n, size=N, fill=None):
   return out
 
 
+def test_an_op_reading_no_ops_output_runs_just_before_its_reader(rt):
+  """W reads only a weight: run in level 0 its output would live through A and B (a dequantised matrix waiting for its
+  product); it runs in the level before C, its reader, and the results are the same."""
+  b = ExecutionPlanBuilder("CPU")
+  x0, x1, x2, x3, x4, x5 = bufs(b, 6, fill=1.0)
+  A = b.add_kernel(rt.elementwise("A", 0, [1], N), [x0, x1])  # x0 = x1 + 1
+  B = b.add_kernel(rt.elementwise("B", 0, [1], N), [x2, x0])  # x2 = x0 + 1
+  W = b.add_kernel(rt.elementwise("W", 0, [1], N), [x3, x4])  # x3 = x4 + 1: a weight-only op
+  C = b.add_kernel(rt.elementwise("C", 0, [1, 2], N), [x5, x2, x3])  # x5 = x2 + x3 + 1
+  b.set_outputs([x5])
+  plan = b.build()
+  assert plan.op_levels == [[A], [B, W], [C]]
+  plan.execute()
+  np.testing.assert_array_equal(plan.buffers[x5].numpy(), np.full(N, (2 + 1 + 1) + (5 + 1) + 1, np.float32))  # bufs fill 1 + i
+
+
 def test_op_levels_and_results(rt):
   b = ExecutionPlanBuilder("CPU")
   x0, x1, x2, x3, x4 = bufs(b, 5, fill=1.0)
