@@ -107,3 +107,26 @@ def test_many_rows_read_the_matrix_realized(fmt: str) -> None:
   assert plan.kernel_count == 2
   want = x.astype(np.float64) @ qw.matrix().numpy().astype(np.float64)
   np.testing.assert_allclose(plan.run()[0], want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_one_row_block_sums_unroll_their_blocks_by_two() -> None:
+  """A decode step's product runs each block's dot product on the codes: a reduce over the 32 values of a block, with the
+  row's blocks (18 for 576 inputs) an output axis the heuristic unrolls to interleave independent sums. By 3 (which also
+  divides 18) rather than 2 those kernels ran 1.5x slower; 3 is for axes 2 does not divide."""
+  from kiln.codegen.choose import OptOps, Target, heuristic_opts
+  from kiln.codegen.lowering.prepare import prepare
+  from kiln.graph import compile
+  from kiln.ir.ops import Ops
+  rng = np.random.default_rng(0)
+  qw = QuantWeight.of("Q8_0", (64, 576), rng.integers(-128, 128, (576, 64)).astype(np.int8), (rng.uniform(0.01, 0.1, (18, 64)).astype(np.float16),))
+  x = rng.standard_normal((1, 576)).astype(np.float32)
+  plan = compile([qw.linear(Tensor(x))])
+  unrolls = []
+  for k in plan.kernels:
+    ast = prepare(k.ast)[0]
+    out = {u.arg[0]: u for u in ast.toposort() if u.op is Ops.RANGE and u.arg[1].name != "REDUCE"}
+    unrolls += [(int(out[o.axis].src[0].arg), o.amount) for o in heuristic_opts(ast, Target(vector_bytes=64, threads=2))
+                if o.op is OptOps.UNROLL and o.axis in out]
+  assert (18, 2) in unrolls and (18, 3) not in unrolls, unrolls
+  want = x.astype(np.float64) @ qw.matrix().numpy().astype(np.float64)
+  np.testing.assert_allclose(plan.run()[0], want, rtol=0, atol=1e-5 * np.abs(want).max())
