@@ -8,9 +8,10 @@ repacked once, each becomes a plane of plain codes beside one float32 scale (and
   Q5_K   int8 q, d * sc and -(dmin * m) float32 per 32
   Q6_K   int8 q - 32, d * sc float32 per 16
 
-A code times its block's scale, plus its min, is what quants.py's numpy oracle computes, in the same float32 operations,
-so the planes dequantise bit for bit as it does. They take more bytes than the file (a byte per 5- or 6-bit code, float32
-block scales: 1.25 to 1.5 bytes a value where Q4_K stays at 0.75) and far fewer than float32's 4.
+The codes and scales are quants.py's (the functions its numpy oracle dequantises with), so a code times its block's
+scale, plus its min, is what the oracle computes, in the same float32 operations: the planes dequantise bit for bit as
+it does. They take more bytes than the file (a byte per 5- or 6-bit code, float32 block scales: 1.06 to 1.25 bytes a
+value where Q4_K stays at 0.75) and far fewer than float32's 4.
 
 Each function takes the matrix's blocks (rows * blocks per row, type size) uint8 and gives (codes (rows, in) or for
 Q4_K (rows, in / 2), scale planes (rows, in / block)), the block size of the planes."""
@@ -18,48 +19,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.llm.quants import _f16, _fifth_bits, _nibbles, _scale_min_k4, _split_nibbles
+from kiln.llm.quants import _f16, k_scales, q4_k_codes, q5_0_codes, q5_1_codes, q5_k_codes, q6_k_codes, q6_k_scales
 
 Planes = tuple[np.ndarray, tuple[np.ndarray, ...], int]
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Q4_K's and Q5_K's per-32 scale d * sc and min -(dmin * m), float32 (n, 8) each, computed as the oracle computes them."""
-  sc, mn = _scale_min_k4(b[:, 4:16])
-  return _f16(b[:, 0:2]) * sc, -(_f16(b[:, 2:4]) * mn)
-
-
 def _q4_k(b: np.ndarray) -> Planes:
-  v = _split_nibbles(b[:, 16:], 4).reshape(len(b), 8, 32)  # each sub-block's 32 values in order
+  v = q4_k_codes(b)  # each sub-block's 32 values in order
   codes = v[:, :, :16] | (v[:, :, 16:] << np.uint8(4))  # Q4_0's order: byte j holds value j and value j + 16
-  d, m = _k_scales(b)
-  return codes.reshape(len(b), 128), (d, m), 32
+  d, m = k_scales(b)
+  return codes.reshape(len(b), 128), (d, -m), 32
 
 
 def _q5_0(b: np.ndarray) -> Planes:
-  q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6], len(b)) << np.uint8(4))
-  return q.astype(np.int8) - np.int8(16), (_f16(b[:, 0:2]).astype(np.float16),), 32
+  return q5_0_codes(b).astype(np.int8) - np.int8(16), (_f16(b[:, 0:2]).astype(np.float16),), 32
 
 
 def _q5_1(b: np.ndarray) -> Planes:
-  q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8], len(b)) << np.uint8(4))
-  return q.astype(np.int8), (_f16(b[:, 0:2]).astype(np.float16), _f16(b[:, 2:4]).astype(np.float16)), 32
+  return q5_1_codes(b).astype(np.int8), (_f16(b[:, 0:2]).astype(np.float16), _f16(b[:, 2:4]).astype(np.float16)), 32
 
 
 def _q5_k(b: np.ndarray) -> Planes:
-  n = len(b)
-  q = _split_nibbles(b[:, 48:], 4).reshape(n, 8, 32)
-  q |= ((b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)) << np.uint8(4)
-  d, m = _k_scales(b)
-  return q.reshape(n, 256).astype(np.int8), (d, m), 32
+  d, m = k_scales(b)
+  return q5_k_codes(b).reshape(len(b), 256).astype(np.int8), (d, -m), 32
 
 
 def _q6_k(b: np.ndarray) -> Planes:
-  n = len(b)
-  low = _split_nibbles(b[:, 0:128], 4).reshape(n, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4).reshape(n, 2, 4, 32)
-  high = (b[:, 128:192].reshape(n, 2, 1, 32) >> (np.arange(4, dtype=np.uint8) * 2)[None, None, :, None]) & np.uint8(3)
-  q = (low | (high << np.uint8(4))).reshape(n, 256).astype(np.int8) - np.int8(32)
-  return q, (_f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32),), 16
+  return q6_k_codes(b).reshape(len(b), 256).astype(np.int8) - np.int8(32), (q6_k_scales(b),), 16
 
 
 REPACK = {"Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k, "Q6_K": _q6_k}

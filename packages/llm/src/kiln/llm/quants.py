@@ -134,22 +134,6 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
   return x
 
 
-def _q5_0(b: np.ndarray) -> np.ndarray:
-  q = _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6], len(b)) << np.uint8(4))
-  return (q.astype(np.int8) - np.int8(16)).astype(np.float32) * _f16(b[:, 0:2])
-
-
-def _q5_1(b: np.ndarray) -> np.ndarray:
-  q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8], len(b)) << np.uint8(4))
-  return _f16(b[:, 0:2]) * q.astype(np.float32) + _f16(b[:, 2:4])
-
-
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(d * sc, dmin * m) of Q4_K / Q5_K blocks, (n, 8, 1) each."""
-  sc, mn = _scale_min_k4(b[:, 4:16])
-  return (_f16(b[:, 0:2]) * sc)[:, :, None], (_f16(b[:, 2:4]) * mn)[:, :, None]
-
-
 def _split_nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
   """Bytes (n, groups * 32) -> uint8 (n, groups, 2, 32): per group of 32 bytes, their low nibbles, then their high ones."""
   n = len(qs)
@@ -160,36 +144,79 @@ def _split_nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
   return out
 
 
-def _scale_k(b: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """Q4_K's and Q5_K's (n, 8, 32) quants times each sub-block's scale, less its min (in place, float32), as (n, 256)."""
-  d, m = _k_scales(b)
-  x *= d
-  x -= m
-  return x.reshape(len(b), 256)
+# The codes and block scales of each format, one home for their bit layouts: the oracle below dequantises with them, and
+# qrepack.py repacks them into the planes the kernels read.
+
+def q5_0_codes(b: np.ndarray) -> np.ndarray:
+  """Q5_0 blocks (n, 22) -> their unsigned 5-bit codes, uint8 (n, 32) in value order."""
+  return _nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6], len(b)) << np.uint8(4))
 
 
-def _q4_k(b: np.ndarray) -> np.ndarray:
-  n = len(b)
-  return _scale_k(b, _split_nibbles(b[:, 16:], 4).reshape(n, 8, 32).astype(np.float32))
+def q5_1_codes(b: np.ndarray) -> np.ndarray:
+  """Q5_1 blocks (n, 24) -> their 5-bit codes, uint8 (n, 32) in value order."""
+  return _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8], len(b)) << np.uint8(4))
 
 
-def _q5_k(b: np.ndarray) -> np.ndarray:
-  n = len(b)
-  q = _split_nibbles(b[:, 48:], 4).reshape(n, 8, 32)
+def k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(d * sc, dmin * m) of Q4_K / Q5_K blocks, float32 (n, 8) each: each sub-block's scale and the min it subtracts."""
+  sc, mn = _scale_min_k4(b[:, 4:16])
+  return _f16(b[:, 0:2]) * sc, _f16(b[:, 2:4]) * mn
+
+
+def q4_k_codes(b: np.ndarray) -> np.ndarray:
+  """Q4_K blocks (n, 144) -> their 4-bit codes, uint8 (n, 8, 32): sub-block, value."""
+  return _split_nibbles(b[:, 16:], 4).reshape(len(b), 8, 32)
+
+
+def q5_k_codes(b: np.ndarray) -> np.ndarray:
+  """Q5_K blocks (n, 176) -> their 5-bit codes, uint8 (n, 8, 32): sub-block, value."""
+  q = _split_nibbles(b[:, 48:], 4).reshape(len(b), 8, 32)
   high = (b[:, 16:48][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # (n, 8, 32): bit j for sub-block j
   q |= high << np.uint8(4)
-  return _scale_k(b, q.astype(np.float32))
+  return q
 
 
-def _q6_k(b: np.ndarray) -> np.ndarray:
+def q6_k_codes(b: np.ndarray) -> np.ndarray:
+  """Q6_K blocks (n, 210) -> their unsigned 6-bit codes, uint8 (n, 16, 16): sub-block of 16, value."""
   n = len(b)
   low = _split_nibbles(b[:, 0:128], 4).reshape(n, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4).reshape(n, 2, 4, 32)  # (half, group 0..3, l)
   qh = b[:, 128:192].reshape(n, 2, 1, 32)
   high = (qh >> (np.arange(4, dtype=np.uint8) * 2)[None, None, :, None]) & np.uint8(3)
-  x = (low | (high << np.uint8(4))).astype(np.float32).reshape(n, 16, 16)
+  return (low | (high << np.uint8(4))).reshape(n, 16, 16)
+
+
+def q6_k_scales(b: np.ndarray) -> np.ndarray:
+  """d * sc of Q6_K blocks, float32 (n, 16): each sub-block of 16's scale."""
+  return _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+  return (q5_0_codes(b).astype(np.int8) - np.int8(16)).astype(np.float32) * _f16(b[:, 0:2])
+
+
+def _q5_1(b: np.ndarray) -> np.ndarray:
+  return _f16(b[:, 0:2]) * q5_1_codes(b).astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _scale_k(b: np.ndarray, x: np.ndarray) -> np.ndarray:
+  """Q4_K's and Q5_K's (n, 8, 32) quants times each sub-block's scale, less its min (in place, float32), as (n, 256)."""
+  d, m = k_scales(b)
+  x *= d[:, :, None]
+  x -= m[:, :, None]
+  return x.reshape(len(b), 256)
+
+
+def _q4_k(b: np.ndarray) -> np.ndarray: return _scale_k(b, q4_k_codes(b).astype(np.float32))
+
+
+def _q5_k(b: np.ndarray) -> np.ndarray: return _scale_k(b, q5_k_codes(b).astype(np.float32))
+
+
+def _q6_k(b: np.ndarray) -> np.ndarray:
+  x = q6_k_codes(b).astype(np.float32)
   x -= np.float32(32)
-  x *= (_f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
-  return x.reshape(n, 256)
+  x *= q6_k_scales(b)[:, :, None]
+  return x.reshape(len(b), 256)
 
 
 CHUNK_BLOCKS = 1 << 13  # blocks decoded at a time: the temporaries of one chunk stay in cache
