@@ -105,9 +105,6 @@ class _Analysis:
 def _analysis_of(ast: UOp) -> _Analysis: return _Analysis(ast)
 
 
-def _analysis(k: Kernel) -> _Analysis: return _analysis_of(k.ast)
-
-
 def _offends(n: Node, uops: set[UOp], an: _Analysis, kernels_of: Mapping[Node, int]) -> bool:
   if n.op == "REDUCE":
     reds = [u for u in uops if u.op is Ops.REDUCE]
@@ -133,7 +130,7 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
                kernels_of: Mapping[Node, int] | None) -> set[Node]:
   new: set[Node] = set()
   for k in kernels.values():
-    if k.analysis is None: k.analysis = _analysis(k)
+    if k.analysis is None: k.analysis = _analysis_of(k.ast)
     an = k.analysis
     stack, seen = [k.node], {k.node}
     while stack:  # top-down: the first offender on each path

@@ -180,7 +180,8 @@ def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = 
   def get(name: str) -> Matrix:  # once per weight: both plans wrap the same arrays
     if (a := weights.get(name)) is None:
       qt = ck.quant(name)
-      if (packed := pack(qt)) is not None: ck.release(name)  # its planes are the copy kept: the file's pages need not stay
-      a = weights[name] = packed if packed is not None else qt.dequantize()
+      if (a := pack(qt)) is not None: ck.release(name)  # its planes are the copy kept: the file's pages need not stay
+      else: a = qt.dequantize()
+      weights[name] = a
     return a
   return LLM(ck, _tokenizer(ck), Runner(cfg, get, ctx, chunk, device, long))
