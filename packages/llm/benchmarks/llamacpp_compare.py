@@ -27,8 +27,20 @@ matrix) x tokens/s, against a BLAS matrix-vector product's read rate on the same
 machine's read bandwidth). kiln keeps Q8_0, Q4_0, Q4_1, F16 and BF16 matrices in the file's
 bytes (kiln.llm.qweight) and dequantises others (llama.cpp's Q6_K, K-quants) to float32 at load: 4 bytes per weight.
 
-Run: `$BPY packages/llm/benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--types F16 Q8_0 Q4_0] [--skip-speed]`.
-Exits 1 when a strict check fails."""
+--memory: time to first token and peak memory, each engine and type in a fresh process (--probe, this script run
+again): import, load (kiln: and the compile of the two plans the run uses, "long" and "decode"), the 256-token prompt's
+prefill with the first greedy token (TTFT), 63 more decode steps, and the process's peak RSS (ru_maxrss: mapped file
+pages it touched count, for both engines) beside the file's size. kiln runs twice on one new, empty KILN_CACHE_DIR:
+cold (every kernel compiled, in worker processes whose peak is printed apart) and then warm (kernels from that cache).
+
+--avx2: both engines held to AVX2 (x86-64-v3) on an AVX-512 host: KILN_CPU=x86-64-v3 is set for kiln before it compiles
+anything, and llama-cpp-python built for AVX2 (build_llamacpp_avx2.sh, into .llamacpp-avx2/ at the repository root)
+is put first on sys.path before llama_cpp is imported. The header prints what each engine is held to (kiln's target CPU,
+llama.cpp's own system info line: AVX512 = 0 there). --keep FOLDER reuses the quantized files found there (the F16 and
+F32 ones are written again, the same bytes: the model is seeded).
+
+Run: `$BPY packages/llm/benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--types F16 Q8_0 Q4_0] [--skip-speed]
+[--memory] [--avx2] [--keep DIR] [--omp-wait-policy passive]`. Exits 1 when a strict check fails."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +60,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 N_CTX = 512
 PROMPT, DECODE, CHECK = 256, 64, 16
+AVX2_CPU = "x86-64-v3"  # AVX2, FMA, F16C, BMI2: the level both engines are held to by --avx2
+AVX2_DIR = ROOT / ".llamacpp-avx2"  # build_llamacpp_avx2.sh's output (git-ignored)
 STRICT_TOL = 1e-3  # float32 arithmetic in different orders, over 30 layers
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
             max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2)
@@ -68,7 +82,10 @@ def build(folder: Path) -> dict[str, Any]:
   out = {}
   for ft, code in (("F32", 0), ("F16", 1)):
     meta = {"tokenizer.ggml.model": "no_vocab", "llama.vocab_size": SMOL["vocab_size"], "general.file_type": code}
-    out[ft] = write_gguf(gguf_path(folder, ft), HF_CONFIG, weights, fmt=lambda n, ft=ft: ft, meta=meta)
+    dst = gguf_path(folder, ft)
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # renamed into place: a process reading the old file keeps it
+    out[ft] = write_gguf(tmp, HF_CONFIG, weights, fmt=lambda n, ft=ft: ft, meta=meta)
+    os.replace(tmp, dst)
   return out
 
 
@@ -76,12 +93,16 @@ def gguf_path(folder: Path, ftype: str) -> Path: return folder / f"smol135m-rand
 
 
 def quantize(src: Path, dst: Path, ftype: str, threads: int) -> None:
+  """dst made from src by llama.cpp's quantizer, unless it is there already (the F16 file is the same every run: seeded)."""
   import llama_cpp
+  if dst.exists(): return
+  tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
   params = llama_cpp.llama_model_quantize_default_params()
   params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
   params.nthread = threads
-  with _quiet_stderr(): rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+  with _quiet_stderr(): rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
   if rc != 0: raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
+  os.replace(tmp, dst)
 
 
 @contextlib.contextmanager
@@ -222,6 +243,94 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
   return {"type": ftype, "kiln": med["kiln"], "llama.cpp": med["llama.cpp"], "ratio": (rp, rd), "load": load_avg[0]}
 
 
+def isa_lines() -> list[str]:
+  """The instructions each engine is held to: kiln's target CPU (KILN_CPU or the host) and llama.cpp's own system info
+  (the features its ggml CPU code was built with), with the library it loaded."""
+  import llama_cpp
+
+  from kiln.runtime.cpu.compiler import target_cpu
+  c = target_cpu()
+  named = f"KILN_CPU={c.cpu}" if c.from_env else f"the host ({c.cpu})"
+  return [f"kiln compiles for {named}: {8 * c.vector_bytes}-bit vectors, {c.vector_registers} registers, fma {int(c.fma)}",
+          f"llama.cpp ({Path(llama_cpp.__file__).parent}): {llama_cpp.llama_print_system_info().decode().strip()}"]
+
+
+def probe(engine: str, path: Path, threads: int) -> dict[str, Any]:
+  """In a fresh process: import the engine, load the file (kiln: and compile the plans a 256-token prompt and its
+  decode steps run), prefill a PROMPT-token prompt and pick the first token (the time to first token), decode DECODE - 1
+  more; the seconds of each and the process's peak resident set (ru_maxrss: the file's pages it touched count, as
+  both map it; kiln's compile workers are other processes, reported apart)."""
+  import resource
+  prompt = [int(i) for i in np.random.default_rng(7).integers(0, SMOL["vocab_size"], PROMPT)]
+  out: dict[str, Any] = {"engine": engine, "rss_start_mb": _maxrss_mb(resource.RUSAGE_SELF)}
+  t = time.perf_counter()
+  if engine == "kiln":
+    from kiln.codegen import settings
+    from kiln.llm import load
+    settings.THREADS.set(threads)
+    out["import_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    k = load(path, context=N_CTX)
+    k.runner.plan("long"); k.runner.plan("decode")  # the plans this run uses (runtime.py: 256 tokens are one long chunk)
+    out["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    gen = k.generate(prompt, max_new_tokens=DECODE, stop=[])
+    toks = [next(gen)]
+    out["ttft_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    toks += list(gen)
+  else:
+    import llama_cpp  # noqa: F401 (its import is timed: the library loads here)
+    out["import_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    lc = LlamaCpp(path, threads)
+    out["load_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    lc.llm.reset(); lc.llm.eval(prompt)
+    toks = [int(np.argmax(lc.last_logits()))]
+    out["ttft_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(DECODE - 1):
+      lc.llm.eval([toks[-1]]); toks.append(int(np.argmax(lc.last_logits())))
+  out["decode_s"] = time.perf_counter() - t
+  if len(toks) != DECODE: raise RuntimeError(f"{engine} gave {len(toks)} tokens, not {DECODE}")
+  out["first_tokens"] = toks[:4]
+  out["rss_peak_mb"] = _maxrss_mb(resource.RUSAGE_SELF)
+  out["children_peak_mb"] = _maxrss_mb(resource.RUSAGE_CHILDREN)
+  return out
+
+
+def _maxrss_mb(who: int) -> float:
+  import resource
+  return resource.getrusage(who).ru_maxrss / 1024  # kB on Linux
+
+
+def memory(path: Path, ftype: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+  """probe() of each engine in fresh processes: kiln with an empty kernel cache (KILN_CACHE_DIR a new folder: every
+  kernel compiled) and again with that cache warm, then llama.cpp."""
+  import json
+  import subprocess
+  rows = []
+  with tempfile.TemporaryDirectory(prefix="kiln-cold-cache-") as cache:
+    for engine, label in (("kiln", "kiln, cold cache"), ("kiln", "kiln, warm cache"), ("llama.cpp", "llama.cpp")):
+      env = dict(os.environ, KILN_CACHE_DIR=cache) if engine == "kiln" else dict(os.environ)
+      cmd = [sys.executable, __file__, "--probe", engine, str(path), "--threads", str(args.threads)] + (["--avx2"] if args.avx2 else [])
+      r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+      line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")), None)
+      if r.returncode or line is None:
+        raise RuntimeError(f"{label} probe of {path.name} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+      rows.append(dict(json.loads(line[6:]), label=label))
+  size = path.stat().st_size / 1e6
+  print(f"\n{ftype} (file {size:.0f} MB), fresh processes; load average {os.getloadavg()[0]:.1f}")
+  for r in rows:
+    total = r["import_s"] + r["load_s"] + r["ttft_s"]
+    print(f"  {r['label']:<17} import {r['import_s']:5.2f} s  load {r['load_s']:6.2f} s  TTFT (prefill {PROMPT} + 1st token) "
+          f"{r['ttft_s'] * 1e3:6.0f} ms  import+load+TTFT {total:6.2f} s  decode {(DECODE - 1) / r['decode_s']:5.1f} tok/s  "
+          f"peak RSS {r['rss_peak_mb']:5.0f} MB (at start {r['rss_start_mb']:3.0f}; compile workers' peak {r['children_peak_mb']:4.0f})"
+          f"  first tokens {r['first_tokens']}")
+  return rows
+
+
 def _matrices(path: Path) -> list[tuple[tuple[int, ...], str, int]]:
   """(shape, type name, bytes) of each 2-d tensor of the file."""
   import gguf
@@ -237,8 +346,24 @@ def main() -> int:
   ap.add_argument("--keep", help="a folder to write the GGUF files to (default: a temporary one)")
   ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
                   help="OMP_WAIT_POLICY for llama.cpp's OpenMP threads (unset: libgomp's default, which spins at barriers)")
+  ap.add_argument("--avx2", action="store_true",
+                  help=f"hold both to AVX2: KILN_CPU={AVX2_CPU} for kiln, and llama-cpp-python built for AVX2 ({AVX2_DIR.name}/, "
+                       "made by build_llamacpp_avx2.sh) in place of the installed one")
+  ap.add_argument("--memory", action="store_true", help="also time load and first token, and the peak RSS, of each engine in fresh processes")
+  ap.add_argument("--probe", nargs=2, metavar=("ENGINE", "GGUF"), help=argparse.SUPPRESS)  # --memory's child process
   args = ap.parse_args()
+  if args.avx2:  # before kiln compiles anything and before llama_cpp is imported
+    if not (AVX2_DIR / "llama_cpp").is_dir():
+      print(f"--avx2: no AVX2 build of llama-cpp-python in {AVX2_DIR}; make it with "
+            f"`packages/llm/benchmarks/build_llamacpp_avx2.sh {sys.executable}`", file=sys.stderr)
+      return 2
+    os.environ["KILN_CPU"] = AVX2_CPU
+    sys.path.insert(0, str(AVX2_DIR))
   if args.omp_wait_policy: os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch or llama.cpp loads an OpenMP runtime
+  if args.probe:
+    import json
+    print("PROBE " + json.dumps(probe(args.probe[0], Path(args.probe[1]), args.threads)), flush=True)
+    return 0
   sys.path.insert(0, str(ROOT / "packages/llm/tests"))  # the converter-style GGUF writer and the numpy reference model
   from kiln.codegen import settings
   settings.THREADS.set(args.threads)
@@ -250,15 +375,20 @@ def main() -> int:
   with tempfile.TemporaryDirectory() as tmp:
     d = Path(args.keep or tmp)
     d.mkdir(parents=True, exist_ok=True)
+    print("\n".join(isa_lines()))
     weights = build(d)
     for ft in args.types:
       if ft not in ("F16", "F32"): quantize(gguf_path(d, "F16"), gguf_path(d, ft), ft, args.threads)
     ok = agreement(d, weights, args.threads)
-    if args.skip_speed: return 0 if ok else 1
-    bw = read_bandwidth(args.threads)
-    print(f"\n{os.cpu_count()} CPUs, {args.threads} threads each, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
-          f"BLAS matrix-vector read bandwidth {bw:.1f} GB/s; {args.rounds} rounds, prompt {PROMPT} tokens, {DECODE} decoded")
-    for ft in args.types: speed(gguf_path(d, ft), ft, args.rounds, args.threads, bw)
+    if not args.skip_speed:
+      bw = read_bandwidth(args.threads)
+      print(f"\n{os.cpu_count()} CPUs, {args.threads} threads each, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
+            f"BLAS matrix-vector read bandwidth {bw:.1f} GB/s; {args.rounds} rounds, prompt {PROMPT} tokens, {DECODE} decoded")
+      for ft in args.types: speed(gguf_path(d, ft), ft, args.rounds, args.threads, bw)
+    if args.memory:
+      print(f"\nTime to first token and peak memory: one fresh process per engine and type ({args.threads} threads, a {PROMPT}-token "
+            f"prompt, {DECODE} tokens)")
+      for ft in args.types: memory(gguf_path(d, ft), ft, args)
   return 0 if ok else 1
 
 
