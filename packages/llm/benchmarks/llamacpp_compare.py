@@ -36,8 +36,8 @@ cold (every kernel compiled, in worker processes whose peak is printed apart) an
 --avx2: both engines held to AVX2 (x86-64-v3) on an AVX-512 host: KILN_CPU=x86-64-v3 is set for kiln before it compiles
 anything, and llama-cpp-python built for AVX2 (build_llamacpp_avx2.sh, into .llamacpp-avx2/ at the repository root)
 is put first on sys.path before llama_cpp is imported. The header prints what each engine is held to (kiln's target CPU,
-llama.cpp's own system info line: AVX512 = 0 there). --keep FOLDER reuses the quantized files found there (the F16 and
-F32 ones are written again, the same bytes: the model is seeded).
+llama.cpp's own system info line, which names the extensions built in: no AVX512 there). --keep FOLDER reuses the
+quantized files found there (the F16 and F32 ones are written again, the same bytes: the model is seeded).
 
 Run: `$BPY packages/llm/benchmarks/llamacpp_compare.py [--rounds 3] [--threads 2] [--types F16 Q8_0 Q4_0] [--skip-speed]
 [--memory] [--avx2] [--keep DIR] [--omp-wait-policy passive]`. Exits 1 when a strict check fails."""
