@@ -62,3 +62,24 @@ def test_reassociated_for_asks_the_devices_target(device) -> None:
   assert reassociated_for(cols, device(CPU)) is None  # contiguous along its output: the same either way
   assert reassociated_for(kernels.matmul(64, 64, 64), device(CPU)) is None
   assert reassociated_for(rows, device(GPU)) is None and reassociated_for(rows, device(None)) is None
+
+
+def _scores(keys: object) -> object:
+  """Attention scores of one query per head over `keys` cached keys: out[h, j] = sum_d q[h, d] k[j, d], 64 values a row."""
+  from kiln.ir import UOp
+  from kiln.ir.ops import AxisType
+  f32 = dtypes.float32
+  o, q, k = UOp.define_global(0, f32.ptr(8 * 512)), UOp.define_global(1, f32.ptr(8 * 64)), UOp.define_global(2, f32.ptr(512 * 64))
+  h, j, d = UOp.range(8, 0), UOp.range(keys, 1), UOp.range(64, 2, AxisType.REDUCE)
+  s = (q.index(h * 64 + d).load() * k.index(j * 64 + d).load()).reduce(Ops.ADD, d)
+  return UOp.sink(o.index(h * 512 + j).store(s), name="scores")
+
+
+def test_symbolic_columns_vectorise_their_dot_products_along_the_reduce(device) -> None:
+  """A decode step's attention scores have a symbolic column axis (the cached keys), on which no vector runs: as a caller
+  that takes sums in another order, kiln.graph gets whole-row vectors on the reduce axis (a dot product was a scalar
+  chain of multiply-adds). The same product over a fixed number of keys keeps its register tile."""
+  from kiln.ir import UOp
+  got = reassociated_for(_scores(UOp.variable("past", 0, 512)), device(CPU))
+  assert got is not None and [(o.op, o.amount) for o in got if o.op is OptOps.UPCAST] == [(OptOps.UPCAST, 64)]
+  assert reassociated_for(_scores(512), device(CPU)) is None

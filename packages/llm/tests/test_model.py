@@ -51,6 +51,19 @@ def test_long_chunks_then_chunks(arch: str):
   assert _err(r.feed(ids[:7]), want[6]) <= TOL and sorted(r.plans) == ["long"]  # 7 tokens: one long chunk padded by 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_decode_from_an_empty_cache(arch: str):
+  """Token by token from the first token: the decode plan's attention reads the cache and the step's own key apart, from
+  an empty cache (past 0: no cached key at all) on, and for mistral past its sliding window of 6."""
+  cfg = config(arch)
+  W = weights(cfg)
+  ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 10)
+  want = logits(cfg, W, ids)
+  r = Runner(cfg, checkpoint_get(cfg, W), ctx=16, chunk=4)
+  for i, t in enumerate(ids): assert _err(r.feed([int(t)]), want[i]) <= TOL, i
+  assert sorted(r.plans) == ["decode"]
+
+
 def test_one_compile_serves_every_position():
   cfg = config("llama")
   W = weights(cfg)

@@ -4,7 +4,7 @@ One graph serves every position: a chunk of `seq` new tokens (ids and their posi
 is built), after `past` tokens (a runtime variable, 0..ctx) whose keys and values each layer reads from its cache
 inputs `k{i}`/`v{i}` of shape (past, kv_heads, head_dim), position-major so that the filled part of a cache is its front
 (the runtime binds them to buffers sized for the context and appends the chunk's rows at row `past`; kv.py). Attention
-reads cat(cache, new) along the positions, past + seq rows, with the causal mask from the positions. The outputs are
+reads the cache and the new rows (past + seq keys), with the causal mask from the positions (_attention). The outputs are
 the logits (every row, or the row `last` names) and each layer's new keys and values (seq rows, keys after RoPE) for the
 runtime to append. seq is a fixed size, not a variable: the code generator tiles and threads no symbolic loop, so a
 chunk's matrix products over a symbolic seq ran about 3x slower than over a fixed one; the runtime pads a shorter chunk
@@ -112,8 +112,14 @@ def _embedding(w: Matrix, ids: Tensor) -> Tensor:
 def _rows(w: Matrix, lo: int, hi: int) -> Matrix: return w.rows(lo, hi) if isinstance(w, QuantWeight) else w[lo:hi]
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: ModelConfig) -> Tensor:
-  """Grouped-query attention: q (seq, heads, hd), k/v (total, kv_heads, hd), mask (seq, total) -> (seq, heads * hd).
+def _attention(q: Tensor, cache: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], mask: Tensor, cfg: ModelConfig) -> Tensor:
+  """Grouped-query attention of q (seq, heads, hd) over the cached keys and values (past, kv_heads, hd) and the chunk's
+  new ones (seq, kv_heads, hd); mask (seq, _keys(seq, past)) -> (seq, heads * hd).
+
+  One query (a decode step) reads the cache and its own key apart, the softmax's max and sum taken over both (its mask
+  covers the cache: the query at position past always reads its own key). On the
+  cache joined to the new row (Tensor.cat), every step copied each layer's whole cache (a kernel per key and value
+  cache, their time growing with the context) before reading it.
 
   A chunk of several queries takes its scores keys-major, (kvh, g, total, seq): total (past + seq) is symbolic, and
   the code generator vectorises and tiles only fixed-size axes, so with the keys innermost the scores were a scalar
@@ -121,16 +127,26 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cfg: ModelConfig) 
   before they meet v: inlined, the softmax's max and sum ran again for every output column."""
   seq, kvh, hd = q.shape[0], cfg.num_kv_heads, cfg.head_dim
   g = cfg.num_heads // kvh
+  (kc, vc), (k, v) = cache, new
   if seq == 1:
-    qg = q.reshape(seq, kvh, g, hd).permute(1, 2, 0, 3) * (1.0 / math.sqrt(hd))  # (kvh, g, seq, hd)
-    scores = mask.where(qg @ k.permute(1, 2, 0).unsqueeze(1), -math.inf)  # (kvh, g, seq, total); every query reads a key
-    o = scores.softmax(-1) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
-  else:
-    qt = q.reshape(seq, kvh, g, hd).permute(1, 2, 3, 0) * (1.0 / math.sqrt(hd))  # (kvh, g, hd, seq)
-    scores = mask.T.where(k.permute(1, 0, 2).unsqueeze(1) @ qt, -math.inf)  # (kvh, g, total, seq)
-    probs = scores.softmax(-2).contiguous()
-    o = probs.permute(0, 1, 3, 2) @ v.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
+    qg = q.reshape(kvh, g, hd) * (1.0 / math.sqrt(hd))  # (kvh, g, hd)
+    s_c = mask.where(qg @ kc.permute(1, 2, 0), -math.inf)  # (kvh, g, past)
+    s_n = (qg * k.reshape(kvh, 1, hd)).sum(-1, keepdims=True)  # (kvh, g, 1)
+    m = s_c.max(-1, keepdims=True).maximum(s_n)  # past may be 0: the max over no keys is -inf
+    e_c, e_n = (s_c - m).exp(), (s_n - m).exp()
+    o = (e_c @ vc.permute(1, 0, 2) + e_n * v.reshape(kvh, 1, hd)) / (e_c.sum(-1, keepdims=True) + e_n)  # (kvh, g, hd)
+    return o.reshape(1, cfg.num_heads * hd)
+  kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
+  qt = q.reshape(seq, kvh, g, hd).permute(1, 2, 3, 0) * (1.0 / math.sqrt(hd))  # (kvh, g, hd, seq)
+  scores = mask.T.where(kk.permute(1, 0, 2).unsqueeze(1) @ qt, -math.inf)  # (kvh, g, total, seq)
+  probs = scores.softmax(-2).contiguous()
+  o = probs.permute(0, 1, 3, 2) @ vv.permute(1, 0, 2).unsqueeze(1)  # (kvh, g, seq, hd)
   return o.permute(2, 0, 1, 3).reshape(seq, cfg.num_heads * hd)
+
+
+def _keys(seq: int, past: Any) -> Any:
+  """The keys _attention's mask covers: the cache and the chunk's own (past + seq), or for one query the cache only."""
+  return past if seq == 1 else past + seq
 
 
 def _mask(cfg: ModelConfig, pos: Tensor, total: Any) -> Tensor:
@@ -191,9 +207,8 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
     q = _rope(q.reshape(seq, cfg.num_heads, hd), cos, sin, cfg.rotary_dim)
     k = _rope(k.reshape(seq, cfg.num_kv_heads, hd), cos, sin, cfg.rotary_dim)
     v = v.reshape(seq, cfg.num_kv_heads, hd)
-    kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
-    if mask is None: mask = _mask(cfg, pos, kk.shape[0])
-    a = _attention(q, kk, vv, mask, cfg)
+    if mask is None: mask = _mask(cfg, pos, _keys(seq, kc.shape[0]))
+    a = _attention(q, (kc, vc), (k, v), mask, cfg)
     x = x + _linear(a, w.mat(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
     h = _norm(cfg, w, x, p + "post_attention_layernorm")
     if cfg.arch == "phi3":
@@ -228,9 +243,8 @@ def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> For
     def lin(x: Tensor, name: str, out: int, inn: int) -> Tensor: return _linear(x, w.mat(p + name + ".weight", out, inn), w(p + name + ".bias", out))  # noqa: B023
     qkv = lin(_norm(cfg, w, x, p + "ln_1"), "attn.c_attn", 3 * d, d)
     q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(seq, cfg.num_heads, hd) for j in range(3))
-    kk, vv = Tensor.cat([kc, k], 0), Tensor.cat([vc, v], 0)
-    if mask is None: mask = _mask(cfg, pos, kk.shape[0])
-    x = x + lin(_attention(q, kk, vv, mask, cfg), "attn.c_proj", d, d)
+    if mask is None: mask = _mask(cfg, pos, _keys(seq, kc.shape[0]))
+    x = x + lin(_attention(q, (kc, vc), (k, v), mask, cfg), "attn.c_proj", d, d)
     x = x + lin(_act(lin(_norm(cfg, w, x, p + "ln_2"), "mlp.c_fc", inter, d), cfg.act), "mlp.c_proj", d, inter)
     new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row

@@ -45,11 +45,13 @@ def reassociated_for(ast: UOp, device: str) -> list[Opt] | None:
 def _one_plain_reduce(ast: UOp) -> bool:
   """A kernel the reassociating rule may change (a quick look before preparing it: the rule's own test wants the
   simplified indices): one store, one REDUCE (over one axis or several: a pool over rows and columns), every load of
-  its body indexed by the output's innermost loop (a matmul's row operand is not) and none gated (a padded conv input)."""
+  its body indexed by the output's innermost loop (a matmul's row operand is not; any load where that loop is symbolic)
+  and none gated (a padded conv input)."""
   if len(ast.src) != 1 or ast.src[0].op is not Ops.STORE: return False
   loops = [u for u in ast.src[0].src[0].toposort() if u.op is Ops.RANGE and u.arg[1] is AxisType.LOOP]
   reds = [u for u in ast.toposort() if u.op is Ops.REDUCE]
   if not loops or len(reds) != 1: return False
   inner = max(loops, key=lambda r: r.arg[0])
   loads = [u for u in reds[0].src[0].toposort() if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX]
-  return bool(loads) and all(len(ld.src[0].src) == 2 and inner in ld.src[0].src[1].toposort() for ld in loads)
+  symbolic = inner.src[0].op is not Ops.CONST  # no vectors along it: a load it does not index may be read along the reduce
+  return bool(loads) and all(len(ld.src[0].src) == 2 and (symbolic or inner in ld.src[0].src[1].toposort()) for ld in loads)

@@ -97,7 +97,9 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   # latency-bound, so a second independent vector fills the pipes (4M-float exact GELU on AVX2: 1.19x with 16 lanes)
   vecs = 2 if mm or any(u.op in _POLY_OPS for u in st.toposort()) else 1
   overlap = not reads_stored(ast)
-  row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
+  # a matmul-like kernel whose columns are symbolic has no register tile (no vectors along them): its rows' dot products
+  # may run along the reduction instead
+  row = _contiguous_reduce(reduces, inner, lanes) if reassociate and inner is not None and (not mm or axis_size(inner) is None) else None
   if row is not None: opts.append(row)
   elif inner is not None and affine_coeff(idx, inner) == 1:
     lane_axis = inner if mm or (other := _read_along(reduces, out_axes, inner, lanes)) is None else other
@@ -182,13 +184,17 @@ def _contiguous_reduce(reduces: list[UOp], inner: UOp, lanes: int) -> Opt | None
   loads into up to four vectors of accumulators, their lanes folded once per output (another order of additions).
   CNN bench global average pool, 32x128 maps of 64, hot on 2-core Zen 4: 50 -> 20 us. Of several reduce axes (a mean
   over rows and columns, as torch's dynamo export writes an adaptive pool) the innermost: a SiLU's pool over 32x32 maps
-  of 32 channels took 110 us gathering across channels."""
+  of 32 channels took 110 us gathering across channels. Where the inner axis is symbolic (no vectors along it at all), a
+  load that does not vary along it may take part too: a decode step's attention scores, each a dot product of a query
+  row with a cached key row, were scalar chains of multiply-adds over the head's 64 values."""
   if len(reduces) != 1: return None
   r = max(reduces[0].src[1:], key=lambda a: a.arg[0])  # of several (a pool over rows and columns), the innermost
   lds = _loads(reduces[0].src[0])
   if not lds or (size := axis_size(r)) is None or size < lanes: return None
-  if any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], inner) in (0, 1) or affine_coeff(ld.src[0].src[1], r) != 1 for ld in lds):
+  along = (1,) if axis_size(inner) is None else (0, 1)  # coefficients on the inner axis a load may not have
+  if any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], inner) in along or affine_coeff(ld.src[0].src[1], r) != 1 for ld in lds):
     return None
+  if all(affine_coeff(ld.src[0].src[1], inner) == 0 for ld in lds): return None  # nothing would be gathered
   return Opt(OptOps.UPCAST, r.arg[0], next(m * lanes for m in (4, 2, 1) if size >= m * lanes and size % (m * lanes) < lanes))
 
 
