@@ -24,8 +24,10 @@ kiln, so --omp-wait-policy passive is offered to measure it both ways (the varia
 runtime loads, hence a flag, not a second peer in the same process).
 Decode bandwidth: the weight bytes a decode step reads (every matrix once, the tied embedding once as the output
 matrix) x tokens/s, against a BLAS matrix-vector product's read rate on the same threads (a lower bound of the
-machine's read bandwidth). kiln keeps Q8_0, Q4_0, Q4_1, F16 and BF16 matrices in the file's
-bytes (kiln.llm.qweight) and dequantises others (llama.cpp's Q6_K, K-quants) to float32 at load: 4 bytes per weight.
+machine's read bandwidth). kiln keeps the matrices of the types kiln.llm.qweight.PACKED names (Q8_0, the 4-, 5- and
+6-bit ones, K-quants, F16, BF16) repacked (the 5- and 6-bit ones as int8 codes: more bytes than the file) and
+dequantises any other type to float32 at load: its bytes are those of what load() keeps. Each rate is the median of
+the rounds, their lowest and highest beside it.
 
 --memory: time to first token and peak memory, each engine and type in a fresh process (--probe, this script run
 again): import, load (kiln: and the compile of the two plans the run uses, "long" and "decode"), the 256-token prompt's
@@ -232,12 +234,12 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
   types = ", ".join(f"{n} {b / 1e6:.0f} MB" for n, b in sorted(by_type.items()))
   print(f"\n{ftype}: matrices {wbytes / 1e6:.0f} MB ({types}); load+compile kiln {k_load:.1f} s, llama.cpp {l_load:.1f} s; "
         f"load average {load_avg[0]:.1f}")
-  from kiln.llm.qweight import PACKED
-  kiln_bytes = sum(n if t in PACKED else 4 * int(np.prod(s)) for s, t, n in _matrices(path))
+  kiln_bytes = kiln_decode_bytes(path)
   for name, (p, d) in med.items():
     b = kiln_bytes if name == "kiln" else wbytes
-    print(f"  {name:<10} prefill {p:7.1f} tok/s   decode {d:6.1f} tok/s   decode reads {b / 1e6:4.0f} MB/token = {b * d / 1e9:5.1f} GB/s "
-          f"({b * d / 1e9 / bw:.0%} of {bw:.0f} GB/s)")
+    ps, ds = [r[0] for r in rows[name]], [r[1] for r in rows[name]]  # the rounds' spread: how noisy the machine was
+    print(f"  {name:<10} prefill {p:7.1f} tok/s ({min(ps):.0f}-{max(ps):.0f})   decode {d:6.1f} tok/s ({min(ds):.1f}-{max(ds):.1f})   "
+          f"decode reads {b / 1e6:4.0f} MB/token = {b * d / 1e9:5.1f} GB/s ({b * d / 1e9 / bw:.0%} of {bw:.0f} GB/s)")
   rp, rd = med["kiln"][0] / med["llama.cpp"][0], med["kiln"][1] / med["llama.cpp"][1]
   print(f"  kiln / llama.cpp: prefill {rp:.2f}x, decode {rd:.2f}x")
   return {"type": ftype, "kiln": med["kiln"], "llama.cpp": med["llama.cpp"], "ratio": (rp, rd), "load": load_avg[0]}
@@ -334,10 +336,18 @@ def memory(path: Path, ftype: str, args: argparse.Namespace) -> list[dict[str, A
   return rows
 
 
-def _matrices(path: Path) -> list[tuple[tuple[int, ...], str, int]]:
-  """(shape, type name, bytes) of each 2-d tensor of the file."""
-  import gguf
-  return [(tuple(int(d) for d in t.shape), t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) >= 2]
+def kiln_decode_bytes(path: Path) -> int:
+  """The bytes of the matrices kiln's decode step reads: each 2-d weight as kiln.llm.load keeps it (qweight.pack's planes,
+  which for the 5- and 6-bit types hold int8 codes, more than the file's bytes; float32 for a type it does not pack)."""
+  from kiln.llm.checkpoint_open import open_checkpoint
+  from kiln.llm.qweight import pack
+  ck = open_checkpoint(path)
+  total = 0
+  for name in ck.names():
+    if len(shape := ck.shape(name)) < 2: continue
+    w = pack(ck.quant(name))
+    total += w.nbytes if w is not None else 4 * int(np.prod(shape))
+  return total
 
 
 def main() -> int:
