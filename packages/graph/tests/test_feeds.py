@@ -134,3 +134,25 @@ def test_outputs_are_the_callers_and_feeds_may_be_strided(km) -> None:
   again = km.run({"src": X[:1], "ids": IDS})  # a smaller batch fills the buffer's front
   np.testing.assert_allclose(again["y"], np.maximum(X[:1] @ W, 0), rtol=1e-6)
   np.testing.assert_allclose(first["y"], np.maximum(X @ W, 0), rtol=1e-6)
+
+
+def test_a_fixed_shape_model_fed_exactly_runs_without_the_checks_pass() -> None:
+  """A model of fixed shapes fed a dict of exactly its inputs, each of its dtype and shape, copies them straight into the
+  plan (Model._run_exact); the outputs are the caller's own arrays (a second run leaves the first's alone), and every
+  other feed still gets the full checks and their typed errors."""
+  g = helper.make_graph([helper.make_node("MatMul", ["src", "w"], ["mm"]), helper.make_node("Relu", ["mm"], ["y"])], "g",
+                        [helper.make_tensor_value_info("src", 1, [3, 4])], [helper.make_tensor_value_info("y", 1, [3, 3])],
+                        [helper.make_tensor(name="w", data_type=1, dims=[4, 3], vals=W.ravel().tolist())])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+  m.ir_version = 8
+  km = konnx.load(m)
+  first = km.run({"src": X})["y"]
+  assert km._exact and km.compiled is not None and km.compiled._exact  # the exact path ran
+  np.testing.assert_allclose(first, np.maximum(X @ W, 0), rtol=1e-6)
+  km.run({"src": -X})
+  np.testing.assert_allclose(first, np.maximum(X @ W, 0), rtol=1e-6)
+  with pytest.raises(FeedError, match="dtype float64"): km.run({"src": X.astype(np.float64)})
+  with pytest.raises(FeedError, match="shape"): km.run({"src": X[:2]})
+  with pytest.raises(FeedError, match="not fed"): km.run({})
+  with pytest.raises(FeedError, match="srcc"): km.run({"src": X, "srcc": X})
+  np.testing.assert_allclose(km.run({"src": X.T.copy().T})["y"], first, rtol=1e-6)  # not C-contiguous: copied in all the same
