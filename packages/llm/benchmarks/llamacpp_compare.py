@@ -32,7 +32,8 @@ the rounds, their lowest and highest beside it.
 --memory: time to first token and peak memory, each engine and type in a fresh process (--probe, this script run
 again): import, load (kiln: and the compile of the two plans the run uses, "long" and "decode"), the 256-token prompt's
 prefill with the first greedy token (TTFT), 63 more decode steps, and the process's peak RSS (VmHWM: mapped file
-pages it touched count, for both engines) beside the file's size. kiln runs twice on one new, empty KILN_CACHE_DIR:
+pages it touched count, for both engines) beside the file's size, with the peak so far after the import and after
+the load. kiln runs twice on one new, empty KILN_CACHE_DIR:
 cold (every kernel compiled, in worker processes whose peak is printed apart) and then warm (kernels from that cache).
 
 --avx2: both engines held to AVX2 (x86-64-v3) on an AVX-512 host: KILN_CPU=x86-64-v3 is set for kiln before it compiles
@@ -270,11 +271,11 @@ def probe(engine: str, path: Path, threads: int) -> dict[str, Any]:
     from kiln.codegen import settings
     from kiln.llm import load
     settings.THREADS.set(threads)
-    out["import_s"] = time.perf_counter() - t
+    out["import_s"], out["rss_imported_mb"] = time.perf_counter() - t, _peak_rss_mb()
     t = time.perf_counter()
     k = load(path, context=N_CTX)
     k.runner.plan("long"); k.runner.plan("decode")  # the plans this run uses (runtime.py: 256 tokens are one long chunk)
-    out["load_s"] = time.perf_counter() - t
+    out["load_s"], out["rss_loaded_mb"] = time.perf_counter() - t, _peak_rss_mb()
     t = time.perf_counter()
     gen = k.generate(prompt, max_new_tokens=DECODE, stop=[])
     toks = [next(gen)]
@@ -283,10 +284,10 @@ def probe(engine: str, path: Path, threads: int) -> dict[str, Any]:
     toks += list(gen)
   else:
     import llama_cpp  # noqa: F401 (its import is timed: the library loads here)
-    out["import_s"] = time.perf_counter() - t
+    out["import_s"], out["rss_imported_mb"] = time.perf_counter() - t, _peak_rss_mb()
     t = time.perf_counter()
     lc = LlamaCpp(path, threads)
-    out["load_s"] = time.perf_counter() - t
+    out["load_s"], out["rss_loaded_mb"] = time.perf_counter() - t, _peak_rss_mb()
     t = time.perf_counter()
     lc.llm.reset(); lc.llm.eval(prompt)
     toks = [int(np.argmax(lc.last_logits()))]
@@ -331,7 +332,8 @@ def memory(path: Path, ftype: str, args: argparse.Namespace) -> list[dict[str, A
     total = r["import_s"] + r["load_s"] + r["ttft_s"]
     print(f"  {r['label']:<17} import {r['import_s']:5.2f} s  load {r['load_s']:6.2f} s  TTFT (prefill {PROMPT} + 1st token) "
           f"{r['ttft_s'] * 1e3:6.0f} ms  import+load+TTFT {total:6.2f} s  decode {(DECODE - 1) / r['decode_s']:5.1f} tok/s  "
-          f"peak RSS {r['rss_peak_mb']:5.0f} MB (at start {r['rss_start_mb']:3.0f}; compile workers' ru_maxrss {r['children_peak_mb']:4.0f})"
+          f"peak RSS {r['rss_peak_mb']:5.0f} MB (imported {r['rss_imported_mb']:3.0f}, loaded {r['rss_loaded_mb']:4.0f}; "
+          f"compile workers' ru_maxrss {r['children_peak_mb']:4.0f})"
           f"  first tokens {r['first_tokens']}")
   return rows
 
