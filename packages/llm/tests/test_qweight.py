@@ -75,6 +75,29 @@ def test_packed_model_logits_match_the_float32_path(tmp_path: Path, arch: str, f
     assert np.abs(llm.runner.feed([IDS[3]]) - ref.feed([IDS[3]])).max() <= tol
 
 
+@pytest.mark.parametrize(("arch", "fmt"), [("qwen2", "Q8_0"), ("llama", "F16")])
+def test_projections_of_one_input_stack_into_one_product(tmp_path: Path, arch: str, fmt: str) -> None:
+  """Where q, k and v (and gate and up) are packed in one format with whole tiles of outputs, load() stacks them into one
+  matrix (Weights.stack: the parts' planes kept only there) and each layer runs one product for them; the logits, prefill
+  and decode (qwen2: with its q, k and v biases), are the float32 path's."""
+  cj = tiny_config(arch, num_hidden_layers=1, hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
+  write_gguf(tmp_path / "m.gguf", cj, hf_weights(cj, seed=5, scale=0.2), fmt=lambda n: fmt)
+  llm = load(tmp_path / "m.gguf", context=16, chunk=4)
+  got = llm.logits(IDS)
+  p = "model.layers.0."
+  stacked = {k for k in llm.runner.get.arrays if "+" in k}
+  assert stacked == {p + "self_attn.q_proj.weight+" + p + "self_attn.k_proj.weight+" + p + "self_attn.v_proj.weight",
+                     p + "mlp.gate_proj.weight+" + p + "mlp.up_proj.weight"}
+  assert not {p + "self_attn.q_proj.weight", p + "mlp.up_proj.weight"} & set(llm.runner.get.arrays)  # the parts are kept only stacked
+  ref = Runner(llm.config, llm.checkpoint.tensor, ctx=16, chunk=4)
+  want = ref.feed(IDS, last_only=False)
+  tol = 1e-4 * np.abs(want).max()
+  assert np.abs(got - want).max() <= tol
+  llm.runner.reset(3)
+  ref.reset(3)
+  assert np.abs(llm.runner.feed([IDS[3]]) - ref.feed([IDS[3]])).max() <= tol
+
+
 def test_hf_float16_folder_conv1d(tmp_path: Path) -> None:
   """A Hugging Face gpt2 folder in float16: its Conv1D weights, stored (in, out), are packed as they are (no transpose)
   and the logits are the float32 path's."""

@@ -30,7 +30,7 @@ from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.model import Matrix
-from kiln.llm.qweight import pack
+from kiln.llm.qweight import QuantWeight, pack
 from kiln.llm.runtime import DEFAULT_CHUNK, DEFAULT_LONG, Runner
 from kiln.llm.sampling import Sampler, Stop
 from kiln.llm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_fields
@@ -164,6 +164,34 @@ def _tokenizer(ck: Checkpoint) -> Tokenizer | None:
   return tokenizer_from_gguf_fields(meta, ck.path) if meta.get("tokenizer.ggml.model") not in (None, "none", "no_vocab") else None
 
 
+class Weights:
+  """A checkpoint's weights by Hugging Face name for the forward graph (model.Get), each packed (qweight.pack) or
+  dequantised once: every plan wraps the same arrays. A packed matrix's file pages are released once its planes are made."""
+  def __init__(self, ck: Checkpoint):
+    self.ck = ck
+    self.arrays: dict[str, Matrix] = {}
+
+  def __call__(self, name: str) -> Matrix:
+    if (a := self.arrays.get(name)) is None:
+      qt = self.ck.quant(name)
+      if (a := pack(qt)) is not None: self.ck.release(name)  # its planes are the copy kept: the file's pages need not stay
+      else: a = qt.dequantize()
+      self.arrays[name] = a
+    return a
+
+  def stack(self, names: Sequence[str], outs: Sequence[int], inn: int) -> QuantWeight | None:
+    """The packed matrices `names`, of shapes (outs[i], inn), as one (QuantWeight.stack), made once and kept in their
+    place (their planes are copied into it); None where any is not packed, not of its shape, or they do not stack."""
+    key = "+".join(names)
+    if isinstance(got := self.arrays.get(key), QuantWeight): return got
+    parts = [self(n) for n in names]
+    if not all(isinstance(a, QuantWeight) and a.shape == (o, inn) for a, o in zip(parts, outs)): return None
+    if (st := QuantWeight.stack([a for a in parts if isinstance(a, QuantWeight)])) is None: return None
+    for n in names: del self.arrays[n]
+    self.arrays[key] = st
+    return st
+
+
 def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = DEFAULT_CHUNK, device: str = "CPU",
          long: int = DEFAULT_LONG) -> LLM:
   """The model at `path` (a GGUF file or a Hugging Face folder), ready to run `context` positions (default: its trained
@@ -175,13 +203,4 @@ def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = 
   if not 1 <= ctx <= cfg.max_position and cfg.positions == "learned":
     raise LLMError(f"context {ctx}: {cfg.arch} has {cfg.max_position} learned positions")
   if ctx < 1: raise LLMError(f"context {ctx} must be at least 1")
-  weights: dict[str, Matrix] = {}
-
-  def get(name: str) -> Matrix:  # once per weight: both plans wrap the same arrays
-    if (a := weights.get(name)) is None:
-      qt = ck.quant(name)
-      if (a := pack(qt)) is not None: ck.release(name)  # its planes are the copy kept: the file's pages need not stay
-      else: a = qt.dequantize()
-      weights[name] = a
-    return a
-  return LLM(ck, _tokenizer(ck), Runner(cfg, get, ctx, chunk, device, long))
+  return LLM(ck, _tokenizer(ck), Runner(cfg, Weights(ck), ctx, chunk, device, long))

@@ -96,6 +96,13 @@ class _W:
     if g.shape != (out, inn): raise ModelError(f"{self.arch}: weight {name!r} has shape {g.shape}, the config needs {(out, inn)}")
     return g
 
+  def stacked(self, fused: str, names: tuple[str, ...], outs: tuple[int, ...], inn: int) -> Matrix | None:
+    """The matrix `fused` where the architecture stores one (phi3), else `names` stacked as one where get can
+    (Weights.stack), else None."""
+    if self.arch == "phi3": return self.mat(fused, sum(outs), inn)
+    stack = getattr(self.get, "stack", None)
+    return None if stack is None else stack(names, outs, inn)
+
   def __call__(self, name: str, *shape: int) -> Tensor: return Tensor(self.arr(name, shape))
 
   def opt(self, on: bool, name: str, *shape: int) -> Tensor | None: return self(name, *shape) if on else None
@@ -109,7 +116,20 @@ def _embedding(w: Matrix, ids: Tensor) -> Tensor:
   return w.embedding(ids) if isinstance(w, QuantWeight) else Tensor(w).embedding(ids)
 
 
-def _rows(w: Matrix, lo: int, hi: int) -> Matrix: return w.rows(lo, hi) if isinstance(w, QuantWeight) else w[lo:hi]
+def _split(y: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+  """The columns of y (rows, sum(sizes)) in consecutive groups of `sizes`."""
+  ends = np.cumsum((0, *sizes)).tolist()
+  return [y[:, a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+
+def _projections(w: _W, x: Tensor, d: int, fused: str, names: tuple[str, ...], sizes: tuple[int, ...], bias: bool) -> list[Tensor]:
+  """x times each of the weights `names` (outputs `sizes`, each with its bias where `bias`), as one product where the
+  checkpoint stores them as one (`fused`: phi3's qkv_proj, gate_up_proj) or they stack (Weights.stack: packed planes of
+  one format), else one product each. x is (rows, d)."""
+  if (m := w.stacked(fused, names, sizes, d)) is not None:
+    b = Tensor(np.concatenate([w.arr(n.replace(".weight", ".bias"), (o,)) for n, o in zip(names, sizes)])) if bias else None
+    return _split(_linear(x, m, b), sizes)
+  return [_linear(x, w.mat(n, o, d), w.opt(bias, n.replace(".weight", ".bias"), o)) for n, o in zip(names, sizes)]
 
 
 def _attention(q: Tensor, cache: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], mask: Tensor, cfg: ModelConfig) -> Tensor:
@@ -198,12 +218,8 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
   for i, (kc, vc) in enumerate(caches):
     p = f"model.layers.{i}."
     h = _norm(cfg, w, x, p + "input_layernorm")
-    if cfg.arch == "phi3":
-      qkv = w.mat(p + "self_attn.qkv_proj.weight", qd + 2 * kd, d)
-      q, k, v = (_linear(h, _rows(qkv, a, b)) for a, b in ((0, qd), (qd, qd + kd), (qd + kd, qd + 2 * kd)))
-    else:
-      q, k, v = (_linear(h, w.mat(p + f"self_attn.{n}.weight", m, d), w.opt(cfg.attention_bias, p + f"self_attn.{n}.bias", m))
-                 for n, m in (("q_proj", qd), ("k_proj", kd), ("v_proj", kd)))
+    q, k, v = _projections(w, h, d, p + "self_attn.qkv_proj.weight", tuple(p + f"self_attn.{n}_proj.weight" for n in "qkv"), (qd, kd, kd),
+                           cfg.attention_bias)
     q = _rope(q.reshape(seq, cfg.num_heads, hd), cos, sin, cfg.rotary_dim)
     k = _rope(k.reshape(seq, cfg.num_kv_heads, hd), cos, sin, cfg.rotary_dim)
     v = v.reshape(seq, cfg.num_kv_heads, hd)
@@ -211,12 +227,8 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
     a = _attention(q, (kc, vc), (k, v), mask, cfg)
     x = x + _linear(a, w.mat(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
     h = _norm(cfg, w, x, p + "post_attention_layernorm")
-    if cfg.arch == "phi3":
-      gu = w.mat(p + "mlp.gate_up_proj.weight", 2 * inter, d)
-      gate, up = _linear(h, _rows(gu, 0, inter)), _linear(h, _rows(gu, inter, 2 * inter))
-    else:
-      gate = _linear(h, w.mat(p + "mlp.gate_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.gate_proj.bias", inter))
-      up = _linear(h, w.mat(p + "mlp.up_proj.weight", inter, d), w.opt(cfg.mlp_bias, p + "mlp.up_proj.bias", inter))
+    gate, up = _projections(w, h, d, p + "mlp.gate_up_proj.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), (inter, inter),
+                            cfg.mlp_bias)
     gate, up = gate.contiguous(), up.contiguous()  # each its own product: left to the scheduler, both ran in one kernel 3-8x slower
     x = x + _linear(_act(gate, cfg.act) * up, w.mat(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
     new_kv.append((k, v))

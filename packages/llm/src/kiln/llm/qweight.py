@@ -50,12 +50,6 @@ def _tiles(a: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(a.reshape(k, out // lanes, lanes).transpose(1, 0, 2))
 
 
-def _untiled(a: np.ndarray) -> np.ndarray:
-  """(T, k, L) -> (k, T * L)."""
-  t, k, lanes = a.shape
-  return a.transpose(1, 0, 2).reshape(k, t * lanes)
-
-
 @dataclass(frozen=True)
 class QuantWeight:
   """A linear weight of HF shape (out, in) as planes (see the module's docstring): `codes` (T, in, L) or, for the 4-bit
@@ -74,10 +68,16 @@ class QuantWeight:
   @property
   def nbytes(self) -> int: return self.codes.nbytes + sum(s.nbytes for s in self.scales)
 
-  def rows(self, lo: int, hi: int) -> QuantWeight:
-    """HF rows lo..hi (outputs): phi3's fused projections split at load."""
-    return QuantWeight.of(self.format, (hi - lo, self.shape[1]), _untiled(self.codes)[:, lo:hi], tuple(_untiled(s)[:, lo:hi] for s in self.scales),
-                          self.block)
+  @staticmethod
+  def stack(parts: list[QuantWeight]) -> QuantWeight | None:
+    """The weights `parts` (each (out_i, in)) as one (sum out_i, in): their tiles one after the other, so one product
+    computes all their outputs (a decode step's q, k and v in one kernel, not three that each start their own stream).
+    None where the parts differ in format, block, inputs or plane dtypes, or one's outputs are not whole tiles."""
+    a = parts[0]
+    if any(p.format != a.format or p.block != a.block or p.shape[1] != a.shape[1] or p.codes.dtype != a.codes.dtype
+           or p.shape[0] % LANES or [s.dtype for s in p.scales] != [s.dtype for s in a.scales] for p in parts): return None
+    return QuantWeight(a.format, (sum(p.shape[0] for p in parts), a.shape[1]), np.concatenate([p.codes for p in parts], 0),
+                       tuple(np.concatenate([p.scales[i] for p in parts], 0) for i in range(len(a.scales))), a.block)
 
   def _codes(self) -> Tensor:
     if self.format == "BF16": return Tensor(Node("BUFFER", (), Source(data=self.codes), self.codes.shape, dtypes.bfloat16))
