@@ -83,3 +83,21 @@ def test_symbolic_columns_vectorise_their_dot_products_along_the_reduce(device) 
   got = reassociated_for(_scores(UOp.variable("past", 0, 512)), device(CPU))
   assert got is not None and [(o.op, o.amount) for o in got if o.op is OptOps.UPCAST] == [(OptOps.UPCAST, 64)]
   assert reassociated_for(_scores(512), device(CPU)) is None
+
+
+def test_a_product_with_symbolic_columns_takes_its_lanes_on_another_axis() -> None:
+  """x @ W per head written transposed, (h, d, j) with the tokens j symbolic (a dynamic export's keys, laid out for the
+  scores): no register tile runs on a symbolic axis, so the lanes go to d, along which W is read contiguously and x is
+  the same for every lane (by default too: no sum changes order). They were one scalar loop per output. Over a fixed
+  number of tokens it stays a register-tiled product."""
+  from kiln.ir import UOp
+  from kiln.ir.ops import AxisType
+  f32 = dtypes.float32
+  def product(n: object) -> UOp:
+    o, x, w = UOp.define_global(0, f32.ptr(4 * 16 * 64)), UOp.define_global(1, f32.ptr(64 * 64)), UOp.define_global(2, f32.ptr(64 * 64))
+    h, d, j, k = UOp.range(4, 0), UOp.range(16, 1), UOp.range(n, 2), UOp.range(64, 3, AxisType.REDUCE)
+    s = (x.index(j * 64 + k).load() * w.index(k * 64 + h * 16 + d).load()).reduce(Ops.ADD, k)
+    return UOp.sink(o.index((h * 16 + d) * n + j).store(s), name="kt")
+  sym = heuristic_opts(prepare(product(UOp.variable("seq", 1, 64)))[0], CPU)
+  assert [(o.op, o.amount) for o in sym if o.op in (OptOps.UPCAST, OptOps.UNROLL)] == [(OptOps.UPCAST, 16)], sym
+  assert any(o.op is OptOps.OUTER for o in heuristic_opts(prepare(product(64))[0], CPU))  # the register tile

@@ -92,14 +92,14 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   idx = st.src[0].src[1]
   inner = out_axes[-1] if out_axes else None
   vec_axis: UOp | None = None
-  mm = _matmul_like(st, out_axes, red_axes, reduces)
+  # a matmul-like kernel whose columns are symbolic gets no register tile (no vector runs on a symbolic axis): it takes the
+  # choices of any other reduction (its dot products along the reduce, or lanes on another output axis, _read_along)
+  mm = _matmul_like(st, out_axes, red_axes, reduces) and inner is not None and axis_size(inner) is not None
   # two vectors for a register tile, and for a body with an inline polynomial (exp, erf, tanh...): each lane's chain is
   # latency-bound, so a second independent vector fills the pipes (4M-float exact GELU on AVX2: 1.19x with 16 lanes)
   vecs = 2 if mm or any(u.op in _POLY_OPS for u in st.toposort()) else 1
   overlap = not reads_stored(ast)
-  # a matmul-like kernel whose columns are symbolic has no register tile (no vectors along them): its rows' dot products
-  # may run along the reduction instead
-  row = _contiguous_reduce(reduces, inner, lanes) if reassociate and inner is not None and (not mm or axis_size(inner) is None) else None
+  row = _contiguous_reduce(reduces, inner, lanes) if reassociate and not mm and inner is not None else None
   if row is not None: opts.append(row)
   elif inner is not None and affine_coeff(idx, inner) == 1:
     lane_axis = inner if mm or (other := _read_along(reduces, out_axes, inner, lanes)) is None else other
