@@ -242,7 +242,12 @@ def speed(path: Path, ftype: str, rounds: int, threads: int, bw: float) -> dict[
     print(f"  {name:<10} prefill {p:7.1f} tok/s ({min(ps):.0f}-{max(ps):.0f})   decode {d:6.1f} tok/s ({min(ds):.1f}-{max(ds):.1f})   "
           f"decode reads {b / 1e6:4.0f} MB/token = {b * d / 1e9:5.1f} GB/s ({b * d / 1e9 / bw:.0%} of {bw:.0f} GB/s)")
   rp, rd = med["kiln"][0] / med["llama.cpp"][0], med["kiln"][1] / med["llama.cpp"][1]
-  print(f"  kiln / llama.cpp: prefill {rp:.2f}x, decode {rd:.2f}x")
+  # each round's ratio (the two engines ran one after the other in it): on a shared machine whose load changes between
+  # rounds, the median of these pairs is steadier than the ratio of the medians
+  pp = statistics.median(k[0] / lc[0] for k, lc in zip(rows["kiln"], rows["llama.cpp"]))
+  pd = statistics.median(k[1] / lc[1] for k, lc in zip(rows["kiln"], rows["llama.cpp"]))
+  print(f"  kiln / llama.cpp: prefill {rp:.2f}x, decode {rd:.2f}x (ratio of the medians); median of the rounds' ratios: "
+        f"prefill {pp:.2f}x, decode {pd:.2f}x")
   return {"type": ftype, "kiln": med["kiln"], "llama.cpp": med["llama.cpp"], "ratio": (rp, rd), "load": load_avg[0]}
 
 
