@@ -66,8 +66,9 @@ PROMPT, DECODE, CHECK = 256, 64, 16
 AVX2_CPU = "x86-64-v3"  # AVX2, FMA, F16C, BMI2: the level both engines are held to by --avx2
 AVX2_DIR = ROOT / ".llamacpp-avx2"  # build_llamacpp_avx2.sh's output (git-ignored)
 STRICT_TOL = 1e-3  # float32 arithmetic in different orders, over 30 layers
-SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-            max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2)
+SMOL: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                            num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                            tie_word_embeddings=True, initializer_range=0.2)
 HF_CONFIG = {"model_type": "llama", **SMOL}
 
 
@@ -123,7 +124,7 @@ def decode_bytes(path: Path) -> tuple[int, dict[str, int]]:
   bytes by tensor type."""
   import gguf
   r = gguf.GGUFReader(str(path))
-  total, by_type = 0, {}
+  total, by_type = 0, dict[str, int]()
   for t in r.tensors:
     if len(t.shape) < 2: continue
     total += int(t.n_bytes)
@@ -326,10 +327,10 @@ def memory(path: Path, ftype: str, args: argparse.Namespace) -> list[dict[str, A
     for engine, label in (("kiln", "kiln, cold cache"), ("kiln", "kiln, warm cache"), ("llama.cpp", "llama.cpp")):
       env = dict(os.environ, KILN_CACHE_DIR=cache) if engine == "kiln" else dict(os.environ)
       cmd = [sys.executable, __file__, "--probe", engine, str(path), "--threads", str(args.threads)] + (["--avx2"] if args.avx2 else [])
-      r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-      line = next((ln for ln in r.stdout.splitlines() if ln.startswith("PROBE ")), None)
-      if r.returncode or line is None:
-        raise RuntimeError(f"{label} probe of {path.name} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+      line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
+      if proc.returncode or line is None:
+        raise RuntimeError(f"{label} probe of {path.name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
       rows.append(dict(json.loads(line[6:]), label=label))
   size = path.stat().st_size / 1e6
   print(f"\n{ftype} (file {size:.0f} MB), fresh processes; load average {os.getloadavg()[0]:.1f}")
