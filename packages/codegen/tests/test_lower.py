@@ -170,8 +170,15 @@ def test_full_reduction_splits_its_reduce_axis():
   assert spec.threads == 16 and spec.finish and spec.scratch_bytes == 16 * 64 * 4 and spec.var_names == ["core_id"]  # a partial a chunk
 
 
-def test_symbolic_sizes_are_not_upcast():
-  assert all(o.op is not OptOps.UPCAST for o in heuristic_opts(symbolic_scale(), CPU))
+def test_symbolic_sizes_take_one_vector_and_a_scalar_tail():
+  """An output axis of symbolic size takes one vector of lanes; prepare.peel makes it whole vectors over (n // 16) * 16
+  elements and a scalar tail over n % 16 (runtime-cpu's tests run it for sizes around the width)."""
+  from kiln.codegen.lowering.prepare import peel
+  opts = heuristic_opts(symbolic_scale(), CPU)
+  assert [o for o in opts if o.op is OptOps.UPCAST] == [Opt(OptOps.UPCAST, 0, 16)]
+  peeled = peel(symbolic_scale(), opts)
+  assert peeled is not None and peeled[1] == 1 and len([s for s in peeled[0].src if s.op is Ops.STORE]) == 2
+  assert LLVMRenderer(CPU).render(symbolic_scale()).applied_opts
 
 
 def test_gpu_target_maps_axes_to_threads():

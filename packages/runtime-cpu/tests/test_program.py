@@ -252,3 +252,39 @@ def test_overlapped_last_tile_and_in_place_tail(n: int) -> None:
   buf = np.concatenate([a, np.full(16, -1.0, np.float32)])
   prog([buf.ctypes.data])
   assert np.array_equal(buf[:n], a * np.float32(3)) and (buf[n:] == -1.0).all()
+
+
+def test_a_symbolic_axis_runs_whole_vectors_then_a_scalar_tail() -> None:
+  """An output axis of symbolic size takes vector lanes (the heuristic's one vector), run as (n // w) * w elements in whole
+  vectors and n % w in a scalar tail (prepare.peel), for every n: none, fewer than a vector, exactly some, a vector and
+  a few. Each element is the reference's, and nothing past n is written (the buffers' rest keeps its sentinel)."""
+  n = UOp.variable("n", 0, 100)
+  ast = kernels.elementwise(lambda a, b: a * 3.0 + b, dtypes.float32, ((n,), dtypes.float32), ((n,), dtypes.float32), name="axpy_sym")
+  prog = load(ast)
+  assert any(o.startswith("UPCAST(axis=0") for o in prog.spec.applied_opts), prog.spec.applied_opts
+  for size in (0, 1, 7, 8, 15, 16, 17, 33, 100):
+    bs = bufs(size)
+    bs[0][:] = -7.0
+    prog(ptrs(bs), [size])
+    ref = want(ast, bs, size)
+    assert bs[0][:size].tobytes() == ref[:size].tobytes(), size
+    assert (bs[0][size:] == -7.0).all(), size
+
+
+def test_a_sum_along_a_symbolic_axis_of_lanes() -> None:
+  """Scores against a transposed K over a symbolic count of keys, out[j] = sum_d q[d] kT[d, j]: the lanes on j (the sum's
+  own order per lane, so the reference's bits), whole vectors then a tail, for counts around the vector width."""
+  from kiln.ir.ops import AxisType, Ops
+  n = UOp.variable("n", 0, 100)
+  f32 = dtypes.float32
+  o, q, kt = UOp.define_global(0, f32.ptr(100)), UOp.define_global(1, f32.ptr(16)), UOp.define_global(2, f32.ptr(1600))
+  j, d = UOp.range(n, 0), UOp.range(16, 1, AxisType.REDUCE)
+  ast = UOp.sink(o.index(j).store((q.index(d).load() * kt.index(d * n + j).load()).reduce(Ops.ADD, d)), name="scores_sym")
+  prog = load(ast)
+  assert any(o.startswith("UPCAST(axis=0") for o in prog.spec.applied_opts), prog.spec.applied_opts
+  rng = np.random.default_rng(1)
+  for size in (0, 3, 16, 19, 100):
+    bs = [np.full(100, -7.0, np.float32), rng.standard_normal(16).astype(np.float32), rng.standard_normal(1600).astype(np.float32)]
+    prog(ptrs(bs), [size])
+    ref = reference.run(ast, *bs, var_vals={"n": size})[0]
+    assert bs[0][:size].tobytes() == ref[:size].tobytes() and (bs[0][size:] == -7.0).all(), size

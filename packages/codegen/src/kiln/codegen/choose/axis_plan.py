@@ -45,8 +45,10 @@ def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   size = axis_size(p.rng)
   red = p.rng.arg[1] is AxisType.REDUCE
   if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
-  # a vectorised reduce axis the width does not divide finishes with a scalar tail loop (reduce_lowering)
-  if size is None or (size % o.amount and not (o.op is OptOps.UPCAST and red)):
+  # a vectorised reduce axis the width does not divide finishes with a scalar tail loop (reduce_lowering); a symbolic output
+  # axis is split by prepare.peel into whole vectors, a range whose size the amount divides for every value, and a tail
+  divides = _divides(o.amount, p.rng.src[0]) and not red if size is None else size % o.amount == 0 or (o.op is OptOps.UPCAST and red)
+  if not divides:
     raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
   if o.op is OptOps.UPCAST:
     if vec_taken and not red:
@@ -54,6 +56,12 @@ def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
     if t.vector_bytes == 0: raise CodegenError(f"{o}: {t.device} takes no UPCAST (no explicit vectors)")
   p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
   p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount, p.rng.dtype)
+
+
+def _divides(amount: int, size: UOp) -> bool:
+  """Whether amount divides a symbolic size for every value of its variables (a whole number of units: (n // w) * w)."""
+  rest = simplify(size % amount)
+  return rest.op is Ops.CONST and rest.arg == 0
 
 
 def _thread(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:

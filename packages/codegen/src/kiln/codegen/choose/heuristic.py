@@ -103,7 +103,11 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   if row is not None: opts.append(row)
   elif inner is not None and affine_coeff(idx, inner) == 1:
     lane_axis = inner if mm or (other := _read_along(reduces, out_axes, inner, lanes)) is None else other
-    if (w := _out_width(axis_size(lane_axis), lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
+    # a symbolic axis takes one vector of lanes: prepare.peel runs whole vectors, then a scalar tail, each store copied for
+    # it; a REDUCE that does not vary along the axis (a softmax's max and sum under its outputs) would be lowered twice
+    size = axis_size(lane_axis)
+    sym = lanes if all(lane_axis in free_ranges(red) for red in reduces) else 1
+    if (w := sym if size is None else _out_width(size, lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
       opts.append(Opt(OptOps.UPCAST, lane_axis.arg[0], w))
       vec_axis = lane_axis
   if vec_axis is not None and mm:
@@ -146,6 +150,9 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     # chunks, not threads: the split is the same for any thread count, so the partials fold to the same bits
     if size is not None and size >= target.min_work_per_thread * 2 and size // w >= 2:
       opts.append(Opt(OptOps.THREAD, r.arg[0], chunk_count(size, size // w, target.vector_bytes, target.cores)))
+  if vec_axis is not None and axis_size(vec_axis) is None:  # only one axis gets a tail (prepare.peel): others' splits divide
+    sizes = {r.arg[0]: axis_size(r) for r in out_axes}
+    opts = [o for o in opts if not (o.op in (OptOps.UPCAST, OptOps.UNROLL) and (n := sizes.get(o.axis)) is not None and n % o.amount)]
   # threads: split the outermost output axis into chunks the threads claim when the whole kernel is big enough
   # (an axis unrolled whole to fold its selects has one unit: the next one is split)
   if threaded := [a for a in out_axes if all(o.axis != a.arg[0] for o in selects)]:

@@ -8,6 +8,7 @@ from kiln.codegen.choose.base import Opt, OptOps, axis_size
 from kiln.codegen.lowering.expand import simp
 from kiln.ir.analysis import free_ranges, free_ranges_of, identity, reads_stored
 from kiln.ir.dtype import PtrDType, dtypes
+from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
@@ -52,7 +53,8 @@ def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
 
 
 def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
-  """CPU: output axes whose UPCAST (vector lanes) or UNROLL (register-tile rows) does not divide them. When the kernel reads
+  """CPU: output axes whose UPCAST (vector lanes) or UNROLL (register-tile rows) does not divide them, and an UPCAST output
+  axis of symbolic size (split into whole vectors and a scalar tail, as below, for every size). When the kernel reads
   none of the buffers it stores, each such axis becomes whole tiles, the last one shifted back to overlap the one before it.
   Otherwise the first is split into a main range the amount divides and a scalar tail range (a new axis), each store copied
   for the tail. Returns the new kernel and how many stores are main."""
@@ -60,9 +62,21 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
   split = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.axis in ranges
            and ranges[o.axis] not in reduced and (n := axis_size(ranges[o.axis])) is not None and n > o.amount and n % o.amount]
-  if not split: return None
+  symbolic = [(ranges[o.axis], o.amount) for o in opts if o.op is OptOps.UPCAST and o.amount > 1 and o.axis in ranges
+              and ranges[o.axis] not in reduced and axis_size(ranges[o.axis]) is None]
+  if symbolic and split: raise CodegenError(f"UPCAST on symbolic axis {symbolic[0][0].arg[0]} beside a split that does not divide its axis: "
+                                            "one axis gets a tail")
+  if not split and not symbolic: return None
   stores = [s for s in ast.src if s.op is Ops.STORE]
   others = [s for s in ast.src if s.op is not Ops.STORE]
+  if symbolic:  # whole vectors over (n // w) * w elements, then a scalar tail of n % w (n may be under w: no whole vector)
+    r, w = symbolic[0]
+    end = r.src[0]
+    main = UOp.range(end // w * w, r.arg[0], r.arg[1], r.dtype)
+    tail = UOp.range(end % w, max(ranges) + 1, r.arg[1], r.dtype)
+    mains = [substitute(s, {r: main}) for s in stores]
+    tails = [substitute(s, {r: tail + end // w * w}) for s in stores if r in free_ranges(s)]
+    return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)
   if not reads_stored(ast):
     # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
     # recomputes, bit for bit the same, a few elements the tile before it stored (1000x1000 matmul: 230 -> 300 GFLOP/s
