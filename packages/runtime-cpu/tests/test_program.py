@@ -288,3 +288,49 @@ def test_a_sum_along_a_symbolic_axis_of_lanes() -> None:
     prog(ptrs(bs), [size])
     ref = reference.run(ast, *bs, var_vals={"n": size})[0]
     assert bs[0][:size].tobytes() == ref[:size].tobytes() and (bs[0][size:] == -7.0).all(), size
+
+
+@pytest.mark.parametrize("cols", [20, None])
+def test_a_tail_computes_again_a_sum_that_does_not_vary_along_its_axis(cols: int | None) -> None:
+  """o[i, j] -= max_k x[i, k] with 16 lanes on j: 20 columns in place (the kernel reads what it stores, so the last vector
+  cannot overlap the one before: whole vectors, then a scalar tail) or a symbolic count. The tail's loop nest is its
+  own, so it computes the row max again rather than read the main nest's accumulator (LLVM refused the kernel: two
+  definitions of it)."""
+  from kiln.ir.ops import AxisType, Ops
+  n = UOp.variable("n", 0, 40) if cols is None else cols
+  f32 = dtypes.float32
+  o, x = UOp.define_global(0, f32.ptr(160)), UOp.define_global(1, f32.ptr(160))
+  i, j, k = UOp.range(4, 0), UOp.range(n, 1), UOp.range(n, 2, AxisType.REDUCE)
+  mx = x.index(i * n + k).load().reduce(Ops.MAX, k)
+  ast = UOp.sink(o.index(i * n + j).store(o.index(i * n + j).load() - mx), name="sub_row_max")
+  prog = load(ast, [Opt(OptOps.UPCAST, 1, 16)])
+  rng = np.random.default_rng(2)
+  for size in ((cols,) if cols else (0, 5, 16, 21, 40)):
+    bs = [rng.standard_normal(160).astype(np.float32), rng.standard_normal(160).astype(np.float32)]
+    ref = reference.run(ast, *[b.copy() for b in bs], var_vals={} if cols else {"n": size})[0]
+    prog(ptrs(bs), [] if cols else [size])
+    assert bs[0].tobytes() == ref.tobytes(), size
+
+
+def test_a_softmax_over_a_symbolic_count_sums_in_vectors() -> None:
+  """A row softmax over a symbolic count of keys, exp(x - max) / sum: no lanes on the outputs (the row's max and sum do
+  not vary along them), so the max and the sum take lanes of their own, whole vectors then a scalar tail
+  (reduce_lowering), for counts around the width; the sum in another order than the reference's, so to float32 rounding."""
+  from kiln.ir.ops import AxisType, Ops
+  n = UOp.variable("n", 1, 100)
+  f32 = dtypes.float32
+  o, x = UOp.define_global(0, f32.ptr(400)), UOp.define_global(1, f32.ptr(400))
+  i, j, k, k2 = UOp.range(4, 0), UOp.range(n, 1), UOp.range(n, 2, AxisType.REDUCE), UOp.range(n, 3, AxisType.REDUCE)
+  mx = x.index(i * n + k).load().reduce(Ops.MAX, k)
+  total = (x.index(i * n + k2).load() - mx).exp2().reduce(Ops.ADD, k2)
+  ast = UOp.sink(o.index(i * n + j).store((x.index(i * n + j).load() - mx).exp2() / total), name="softmax_sym")
+  prog = load(ast)
+  ups = [o for o in prog.spec.applied_opts if o.startswith("UPCAST")]
+  assert ups == ["UPCAST(axis=2, 16)", "UPCAST(axis=3, 16)"], prog.spec.applied_opts
+  rng = np.random.default_rng(3)
+  for size in (1, 15, 16, 17, 40, 100):
+    bs = [np.full(400, -7.0, np.float32), rng.standard_normal(400).astype(np.float32)]
+    prog(ptrs(bs), [size])
+    ref = reference.run(ast, *bs, var_vals={"n": size})[0]
+    np.testing.assert_allclose(bs[0][:4 * size], ref[:4 * size], rtol=2e-6, err_msg=str(size))
+    assert (bs[0][4 * size:] == -7.0).all(), size

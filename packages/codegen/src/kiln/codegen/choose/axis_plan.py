@@ -45,9 +45,11 @@ def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
   size = axis_size(p.rng)
   red = p.rng.arg[1] is AxisType.REDUCE
   if p.factor != 1: raise CodegenError(f"{o}: axis {o.axis} is already split by {p.factor}")
-  # a vectorised reduce axis the width does not divide finishes with a scalar tail loop (reduce_lowering); a symbolic output
-  # axis is split by prepare.peel into whole vectors, a range whose size the amount divides for every value, and a tail
-  divides = _divides(o.amount, p.rng.src[0]) and not red if size is None else size % o.amount == 0 or (o.op is OptOps.UPCAST and red)
+  # a vectorised reduce axis the width does not divide (or may not: a symbolic one) finishes with a scalar tail loop
+  # (reduce_lowering); a symbolic output axis is split by prepare.peel into whole units, a range whose size the amount
+  # divides for every value, and a tail
+  divides = size % o.amount == 0 if size is not None else _divides(o.amount, p.rng.src[0])
+  divides = divides or (o.op is OptOps.UPCAST and red)
   if not divides:
     raise CodegenError(f"{o}: the amount must divide the axis size ({size if size is not None else 'symbolic'})")
   if o.op is OptOps.UPCAST:
@@ -56,6 +58,13 @@ def _split(o: Opt, p: AxisPlan, t: Target, vec_taken: bool) -> None:
     if t.vector_bytes == 0: raise CodegenError(f"{o}: {t.device} takes no UPCAST (no explicit vectors)")
   p.factor, p.kind = o.amount, ("vec" if o.op is OptOps.UPCAST else "unroll")
   p.ev = expand_var(o.axis, "lane" if p.kind == "vec" else "unroll", o.amount, p.rng.dtype)
+
+
+def _tailed(p: AxisPlan) -> bool:
+  """Whether the axis's split leaves a tail in its own loop: a static size the factor does not divide, or a symbolic reduce
+  axis (a symbolic output axis is split by prepare.peel, its tail a range of its own)."""
+  n = axis_size(p.rng)
+  return bool(n % p.factor) if n is not None else p.rng.arg[1] is AxisType.REDUCE
 
 
 def _divides(amount: int, size: UOp) -> bool:
@@ -184,7 +193,8 @@ def plan_axes(ranges: list[UOp], opts: list[Opt], target: Target) -> tuple[dict[
   # rules across axes
   if sum(p.threads > 1 for p in plans.values()) > 1: raise CodegenError("only one axis can be split into chunks for threads (THREAD)")
   # a tail would have to follow the fold of the threads' partials
-  if any(p.threads > 1 and p.factor > 1 and (axis_size(p.rng) or 0) % p.factor for p in plans.values()):
+  # (a symbolic reduce axis may have one; a symbolic output axis is split by prepare.peel, the tail a range of its own)
+  if any(p.threads > 1 and p.factor > 1 and _tailed(p) for p in plans.values()):
     raise CodegenError("THREAD on a reduce axis needs its UPCAST to divide the axis")
   if any(p.pack and p.kind == "vec" for p in plans.values()):  # a panel is k x lanes of an output axis
     raise CodegenError("PACK packs panels across the vectorised output axis; it cannot pack a reduce axis that is itself the UPCAST one")

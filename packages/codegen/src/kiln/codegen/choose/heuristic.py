@@ -115,7 +115,11 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     # strides), columns outermost so each thread packs its own panels, fused multiply-adds
     outer, k = matmul_rows(st), red_axes[0]
     assert outer is not None
-    u = _tile_rows(target.vector_registers, w // lanes, axis_size(outer), overlap)
+    rows = axis_size(outer)
+    # symbolic rows (a dynamic export's batch x sequence) take whole tiles and a tail of rows (prepare.peel), where the
+    # columns need no tail of their own (only one axis gets one)
+    u = _tile_rows(target.vector_registers, w // lanes, rows, overlap) if rows is not None else \
+      _tile_rows(target.vector_registers, w // lanes, 1 << 20, False) if (axis_size(vec_axis) or 1) % w == 0 else 1
     if u > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
     if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
@@ -133,6 +137,10 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if batch is not None and (axis_size(batch) or 0) > (axis_size(vec_axis) or 0) // w:
       out_axes = [batch] + [a for a in out_axes if a is not batch]
   if vec_axis is not None and not mm: opts += _nested_upcasts(reduces, vec_axis, target)
+  # no lanes on a symbolic inner axis whose rows' reductions do not vary along it (a softmax over a dynamic export's
+  # keys): those reductions still take lanes of their own
+  elif row is None and vec_axis is None and not mm and inner is not None and axis_size(inner) is None:
+    opts += _nested_upcasts(reduces, None, target)
   if not mm:
     keeps = _keeps(st, reduces, vec_axis)
     opts += keeps + _interleaved_rows(reduces, keeps, out_axes, vec_axis, lanes)
@@ -232,16 +240,16 @@ def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
   return size(out_axes) + sum(size(free_ranges(red) | set(red.src[1:])) for red in reduces)
 
 
-def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[Opt]:
+def _nested_upcasts(reduces: list[UOp], vec_axis: UOp | None, target: Target) -> list[Opt]:
   """A row reduce under the vectorised output axis (softmax's max and sum, a layernorm's mean and variance) runs once per
   row, not per lane: without its own UPCAST it is a scalar loop. Vectorise its axis when it reads its row contiguously:
   up to four vectors of accumulators (independent adds keep the loads streaming), folded in a fixed order. A REDUCE that
   varies along the output's lanes (its accumulator is a vector of those already), or holds a REDUCE over its own axis,
   keeps its loop."""
-  lane_dep = {r for red in reduces if vec_axis in free_ranges(red) for r in red.src[1:]}
+  lane_dep = {r for red in reduces if vec_axis is not None and vec_axis in free_ranges(red) for r in red.src[1:]}
   out: list[Opt] = []
   for red in reduces:
-    if len(red.src) != 2 or (r := red.src[1]) in lane_dep or (size := axis_size(r)) is None or any(o.axis == r.arg[0] for o in out): continue
+    if len(red.src) != 2 or (r := red.src[1]) in lane_dep or any(o.axis == r.arg[0] for o in out): continue
     body = red.src[0]
     if any(n.op is Ops.REDUCE and r in free_ranges(n) for n in body.toposort()): continue
     uses = [ld for ld in _loads(body) if r in ld.src[0].toposort()]
@@ -250,7 +258,9 @@ def _nested_upcasts(reduces: list[UOp], vec_axis: UOp, target: Target) -> list[O
     # the widest that leaves a scalar tail under one vector (a row of 127 floats: 15 vectors and 7 scalars, not 3 and 31)
     # (two vectors at most for a body with an inline polynomial: four chains of exp spill AVX2's 16 registers)
     most = (2, 1) if any(u.op in _POLY_OPS for u in body.toposort()) else (4, 2, 1)
-    w = next((m * lanes for m in most if size >= m * lanes and size % (m * lanes) < lanes), 1)
+    # a symbolic axis: one vector, then the scalar tail (reduce_lowering), so a short row is mostly whole vectors
+    size = axis_size(r)
+    w = lanes if size is None else next((m * lanes for m in most if size >= m * lanes and size % (m * lanes) < lanes), 1)
     if w > 1: out.append(Opt(OptOps.UPCAST, r.arg[0], min(w, 64)))
   return out
 

@@ -2,6 +2,7 @@
 peeled (CPU), and the kernel's figures (elements each buffer may touch, a flop and byte estimate)."""
 from __future__ import annotations
 
+import itertools
 import math
 
 from kiln.codegen.choose.base import Opt, OptOps, axis_size
@@ -9,7 +10,7 @@ from kiln.codegen.lowering.expand import simp
 from kiln.ir.analysis import free_ranges, free_ranges_of, identity, reads_stored
 from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.errors import CodegenError
-from kiln.ir.ops import GroupOp, Ops
+from kiln.ir.ops import AxisType, GroupOp, Ops
 from kiln.ir.rewrite import substitute
 from kiln.ir.uop import UOp
 
@@ -53,8 +54,8 @@ def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
 
 
 def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
-  """CPU: output axes whose UPCAST (vector lanes) or UNROLL (register-tile rows) does not divide them, and an UPCAST output
-  axis of symbolic size (split into whole vectors and a scalar tail, as below, for every size). When the kernel reads
+  """CPU: output axes whose UPCAST (vector lanes) or UNROLL (register-tile rows) does not divide them, and an output axis of
+  symbolic size split either way (into whole units and a tail, as below, for every size). When the kernel reads
   none of the buffers it stores, each such axis becomes whole tiles, the last one shifted back to overlap the one before it.
   Otherwise the first is split into a main range the amount divides and a scalar tail range (a new axis), each store copied
   for the tail. Returns the new kernel and how many stores are main."""
@@ -62,20 +63,20 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
   split = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.axis in ranges
            and ranges[o.axis] not in reduced and (n := axis_size(ranges[o.axis])) is not None and n > o.amount and n % o.amount]
-  symbolic = [(ranges[o.axis], o.amount) for o in opts if o.op is OptOps.UPCAST and o.amount > 1 and o.axis in ranges
+  symbolic = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.amount > 1 and o.axis in ranges
               and ranges[o.axis] not in reduced and axis_size(ranges[o.axis]) is None]
-  if symbolic and split: raise CodegenError(f"UPCAST on symbolic axis {symbolic[0][0].arg[0]} beside a split that does not divide its axis: "
-                                            "one axis gets a tail")
+  if len(symbolic) + len(split) > 1 and symbolic:
+    raise CodegenError(f"a split of symbolic axis {symbolic[0][0].arg[0]} beside another split that needs a tail: one axis gets a tail")
   if not split and not symbolic: return None
   stores = [s for s in ast.src if s.op is Ops.STORE]
   others = [s for s in ast.src if s.op is not Ops.STORE]
-  if symbolic:  # whole vectors over (n // w) * w elements, then a scalar tail of n % w (n may be under w: no whole vector)
+  if symbolic:  # whole units over (n // w) * w elements, then a tail of n % w (n may be under w: no whole unit)
     r, w = symbolic[0]
     end = r.src[0]
     main = UOp.range(end // w * w, r.arg[0], r.arg[1], r.dtype)
     tail = UOp.range(end % w, max(ranges) + 1, r.arg[1], r.dtype)
     mains = [substitute(s, {r: main}) for s in stores]
-    tails = [substitute(s, {r: tail + end // w * w}) for s in stores if r in free_ranges(s)]
+    tails = _own_reduces([substitute(s, {r: tail + end // w * w}) for s in stores if r in free_ranges(s)], tail, max(ranges) + 2)
     return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)
   if not reads_stored(ast):
     # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
@@ -97,8 +98,24 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   main = UOp.range(main_n, r.arg[0], r.arg[1], r.dtype)  # of r's dtype: they stand in for r in its index arithmetic
   tail = UOp.range(size - main_n, max(ranges) + 1, r.arg[1], r.dtype)
   mains = [substitute(s, {r: main}) for s in stores]
-  tails = [substitute(s, {r: tail + main_n}) for s in stores if r in free_ranges(s)]
+  tails = _own_reduces([substitute(s, {r: tail + main_n}) for s in stores if r in free_ranges(s)], tail, max(ranges) + 2)
   return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)
+
+
+def _own_reduces(tails: list[UOp], tail: UOp, first_id: int) -> list[UOp]:
+  """The tail's stores with each REDUCE that does not vary along the tail's range given reduce ranges of its own (new axis
+  ids from first_id). The tail runs in a loop nest of its own, and such a REDUCE would otherwise be the main stores' very
+  node, lowered in their nest and only read (not computed) in the tail's: two definitions of its accumulator (LLVM
+  refused the kernel). The tail computes it again, its axes taking no option; a REDUCE that varies along the range is
+  the tail's own already and keeps its axes' options (a register tile's multiply-adds)."""
+  ids = itertools.count(first_id)
+  swap: dict[UOp, UOp] = {}
+  for t in tails:
+    for red in t.toposort():
+      if red.op is Ops.REDUCE and red not in swap and tail not in free_ranges(red) and not any(red in x.toposort() for x in swap):
+        inner = {r for n in red.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
+        swap[red] = substitute(red, {r: UOp.range(r.src[0], next(ids), AxisType.REDUCE, r.dtype) for r in sorted(inner, key=lambda r: r.arg[0])})
+  return [substitute(t, swap) for t in tails] if swap else tails
 
 
 def min_elements(ast: UOp) -> dict[int, int]:

@@ -96,9 +96,11 @@ class Reductions:
     lane_dep = outer is not None and not red_vec and outer[0] in whole.toposort()
     vec = rvec if red_vec else outer  # the lanes this REDUCE's body varies along
     acc_dt = dt.vec(vec[1]) if vec is not None and (lane_dep or red_vec) else dt
+    # a width that does not divide the axis, or may not (a symbolic one), finishes with a scalar tail over what is left
     size = axis_size(vr[0]) if vr else None
-    tail = size % plans[vr[0]].factor if size is not None else 0
-    if tail and any(n.op is Ops.REDUCE and free_ranges(n) & set(ranges) for n in red.src[0].toposort()):
+    tail: int | UOp = 0 if not vr else size % plans[vr[0]].factor if size is not None else \
+      simp(substitute(vr[0].src[0], subst) % plans[vr[0]].factor)
+    if (isinstance(tail, UOp) or tail) and any(n.op is Ops.REDUCE and free_ranges(n) & set(ranges) for n in red.src[0].toposort()):
       raise CodegenError(f"UPCAST on reduce axis {vr[0].arg[0]} does not divide its size ({size}), and its REDUCE holds a REDUCE over its axes: "
                          "the scalar tail cannot repeat that one; pick a width that divides")
     group = next((plans[r].group for r in ranges if plans[r].group), 0)
@@ -163,15 +165,14 @@ class Reductions:
         if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
           raise CodegenError("BLOCKS cuts one reduction per kernel, outside any other (no unrolled copies)")
         res[c], self.last_block = self.grid_combine(res[c], op, dt, nb)
-    if tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
-      assert size is not None
+    if isinstance(tail, UOp) or tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
       taccs = {c: UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id()) for c in copies}
       for c in copies: lin.emit(scope, taccs[c]); lin.emit(scope, UOp(Ops.ACC_STORE, dtypes.void, (taccs[c], res[c])))
       inner, tsubst, tscopes = scope, dict(subst), {}
       for r in ranges:
         if r is vr[0]:
           inner = lin.open(inner, lv := ctx.count_loop(tail))
-          tsubst[r] = lv + (size - tail)
+          tsubst[r] = lv + (size - tail if isinstance(tail, int) and size is not None else simp(substitute(r.src[0], subst) - tail))
         else: inner, tsubst[r] = ctx.open_axis(inner, r, tsubst)
         tscopes[r] = inner
       tbody = simp(self.pack.unpack(substitute(self.hide(red.src[0]), tsubst), tsubst))
