@@ -31,6 +31,7 @@ from kiln.ir.errors import (
   SerializeError,
   VariableBoundsError,
 )
+from kiln.ir.ops import AxisType
 from kiln.ir.reference import evaluate
 from kiln.ir.serialize import from_json, to_json
 from kiln.ir.verify import verify
@@ -56,6 +57,11 @@ def sym_kernel() -> UOp:
   n = UOp.variable("n", 1, 8)
   i = UOp.range(n, 0)
   return UOp.sink(g(0).index(i).store(g(1).index(i).load() + 1.0), name="sym")
+
+
+def sym_sum() -> UOp:
+  r = UOp.range(UOp.variable("n", 1, 8), 0, AxisType.REDUCE)
+  return UOp.sink(g(0).index(UOp.const(dtypes.int32, 0)).store(g(1).index(r).load().reduce(Ops.ADD, r)), name="sym_sum")
 
 
 def raw(op: Ops, dt, *src: UOp, arg=None) -> UOp: return UOp(op, dt, tuple(src), arg)
@@ -152,7 +158,9 @@ CASES = [
    lambda: RT.renderer.render(kernels.matmul(4, 4, 8), [Opt(OptOps.UNROLL, 2, 3)])),
   ("opt-unknown-axis", CodegenError, r"names axis 5, but the kernel's axes are \[0\]",
    lambda: RT.renderer.render(scale(), [Opt(OptOps.UNROLL, 5, 2)])),
-  ("opt-symbolic-axis", CodegenError, r"symbolic", lambda: RT.renderer.render(sym_kernel(), [Opt(OptOps.UPCAST, 0, 2)])),
+  # an output axis of symbolic size is split into whole units and a tail; a symbolic reduce axis only by an UPCAST
+  ("opt-symbolic-reduce-unroll", CodegenError, r"must divide the axis size \(symbolic\)",
+   lambda: RT.renderer.render(sym_sum(), [Opt(OptOps.UNROLL, 0, 2)])),
   ("opt-gpu-on-cpu", CodegenError, r"LOCAL is a GPU option", lambda: RT.renderer.render(scale(), [Opt(OptOps.LOCAL, 0, 4)])),
   ("opt-pack-the-upcast-reduce", CodegenError, r"PACK packs panels across the vectorised output axis",  # was a "linearizer bug"
    lambda: RT.renderer.render(kernels.matmul(8, 8, 32), [Opt(OptOps.UPCAST, 2, 16), Opt(OptOps.PACK, 2, 1)])),
