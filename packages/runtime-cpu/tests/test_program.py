@@ -334,3 +334,23 @@ def test_a_softmax_over_a_symbolic_count_sums_in_vectors() -> None:
     ref = reference.run(ast, *bs, var_vals={"n": size})[0]
     np.testing.assert_allclose(bs[0][:4 * size], ref[:4 * size], rtol=2e-6, err_msg=str(size))
     assert (bs[0][4 * size:] == -7.0).all(), size
+
+
+@pytest.mark.parametrize("bound", [512, 8])
+def test_a_product_over_symbolic_rows_takes_register_tiles_where_they_fit(bound: int) -> None:
+  """C = A @ B over a symbolic count of rows: where the rows' bound holds several register tiles (a dynamic export's
+  sequence) the heuristic tiles them, whole tiles then a tail of rows (prepare.peel); a bound of a few rows (a dynamic
+  batch of images, which ran all in the tail) keeps one row at a time. Either way each row is the product, for counts
+  around the tile, and nothing past the last row is written."""
+  m = UOp.variable("m", 0, bound)
+  ast = kernels.matmul(m, 64, 48)
+  prog = load(ast)
+  tiled = any(o.startswith("UNROLL(axis=0") for o in prog.spec.applied_opts)
+  assert tiled == (bound == 512), prog.spec.applied_opts
+  rng = np.random.default_rng(5)
+  for rows in sorted({0, 1, 5, 8, 13, 70} & set(range(bound + 1))):
+    a, b = rng.standard_normal((bound, 48), dtype=np.float32), rng.standard_normal((48, 64), dtype=np.float32)
+    c = np.full(bound * 64, -3.0, np.float32)
+    prog([c.ctypes.data, a.ctypes.data, b.ctypes.data], [rows])
+    np.testing.assert_allclose(c[:rows * 64].reshape(rows, 64), a[:rows].astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+    assert (c[rows * 64:] == -3.0).all(), rows
