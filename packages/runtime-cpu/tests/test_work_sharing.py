@@ -52,6 +52,10 @@ def test_the_chunk_count_is_the_kernels_not_the_thread_counts() -> None:
   assert split.chunk_count(1 << 40, None, 32, 1) == split.MIN_CHUNK_CAP
   assert split.chunk_count(10 * split.min_chunk_work(32, False), None, 32, 8) == 10
   assert split.chunk_count(1 << 40, 5, 32, 8) == 5  # one chunk a unit at most
+  # a few more units than the cap: one a chunk (18 units in 16 chunks were 9 of 2, shared 5:4 by two cores), unless a
+  # unit is not worth a claim or there are more than twice the cap
+  assert split.chunk_count(1 << 40, 18, 64, 2) == 18 and split.chunk_count(1 << 40, 40, 64, 2) == split.MIN_CHUNK_CAP
+  assert split.chunk_count(16 * split.min_chunk_work(64, False), 18, 64, 2) == 16
   assert split.chunk_count(1, None, 32, 8) == 2  # a kernel worth splitting at all gets two
 
 

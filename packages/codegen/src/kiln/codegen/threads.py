@@ -39,8 +39,12 @@ def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fus
   as the claim cost allows, at most CHUNKS_PER_CORE per core (at least MIN_CHUNK_CAP, at most MAX_CHUNKS) and one per
   unit, but two at least (a kernel worth splitting at all is worth two threads)."""
   cap = min(max(MIN_CHUNK_CAP, CHUNKS_PER_CORE * max(cores, 1)), MAX_CHUNKS)
-  n = max(min(work // min_chunk_work(vector_bytes, fused), cap), 2)
-  return min(n, units) if units is not None else n
+  least = min_chunk_work(vector_bytes, fused)
+  n = max(min(work // least, cap), 2)
+  if units is None: return n
+  # a few more units than chunks: one a chunk where each is still worth its claim, since n chunks of ceil(units / n)
+  # leave fewer, uneven ones (18 units in 16 chunks were 9 chunks of 2: one core of two took 5 of them)
+  return units if n < units <= 2 * n and work // units >= least else min(n, units)
 
 
 def thread_count() -> int:
