@@ -105,9 +105,9 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     lane_axis = inner if mm or (other := _read_along(reduces, out_axes, inner, lanes)) is None else other
     # a symbolic axis takes one vector of lanes: prepare.peel runs whole vectors, then a scalar tail, each store copied for
     # it; a REDUCE that does not vary along the axis (a softmax's max and sum under its outputs) would be lowered twice
-    size = axis_size(lane_axis)
-    sym = lanes if all(lane_axis in free_ranges(red) for red in reduces) else 1
-    if (w := sym if size is None else _out_width(size, lanes * vecs, lanes, dt.itemsize, overlap)) > 1:
+    if (size := axis_size(lane_axis)) is None: w = lanes if all(lane_axis in free_ranges(red) for red in reduces) else 1
+    else: w = _out_width(size, lanes * vecs, lanes, dt.itemsize, overlap)
+    if w > 1:
       opts.append(Opt(OptOps.UPCAST, lane_axis.arg[0], w))
       vec_axis = lane_axis
   if vec_axis is not None and mm:

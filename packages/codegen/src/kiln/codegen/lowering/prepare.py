@@ -61,23 +61,15 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   for the tail. Returns the new kernel and how many stores are main."""
   ranges = {r.arg[0]: r for r in ast.toposort() if r.op is Ops.RANGE}
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
-  split = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.axis in ranges
-           and ranges[o.axis] not in reduced and (n := axis_size(ranges[o.axis])) is not None and n > o.amount and n % o.amount]
-  symbolic = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.amount > 1 and o.axis in ranges
-              and ranges[o.axis] not in reduced and axis_size(ranges[o.axis]) is None]
+  outs = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.axis in ranges and ranges[o.axis] not in reduced]
+  split = [(r, w) for r, w in outs if (n := axis_size(r)) is not None and n > w and n % w]
+  symbolic = [(r, w) for r, w in outs if w > 1 and axis_size(r) is None]
   if len(symbolic) + len(split) > 1 and symbolic:
     raise CodegenError(f"a split of symbolic axis {symbolic[0][0].arg[0]} beside another split that needs a tail: one axis gets a tail")
   if not split and not symbolic: return None
-  stores = [s for s in ast.src if s.op is Ops.STORE]
-  others = [s for s in ast.src if s.op is not Ops.STORE]
   if symbolic:  # whole units over (n // w) * w elements, then a tail of n % w (n may be under w: no whole unit)
     r, w = symbolic[0]
-    end = r.src[0]
-    main = UOp.range(end // w * w, r.arg[0], r.arg[1], r.dtype)
-    tail = UOp.range(end % w, max(ranges) + 1, r.arg[1], r.dtype)
-    mains = [substitute(s, {r: main}) for s in stores]
-    tails = _own_reduces([substitute(s, {r: tail + end // w * w}) for s in stores if r in free_ranges(s)], tail, max(ranges) + 2)
-    return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)
+    return _main_and_tail(ast, ranges, r, r.src[0] // w * w, r.src[0] % w)
   if not reads_stored(ast):
     # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
     # recomputes, bit for bit the same, a few elements the tile before it stored (1000x1000 matmul: 230 -> 300 GFLOP/s
@@ -90,13 +82,21 @@ def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
       n = -(-size // w) * w  # past int32 for an axis just under 2**31: that range is int64, its shifted index is r's dtype
       big = UOp.range(n, r.arg[0], r.arg[1], r.dtype if n <= r.dtype.max else dtypes.index64)
       shifted[r] = ((big - big % w).minimum(size - w) + big % w).cast(r.dtype)
-    return UOp.sink(*[substitute(s, shifted) for s in stores], *others, name=ast.arg), len(stores)
+    stores = [s for s in ast.src if s.op is Ops.STORE]
+    return UOp.sink(*[substitute(s, shifted) for s in stores], *[s for s in ast.src if s.op is not Ops.STORE], name=ast.arg), len(stores)
   r, w = split[0]
   size = axis_size(r)
   assert size is not None
-  main_n = size - size % w
+  return _main_and_tail(ast, ranges, r, size - size % w, size % w)
+
+
+def _main_and_tail(ast: UOp, ranges: dict[int, UOp], r: UOp, main_n: int | UOp, tail_n: int | UOp) -> tuple[UOp, int]:
+  """The kernel with range r cut into a main range of main_n elements (r's axis id, so its options apply) and a tail
+  range of tail_n after it (a new axis), each store that varies along r copied for the tail; and how many stores are main."""
+  stores = [s for s in ast.src if s.op is Ops.STORE]
+  others = [s for s in ast.src if s.op is not Ops.STORE]
   main = UOp.range(main_n, r.arg[0], r.arg[1], r.dtype)  # of r's dtype: they stand in for r in its index arithmetic
-  tail = UOp.range(size - main_n, max(ranges) + 1, r.arg[1], r.dtype)
+  tail = UOp.range(tail_n, max(ranges) + 1, r.arg[1], r.dtype)
   mains = [substitute(s, {r: main}) for s in stores]
   tails = _own_reduces([substitute(s, {r: tail + main_n}) for s in stores if r in free_ranges(s)], tail, max(ranges) + 2)
   return UOp.sink(*mains, *tails, *others, name=ast.arg), len(mains)

@@ -100,7 +100,8 @@ class Reductions:
     size = axis_size(vr[0]) if vr else None
     tail: int | UOp = 0 if not vr else size % plans[vr[0]].factor if size is not None else \
       simp(substitute(vr[0].src[0], subst) % plans[vr[0]].factor)
-    if (isinstance(tail, UOp) or tail) and any(n.op is Ops.REDUCE and free_ranges(n) & set(ranges) for n in red.src[0].toposort()):
+    tailed = isinstance(tail, UOp) or tail > 0
+    if tailed and any(n.op is Ops.REDUCE and free_ranges(n) & set(ranges) for n in red.src[0].toposort()):
       raise CodegenError(f"UPCAST on reduce axis {vr[0].arg[0]} does not divide its size ({size}), and its REDUCE holds a REDUCE over its axes: "
                          "the scalar tail cannot repeat that one; pick a width that divides")
     group = next((plans[r].group for r in ranges if plans[r].group), 0)
@@ -165,7 +166,7 @@ class Reductions:
         if len(copies) > 1 or self.last_block is not None or scope is not lin.root:
           raise CodegenError("BLOCKS cuts one reduction per kernel, outside any other (no unrolled copies)")
         res[c], self.last_block = self.grid_combine(res[c], op, dt, nb)
-    if isinstance(tail, UOp) or tail:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
+    if tailed:  # the elements past the last whole vector: a scalar loop continues from the folded lanes
       taccs = {c: UOp(Ops.DEFINE_ACC, dt, (UOp.const(dt, identity(op, dt)),), ctx.acc_id()) for c in copies}
       for c in copies: lin.emit(scope, taccs[c]); lin.emit(scope, UOp(Ops.ACC_STORE, dtypes.void, (taccs[c], res[c])))
       inner, tsubst, tscopes = scope, dict(subst), {}
