@@ -76,6 +76,7 @@ def emulating(drv: Any, monkeypatch: Any, nvcc: bool = False, run: bool = True) 
     meta = (spec.src, spec.name, spec.buf_count, len(spec.var_names))
     data = real_compile(self, spec).bytes if nvcc else _TOKEN + json.dumps(meta).encode()  # a token that says what it runs
     gpu.kernels[bytes(data)] = meta
+    if run: compile_emulator(spec.src, spec.name)  # built here, on the plan's compile threads, so the loads find it built
     return CompiledSpec.from_program(spec, src=spec.src, data=data, compiler=self.cache_key)
 
   def mem_alloc(size: int) -> Any:

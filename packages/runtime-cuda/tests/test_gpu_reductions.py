@@ -95,6 +95,16 @@ def test_short_rows_stack_in_a_block(rows, kind):
   else: assert np.allclose(got[0], want[0], rtol=1e-5, atol=1e-7) and not np.isnan(got[0]).any()
 
 
+@pytest.mark.parametrize("shape", [(100,), (1, 100)])
+def test_one_short_row_with_its_columns(shape):
+  """One row of a warp's length and its columns shared by the same threads (a decode step's softmax or norm): no row axis
+  to stack on a block (the heuristic indexed the grid's first row axis, which such a kernel has none of: IndexError)."""
+  x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+  spec, got, want = run(kernels.softmax(shape, dtypes.float32), [np.full(100, np.nan, np.float32), x])
+  assert spec.local_size == (32, 1, 1) and spec.global_size == (1, 1, 1)
+  assert np.allclose(got[0], want[0], rtol=1e-5, atol=1e-7) and not np.isnan(got[0]).any()
+
+
 def test_a_group_stacks_rows_only_as_one_warp_per_row():
   from kiln.ir.errors import CodegenError
   r = CUDARenderer()

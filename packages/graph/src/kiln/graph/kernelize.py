@@ -77,6 +77,12 @@ def _strides(shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
 def _is1(d: Dim) -> bool: return isinstance(d, int) and d == 1
 
 
+def _written_at(n: Node) -> UOp:
+  """Where a WRITE node's element 0 is in its target's buffer: row `at` of rows of the value's other dims."""
+  off = mul(n.arg, *n.shape[1:])
+  return off if isinstance(off, UOp) else UOp.const(dtypes.index, off)
+
+
 @dataclass(frozen=True)
 class _Split:
   """An index entry a reshape made by splitting lin: (lin // stride) % dim, where the % is left out on a group's first dim."""
@@ -205,15 +211,20 @@ class Kernelizer:
   def _global(self, n: Node) -> UOp:
     if (g := self.globals.get(n)) is None:
       if n is not self.node: self.slots.append(n)
-      g = self.globals[n] = UOp.define_global(self.slots.index(n), self.stored(n).ptr(n.max_numel))
+      size = n.src[0].max_numel if n.op == "WRITE" else n.max_numel  # a write stores into its target's buffer
+      g = self.globals[n] = UOp.define_global(self.slots.index(n), self.stored(n).ptr(size))
     return g
 
   def kernel(self) -> Kernel:
     n = self.node
     idx = tuple(ZERO if d == 1 else self._range(d, AxisType.LOOP) for d in n.shape)
     out = self._global(n)
-    val = _narrow(self.render(n, idx, top=True), self.stored(n))
-    ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
+    if n.op == "WRITE":  # value's rows at row `at` of the target (Tensor.write_rows)
+      val = _narrow(self.render(n.src[1], idx), self.stored(n))
+      ast = UOp.sink(out.index(flat_index(idx, n.shape) + _written_at(n)).store(val), name=self._name())
+    else:
+      val = _narrow(self.render(n, idx, top=True), self.stored(n))
+      ast = UOp.sink(out.index(flat_index(idx, n.shape)).store(val), name=self._name())
     ast, slots = self._drop_unread(ast)
     if neg := {d for m in (n, *self.rendered, *slots) for d in negative(m.shape)}:  # run() has checked them >= 0: say so to the verifier
       ast = substitute(ast, {d: d.maximum(0) for d in neg})
@@ -223,7 +234,7 @@ class Kernelizer:
     """What the kernel does and over what shape, not where it sits in the plan: the name is part of the AST the kernel
     cache keys on, so the same kernel twice (a transformer's layers, an RNN's steps) is compiled once."""
     kinds = {m.op for m in self.rendered} | {self.node.op}
-    tag = "reduce" if "REDUCE" in kinds else "gather" if "GATHER" in kinds else "elementwise"
+    tag = "reduce" if "REDUCE" in kinds else "gather" if "GATHER" in kinds else "write" if "WRITE" in kinds else "elementwise"
     return f"{tag}_{'x'.join(str(d) if isinstance(d, int) else 'n' for d in self.node.shape) or '1'}"  # n: a symbolic dim
 
   def _drop_unread(self, ast: UOp) -> tuple[UOp, list[Node]]:
@@ -269,6 +280,7 @@ class Kernelizer:
 
   def _load_flat(self, n: Node, at: UOp, valid: UOp | None = None) -> UOp:
     """n's element at the flat index `at` of its buffer (gated by valid), in n's compute dtype."""
+    if n.op == "WRITE": at = at + _written_at(n)  # a written value is read back from where it was written
     ix = self._global(n).index(at) if valid is None else self._global(n).index(at, valid)
     return ix.load().cast(compute_dtype(n.dtype))
 

@@ -14,6 +14,7 @@ A node is one of a few kinds (the scheduler renders each as UOps, see kernelize.
 | VIEW    | 1                 | (kind, params)                         | movement as index arithmetic: reshape, permute, expand, shrink, pad |
 | GATHER  | table, indices    | (axis, label)                          | table[..., indices, ...]: data-dependent index (index_check.py) |
 | CAT     | 1+                | axis                                   | pieces side by side along axis                               |
+| WRITE   | target, value     | the first row written (a Dim)          | value stored into a bound input's rows (Tensor.write_rows)   |
 
 Any node may carry `realize=True` (Tensor.contiguous): the scheduler gives it a buffer of its own whatever its consumers.
 conv2d marks its padded input (so its matmul reads plain loads, not a bounds test per element) and its product (so the

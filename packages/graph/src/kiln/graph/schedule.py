@@ -448,17 +448,18 @@ class GraphPlan:
   `builder.build()` gives the plan; `checks` are (plan buffer, message) pairs of its run-time index checks."""
 
   def __init__(self, outputs: Sequence[Node], device: str, fuse: bool = True, out_bufs: Sequence[Any] | None = None,
-               buffer_for: Callable[[Node], Any] | None = None):
+               buffer_for: Callable[[Node], Any] | None = None, writes: Sequence[Node] = ()):
     from kiln.codegen.registry import get_runtime
     from kiln.executor import ExecutionPlanBuilder
     self.device, self.buffer_for = device, buffer_for or (lambda n: None)
     outs: list[Node] = []
     for o in outputs: outs.append(_copy(o) if o.op == "BUFFER" or out_bufs is not None and o in outs else o)
+    effects = list(dict.fromkeys(writes))  # Tensor.write_rows: scheduled as outputs are, returned by no run
     if fuse:
-      new = fuse_epilogues(outs)
-      outs = [new[o] for o in outs]
-    checks = gather_checks(toposort(outs))
-    uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs]))  # the checks' kernels first: a pipeline's first stage runs them
+      new = fuse_epilogues([*outs, *effects])
+      outs, effects = [new[o] for o in outs], [new[w] for w in effects]
+    checks = gather_checks(toposort([*outs, *effects]))
+    uniq = list(dict.fromkeys([*(c for c, _ in checks), *outs, *effects]))  # the checks' kernels first: a pipeline's first stage runs them
     outset = frozenset(uniq)
     wide = device.startswith("CPU")
     self.stored: Callable[[Node], DType] = lambda n: stored_dtype(n, outset, wide)
@@ -482,13 +483,17 @@ class GraphPlan:
     for k, ast, wins, opts in placed:
       slots = [self.view_of(self.buf_of(s), wins[i], self.stored(s)) if i in wins else self.buf_of(s) for i, s in enumerate(k.slots)]
       k.op_id = pb.add_kernel(ast, slots, opts=opts)  # a profile's records name it (provenance.py)
-    pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq)))
+    pb.set_outputs(list(dict.fromkeys(self.bufs[o] for o in uniq if o not in effects)))
     self.checks = [(self.bufs[c], m) for c, m in checks]
     self.sizes = list(dict.fromkeys(d for n in self.nodes for d in negative(n.shape)))  # seq - 1 of a seq that may be 0: run() checks it
 
   def buf_of(self, n: Node) -> int:
     from kiln.executor import Buffer
     if n in self.bufs: return self.bufs[n]
+    if n.op == "WRITE":  # its kernel stores into the target's buffer, which the caller owns
+      self.bufs[n] = self.buf_of(n.src[0])
+      if n.src[0].arg.name in self.inputs: raise GraphError(f"write_rows into {n.src[0].arg.name!r}: the target must be bound (compile(bind=))")
+      return self.bufs[n]
     b = self.buffer_for(n)
     if owned := b is None:
       if n.max_numel > dtypes.index.max and not is_static(n.shape):  # kernels index in int32: the bounds must keep every index in it
@@ -530,11 +535,12 @@ def _binder(bind: Mapping[str, Any]) -> tuple[Callable[[Node], Any], list[Node]]
   return buffer_for, bound
 
 
-def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None) -> Compiled:
+def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None,
+                  writes: Sequence[Node] = ()) -> Compiled:
   """`bind` maps input names to Buffers the caller owns (a KV cache): the plan reads them in place, run() copies nothing
-  into them, and the caller may write them between runs."""
+  into them, and the caller may write them between runs; `writes` (WRITE nodes, Tensor.write_rows) store into them."""
   buffer_for, bound = _binder(bind or {})
-  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse, buffer_for=buffer_for)
+  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse, buffer_for=buffer_for, writes=writes)
   for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
     if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
   if unknown := sorted(set(bind or {}) - {n.arg.name for n in bound}):

@@ -92,6 +92,25 @@ class Tensor:
       else: raise GraphError(f"Tensor.input {name!r}: dims must be ints >= 1 or names, got {tuple(shape)}")
     return Tensor(Node("BUFFER", (), Source(name=name), tuple(shp), _dtype(dtype)))
 
+  def write_rows(self, value: Tensor, at: Dim) -> Tensor:
+    """`value` written into this input's buffer from row `at` of its first axis, in place, by a kernel of the plan (a KV
+    cache appended to without a round trip through the host). `self` is a named input of static shape that compile binds
+    (bind=) and `at` a dim (an int, or a symbolic dim such as a bound cache's past length); value's other dims are self's,
+    and its rows must fit from `at` at every value `at` may take. The result is value (in self's dtype) as written: kernels
+    that use it read it back from the target, so the write is the only kernel that computes it. Give it to
+    compile(..., writes=[...]) so that every run writes it, whether or not an output reads it. The plan orders kernels that
+    touch the buffer as the graph lists them (a write waits for earlier readers of any row, later readers wait for it)."""
+    t = self.node
+    if t.op != "BUFFER" or t.arg.name is None or not sym.is_static(t.shape) or not t.shape:
+      raise GraphError(f"write_rows: the target is a named input of static shape (a buffer bound at compile), got {t}")
+    if value.shape[1:] != t.shape[1:] or not value.shape or not sym.is_static(value.shape[:1]):
+      raise GraphError(f"write_rows: rows of shape {sym.fmt_shape(value.shape)} into {t.arg.name!r} of shape {sym.fmt_shape(t.shape)}: "
+                       "a fixed number of rows whose other dims are the target's")
+    n, total = sym.static_dim("write_rows", value.shape, 0), sym.static_dim("write_rows", t.shape, 0)
+    if sym.dmin(at) < 0 or sym.dmax(at) + n > total:
+      raise GraphError(f"write_rows: {n} rows from row {at} (up to {sym.dmax(at)}) do not fit in the {total} rows of {t.arg.name!r}")
+    return Tensor(Node("WRITE", (t, value.cast(t.dtype).node), at, value.shape, t.dtype))
+
   @staticmethod
   def arange(n: Dim, dtype: DTypeLike = dtypes.int64) -> Tensor:
     """0, 1, ..., n-1 (n a symbolic dim too: the values are the loop's own index, nothing is stored)."""
@@ -520,10 +539,14 @@ class Tensor:
     return y if weight is None else y * weight
 
 
-def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None) -> Compiled:  # noqa: A001
+def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None,  # noqa: A001
+            writes: Sequence[Tensor] = ()) -> Compiled:
   """Schedule the graphs of outputs into fused kernels and build one ExecutionPlan; `.run(feeds)` returns the outputs.
-  `bind` maps input names to kiln.executor Buffers the caller owns, read in place by every run (schedule.compile_nodes)."""
+  `bind` maps input names to kiln.executor Buffers the caller owns, read in place by every run (schedule.compile_nodes);
+  `writes` are Tensor.write_rows effects into bound inputs, done by every run and returned by none."""
   if not outputs: raise GraphError("compile: no outputs")
   for t in outputs:
     if not isinstance(t, Tensor): raise GraphError(f"compile: outputs must be Tensors, got {type(t).__name__}")
-  return compile_nodes([t.node for t in outputs], device, fuse, bind)
+  for t in writes:
+    if not isinstance(t, Tensor) or t.node.op != "WRITE": raise GraphError(f"compile: writes are Tensor.write_rows results, got {t!r}")
+  return compile_nodes([t.node for t in outputs], device, fuse, bind, [t.node for t in writes])

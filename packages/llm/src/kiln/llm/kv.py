@@ -1,11 +1,12 @@
-"""The KV cache: per layer, keys and values of every position so far, in host arrays sized for the context bound.
+"""The KV cache: per layer, keys and values of every position so far, in buffers on the plans' device.
 
-Each array is (ctx, kv_heads, head_dim) float32, position-major, so the filled part is its front: the plans read it in
-place as their `k{i}`/`v{i}` inputs of `past` rows (kiln.graph's compile(bind=) wraps the arrays' memory, nothing is
-copied in), and a step's new rows are written at row `past` (a copy of the step's rows, not of the cache)."""
+Each layer's keys (and values) are one float32 buffer of (ctx + slack, kv_heads, head_dim), position-major, so the filled
+part is its front. The plans read its first ctx rows in place as their `k{i}`/`v{i}` inputs of `past` rows, and write a
+step's new rows at row `past` themselves (`k{i}_rows`/`v{i}_rows`, the whole buffer: kiln.graph's Tensor.write_rows), so
+no key or value crosses to the host: on CUDA the cache lives in device memory and a decode step copies only its token
+in and its logits out. The slack rows take a padded chunk's rows past the context (a chunk is a fixed size: runtime.py);
+they are written, never read."""
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,36 +18,40 @@ class ContextFullError(LLMError):
 
 
 class KVCache:
-  def __init__(self, layers: int, ctx: int, kv_heads: int, head_dim: int):
+  def __init__(self, layers: int, ctx: int, kv_heads: int, head_dim: int, slack: int = 0, device: str = "CPU"):
+    from kiln.executor import Buffer
     if ctx < 1: raise LLMError(f"a KV cache of context {ctx}: it must hold at least one position")
-    self.ctx, self.length = ctx, 0
-    self.k = [np.zeros((ctx, kv_heads, head_dim), np.float32) for _ in range(layers)]
-    self.v = [np.zeros((ctx, kv_heads, head_dim), np.float32) for _ in range(layers)]
+    self.ctx, self.rows, self.length = ctx, ctx + slack, 0
+    self.shape = (kv_heads, head_dim)
+    zeros = np.zeros((self.rows, kv_heads, head_dim), np.float32)  # rows never written are still read as a clamped index's value
+    self.k = [Buffer.from_numpy(zeros.copy(), device) for _ in range(layers)]  # on the CPU the buffer wraps the array
+    self.v = [Buffer.from_numpy(zeros.copy(), device) for _ in range(layers)]
 
   @property
-  def nbytes(self) -> int: return sum(a.nbytes for a in (*self.k, *self.v))
+  def nbytes(self) -> int: return sum(b.nbytes for b in (*self.k, *self.v))
 
   def bind(self) -> dict[str, object]:
-    """The plans' cache inputs by name, as executor Buffers over the arrays (compile(bind=))."""
-    from kiln.executor import Buffer
+    """The plans' cache inputs by name (compile(bind=)): `k{i}`, the first ctx rows, and `k{i}_rows`, all of them."""
+    per_ctx = self.ctx * int(np.prod(self.shape))
     out: dict[str, object] = {}
-    for i, (k, v) in enumerate(zip(self.k, self.v)): out[f"k{i}"], out[f"v{i}"] = Buffer.from_numpy(k), Buffer.from_numpy(v)
+    for i, (k, v) in enumerate(zip(self.k, self.v)):
+      out[f"k{i}"], out[f"v{i}"] = k.view(0, per_ctx), v.view(0, per_ctx)
+      out[f"k{i}_rows"], out[f"v{i}_rows"] = k, v
     return out
+
+  def layer(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer i's cached keys and values, (length, kv_heads, head_dim) each (a copy where the cache is on a device)."""
+    return tuple(b.numpy().reshape(self.rows, *self.shape)[:self.length] for b in (self.k[i], self.v[i]))  # type: ignore[return-value]
 
   def room(self, n: int) -> None:
     """A ContextFullError unless n more positions fit."""
     if self.length + n > self.ctx:
       raise ContextFullError(f"{self.length} cached + {n} new tokens is more than the context of {self.ctx} positions (load with a larger context=)")
 
-  def append(self, new: Sequence[np.ndarray]) -> None:
-    """Write one step's rows (k0, v0, k1, v1, ... each (seq, kv_heads, head_dim)) at row `length`, then advance it."""
-    n = new[0].shape[0]
+  def advance(self, n: int) -> None:
+    """Count n more positions as cached: the plan that ran them has written their rows at row `length`."""
     self.room(n)
-    a, b = self.length, self.length + n
-    for i in range(len(self.k)):
-      self.k[i][a:b] = new[2 * i]
-      self.v[i][a:b] = new[2 * i + 1]
-    self.length = b
+    self.length += n
 
   def reset(self, length: int = 0) -> None:
     """Forget every position from `length` on (the rows stay; the plans read only the first `length`)."""

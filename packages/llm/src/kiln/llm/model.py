@@ -3,12 +3,14 @@
 One graph serves every position: a chunk of `seq` new tokens (ids and their positions fed; seq is fixed when the graph
 is built), after `past` tokens (a runtime variable, 0..ctx) whose keys and values each layer reads from its cache
 inputs `k{i}`/`v{i}` of shape (past, kv_heads, head_dim), position-major so that the filled part of a cache is its front
-(the runtime binds them to buffers sized for the context and appends the chunk's rows at row `past`; kv.py). Attention
-reads the cache and the new rows (past + seq keys), with the causal mask from the positions (_attention). The outputs are
-the logits (every row, or the row `last` names) and each layer's new keys and values (seq rows, keys after RoPE) for the
-runtime to append. seq is a fixed size, not a variable: the code generator tiles and threads no symbolic loop, so a
-chunk's matrix products over a symbolic seq ran about 3x slower than over a fixed one; the runtime pads a shorter chunk
-(padded rows come after every real one, so the causal mask keeps them out of the real rows' attention).
+(the runtime binds them to buffers sized for the context; kv.py). Attention reads the cache and the new rows (past + seq
+keys), with the causal mask from the positions (_attention). The output is the logits (every row, or the row `last`
+names); each layer's new keys (after RoPE) and values are written into its cache at row `past` by the plan itself
+(`writes`: Tensor.write_rows into the inputs `k{i}_rows`/`v{i}_rows`, the cache's whole buffers of `rows` rows), and the
+attention reads them back from there. seq is a fixed size, not a variable: the code generator tiles and threads no
+symbolic loop, so a chunk's matrix products over a symbolic seq ran about 3x slower than over a fixed one; the runtime
+pads a shorter chunk (padded rows come after every real one, so the causal mask keeps them out of the real rows'
+attention).
 
 Weights come from `get(name)` in Hugging Face naming and layout: float32 numpy arrays (checkpoint.py's Checkpoint.tensor), or
 for a matrix (a linear layer's weight, an embedding table) a QuantWeight (qweight.py: the stored format's codes and
@@ -69,12 +71,10 @@ def _act(x: Tensor, kind: str) -> Tensor:
 
 @dataclass
 class Forward:
-  """The graph: `logits` (seq or 1 rows, vocab) and per layer the new keys and values (seq, kv_heads, head_dim)."""
+  """The graph: `logits` (seq or 1 rows, vocab), and `writes`, the effects that store each layer's new keys and values
+  (seq, kv_heads, head_dim) into its cache at row `past` (compile(..., writes=))."""
   logits: Tensor
-  new_kv: list[tuple[Tensor, Tensor]]
-
-  @property
-  def outputs(self) -> list[Tensor]: return [self.logits, *(t for kv in self.new_kv for t in kv)]
+  writes: list[Tensor]
 
 
 class _W:
@@ -181,18 +181,27 @@ class _Inputs:
   ids: Tensor
   pos: Tensor
   caches: list[tuple[Tensor, Tensor]]
+  stores: list[tuple[Tensor, Tensor]]  # each layer's whole key and value buffers, where the chunk's rows are written
   last: Tensor | None  # the row whose logits to give (last-row graphs of seq > 1)
 
   def pick(self, x: Tensor) -> Tensor: return x if self.last is None else x.gather(self.last, 0)
 
+  def write(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Layer i's new keys and values stored at row past of its cache: the values as written (read back from there)."""
+    past = self.caches[i][0].shape[0]
+    return self.stores[i][0].write_rows(k, past), self.stores[i][1].write_rows(v, past)
 
-def _inputs(cfg: ModelConfig, ctx: int, seq: int, last_only: bool) -> _Inputs:
+
+def _inputs(cfg: ModelConfig, ctx: int, seq: int, last_only: bool, rows: int | None) -> _Inputs:
+  if rows is None: rows = ctx + seq
+  if rows < ctx + seq: raise ModelError(f"a cache of {rows} rows cannot take {seq} rows after {ctx} cached ones")
   dims = {"past": (0, ctx)}
   ids = Tensor.input("ids", (seq,), dtypes.int32)
   pos = Tensor.input("pos", (seq,), dtypes.int32)
-  row = ("past", cfg.num_kv_heads, cfg.head_dim)
+  row, whole = ("past", cfg.num_kv_heads, cfg.head_dim), (rows, cfg.num_kv_heads, cfg.head_dim)
   caches = [(Tensor.input(f"k{i}", row, dims=dims), Tensor.input(f"v{i}", row, dims=dims)) for i in range(cfg.num_layers)]
-  return _Inputs(ids, pos, caches, Tensor.input("last", (1,), dtypes.int32) if last_only and seq > 1 else None)
+  stores = [(Tensor.input(f"k{i}_rows", whole), Tensor.input(f"v{i}_rows", whole)) for i in range(cfg.num_layers)]
+  return _Inputs(ids, pos, caches, stores, Tensor.input("last", (1,), dtypes.int32) if last_only and seq > 1 else None)
 
 
 def _norm(cfg: ModelConfig, w: _W, x: Tensor, name: str) -> Tensor:
@@ -202,10 +211,10 @@ def _norm(cfg: ModelConfig, w: _W, x: Tensor, name: str) -> Tensor:
   return x.rms_norm(Tensor(g + np.float32(1.0)) if cfg.norm_add_one else Tensor(g), eps=cfg.norm_eps)
 
 
-def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> Forward:
+def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool, rows: int | None = None) -> Forward:
   """The Llama family, Gemma and Phi-3: pre-norm blocks of RMSNorm, RoPE attention with GQA, gated MLP."""
   w = _W(get, cfg.arch)
-  inp = _inputs(cfg, ctx, seq, last_only)
+  inp = _inputs(cfg, ctx, seq, last_only, rows)
   ids, pos, caches = inp.ids, inp.pos, inp.caches
   d, inter, hd, qd, kd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.q_size, cfg.kv_size
   embed = w.mat("model.embed_tokens.weight", cfg.vocab_size, d)
@@ -213,7 +222,7 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
   if cfg.embed_scale != 1.0: x = x * float(np.float32(cfg.embed_scale))  # HF rounds the normaliser to the weights' dtype
   cos_t, sin_t = rope_tables(cfg, ctx)
   cos, sin = Tensor(cos_t).embedding(pos).unsqueeze(1), Tensor(sin_t).embedding(pos).unsqueeze(1)  # (seq, 1, rot / 2)
-  new_kv: list[tuple[Tensor, Tensor]] = []
+  writes: list[Tensor] = []
   mask: Tensor | None = None
   for i, (kc, vc) in enumerate(caches):
     p = f"model.layers.{i}."
@@ -222,7 +231,8 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
                            cfg.attention_bias)
     q = _rope(q.reshape(seq, cfg.num_heads, hd), cos, sin, cfg.rotary_dim)
     k = _rope(k.reshape(seq, cfg.num_kv_heads, hd), cos, sin, cfg.rotary_dim)
-    v = v.reshape(seq, cfg.num_kv_heads, hd)
+    k, v = inp.write(i, k, v.reshape(seq, cfg.num_kv_heads, hd))
+    writes += [k, v]
     if mask is None: mask = _mask(cfg, pos, _keys(seq, kc.shape[0]))
     a = _attention(q, (kc, vc), (k, v), mask, cfg)
     x = x + _linear(a, w.mat(p + "self_attn.o_proj.weight", d, qd), w.opt(cfg.attention_out_bias, p + "self_attn.o_proj.bias", d))
@@ -231,41 +241,42 @@ def llama_like(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) 
                             cfg.mlp_bias)
     gate, up = gate.contiguous(), up.contiguous()  # each its own product: left to the scheduler, both ran in one kernel 3-8x slower
     x = x + _linear(_act(gate, cfg.act) * up, w.mat(p + "mlp.down_proj.weight", d, inter), w.opt(cfg.mlp_bias, p + "mlp.down_proj.bias", d))
-    new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "model.norm")
   head = embed if cfg.tie_word_embeddings else w.mat("lm_head.weight", cfg.vocab_size, d)
-  return Forward(_linear(x, head), new_kv)
+  return Forward(_linear(x, head), writes)
 
 
-def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool) -> Forward:
+def gpt2(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool, rows: int | None = None) -> Forward:
   """GPT-2: learned positions, pre-LayerNorm blocks, fused q/k/v projection, tied head. Its Conv1D weights come (out, in)
   like every linear's (the checkpoint transposes HF's (in, out))."""
   w = _W(get, cfg.arch)
-  inp = _inputs(cfg, ctx, seq, last_only)
+  inp = _inputs(cfg, ctx, seq, last_only, rows)
   ids, pos, caches = inp.ids, inp.pos, inp.caches
   hd, d, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
   if ctx > cfg.max_position: raise ModelError(f"gpt2: a context of {ctx} is past its {cfg.max_position} learned positions")
   wte = w.mat("transformer.wte.weight", cfg.vocab_size, d)
   x = _embedding(wte, ids) + _embedding(w.mat("transformer.wpe.weight", cfg.max_position, d), pos)
-  new_kv: list[tuple[Tensor, Tensor]] = []
+  writes: list[Tensor] = []
   mask: Tensor | None = None
   for i, (kc, vc) in enumerate(caches):
     p = f"transformer.h.{i}."
     def lin(x: Tensor, name: str, out: int, inn: int) -> Tensor: return _linear(x, w.mat(p + name + ".weight", out, inn), w(p + name + ".bias", out))  # noqa: B023
     qkv = lin(_norm(cfg, w, x, p + "ln_1"), "attn.c_attn", 3 * d, d)
     q, k, v = (qkv[:, j * d:(j + 1) * d].reshape(seq, cfg.num_heads, hd) for j in range(3))
+    k, v = inp.write(i, k, v)
+    writes += [k, v]
     if mask is None: mask = _mask(cfg, pos, _keys(seq, kc.shape[0]))
     x = x + lin(_attention(q, (kc, vc), (k, v), mask, cfg), "attn.c_proj", d, d)
     x = x + lin(_act(lin(_norm(cfg, w, x, p + "ln_2"), "mlp.c_fc", inter, d), cfg.act), "mlp.c_proj", d, inter)
-    new_kv.append((k, v))
   if last_only: x = inp.pick(x)  # (1, hidden): the head runs on one row
   x = _norm(cfg, w, x, "transformer.ln_f")
-  return Forward(_linear(x, wte), new_kv)
+  return Forward(_linear(x, wte), writes)
 
 
-def forward(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool = False) -> Forward:
-  """The graph for `cfg`: chunks of `seq` tokens after 0..ctx cached ones (the runtime keeps the real rows within ctx)."""
+def forward(cfg: ModelConfig, get: Get, ctx: int, seq: int, last_only: bool = False, rows: int | None = None) -> Forward:
+  """The graph for `cfg`: chunks of `seq` tokens after 0..ctx cached ones (the runtime keeps the real rows within ctx),
+  over caches of `rows` rows (at least ctx + seq, the default: a padded chunk's rows are written past the context)."""
   if cfg.arch not in SUPPORTED: raise UnsupportedArchitecture(f"architecture {cfg.arch!r} is not supported (kiln.llm runs {', '.join(SUPPORTED)})")
   build = gpt2 if cfg.positions == "learned" else llama_like
-  return build(cfg, get, ctx, seq, last_only)
+  return build(cfg, get, ctx, seq, last_only, rows)

@@ -1,13 +1,16 @@
 """Running the forward graph over a KV cache: each plan compiled once for every position, the cache bound in place.
 
-Four plans over one cache (kv.py), each built the first time it is needed: "decode" (one token), "prefill" (a chunk of
-`chunk` tokens, the last real one's logits), "long" (the same over `long` tokens) and "all" (a chunk, every token's
-logits: teacher-forced logits). past (0..ctx) is a runtime variable of each, so no kernel is compiled after a plan's
-first run. A prompt runs in chunks, the last one padded to the chunk's size (model.py says why the chunk is a fixed
-size): the padded rows' keys and values are not appended and their logits not returned. While more than `long` less
-`chunk` tokens are left, a prompt takes a long chunk (padded by less than a chunk's rows): each run of a plan pays once
-for what does not grow with its rows (a packed matrix dequantised into the plan's scratch, each kernel's start), so
-long prompts run faster in fewer, longer chunks, while a short prompt pays for the padding of a chunk only."""
+Four plans over one cache (kv.py: each plan reads it and writes its chunk's rows into it in place), each built the first
+time it is needed: "decode" (one token), "prefill" (a chunk of `chunk` tokens, the last real one's logits), "long" (the
+same over `long` tokens) and "all" (a chunk, every token's logits: teacher-forced logits). past (0..ctx) is a runtime
+variable of each, so no kernel is compiled after a plan's first run. A prompt runs in chunks, the last one padded to the
+chunk's size (model.py says why the chunk is a fixed size): the padded rows' keys and values land past the real ones,
+where the next chunk overwrites them (the cache keeps `slack` rows past the context for them), and their logits are not
+returned. While more than `long` less `chunk` tokens are left, a prompt takes a long chunk (padded by less than a chunk's
+rows): each run of a plan pays once for what does not grow with its rows (a packed matrix dequantised into the plan's
+scratch, each kernel's start), so long prompts run faster in fewer, longer chunks, while a short prompt pays for the
+padding of a chunk only. With device="CUDA" the plans, their weights and the cache are on the GPU: a run copies its
+token ids and positions in and its logits out."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,7 +32,7 @@ class Runner:
     if chunk < 1: raise LLMError(f"a prefill chunk of {chunk} tokens: it must be at least 1")
     self.cfg, self.get, self.ctx, self.chunk, self.device = cfg, get, ctx, min(chunk, ctx), device
     self.long = min(long, ctx)  # no long chunks where it is not longer than a chunk
-    self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim)
+    self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim, slack=max(self.chunk, self.long), device=device)
     self._bound = self.cache.bind()
     self.plans: dict[str, Any] = {}
 
@@ -39,8 +42,8 @@ class Runner:
       from kiln.graph import compile
       if kind not in ("decode", "prefill", "long", "all"): raise LLMError(f"no plan {kind!r} (decode, prefill, long, all)")
       seq = 1 if kind == "decode" else self.long if kind == "long" else self.chunk
-      f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all")
-      p = self.plans[kind] = compile(f.outputs, self.device, bind=self._bound)
+      f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all", rows=self.cache.rows)
+      p = self.plans[kind] = compile([f.logits], self.device, bind=self._bound, writes=f.writes)
     return p
 
   def feed(self, ids: Sequence[int], last_only: bool = True) -> np.ndarray:
@@ -61,9 +64,9 @@ class Runner:
       pos = np.minimum(np.arange(past, past + size, dtype=np.int32), self.ctx - 1)  # padded rows: any position in the tables
       feeds = {"ids": chunk, "pos": pos}
       if kind in ("prefill", "long"): feeds["last"] = np.array([n - 1], np.int32)
-      out = self.plan(kind).run(feeds, vars={"past": past})
-      self.cache.append([kv[:n] for kv in out[1:]])
-      rows.append(out[0] if last_only else out[0][:n])
+      logits = self.plan(kind).run(feeds, vars={"past": past})[0]
+      self.cache.advance(n)  # the plan wrote the chunk's keys and values at row past (its padded rows past them)
+      rows.append(logits if last_only else logits[:n])
       lo += n
     return rows[-1][-1] if last_only else np.concatenate(rows, 0)
 

@@ -469,7 +469,8 @@ def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) 
   # short rows (one warp each): a block of one warp is tiny and short-lived (an SM holds at most 32 blocks: half its threads),
   # so a block stacks local_size / 32 rows of the grid's row axis, one warp each (threadIdx.y)
   stack = target.local_size // GPU_WARP
-  if g == GPU_WARP and stack > 1 and (n := axis_size(grid[0])) is not None and n >= 4 * stack: opts.append(Opt(OptOps.LOCAL, grid[0].arg[0], stack))
+  if g == GPU_WARP and stack > 1 and grid and (n := axis_size(grid[0])) is not None and n >= 4 * stack:  # no grid: one row
+    opts.append(Opt(OptOps.LOCAL, grid[0].arg[0], stack))
   return opts
 
 

@@ -17,6 +17,7 @@ default, the emulator does not) and out-of-bounds accesses (a crash here, not an
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -25,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +48,8 @@ MAX_BLOCK_THREADS = 1024
 _GXX_ERR = re.compile(r"\.cu:(\d+):\d+:\s*(?:fatal )?error")
 _lock = threading.Lock()
 _loaded: dict[str, EmulatedKernel] = {}
+_building: dict[str, threading.Lock] = {}  # one lock a kernel being built (key as _loaded's)
+_pch: dict[tuple[str, ...], Path] = {}  # flags -> the include folder with the shim precompiled for them (_headers)
 _AREA = "cuda-emu"  # KILN_CACHE_DIR/cuda-emu
 
 
@@ -128,6 +132,9 @@ def compile_emulator(src: str, name: str, mode: str | None = None) -> EmulatedKe
   key = hashlib.sha256(f"{_shim_hash()}|{flags}|{name}|{src}".encode()).hexdigest()[:32]
   with _lock:
     if (k := _loaded.get(key)) is not None: return k
+    one = _building.setdefault(key, threading.Lock())
+  with one:  # kernels build side by side (a plan's compile threads), each once
+    if (k := _loaded.get(key)) is not None: return k
     # the built library is a disk-cache entry (authenticated, kiln.codegen.diskcache); it is loaded from a private scratch
     # copy of the bytes that were verified, never from a path anyone else could have written
     store, entry = diskcache.DiskCache(_AREA, "CUDA emulator cache"), f"{name}-{key}.so"
@@ -145,10 +152,26 @@ def compile_emulator(src: str, name: str, mode: str | None = None) -> EmulatedKe
     return k
 
 
-def _build(src: str, name: str, flags: Sequence[str], tmp: Path, out: Path) -> None:
+def _headers(flags: tuple[str, ...]) -> Path:
+  """The include folder kernels build against: a private copy of INCLUDE_DIR with the shim precompiled for these flags
+  (what every kernel parses first: its standard headers are most of a small kernel's build), made once a process; the
+  package's own folder where the compiler cannot precompile it (the build is then slower, not different)."""
+  with _lock:
+    if (d := _pch.get(flags)) is not None: return d
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-emu-pch-"))  # 0700: no one else writes what the compiler reads
+    atexit.register(shutil.rmtree, tmp, True)
+    for p in INCLUDE_DIR.iterdir(): shutil.copyfile(p, tmp / p.name)
+    r = subprocess.run([_cxx(), *flags, "-x", "c++-header", str(tmp / "kiln_cuda_shim.h"), "-o", str(tmp / "kiln_cuda_shim.h.gch")],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0: _debug(f"kiln: the CUDA emulator's shim did not precompile ({r.stderr.strip()[:200]}); building without it")
+    _pch[flags] = d = tmp if r.returncode == 0 else INCLUDE_DIR
+    return d
+
+
+def _build(src: str, name: str, flags: tuple[str, ...], tmp: Path, out: Path) -> None:
   cu = tmp / f"{name}.cu"
   cu.write_text(f'#line 1 "{name}.cu"\n{src}\n#define KILN_EMU_KERNEL {name}\n#include "kiln_cuda_launch.h"\n')
-  cmd = [_cxx(), *flags, "-I", str(INCLUDE_DIR), "-include", "kiln_cuda_shim.h", "-x", "c++", str(cu), "-o", str(out)]
+  cmd = [_cxx(), *flags, "-I", str(_headers(flags)), "-include", "kiln_cuda_shim.h", "-x", "c++", str(cu), "-o", str(out)]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if r.returncode != 0:
     log = r.stderr.replace(str(tmp) + os.sep, "").strip()

@@ -11,6 +11,9 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#include <cstdlib>  // the launcher's (kiln_cuda_launch.h) too: the precompiled header holds every standard header
+#include <type_traits>
+#include <utility>
 #include <pthread.h>
 
 #define __global__

@@ -1,0 +1,76 @@
+"""kiln.llm on CUDA (issue 40): a GGUF checkpoint loaded with device="CUDA" runs its prefill and decode plans on the emulated
+GPU of cuda_emu.py (the CUDA runtime's own code over the stand-in for pycuda.driver, every kernel's CUDA C run on the CPU),
+checked step by step against the same file on the CPU. The packed weights are uploaded as they are stored and dequantised
+in the kernels; the KV cache lives in device memory and each plan writes its new rows there itself, so a decode step
+copies its token and position in and its logits out, nothing else, and its kernels are one stretch of launches (one CUDA
+graph on a GPU). Nothing here ran on a GPU."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "packages", "llm", "tests"))
+from checkpoint_files import hf_weights, tiny_config, write_gguf  # noqa: E402
+from cuda_emu import emulated_gpu  # noqa: E402
+
+from kiln.llm import load  # noqa: E402
+from kiln.runtime.cuda.driver import CUDARuntime  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no host C++ compiler to emulate CUDA")
+
+PROMPT = [1, 5, 7, 3, 9, 2, 11, 4, 6, 8, 10]  # 11 tokens: chunks of 8 and 4 (padded) with long=8, or 4, 4 and 4 (padded)
+STEPS = 3
+
+
+def _gguf(tmp_path: Path, arch: str, fmt: str, **over: int) -> Path:
+  cj = tiny_config(arch, **over)
+  path = tmp_path / f"{arch}-{fmt}.gguf"
+  write_gguf(path, cj, hf_weights(cj, seed=5, scale=0.2), fmt=lambda n: fmt if n.endswith(("proj.weight", "c_attn.weight", "c_fc.weight")) else "F32")
+  return path
+
+
+def _steps(m) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+  """The prompt's last logits, then STEPS greedy decode steps' logits, through the runner (prefill, long and decode plans)."""
+  r = m.runner
+  r.reset()
+  out = [r.feed(PROMPT)]
+  for _ in range(STEPS): out.append(r.feed([int(out[-1].argmax())]))
+  return out
+
+
+@pytest.mark.parametrize(("arch", "fmt", "long", "over"), [("llama", "Q4_K", 8, {"hidden_size": 256, "intermediate_size": 256}),
+                                                           ("llama", "Q8_0", 4, {}), ("gpt2", "F16", 4, {})])
+def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, fmt: str, long: int, over: dict[str, int]) -> None:
+  """long=8: the prompt takes the long plan (8 rows) and the prefill plan (4 rows, padded); long=4: prefill plans only."""
+  monkeypatch.setenv("KILN_COMPILE_THREADS", "4")
+  path = _gguf(tmp_path, arch, fmt, **over)
+  want = _steps(load(path, context=24, chunk=4, long=long))
+  stretches: list[int] = []
+  real = CUDARuntime.graph_calls
+  def graph_calls(self, calls):  # type: ignore[no-untyped-def]
+    stretches.append(len(calls))
+    return real(self, calls)
+  monkeypatch.setattr(CUDARuntime, "graph_calls", graph_calls)
+  with emulated_gpu(monkeypatch, tmp_path) as (g, _):
+    m = load(path, context=24, chunk=4, long=long, device="CUDA")
+    got = _steps(m)
+    for i, (a, b) in enumerate(zip(got, want)):
+      assert np.abs(a - b).max() <= 2e-5 * np.abs(b).max(), f"step {i}: {np.abs(a - b).max()} of {np.abs(b).max()}"
+    assert all(b.device == "CUDA:0" for b in (*m.runner.cache.k, *m.runner.cache.v))
+    k0, v0 = m.runner.cache.layer(0)
+    assert k0.shape[0] == len(PROMPT) + STEPS and np.abs(v0).max() > 0  # the plans wrote every position's rows
+    # a decode step: the token and its position in, the logits (and the embedding's index check) out; the cache stays
+    before = dict(g.stats)
+    m.runner.feed([3])
+    dec = m.runner.plans["decode"]
+    moved = {k: g.stats[k] - before[k] for k in g.stats}
+    assert moved["htod"] == 2 and moved["htod_bytes"] == 8, moved
+    assert moved["dtoh_bytes"] <= 4 * m.config.vocab_size + 4 * len(dec.checks), moved
+    assert moved["launches"] == dec.kernel_count
+  assert dec.kernel_count in stretches  # the decode plan's kernels were offered as one graph (the stand-in declines it)
