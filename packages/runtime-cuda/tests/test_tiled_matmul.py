@@ -218,6 +218,24 @@ def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
   assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
 
 
+@requires_cxx
+def test_an_epilogue_reuses_the_operands_index_arithmetic() -> None:
+  """n == k: the residual's index i * n + j shares i * k with A's, a node of the sum's body, which the epilogue printer left
+  unprinted (CodegenError "used before it is defined": a GPT-2 export's attention scores plus their mask on CUDA)."""
+  from kiln.codegen.conformance import Case, for_spec, mismatches
+  ast = _linear_ast(72, 40, 40, dtypes.float32, (2,), EPILOGUES["bias_gelu_residual"])
+  spec = tiled(ast, H100, "linear", None)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(simt")
+  rng = np.random.default_rng(7)
+  gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
+  bufs = [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl]
+  case = Case("shared_index", ast, bufs)
+  got = case.fresh()
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+
+
 def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):
   """C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]: B stored transposed (k contiguous), as ONNX Gemm's transB reads it."""
   from kiln.ir.ops import AxisType, Ops

@@ -453,10 +453,10 @@ class EpiloguePrinter(CUDAPrinter):
     self.last, self.written = {}, set()
 
   def expr(self, value: UOp, stop: UOp) -> str:
-    """Renders value's nodes above `stop` (the sum, named by the caller) in order; returns value's C expression."""
-    inner = set(stop.toposort())
-    for u in value.toposort():
-      if u in self.names or u.op is Ops.CONST or (u in inner and u is not stop): continue
+    """Renders value's nodes above `stop` (the sum, named by the caller) in order; returns value's C expression. A node the
+    sum's body shares (an operand's index arithmetic that a load of the epilogue reuses) is printed here too."""
+    for u in value.toposort(lambda x: x is not stop):
+      if u in self.names or u.op is Ops.CONST: continue
       if u.op is Ops.DEFINE_GLOBAL: self.names[u] = f"data{u.arg}"
       else: self.render(u)
     return self.val(value)
