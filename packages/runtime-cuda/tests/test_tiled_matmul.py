@@ -236,6 +236,32 @@ def test_an_epilogue_reuses_the_operands_index_arithmetic() -> None:
   assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
 
 
+@requires_cxx
+def test_an_epilogue_reads_a_bool_mask() -> None:
+  """out = where(mask[i, j], A @ B, -1e4) with a bool mask (attention scores and their mask, as DeBERTa's export has them):
+  the tiled kernel's parameter list had no C type for a bool buffer (KeyError)."""
+  from kiln.codegen.conformance import Case, for_spec, mismatches
+  from kiln.ir.ops import AxisType, Ops
+  m, n, k = 40, 48, 32
+  i, j, kk = UOp.range(m, 0), UOp.range(n, 1), UOp.range(k, 2, AxisType.REDUCE)
+  a = UOp.define_global(1, dtypes.float32.ptr(m * k)).index(i * k + kk).load()
+  b = UOp.define_global(2, dtypes.float32.ptr(k * n)).index(kk * n + j).load()
+  mask = UOp.define_global(3, dtypes.bool.ptr(m * n)).index(i * n + j).load()
+  v = mask.where((a * b).reduce(Ops.ADD, kk), UOp.const(dtypes.float32, -1e4))
+  ast = UOp.sink(UOp.define_global(0, dtypes.float32.ptr(m * n)).index(i * n + j).store(v), name="masked")
+  spec = tiled(ast, H100, "masked", None)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(simt")
+  rng = np.random.default_rng(8)
+  bufs = [np.full(m * n, np.nan, np.float32), rng.uniform(-1, 1, m * k).astype(np.float32), rng.uniform(-1, 1, k * n).astype(np.float32),
+          rng.uniform(size=m * n) < 0.7]
+  case = Case("masked", ast, bufs)
+  got = case.fresh()
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  assert (got[0] == -1e4).sum() == (~bufs[3]).sum()
+
+
 def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):
   """C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]: B stored transposed (k contiguous), as ONNX Gemm's transB reads it."""
   from kiln.ir.ops import AxisType, Ops

@@ -22,7 +22,7 @@ from __future__ import annotations
 from kiln.codegen.choose import Target
 from kiln.codegen.choose.contraction import Contraction, Operand, match
 from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor
-from kiln.codegen.render.cuda_c import EpiloguePrinter
+from kiln.codegen.render.cuda_c import EpiloguePrinter, ctype
 from kiln.codegen.spec import KernelArg, ProgramSpec
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
@@ -82,7 +82,7 @@ def _slot_types(c: Contraction) -> dict[int, DType]:
 def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int = 0) -> str:
   typ = _slot_types(c)
   slots = sorted(typ)
-  ps = [f"{'' if s == c.c.slot else 'const '}{_MEM[typ[s].name]}* __restrict__ data{s}" for s in slots]
+  ps = [f"{'' if s == c.c.slot else 'const '}{_MEM.get(typ[s].name) or ctype(typ[s])}* __restrict__ data{s}" for s in slots]  # an epilogue's mask: bool
   bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
   return f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({", ".join(ps)})'
 
