@@ -18,8 +18,10 @@ a P-token prompt's prefill (median of 3, each from an empty cache), then W warm-
 runner.feed([token]) (its id and position in, its logits out: what generate() does a token); tokens/s, ms/token
 (median step), the weight bytes kiln keeps (what a step reads: every matrix once, the tied embedding as the output
 matrix) x tokens/s in GB/s against the device's HBM peak (memory clock x bus width, else the card's data sheet by
-name, else --hbm-gbps) and a torch device-to-device copy's rate (read + write); then one decode step kernel by kernel
-(each timed alone), the longest summed by name, the whole table to $OUT/profile-llm-<type>.txt.
+name, else --hbm-gbps) and a torch device-to-device copy's rate (read + write); the decode plan's execute() alone, 20 a
+round between device syncs (torch.cuda.synchronize: kiln's runtime and torch share the device's primary context), so the
+host's part of a step shows as the difference; then one decode step kernel by kernel (each timed alone), the longest
+summed by name, the whole table to $OUT/profile-llm-<type>.txt.
 
 torch: the same model in plain torch (RMSNorm, RoPE as HF's rotate_half, grouped-query attention, SwiGLU, a preallocated
 (static) KV cache) from the same weights as the GGUF holds them (its round trip: what kiln reads). float16 weights,
@@ -38,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -225,23 +228,26 @@ def hbm_peak(torch: Any, dev: str, flag: float) -> tuple[float, str]:
   """(GB/s, where it came from): --hbm-gbps; else 2 x memory clock x bus width (pycuda's device attributes, then torch's
   device properties); else the data sheet of the card by name; (0, why not) where none."""
   if flag: return flag, "--hbm-gbps"
-  if not dev.startswith("cuda"): return 0.0, "no GPU"
+  why = []
   try:
     import pycuda.driver as drv
     drv.init()
-    d = drv.Device(torch.cuda.current_device())
+    d = drv.Device(torch.cuda.current_device() if dev.startswith("cuda") else 0)
     a = drv.device_attribute
     khz, bits = d.get_attribute(a.MEMORY_CLOCK_RATE), d.get_attribute(a.GLOBAL_MEMORY_BUS_WIDTH)
     if khz and bits: return 2 * khz * 1e3 * bits / 8 / 1e9, f"2 x {khz / 1e3:.0f} MHz x {bits} bits (pycuda)"
-  except Exception as e:  # an older pycuda or driver: the next way
-    print(f"      (memory clock from pycuda: {type(e).__name__}: {e})", flush=True)
-  props = torch.cuda.get_device_properties(torch.cuda.current_device())
-  khz, bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
-  if khz and bits: return 2 * khz * 1e3 * bits / 8 / 1e9, f"2 x {khz / 1e3:.0f} MHz x {bits} bits (torch)"
-  name = torch.cuda.get_device_name()
-  for key, gbps in HBM_BY_NAME:
-    if key in name: return gbps, f"data sheet of {key}"
-  return 0.0, f"unknown for {name}: pass --hbm-gbps"
+    why.append(f"pycuda reads {khz} kHz x {bits} bits")
+  except Exception as e:  # no pycuda, an older one or a driver without the attributes: the next way
+    why.append(f"pycuda: {type(e).__name__}: {e}")
+  if dev.startswith("cuda"):
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    khz, bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if khz and bits: return 2 * khz * 1e3 * bits / 8 / 1e9, f"2 x {khz / 1e3:.0f} MHz x {bits} bits (torch)"
+    name = torch.cuda.get_device_name()
+    for key, gbps in HBM_BY_NAME:
+      if key in name: return gbps, f"data sheet of {key} ({'; '.join(why)})"
+    why.append(f"no data sheet for {name}")
+  return 0.0, "; ".join(why) + ": pass --hbm-gbps"
 
 
 def copy_gbps(torch: Any, dev: str, sync: Sync, mb: int = 1024) -> float:
@@ -349,6 +355,19 @@ def kiln_rows(torch: Any, args: argparse.Namespace, cfg: dict[str, Any], weights
     refs.setdefault("kiln_toks", toks)
     return bandwidth_line("kiln", ftype, r, peak)
   if (msg := step(f"{ftype}: kiln decode", decode)): print(f"      {msg}", flush=True)
+  def execute_only() -> str:
+    """The last decode step's plan run again and again (the same cache rows written), the device synced around each round
+    only: the step without the host's part of a feed (its inputs, variables, the logits' copy)."""
+    sync, rounds = Sync(torch, args.torch_device), []
+    for _ in range(5):
+      sync(); t = time.perf_counter()  # noqa: E702
+      for _ in range(20): dec.plan.execute()
+      sync(); rounds.append((time.perf_counter() - t) / 20)  # noqa: E702
+    r["execute_ms"] = 1e3 * statistics.median(rounds)
+    gbps = r["weight_bytes"] / statistics.median(rounds) / 1e9
+    return (f"kiln {ftype} decode step, plan.execute() alone: {r['execute_ms']:.3f} ms = {gbps:.1f} GB/s of matrices"
+            f"{f' ({gbps / peak:.1%} of the peak)' if peak else ''}")
+  if (msg := step(f"{ftype}: kiln decode step, execute only", execute_only)): print(f"      {msg}", flush=True)
   if (top := step(f"{ftype}: kiln decode step kernel by kernel", lambda: profile(dec, ftype))): print(top, flush=True)
   dump()
 
@@ -379,22 +398,19 @@ def profile(dec: Any, ftype: str, top: int = 8) -> str:
 
 
 def torch_rows(torch: Any, args: argparse.Namespace, cfg: dict[str, Any], held: dict[str, np.ndarray], peak: float, sync: Sync,
-               kiln_toks: list[int] | None) -> None:
-  """torch float16 eager (and torch.compile while the budget lasts): prefill and decode timed as kiln's."""
+               kiln_toks: list[int] | None) -> dict[str, Any]:
+  """torch float16 eager: prefill and decode timed as kiln's. Returns what torch_compile_row needs (the model, its row,
+  the prompt, eager's greedy tokens)."""
   dev, dt = args.torch_device, torch.float16
   r: dict[str, Any] = {"engine": "torch eager", "shape": args.shape, "type": "F16", "device": dev, "prompt": args.prompt, "decode": args.decode}
   ROWS.append(r)
-  model = step("torch float16 model", lambda: torch_llama(torch, cfg, held, dev, dt, args.context))
-  if model is None: return
+  st: dict[str, Any] = {"row": r}
+  model = st["model"] = step("torch float16 model", lambda: torch_llama(torch, cfg, held, dev, dt, args.context))
+  if model is None: return st
   r["weight_bytes"] = matrix_bytes(dict(model.named_buffers()))  # the cos/sin tables and the cache are 2-d too: taken out below
   r["weight_bytes"] -= sum(int(b.numel() * b.element_size()) for n, b in model.named_buffers() if n in ("cos", "sin", "kc", "vc"))
   prompt = [int(i) for i in np.random.default_rng(args.seed + 1).integers(0, cfg["vocab_size"], args.prompt)]
-  ids = torch.tensor(prompt, device=dev)
-
-  def one(tok: int, pos: list[int], fwd: Callable[[Any, Any], Any], as_tensor: bool) -> int:
-    p = torch.tensor([pos[0]], device=dev) if as_tensor else pos[0]
-    pos[0] += 1
-    return int(fwd(torch.tensor([tok], device=dev), p)[0].argmax())  # .item(): a sync a step, as kiln's logits copy
+  ids = st["ids"] = torch.tensor(prompt, device=dev)
 
   def prefill() -> str:
     times = []
@@ -409,40 +425,59 @@ def torch_rows(torch: Any, args: argparse.Namespace, cfg: dict[str, Any], held: 
     with torch.no_grad():
       first = int(model(ids, 0)[0].argmax())
       pos = [args.prompt]
-      tps, ms, toks = time_decode(lambda tok: one(tok, pos, model, False), first, args.warmup, args.decode)
+      tps, ms, toks = time_decode(lambda tok: _one(torch, model, tok, pos, dev, False), first, args.warmup, args.decode)
     r["decode_tok_s"], r["ms_per_token"] = tps, ms
+    st["toks"] = toks
     line = bandwidth_line("torch eager", "F16", r, peak)
     if kiln_toks is not None:
-      same = next((i for i, (a, b) in enumerate(zip(toks, kiln_toks)) if a != b), min(len(toks), len(kiln_toks)))
+      same = _same(toks, kiln_toks)
       r["greedy_equal_kiln"] = f"{same}/{len(kiln_toks)}"
       line += f"\n      torch float16's own greedy tokens: the first {same} of {len(kiln_toks)} equal kiln's (its rounding: reported, not checked)"
     return line
   if (msg := step("torch eager decode", decode)): print(f"      {msg}", flush=True)
   dump()
-  if not args.torch_compile: return
-  if left(args.budget) < args.compile_reserve:
-    print(f"skip  torch.compile: {left(args.budget):.0f} s of the budget left (needs {args.compile_reserve:.0f})", flush=True)
-    return
-  rc: dict[str, Any] = {**r, "engine": f"torch.compile {args.compile_mode}"}
-  for k in ("decode_tok_s", "ms_per_token", "weight_gbps", "hbm_fraction", "prefill_tok_s"): rc.pop(k, None)
+  return st
+
+
+def _one(torch: Any, fwd: Callable[[Any, Any], Any], tok: int, pos: list[int], dev: str, as_tensor: bool) -> int:
+  """One greedy decode step of the torch model at position pos[0] (then advanced): the next token, read back (a sync a
+  step, as kiln's logits copy). as_tensor: the position as a 1-element tensor (the static step torch.compile takes)."""
+  p = torch.tensor([pos[0]], device=dev) if as_tensor else pos[0]
+  pos[0] += 1
+  return int(fwd(torch.tensor([tok], device=dev), p)[0].argmax())
+
+
+def _same(a: Sequence[int], b: Sequence[int]) -> int:
+  """How many tokens a and b agree on from the start."""
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def torch_compile_row(torch: Any, args: argparse.Namespace, st: dict[str, Any], peak: float) -> None:
+  """torch.compile's decode step (args.compile_mode; its first call compiles), timed as eager's, its greedy tokens against eager's."""
+  model, ids, dev = st["model"], st["ids"], args.torch_device
+  rc: dict[str, Any] = {k: v for k, v in st["row"].items() if k in ("shape", "type", "device", "prompt", "decode", "weight_bytes")}
+  rc["engine"] = f"torch.compile {args.compile_mode}"
   ROWS.append(rc)
-  def compiled() -> str:
-    fwd = torch.compile(model, mode=args.compile_mode, dynamic=False)
-    with torch.no_grad():
-      first = int(model(ids, 0)[0].argmax())
-      pos = [args.prompt]
-      t = time.perf_counter()
-      one(first, pos, fwd, True)
-      rc["compile_s"] = time.perf_counter() - t
-      tps, ms, _ = time_decode(lambda tok: one(tok, pos, fwd, True), first, args.warmup, args.decode)
-    rc["decode_tok_s"], rc["ms_per_token"] = tps, ms
-    return f"{bandwidth_line(rc['engine'], 'F16', rc, peak)} (first call {rc['compile_s']:.0f} s)"
-  if (msg := step(f"torch.compile ({args.compile_mode}) decode", compiled)): print(f"      {msg}", flush=True)
+  fwd = torch.compile(model, mode=args.compile_mode, dynamic=False)
+  with torch.no_grad():
+    first = int(model(ids, 0)[0].argmax())
+    t = time.perf_counter()
+    _one(torch, fwd, first, [args.prompt], dev, True)  # the compile; the step is run again below (the same cache rows)
+    rc["compile_s"] = time.perf_counter() - t
+    pos = [args.prompt]
+    tps, ms, toks = time_decode(lambda tok: _one(torch, fwd, tok, pos, dev, True), first, args.warmup, args.decode)
+  rc["decode_tok_s"], rc["ms_per_token"] = tps, ms
+  line = f"{bandwidth_line(rc['engine'], 'F16', rc, peak)} (first call {rc['compile_s']:.0f} s)"
+  if (eager := st.get("toks")) is not None:
+    rc["greedy_equal_eager"] = f"{_same(toks, eager)}/{len(eager)}"
+    line += f"; greedy tokens equal eager's: {rc['greedy_equal_eager']}"
+  print(f"      {line}", flush=True)
   dump()
 
 
-def _emulate() -> None:
-  """kiln's CUDA on the CPU emulation (tests/cuda_emu.py of this checkout): a dry run of the CUDA path without a GPU."""
+def _emulate(folder: str) -> None:
+  """kiln's CUDA on the CPU emulation (tests/cuda_emu.py of this checkout): a dry run of the CUDA path without a GPU; kiln's
+  disk cache in `folder` (this run's own)."""
   import pytest
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   from cuda_emu import driver_tests, emulating
@@ -453,7 +488,7 @@ def _emulate() -> None:
   drv = (mod := driver_tests()).make_fake_driver([], cc=(9, 0))
   emulating(drv, mp)
   mp.setattr(emulate, "CXXFLAGS", tuple("-O0" if f == "-O2" else f for f in emulate.CXXFLAGS))  # tiny kernels: the host compiler's time counts
-  mod.install_standin(mp, __import__("pathlib").Path(os.environ.get("TMPDIR", "/tmp")), drv)
+  mod.install_standin(mp, __import__("pathlib").Path(folder), drv)
   mp.setenv("KILN_CACHE", "1")
   registry.unregister_runtime("CUDA")
 
@@ -481,8 +516,10 @@ def main(argv: Sequence[str]) -> int:
   args = ap.parse_args(list(argv))
   if args.prompt + args.warmup + max(args.decode, args.check) + 1 > args.context:
     ap.error(f"--prompt + --warmup + --decode ({args.prompt + args.warmup + args.decode}) must fit the --context {args.context}")
+  tmp = tempfile.mkdtemp(prefix="gpu_llm-")  # the GGUF files (unless --work) and, emulated, kiln's disk cache
+  if not args.work: args.work = tmp
   if args.emulate:
-    _emulate()
+    _emulate(tmp)
     if args.torch_device == "cuda": args.torch_device = "cpu"
   import torch
   torch.set_grad_enabled(False)
@@ -495,14 +532,14 @@ def main(argv: Sequence[str]) -> int:
         f"prompt {args.prompt}, decode {args.decode}, context {args.context}, budget {args.budget:.0f} s", flush=True)
   peak, how = hbm_peak(torch, args.torch_device, args.hbm_gbps)
   msg = f"HBM peak {peak:.0f} GB/s ({how})" if peak else f"HBM peak not known ({how})"
-  if args.torch_device.startswith("cuda") and (cp := step("torch device-to-device copy", lambda: copy_gbps(torch, args.torch_device, sync))):
+  if (cp := step(f"torch copy on {args.torch_device}", lambda: copy_gbps(torch, args.torch_device, sync))):
     msg += f"; a torch copy moves {cp:.0f} GB/s (read + write)"
   print(f"      {msg}", flush=True)
-  tmp = None
-  if not args.work: args.work = tmp = tempfile.mkdtemp(prefix="gpu_llm-")
   t = time.perf_counter()
   weights = step(f"random weights of {args.shape}", lambda: random_weights(cfg, args.seed))
-  if weights is None: return 1
+  if weights is None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 1
   print(f"      {sum(a.size for a in weights.values()) / 1e6:.1f}M weights in {time.perf_counter() - t:.1f} s", flush=True)
   refs: dict[str, Any] = {}  # "held": the first type's weights as its file holds them (torch's rows), "kiln_toks": kiln's greedy tokens
   for ftype in [s for s in args.types.split(",") if s]:
@@ -513,12 +550,23 @@ def main(argv: Sequence[str]) -> int:
     if refs.get("held") is not None and "torch" not in refs:  # torch's rows once, after the first type's
       refs["torch"] = True
       if left(args.budget) < 10: print(f"skip  torch: {left(args.budget):.0f} s of the budget left", flush=True)
-      else: step("torch", lambda: torch_rows(torch, args, cfg, refs["held"], peak, sync, refs.get("kiln_toks")))
+      else: refs["torch"] = step("torch", lambda: torch_rows(torch, args, cfg, refs["held"], peak, sync, refs.get("kiln_toks")))
       refs["held"] = None
+  st = refs.get("torch")
+  if args.torch_compile and isinstance(st, dict) and st.get("model") is not None:  # last: its compile takes the longest
+    if left(args.budget) < args.compile_reserve:
+      print(f"skip  torch.compile: {left(args.budget):.0f} s of the budget left (it needs {args.compile_reserve:.0f})", flush=True)
+    else: step(f"torch.compile ({args.compile_mode}) decode", lambda: torch_compile_row(torch, args, st, peak))
   dump()
-  if tmp is not None:
-    for f in os.listdir(tmp): os.remove(os.path.join(tmp, f))
-    os.rmdir(tmp)
+  shutil.rmtree(tmp, ignore_errors=True)
+  if args.emulate:  # the runtime dropped while the stand-in driver is still there (at exit its module is gone)
+    import gc
+
+    from kiln.codegen import registry
+    from kiln.executor import cache
+    gc.collect()
+    cache.clear_memory_cache()  # its kernels hold the stand-in's modules
+    registry.unregister_runtime("CUDA")
   print(f"== llm done in {time.perf_counter() - T0:.0f} s; {len(FAILS)} failed steps{': ' + ', '.join(FAILS) if FAILS else ''}", flush=True)
   return 1 if FAILS else 0
 
