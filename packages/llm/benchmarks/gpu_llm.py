@@ -374,7 +374,7 @@ def kiln_rows(torch: Any, args: argparse.Namespace, cfg: dict[str, Any], weights
 
 def bandwidth_line(engine: str, ftype: str, r: dict[str, Any], peak: float) -> str:
   r["weight_gbps"] = r["weight_bytes"] * r["decode_tok_s"] / 1e9
-  if peak: r["hbm_fraction"] = r["weight_gbps"] / peak
+  if peak: r["hbm_gbps"], r["hbm_fraction"] = peak, r["weight_gbps"] / peak
   frac = f" = {r['hbm_fraction']:.1%} of {peak:.0f} GB/s (target 60%)" if peak else ""
   return (f"{engine} {ftype} decode: {r['decode_tok_s']:.1f} tokens/s, {r['ms_per_token']:.3f} ms/token (median step); "
           f"{r['weight_bytes'] / 1e6:.1f} MB of matrices a token x tokens/s = {r['weight_gbps']:.1f} GB/s{frac}")
