@@ -43,9 +43,10 @@ def _tiled(plan) -> int:  # type: ignore[no-untyped-def]
 
 def test_convnet(gpu, monkeypatch) -> None:
   """Conv (3x3, padded) + BatchNorm + Relu, a bottleneck of two 1x1 convs with the residual Add, max pool, global pool,
-  Gemm. The 1x1 convs are tiled matmuls: their pixels' index is a reshape's (p // w) * w + p % w, which the matcher sees
-  as p once simplified (the generic kernel before). The plan's distinct kernels compile once each, on the runtime's
-  compile_threads (KILN_COMPILE_THREADS), before it is built. Two runs with other inputs: the weights stay on the device."""
+  Gemm. The convs are tiled matmuls: the 1x1 ones' pixels index as a reshape's (p // w) * w + p % w, which the matcher
+  sees as p once simplified; the 3x3 one reads its padded input's windows element by element (implicit GEMM). The plan's
+  distinct kernels compile once each, on the runtime's compile_threads (KILN_COMPILE_THREADS), before it is built. Two
+  runs with other inputs: the weights stay on the device."""
   seen: set[str] = set()
   real = CUDACompiler.compile
   def compile_(self, spec):  # type: ignore[no-untyped-def]
@@ -63,7 +64,7 @@ def test_convnet(gpu, monkeypatch) -> None:
   m = model(nodes, {"x": x}, {"y": np.float32}, inits)
   before = cache.cache_stats()["compiles"]
   km = konnx.load(m, device="CUDA")
-  assert _tiled(km.plan) == 2, km.summary()
+  assert _tiled(km.plan) == 3, km.summary()  # the two 1x1 convs, and the padded 3x3 one as an implicit GEMM
   assert cache.cache_stats()["compiles"] - before == len({p.kernel.key for p in km.plan.prepared_ops if hasattr(p, "kernel")})
   assert len(seen) > 1 and threading.current_thread().name not in seen, seen
   at_load = dict(gpu.stats)

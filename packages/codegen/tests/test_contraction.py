@@ -72,10 +72,29 @@ def test_what_is_not_one_plain_product_does_not_match() -> None:
   other = UOp.define_global(4, f32.ptr(8)).index(r2).load().reduce(Ops.ADD, r2)
   assert match(_mm(32, 32, 32, epilogue=lambda v: v * other)) is None  # a second sum
   assert match(_mm(32, 32, 32, same=True)) is None  # one buffer on both sides
-  assert match(_mm(32, 32, 32, a_index=lambda i, kk: i * 32 + kk % 7)) is None  # a gathered index
+  b = UOp.define_global(3, dtypes.int32.ptr(32 * 32))
+  assert match(_mm(32, 32, 32, a_index=lambda i, kk: b.index(i * 32 + kk).load())) is None  # a gathered index
   assert match(kernels.reduce_sum((64, 64), f32, 1)) is None
   n = UOp.variable("n", 1, 64)
   assert match(kernels.matmul(n, 32, 32)) is None  # symbolic sizes: the generic kernel
+
+
+def test_an_operand_may_be_an_expression_of_its_matrix_ranges() -> None:
+  """An operand whose matrix part is not a stride per axis (a convolution's pixel and tap, taken apart by // and %; a term of
+  both ranges; a gate) keeps it as an expression of its two matrix ranges (Operand.expr, strides 0); affine operands keep
+  their strides and no expression."""
+  c = match(_mm(32, 32, 36, a_index=lambda i, kk: (i // 8) * 100 + (i % 8) * 2 + (kk // 9) * 7 + kk % 9))
+  assert c is not None and not c.a.affine and c.a.rows == c.a.cols == 0 and c.b.affine and c.c.affine
+  assert c.a.expr is not None and [r.arg[0] for r in c.a.expr[:2]] == [0, 2] and c.a.gate is None
+  both = match(_mm(32, 32, 32, a_index=lambda i, kk: (i * 32 + kk) % 7))  # one term of both ranges
+  assert both is not None and both.a.expr is not None
+  plain = match(_mm(32, 32, 32))
+  assert plain is not None and plain.a.affine and (plain.a.rows, plain.a.cols) == (32, 1)
+  gated = _mm(32, 32, 32)
+  av = next(u for u in gated.toposort() if u.op is Ops.INDEX and int(u.src[0].arg) == 1)
+  kk = next(u for u in gated.toposort() if u.op is Ops.RANGE and u.arg[0] == 2)
+  g = match(gated.substitute({av: UOp(Ops.INDEX, av.dtype, (*av.src, kk < 20))}))  # a gated load (a pad's zeros)
+  assert g is not None and g.a.gate is not None and g.a.expr is not None and g.b.affine
 
 
 def test_renderer_uses_the_tiled_kernel_only_under_the_heuristic() -> None:

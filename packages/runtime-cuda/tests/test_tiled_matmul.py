@@ -262,6 +262,51 @@ def test_an_epilogue_reads_a_bool_mask() -> None:
   assert (got[0] == -1e4).sum() == (~bufs[3]).sum()
 
 
+def _conv_ast(b: int, c: int, h: int, w: int, oc: int, stride: int, dt, pad: int = 0, where: bool = False):
+  """out[b, o, p] = sum_k x[b, k // 9, (p // ow) * s + (k // 3) % 3 - pad, (p % ow) * s + k % 3 - pad] * wt[o, k] (+ bias[o],
+  relu): a 3x3 convolution as kiln-graph reads it, the pixel and the (channel, tap) axes merged, so A's offsets are
+  expressions of the pixel and of k (implicit GEMM); with pad, the load is gated to the image (0 outside), as kiln-graph
+  reads a padding it does not realize (where: as where(inside, load, 0), kiln-graph's form). Slots: 0 out, 1 x, 2 wt, 3 bias."""
+  from kiln.ir.ops import AxisType, Ops
+  f32 = dtypes.float32
+  oh, ow, k = (h + 2 * pad - 3) // stride + 1, (w + 2 * pad - 3) // stride + 1, c * 9
+  bi, o, p, kk = UOp.range(b, 0), UOp.range(oc, 1), UOp.range(oh * ow, 2), UOp.range(k, 3, AxisType.REDUCE)
+  y, xx = (p // ow) * stride + (kk // 3) % 3 - pad, (p % ow) * stride + kk % 3 - pad
+  xg = UOp.define_global(1, dt.ptr(b * c * h * w))
+  if pad:  # each coordinate clamped into the image (the verifier's proof of the address), the load gated to it
+    inside = ((y < 0).logical_not()) & (y < h) & ((xx < 0).logical_not()) & (xx < w)
+    y, xx = y.maximum(0).minimum(h - 1), xx.maximum(0).minimum(w - 1)
+  at = bi * (c * h * w) + (kk // 9) * (h * w) + y * w + xx
+  x = (inside.where(xg.index(at).load(), UOp.const(dt, 0)) if where else xg.index(at, inside).load()) if pad else xg.index(at).load()
+  wt = UOp.define_global(2, dt.ptr(oc * k)).index(o * k + kk).load()
+  acc = (x.cast(f32) * wt.cast(f32)).reduce(Ops.ADD, kk) if dt != f32 else (x * wt).reduce(Ops.ADD, kk)
+  v = (acc + UOp.define_global(3, f32.ptr(oc)).index(o).load()).maximum(0.0)
+  return UOp.sink(UOp.define_global(0, dt.ptr(b * oc * oh * ow)).index(bi * (oc * oh * ow) + o * (oh * ow) + p).store(v.cast(dt)), name="conv")
+
+
+@requires_cxx
+@pytest.mark.parametrize(("stride", "dt", "pad", "where"), [(1, "float32", 0, False), (2, "float32", 0, False), (1, "float16", 0, False),
+                                                           (1, "float32", 1, False), (2, "float32", 1, False), (1, "float32", 1, True)])
+def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where: bool) -> None:
+  """A 3x3 convolution's product takes the SIMT tile with A's offsets computed per element from the pixel and the tap, and
+  a padded one its gate (before: the generic kernel, one thread an output); 16-bit inputs too (tensor cores need strided
+  rows), against the reference with the tiled sum's tolerance, off every tile edge (m = 33 or 16 pixels or more, n = 24
+  channels, k = 45). The output is poisoned first; a gate left out reads the clamped border element and fails."""
+  from kiln.codegen.conformance import Case, for_spec, mismatches
+  kdt = getattr(dtypes, dt)
+  ast = _conv_ast(2, 5, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where)
+  spec = tiled(ast, H100, "conv", None)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(simt")
+  rng = np.random.default_rng(stride)
+  gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
+  bufs = [np.full(g.dtype.size, np.nan, g.dtype.base.name) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(g.dtype.base.name) for g in gl]
+  case = Case("conv", ast, bufs)
+  got = case.fresh()
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+
+
 def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):
   """C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]: B stored transposed (k contiguous), as ONNX Gemm's transB reads it."""
   from kiln.ir.ops import AxisType, Ops

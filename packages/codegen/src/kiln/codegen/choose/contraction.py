@@ -1,9 +1,13 @@
-"""Recognise a kernel that is one matrix product, C[b, i, j] = f(sum_k A[b, i, k] * B[b, k, j], ...), with every index an affine
-function of the ranges, so a renderer can give it a tiled kernel of its own (render/cuda_matmul.py) instead of the generic
-lowering. What matches: one STORE whose value is an elementwise epilogue f (bias, activation, residual, the cast to the
-output's dtype; loads indexed by the output ranges) of one REDUCE(ADD) over one range of a product of two loads (each loaded
-value optionally cast to the sum's dtype); constant sizes; an index made of ranges, constants, +, - and multiplication by a
-constant. Anything else (a second sum, a symbolic size, a gathered index) is None: the generic path runs it."""
+"""Recognise a kernel that is one matrix product, C[b, i, j] = f(sum_k A[b, i, k] * B[b, k, j], ...), so a renderer can give it
+a tiled kernel of its own (render/cuda_matmul.py) instead of the generic lowering. What matches: one STORE whose value is an
+elementwise epilogue f (bias, activation, residual, the cast to the output's dtype; loads indexed by the output ranges) of
+one REDUCE(ADD) over one range of a product of two loads (each loaded value optionally cast to the sum's dtype); constant
+sizes; the output's index, and the batch axes' part of each operand's, affine in the ranges (ranges, constants, +, - and
+multiplication by a constant). An operand whose matrix part is not a stride per axis (a convolution read as a product,
+implicit GEMM: A[pixel, k] at the pixel's row and column and k's channel and tap taken apart by // and %, and a padded
+input's gate, which reads 0 outside the image) keeps that part as an expression of its two matrix ranges
+(`Operand.expr`, `Operand.gate`), which the tiled kernel computes element by element. Anything else (a second sum, a
+symbolic size, a gathered index, a batch axis inside such an expression) is None: the generic path runs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +25,13 @@ class Operand:
   batch: tuple[int, ...]  # element stride per batch axis (0: broadcast)
   rows: int  # stride along the operand's first matrix axis (A: i, B: k, C: i)
   cols: int  # along the second (A: k, B: j, C: j)
+  # where the matrix part is not rows * r0 + cols * r1: (r0, r1, that part as an index expression of the two ranges); rows
+  # and cols are then 0. gate: the load reads 0 where it is false (an expression of r0 and r1 too)
+  expr: tuple[UOp, UOp, UOp] | None = None
+  gate: UOp | None = None
+
+  @property
+  def affine(self) -> bool: return self.expr is None and self.gate is None
 
 
 @dataclass(frozen=True)
@@ -76,13 +87,64 @@ def linear(idx: UOp) -> dict[UOp | None, int] | None:
   return memo[idx]
 
 
-def _load(u: UOp, acc: DType) -> tuple[UOp, UOp] | None:
-  """(DEFINE_GLOBAL, index) of a value that is a load, or a load cast to the sum's dtype."""
+def _additive(u: UOp, scale: int, out: list[tuple[UOp, int]]) -> None:
+  """u's additive terms (term, factor): sums and differences split, multiplication by a constant carried to the terms."""
+  if u.op in (Ops.ADD, Ops.SUB):
+    _additive(u.src[0], scale, out)
+    _additive(u.src[1], -scale if u.op is Ops.SUB else scale, out)
+  elif u.op is Ops.MUL and (c := next((x for x in u.src if x.op is Ops.CONST and type(x.arg) is int), None)) is not None:
+    _additive(u.src[1] if u.src[0] is c else u.src[0], scale * int(c.arg), out)
+  else: out.append((u, scale))
+
+
+@dataclass(frozen=True)
+class _Index:
+  """A load's index as affine coefficients (`coef`, as linear's) of its linear terms plus the sum of the rest (`rest`, None
+  where there is none), and its gate (None: not gated)."""
+  coef: dict[UOp | None, int]
+  rest: UOp | None
+  gate: UOp | None
+
+  def ranges(self) -> set[UOp]:
+    out = {r for r, v in self.coef.items() if r is not None and v}
+    for u in (self.rest, self.gate):
+      if u is not None: out |= {x for x in u.toposort() if x.op is Ops.RANGE}
+    return out
+
+  def uses(self, r: UOp) -> bool: return r in self.ranges()
+
+
+def _index(idx: UOp, gate: UOp | None) -> _Index | None:
+  """idx (and the gate) split as _Index; None where an expression holds what an index may not (a load: a gathered index)."""
+  if any(x.op not in _INDEX_OPS for u in (idx, gate) if u is not None for x in u.toposort()): return None
+  if (lin := linear(idx)) is not None and gate is None: return _Index(lin, None, None)
+  coef: dict[UOp | None, int] = {}
+  rest: UOp | None = None
+  terms: list[tuple[UOp, int]] = []
+  _additive(idx, 1, terms)
+  for t, f in terms:
+    if (lt := linear(t)) is not None:
+      for key, v in lt.items(): coef[key] = coef.get(key, 0) + f * v
+    else: rest = (t if f == 1 else t * f) if rest is None else rest + (t if f == 1 else t * f)
+  return _Index(coef, rest, gate)
+
+
+# what an operand's index and gate may hold: index arithmetic and comparisons of the ranges
+_INDEX_OPS = frozenset({Ops.RANGE, Ops.CONST, Ops.ADD, Ops.SUB, Ops.MUL, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CAST, Ops.CMPLT, Ops.CMPNE,
+                        Ops.CMPEQ, Ops.AND, Ops.OR, Ops.XOR, Ops.WHERE})
+
+
+def _load(u: UOp, acc: DType) -> tuple[UOp, UOp, UOp | None] | None:
+  """(DEFINE_GLOBAL, index, gate or None) of a value that is a load, or a load cast to the sum's dtype; gated either in
+  the index or as where(gate, load, 0) (a pad kiln-graph does not realize)."""
   if u.op is Ops.CAST and u.dtype == acc: u = u.src[0]
-  if u.op is not Ops.LOAD or len(u.src) != 1 or u.src[0].op is not Ops.INDEX: return None
+  if u.op is Ops.WHERE and u.src[2].op is Ops.CONST and u.src[2].arg == 0 and (inner := _load(u.src[1], acc)) is not None:
+    g, idx, gate = inner
+    return g, idx, u.src[0] if gate is None else (u.src[0] & gate)
+  if u.op is not Ops.LOAD or len(u.src) != 1 or u.src[0].op is not Ops.INDEX or len(u.src[0].src) not in (2, 3): return None
   g, idx = u.src[0].src[0], u.src[0].src[1]
   if g.op is not Ops.DEFINE_GLOBAL or not isinstance(g.dtype, PtrDType): return None
-  return g, idx
+  return g, idx, (u.src[0].src[2] if len(u.src[0].src) == 3 else None)
 
 
 def _size(r: UOp) -> int | None: return int(r.src[0].arg) if r.src[0].op is Ops.CONST else None
@@ -126,13 +188,13 @@ def match(ast: UOp) -> Contraction | None:
   if not acc.is_float or prod.op is not Ops.MUL: return None
   la, lb = _load(prod.src[0], acc), _load(prod.src[1], acc)
   if la is None or lb is None or la[0] is lb[0] or gc in (la[0], lb[0]): return None
-  fa, fb = linear(la[1]), linear(lb[1])
+  fa, fb = _index(la[1], la[2]), _index(lb[1], lb[2])
   if fa is None or fb is None or (kk := _size(kr)) is None: return None
   if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None
-  if any(r is not None and r is not kr and r not in fc for f in (fa, fb) for r in f): return None  # every range is an output's or k
-  if fc.get(kr, 0) or not fa.get(kr, 0) or not fb.get(kr, 0): return None
-  i_axes = [r for r in outs if fa.get(r, 0) and not fb.get(r, 0)]
-  j_axes = [r for r in outs if fb.get(r, 0) and not fa.get(r, 0)]
+  if any(r is not kr and r not in fc for f in (fa, fb) for r in f.ranges()): return None  # every range is an output's or k
+  if fc.get(kr, 0) or not fa.uses(kr) or not fb.uses(kr): return None
+  i_axes = [r for r in outs if fa.uses(r) and not fb.uses(r)]
+  j_axes = [r for r in outs if fb.uses(r) and not fa.uses(r)]
   if not i_axes or not j_axes: return None
   # more than one: an axis the other operand broadcasts over (a batched 1x1 conv's images, which its weight does not have)
   # is a batch axis of stride 0 there; the matrix axis is the one the output is most contiguous along
@@ -140,12 +202,19 @@ def match(ast: UOp) -> Contraction | None:
   batch = sorted((r for r in outs if r is not ri and r is not rj), key=lambda r: r.arg[0])
   if not fc.get(ri, 0) or not fc.get(rj, 0): return None
 
-  def operand(g: UOp, f: dict[UOp | None, int], r0: UOp, r1: UOp) -> Operand:
+  def operand(g: UOp, f: _Index, r0: UOp, r1: UOp) -> Operand | None:
     assert isinstance(g.dtype, PtrDType)
-    return Operand(slot=int(g.arg), dtype=g.dtype.base, offset=f.get(None, 0), batch=tuple(f.get(r, 0) for r in batch),
-                   rows=f.get(r0, 0), cols=f.get(r1, 0))
+    base = dict(slot=int(g.arg), dtype=g.dtype.base, offset=f.coef.get(None, 0), batch=tuple(f.coef.get(r, 0) for r in batch))
+    if f.rest is None and f.gate is None: return Operand(**base, rows=f.coef.get(r0, 0), cols=f.coef.get(r1, 0))  # type: ignore[arg-type]
+    inner = {x for u in (f.rest, f.gate) if u is not None for x in u.toposort()}
+    if any(r in inner for r in batch): return None  # a batch axis's offset is a stride
+    part = f.rest if f.rest is not None else UOp.const(r0.dtype, 0)
+    for r in (r0, r1):
+      if c := f.coef.get(r, 0): part = part + r * c
+    return Operand(**base, rows=0, cols=0, expr=(r0, r1, part), gate=f.gate)  # type: ignore[arg-type]
   if any(g in (la[0], lb[0]) for g in extra): return None  # an operand read again in the epilogue: keep it simple, generic
-  con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch),
-                    a=operand(la[0], fa, ri, kr), b=operand(lb[0], fb, kr, rj), c=operand(gc, fc, ri, rj), acc=acc,
+  oa, ob, oc = operand(la[0], fa, ri, kr), operand(lb[0], fb, kr, rj), operand(gc, _Index(fc, None, None), ri, rj)
+  if oa is None or ob is None or oc is None: return None
+  con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch), a=oa, b=ob, c=oc, acc=acc,
                     value=val, reduce=red, ranges=(ri, rj, *batch), extra=tuple(int(g.arg) for g in extra))
   return con if con.a.dtype == con.b.dtype else None  # mixed input dtypes: the generic kernel

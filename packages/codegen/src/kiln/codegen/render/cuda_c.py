@@ -452,7 +452,7 @@ class EpiloguePrinter(CUDAPrinter):
     self.depth, self.n = 0, start
     self.last, self.written = {}, set()
 
-  def expr(self, value: UOp, stop: UOp) -> str:
+  def expr(self, value: UOp, stop: UOp | None = None) -> str:
     """Renders value's nodes above `stop` (the sum, named by the caller) in order; returns value's C expression. A node the
     sum's body shares (an operand's index arithmetic that a load of the epilogue reuses) is printed here too."""
     for u in value.toposort(lambda x: x is not stop):

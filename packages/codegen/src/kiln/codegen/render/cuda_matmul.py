@@ -82,7 +82,8 @@ def _slot_types(c: Contraction) -> dict[int, DType]:
 def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int = 0) -> str:
   typ = _slot_types(c)
   slots = sorted(typ)
-  ps = [f"{'' if s == c.c.slot else 'const '}{_MEM.get(typ[s].name) or ctype(typ[s])}* __restrict__ data{s}" for s in slots]  # an epilogue's mask: bool
+  # an epilogue's extra buffers take any type (a bool mask)
+  ps = [f"{'' if s == c.c.slot else 'const '}{_MEM.get(typ[s].name) or ctype(typ[s])}* __restrict__ data{s}" for s in slots]
   bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
   return f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({", ".join(ps)})'
 
@@ -103,6 +104,21 @@ def _simt_loads(c: Contraction, t: Tiling, o: Operand) -> tuple[bool, int]:
   is_a = o is c.a
   walk = o.cols == 1 or o.rows != 1
   return walk, _vec(o, walk, (c.m, c.k) if is_a else (c.k, c.n), (t.bm if is_a else t.bn) * t.bk // THREADS)
+
+
+def _offsets(o: Operand, rv: str, cv: str, helpers: dict[str, str]) -> tuple[list[str], str, str | None]:
+  """(lines, the C offset of operand o's element (rv, cv), its gate or None): the indices times the strides, or the operand's
+  expression of its two matrix ranges (contraction's Operand.expr: an implicit GEMM's pixel and tap) printed by the CUDA
+  printer's own tables with the ranges named by the indices; the lines compute its temporaries (inside the load loop)."""
+  if o.expr is None and o.gate is None: return [], f"(long long){rv} * {o.rows} + (long long){cv} * {o.cols}", None
+  assert o.expr is not None
+  r0, r1, part = o.expr
+  p = EpiloguePrinter()
+  p.names[r0], p.names[r1] = rv, cv
+  off = p.expr(part)
+  gate = None if o.gate is None else p.expr(o.gate)
+  helpers.update(p.helpers)
+  return ["      " + ln for ln in p.lines], f"(long long)({off})", gate
 
 
 def _vec_load(reg: str, vec: int, ok: str, addr: str) -> str:
@@ -146,7 +162,10 @@ def render_simt(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) -
     e(f"    #pragma unroll\n    for (int it = 0; it < {n}; it++) {{")
     e("      " + tile_coords(vec, rows, cols, walk, "it"))
     e(f"      const int {rv} = {re_}, {cv} = {ce};")
-    addr = f"{ptr} + (long long){rv} * {o.rows} + (long long){cv} * {o.cols}"
+    pre, off, gate = _offsets(o, rv, cv, helpers)
+    L.extend(pre)
+    addr = f"{ptr} + {off}"
+    if gate is not None: ok = f"{ok} && ({gate})"  # a padded input's border: 0
     if vec > 1: e(_vec_load(reg, vec, ok, addr))
     else: e(f"      {reg}[it] = ({ok}) ? {cvt.format(v=f'*({addr})')} : 0.0f;")
     e("    }")
