@@ -285,26 +285,51 @@ def _conv_ast(b: int, c: int, h: int, w: int, oc: int, stride: int, dt, pad: int
 
 
 @requires_cxx
-@pytest.mark.parametrize(("stride", "dt", "pad", "where"), [(1, "float32", 0, False), (2, "float32", 0, False), (1, "float16", 0, False),
-                                                           (1, "float32", 1, False), (2, "float32", 1, False), (1, "float32", 1, True)])
-def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where: bool) -> None:
-  """A 3x3 convolution's product takes the SIMT tile with A's offsets computed per element from the pixel and the tap, and
-  a padded one its gate (before: the generic kernel, one thread an output); 16-bit inputs too (tensor cores need strided
-  rows), against the reference with the tiled sum's tolerance, off every tile edge (m = 33 or 16 pixels or more, n = 24
-  channels, k = 45). The output is poisoned first; a gate left out reads the clamped border element and fails."""
+@pytest.mark.parametrize(("stride", "dt", "pad", "where", "kind"), [
+  (1, "float32", 0, False, "simt"), (2, "float32", 0, False, "simt"), (1, "float32", 1, False, "simt"), (2, "float32", 1, False, "simt"),
+  (1, "float32", 1, True, "simt"), (1, "float16", 1, True, "mma"), (2, "bfloat16", 1, True, "mma"), (1, "float32", 1, True, "tf32")])
+def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where: bool, kind: str) -> None:
+  """A 3x3 convolution's product takes a tile with A's offsets computed per element from the pixel and the tap, and a
+  padded one its gate (before: the generic kernel, one thread an output): the SIMT tile, or tensor cores for 16-bit inputs
+  and TF32 (A read into registers and stashed in shared memory after each slice's steps), against the reference with the
+  tiled sum's tolerance, off every tile edge (m = 33 pixels or more, n = 24 channels, k = 45 or 48). The output is
+  poisoned first; a gate left out reads the clamped border element and fails."""
   from kiln.codegen.conformance import Case, for_spec, mismatches
   kdt = getattr(dtypes, dt)
-  ast = _conv_ast(2, 5, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where)
-  spec = tiled(ast, H100, "conv", None)
-  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(simt")
+  c = 5 if kind == "simt" else 16  # tensor cores take k in whole 16-byte chunks (k = 9c)
+  ast = _conv_ast(2, c, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where)
+  spec = tiled(ast, TF32 if kind == "tf32" else H100, "conv", None)
+  assert spec is not None and spec.applied_opts[0].startswith(f"TILED_MATMUL({kind}")
   rng = np.random.default_rng(stride)
   gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
-  bufs = [np.full(g.dtype.size, np.nan, g.dtype.base.name) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(g.dtype.base.name) for g in gl]
+  bufs = [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl]
+  bufs = [b if g.dtype.base == dtypes.float32 else _bits16(b, g.dtype.base.name) for b, g in zip(bufs, gl)]
   case = Case("conv", ast, bufs)
   got = case.fresh()
   prog = emulate.EmulatedProgram(spec)
   prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
-  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  if kind == "tf32":  # inputs rounded to 10 mantissa bits: within TF32's error of the exact sums, and not float32-exact
+    from kiln.ir.reference import evaluate
+    want = case.fresh()
+    evaluate(ast, want, {})
+    err = np.abs(got[0] - want[0]).max() / np.abs(want[0]).max()
+    assert 1e-6 < err < 2e-3, err
+  else: assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+
+
+@requires_nvcc
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_nvcc_builds_an_implicit_gemm_without_spills(dt: str, nvcc_compiler, tmp_path) -> None:
+  """A ResNet-sized padded 3x3 convolution (batch 32, 256 channels, 14x14) as the SIMT and the tensor-core kernel: nvcc
+  builds each for sm_90 with no stack frame and no spills (the per-element offsets and gates stay in registers)."""
+  ast = _conv_ast(32, 256, 14, 14, 256, 1, getattr(dtypes, dt), 1, True)
+  spec = tiled(ast, H100, "conv", None)
+  assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(" + ("simt" if dt == "float32" else "mma"))
+  (tmp_path / "k.cu").write_text(spec.src)
+  r = subprocess.run([find_nvcc() or "nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "--resource-usage",
+                      str(tmp_path / "k.cu")], capture_output=True, text=True, cwd=tmp_path, env={**os.environ})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
 
 
 def _matmul_bt(m: int, n: int, k: int, dt, batch: int = 1):

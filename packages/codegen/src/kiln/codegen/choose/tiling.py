@@ -64,10 +64,11 @@ def _mma_kind(c: Contraction, target: Target) -> str | None:
   elif c.a.dtype == dtypes.float32 and target.allow_tf32: kind, per = "tf32", 4
   else: return None
   a, b = c.a, c.b
-  # B in 16-byte chunks along n (row-major) or along k (B^T stored): its other stride and every start a multiple of a chunk
-  b_ok = (b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)
-  ok = (a.cols == 1 and b_ok and c.k % per == 0 and c.n % per == 0 and a.rows % per == 0
-        and a.offset % per == 0 and b.offset % per == 0 and all(s % per == 0 for s in (*a.batch, *b.batch)))
+  # B in 16-byte chunks along n (row-major) or along k (B^T stored): its other stride and every start a multiple of a chunk;
+  # A too, or element by element where its offsets are an expression (implicit GEMM: render_mma's stash)
+  b_ok = b.affine and ((b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)) and b.offset % per == 0
+  a_ok = not a.affine or (a.cols == 1 and a.rows % per == 0 and a.offset % per == 0 and all(s % per == 0 for s in a.batch))
+  ok = a_ok and b_ok and c.k % per == 0 and c.n % per == 0 and all(s % per == 0 for s in b.batch)
   return kind if ok else None
 
 
