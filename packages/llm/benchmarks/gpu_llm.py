@@ -1,8 +1,9 @@
 """A Llama-architecture model's decode on kiln's CUDA runtime against torch with its KV cache on the same GPU (issue 40;
 scripts/gpu-models runs it there, section llm). Needs torch and gguf: never in kiln's own environments.
 
-  python gpu_llm.py [--shape smol135m|llama1b|tiny] [--types Q8_0,F16] [--prompt 32] [--decode 64] [--context 512]
-                    [--budget SECONDS] [--torch-compile] [--hbm-gbps GB/s] [--kiln-device CUDA] [--torch-device cuda] [--emulate]
+  python gpu_llm.py [--shape smol135m|llama1b|tiny] [--types Q8_0,F16] [--prompt 32] [--decode 64] [--warmup 4] [--check 4]
+                    [--context 512] [--budget SECONDS] [--torch-compile] [--compile-mode reduce-overhead] [--hbm-gbps GB/s]
+                    [--kiln-device CUDA] [--torch-device cuda] [--work DIR] [--emulate]
 
 The model: random weights (no download) in a Llama's shapes, HF's initialisation (matrices N(0, 0.2), as
 llamacpp_compare.py's initializer_range, so greedy picks are the model's and not rounding's; norms 1), written per type
@@ -10,8 +11,9 @@ as a GGUF by the tests' converter-style writer (packages/llm/tests/checkpoint_fi
 permutation; F16 and Q8_0 through the gguf package's quantizer, no llama.cpp) with vocabulary "no_vocab" (token ids are
 fed). smol135m: SmolLM-135M's shapes (hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, tied);
 llama1b: Llama-3.2-1B's (hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocab 128256, tied; plain RoPE of
-theta 500000, no llama3 frequency scaling: it changes no byte a step reads), 1.2 billion weights whose writing and
-checking take most of a minute; tiny: two small layers for --emulate.
+theta 500000, no llama3 frequency scaling: it changes no byte a step reads), 1.2 billion weights: the tests' writer
+quantizes and writes them on one core, 30-45 s for Q8_0 (give it --types Q8_0 and scripts/gpu-models --llm-limit 200);
+tiny: two small layers for --emulate.
 
 kiln: load(path, context=C, device="CUDA") and its prefill and decode plans built (the load row: open, compile, upload);
 a P-token prompt's prefill (median of 3, each from an empty cache), then W warm-up and D timed greedy decode steps, each
@@ -251,11 +253,13 @@ def hbm_peak(torch: Any, dev: str, flag: float) -> tuple[float, str]:
 
 
 def copy_gbps(torch: Any, dev: str, sync: Sync, mb: int = 1024) -> float:
-  """A device-to-device copy of `mb` MB: (read + write) bytes / s, best of 5 (a practical bound of the memory's rate)."""
+  """A device-to-device copy of `mb` MB: (read + write) bytes / s, best of 5 after one untimed (a practical bound of the
+  memory's rate)."""
   a = torch.empty(mb * 2**20, dtype=torch.uint8, device=dev)
   b = torch.empty_like(a)
+  b.copy_(a)
   best = 0.0
-  for _ in range(6):
+  for _ in range(5):
     sync(); t = time.perf_counter(); b.copy_(a); sync()  # noqa: E702
     best = max(best, 2 * a.numel() / (time.perf_counter() - t) / 1e9)
   return best
@@ -475,9 +479,9 @@ def torch_compile_row(torch: Any, args: argparse.Namespace, st: dict[str, Any], 
   dump()
 
 
-def _emulate(folder: str) -> None:
+def _emulate(folder: str, tiny: bool) -> None:
   """kiln's CUDA on the CPU emulation (tests/cuda_emu.py of this checkout): a dry run of the CUDA path without a GPU; kiln's
-  disk cache in `folder` (this run's own)."""
+  disk cache in `folder` (this run's own). tiny: the kernels are built unoptimised (the host compiler's time is what counts)."""
   import pytest
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   from cuda_emu import driver_tests, emulating
@@ -487,7 +491,7 @@ def _emulate(folder: str) -> None:
   mp = pytest.MonkeyPatch()
   drv = (mod := driver_tests()).make_fake_driver([], cc=(9, 0))
   emulating(drv, mp)
-  mp.setattr(emulate, "CXXFLAGS", tuple("-O0" if f == "-O2" else f for f in emulate.CXXFLAGS))  # tiny kernels: the host compiler's time counts
+  if tiny: mp.setattr(emulate, "CXXFLAGS", tuple("-O0" if f == "-O2" else f for f in emulate.CXXFLAGS))
   mod.install_standin(mp, __import__("pathlib").Path(folder), drv)
   mp.setenv("KILN_CACHE", "1")
   registry.unregister_runtime("CUDA")
@@ -519,7 +523,7 @@ def main(argv: Sequence[str]) -> int:
   tmp = tempfile.mkdtemp(prefix="gpu_llm-")  # the GGUF files (unless --work) and, emulated, kiln's disk cache
   if not args.work: args.work = tmp
   if args.emulate:
-    _emulate(tmp)
+    _emulate(tmp, args.shape == "tiny")
     if args.torch_device == "cuda": args.torch_device = "cpu"
   import torch
   torch.set_grad_enabled(False)
