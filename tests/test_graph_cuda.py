@@ -142,3 +142,27 @@ def test_a_window_read_as_a_matrix_is_aligned(gpu) -> None:
   views = [p for p in c.plan.prepared_ops if type(p).__name__ == "PreparedBufferView"]
   assert views and all(v.byte_offset % 16 == 0 for v in views)
   np.testing.assert_allclose(c.run({"x": xv})[0], (xv * 2)[1:].reshape(16, 16) @ wv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", ["float16", "float32"])
+def test_half_convolutions_on_tensor_cores(gpu, dt: str) -> None:
+  """A float16 ONNX conv stack (3x3 padded, stride 2, 1x1) runs its convolutions as implicit GEMMs on tensor cores (mma),
+  float32 on the SIMT tile; against kiln on the CPU, which computes float16 in float32 and rounds as the GPU kernels do
+  (onnxruntime's CPU float16 convolution is not the reference: it has none for every shape)."""
+  rng = np.random.default_rng(9)
+  npdt = np.dtype(dt)
+  x = rng.uniform(-1, 1, (2, 8, 10, 10)).astype(npdt)
+  inits = {"w1": rng.uniform(-.3, .3, (16, 8, 3, 3)).astype(npdt), "b1": rng.uniform(-.1, .1, 16).astype(npdt),
+           "w2": rng.uniform(-.3, .3, (16, 16, 3, 3)).astype(npdt), "w3": rng.uniform(-.3, .3, (8, 16, 1, 1)).astype(npdt)}
+  nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["r1"]),
+           N("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]), N("Relu", ["c2"], ["r2"]), N("Conv", ["r2", "w3"], ["y"])]
+  m = model(nodes, {"x": x}, {"y": npdt}, inits)
+  want = konnx.load(m).run({"x": x})["y"]
+  km = konnx.load(m, device="CUDA")
+  kinds = [str(p.kernel.applied_opts[0]) for p in km.plan.prepared_ops if hasattr(p, "kernel") and p.kernel.applied_opts
+           and str(p.kernel.applied_opts[0]).startswith("TILED_MATMUL")]
+  assert len(kinds) == 2 and all(k.startswith("TILED_MATMUL(" + ("mma" if dt == "float16" else "simt")) for k in kinds), kinds
+  got = km.run({"x": x})["y"]
+  assert got.dtype == npdt
+  tol = 2e-3 if dt == "float16" else 1e-5
+  np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol * np.abs(want).max())

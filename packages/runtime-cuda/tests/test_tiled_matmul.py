@@ -262,11 +262,13 @@ def test_an_epilogue_reads_a_bool_mask() -> None:
   assert (got[0] == -1e4).sum() == (~bufs[3]).sum()
 
 
-def _conv_ast(b: int, c: int, h: int, w: int, oc: int, stride: int, dt, pad: int = 0, where: bool = False):
+def _conv_ast(b: int, c: int, h: int, w: int, oc: int, stride: int, dt, pad: int = 0, where: bool = False, x_as_b: bool = False):
   """out[b, o, p] = sum_k x[b, k // 9, (p // ow) * s + (k // 3) % 3 - pad, (p % ow) * s + k % 3 - pad] * wt[o, k] (+ bias[o],
   relu): a 3x3 convolution as kiln-graph reads it, the pixel and the (channel, tap) axes merged, so A's offsets are
   expressions of the pixel and of k (implicit GEMM); with pad, the load is gated to the image (0 outside), as kiln-graph
-  reads a padding it does not realize (where: as where(inside, load, 0), kiln-graph's form). Slots: 0 out, 1 x, 2 wt, 3 bias."""
+  reads a padding it does not realize (where: as where(inside, load, 0), kiln-graph's form). The product's first factor is
+  the matcher's A: x, or with x_as_b the weight (as kiln-graph multiplies them: x is then B, its n the pixels). Slots: 0
+  out, 1 x, 2 wt, 3 bias."""
   from kiln.ir.ops import AxisType, Ops
   f32 = dtypes.float32
   oh, ow, k = (h + 2 * pad - 3) // stride + 1, (w + 2 * pad - 3) // stride + 1, c * 9
@@ -279,16 +281,19 @@ def _conv_ast(b: int, c: int, h: int, w: int, oc: int, stride: int, dt, pad: int
   at = bi * (c * h * w) + (kk // 9) * (h * w) + y * w + xx
   x = (inside.where(xg.index(at).load(), UOp.const(dt, 0)) if where else xg.index(at, inside).load()) if pad else xg.index(at).load()
   wt = UOp.define_global(2, dt.ptr(oc * k)).index(o * k + kk).load()
-  acc = (x.cast(f32) * wt.cast(f32)).reduce(Ops.ADD, kk) if dt != f32 else (x * wt).reduce(Ops.ADD, kk)
+  f0, f1 = (wt, x) if x_as_b else (x, wt)
+  acc = (f0.cast(f32) * f1.cast(f32)).reduce(Ops.ADD, kk) if dt != f32 else (f0 * f1).reduce(Ops.ADD, kk)
   v = (acc + UOp.define_global(3, f32.ptr(oc)).index(o).load()).maximum(0.0)
   return UOp.sink(UOp.define_global(0, dt.ptr(b * oc * oh * ow)).index(bi * (oc * oh * ow) + o * (oh * ow) + p).store(v.cast(dt)), name="conv")
 
 
 @requires_cxx
-@pytest.mark.parametrize(("stride", "dt", "pad", "where", "kind"), [
-  (1, "float32", 0, False, "simt"), (2, "float32", 0, False, "simt"), (1, "float32", 1, False, "simt"), (2, "float32", 1, False, "simt"),
-  (1, "float32", 1, True, "simt"), (1, "float16", 1, True, "mma"), (2, "bfloat16", 1, True, "mma"), (1, "float32", 1, True, "tf32")])
-def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where: bool, kind: str) -> None:
+@pytest.mark.parametrize(("stride", "dt", "pad", "where", "kind", "x_as_b"), [
+  (1, "float32", 0, False, "simt", False), (2, "float32", 0, False, "simt", False), (1, "float32", 1, False, "simt", False),
+  (2, "float32", 1, False, "simt", False), (1, "float32", 1, True, "simt", False), (1, "float32", 1, True, "simt", True),
+  (1, "float16", 1, True, "mma", False), (2, "bfloat16", 1, True, "mma", False), (1, "float16", 1, True, "mma", True),
+  (1, "float32", 1, True, "tf32", False), (2, "float32", 1, True, "tf32", True)])
+def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where: bool, kind: str, x_as_b: bool) -> None:
   """A 3x3 convolution's product takes a tile with A's offsets computed per element from the pixel and the tap, and a
   padded one its gate (before: the generic kernel, one thread an output): the SIMT tile, or tensor cores for 16-bit inputs
   and TF32 (A read into registers and stashed in shared memory after each slice's steps), against the reference with the
@@ -297,9 +302,11 @@ def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where
   from kiln.codegen.conformance import Case, for_spec, mismatches
   kdt = getattr(dtypes, dt)
   c = 5 if kind == "simt" else 16  # tensor cores take k in whole 16-byte chunks (k = 9c)
-  ast = _conv_ast(2, c, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where)
+  ast = _conv_ast(2, c, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where, x_as_b)
   spec = tiled(ast, TF32 if kind == "tf32" else H100, "conv", None)
   assert spec is not None and spec.applied_opts[0].startswith(f"TILED_MATMUL({kind}")
+  product = covers(ast, TF32 if kind == "tf32" else H100)
+  assert product is not None and not (product.b if x_as_b else product.a).affine and (product.a if x_as_b else product.b).affine
   rng = np.random.default_rng(stride)
   gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
   bufs = [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl]
@@ -318,11 +325,11 @@ def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where
 
 
 @requires_nvcc
-@pytest.mark.parametrize("dt", ["float32", "float16"])
-def test_nvcc_builds_an_implicit_gemm_without_spills(dt: str, nvcc_compiler, tmp_path) -> None:
-  """A ResNet-sized padded 3x3 convolution (batch 32, 256 channels, 14x14) as the SIMT and the tensor-core kernel: nvcc
-  builds each for sm_90 with no stack frame and no spills (the per-element offsets and gates stay in registers)."""
-  ast = _conv_ast(32, 256, 14, 14, 256, 1, getattr(dtypes, dt), 1, True)
+@pytest.mark.parametrize(("dt", "x_as_b"), [("float32", True), ("float16", False), ("float16", True)])
+def test_nvcc_builds_an_implicit_gemm_without_spills(dt: str, x_as_b: bool, nvcc_compiler, tmp_path) -> None:
+  """A ResNet-sized padded 3x3 convolution (batch 32, 256 channels, 14x14) as the SIMT and the tensor-core kernel (the image
+  as A or as B): nvcc builds each for sm_90 with no stack frame and no spills (per-element offsets and gates in registers)."""
+  ast = _conv_ast(32, 256, 14, 14, 256, 1, getattr(dtypes, dt), 1, True, x_as_b)
   spec = tiled(ast, H100, "conv", None)
   assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(" + ("simt" if dt == "float32" else "mma"))
   (tmp_path / "k.cu").write_text(spec.src)

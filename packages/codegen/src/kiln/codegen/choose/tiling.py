@@ -66,15 +66,15 @@ def _mma_kind(c: Contraction, target: Target) -> str | None:
   a, b = c.a, c.b
   # B in 16-byte chunks along n (row-major) or along k (B^T stored): its other stride and every start a multiple of a chunk;
   # A too, or element by element where its offsets are an expression (implicit GEMM: render_mma's stash)
-  b_ok = b.affine and ((b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)) and b.offset % per == 0
+  b_ok = not b.affine or (((b.cols == 1 and b.rows % per == 0) or (b.rows == 1 and b.cols % per == 0)) and b.offset % per == 0
+                          and c.n % per == 0 and all(s % per == 0 for s in b.batch))
   a_ok = not a.affine or (a.cols == 1 and a.rows % per == 0 and a.offset % per == 0 and all(s % per == 0 for s in a.batch))
-  ok = a_ok and b_ok and c.k % per == 0 and c.n % per == 0 and all(s % per == 0 for s in b.batch)
-  return kind if ok else None
+  return kind if a_ok and b_ok and c.k % per == 0 else None
 
 
 def b_kmajor(c: Contraction) -> bool:
-  """B's k is contiguous (B^T stored, ONNX Gemm's transB)."""
-  return c.b.rows == 1 and c.b.cols != 1
+  """B's k is contiguous (B^T stored, ONNX Gemm's transB), or B is read element by element (staged as B^T is)."""
+  return not c.b.affine or (c.b.rows == 1 and c.b.cols != 1)
 
 
 # The tiles an option may name (OptOps.TILE's amount is a number here, from 1); B's layout is the product's (b_kmajor).

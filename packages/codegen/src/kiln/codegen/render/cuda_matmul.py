@@ -293,36 +293,42 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
     e(f"        const bool ok = {rv} < {rb} && {cv} < {cb};")
     e(f"        kiln_cp_async16({dst} + s * {stage} + r * {ld} + cc, {src} + (ok ? (long long){rv} * {stride} + {cv} : 0LL), ok);")
     e("      }")
-  # an A whose offsets are an expression (implicit GEMM) is read element by element into registers when its slice is
-  # asked for, and stored to shared memory after this slice's steps (stash), so the loads' latency hides behind them
-  a_regs = bm * bk // t.threads if not a.affine else 0
-  if a_regs:
-    zero = "0.0f" if tf32 else "(unsigned short)0"
-    e(f"  {el} ra[{a_regs}];")
+  # an operand whose offsets are an expression (implicit GEMM) is read element by element into registers when its slice is
+  # asked for, and stored to shared memory (rows of bk, k-major as A's) after this slice's steps (stash), so the loads'
+  # latency hides behind them; the other keeps its cp.async chunks
+  zero = "0.0f" if tf32 else "(unsigned short)0"
+  scalar = [(reg, dst, stage, ld, rows) for op, reg, dst, stage, ld, rows in (
+    (a, "ra", "As", stage_a, lda, bm), (b, "rb", "Bs", stage_b, ldb, bn)) if not op.affine]
+  for reg, *_, rows in scalar: e(f"  {el} {reg}[{rows * bk // t.threads}];")
+  if scalar:
     e("  auto stash = [&](int s) {")
-    e(f"    #pragma unroll\n    for (int it = 0; it < {a_regs}; it++) {{")
-    e(f"      const int e_ = tid + it * {t.threads};")
-    e(f"      As[s * {stage_a} + (e_ / {bk}) * {lda} + e_ % {bk}] = ra[it];")
-    e("    }")
+    for reg, dst, stage, ld, rows in scalar:
+      e(f"    #pragma unroll\n    for (int it = 0; it < {rows * bk // t.threads}; it++) {{")
+      e(f"      const int e_ = tid + it * {t.threads};")
+      e(f"      {dst}[s * {stage} + (e_ / {bk}) * {ld} + e_ % {bk}] = {reg}[it];")
+      e("    }")
     e("  };")
+  def elements(op: Operand, reg: str, rows: int, row0: str, bound: int, src: str) -> None:
+    """This thread's elements of the operand's slice (rows x bk), its offsets and gate per element, into reg."""
+    e(f"      #pragma unroll\n      for (int it = 0; it < {rows * bk // t.threads}; it++) {{")
+    e(f"        const int e_ = tid + it * {t.threads}, gr = {row0} + e_ / {bk}, gk = k0 + e_ % {bk};")
+    pre, off, gate = _offsets(op, "gr", "gk", helpers) if op is a else _offsets(op, "gk", "gr", helpers)
+    L.extend("  " + ln for ln in pre)
+    ok = f"gr < {bound} && gk < {c.k}" + (f" && ({gate})" if gate is not None else "")
+    e(f"        {reg}[it] = ({ok}) ? {src}[{off}] : {zero};")
+    e("      }")
   # one slice: A bm rows x bk, B bk rows x bn, in 16-byte chunks spread over the threads; a cp.async group per slice
   e("  auto load = [&](int s, int k0) {")
   e(f"    if (k0 < {c.k}) {{")
-  if a_regs:
-    e(f"      #pragma unroll\n      for (int it = 0; it < {a_regs}; it++) {{")
-    e(f"        const int e_ = tid + it * {t.threads}, gm = m0 + e_ / {bk}, gk = k0 + e_ % {bk};")
-    pre, off, gate = _offsets(a, "gm", "gk", helpers)
-    L.extend("  " + ln for ln in pre)
-    ok = f"gm < {c.m} && gk < {c.k}" + (f" && ({gate})" if gate is not None else "")
-    e(f"        ra[it] = ({ok}) ? A[{off}] : {zero};")
-    e("      }")
+  if not a.affine: elements(a, "ra", bm, "m0", c.m, "A")
   else: copies("As", stage_a, lda, a_chunks, bk, ("gm", "m0 + r", c.m), ("gk", "k0 + cc", c.k), a.rows, "A")
-  if km: copies("Bs", stage_b, ldb, b_chunks, bk, ("gn", "n0 + r", c.n), ("gk", "k0 + cc", c.k), b.cols, "B")  # B^T: rows n, k along them
+  if not b.affine: elements(b, "rb", bn, "n0", c.n, "B")  # staged as B^T is
+  elif km: copies("Bs", stage_b, ldb, b_chunks, bk, ("gn", "n0 + r", c.n), ("gk", "k0 + cc", c.k), b.cols, "B")  # B^T: rows n, k along them
   else: copies("Bs", stage_b, ldb, b_chunks, bn, ("gk", "k0 + r", c.k), ("gn", "n0 + cc", c.n), b.rows, "B")
   e("    }")
   e("    kiln_cp_async_commit();  // an empty group past the end keeps the wait counts uniform")
   e("  };")
-  e(f"  #pragma unroll\n  for (int s = 0; s < {S - 1}; s++) {{ load(s, s * {bk});{' stash(s);' if a_regs else ''} }}")
+  e(f"  #pragma unroll\n  for (int s = 0; s < {S - 1}; s++) {{ load(s, s * {bk});{' stash(s);' if scalar else ''} }}")
   e(f"  for (int kt = 0; kt < {kt}; kt++) {{")
   e(f"    kiln_cp_async_wait<{S - 2}>();  // this slice's copies are done (this thread's) ...")
   e("    __syncthreads();  // ... and everyone's; and every warp is past the slice the next load overwrites")
@@ -360,7 +366,7 @@ def render_mma(c: Contraction, t: Tiling, name: str, helpers: dict[str, str]) ->
   e(f"      #pragma unroll\n      for (int i = 0; i < {mt}; i++)\n        #pragma unroll\n"
     f"        for (int j = 0; j < {nt}; j++) {mma}(acc[i][j], fa[i], fb[j]);")
   e("    }")
-  if a_regs: e(f"    stash((kt + {S - 1}) % {S});  // the slice every warp was past at this step's barrier")
+  if scalar: e(f"    stash((kt + {S - 1}) % {S});  // the slice every warp was past at this step's barrier")
   e("  }")
   e("  kiln_cp_async_wait<0>();")
   e(f"  {_MEM[o.dtype.name]}* C = data{o.slot} + offC;")
