@@ -84,6 +84,15 @@ def test_a_plan_writes_its_rows_into_a_bound_buffer():
   np.testing.assert_array_equal(store[CTX:], np.ones((2, 3), np.float32))
 
 
+def test_a_plan_with_a_bound_variable_runs_profiled():
+  """run_profiled takes vars as run does (a decode plan's past: it raised GraphError for the unbound variable)."""
+  store, c = _appending()
+  x = np.ones((2, 3), np.float32)
+  (out,), prof = c.run_profiled({"x": x}, vars={"past": 4})
+  np.testing.assert_array_equal(store[4:6], x * 2 + 1)
+  assert len(prof) >= 2 and any(r.name.startswith("write") for r in prof) and out.shape == (1, 3)
+
+
 def test_written_rows_take_the_targets_dtype():
   store, c = _appending(dtype=np.float16)
   c.run({"x": np.full((2, 3), 0.1, np.float32)}, vars={"past": 3})

@@ -285,9 +285,10 @@ class Compiled:
     self._checks.raise_failed(IndexOutOfRangeError)
     return self._outputs({})
 
-  def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None) -> tuple[list[np.ndarray], Any]:
-    """run, kernel by kernel with each one timed: (outputs, the plan's Profile)."""
-    vals = self._feed(feeds)
+  def run_profiled(self, feeds: Mapping[str, np.ndarray] | None = None, vars: Mapping[str, int] | None = None  # noqa: A002
+                   ) -> tuple[list[np.ndarray], Any]:
+    """run, kernel by kernel with each one timed: (outputs, the plan's Profile); `vars` as run's (a bound cache's past)."""
+    vals = self._feed(feeds, vars)
     if self.variables: self.plan.set_vars(vals)
     prof = self.plan.execute_profiled()
     self._checks.raise_failed(IndexOutOfRangeError)
