@@ -218,29 +218,35 @@ def test_epilogues_match_the_reference(name: str, dt: str, tiling) -> None:
   assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
 
 
+def _emulated(name: str, ast: UOp, spec: ProgramSpec, bufs: list[np.ndarray]) -> list[np.ndarray]:
+  """Run the tiled kernel under emulation on fresh copies of bufs; the conformance harness's mismatches against the
+  reference, with the tiled sum's tolerance, fail the test. Returns what it wrote."""
+  from kiln.codegen.conformance import Case, for_spec, mismatches
+  case = Case(name, ast, bufs)
+  got = case.fresh()
+  prog = emulate.EmulatedProgram(spec)
+  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
+  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  return got
+
+
 @requires_cxx
 def test_an_epilogue_reuses_the_operands_index_arithmetic() -> None:
   """n == k: the residual's index i * n + j shares i * k with A's, a node of the sum's body, which the epilogue printer left
   unprinted (CodegenError "used before it is defined": a GPT-2 export's attention scores plus their mask on CUDA)."""
-  from kiln.codegen.conformance import Case, for_spec, mismatches
   ast = _linear_ast(72, 40, 40, dtypes.float32, (2,), EPILOGUES["bias_gelu_residual"])
   spec = tiled(ast, H100, "linear", None)
   assert spec is not None and spec.applied_opts[0].startswith("TILED_MATMUL(simt")
   rng = np.random.default_rng(7)
   gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
-  bufs = [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl]
-  case = Case("shared_index", ast, bufs)
-  got = case.fresh()
-  prog = emulate.EmulatedProgram(spec)
-  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
-  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  _emulated("shared_index", ast, spec, [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else
+                                        rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl])
 
 
 @requires_cxx
 def test_an_epilogue_reads_a_bool_mask() -> None:
   """out = where(mask[i, j], A @ B, -1e4) with a bool mask (attention scores and their mask, as DeBERTa's export has them):
   the tiled kernel's parameter list had no C type for a bool buffer (KeyError)."""
-  from kiln.codegen.conformance import Case, for_spec, mismatches
   from kiln.ir.ops import AxisType, Ops
   m, n, k = 40, 48, 32
   i, j, kk = UOp.range(m, 0), UOp.range(n, 1), UOp.range(k, 2, AxisType.REDUCE)
@@ -254,11 +260,7 @@ def test_an_epilogue_reads_a_bool_mask() -> None:
   rng = np.random.default_rng(8)
   bufs = [np.full(m * n, np.nan, np.float32), rng.uniform(-1, 1, m * k).astype(np.float32), rng.uniform(-1, 1, k * n).astype(np.float32),
           rng.uniform(size=m * n) < 0.7]
-  case = Case("masked", ast, bufs)
-  got = case.fresh()
-  prog = emulate.EmulatedProgram(spec)
-  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
-  assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  got = _emulated("masked", ast, spec, bufs)
   assert (got[0] == -1e4).sum() == (~bufs[3]).sum()
 
 
@@ -299,7 +301,7 @@ def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where
   and TF32 (A read into registers and stashed in shared memory after each slice's steps), against the reference with the
   tiled sum's tolerance, off every tile edge (m = 33 pixels or more, n = 24 channels, k = 45 or 48). The output is
   poisoned first; a gate left out reads the clamped border element and fails."""
-  from kiln.codegen.conformance import Case, for_spec, mismatches
+  from kiln.codegen.conformance import Case
   kdt = getattr(dtypes, dt)
   c = 5 if kind == "simt" else 16  # tensor cores take k in whole 16-byte chunks (k = 9c)
   ast = _conv_ast(2, c, 13 if stride == 1 else 11, 5 if stride == 1 else 9, 24, stride, kdt, pad, where, x_as_b)
@@ -311,17 +313,17 @@ def test_a_convolution_is_an_implicit_gemm(stride: int, dt: str, pad: int, where
   gl = sorted({u for u in ast.toposort() if u.op.name == "DEFINE_GLOBAL"}, key=lambda g: g.arg)
   bufs = [np.full(g.dtype.size, np.nan, np.float32) if g.arg == 0 else rng.uniform(-1, 1, g.dtype.size).astype(np.float32) for g in gl]
   bufs = [b if g.dtype.base == dtypes.float32 else _bits16(b, g.dtype.base.name) for b, g in zip(bufs, gl)]
-  case = Case("conv", ast, bufs)
-  got = case.fresh()
-  prog = emulate.EmulatedProgram(spec)
-  prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
   if kind == "tf32":  # inputs rounded to 10 mantissa bits: within TF32's error of the exact sums, and not float32-exact
+    from kiln.codegen.conformance import Case
     from kiln.ir.reference import evaluate
-    want = case.fresh()
+    case = Case("conv", ast, bufs)
+    got, want = case.fresh(), case.fresh()
+    prog = emulate.EmulatedProgram(spec)
+    prog.kernel([got[s] for s in spec.globals], [], *prog.sizes([]))
     evaluate(ast, want, {})
     err = np.abs(got[0] - want[0]).max() / np.abs(want[0]).max()
     assert 1e-6 < err < 2e-3, err
-  else: assert not (errs := mismatches(for_spec(case, spec.applied_opts), got)), "\n".join(errs)
+  else: _emulated("conv", ast, spec, bufs)
 
 
 @requires_nvcc
