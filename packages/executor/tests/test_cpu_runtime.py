@@ -177,3 +177,45 @@ def test_add_kernel_takes_the_callers_options(cpu):
   b.add_kernel(kernels.matmul(M, N, K), [cc, ca, cb], opts=[Opt(OptOps.UPCAST, 7, 4)])
   b.set_outputs([cc])
   with pytest.raises(CodegenError, match=r"kernel 0 'matmul': its opts .* do not fit the kernel: .*axis 7"): b.build()
+
+
+def test_a_plans_cpu_kernels_share_one_scratch(monkeypatch):
+  """A plan runs its steps one after another, so its CPU kernels' scratch (here two softmaxes that keep their rows, of
+  different sizes) is one array as large as the largest need, not one each; the results are unchanged. Under KILN_GUARD
+  each keeps its own, ending at its guard page."""
+  from kiln.codegen.choose import Opt, OptOps
+  from kiln.executor import Buffer, ExecutionPlanBuilder
+  from kiln.ir import kernels
+  from kiln.ir.dtype import dtypes
+  from kiln.ir.ops import Ops
+
+  def keep(ast):  # noqa: ANN001, ANN202
+    red = [u for u in ast.toposort() if u.op is Ops.REDUCE and u.arg is Ops.ADD][0].src[1].arg[0]
+    return [Opt(OptOps.KEEP, red, 1)]
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((4, 96)).astype(np.float32)
+  def build():  # noqa: ANN202
+    b = ExecutionPlanBuilder("CPU")
+    bx, by, bz = (b.add_buffer(Buffer("CPU", 4 * 96, dtypes.float32)) for _ in range(3))
+    bw = b.add_buffer(Buffer("CPU", 2 * 192, dtypes.float32))
+    s1, s2 = kernels.softmax((4, 96), dtypes.float32), kernels.softmax((2, 192), dtypes.float32)
+    b.add_kernel(s1, [by, bx], opts=keep(s1))
+    b.add_kernel(s2, [bw, by], opts=keep(s2))
+    b.add_kernel(kernels.softmax((4, 96), dtypes.float32), [bz, bw], opts=keep(s1))
+    b.set_outputs([bz])
+    plan = b.build()
+    plan.buffers[bx].copyin(x)
+    plan.execute()
+    return plan, plan.buffers[bz].numpy().reshape(4, 96).copy()
+  def sm(a):  # noqa: ANN001, ANN202
+    e = np.exp(a.astype(np.float64) - a.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+  want = sm(sm(sm(x).reshape(2, 192)).reshape(4, 96))
+  plan, got = build()
+  scratches = [p.bound.scratch for p in plan.kernels]
+  assert all(s is not None for s in scratches) and len({id(s) for s in scratches}) == 1
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  monkeypatch.setenv("KILN_GUARD", "1")
+  plan, guarded = build()
+  assert len({id(p.bound.scratch) for p in plan.kernels}) == 3
+  np.testing.assert_array_equal(guarded, got)

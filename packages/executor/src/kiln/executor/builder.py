@@ -392,17 +392,20 @@ class _Builder:
     return naive
 
   def _bind(self, prepared: Mapping[int, Any]) -> None:
+    sharing: dict[Any, list[Any]] = {}  # bound calls whose runtime lets a plan's calls share their scratch
     for p in prepared.values():
       if isinstance(p, PreparedKernel):
         bufs = [self.buffers[i] for i in p.buffer_indices]
         p.buffer_ptrs, p.buffer_ids = [b.ptr for b in bufs], [b.id for b in bufs]
         p.resize()
         p.bound = p.kernel.program.bind(p.buffer_ptrs, p.vals, p.global_size, p.local_size)
+        if hasattr(p.bound, "share_scratch"): sharing.setdefault(type(p.bound), []).append(p.bound)
         continue
       run: Callable[[], Any]
       if isinstance(p, PreparedCopy): run = self._copy_fn(self.buffers[p.dst], self.buffers[p.src])
       else: run = functools.partial(p.fn, *[self.buffers[i] for i in p.buffer_indices])
       p.run = _after(_syncs(p.waits), run)  # a copy's or host function's waits run inside it (execute_profiled too)
+    for kind, calls in sharing.items(): kind.share_scratch(calls)  # a plan runs its steps one after another
 
   @staticmethod
   def _copy_fn(dst: Buffer, src: Buffer) -> Callable[[], Any]:

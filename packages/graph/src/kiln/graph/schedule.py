@@ -100,7 +100,8 @@ class _Analysis:
 
 
 # an analysis depends on the kernel's AST alone, and ASTs are hash-consed: a model's repeated layers render the same kernel
-# again and again (each round of the scheduler renders again the kernels a realized node changed)
+# again and again (each round of the scheduler renders again the kernels a realized node changed); cleared when a
+# schedule is done
 @functools.lru_cache(maxsize=1 << 10)
 def _analysis_of(ast: UOp) -> _Analysis: return _Analysis(ast)
 
@@ -218,7 +219,11 @@ def schedule(outputs: Sequence[Node], fuse: bool = True, max_rounds: int = 1000,
       new = _offenders(kernels, cons, realized, kernels_of)
     if not new:  # and reductions side by side only in the kernels that settled (the first round inlines whole layers)
       new = {_lift(n, cons, realized) for k in kernels.values() for n in _sibling_reductions(k)} - realized
-    if not new: return [kernels[n] for n in sorted(kernels, key=order.__getitem__)]
+    if not new:
+      out = [kernels[n] for n in sorted(kernels, key=order.__getitem__)]
+      for k in out: k.analysis = None  # the rounds' working state: a compiled plan kept every kernel's (tens of MB)
+      _analysis_of.cache_clear()
+      return out
     realized |= new
   raise GraphError(f"schedule: no fixed point after {max_rounds} rounds")
 

@@ -23,9 +23,10 @@ class KVCache:
     if ctx < 1: raise LLMError(f"a KV cache of context {ctx}: it must hold at least one position")
     self.ctx, self.rows, self.length = ctx, ctx + slack, 0
     self.shape = (kv_heads, head_dim)
-    zeros = np.zeros((self.rows, kv_heads, head_dim), np.float32)  # rows never written are still read as a clamped index's value
-    self.k = [Buffer.from_numpy(zeros.copy(), device) for _ in range(layers)]  # on the CPU the buffer wraps the array
-    self.v = [Buffer.from_numpy(zeros.copy(), device) for _ in range(layers)]
+    # zeros (rows never written are still read as a clamped index's value), each its own calloc: its pages become
+    # resident as positions are written; on the CPU the buffer wraps the array
+    self.k = [Buffer.from_numpy(np.zeros((self.rows, kv_heads, head_dim), np.float32), device) for _ in range(layers)]
+    self.v = [Buffer.from_numpy(np.zeros((self.rows, kv_heads, head_dim), np.float32), device) for _ in range(layers)]
 
   @property
   def nbytes(self) -> int: return sum(b.nbytes for b in (*self.k, *self.v))

@@ -166,12 +166,12 @@ def _as_int(x: object) -> int | None:
 class CPUBoundCall:
   """The fast path: argument tuples built once; calling runs the kernel (over the pool when split into chunks: each
   thread of the pool claims chunks from this call's counter until none is left, so a thread whose core is busy with
-  other work takes fewer). A bound call owns its scratch and counter, so two bound calls of one program may run at
-  once; one bound call may not."""
-  __slots__ = ("prog", "bufs", "args", "scratch", "finish", "claim", "block", "block_at")
+  other work takes fewer). A bound call owns its counter and, unless share_scratch gave it a plan's, its scratch, so two
+  bound calls of one program may run at once; one bound call may not."""
+  __slots__ = ("prog", "bufs", "vals", "args", "scratch", "finish", "claim", "block", "block_at")
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
-    self.prog, self.bufs = prog, bufs
+    self.prog, self.bufs, self.vals = prog, bufs, vals
     self.scratch: np.ndarray | None = None
     if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
       n = -(-prog.scratch_bytes // 64) * 64
@@ -197,7 +197,20 @@ class CPUBoundCall:
     else: self.args, self.finish = (*base, *extra), None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
-    self._build(self.prog.check(self.bufs, vals)[1])
+    self.vals = self.prog.check(self.bufs, vals)[1]
+    self._build(self.vals)
+
+  @staticmethod
+  def share_scratch(calls: Sequence[CPUBoundCall]) -> None:
+    """One scratch for calls that never run at once (an ExecutionPlan's, which runs its steps one after another: kiln's
+    executor asks), as large as the largest needs, instead of one each: a model's plan held a dequantised panel or a
+    split sum's partials per kernel. Not under KILN_GUARD, where each keeps its own, ending at its guard page."""
+    own = [c for c in calls if c.scratch is not None]
+    if len(own) < 2 or guard_enabled(): return
+    arena = np.zeros(max(c.scratch.nbytes for c in own), np.uint8)  # type: ignore[union-attr]  # each was 64 bytes over its need
+    for c in own:
+      c.scratch = arena
+      c._build(c.vals)
 
   def __call__(self) -> None:
     if self.claim is not None:
