@@ -44,8 +44,8 @@ def _steps(m) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
   return out
 
 
-@pytest.mark.parametrize(("arch", "fmt", "long", "over"), [("llama", "Q4_K", 8, {"hidden_size": 256, "intermediate_size": 256}),
-                                                           ("llama", "Q8_0", 4, {}), ("gpt2", "F16", 4, {})])
+@pytest.mark.parametrize(("arch", "fmt", "long", "over"), [("llama", "Q4_K", 4, {"hidden_size": 256, "intermediate_size": 256}),
+                                                           ("llama", "Q8_0", 8, {}), ("gpt2", "F16", 4, {})])
 def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, fmt: str, long: int, over: dict[str, int]) -> None:
   """long=8: the prompt takes the long plan (8 rows) and the prefill plan (4 rows, padded); long=4: prefill plans only."""
   monkeypatch.setenv("KILN_COMPILE_THREADS", "4")
