@@ -10,6 +10,7 @@ input's gate, which reads 0 outside the image) keeps that part as an expression 
 symbolic size, a gathered index, a batch axis inside such an expression) is None: the generic path runs it."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kiln.ir.dtype import DType, PtrDType
@@ -105,13 +106,15 @@ class _Index:
   rest: UOp | None
   gate: UOp | None
 
-  def ranges(self) -> set[UOp]:
+  @functools.cached_property
+  def ranges(self) -> frozenset[UOp]:
+    """The ranges the index or the gate reads (found once: match asks for every output range)."""
     out = {r for r, v in self.coef.items() if r is not None and v}
     for u in (self.rest, self.gate):
       if u is not None: out |= {x for x in u.toposort() if x.op is Ops.RANGE}
-    return out
+    return frozenset(out)
 
-  def uses(self, r: UOp) -> bool: return r in self.ranges()
+  def uses(self, r: UOp) -> bool: return r in self.ranges
 
 
 def _index(idx: UOp, gate: UOp | None) -> _Index | None:
@@ -191,7 +194,7 @@ def match(ast: UOp) -> Contraction | None:
   fa, fb = _index(la[1], la[2]), _index(lb[1], lb[2])
   if fa is None or fb is None or (kk := _size(kr)) is None: return None
   if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None
-  if any(r is not kr and r not in fc for f in (fa, fb) for r in f.ranges()): return None  # every range is an output's or k
+  if any(r is not kr and r not in fc for f in (fa, fb) for r in f.ranges): return None  # every range is an output's or k
   if fc.get(kr, 0) or not fa.uses(kr) or not fb.uses(kr): return None
   i_axes = [r for r in outs if fa.uses(r) and not fb.uses(r)]
   j_axes = [r for r in outs if fb.uses(r) and not fa.uses(r)]
