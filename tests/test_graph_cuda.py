@@ -108,12 +108,17 @@ def _encoder(seq: int = 16, d: int = 32, heads: int = 2, vocab: int = 40) -> tup
 
 
 def test_encoder_and_checked_indices(gpu) -> None:
-  """The encoder at a batch of 2, its matmuls tiled (QKV, output, MLP: bias, residual and GELU in the epilogue); a token id
-  out of range is the IndexOutOfRangeError the CPU gives (the index check read back from the device), and the plan runs
-  good ids afterwards."""
+  """The encoder at a batch of 2, every matmul tiled: QKV, the scores (q and k both read from the QKV output: A and B one
+  buffer), probabilities x V, the output projection and the MLP (bias, residual and GELU in the epilogue), each weight
+  as stored, not in the CPU's blocks of 32 columns (few_rows.py: a batch of 32-column products, mostly padding in a
+  128-column tile). A token id out of range is the IndexOutOfRangeError the CPU gives (the index check read back from
+  the device), and the plan runs good ids afterwards."""
   m, ids, vocab = _encoder()
   km = konnx.load(m, device="CUDA", dims={"batch": 2})
-  assert _tiled(km.plan) >= 4, km.summary()
+  tiled = [p.kernel for p in km.plan.prepared_ops if hasattr(p, "kernel") and str(p.kernel.applied_opts[:1]).startswith("['TILED_MATMUL")]
+  assert len(tiled) == 6, km.summary()
+  names = {k.name for k in tiled}  # the QKV and MLP products over whole rows of 96 and 64 columns, not (rows, N/32, 32)
+  assert {"reduce_2x16x96", "reduce_2x16x64"} <= names, names
   np.testing.assert_allclose(km.run({"ids": ids})["y"], _ort(m, {"ids": ids})[0], rtol=1e-4, atol=1e-4)
   bad = ids.copy()
   bad[1, 3] = vocab

@@ -71,7 +71,6 @@ def test_what_is_not_one_plain_product_does_not_match() -> None:
   r2 = UOp.range(8, 5, AxisType.REDUCE)
   other = UOp.define_global(4, f32.ptr(8)).index(r2).load().reduce(Ops.ADD, r2)
   assert match(_mm(32, 32, 32, epilogue=lambda v: v * other)) is None  # a second sum
-  assert match(_mm(32, 32, 32, same=True)) is None  # one buffer on both sides
   b = UOp.define_global(3, dtypes.int32.ptr(32 * 32))
   assert match(_mm(32, 32, 32, a_index=lambda i, kk: b.index(i * 32 + kk).load())) is None  # a gathered index
   assert match(kernels.reduce_sum((64, 64), f32, 1)) is None
@@ -137,3 +136,10 @@ def test_tiled_spec_declares_shared_memory_and_alignment() -> None:
   assert {a.slot: a.align for a in small.args} == {0: 0, 1: 8, 2: 8}
   odd = r.render(kernels.matmul(33, 45, 27))
   assert {a.slot: a.align for a in odd.args} == {0: 0, 1: 0, 2: 0}  # scalar loads: the element's own alignment
+
+
+def test_one_buffer_on_both_sides_matches() -> None:
+  """q and k of a fused QKV projection live in one buffer: A and B read the same slot (each with its own strides), which the
+  tiled kernel passes once. Only the output must be another buffer."""
+  c = match(_mm(32, 32, 32, same=True))
+  assert c is not None and c.a.slot == c.b.slot == 1 and c.c.slot == 0, c

@@ -52,3 +52,17 @@ def test_few_rows_product_does_not_apply(case: str) -> None:
   c = compile([xt @ wt])
   assert len(products(c)) == 1 and products(c)[0].endswith(f"x{n}"), c.plan.describe()  # (rows, N), not (rows, N/B, B)
   np.testing.assert_allclose(c.run({"x": x, "w": w} if case == "a computed weight" else {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["CUDA", "CUDA:1"])
+def test_a_graph_built_for_another_device_keeps_the_weight_as_stored(device: str) -> None:
+  """The blocks serve the CPU's register tiles: a graph built for CUDA (kiln.graph.onnx.load(..., device="CUDA") builds
+  under building_for) keeps (rows, N), which the GPU's tiled product covers whole; the same product built after it, outside,
+  is blocked again. Computed here on the CPU: the layout is the graph's, not the device's."""
+  from kiln.graph.build_target import building_for
+  x, w = rand(2, 48), rand(48, 64)
+  with building_for(device): inside = Tensor.input("x", x.shape) @ Tensor(w)
+  outside = Tensor.input("x", x.shape) @ Tensor(w)
+  c_in, c_out = compile([inside]), compile([outside])
+  assert products(c_in) == ["reduce_2x64"] and products(c_out) == ["reduce_2x2x32"], (products(c_in), products(c_out))
+  for c in (c_in, c_out): np.testing.assert_allclose(c.run({"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kiln.graph.build_target import cpu_layouts
 from kiln.graph.dims import is_static, static_shape
 from kiln.graph.lazy import Node, prod
 
@@ -51,9 +52,9 @@ def in_memory(data: np.ndarray) -> bool:
 
 def product(a: Tensor, b: Tensor) -> Tensor | None:
   """a (..., M, K) @ b (K, N) as a product over the blocked weight, where b is a weight array in memory of more than BLOCK
-  columns, a multiple of BLOCK where a has more than MAX_ROWS rows, and a's rows are static; None where it does not apply
-  (the caller writes the plain product)."""
-  if not ENABLED or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape) or not is_static(b.shape): return None
+  columns, a multiple of BLOCK where a has more than MAX_ROWS rows, and a's rows are static, in a graph built for the CPU
+  (build_target.py); None where it does not apply (the caller writes the plain product)."""
+  if not ENABLED or not cpu_layouts() or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape) or not is_static(b.shape): return None
   rows = prod(static_shape("matmul", a.shape[:-1]))
   k, n = static_shape("matmul", b.shape)
   if rows == 0 or n <= BLOCK or rows > MAX_ROWS and n % BLOCK or (data := weight_array(b.node)) is None or not in_memory(data): return None

@@ -36,6 +36,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_shape,
 )
 from kiln.graph import shape_values as sv
+from kiln.graph.build_target import building_for
 from kiln.graph.feeds import (
   FeedError,
   TensorInfo,
@@ -418,7 +419,7 @@ def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, in
   where the external data of a model given as bytes or a ModelProto lies (a path's own directory is used for a path).
   progress: None (silent), True (a line on stderr once the load has taken over a second) or a callable(done, total,
   what) told each stage's steps as they finish ("converting nodes", "compiling kernels"; kiln.graph.progress)."""
-  with reporting(progress): return _load(model, device, dims, directory)
+  with reporting(progress), building_for(device): return _load(model, device, dims, directory)  # layouts for the device
 
 
 def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | None, directory: str | os.PathLike[str] | None) -> Model:

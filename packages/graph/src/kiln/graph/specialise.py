@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from kiln.graph import dims as sym
+from kiln.graph.build_target import building_for
 from kiln.graph.lazy import GraphError, Node, ONNXError, toposort
 from kiln.graph.program import Body, Builder, LoopStep, Refusal, Slot, Switch, Tail, placeholder, read
 from kiln.graph.segments import Weights
@@ -306,9 +307,10 @@ class Specialise:
     known = {**self.before, **known}
     where = f"the model from {self.cut.label} on, converted for {describe(known)}"
     env = {**self.cut.env, **values}
+    device = self._builder.weights.device
     try:
-      outs, body = self.cut.resume(env)
-      child = Builder(Weights(self._builder.weights.device, self._builder.weights, self._shared))
+      with building_for(device): outs, body = self.cut.resume(env)  # the layouts of the device it runs on, as at load
+      child = Builder(Weights(device, self._builder.weights, self._shared))
       done = dict(self._done)
       slot = None if ph is None else done.setdefault(ph, child.slot(ph))
       tail = child.tail([o.node if isinstance(o, Tensor) else o for o in outs or []], body, done)

@@ -190,7 +190,7 @@ def match(ast: UOp) -> Contraction | None:
   kr, prod, acc = red.src[1], red.src[0], red.dtype
   if not acc.is_float or prod.op is not Ops.MUL: return None
   la, lb = _load(prod.src[0], acc), _load(prod.src[1], acc)
-  if la is None or lb is None or la[0] is lb[0] or gc in (la[0], lb[0]): return None
+  if la is None or lb is None or gc in (la[0], lb[0]): return None  # A and B may be one buffer (q and k of a fused projection)
   fa, fb = _index(la[1], la[2]), _index(lb[1], lb[2])
   if fa is None or fb is None or (kk := _size(kr)) is None: return None
   if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None

@@ -444,8 +444,8 @@ def _align(c: Contraction, t: Tiling, slot: int) -> int:
   if slot not in (c.a.slot, c.b.slot, c.c.slot): return 0  # the epilogue's loads: one element at a time
   if slot == c.c.slot: return 2 * c.c.dtype.itemsize if t.kind != "simt" and c.c.dtype.name in _PAIR and _pairs_ok(c) else 0
   if t.kind != "simt": return 16
-  v = _simt_loads(c, t, c.a if slot == c.a.slot else c.b)[1]
-  return 4 * v if v > 1 else 0
+  vs = [_simt_loads(c, t, o)[1] for o in (c.a, c.b) if o.slot == slot]  # both, where A and B are one buffer
+  return max(4 * v if v > 1 else 0 for v in vs)
 
 
 def _simplified_indices(ast: UOp) -> UOp:
