@@ -73,7 +73,8 @@ def emulating(drv: Any, monkeypatch: Any, nvcc: bool = False, run: bool = True) 
   real_compile = CUDACompiler.compile
 
   def compile_(self: CUDACompiler, spec: ProgramSpec) -> CompiledSpec:
-    meta = (spec.src, spec.name, spec.buf_count, len(spec.var_names))
+    # a kernel that reads its variables from memory takes their device array as one more pointer (kiln.codegen.render.cuda_vars)
+    meta = (spec.src, spec.name, spec.buf_count + spec.vars_in_memory, 0 if spec.vars_in_memory else len(spec.var_names))
     data = real_compile(self, spec).bytes if nvcc else _TOKEN + json.dumps(meta).encode()  # a token that says what it runs
     gpu.kernels[bytes(data)] = meta
     if run: compile_emulator(spec.src, spec.name)  # built here, on the plan's compile threads, so the loads find it built

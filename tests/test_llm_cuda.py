@@ -65,12 +65,16 @@ def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert all(b.device == "CUDA:0" for b in (*m.runner.cache.k, *m.runner.cache.v))
     k0, v0 = m.runner.cache.layer(0)
     assert k0.shape[0] == len(PROMPT) + STEPS and np.abs(v0).max() > 0  # the plans wrote every position's rows
-    # a decode step: the token and its position in, the logits (and the embedding's index check) out; the cache stays
+    # a decode step: the token and its position in, and the past length as one span of the kernels' variables in device
+    # memory (their arguments, and so a graph of them, never change: kiln.codegen.render.cuda_vars); the logits (and the
+    # embedding's index check) out; the cache stays
+    dec = m.runner.plans["decode"]
+    in_memory = [p.kernel for p in dec.plan.prepared_ops if hasattr(p, "kernel") and p.kernel.var_names]
+    assert in_memory and all(k.program.spec.vars_in_memory for k in in_memory), [k.name for k in in_memory]
     before = dict(g.stats)
     m.runner.feed([3])
-    dec = m.runner.plans["decode"]
     moved = {k: g.stats[k] - before[k] for k in g.stats}
-    assert moved["htod"] == 2 and moved["htod_bytes"] == 8, moved
+    assert moved["htod"] == 3 and moved["htod_bytes"] == 8 + 4 * len(in_memory), moved
     assert moved["dtoh_bytes"] <= 4 * m.config.vocab_size + 4 * len(dec.checks), moved
     assert moved["launches"] == dec.kernel_count
   assert dec.kernel_count in stretches  # the decode plan's kernels were offered as one graph (the stand-in declines it)

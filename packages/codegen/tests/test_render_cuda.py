@@ -37,7 +37,7 @@ def test_every_op_renders(rendered):
 
 
 def test_abi_and_spec():
-  n = UOp.variable("n", 1, 300)
+  n = UOp.variable("n", 1, 1 << 24)  # a grid of 65536 blocks at the bound: n stays an argument (cuda_vars.py)
   spec = CUDARenderer().render(kernels.reduce_sum((n, 7), dtypes.float32, 1))
   assert re.search(r'extern "C" __global__ void __launch_bounds__\(256\) sum\(float\* __restrict__ data0, const float\* __restrict__ data1, int n\)',
                    spec.src), spec.src
@@ -48,6 +48,19 @@ def test_abi_and_spec():
   assert sym_eval(spec.global_size[0], {"n": 257}) == 2 and sym_eval(spec.global_size[0], {"n": 256}) == 1
   assert spec.applied_opts == ["LOCAL(axis=0, 256)"]
   assert ProgramSpec.model_validate_json(spec.model_dump_json()).src == spec.src
+  assert not spec.vars_in_memory
+
+
+def test_variables_read_from_memory_abi():
+  """n of at most 300: the grid at the bound is two blocks, so the kernel reads n from its variables' device array (after
+  the buffers), and blocks past the grid n gives return at once (the runtime launches the bound's grid:
+  kiln.codegen.render.cuda_vars)."""
+  n = UOp.variable("n", 1, 300)
+  spec = CUDARenderer().render(kernels.reduce_sum((n, 7), dtypes.float32, 1))
+  assert spec.vars_in_memory and spec.var_names == ["n"]
+  assert re.search(r'sum\(float\* __restrict__ data0, const float\* __restrict__ data1, const int\* __restrict__ kiln_vars\) \{\n'
+                   r'  int n = kiln_vars\[0\];\n  if \(blockIdx.x >= \(unsigned\)\(\(\(\(n \+ -1\) / 256\) \+ 1\)\)\) return;', spec.src), spec.src
+  assert ProgramSpec.model_validate_json(spec.model_dump_json()).vars_in_memory
 
 
 def test_half_bf16_headers_only_when_used():

@@ -116,9 +116,9 @@ def test_an_instantiate_error_runs_the_plan_plainly_with_the_same_launches(fake_
 
 def test_a_runtime_variable_changes_what_the_graph_launches(fake_cuda, monkeypatch) -> None:
   calls, drv, lib = fake_cuda
-  n = UOp.variable("n", 1, 1024)
+  n = UOp.variable("n", 1, 1 << 21)  # too many idle blocks at the bound to read n from memory: an argument (cuda_vars.py)
   b = ExecutionPlanBuilder("CUDA")
-  x, y = b.add_buffer(Buffer("CUDA", 1024, dtypes.float32)), b.add_buffer(Buffer("CUDA", 1024, dtypes.float32))
+  x, y = b.add_buffer(Buffer("CUDA", 1 << 21, dtypes.float32)), b.add_buffer(Buffer("CUDA", 1 << 21, dtypes.float32))
   k = kernels.elementwise(lambda v: v * 2.0, dtypes.float32, ((n,), dtypes.float32), name="dbl")
   for i in range(5): b.add_kernel(k, [y, x] if i % 2 == 0 else [x, y])
   b.set_outputs([y])
@@ -143,6 +143,27 @@ def test_a_runtime_variable_changes_what_the_graph_launches(fake_cuda, monkeypat
   calls.clear()
   plan.execute()
   assert graph == _launched(calls) == runs[1]
+
+
+def test_a_variable_read_from_memory_leaves_the_graph_as_built(fake_cuda) -> None:
+  """n of at most 1024: the kernels read it from memory, so every run launches the same graph (same arguments, the bound's
+  grid) after copying n's slots when n changed (kiln.runtime.cuda.device_vars)."""
+  calls, drv, lib = fake_cuda
+  n = UOp.variable("n", 1, 1024)
+  b = ExecutionPlanBuilder("CUDA")
+  x, y = b.add_buffer(Buffer("CUDA", 1024, dtypes.float32)), b.add_buffer(Buffer("CUDA", 1024, dtypes.float32))
+  k = kernels.elementwise(lambda v: v * 2.0, dtypes.float32, ((n,), dtypes.float32), name="dbl")
+  for i in range(5): b.add_kernel(k, [y, x] if i % 2 == 0 else [x, y])
+  b.set_outputs([y])
+  plan = b.build()
+  runs, kinds = [], []
+  for v in (100, 1000, 1000, 7):
+    calls.clear()
+    plan.execute_with_vars({"n": v})
+    kinds.append(_kinds(calls, "launch", "graph_launch", "htod", "graph_set_params", "graph_instantiate"))
+    runs.append(_launched(calls))
+  assert runs[0] == runs[1] == runs[2] == runs[3]
+  assert kinds[1:] == [["htod", "graph_launch"], ["graph_launch"], ["htod", "graph_launch"]], kinds  # n unchanged: no copy
 
 
 def test_a_copy_in_the_middle_splits_the_run(fake_cuda) -> None:

@@ -181,7 +181,7 @@ def test_symbolic_sizes(case):
   got = [out.copy(), x.copy()]
   prog = emulate.EmulatedProgram(spec)
   v = [vals[k] for k in spec.var_names]
-  prog.kernel(got, v, *prog.sizes(v))
+  prog(got, v)  # (a kernel that reads its variables from memory takes them as an array: EmulatedProgram)
   assert np.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 

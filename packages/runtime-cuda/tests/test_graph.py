@@ -11,8 +11,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kiln.codegen.spec import Variable
 from kiln.ir.errors import DeviceError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda.compiler import find_nvcc
@@ -344,6 +346,34 @@ def test_set_vals_updates_the_graph_in_place_or_rebuilds(fake) -> None:
   calls.clear()
   with rt3.session(): run3()
   assert "graph_instantiate" in [c[0] for c in calls] and _drv_tests.unpack(_kernels(calls, "graph_kernel")[0][3])[3:] == (2, 999)
+
+
+def test_variables_read_from_memory_leave_the_graph_as_built(fake) -> None:
+  """Kernels rendered with vars_in_memory (kiln.codegen.render.cuda_vars) take a pointer to their variables, and their grid
+  at the variables' upper bounds: set_vals writes the values to the runtime's array (device_vars.py) and changes no node, so
+  the next run copies the written span once (before the graph, on the same stream) and launches the graph as built."""
+  calls, drv, lib = fake
+  rt = CUDARuntime("CUDA:0")
+  prog = rt.load(_drv_tests._compiled(vars_in_memory=True, vars=[Variable(name="m", min=1, max=4), Variable(name="n", min=1, max=300)]))
+  bound = [prog.bind([8 * i, 8 * i + 8, 8 * i + 16], [1 + i % 3, 100 * (i + 1)]) for i in range(5)]
+  assert all(b.grid == ((300 + 127) // 128, 4, 1) for b in bound)  # the upper bounds'
+  run = rt.graph_calls(bound)
+  with rt.session(): run()
+  args = [b.arg_buf for b in bound]
+  slots = [b.slot for b in bound]
+  assert all(s is not None and _drv_tests.unpack(a)[3] == s.ptr for a, s in zip(args, slots))  # the pointer after the buffers
+  bound[2].set_vals([3, 250])
+  bound[4].set_vals([2, 7])
+  calls.clear()
+  with rt.session(): run()
+  work = [c for c in calls if c[0] == "htod" or c[0].startswith("graph_") and c[0] != "graph_kernel"]
+  assert [c[0] for c in work] == ["htod", "graph_launch"], work  # nothing updated, nothing rebuilt
+  copied = np.frombuffer(work[0][2], np.int32).tolist()
+  assert work[0][1] == slots[2].ptr and len(copied) == (slots[4].ptr + 8 - slots[2].ptr) // 4  # the span written
+  assert copied[:2] == [3, 250] and copied[-2:] == [2, 7] and [b.arg_buf for b in bound] == args
+  calls.clear()
+  with rt.session(): run()
+  assert [c[0] for c in calls if c[0] == "htod" or c[0] == "graph_launch"] == ["graph_launch"]  # nothing written since: no copy
 
 
 def test_an_instantiate_error_falls_back_to_plain_launches(fake) -> None:

@@ -332,6 +332,9 @@ class ProgramSpec(_Model):
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
   shared_bytes: int = Field(default=0, ge=0, le=1 << 20)  # GPU: dynamic shared memory per block the launch must give
+  # GPU: the variables are read from a device array of int32 (var_names order) passed after the buffers, and the grid is
+  # launched at their upper bounds (kiln.codegen.render.cuda_vars)
+  vars_in_memory: bool = False
 
   @model_validator(mode="after")
   def _consistent(self) -> ProgramSpec:
@@ -390,6 +393,7 @@ class CompiledSpec(_Model):
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
   shared_bytes: int = Field(default=0, ge=0, le=1 << 20)  # GPU: dynamic shared memory per block (as ProgramSpec)
+  vars_in_memory: bool = False  # GPU: variables from a device array, the grid at their upper bounds (as ProgramSpec)
   compiler: str = ""
 
   @model_validator(mode="after")
@@ -420,4 +424,5 @@ class CompiledSpec(_Model):
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
                outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
                slots=spec.slots, scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
-               flops=spec.flops, mem_bytes=spec.mem_bytes, shared_bytes=spec.shared_bytes, compiler=compiler)
+               flops=spec.flops, mem_bytes=spec.mem_bytes, shared_bytes=spec.shared_bytes,
+               vars_in_memory=spec.vars_in_memory, compiler=compiler)

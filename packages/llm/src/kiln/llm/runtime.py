@@ -40,9 +40,11 @@ class Runner:
     """The compiled plan (kiln.graph Compiled) "decode", "prefill", "long" or "all", built on first use."""
     if (p := self.plans.get(kind)) is None:
       from kiln.graph import compile
+      from kiln.graph.build_target import building_for
       if kind not in ("decode", "prefill", "long", "all"): raise LLMError(f"no plan {kind!r} (decode, prefill, long, all)")
       seq = 1 if kind == "decode" else self.long if kind == "long" else self.chunk
-      f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all", rows=self.cache.rows)
+      with building_for(self.device):  # the layouts that pay on the plan's device (kiln.graph.build_target)
+        f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all", rows=self.cache.rows)
       p = self.plans[kind] = compile([f.logits], self.device, bind=self._bound, writes=f.writes)
     return p
 

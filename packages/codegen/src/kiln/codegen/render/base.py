@@ -15,8 +15,9 @@ from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 
-def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramSpec:
-  """The ProgramSpec for a lowered kernel: buffer and variable metadata from the lowering."""
+def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp, vars_in_memory: bool = False) -> ProgramSpec:
+  """The ProgramSpec for a lowered kernel: buffer and variable metadata from the lowering (vars_in_memory: CUDA's
+  cuda_vars.py)."""
   var_names = [v.arg[0] for v in lk.vars] + ([CORE_ID] if lk.threads > 1 else [])
   args = []
   for g in lk.globals:
@@ -27,7 +28,7 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp) -> ProgramS
                      globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
                      applied_opts=[str(o) for o in lk.opts], threads=lk.threads, slots=lk.slots,
                      scratch_bytes=lk.scratch_bytes, finish=lk.finish,
-                     flops=lk.flops, mem_bytes=lk.mem_bytes)
+                     flops=lk.flops, mem_bytes=lk.mem_bytes, vars_in_memory=vars_in_memory)
 
 
 # ---- kiln's edge semantics (alu.py): the decisions; each language prints them its own way ----

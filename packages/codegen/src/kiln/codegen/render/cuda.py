@@ -29,7 +29,8 @@ class CUDARenderer:
 
   def print_kernel(self, lk: LoweredKernel, ast: UOp) -> ProgramSpec:
     lk.name = _c_kernel_name(lk.name)
-    return program_spec(lk, CUDAPrinter(lk).print(), "CUDA", ast)
+    printer = CUDAPrinter(lk)
+    return program_spec(lk, printer.print(), "CUDA", ast, vars_in_memory=printer.vars_in_memory)
 
   def tiled_product(self, ast: UOp) -> Contraction | None: return cuda_matmul.covers(ast, self.target)
 

@@ -19,6 +19,7 @@ import struct
 from collections.abc import Callable
 
 from kiln.codegen.lowering.lower import LoweredKernel
+from kiln.codegen.render import cuda_vars
 from kiln.codegen.render.base import (
   DIV_EDGES,
   EXACT_FLOAT_OPS,
@@ -188,6 +189,8 @@ class CUDAPrinter(Printer):
     self.uses_half, self.uses_bf16 = "float16" in names, "bfloat16" in names  # the CUDA headers only when used
     self.last: dict[UOp, str] = {}  # a BLOCKS REDUCE -> its "this block folded the grid" flag
     self.written = {u.src[0].src[0] for u in lk.uops if u.op is Ops.STORE and u.src[0].src[0].op is Ops.DEFINE_GLOBAL}  # the rest are const
+    self.vars_in_memory = False  # the variables come from a device array (cuda_vars.py), not as arguments
+    self.prologue: list[str] = []  # lines before the body: reading them, and the grid's guard
 
   def emit(self, s: str) -> None: self.lines.append("  " * self.depth + s)
 
@@ -213,13 +216,23 @@ class CUDAPrinter(Printer):
     self.names[v] = _c_name(v.arg[0]) if v.dtype == dtypes.int32 else f"(({ctype(v.dtype)}){_c_name(v.arg[0])})"
     return f"int {_c_name(v.arg[0])}"  # variables travel as 32-bit ints
 
+  def print(self) -> str:
+    """The kernel; with its variables read from device memory where cuda_vars says so (self.vars_in_memory)."""
+    c_names = {v: _c_name(v.arg[0]) for v in self.lk.vars}
+    if (guards := cuda_vars.in_memory(self.lk, c_names)) is None: return super().print()
+    self.vars_in_memory = True
+    params = [self.buffer_param(g) for g in self.lk.globals] + [f"const int* __restrict__ {cuda_vars.VARS}"]
+    self.prologue = [f"  {self.var_param(v)} = {cuda_vars.VARS}[{i}];" for i, v in enumerate(self.lk.vars)] + [f"  {g}" for g in guards]
+    for u in self.lk.uops: self.render(u)
+    return self.assemble(params)
+
   def assemble(self, params: list[str]) -> str:
     ls = self.lk.local_size or (1, 1, 1)
     threads = math.prod(int(x) if isinstance(x, int) else 1 for x in ls)
     head = [*(["#include <cuda_fp16.h>"] if self.uses_half else []), *(["#include <cuda_bf16.h>"] if self.uses_bf16 else []),
             *self.helpers.values(),
             f'extern "C" __global__ void __launch_bounds__({threads}) {self.lk.name}({", ".join(params)}) {{']
-    return "\n".join([*head, *self.lines, "}", ""])
+    return "\n".join([*head, *self.prologue, *self.lines, "}", ""])
 
   # ---- control flow and registers ----
   def special(self, u: UOp) -> str:

@@ -40,6 +40,7 @@ from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda import settings
 from kiln.runtime.cuda.compiler import CUDACompiler
+from kiln.runtime.cuda.device_vars import VarArena, VarSlot
 from kiln.runtime.cuda.sticky import is_sticky
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
@@ -321,19 +322,31 @@ class CUDABoundCall:
     self.graph_calls = prog.runtime.graph_calls  # kiln.codegen.protocols.GraphCall: a run of these as one CUDA graph
     self.graph_runs: weakref.WeakSet[cuda_graph.GraphRun] = weakref.WeakSet()  # the graphs holding this launch (told of set_vals)
     self._errors = prog.runtime.guard.errors
+    self.vars = prog.runtime.vars
+    self.slot: VarSlot | None = None  # where a kernel that reads its variables from memory finds them (device_vars.py)
+    if prog.spec.vars_in_memory:  # arguments and grid fixed for every value: a graph holding this launch never changes
+      self.slot = self.vars.take(len(prog.spec.var_names), self)
+      self.grid, self.block = prog.fixed_dims(local_size)
+      self.arg_buf = prog.pack(self.bufs, (), self.slot.ptr)
+      self.empty = 0 in self.grid
     self.set_vals(vals, global_size, local_size)
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[Any] | None = None, local_size: Sequence[Any] | None = None) -> None:
+    if self.slot is not None:
+      self.vars.write(self.slot, vals, self.prog.name)
+      return
     self.grid, self.block = self.prog.dims(vals, global_size, local_size)
     self.arg_buf = self.prog.pack(self.bufs, vals)
     self.empty = 0 in self.grid  # an empty grid runs nothing (CUDA rejects a launch of 0 blocks)
     for g in self.graph_runs: g.note_change(self)  # its node is updated before the graph's next launch
 
   def __call__(self) -> None:
+    if self.vars.dirty: self.vars.flush()
     if not self.empty: self.prog.launch(self.grid, self.block, self.arg_buf)
 
   def in_session(self) -> None:
     """The launch, with this runtime's context already current on this thread: only inside `with self.session():`."""
+    if self.vars.dirty: self.vars.flush()
     if self.empty: return
     # prog.fn looked up here, not kept: the function holds its module, which must be unloaded with the program (in context)
     try: self.prog.fn._launch_kernel(self.grid, self.block, self.arg_buf, self.prog.shared, None)
@@ -346,7 +359,8 @@ class CUDAProgram:
   def __init__(self, runtime: CUDARuntime, spec: CompiledSpec):
     if not spec.bytes: raise RuntimeLaunchError(f"kernel {spec.name}: no cubin in the CompiledSpec (compile it with CUDACompiler)")
     self.runtime, self.spec, self.name, self.drv = runtime, spec, spec.name, runtime.drv
-    self.fmt = "=" + "Q" * spec.buf_count + "i" * len(spec.var_names)  # the kernel's parameters: 8-byte pointers, then int32s
+    # the kernel's parameters: 8-byte pointers, then int32s (or the pointer to them, device_vars.py)
+    self.fmt = "=" + "Q" * spec.buf_count + ("Q" if spec.vars_in_memory else "i" * len(spec.var_names))
     self.align = buffer_alignments(spec)
     self.shared = int(spec.shared_bytes)  # dynamic shared memory each launch gives a block
     self._dims: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
@@ -359,18 +373,29 @@ class CUDAProgram:
           self.fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared)
       except g.errors as e: raise g.failure(e, f"loading kernel {spec.name}") from e
 
-  def pack(self, bufs: Sequence[int], vals: Sequence[int]) -> bytes:
-    """The kernel's argument buffer, checked: buffer count, alignment of each pointer, int32 range of each value."""
+  def pack(self, bufs: Sequence[int], vals: Sequence[int], vars_ptr: int | None = None) -> bytes:
+    """The kernel's argument buffer, checked: buffer count, alignment of each pointer, int32 range of each value; for a
+    kernel that reads its variables from memory, the buffers and vars_ptr (their device array) instead of vals."""
     if len(bufs) != self.spec.buf_count: raise RuntimeLaunchError(f"kernel {self.name} takes {self.spec.buf_count} buffers, got {len(bufs)}")
-    if len(vals) != len(self.spec.var_names):
+    if self.spec.vars_in_memory:
+      if vars_ptr is None: raise RuntimeLaunchError(f"kernel {self.name} reads its variables from device memory: it needs their address")
+      vals = (int(vars_ptr),)
+    elif len(vals) != len(self.spec.var_names):
       raise RuntimeLaunchError(f"kernel {self.name} takes vals for {self.spec.var_names}, got {len(vals)} values")
     for i, (b, a) in enumerate(zip(bufs, self.align)):
       if int(b) % a: raise RuntimeLaunchError(f"kernel {self.name}: buffer {i} at {int(b):#x} is not aligned to {a} bytes (a view at an "
                                               f"offset that is not a multiple of {a} bytes, which the kernel's loads need); CUDA would "
                                               "fault on a misaligned address")
     for n, v in zip(self.spec.var_names, vals):
-      if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {self.name}: variable {n}={v} does not fit int32")
+      if not self.spec.vars_in_memory and not -(2**31) <= int(v) < 2**31:
+        raise RuntimeLaunchError(f"kernel {self.name}: variable {n}={v} does not fit int32")
     return struct.pack(self.fmt, *(int(b) for b in bufs), *(int(v) for v in vals))
+
+  def fixed_dims(self, local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of a kernel that reads its variables from memory: at their upper bounds (its blocks past the grid the
+    values give return at once; kiln.codegen.render.cuda_vars)."""
+    top = {v.name: v.max for v in self.spec.vars}
+    return self.dims([top.get(n, 0) for n in self.spec.var_names], None, local_size)
 
   def dims(self, vals: Sequence[int], global_size: Sequence[Any] | None = None,
            local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -398,8 +423,15 @@ class CUDAProgram:
                local_size: Sequence[Any] | None = None, wait: bool = False) -> float | None:
     """Launch; global_size/local_size default to the spec's sizes evaluated with vals. With wait=True, the kernel's time in
     seconds (CUDA events)."""
-    arg_buf = self.pack(bufs, vals)
-    grid, block = self.dims(vals, global_size, local_size)
+    if self.spec.vars_in_memory:  # one slot for this program's own launches (ordered on the stream: device_vars.py)
+      if (slot := self.__dict__.get("_slot")) is None: slot = self._slot = self.runtime.vars.take(len(self.spec.var_names), self)
+      self.runtime.vars.write(slot, vals, self.name)
+      arg_buf = self.pack(bufs, (), slot.ptr)
+      grid, block = self.fixed_dims(local_size)
+    else:
+      arg_buf = self.pack(bufs, vals)
+      grid, block = self.dims(vals, global_size, local_size)
+    if self.runtime.vars.dirty: self.runtime.vars.flush()
     if 0 in grid: return 0.0 if wait else None  # an empty grid: nothing to run (CUDA rejects a launch of 0 blocks)
     if not wait:
       self.launch(grid, block, arg_buf)
@@ -479,6 +511,7 @@ class CUDARuntime:
     self.arch = settings.ARCH.get() or f"sm_{major}{minor}"  # SASS for this GPU (plus PTX) unless told otherwise
     self.compiler = CUDACompiler(self.arch)
     self.allocator = CUDAAllocator(self.drv, self.ctx, guard=self.guard)
+    self.vars = VarArena(self.allocator)  # variables kernels read from memory (device_vars.py)
     self._renderer: Any = None
     self._graph_api: Any = False  # the GraphAPI over libcuda, None where graphs are unavailable; False: not looked up yet
 

@@ -255,6 +255,7 @@ class GraphRun:
       if self.stale: self._prepare()
       if self.broken is None:
         if (exe := self._h[1]):
+          if (vs := self.runtime.vars).dirty: vs.flush()  # variables its kernels read from memory (device_vars.py)
           try: self.api.launch(exe)
           except LibcudaError as e:
             raise self.guard.failure(e, f"launching a CUDA graph of {len(self.nodes)} kernels", launch=True) from e

@@ -202,10 +202,17 @@ class EmulatedProgram:
     ls = local_size if local_size is not None else (self.spec.local_size or (1, 1, 1))
     return [sym_eval(x, var_vals) for x in gs], [sym_eval(x, var_vals) for x in ls]
 
-  def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] | None = None,
+  def __call__(self, bufs: Sequence[np.ndarray | int], vals: Sequence[int] = (), global_size: Sequence[int] | None = None,
                local_size: Sequence[int] | None = None, wait: bool = False) -> float | None:
-    gs, ls = self.sizes(vals, global_size, local_size)
-    t = self.kernel(bufs, vals, gs, ls)
+    """Run it; a kernel that reads its variables from memory (spec.vars_in_memory) gets them as an int32 array after its
+    buffers, on the grid of their upper bounds (what the CUDA runtime launches: kiln.runtime.cuda.device_vars)."""
+    if self.spec.vars_in_memory:
+      top = {v.name: v.max for v in self.spec.vars}
+      gs, ls = self.sizes([top.get(n, 0) for n in self.spec.var_names], None, local_size)
+      t = self.kernel([*bufs, np.asarray([int(v) for v in vals], np.int32)], (), gs, ls)
+    else:
+      gs, ls = self.sizes(vals, global_size, local_size)
+      t = self.kernel(bufs, vals, gs, ls)
     return t if wait else None
 
 

@@ -1,0 +1,81 @@
+"""The device array a kernel rendered with vars_in_memory reads its runtime variables from (kiln.codegen.render.cuda_vars).
+
+Each bound call owns a slot of int32s (its var_names, in order) in pages of device memory with a host copy. set_vals writes
+the host copy and marks the arena dirty; the next launch of any of this runtime's kernels, or CUDA graph, copies what was
+written (a span per page) to the device first. kiln launches on the device's one (null) stream and the copy is a synchronous cuMemcpyHtoD
+queued on it after every launch before it, so a kernel reads the values its call had when it was launched, and a later
+write cannot reach a kernel still waiting to run.
+
+A slot is never moved (its device address is in the call's arguments, and in the graphs that hold them); a call's slot goes
+back to a free list when the call is dropped."""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kiln.ir.errors import RuntimeLaunchError
+
+PAGE_INTS = 1024  # int32 slots per device page (4 KB): a decode plan's variables fill a few
+
+
+class VarSlot:
+  """n int32s at device address `ptr`; `host` is their host copy (write it through VarArena.write)."""
+  __slots__ = ("__weakref__", "host", "n", "page", "ptr", "start")
+
+  def __init__(self, page: int, start: int, n: int, ptr: int, host: np.ndarray):
+    self.page, self.start, self.n, self.ptr, self.host = page, start, n, ptr, host
+
+
+class VarArena:
+  """The pages of one runtime (allocator: its CUDAAllocator)."""
+
+  def __init__(self, allocator: Any):
+    self.allocator = allocator
+    self._pages: list[tuple[Any, np.ndarray]] = []  # (device buffer, host copy)
+    self._free: dict[int, list[tuple[int, int]]] = {}  # n -> free (page, start) slots of that size
+    self._used = 0  # slots taken from the last page so far
+    self._dirty: dict[int, tuple[int, int]] = {}  # page -> the span [lo, hi) of slots written since the last flush
+    self.dirty = False  # any page to copy before the next launch (read without the lock on the launch path)
+    self._lock = threading.Lock()
+
+  def take(self, n: int, owner: object) -> VarSlot:
+    """A slot of n int32s, given back when `owner` is collected."""
+    if not 0 < n <= PAGE_INTS: raise RuntimeLaunchError(f"a kernel reads {n} variables from memory: 1 to {PAGE_INTS} fit a page")
+    with self._lock:
+      if (free := self._free.get(n)): page, start = free.pop()
+      else:
+        if not self._pages or self._used + n > PAGE_INTS:
+          buf = self.allocator.alloc(4 * PAGE_INTS)
+          self._pages.append((buf, np.zeros(PAGE_INTS, np.int32)))
+          self._used = 0
+        page, start = len(self._pages) - 1, self._used
+        self._used += n
+      buf, host = self._pages[page]
+    slot = VarSlot(page, start, n, buf.ptr + 4 * start, host[start:start + n])
+    weakref.finalize(owner, self._give_back, n, page, start)
+    return slot
+
+  def _give_back(self, n: int, page: int, start: int) -> None:
+    with self._lock: self._free.setdefault(n, []).append((page, start))
+
+  def write(self, slot: VarSlot, vals: Sequence[int], name: str) -> None:
+    """The slot's values (int32 each, else a RuntimeLaunchError naming kernel `name`), copied at the next flush."""
+    for v in vals:
+      if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {name}: a variable's value {v} does not fit int32")
+    slot.host[:] = vals
+    with self._lock:
+      lo, hi = self._dirty.get(slot.page, (slot.start, slot.start + slot.n))
+      self._dirty[slot.page] = (min(lo, slot.start), max(hi, slot.start + slot.n))
+      self.dirty = True
+
+  def flush(self) -> None:
+    """Copy the written span of every page written since the last flush to the device."""
+    with self._lock:
+      spans = [(self._pages[p], lo, hi) for p, (lo, hi) in sorted(self._dirty.items())]
+      self._dirty.clear()
+      self.dirty = False
+    for (buf, host), lo, hi in spans: self.allocator.copyin(self.allocator.view(buf, 4 * lo, 4 * (hi - lo)), memoryview(host[lo:hi].data))
