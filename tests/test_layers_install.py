@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import venv
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -201,13 +202,30 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
   return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)
 
 
-def _build(layer: Layer, where: Path) -> Path:
-  """A clean venv (no system site-packages) with only this layer's folders installed, built by pip."""
+def _wheels(where: Path) -> dict[str, Path]:
+  """Every layer's wheel, built once by pip from its folder (non-editable): folder -> wheel file. Each venv installs the
+  wheels of its own folders only, so a folder is built once, not once for every venv that needs it."""
+  folders = sorted({f for layer in LAYERS for f in layer.folders})
+  where.mkdir(parents=True, exist_ok=True)
+  p = _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(where),
+            *(str(ROOT / "packages" / f) for f in folders)], cwd=where)
+  if p.returncode != 0: raise RuntimeError(f"pip wheel of {folders} failed:\n{p.stdout}\n{p.stderr}")
+  out = {}
+  for f in folders:
+    found = list(where.glob(f"kiln_{f.replace('-', '_')}-*.whl"))
+    if len(found) != 1: raise RuntimeError(f"pip wheel built {len(found)} wheels for packages/{f}: {sorted(x.name for x in where.iterdir())}")
+    out[f] = found[0]
+  return out
+
+
+def _build(layer: Layer, where: Path, wheels: Future[dict[str, Path]]) -> Path:
+  """A clean venv (no system site-packages) with only this layer's folders installed (their wheels, built by pip)."""
   # symlinks, not copies: a thread copying the interpreter while another forks lets the child hold the copy open for
   # writing, and running it then fails with ETXTBSY ("Text file busy"), as seen once in CI-like runs
   venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True, symlinks=True).create(where)
   py = where / "bin" / "python"
-  p = _run([str(py), "-m", "pip", "install", "--quiet", *(str(ROOT / "packages" / f) for f in layer.folders)], cwd=where)
+  built = wheels.result()
+  p = _run([str(py), "-m", "pip", "install", "--quiet", *(str(built[f]) for f in layer.folders)], cwd=where)
   if p.returncode != 0: raise RuntimeError(f"pip install of {layer.folders} failed:\n{p.stdout}\n{p.stderr}")
   return py
 
@@ -215,8 +233,9 @@ def _build(layer: Layer, where: Path) -> Path:
 @pytest.fixture(scope="session")
 def layer_venvs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Path]]:
   base = tmp_path_factory.mktemp("layer-venvs")
-  pool = ThreadPoolExecutor(max_workers=len(LAYERS))
-  futures = {layer.name: pool.submit(_build, layer, base / layer.name) for layer in LAYERS}
+  pool = ThreadPoolExecutor(max_workers=len(LAYERS) + 1)
+  wheels = pool.submit(_wheels, base / "wheels")
+  futures = {layer.name: pool.submit(_build, layer, base / layer.name, wheels) for layer in LAYERS}
   pool.shutdown(wait=False)
   return futures
 
