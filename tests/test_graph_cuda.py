@@ -41,6 +41,20 @@ def _tiled(plan) -> int:  # type: ignore[no-untyped-def]
   return sum(1 for p in plan.prepared_ops if hasattr(p, "kernel") and str(p.kernel.applied_opts[:1]).startswith("['TILED_MATMUL"))
 
 
+def _convnet() -> tuple:
+  """Conv (3x3, padded) + BatchNorm + Relu, a bottleneck of two 1x1 convs with the residual Add, max pool, global pool, Gemm."""
+  x = f32(2, 4, 8, 8)
+  inits = {"w1": f32(16, 4, 3, 3, lo=-.5, hi=.5), "s": f32(16, lo=.5, hi=1.5), "b": f32(16), "mu": f32(16), "var": f32(16, lo=.5, hi=2),
+           "w2": f32(32, 16, 1, 1, lo=-.3, hi=.3), "b2": f32(32), "w3": f32(16, 32, 1, 1, lo=-.3, hi=.3), "b3": f32(16),
+           "fw": f32(16, 16, lo=-.3, hi=.3), "fb": f32(16)}
+  nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c1", "s", "b", "mu", "var"], ["n1"]),
+           N("Relu", ["n1"], ["r1"]), N("Conv", ["r1", "w2", "b2"], ["c2"]), N("Relu", ["c2"], ["r2"]), N("Conv", ["r2", "w3", "b3"], ["c3"]),
+           N("Add", ["c3", "r1"], ["a"]), N("Relu", ["a"], ["r3"]), N("MaxPool", ["r3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("GlobalAveragePool", ["p"], ["g"]), N("Flatten", ["g"], ["f"]), N("Gemm", ["f", "fw", "fb"], ["y"], transB=1)]
+  m = model(nodes, {"x": x}, {"y": np.float32}, inits)
+  return m, x
+
+
 def test_convnet(gpu, monkeypatch) -> None:
   """Conv (3x3, padded) + BatchNorm + Relu, a bottleneck of two 1x1 convs with the residual Add, max pool, global pool,
   Gemm. The convs are tiled matmuls: the 1x1 ones' pixels index as a reshape's (p // w) * w + p % w, which the matcher
@@ -53,15 +67,7 @@ def test_convnet(gpu, monkeypatch) -> None:
     seen.add(threading.current_thread().name)
     return real(self, spec)
   monkeypatch.setattr(CUDACompiler, "compile", compile_)
-  x = f32(2, 4, 8, 8)
-  inits = {"w1": f32(16, 4, 3, 3, lo=-.5, hi=.5), "s": f32(16, lo=.5, hi=1.5), "b": f32(16), "mu": f32(16), "var": f32(16, lo=.5, hi=2),
-           "w2": f32(32, 16, 1, 1, lo=-.3, hi=.3), "b2": f32(32), "w3": f32(16, 32, 1, 1, lo=-.3, hi=.3), "b3": f32(16),
-           "fw": f32(16, 16, lo=-.3, hi=.3), "fb": f32(16)}
-  nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("BatchNormalization", ["c1", "s", "b", "mu", "var"], ["n1"]),
-           N("Relu", ["n1"], ["r1"]), N("Conv", ["r1", "w2", "b2"], ["c2"]), N("Relu", ["c2"], ["r2"]), N("Conv", ["r2", "w3", "b3"], ["c3"]),
-           N("Add", ["c3", "r1"], ["a"]), N("Relu", ["a"], ["r3"]), N("MaxPool", ["r3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
-           N("GlobalAveragePool", ["p"], ["g"]), N("Flatten", ["g"], ["f"]), N("Gemm", ["f", "fw", "fb"], ["y"], transB=1)]
-  m = model(nodes, {"x": x}, {"y": np.float32}, inits)
+  m, x = _convnet()
   before = cache.cache_stats()["compiles"]
   km = konnx.load(m, device="CUDA")
   assert _tiled(km.plan) == 3, km.summary()  # the two 1x1 convs, and the padded 3x3 one as an implicit GEMM
@@ -126,11 +132,32 @@ def test_encoder_and_checked_indices(gpu) -> None:
   np.testing.assert_allclose(km.run({"ids": ids[::-1].copy()})["y"], _ort(m, {"ids": ids[::-1].copy()})[0], rtol=1e-4, atol=1e-4)
 
 
+def test_a_dynamic_batch_keeps_the_tiled_products(gpu) -> None:
+  """The encoder loaded for batches of 1 to 4, and the convnet for 1 to 5: the products over a symbolic batch are tiled
+  too, the batch being the outermost batch axis (the grid's z follows it; the kernel's body never reads it:
+  contraction.py), and one plan gives onnxruntime's answer at every batch in its bounds."""
+  m, ids, vocab = _encoder()
+  km = konnx.load(m, device="CUDA", dims={"batch": (1, 4)})
+  tiled = [p.kernel for p in km.plan.prepared_ops if hasattr(p, "kernel") and str(p.kernel.applied_opts[:1]).startswith("['TILED_MATMUL")]
+  assert len(tiled) >= 4 and all(k.var_names for k in tiled), km.summary()
+  for n in (4, 1, 3):
+    x = np.random.default_rng(n).integers(0, vocab, (n, ids.shape[1])).astype(np.int64)
+    np.testing.assert_allclose(km.run({"ids": x})["y"], _ort(m, {"ids": x})[0], rtol=1e-4, atol=1e-4)
+  m, _ = _convnet()  # the convolutions' images are the batch: implicit GEMMs over a symbolic batch
+  m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+  km = konnx.load(m, device="CUDA", dims={"batch": (1, 5)})
+  assert _tiled(km.plan) == 3, km.summary()
+  for n in (5, 2):
+    xv = f32(n, 4, 8, 8)
+    np.testing.assert_allclose(km.run({"x": xv})["y"], _ort(m, {"x": xv})[0], rtol=1e-4, atol=1e-4)
+
+
 def test_symbolic_batch(gpu) -> None:
   """One plan for every batch in its bounds (the sizes passed to each launch): run at the top, the bottom and between."""
   wv = np.random.default_rng(2).standard_normal((16, 24)).astype(np.float32)
   x = Tensor.input("x", ("b", 16), dims={"b": (1, 8)})
   c = compile([(x @ Tensor(wv)).relu().sum(-1)], "CUDA")
+  assert _tiled(c.plan) == 0  # the matrix's own rows are symbolic: the generic kernel (only an outer batch may be)
   for n in (8, 1, 3):
     xv = np.random.default_rng(n).standard_normal((n, 16)).astype(np.float32)
     np.testing.assert_allclose(c.run({"x": xv})[0], np.maximum(xv @ wv, 0).sum(-1), rtol=1e-5, atol=1e-5)

@@ -2,12 +2,13 @@
 a tiled kernel of its own (render/cuda_matmul.py) instead of the generic lowering. What matches: one STORE whose value is an
 elementwise epilogue f (bias, activation, residual, the cast to the output's dtype; loads indexed by the output ranges) of
 one REDUCE(ADD) over one range of a product of two loads (each loaded value optionally cast to the sum's dtype); constant
-sizes; the output's index, and the batch axes' part of each operand's, affine in the ranges (ranges, constants, +, - and
+sizes, except the outermost batch axis's, which may be symbolic (a dynamic batch: the grid follows it, the kernel's body
+does not read it); the output's index, and the batch axes' part of each operand's, affine in the ranges (ranges, constants, +, - and
 multiplication by a constant). An operand whose matrix part is not a stride per axis (a convolution read as a product,
 implicit GEMM: A[pixel, k] at the pixel's row and column and k's channel and tap taken apart by // and %, and a padded
 input's gate, which reads 0 outside the image) keeps that part as an expression of its two matrix ranges
 (`Operand.expr`, `Operand.gate`), which the tiled kernel computes element by element. Anything else (a second sum, a
-symbolic size, a gathered index, a batch axis inside such an expression) is None: the generic path runs it."""
+symbolic matrix size, a gathered index, a batch axis inside such an expression) is None: the generic path runs it."""
 from __future__ import annotations
 
 import functools
@@ -40,7 +41,7 @@ class Contraction:
   m: int
   n: int
   k: int
-  batch: tuple[int, ...]  # sizes of the batch axes, outermost first
+  batch: tuple[int | UOp, ...]  # sizes of the batch axes, outermost first (the outermost's may be symbolic)
   a: Operand
   b: Operand
   c: Operand
@@ -60,9 +61,28 @@ class Contraction:
 
   @property
   def batches(self) -> int:
+    """How many matrices, at most (a symbolic batch at its upper bound)."""
     p = 1
-    for s in self.batch: p *= s
+    for s in self.batch: p *= s if isinstance(s, int) else _upper(s)
     return p
+
+  @property
+  def batch_grid(self) -> int | UOp:
+    """How many matrices: the product of the batch sizes, symbolic where the outermost is."""
+    p: int | UOp = 1
+    for s in self.batch: p = s * p if isinstance(s, UOp) else p * s
+    return p
+
+  @property
+  def variables(self) -> list[UOp]:
+    """The DEFINE_VARs the batch sizes name (the launch's arguments), by name."""
+    vs = {u for s in self.batch if isinstance(s, UOp) for u in s.toposort() if u.op is Ops.DEFINE_VAR}
+    return sorted(vs, key=lambda v: v.arg[0])
+
+
+def _upper(s: UOp) -> int:
+  from kiln.ir.analysis import sym_int_eval
+  return sym_int_eval(s, {v.arg[0]: v.arg[2] for v in s.toposort() if v.op is Ops.DEFINE_VAR}, check_bounds=False)
 
 
 def linear(idx: UOp) -> dict[UOp | None, int] | None:
@@ -119,7 +139,7 @@ class _Index:
 
 def _index(idx: UOp, gate: UOp | None) -> _Index | None:
   """idx (and the gate) split as _Index; None where an expression holds what an index may not (a load: a gathered index)."""
-  if any(x.op not in _INDEX_OPS for u in (idx, gate) if u is not None for x in u.toposort()): return None
+  if any(x.op not in _INDEX_OPS for u in (idx, gate) if u is not None for x in _walk(u)): return None
   if (lin := linear(idx)) is not None and gate is None: return _Index(lin, None, None)
   coef: dict[UOp | None, int] = {}
   rest: UOp | None = None
@@ -130,6 +150,18 @@ def _index(idx: UOp, gate: UOp | None) -> _Index | None:
       for key, v in lt.items(): coef[key] = coef.get(key, 0) + f * v
     else: rest = (t if f == 1 else t * f) if rest is None else rest + (t if f == 1 else t * f)
   return _Index(coef, rest, gate)
+
+
+def _walk(u: UOp) -> list[UOp]:
+  """u's nodes, not looking into a range's size (a symbolic batch's variable is the range's, not the index's)."""
+  out, seen, stack = [], set(), [u]
+  while stack:
+    x = stack.pop()
+    if x in seen: continue
+    seen.add(x)
+    out.append(x)
+    if x.op is not Ops.RANGE: stack.extend(x.src)
+  return out
 
 
 # what an operand's index and gate may hold: index arithmetic and comparisons of the ranges
@@ -153,6 +185,12 @@ def _load(u: UOp, acc: DType) -> tuple[UOp, UOp, UOp | None] | None:
 def _size(r: UOp) -> int | None: return int(r.src[0].arg) if r.src[0].op is Ops.CONST else None
 
 
+def _symbolic(r: UOp) -> bool:
+  """A range over a size of variables and constants only, + and * (a dynamic batch, times a constant where axes merged)."""
+  s = r.src[0]
+  return all(u.op in (Ops.DEFINE_VAR, Ops.CONST, Ops.ADD, Ops.MUL) for u in s.toposort())
+
+
 # what an epilogue may hold besides the sum: values the CUDA printer renders per output element
 _EPILOGUE_OPS = GroupOp.ALU | {Ops.CONST, Ops.CAST, Ops.BITCAST, Ops.LOAD, Ops.INDEX, Ops.DEFINE_GLOBAL, Ops.RANGE}
 
@@ -172,7 +210,9 @@ def _epilogue(val: UOp, outs: set[UOp], gc: UOp) -> tuple[UOp, list[UOp]] | None
       reduces.append(u)
       continue  # the sum's own subtree is the contraction's
     if u.op not in _EPILOGUE_OPS: return None
-    if u.op is Ops.RANGE and u not in outs: return None
+    if u.op is Ops.RANGE:
+      if u not in outs: return None
+      continue  # its size (a symbolic batch's variable) is the range's, not the epilogue's
     if u.op is Ops.INDEX and (len(u.src) != 2 or u.src[0].op is not Ops.DEFINE_GLOBAL or u.src[0] is gc): return None
     if u.op is Ops.DEFINE_GLOBAL and u not in globals_: globals_.append(u)
     stack.extend(u.src)
@@ -193,7 +233,7 @@ def match(ast: UOp) -> Contraction | None:
   if la is None or lb is None or gc in (la[0], lb[0]): return None  # A and B may be one buffer (q and k of a fused projection)
   fa, fb = _index(la[1], la[2]), _index(lb[1], lb[2])
   if fa is None or fb is None or (kk := _size(kr)) is None: return None
-  if any(r.arg[1] is not AxisType.LOOP or _size(r) is None for r in outs): return None
+  if any(r.arg[1] is not AxisType.LOOP for r in outs): return None
   if any(r is not kr and r not in fc for f in (fa, fb) for r in f.ranges): return None  # every range is an output's or k
   if fc.get(kr, 0) or not fa.uses(kr) or not fb.uses(kr): return None
   i_axes = [r for r in outs if fa.uses(r) and not fb.uses(r)]
@@ -203,7 +243,8 @@ def match(ast: UOp) -> Contraction | None:
   # is a batch axis of stride 0 there; the matrix axis is the one the output is most contiguous along
   ri, rj = (min(axes, key=lambda r: abs(fc[r])) for axes in (i_axes, j_axes))
   batch = sorted((r for r in outs if r is not ri and r is not rj), key=lambda r: r.arg[0])
-  if not fc.get(ri, 0) or not fc.get(rj, 0): return None
+  if not fc.get(ri, 0) or not fc.get(rj, 0) or _size(ri) is None or _size(rj) is None: return None
+  if any(_size(r) is None and (i or not _symbolic(r)) for i, r in enumerate(batch)): return None  # only the outermost symbolic
 
   def operand(g: UOp, f: _Index, r0: UOp, r1: UOp) -> Operand | None:
     assert isinstance(g.dtype, PtrDType)
@@ -218,6 +259,7 @@ def match(ast: UOp) -> Contraction | None:
   if any(g in (la[0], lb[0]) for g in extra): return None  # an operand read again in the epilogue: keep it simple, generic
   oa, ob, oc = operand(la[0], fa, ri, kr), operand(lb[0], fb, kr, rj), operand(gc, _Index(fc, None, None), ri, rj)
   if oa is None or ob is None or oc is None: return None
-  con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=tuple(_size(r) or 0 for r in batch), a=oa, b=ob, c=oc, acc=acc,
+  sizes = tuple(r.src[0] if (n := _size(r)) is None else n for r in batch)
+  con = Contraction(m=_size(ri) or 0, n=_size(rj) or 0, k=kk, batch=sizes, a=oa, b=ob, c=oc, acc=acc,
                     value=val, reduce=red, ranges=(ri, rj, *batch), extra=tuple(int(g.arg) for g in extra))
   return con if con.a.dtype == con.b.dtype else None  # mixed input dtypes: the generic kernel

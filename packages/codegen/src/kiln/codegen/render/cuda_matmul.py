@@ -23,7 +23,7 @@ from kiln.codegen.choose import Target
 from kiln.codegen.choose.contraction import Contraction, Operand, match
 from kiln.codegen.choose.tiling import THREADS, Tiling, b_kmajor
 from kiln.codegen.render.cuda_c import EpiloguePrinter, ctype
-from kiln.codegen.spec import KernelArg, ProgramSpec
+from kiln.codegen.spec import KernelArg, ProgramSpec, Variable
 from kiln.ir.dtype import DType, PtrDType, dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.symbolic import simplify
@@ -49,9 +49,9 @@ def _batch_offsets(c: Contraction) -> list[str]:
   lines = [f"long long offA = {c.a.offset}LL, offB = {c.b.offset}LL, offC = {c.c.offset}LL;"]
   if not c.batch: return lines
   lines.append("long long bz = blockIdx.z;")
-  for d in range(len(c.batch) - 1, -1, -1):
-    lines.append(f"const long long bidx{d} = bz % {c.batch[d]}; bz /= {c.batch[d]};"
-                 f" offA += bidx{d} * {c.a.batch[d]}LL; offB += bidx{d} * {c.b.batch[d]}LL; offC += bidx{d} * {c.c.batch[d]}LL;")
+  for d in range(len(c.batch) - 1, -1, -1):  # the outermost takes what is left (its size may be symbolic: the grid's)
+    index = f"const long long bidx{d} = bz % {c.batch[d]}; bz /= {c.batch[d]};" if d else "const long long bidx0 = bz;"
+    lines.append(index + f" offA += bidx{d} * {c.a.batch[d]}LL; offB += bidx{d} * {c.b.batch[d]}LL; offC += bidx{d} * {c.c.batch[d]}LL;")
   return lines
 
 
@@ -84,6 +84,7 @@ def _params(c: Contraction, name: str, threads: int = THREADS, min_blocks: int =
   slots = sorted(typ)
   # an epilogue's extra buffers take any type (a bool mask)
   ps = [f"{'' if s == c.c.slot else 'const '}{_MEM.get(typ[s].name) or ctype(typ[s])}* __restrict__ data{s}" for s in slots]
+  ps += [f"int batch_var{i}" for i, _ in enumerate(c.variables)]  # a symbolic batch's variables: the grid's, unread here
   bounds = f"{threads}, {min_blocks}" if min_blocks else f"{threads}"
   return f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({", ".join(ps)})'
 
@@ -481,7 +482,9 @@ def program(ast: UOp, c: Contraction, t: Tiling, name: str) -> ProgramSpec:
   flops = 2 * c.m * c.n * c.k * c.batches
   mem = c.batches * (c.m * c.k * c.a.dtype.itemsize + c.k * c.n * c.b.dtype.itemsize + c.m * c.n * c.c.dtype.itemsize)
   return ProgramSpec(name=name, src=src, device="CUDA", ast=ast,  # type: ignore[arg-type]
-                     global_size=(-(-c.n // t.bn), -(-c.m // t.bm), max(1, c.batches)), local_size=(t.threads, 1, 1),
+                     global_size=(-(-c.n // t.bn), -(-c.m // t.bm), c.batch_grid if c.batch else 1), local_size=(t.threads, 1, 1),
+                     vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in c.variables],
+                     var_names=[v.arg[0] for v in c.variables],
                      globals=slots, outs=[c.c.slot], ins=[s for s in slots if s != c.c.slot], buf_count=len(slots),
                      args=[KernelArg(slot=s, dtype=str(typ[s]), size=sizes.get(s, -1), align=_align(c, t, s)) for s in slots],
                      applied_opts=[str(t)], flops=flops, mem_bytes=mem,
