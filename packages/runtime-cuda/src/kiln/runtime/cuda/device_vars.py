@@ -11,6 +11,7 @@ back to a free list when the call is dropped."""
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -71,6 +72,15 @@ class VarArena:
       lo, hi = self._dirty.get(slot.page, (slot.start, slot.start + slot.n))
       self._dirty[slot.page] = (min(lo, slot.start), max(hi, slot.start + slot.n))
       self.dirty = True
+
+  def __del__(self) -> None:
+    # the pages go back through the allocator (its cache is freed with the context current, not by pycuda's destructors
+    # on whatever thread drops them); a finaliser has no caller to tell, so a failure is a warning
+    try:
+      for buf, _ in self._pages: self.allocator.free(buf, buf.size)
+    except Exception as e:
+      warnings.warn(f"freeing the runtime variables' pages failed: {e}", RuntimeWarning, stacklevel=2)
+    self._pages = []
 
   def flush(self) -> None:
     """Copy the written span of every page written since the last flush to the device."""
