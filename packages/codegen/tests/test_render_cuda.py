@@ -158,3 +158,14 @@ def test_unroll_of_a_gpu_output_axis_is_refused_not_dropped():
   plain = r.render(rows, [Opt(OptOps.LOCAL, 0, 64)])
   unrolled = r.render(rows, [Opt(OptOps.LOCAL, 0, 64), Opt(OptOps.UNROLL, 1, 4)])
   assert unrolled.src.count("data1[") == 4 * plain.src.count("data1[")  # four loads per trip of the reduce loop
+
+
+def test_a_symbolic_row_axis_goes_on_the_grid_when_its_bound_fits():
+  """(n, 4096) elementwise with n <= 4096: the rows are the grid's y (the bound fits its 65535 blocks), so a large n spreads
+  over the GPU instead of looping inside 16 blocks; with a bound past 65535 they stay a loop."""
+  n = UOp.variable("n", 1, 4096)
+  spec = CUDARenderer().render(kernels.elementwise(lambda v: v * 3.0, dtypes.float32, ((n, 4096), dtypes.float32)))
+  assert spec.global_size[0] == 16 and isinstance(spec.global_size[1], UOp) and spec.global_size[1].arg[0] == "n", spec.global_size
+  big = UOp.variable("n", 1, 1 << 17)
+  spec = CUDARenderer().render(kernels.elementwise(lambda v: v * 3.0, dtypes.float32, ((big, 4096), dtypes.float32)))
+  assert spec.global_size == (16, 1, 1) and "for (" in spec.src, spec.global_size

@@ -76,6 +76,11 @@ def axis_size(r: UOp) -> int | None:
   return int(e.arg) if e.op is Ops.CONST else None
 
 
+def axis_bound(r: UOp) -> int:
+  """A range's largest trip count: its size, or a symbolic size's upper bound (a GPU grid dimension must hold it)."""
+  return s if (s := axis_size(r)) is not None else int(r.src[0].vmax)
+
+
 def affine_coeff(idx: UOp, var: UOp) -> int | None:
   """The constant a with idx == a*var + (terms without var), or None when idx is not affine in var."""
   memo: dict[UOp, int | None] = {}

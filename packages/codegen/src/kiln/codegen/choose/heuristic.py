@@ -4,7 +4,7 @@ given; an explicit list overrides it."""
 from __future__ import annotations
 
 from kiln.codegen.choose.axis_plan import _loads, kept_twins
-from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_size
+from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_bound, axis_size
 from kiln.codegen.threads import chunk_count
 from kiln.ir.analysis import free_ranges, reads_stored
 from kiln.ir.ops import Ops
@@ -458,7 +458,7 @@ def _gpu_rows(st: UOp, out_axes: list[UOp], reduces: list[UOp], target: Target) 
     if not uses or any(len(ld.src[0].src) != 2 or affine_coeff(ld.src[0].src[1], r) != 1 for ld in uses): return None
     sizes.append(axis_size(r))
   grid = sorted(rows, key=lambda a: a.arg[0], reverse=True)
-  if any((axis_size(a) or 1 << 31) > target.max_grid[d] for d, a in enumerate(grid) if d > 0): return None
+  if any(axis_bound(a) > target.max_grid[d] for d, a in enumerate(grid) if d > 0): return None
   longest = None if None in sizes else max(s for s in sizes if s is not None)
   if longest is not None and longest < GPU_MIN_GROUP_ROW: return None
   if (few := _few_long_rows(rows, rest, reduces, longest, target)) is not None: return few

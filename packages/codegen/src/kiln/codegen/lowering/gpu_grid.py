@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kiln.codegen.choose.base import axis_size
+from kiln.codegen.choose.base import axis_bound, axis_size
 from kiln.codegen.lowering.expand import simp
 from kiln.codegen.lowering.linearize import Scope
 from kiln.codegen.lowering.loops import LowerCtx, ceil_div
@@ -43,7 +43,8 @@ class GpuGrid:
     first = 1 if any(p.blocks for p in self.ctx.plans.values()) else 0  # BLOCKS: the grid's x holds a row's slices
     for dim, r in enumerate(reversed(out[-(3 - first):]), start=first):
       size, p = axis_size(r), self.ctx.plans[r]
-      if dim > 0 and (size is None or size > self.ctx.target.max_grid[dim]): break
+      if dim > 0 and axis_bound(r) > self.ctx.target.max_grid[dim]: break  # a symbolic size: its upper bound must fit
+      if dim > 0 and size is None and first: break  # BLOCKS sizes its per-row slots by the grid's y and z: constant rows only
       if size is not None and -(-size // max(p.local, 1)) > self.ctx.target.max_grid[dim]: break  # more blocks than a grid has (past 2**31): a loop
       end = substitute(r.src[0], subst)
       res.append((dim, r, end, ceil_div(end, p.local) if p.local else end))
