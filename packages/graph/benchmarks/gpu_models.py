@@ -2,7 +2,7 @@
 and onnx: never in kiln's own environments.
 
   python gpu_models.py [--models resnet50,bert] [--batches 1,32] [--dtypes float32,float16] [--budget SECONDS]
-                       [--torch-compile] [--sanitize-dir DIR] [--small] [--kiln-device CUDA] [--torch-device cuda] [--emulate]
+                       [--torch-compile] [--dynamic] [--sanitize-dir DIR] [--small] [--kiln-device CUDA] [--torch-device cuda] [--emulate]
   python gpu_models.py --check-dir DIR      (what compute-sanitizer runs: the small models saved in DIR, on kiln only)
 
 ResNet-50 and a BERT-base-shaped encoder (12 layers, hidden 768, 12 heads, seq 128) are written in plain torch
@@ -11,7 +11,8 @@ loaded with kiln.graph.onnx.load(path, device="CUDA", dims={"batch": n}) for eac
 compile: nvcc side by side, weights uploaded), kiln's device time (plan.execute between device syncs, the input already
 there), kiln's run() (copy in, execute, copy out), torch eager's device time, torch.compile's where asked and the budget
 allows, and kiln's largest error against torch eager (float32: TF32 off on both sides). float16 rows export the model in
-half precision. Every step is guarded: a failure prints FAIL with its traceback and the next step runs; steps that would
+half precision. --dynamic: after a model's rows, its export loaded once with dims={"batch": (smallest, largest)} and
+run at every batch from that one plan (rows with "dynamic"). Every step is guarded: a failure prints FAIL with its traceback and the next step runs; steps that would
 start past --budget seconds are skipped and say so. Rows go to $OUT/gpu_models.json when OUT is set.
 
 --sanitize-dir DIR: small twins of both models exported into DIR with an input and torch's output each, run once here on
@@ -128,6 +129,38 @@ def model_rows(torch: Any, konnx: Any, args: argparse.Namespace, model: str, dty
     r = batch_row(torch, konnx, args, m, x.to(tdt) if x.is_floating_point() else x, path, sync)
     r.update(model=model, dtype=dtype, batch=batch, export_s=export_s, small=args.small)
     compiled.setdefault(model, []).append((r, m, x.to(tdt).to(dev) if x.is_floating_point() else x.to(dev)))
+  if args.dynamic and len(args.batch_list) > 1 and left(args.budget) >= 20:
+    step(f"{model} {dtype}: one plan for batches {min(args.batch_list)}-{max(args.batch_list)}",
+         lambda: dynamic_rows(torch, konnx, args, m, model, dtype, cfg, path, sync))
+
+
+def dynamic_rows(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, model: str, dtype: str, cfg: dict[str, Any], path: str,
+                 sync: Sync) -> None:
+  """The same export loaded once for every batch from the smallest to the largest asked (dims={"batch": (lo, hi)}: a
+  symbolic batch, tiled products over it), then a row per batch from that one plan: kiln vs torch, device time, run()."""
+  lo, hi = min(args.batch_list), max(args.batch_list)
+  t = time.perf_counter()
+  km = konnx.load(path, device=args.kiln_device, dims={"batch": (lo, hi)})
+  load_s = time.perf_counter() - t
+  tiled = sum(1 for p in km.plan.prepared_ops if str(getattr(getattr(p, "kernel", None), "applied_opts", [""])[:1]).startswith("['TILED"))
+  for batch in args.batch_list:
+    name = f"{os.path.basename(path)[:-5]} batches {lo}-{hi} at {batch}"
+    r: dict[str, Any] = {"model": model, "dtype": dtype, "batch": batch, "dynamic": [lo, hi], "load_s": load_s, "tiled": tiled, "small": args.small}
+    ROWS.append(r)
+    x = example(torch, model, cfg, batch)
+    x = x.to(getattr(torch, dtype)) if x.is_floating_point() else x
+    feed = {"x": x.cpu().numpy()}
+    with torch.no_grad(): want = m(x.to(args.torch_device)).float().cpu().numpy()
+    def check(r: dict = r, feed: dict = feed, want: np.ndarray = want) -> str:
+      r["max_abs_err"], r["max_rel_err"] = _err(np.asarray(km.run(feed)["y"], np.float32), want)
+      return f"max |kiln - torch| {r['max_abs_err']:.2e} ({r['max_rel_err']:.2e} of max |torch|)"
+    if (msg := step(f"{name}: kiln vs torch", check)) is not None: print(f"      {msg}", flush=True)
+    if km.plan is not None:  # the batch's variable stays as the last run set it
+      step(f"{name}: kiln device time", lambda r=r: r.__setitem__("kiln_ms", 1e3 * per_call(km.plan.execute, sync)))
+    step(f"{name}: kiln run()", lambda r=r, feed=feed: r.__setitem__("kiln_run_ms", 1e3 * per_call(lambda: km.run(feed), sync)))
+    nan = float("nan")
+    print(f"row   {name}: load {load_s:.1f} s ({tiled} tiled matmuls), kiln {r.get('kiln_ms', nan):.2f} ms (run() "
+          f"{r.get('kiln_run_ms', nan):.2f} ms), err {r.get('max_rel_err', nan):.1e}", flush=True)
 
 
 def batch_row(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, x: Any, path: str, sync: Sync) -> dict[str, Any]:
@@ -266,6 +299,7 @@ def main(argv: list[str]) -> int:
   ap.add_argument("--dtypes", default="float32")
   ap.add_argument("--budget", type=float, default=200.0, help="seconds from the start: later steps are skipped")
   ap.add_argument("--torch-compile", action="store_true", help="also time torch.compile (about a minute of compile each)")
+  ap.add_argument("--dynamic", action="store_true", help="also load each export once for all the batches (a symbolic batch)")
   ap.add_argument("--compile-reserve", type=float, default=60.0, help="seconds a torch.compile row needs left to start")
   ap.add_argument("--sanitize-dir", default="")
   ap.add_argument("--check-dir", default="")
