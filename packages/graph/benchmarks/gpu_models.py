@@ -12,8 +12,9 @@ compile: nvcc side by side, weights uploaded), kiln's device time (plan.execute 
 there), kiln's run() (copy in, execute, copy out), torch eager's device time, torch.compile's where asked and the budget
 allows, and kiln's largest error against torch eager (float32: TF32 off on both sides). float16 rows export the model in
 half precision. --dynamic: after a model's rows, its export loaded once with dims={"batch": (smallest, largest)} and
-run at every batch from that one plan (rows with "dynamic"). Every step is guarded: a failure prints FAIL with its traceback and the next step runs; steps that would
-start past --budget seconds are skipped and say so. Rows go to $OUT/gpu_models.json when OUT is set.
+run at every batch from that one plan (rows with "dynamic"). Every step is guarded: a failure prints FAIL with its
+traceback and the next step runs; steps that would start past --budget seconds are skipped and say so. Rows go to
+$OUT/gpu_models.json when OUT is set.
 
 --sanitize-dir DIR: small twins of both models exported into DIR with an input and torch's output each, run once here on
 kiln (their kernels then sit in kiln's disk cache) for --check-dir to run again under compute-sanitizer.
