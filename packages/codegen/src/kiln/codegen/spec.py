@@ -171,6 +171,13 @@ def sym_eval(v: int | UOp, var_vals: Mapping[str, int]) -> int:
   return sym_int_eval(v, var_vals, check_bounds=False)
 
 
+def upper_vals(spec: ProgramSpec | CompiledSpec) -> list[int]:
+  """Each variable's upper bound, in var_names order (0 for one without bounds: core_id): the values a kernel that reads its
+  variables from memory is launched for (vars_in_memory)."""
+  top = {v.name: v.max for v in spec.vars}
+  return [top.get(n, 0) for n in spec.var_names]
+
+
 class _Model(BaseModel):
   model_config = ConfigDict(validate_assignment=True, extra="forbid", arbitrary_types_allowed=True)
 

@@ -63,7 +63,7 @@ class Contraction:
   def batches(self) -> int:
     """How many matrices, at most (a symbolic batch at its upper bound)."""
     p = 1
-    for s in self.batch: p *= s if isinstance(s, int) else _upper(s)
+    for s in self.batch: p *= s if isinstance(s, int) else int(s.vmax)
     return p
 
   @property
@@ -78,11 +78,6 @@ class Contraction:
     """The DEFINE_VARs the batch sizes name (the launch's arguments), by name."""
     vs = {u for s in self.batch if isinstance(s, UOp) for u in s.toposort() if u.op is Ops.DEFINE_VAR}
     return sorted(vs, key=lambda v: v.arg[0])
-
-
-def _upper(s: UOp) -> int:
-  from kiln.ir.analysis import sym_int_eval
-  return sym_int_eval(s, {v.arg[0]: v.arg[2] for v in s.toposort() if v.op is Ops.DEFINE_VAR}, check_bounds=False)
 
 
 def linear(idx: UOp) -> dict[UOp | None, int] | None:

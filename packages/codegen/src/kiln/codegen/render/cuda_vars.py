@@ -16,7 +16,6 @@ Elsewhere (a dynamic batch of 1 to 64 over a large tensor, say) the variables st
 from __future__ import annotations
 
 from kiln.codegen.lowering.lower import LoweredKernel
-from kiln.ir.analysis import sym_int_eval
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
@@ -42,10 +41,6 @@ def grid_c(u: int | UOp, names: dict[UOp, str]) -> str | None:
   return f"max({ta}, {tb})" if u.op is Ops.MAX else f"({ta} {_C_OP[u.op]} {tb})"
 
 
-def _upper(u: UOp) -> int:
-  return sym_int_eval(u, {v.arg[0]: v.arg[2] for v in u.toposort() if v.op is Ops.DEFINE_VAR}, check_bounds=False)
-
-
 def in_memory(lk: LoweredKernel, names: dict[UOp, str]) -> list[str] | None:
   """The guard lines a kernel reading its variables from memory starts with (after reading them), or None where its
   variables stay launch arguments (see the module docstring)."""
@@ -60,7 +55,7 @@ def in_memory(lk: LoweredKernel, names: dict[UOp, str]) -> list[str] | None:
       blocks *= int(g if isinstance(g, int) else g.arg)
       continue
     if (text := grid_c(g, names)) is None: return None
-    blocks *= _upper(g)
+    blocks *= int(g.vmax)  # at the variables' upper bounds (grid_c: it never shrinks as they grow)
     guards.append(f"blockIdx.{axis} >= (unsigned)({text})")
   if blocks > IDLE_BLOCKS and guards: return None
   return [f"if ({' || '.join(guards)}) return;  /* the grid is fixed at the variables' upper bounds */"] if guards else []

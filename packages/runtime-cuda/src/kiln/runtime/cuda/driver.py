@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval
+from kiln.codegen.spec import CompiledSpec, DeviceSpec, sym_eval, upper_vals
 from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda import settings
@@ -394,8 +394,7 @@ class CUDAProgram:
   def fixed_dims(self, local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid, block) of a kernel that reads its variables from memory: at their upper bounds (its blocks past the grid the
     values give return at once; kiln.codegen.render.cuda_vars)."""
-    top = {v.name: v.max for v in self.spec.vars}
-    return self.dims([top.get(n, 0) for n in self.spec.var_names], None, local_size)
+    return self.dims(upper_vals(self.spec), None, local_size)
 
   def dims(self, vals: Sequence[int], global_size: Sequence[Any] | None = None,
            local_size: Sequence[Any] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

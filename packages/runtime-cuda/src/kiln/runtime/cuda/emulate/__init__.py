@@ -37,7 +37,7 @@ import numpy as np
 
 from kiln.codegen import diskcache
 from kiln.codegen import settings as codegen_settings
-from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval
+from kiln.codegen.spec import CompiledSpec, ProgramSpec, sym_eval, upper_vals
 from kiln.codegen.threads import thread_count
 from kiln.ir.errors import CompileError, RuntimeLaunchError
 from kiln.runtime.cuda import settings
@@ -207,8 +207,7 @@ class EmulatedProgram:
     """Run it; a kernel that reads its variables from memory (spec.vars_in_memory) gets them as an int32 array after its
     buffers, on the grid of their upper bounds (what the CUDA runtime launches: kiln.runtime.cuda.device_vars)."""
     if self.spec.vars_in_memory:
-      top = {v.name: v.max for v in self.spec.vars}
-      gs, ls = self.sizes([top.get(n, 0) for n in self.spec.var_names], None, local_size)
+      gs, ls = self.sizes(upper_vals(self.spec), None, local_size)
       t = self.kernel([*bufs, np.asarray([int(v) for v in vals], np.int32)], (), gs, ls)
     else:
       gs, ls = self.sizes(vals, global_size, local_size)
