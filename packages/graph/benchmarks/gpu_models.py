@@ -143,7 +143,7 @@ def dynamic_rows(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, model
   t = time.perf_counter()
   km = konnx.load(path, device=args.kiln_device, dims={"batch": (lo, hi)})
   load_s = time.perf_counter() - t
-  tiled = sum(1 for p in km.plan.prepared_ops if str(getattr(getattr(p, "kernel", None), "applied_opts", [""])[:1]).startswith("['TILED"))
+  tiled = _tiled(km)
   for batch in args.batch_list:
     name = f"{os.path.basename(path)[:-5]} batches {lo}-{hi} at {batch}"
     r: dict[str, Any] = {"model": model, "dtype": dtype, "batch": batch, "dynamic": [lo, hi], "load_s": load_s, "tiled": tiled, "small": args.small}
@@ -152,16 +152,25 @@ def dynamic_rows(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, model
     x = x.to(getattr(torch, dtype)) if x.is_floating_point() else x
     feed = {"x": x.cpu().numpy()}
     with torch.no_grad(): want = m(x.to(args.torch_device)).float().cpu().numpy()
-    def check(r: dict = r, feed: dict = feed, want: np.ndarray = want) -> str:
-      r["max_abs_err"], r["max_rel_err"] = _err(np.asarray(km.run(feed)["y"], np.float32), want)
-      return f"max |kiln - torch| {r['max_abs_err']:.2e} ({r['max_rel_err']:.2e} of max |torch|)"
-    if (msg := step(f"{name}: kiln vs torch", check)) is not None: print(f"      {msg}", flush=True)
-    if km.plan is not None:  # the batch's variable stays as the last run set it
-      step(f"{name}: kiln device time", lambda r=r: r.__setitem__("kiln_ms", 1e3 * per_call(km.plan.execute, sync)))
-    step(f"{name}: kiln run()", lambda r=r, feed=feed: r.__setitem__("kiln_run_ms", 1e3 * per_call(lambda: km.run(feed), sync)))
+    kiln_steps(km, feed, want, r, name, sync)  # the device time at this batch: its variable stays as the check's run set it
     nan = float("nan")
     print(f"row   {name}: load {load_s:.1f} s ({tiled} tiled matmuls), kiln {r.get('kiln_ms', nan):.2f} ms (run() "
           f"{r.get('kiln_run_ms', nan):.2f} ms), err {r.get('max_rel_err', nan):.1e}", flush=True)
+
+
+def _tiled(km: Any) -> int:
+  """How many of a loaded model's kernels are tiled matrix products."""
+  return sum(1 for p in km.plan.prepared_ops if str(getattr(getattr(p, "kernel", None), "applied_opts", [""])[:1]).startswith("['TILED"))
+
+
+def kiln_steps(km: Any, feed: dict[str, np.ndarray], want: np.ndarray, r: dict[str, Any], name: str, sync: Sync) -> None:
+  """Into row r: kiln's error against torch's output `want`, its device time (plan.execute between syncs) and run()."""
+  def check() -> str:
+    r["max_abs_err"], r["max_rel_err"] = _err(np.asarray(km.run(feed)["y"], np.float32), want)
+    return f"max |kiln - torch| {r['max_abs_err']:.2e} ({r['max_rel_err']:.2e} of max |torch|)"
+  if (msg := step(f"{name}: kiln vs torch", check)) is not None: print(f"      {msg}", flush=True)
+  if km.plan is not None: step(f"{name}: kiln device time", lambda: r.__setitem__("kiln_ms", 1e3 * per_call(km.plan.execute, sync)))
+  step(f"{name}: kiln run()", lambda: r.__setitem__("kiln_run_ms", 1e3 * per_call(lambda: km.run(feed), sync)))
 
 
 def batch_row(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, x: Any, path: str, sync: Sync) -> dict[str, Any]:
@@ -179,16 +188,10 @@ def batch_row(torch: Any, konnx: Any, args: argparse.Namespace, m: Any, x: Any, 
   r["load_s"] = time.perf_counter() - t
   r["kernels"] = len(km.plan.kernels) if km.plan is not None else 0
   r["compiles"] = cache.cache_stats()["compiles"] - before
-  r["tiled"] = sum(1 for p in km.plan.prepared_ops if str(getattr(getattr(p, "kernel", None), "applied_opts", [""])[:1]).startswith("['TILED"))
+  r["tiled"] = _tiled(km)
   feed = {"x": x.cpu().numpy()}
   with torch.no_grad(): want = m(xd).float().cpu().numpy()
-  def check() -> str:
-    got = km.run(feed)["y"]
-    r["max_abs_err"], r["max_rel_err"] = _err(np.asarray(got, np.float32), want)
-    return f"max |kiln - torch| {r['max_abs_err']:.2e} ({r['max_rel_err']:.2e} of max |torch|)"
-  if (msg := step(f"{name}: kiln vs torch", check)) is not None: print(f"      {msg}", flush=True)
-  if km.plan is not None: step(f"{name}: kiln device time", lambda: r.__setitem__("kiln_ms", 1e3 * per_call(km.plan.execute, sync)))
-  step(f"{name}: kiln run()", lambda: r.__setitem__("kiln_run_ms", 1e3 * per_call(lambda: km.run(feed), sync)))
+  kiln_steps(km, feed, want, r, name, sync)
   def eager() -> None:
     with torch.no_grad(): r["torch_eager_ms"] = 1e3 * per_call(lambda: m(xd), sync)
   step(f"{name}: torch eager", eager)
