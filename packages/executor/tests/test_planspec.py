@@ -85,6 +85,26 @@ def test_round_trip_runs_bit_identical(cache_dir) -> None:
   np.testing.assert_allclose(want.reshape(64, 16), np.maximum(x @ w1, 0) @ w2, rtol=1e-4, atol=1e-4)
 
 
+def test_bound_inputs_use_the_callers_buffers(cache_dir) -> None:
+  """builder_from_spec(bound=): a spec input read and written in the caller's Buffer (a KV cache), which must be the
+  spec's buffer (dtype, size, byte offset in a storage of the spec's size); anything else is a typed refusal."""
+  from kiln.executor.planspec import builder_from_spec
+  w1, w2 = _weights()
+  plan, xb, yb = _mlp(w1, w2)
+  spec, arrays = export(plan, {"x": xb}, {"y": yb})
+  x = RNG.standard_normal((64, 32)).astype(np.float32)
+  mine = Buffer.from_numpy(x.copy())
+  rebuilt = builder_from_spec(spec, arrays, bound={"x": mine}).build()
+  rebuilt.execute()
+  assert rebuilt.buffers[xb].storage is mine.storage  # read in place: nothing was copied in
+  np.testing.assert_array_equal(rebuilt.buffers[yb].numpy(), _run_plan(plan, xb, yb, x))
+  bigger = Buffer.from_numpy(np.zeros(64 * 32 + 16, np.float32))
+  for bad, msg in (({"nope": mine}, "no input named 'nope'"), ({"x": x}, "takes a kiln.executor Buffer"),
+                   ({"x": Buffer.from_numpy(np.zeros(64 * 32, np.int32))}, "the buffer given is 2048 x int32"),
+                   ({"x": bigger.view(0, 64 * 32)}, "of 8256 bytes")):
+    with pytest.raises(PlanSpecError, match=msg): builder_from_spec(spec, arrays, bound=bad)
+
+
 def test_repeated_kernels_share_one_text(cache_dir) -> None:
   """Entries of one kernel (the same AST on other buffers: a model's repeated layers) carry the same text object and
   seal, so a pickled spec (what Ray ships) holds the object code once; the JSON and a rebuild are unchanged."""

@@ -99,11 +99,11 @@ def test_what_the_plan_depends_on_is_part_of_the_key(cache: Path, tmp_path: Path
   monkeypatch.delenv("KILN_WINOGRAD")
   monkeypatch.setenv("KILN_THREADS", "1")
   assert _load(str(path), dims={"n": 1})[1]  # one that does not
-  from kiln.graph import onnx_plan_cache
+  from kiln.graph import plan_keys
   for layer in ("kiln.graph", "kiln.executor"):  # the code that converts and schedules: another version of it is a miss
-    onnx_plan_cache._stamp(layer)
+    plan_keys.stamp(layer)
     with monkeypatch.context() as mp:
-      mp.setitem(onnx_plan_cache._stamps, layer, "edited")
+      mp.setitem(plan_keys._stamps, layer, "edited")
       assert not _load(str(path), dims={"n": 1})[1]
   onnx.save(_model(scale=3.0, batch="n"), path)  # the same file rewritten with other weights (its size unchanged)
   changed, hit = _load(str(path), dims={"n": 1})

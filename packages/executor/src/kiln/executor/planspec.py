@@ -422,14 +422,35 @@ def _seed(k: KernelEntry, compiled: CompiledSpec, opts: list[Opt] | None, rt: An
     if debug.DEBUG >= 1: debug.emit(f"kiln: kernel op {k.id} from the spec failed to load ({e}); compiling it")
 
 
+def _bound_storages(spec: PlanSpec, bound: Mapping[str, Buffer]) -> dict[int, Storage]:
+  """Spec storage index -> the caller's Storage that stands for it: each bound input's buffer must be the spec's (dtype,
+  elements, byte offset) in a storage of the spec's size on its device; inputs sharing a storage in the spec share one."""
+  named = {io.name: io for io in spec.inputs}
+  out: dict[int, Storage] = {}
+  for name, buf in bound.items():
+    if (io := named.get(name)) is None: raise PlanSpecError(f"bound: the spec has no input named {name!r}")
+    if not isinstance(buf, Buffer): raise PlanSpecError(f"bound: input {name!r} takes a kiln.executor Buffer, got {type(buf).__name__}")
+    be = spec.buffers[io.buffer]
+    se = spec.storages[be.storage]
+    st = buf.storage
+    if (buf.dtype.name, buf.size, buf.offset, st.nbytes, str(st.device)) != (be.dtype, be.size, be.offset, se.nbytes, se.device):
+      raise PlanSpecError(f"bound: input {name!r} is {be.size} x {be.dtype} at byte {be.offset} of a {se.nbytes}-byte {se.device} storage "
+                          f"in the spec; the buffer given is {buf.size} x {buf.dtype.name} at byte {buf.offset} of {st.nbytes} bytes on {st.device}")
+    if out.setdefault(be.storage, st) is not st:
+      raise PlanSpecError(f"bound: input {name!r} shares a storage with another bound input in the spec, not here")
+  return out
+
+
 def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, code: CodePolicy = "sealed",
-                      verify: bool = True) -> ExecutionPlanBuilder:
+                      verify: bool = True, bound: Mapping[str, Buffer] | None = None) -> ExecutionPlanBuilder:
   """An ExecutionPlanBuilder holding the spec's buffers and ops; build() gives the plan. See the module docstring for
-  `code`; `verify=False` skips the weights' sha256 checks (a large mapped file is then not read up front)."""
+  `code`; `verify=False` skips the weights' sha256 checks (a large mapped file is then not read up front). `bound` maps
+  input names to Buffers the caller owns (a KV cache): the plan reads and writes them in place, in their storage."""
   if not isinstance(spec, PlanSpec): raise PlanSpecError(f"from_spec takes a PlanSpec, got {type(spec).__name__}")
   if code not in ("sealed", "trusted", "compile"): raise PlanSpecError(f"code must be 'sealed', 'trusted' or 'compile', got {code!r}")
   weights = dict(weights or {})
-  stores = [_storage(si, e, weights, verify) for si, e in enumerate(spec.storages)]
+  given = _bound_storages(spec, bound or {})
+  stores = [given.get(si) or _storage(si, e, weights, verify) for si, e in enumerate(spec.storages)]
   b = ExecutionPlanBuilder(spec.device, parallel=spec.parallel, reuse_memory=spec.reuse_memory)
   for be in spec.buffers:
     st = stores[be.storage]

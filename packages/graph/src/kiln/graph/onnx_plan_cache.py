@@ -11,8 +11,7 @@ The key is the model's content and everything else the built plan depends on:
 | kiln.graph's and kiln.executor's code stamps, onnx's and numpy's versions | they convert, fold and schedule the model |
 | every KILN_* setting but those that never change a plan (NEUTRAL) | KILN_WINOGRAD, KILN_TUNE, a new setting too |
 
-A model file's hash is remembered beside its stat (device, inode, size, mtime and ctime, in a sealed entry of the
-`hashes` area), as git's index does: a file whose stat is unchanged is not read again; any write to it changes its ctime.
+A model file's hash is remembered beside its stat (plan_keys.file_digest), as git's index does.
 
 | a model is kept when                                 | else                                                        |
 |------------------------------------------------------|-------------------------------------------------------------|
@@ -27,87 +26,21 @@ A hit gives a Model that runs as the loaded one does, without importing onnx; wh
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import stat
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kiln.codegen import diskcache
 from kiln.executor import plan_cache
-from kiln.executor.cache import _source_stamp, cache_dir, target_key
+from kiln.executor.cache import target_key
 from kiln.graph.onnx_limits import MAX_MODEL_BYTES
-from kiln.ir import settings as ir_settings
-from kiln.ir.files import open_regular
+from kiln.graph.plan_keys import digest, file_digest, shaping_settings, stamp, stat_id
 
 FORMAT = "kiln-onnx-plan 1"
-HASH_AREA = "hashes"
-# settings that never change a built plan (how it runs, where caches are, what is printed): left out of the key
-NEUTRAL = {"KILN_THREADS", "KILN_DEBUG", "KILN_CACHE", "KILN_CACHE_DIR", "KILN_CACHE_KEY", "KILN_POOL", "KILN_SPIN_US",
-           "KILN_COMPILE_THREADS", "KILN_CUDA_LRU_BYTES", "KILN_CUDA_DRIVER", "KILN_EMU_MODE", "KILN_EMU_STACK_KB", "KILN_PLAN_CACHE",
-           "KILN_PLAN_CACHE_BYTES"}
-_settings: list[Any] | None = None
-
-
-def _shaping_settings() -> str:
-  global _settings
-  if _settings is None: _settings = [s for group in ir_settings.installed().values() for s in group if s.name not in NEUTRAL and not s.secret]
-  return ";".join(f"{s.name}={s.raw()}" for s in sorted(_settings, key=lambda s: s.name))
-
-
-_stamps: dict[str, str] = {}
-
-
-def _stamp(module: str) -> str:
-  if (hit := _stamps.get(module)) is None:
-    import importlib.util
-    spec = importlib.util.find_spec(module)
-    locs = list(spec.submodule_search_locations or []) if spec else []
-    hit = _stamps[module] = _source_stamp(Path(locs[0])) if locs else "?"
-  return hit
-
-
-def _digest(data: Any) -> str:
-  """One sha256 over the chunk hashes (plan_cache.chunk_digests: side by side on threads)."""
-  return hashlib.sha256("".join(plan_cache.chunk_digests(data)).encode()).hexdigest()
-
-
-def _stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def file_digest(path: str) -> tuple[str, list[int]] | None:
-  """The model file's content hash and the stat it was taken under, remembered beside the stat; None when the file cannot
-  be read (load then reports why)."""
-  if "\0" in path: return None
-  real = os.path.realpath(path)
-  memo = diskcache.DiskCache(HASH_AREA, "model hash cache", cache_dir())
-  name = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest() + ".json"
-  try: st = os.stat(real)
-  except OSError: return None
-  if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MODEL_BYTES: return None  # a FIFO must not hang us; load refuses both
-  sid = _stat_id(st)
-  try:
-    got = memo.load_json(name)
-    if got is not None and got.get("path") == real and got.get("stat") == sid and isinstance(got.get("sha256"), str): return got["sha256"], sid
-  except diskcache.CacheKeyError: raise
-  except diskcache.BadEntry: pass
-  try:
-    fd = open_regular(real, "the model file", OSError)  # non-blocking, and refused unless a regular file
-    with os.fdopen(fd, "rb") as f:
-      before = _stat_id(os.fstat(f.fileno()))
-      data = f.read(MAX_MODEL_BYTES + 1)
-      after = _stat_id(os.fstat(f.fileno()))
-  except OSError: return None
-  digest = _digest(data)
-  if before == after == sid:  # unchanged while read: the hash is the content's under this stat
-    memo.store_json(name, {"path": real, "stat": sid, "sha256": digest})
-    return digest, sid
-  return None
 
 
 def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[str, list[int] | None] | None:
@@ -119,12 +52,12 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
   sid, fmt = None, "protobuf"
   if isinstance(model, (str, os.PathLike)):
     path = os.fspath(model)
-    if not isinstance(path, str) or (got := file_digest(path)) is None: return None  # a bytes path: loaded, never kept
+    if not isinstance(path, str) or (got := file_digest(path, MAX_MODEL_BYTES)) is None: return None  # a bytes path: loaded, never kept
     content, sid = got
     ext = os.path.splitext(path)[1].lower()
     fmt = "protobuf" if ext in (".onnx", ".pb", "") else f"ext:{ext}"  # onnx reads a .json or .txt model as text
-  elif isinstance(model, (bytes, bytearray)): content = _digest(bytes(model))
-  elif (onnx := sys.modules.get("onnx")) is not None and isinstance(model, onnx.ModelProto): content = _digest(model.SerializeToString())
+  elif isinstance(model, (bytes, bytearray)): content = digest(bytes(model))
+  elif (onnx := sys.modules.get("onnx")) is not None and isinstance(model, onnx.ModelProto): content = digest(model.SerializeToString())
   else: return None  # load refuses it
   from kiln.codegen.registry import get_runtime
   from kiln.codegen.spec import DeviceSpec
@@ -133,8 +66,8 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
     target = target_key(dev, get_runtime(dev))
   except Exception: return None  # noqa: S112 (a bad device: load reports it)
   parts = [FORMAT, content, fmt, json.dumps(sorted((str(k), v) for k, v in (dims or {}).items())), dev, target,
-           f"graph+{_stamp('kiln.graph')}", f"executor+{_stamp('kiln.executor')}", f"onnx={version}", f"numpy={np.__version__}",
-           _shaping_settings()]
+           f"graph+{stamp('kiln.graph')}", f"executor+{stamp('kiln.executor')}", f"onnx={version}", f"numpy={np.__version__}",
+           shaping_settings()]
   return "\n".join(parts), sid
 
 
@@ -174,7 +107,7 @@ def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any
   if any(t.data_location == 1 for t, _ in model_tensors(proto.graph)): return False  # onnx.TensorProto.EXTERNAL
   if key[1] is not None:  # the file must still be what was hashed: unchanged since (its ctime moves on any write)
     try:
-      if _stat_id(os.stat(os.path.realpath(os.fspath(model)))) != key[1]: return False
+      if stat_id(os.stat(os.path.realpath(os.fspath(model)))) != key[1]: return False
     except OSError: return False
   c, inputs, consts = m.compiled, _inputs_of(m), dict(m._consts)
   if not all(_round_trips(dt) for _, _, dt in inputs) or not all(_round_trips(a.dtype) for a in [*consts.values(), *m.defaults.values()]):

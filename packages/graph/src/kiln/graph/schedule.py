@@ -244,8 +244,10 @@ class Compiled:
   is an IndexOutOfRangeError instead of the outputs."""
 
   def __init__(self, plan, inputs: list[_Input], outputs: list[tuple[int, tuple[Dim, ...]]], kernels: list[Kernel],  # type: ignore[no-untyped-def]
-               variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = (), sizes: Sequence[Dim] = ()):
+               variables: Mapping[str, UOp] | None = None, checks: Sequence[tuple[int, str]] = (), sizes: Sequence[Dim] = (),
+               bound: Mapping[str, int] | None = None):
     self.plan, self.inputs, self.outputs, self.kernels = plan, inputs, outputs, kernels
+    self.bound = dict(bound or {})  # compile(bind=)'s input names -> the plan buffers of the caller's Buffers
     self.variables: dict[str, UOp] = dict(variables or {})  # name -> UOp.variable(name, lo, hi)
     self._capped = capped_names(self.variables)  # bound from their sources' values each run (dims.capped)
     self.checks = list(checks)
@@ -542,14 +544,27 @@ def _binder(bind: Mapping[str, Any]) -> tuple[Callable[[Node], Any], list[Node]]
 
 
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None,
-                  writes: Sequence[Node] = ()) -> Compiled:
+                  writes: Sequence[Node] = (), cache: str | None = None) -> Compiled:
   """`bind` maps input names to Buffers the caller owns (a KV cache): the plan reads them in place, run() copies nothing
-  into them, and the caller may write them between runs; `writes` (WRITE nodes, Tensor.write_rows) store into them."""
+  into them, and the caller may write them between runs; `writes` (WRITE nodes, Tensor.write_rows) store into them.
+  `cache`: the caller's key for the graph's constants' contents; the compiled graph is kept in the plan cache under it
+  with the graph's structure (compile_cache.py) and rebuilt from there the next time."""
+  from kiln.graph import compile_cache
+  dev = str(DeviceSpec.parse(device))
+  kept = None if cache is None else compile_cache.key_of(cache, [*outputs, *writes], dev, fuse, bind or {})
+  if kept is not None and (hit := compile_cache.cached(kept[0], kept[1], bind or {})) is not None: return hit
+  compiled = _compile_nodes(outputs, dev, fuse, bind, writes)
+  if kept is not None: compile_cache.keep(kept[0], compiled, kept[1])
+  return compiled
+
+
+def _compile_nodes(outputs: Sequence[Node], device: str, fuse: bool, bind: Mapping[str, Any] | None, writes: Sequence[Node]) -> Compiled:
   buffer_for, bound = _binder(bind or {})
-  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse, buffer_for=buffer_for, writes=writes)
+  g = GraphPlan(outputs, device, fuse, buffer_for=buffer_for, writes=writes)
   for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
     if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
   if unknown := sorted(set(bind or {}) - {n.arg.name for n in bound}):
     raise GraphError(f"bind: the graph has no input named {unknown} (or no kernel reads it)")
   variables_ = _variables(g.nodes, g.inputs, bound)
-  return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks, g.sizes)
+  return Compiled(g.builder.build(), list(g.inputs.values()), [(g.bufs[o], o.shape) for o in g.outs], g.kernels, variables_, g.checks, g.sizes,
+                  {n.arg.name: g.bufs[n] for n in bound})

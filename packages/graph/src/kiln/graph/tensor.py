@@ -540,13 +540,16 @@ class Tensor:
 
 
 def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None,  # noqa: A001
-            writes: Sequence[Tensor] = ()) -> Compiled:
+            writes: Sequence[Tensor] = (), cache: str | None = None) -> Compiled:
   """Schedule the graphs of outputs into fused kernels and build one ExecutionPlan; `.run(feeds)` returns the outputs.
   `bind` maps input names to kiln.executor Buffers the caller owns, read in place by every run (schedule.compile_nodes);
-  `writes` are Tensor.write_rows effects into bound inputs, done by every run and returned by none."""
+  `writes` are Tensor.write_rows effects into bound inputs, done by every run and returned by none. `cache`: a key the
+  caller vouches names the contents of every constant array in the graph (a checkpoint file's sha256): the compiled
+  graph is kept in the plan cache and rebuilt from there when the same graph is compiled again (compile_cache.py)."""
   if not outputs: raise GraphError("compile: no outputs")
   for t in outputs:
     if not isinstance(t, Tensor): raise GraphError(f"compile: outputs must be Tensors, got {type(t).__name__}")
   for t in writes:
     if not isinstance(t, Tensor) or t.node.op != "WRITE": raise GraphError(f"compile: writes are Tensor.write_rows results, got {t!r}")
-  return compile_nodes([t.node for t in outputs], device, fuse, bind, [t.node for t in writes])
+  if cache is not None and not isinstance(cache, str): raise GraphError(f"compile: cache takes a str key, got {type(cache).__name__}")
+  return compile_nodes([t.node for t in outputs], device, fuse, bind, [t.node for t in writes], cache)

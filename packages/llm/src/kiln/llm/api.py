@@ -31,7 +31,7 @@ from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.model import Matrix
 from kiln.llm.qweight import QuantWeight, pack
-from kiln.llm.runtime import DEFAULT_CHUNK, DEFAULT_LONG, Runner
+from kiln.llm.runtime import DEFAULT_CHUNK, DEFAULT_LONG, Runner, checkpoint_key
 from kiln.llm.sampling import Sampler, Stop
 from kiln.llm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_fields
 
@@ -203,4 +203,4 @@ def load(path: str | os.PathLike[str], context: int | None = None, chunk: int = 
   if not 1 <= ctx <= cfg.max_position and cfg.positions == "learned":
     raise LLMError(f"context {ctx}: {cfg.arch} has {cfg.max_position} learned positions")
   if ctx < 1: raise LLMError(f"context {ctx} must be at least 1")
-  return LLM(ck, _tokenizer(ck), Runner(cfg, Weights(ck), ctx, chunk, device, long))
+  return LLM(ck, _tokenizer(ck), Runner(cfg, Weights(ck), ctx, chunk, device, long, key=lambda: checkpoint_key(ck)))

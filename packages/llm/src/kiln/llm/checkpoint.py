@@ -37,6 +37,10 @@ class Checkpoint(ABC):
   def names(self) -> list[str]: ...
 
   @abstractmethod
+  def files(self) -> list[str]:
+    """The files whose bytes make the config and weights (the plan cache's key hashes them: runtime.py)."""
+
+  @abstractmethod
   def quant(self, name: str) -> QuantTensor: ...
 
   def tensor(self, name: str) -> np.ndarray: return self.quant(name).dequantize()

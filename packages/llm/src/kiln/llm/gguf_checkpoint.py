@@ -97,6 +97,8 @@ class GGUFCheckpoint(Checkpoint):
     if attn is not None: rs["attention_factor"] = float(attn)
     return rs
 
+  def files(self) -> list[str]: return [self.path]
+
   def names(self) -> list[str]: return list(self._map)
 
   def __contains__(self, name: object) -> bool: return name in self._map

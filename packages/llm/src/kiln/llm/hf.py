@@ -62,7 +62,10 @@ class HFCheckpoint(Checkpoint):
     if os.path.isfile(gen_path): cfg = _with_generation_eos(cfg, read_json(gen_path, "generation_config.json"), gen_path)
     self.config = cfg
     self._arrays: dict[str, tuple[np.ndarray, str]] = {}  # HF name -> (mapped array, format)
-    for shard, names in self._shards().items():
+    shards = self._shards()
+    index = os.path.join(p, "model.safetensors.index.json")
+    self._files = [cfg_path, *(f for f in (gen_path, index) if os.path.isfile(f)), *shards]
+    for shard, names in shards.items():
       try: tensors = load_safetensors(shard, names)
       except WeightsError as e: raise CheckpointError(str(e)) from None
       for name, t in tensors.items(): self._add(shard, name, t.node.arg.data, t.node.dtype.name)
@@ -70,6 +73,8 @@ class HFCheckpoint(Checkpoint):
     self.tokenizer_files = {n: os.path.join(p, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(p, n))}
     self.tokenizer_metadata: dict[str, Any] = {}
     self._check_weights()
+
+  def files(self) -> list[str]: return list(self._files)
 
   def _shards(self) -> dict[str, list[str] | None]:
     """{safetensors file: the names to load from it (None: all)}."""

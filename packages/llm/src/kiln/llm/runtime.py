@@ -13,11 +13,13 @@ padding of a chunk only. With device="CUDA" the plans, their weights and the cac
 token ids and positions in and its logits out."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from kiln.llm.checkpoint import Checkpoint
 from kiln.llm.config import ModelConfig
 from kiln.llm.errors import LLMError
 from kiln.llm.kv import KVCache
@@ -25,16 +27,37 @@ from kiln.llm.model import Get, forward
 
 DEFAULT_CHUNK = 64  # rows a prefill chunk's matrix products are tiled over; a shorter prompt pays for the padding
 DEFAULT_LONG = 256  # rows of a long prompt's chunks (the "long" plan)
+MAX_HASHED_BYTES = 1 << 40  # a checkpoint file the plan cache's key hashes (the loader has checked it already)
+
+
+def checkpoint_key(ck: Checkpoint) -> str | None:
+  """The caller's part of the plan cache key of a checkpoint's plans (kiln.graph.compile_cache): the sha256 of each file
+  its config and weights come from (remembered beside the file's stat: a checkpoint is hashed once) and kiln.llm's code,
+  which makes the graph's arrays of them. None when the plan cache is off or a file cannot be hashed: the plans then
+  compile in every process."""
+  from kiln.executor import plan_cache
+  if not plan_cache.enabled(): return None
+  from kiln.graph.plan_keys import file_digest, stamp
+  parts = ["kiln-llm 1", f"llm+{stamp('kiln.llm')}"]
+  for path in ck.files():
+    if (got := file_digest(path, MAX_HASHED_BYTES)) is None: return None
+    parts.append(f"{os.path.basename(path)}={got[0]}")
+  return "\n".join(parts)
 
 
 class Runner:
-  def __init__(self, cfg: ModelConfig, get: Get, ctx: int, chunk: int = DEFAULT_CHUNK, device: str = "CPU", long: int = DEFAULT_LONG):
+  def __init__(self, cfg: ModelConfig, get: Get, ctx: int, chunk: int = DEFAULT_CHUNK, device: str = "CPU", long: int = DEFAULT_LONG,
+               key: Callable[[], str | None] | None = None):
+    """`key` gives the plan cache key of the weights `get` hands out (checkpoint_key), asked once, when a plan is first
+    built; None: the plans are not kept."""
     if chunk < 1: raise LLMError(f"a prefill chunk of {chunk} tokens: it must be at least 1")
     self.cfg, self.get, self.ctx, self.chunk, self.device = cfg, get, ctx, min(chunk, ctx), device
+    self._keyer = key
     self.long = min(long, ctx)  # no long chunks where it is not longer than a chunk
     self.cache = KVCache(cfg.num_layers, ctx, cfg.num_kv_heads, cfg.head_dim, slack=max(self.chunk, self.long), device=device)
     self._bound = self.cache.bind()
     self.plans: dict[str, Any] = {}
+    self._cache_key: str | None = None
 
   def plan(self, kind: str) -> Any:
     """The compiled plan (kiln.graph Compiled) "decode", "prefill", "long" or "all", built on first use."""
@@ -45,7 +68,9 @@ class Runner:
       seq = 1 if kind == "decode" else self.long if kind == "long" else self.chunk
       with building_for(self.device):  # the layouts that pay on the plan's device (kiln.graph.build_target)
         f = forward(self.cfg, self.get, self.ctx, seq, last_only=kind != "all", rows=self.cache.rows)
-      p = self.plans[kind] = compile([f.logits], self.device, bind=self._bound, writes=f.writes)
+      if self._keyer is not None: self._cache_key, self._keyer = self._keyer(), None  # hashed once, at the first plan
+      key = None if self._cache_key is None else f"{self._cache_key}\nplan {kind}"
+      p = self.plans[kind] = compile([f.logits], self.device, bind=self._bound, writes=f.writes, cache=key)
     return p
 
   def feed(self, ids: Sequence[int], last_only: bool = True) -> np.ndarray:
