@@ -78,3 +78,22 @@ def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert moved["dtoh_bytes"] <= 4 * m.config.vocab_size + 4 * len(dec.checks), moved
     assert moved["launches"] == dec.kernel_count
   assert dec.kernel_count in stretches  # the decode plan's kernels were offered as one graph (the stand-in declines it)
+
+
+def test_plans_on_cuda_load_again_from_the_plan_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+  """A CUDA model loaded again rebuilds its plans from the plan cache (kiln.graph.compile_cache): its packed weights
+  uploaded from the graph's constants, its KV cache bound in device memory; the same logits, nothing compiled."""
+  from kiln.executor import cache_stats
+  path = _gguf(tmp_path, "llama", "Q8_0")
+  with emulated_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_CACHE", "1")  # the stand-in turns the disk cache off
+    monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
+    want = _steps(load(path, context=24, chunk=4, long=8, device="CUDA"))
+    hits, compiles = cache_stats()["plan_hits"], cache_stats()["compiles"]
+    m = load(path, context=24, chunk=4, long=8, device="CUDA")
+    got = _steps(m)
+    assert cache_stats()["plan_hits"] - hits == 3 and cache_stats()["compiles"] == compiles  # long, prefill, decode
+    for a, b in zip(got, want): np.testing.assert_array_equal(a, b)
+    assert all(b.device == "CUDA:0" for b in (*m.runner.cache.k, *m.runner.cache.v))
+    assert m.runner.cache.layer(0)[0].shape[0] == len(PROMPT) + STEPS
