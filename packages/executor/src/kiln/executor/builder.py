@@ -65,13 +65,14 @@ class ExecutionPlanBuilder:
     self.device = str(DeviceSpec.parse(device))
     self.parallel, self.reuse_memory = parallel, reuse_memory  # parallel None: overlap only kernels big enough to gain
     self.buffers: list[Buffer] = []
+    self._index: dict[int, int] = {}  # id(buffer) -> its index: a buffer added again is the same index (held in buffers: ids stay unique)
     self.ops: list[_KernelOp | _CopyOp | _ViewOp | _CustomOp] = []
     self.outputs: list[int] = []
 
   def add_buffer(self, buf: Buffer) -> int:
     if not isinstance(buf, Buffer): raise PlanError(f"add_buffer takes a kiln Buffer, got {type(buf).__name__}")
-    for i, b in enumerate(self.buffers):
-      if b is buf: return i
+    if (i := self._index.get(id(buf))) is not None: return i
+    self._index[id(buf)] = len(self.buffers)
     self.buffers.append(buf)
     return len(self.buffers) - 1
 

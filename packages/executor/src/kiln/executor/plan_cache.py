@@ -4,9 +4,10 @@ model loaded again) rebuilds it from its PlanSpec instead of lowering, schedulin
 The caller names a plan by a key that says everything the plan depends on (kiln.graph.onnx: the model's bytes, its dims,
 the device and target, the code's version, the settings that shape plans). An entry is two files named by the key's hash:
 - `<hash>.json`, a sealed JSON entry (kiln.codegen.diskcache: HMAC-SHA256 under the cache key, so whoever can write the
-  cache but not read the key cannot forge one): the key, the PlanSpec JSON (its kernels' object code sealed as
-  planspec.export seals it), the caller's metadata (JSON), and the weights file's size and the sha256 of each of its
-  chunks;
+  cache but not read the key cannot forge one): the key, the PlanSpec as an object whose kernel entries name their
+  compiled text (object code sealed as planspec.export seals it, and AST) by its place in a list beside it, each text
+  once however many places run it, the caller's metadata (JSON), and the weights file's size and the sha256 of each of
+  its chunks;
 - `<hash>.bin`, the weights, each starting on a 64-byte boundary: mapped read-only on a hit, so a weight no op writes
   is a view of the map (zero-copy) and its pages are read as the first run touches them.
 
@@ -32,14 +33,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from kiln.codegen import diskcache
 from kiln.executor import debug, settings
 from kiln.executor.cache import _stats, cache_dir
 from kiln.executor.planspec import PlanSpec
+from kiln.ir.errors import PlanSpecError
 
 AREA = "plans"
-FORMAT = 1
+FORMAT = 2  # 2: the spec as an object whose kernels' texts are listed once (texts)
 ALIGN = 64  # bytes: a weight's start in the weights file (kernels assume aligned storage, the rebuild maps it zero-copy)
 CHUNK = 16 << 20  # bytes of the weights file per sealed sha256: chunks verify side by side
 MAX_SPEC_BYTES = 64 << 20  # the sealed JSON (object code and ASTs; no weights)
@@ -87,6 +90,29 @@ def _layout(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, list[Any]], int
   return where, end
 
 
+def _shared_texts(spec: PlanSpec) -> tuple[dict[str, Any], list[str]]:
+  """The spec as a JSON object whose kernel entries name their compiled text by its index in the list beside it: a
+  model's repeated layers run one kernel at many places, and each place held the whole text (object code and AST)."""
+  doc = spec.model_dump(mode="json")
+  index: dict[str, int] = {}
+  for op in doc["ops"]:
+    if op.get("kind") == "kernel": op["compiled"] = index.setdefault(op["compiled"], len(index))
+  return doc, list(index)
+
+
+def _spec_of(doc: Any, texts: Any) -> PlanSpec:
+  """_shared_texts undone, validated as any PlanSpec (a PlanSpecError names what is wrong)."""
+  if not isinstance(doc, dict) or not isinstance(doc.get("ops"), list) or not isinstance(texts, list):
+    raise diskcache.BadEntry("its spec is not a spec object with a list of texts")
+  for op in doc["ops"]:
+    if isinstance(op, dict) and op.get("kind") == "kernel":
+      i = op.get("compiled")
+      if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(texts): raise diskcache.BadEntry(f"a kernel names text {i!r} of {len(texts)}")
+      op["compiled"] = texts[i]
+  try: return PlanSpec.model_validate(doc)
+  except ValidationError as e: raise PlanSpecError(f"invalid PlanSpec: {e}") from None
+
+
 def store(key: str, spec: PlanSpec, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bool:
   """Keep a built plan under `key`: its spec, the arrays its weights name (export()'s, plus any the caller's metadata
   refers to by name) and JSON metadata. False when it was not written (no disk cache, no key, a full disk: one warning)."""
@@ -99,7 +125,8 @@ def store(key: str, spec: PlanSpec, arrays: Mapping[str, np.ndarray], meta: Mapp
   name = entry_name(key)
   area = _area()
   if not area.write_plain(name + ".bin", blob, durable=False): return False  # a hit hashes it before trusting it: no fsync
-  entry = {"format": FORMAT, "key": key, "spec": spec.to_json(), "meta": dict(meta), "weights": where, "size": len(blob),
+  doc, texts = _shared_texts(spec)
+  entry = {"format": FORMAT, "key": key, "spec": doc, "texts": texts, "meta": dict(meta), "weights": where, "size": len(blob),
            "chunks": chunk_digests(blob)}
   if stored := area.store_json(name + ".json", entry):
     _stats["plan_stores"] += 1
@@ -168,7 +195,7 @@ def load(key: str) -> CachedPlan | None:
         raise diskcache.BadEntry(f"weight {wname!r} lies outside its weights file")
       a = raw[off:off + n].view(np.dtype(dt)).reshape(shape)
       weights[wname] = a
-    spec = PlanSpec.from_json(env["spec"])
+    spec = _spec_of(env["spec"], env["texts"])
     meta = env["meta"]
     if not isinstance(meta, dict): raise diskcache.BadEntry("its metadata is not an object")
   except diskcache.CacheKeyError: raise
