@@ -107,7 +107,8 @@ def _spec_of(doc: Any, texts: Any) -> PlanSpec:
   for op in doc["ops"]:
     if isinstance(op, dict) and op.get("kind") == "kernel":
       i = op.get("compiled")
-      if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(texts): raise diskcache.BadEntry(f"a kernel names text {i!r} of {len(texts)}")
+      if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(texts):
+        raise diskcache.BadEntry(f"a kernel names text {i!r} of {len(texts)}")
       op["compiled"] = texts[i]
   try: return PlanSpec.model_validate(doc)
   except ValidationError as e: raise PlanSpecError(f"invalid PlanSpec: {e}") from None
