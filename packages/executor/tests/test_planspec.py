@@ -42,10 +42,10 @@ def _mlp(w1: np.ndarray, w2: np.ndarray, opts: list[Opt] | None = None):
   return b.build(), x, y
 
 
-def _aligned(a: np.ndarray) -> np.ndarray:
-  """A read-only copy of a's bytes starting on a 64-byte boundary."""
-  raw = np.empty(a.nbytes + 64, np.uint8)
-  off = -raw.ctypes.data % 64
+def _aligned(a: np.ndarray, past: int = 0) -> np.ndarray:
+  """A read-only copy of a's bytes starting `past` bytes after a 64-byte boundary."""
+  raw = np.empty(a.nbytes + 64 + past, np.uint8)
+  off = -raw.ctypes.data % 64 + past
   out = raw[off:off + a.nbytes]
   out[:] = a.reshape(-1).view(np.uint8)
   out.flags.writeable = False
@@ -79,6 +79,10 @@ def test_round_trip_runs_bit_identical(cache_dir) -> None:
   rebuilt = PortablePlan(back, aligned)
   ptrs = {b.storage.external.ctypes.data for b in rebuilt.plan.buffers if b.storage.external is not None}
   assert ptrs == {a.ctypes.data for a in aligned.values()}  # read-only weights handed in 64-byte aligned are wrapped, not copied
+  for past, wrapped in ((4, True), (2, False)):  # float32 weights: wrapped where each element is aligned (as kernels load them)
+    odd = {k: _aligned(v, past) for k, v in arrays.items()}
+    ptrs = {b.storage.external.ctypes.data for b in PortablePlan(back, odd).plan.buffers if b.storage.external is not None}
+    assert (ptrs == {a.ctypes.data for a in odd.values()}) == wrapped and (wrapped or not ptrs)
   got = rebuilt.run({"x": x})
   assert got["y"].shape == (64, 16)
   np.testing.assert_array_equal(got["y"], want.reshape(64, 16))
@@ -103,6 +107,10 @@ def test_bound_inputs_use_the_callers_buffers(cache_dir) -> None:
                    ({"x": Buffer.from_numpy(np.zeros(64 * 32, np.int32))}, "the buffer given is 2048 x int32"),
                    ({"x": bigger.view(0, 64 * 32)}, "of 8256 bytes")):
     with pytest.raises(PlanSpecError, match=msg): builder_from_spec(spec, arrays, bound=bad)
+  doc = json.loads(spec.to_json())
+  doc["buffers"][xb]["size"] -= 1
+  doc["buffers"][xb]["offset"] += 2
+  with pytest.raises(PlanSpecError, match="starts at byte 2, not on a 4-byte element boundary"): PlanSpec.from_json(json.dumps(doc))
 
 
 def test_repeated_kernels_share_one_text(cache_dir) -> None:

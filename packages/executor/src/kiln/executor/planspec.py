@@ -174,8 +174,9 @@ class PlanSpec(_Entry):
     ns, nb = len(self.storages), len(self.buffers)
     for i, b in enumerate(self.buffers):
       if b.storage >= ns: raise ValueError(f"buffer {i} names storage {b.storage}; the spec has {ns}")
-      if b.offset + b.size * buffer_dtype(b.dtype).itemsize > self.storages[b.storage].nbytes:
+      if b.offset + b.size * (size := buffer_dtype(b.dtype).itemsize) > self.storages[b.storage].nbytes:
         raise ValueError(f"buffer {i} ({b.size} x {b.dtype} at byte {b.offset}) runs past the end of storage {b.storage}")
+      if b.offset % size: raise ValueError(f"buffer {i} ({b.dtype}) starts at byte {b.offset}, not on a {size}-byte element boundary")
     for pos, op in enumerate(self.ops):
       if op.id != pos: raise ValueError(f"op {pos} has id {op.id}: ops must be numbered in order from 0")
       refs = op.buffers if isinstance(op, KernelEntry) else [op.dst, op.src] if isinstance(op, CopyEntry) else [op.out, op.base]
@@ -388,7 +389,9 @@ def _weight_bytes(ref: WeightRef, weights: Mapping[str, Any], si: int, verify: b
   return raw
 
 
-def _storage(si: int, e: StorageEntry, weights: Mapping[str, Any], verify: bool) -> Storage:
+def _storage(si: int, e: StorageEntry, weights: Mapping[str, Any], verify: bool, align: int) -> Storage:
+  """The storage of spec entry si; a read-only weight on the CPU wraps the array handed in where it starts on an `align`
+  boundary (the widest element of a buffer in it: what a kernel's loads assume, as Buffer.from_numpy's wrap), else a copy."""
   try: dev = str(DeviceSpec.parse(e.device))
   except (ValidationError, KilnError, ValueError) as err: raise PlanSpecError(f"storage {si}: bad device {e.device!r}: {err}") from None
   if e.weight is None: return Storage(dev, e.nbytes)
@@ -398,7 +401,7 @@ def _storage(si: int, e: StorageEntry, weights: Mapping[str, Any], verify: bool)
     _weight_bytes(e.weight, weights, si, verify)
     return Storage(f"DISK:{e.weight.path}", e.nbytes, {"offset": e.weight.offset})
   raw = _weight_bytes(e.weight, weights, si, verify)
-  if dev == "CPU" and e.readonly and raw.ctypes.data % 64 == 0:  # zero-copy where nothing writes it; kernels assume aligned storage
+  if dev == "CPU" and e.readonly and raw.ctypes.data % align == 0:  # zero-copy where nothing writes it
     return Storage(dev, e.nbytes, external=raw, readonly=True)
   st = Storage(dev, e.nbytes)
   Buffer(dev, e.nbytes, "uint8", _storage=st).copyin(raw)
@@ -450,7 +453,10 @@ def builder_from_spec(spec: PlanSpec, weights: Mapping[str, Any] | None = None, 
   if code not in ("sealed", "trusted", "compile"): raise PlanSpecError(f"code must be 'sealed', 'trusted' or 'compile', got {code!r}")
   weights = dict(weights or {})
   given = _bound_storages(spec, bound or {})
-  stores = [given.get(si) or _storage(si, e, weights, verify) for si, e in enumerate(spec.storages)]
+  align = [1] * len(spec.storages)
+  for be in spec.buffers:
+    if be.storage < len(align): align[be.storage] = max(align[be.storage], buffer_dtype(be.dtype).itemsize)
+  stores = [given.get(si) or _storage(si, e, weights, verify, align[si]) for si, e in enumerate(spec.storages)]
   b = ExecutionPlanBuilder(spec.device, parallel=spec.parallel, reuse_memory=spec.reuse_memory)
   for be in spec.buffers:
     st = stores[be.storage]
