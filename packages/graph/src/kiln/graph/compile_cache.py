@@ -18,9 +18,9 @@ a hit; only arrays the scheduler made (none today in an LLM's plans) go into the
 (compile(bind=)) are spec inputs, never weights: a hit binds the caller's buffers of this call in their place.
 
 Kept when: the plan cache is on, every node's argument has a stable text (else the key would differ in every process),
-no input or output dim is symbolic and no size is checked at run time (the graph's variables are taken by name:
-kiln.llm's `past`), and the plan exports (one device, no host functions). A hit's Compiled has no scheduled kernels
-(`kernels` is empty, as a cached ONNX model's).
+and the plan exports (one device, no host functions). Symbolic dims are kept as polynomials in their variables with the
+variables' bounds (dims.to_json), so one entry serves every size within them, as the compiled graph did. A hit's
+Compiled has no scheduled kernels (`kernels` is empty, as a cached ONNX model's).
 """
 from __future__ import annotations
 
@@ -106,37 +106,46 @@ def _digests(consts: list[np.ndarray], sizes: set[int]) -> dict[str, int]:
   return out
 
 
+def describe(c: Any) -> dict[str, Any] | None:
+  """What a Compiled holds beside its plan, as JSON (shapes with their symbolic dims: dims.to_json), or None where it cannot
+  be written (a variable not int32). compile_cache and onnx_plan_cache keep it with the plan; rebuild() undoes it."""
+  from kiln.graph.dims import to_json
+  if any(v.dtype != dtypes.int32 for v in c.variables.values()): return None  # dims.variable's: rebuilt as one
+  return {"inputs": [[i.name, i.buf, [to_json(d) for d in i.shape], np.dtype(i.dtype).str, bool(i.bfloat16)] for i in c.inputs],
+          "outputs": [[b, [to_json(d) for d in s]] for b, s in c.outputs], "checks": [[b, msg] for b, msg in c.checks],
+          "variables": [to_json(v) for v in c.variables.values()], "sizes": [to_json(d) for d in c.sizes], "bound": c.bound}
+
+
+def rebuild(plan: Any, meta: Mapping[str, Any]) -> Any:
+  """The Compiled that describe() wrote, over the rebuilt plan (no scheduled kernels: `kernels` is empty)."""
+  from kiln.graph.dims import from_json
+  from kiln.graph.schedule import Compiled, _Input
+  inputs = [_Input(n, b, tuple(from_json(d) for d in s), np.dtype(dt), bf) for n, b, s, dt, bf in meta["inputs"]]
+  variables = {v.arg[0]: v for v in (from_json(x) for x in meta["variables"]) if isinstance(v, UOp)}
+  return Compiled(plan, inputs, [(b, tuple(from_json(d) for d in s)) for b, s in meta["outputs"]], [], variables,
+                  [(b, m) for b, m in meta["checks"]], [from_json(d) for d in meta["sizes"]], meta["bound"])
+
+
 def keep(key: str, compiled: Any, consts: list[np.ndarray]) -> bool:
   """Store the compiled graph under key; False when it is not kept (see the module docstring)."""
   from kiln.executor.planspec import export
-  from kiln.graph.dims import is_static
   c = compiled
-  if c.sizes or not all(is_static(i.shape) for i in c.inputs) or not all(is_static(s) for _, s in c.outputs): return False
-  if any(v.dtype != dtypes.int32 for v in c.variables.values()): return False  # rebuilt as UOp.variable's int32
-  inputs = {**{i.name: i.buf for i in c.inputs}, **c.bound}
-  try: spec, arrays = export(c.plan, inputs, {f"output{i}": b for i, (b, _) in enumerate(c.outputs)}, checks=c.checks)
+  if (described := describe(c)) is None: return False
+  try: spec, arrays = export(c.plan, {**{i.name: i.buf for i in c.inputs}, **c.bound}, {f"output{i}": b for i, (b, _) in enumerate(c.outputs)},
+                             checks=c.checks)
   except Exception as e:  # a plan a spec cannot carry: compiled as before, not kept
     if debug.DEBUG >= 1: debug.emit(f"kiln: compile(cache=) not kept: {type(e).__name__}: {str(e)[:160]}")
     return False
   refs = {st.weight.key: st.weight for st in spec.storages if st.weight is not None and st.weight.kind == "object"}
   found = _digests(consts, {r.nbytes for r in refs.values()})
   from_graph = {k: found[r.sha256] for k, r in refs.items() if r.sha256 in found}
-  meta = {
-    "inputs": [[i.name, i.buf, list(i.shape), np.dtype(i.dtype).str, bool(i.bfloat16)] for i in c.inputs],
-    "outputs": [[b, list(s)] for b, s in c.outputs],
-    "checks": [[b, msg] for b, msg in c.checks],
-    "variables": [list(v.arg) for v in c.variables.values()],
-    "bound": sorted(c.bound),
-    "consts": from_graph,
-    "n_consts": len(consts),
-  }
+  meta = {**described, "consts": from_graph, "n_consts": len(consts)}
   return plan_cache.store(key, spec, {k: a for k, a in arrays.items() if k not in from_graph}, meta)
 
 
 def cached(key: str, consts: list[np.ndarray], bind: Mapping[str, Any]) -> Any | None:
   """The compiled graph kept under key, rebuilt over this graph's constants and the caller's bound buffers, or None."""
   from kiln.executor.planspec import builder_from_spec
-  from kiln.graph.schedule import Compiled, _Input
   hit = plan_cache.load(key)
   if hit is None: return None
   meta = hit.meta
@@ -144,10 +153,7 @@ def cached(key: str, consts: list[np.ndarray], bind: Mapping[str, Any]) -> Any |
     if meta["n_consts"] != len(consts): raise ValueError(f"the entry's graph has {meta['n_consts']} constants, this one {len(consts)}")
     weights = {**hit.weights, **{k: consts[i] for k, i in meta["consts"].items()}}
     plan = builder_from_spec(hit.spec, weights, code="sealed", verify=False, bound={n: bind[n] for n in meta["bound"]}).build()
-    inputs = [_Input(n, b, tuple(s), np.dtype(dt), bf) for n, b, s, dt, bf in meta["inputs"]]
-    variables = {name: UOp.variable(name, lo, hi) for name, lo, hi in meta["variables"]}
-    compiled = Compiled(plan, inputs, [(b, tuple(s)) for b, s in meta["outputs"]], [], variables, [(b, m) for b, m in meta["checks"]], [],
-                        {n: hit.spec.inputs[[io.name for io in hit.spec.inputs].index(n)].buffer for n in meta["bound"]})
+    compiled = rebuild(plan, meta)
   except Exception as e:  # an entry that no longer builds here: forget it, compile afresh
     if debug.DEBUG >= 1: debug.emit(f"kiln: compile(cache=) entry not used ({type(e).__name__}: {str(e)[:160]}); compiling the graph")
     plan_cache.remove(key)

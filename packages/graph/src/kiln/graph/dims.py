@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -140,6 +141,28 @@ def from_terms(t: Terms) -> Dim:
 
 
 def canon(d: Dim) -> Dim: return from_terms(terms(d))
+
+
+def to_json(d: Dim) -> int | list[list[Any]]:
+  """A dim as JSON (a kept plan's shapes: the plan cache): an int, or its polynomial as [coefficient, [[name, lo, hi], ...]]
+  per monomial (each variable with its bounds)."""
+  if not isinstance(d, UOp): return int(d)
+  return [[c, [list(v.arg) for v in vs]] for vs, c in terms(d).items()]
+
+
+def from_json(x: Any) -> Dim:
+  """to_json undone (the canonical dim: equal to the one written, the same UOp); a GraphError where it is not a dim's."""
+  if isinstance(x, int) and not isinstance(x, bool): return x
+  if not isinstance(x, list): raise GraphError(f"{x!r} is not a dim's JSON")
+  t: Terms = {}
+  for mono_ in x:
+    if not (isinstance(mono_, list) and len(mono_) == 2 and isinstance(mono_[0], int) and isinstance(mono_[1], list)):
+      raise GraphError(f"{mono_!r} is not a monomial's JSON")
+    if not all(isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) for v in mono_[1]):
+      raise GraphError(f"{mono_[1]!r} are not variables as [name, lo, hi]")
+    vs = tuple(sorted((variable(*v) for v in mono_[1]), key=lambda u: u.arg[0]))
+    t = _add_terms(t, {vs: mono_[0]}, 1)
+  return from_terms(t)
 
 
 def is_mono(d: Dim) -> bool:

@@ -16,9 +16,11 @@ A model file's hash is remembered beside its stat (plan_keys.file_digest), as gi
 | a model is kept when                                 | else                                                        |
 |------------------------------------------------------|-------------------------------------------------------------|
 | it compiles to one plan (no run-time branch or specialisation) | a Program is not a PlanSpec                       |
-| its dims are all fixed (dims gives sizes, not bounds) | symbolic dims would need their expressions kept          |
 | it has no external data, and no weight is a mapped file | its content is more than the bytes hashed                |
 | its inputs, outputs and constants have numpy dtypes that round-trip by name | (bfloat16 is ml_dtypes')             |
+
+A model loaded with bounds (symbolic dims) is kept with its shapes' expressions in the variables (compile_cache.describe):
+the rebuilt plan runs every size within the bounds, as the loaded one did.
 
 A hit gives a Model that runs as the loaded one does, without importing onnx; what it does not have is the graph:
 `compiled.kernels` is empty (the scheduler's kernels), and the ONNX nodes each kernel covers come from the entry
@@ -37,17 +39,18 @@ import numpy as np
 from kiln.codegen import diskcache
 from kiln.executor import plan_cache
 from kiln.executor.cache import target_key
+from kiln.executor.planspec import export
+from kiln.graph.compile_cache import describe, rebuild
 from kiln.graph.onnx_limits import MAX_MODEL_BYTES
 from kiln.graph.plan_keys import digest, file_digest, shaping_settings, stamp, stat_id
 
-FORMAT = "kiln-onnx-plan 1"
+FORMAT = "kiln-onnx-plan 2"  # 2: symbolic dims kept (compile_cache.describe)
 
 
 def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[str, list[int] | None] | None:
   """The plan cache key of loading `model` with these arguments (and the model file's stat, checked again before storing),
   or None when it is not cached (the cache is off, symbolic dims, a model of another kind)."""
   if not plan_cache.enabled() or diskcache.cache_key() is None: return None
-  if dims and any(not isinstance(v, int) or isinstance(v, bool) for v in dims.values()): return None  # bounds: symbolic dims
   if (version := _onnx_version()) is None: return None  # no onnx: load says what to install
   sid, fmt = None, "protobuf"
   if isinstance(model, (str, os.PathLike)):
@@ -65,7 +68,9 @@ def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[s
     dev = str(DeviceSpec.parse(device))
     target = target_key(dev, get_runtime(dev))
   except Exception: return None  # noqa: S112 (a bad device: load reports it)
-  parts = [FORMAT, content, fmt, json.dumps(sorted((str(k), v) for k, v in (dims or {}).items())), dev, target,
+  try: given = json.dumps(sorted((str(k), list(v) if isinstance(v, tuple | list) else v) for k, v in (dims or {}).items()))
+  except (TypeError, ValueError): return None  # not a size or bounds: load reports it
+  parts = [FORMAT, content, fmt, given, dev, target,
            f"graph+{stamp('kiln.graph')}", f"executor+{stamp('kiln.executor')}", f"onnx={version}", f"numpy={np.__version__}",
            shaping_settings()]
   return "\n".join(parts), sid
@@ -103,7 +108,7 @@ def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any
   """Store the loaded Model m (of `model`, whose checked ModelProto is `proto`) under key; False when it is not kept
   (see the module docstring)."""
   from kiln.graph.onnx_external import model_tensors
-  if m.program is not None or m.compiled is None or m.compiled.variables or m.compiled.sizes: return False
+  if m.program is not None or m.compiled is None: return False
   if any(t.data_location == 1 for t, _ in model_tensors(proto.graph)): return False  # onnx.TensorProto.EXTERNAL
   if key[1] is not None:  # the file must still be what was hashed: unchanged since (its ctime moves on any write)
     try:
@@ -112,7 +117,8 @@ def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any
   c, inputs, consts = m.compiled, _inputs_of(m), dict(m._consts)
   if not all(_round_trips(dt) for _, _, dt in inputs) or not all(_round_trips(a.dtype) for a in [*consts.values(), *m.defaults.values()]):
     return False
-  try: spec, arrays = c.export(m._computed)
+  if (described := describe(c)) is None: return False
+  try: spec, arrays = export(c.plan, {i.name: i.buf for i in c.inputs}, dict(zip(m._computed, (b for b, _ in c.outputs))), checks=c.checks)
   except Exception: return False  # noqa: S112 (a plan a spec cannot carry: the model loads as before)
   if any(st.weight is not None and st.weight.kind == "file" for st in spec.storages): return False  # a mapped file: not what was hashed
   extra = {f"const:{n}": np.ascontiguousarray(a) for n, a in consts.items()}
@@ -123,9 +129,7 @@ def keep_model(key: tuple[str, list[int] | None], model: Any, m: Any, proto: Any
     "inputs": [[n, list(s), dt.str] for n, s, dt in inputs],
     "outputs": [[n, "const" if n in consts else "computed"] for n in m.output_names],
     "declared": declared,
-    "compiled_inputs": [[i.name, i.buf, list(i.shape), np.dtype(i.dtype).str, bool(i.bfloat16)] for i in c.inputs],
-    "compiled_outputs": [[b, list(s)] for b, s in c.outputs],
-    "checks": [[b, msg] for b, msg in c.checks],
+    "compiled": described,
     "defaults": list(m.defaults), "nodes": m.nodes, "opset": m.opset, "origins": _origins(c),
   }
   try: json.dumps(meta)
@@ -137,14 +141,12 @@ def cached_model(key: tuple[str, list[int] | None], model_cls: Any) -> Any | Non
   """The Model kept under key, rebuilt, or None (a miss)."""
   from kiln.executor.planspec import builder_from_spec
   from kiln.graph.provenance import Origin
-  from kiln.graph.schedule import Compiled, _Input
   hit = plan_cache.load(key[0])
   if hit is None: return None
   meta, w = hit.meta, hit.weights
   try:
     plan = builder_from_spec(hit.spec, w, code="sealed", verify=False).build()  # the weights' chunks were verified on load
-    inputs = [_Input(n, b, tuple(s), np.dtype(dt), bf) for n, b, s, dt, bf in meta["compiled_inputs"]]
-    compiled = Compiled(plan, inputs, [(b, tuple(s)) for b, s in meta["compiled_outputs"]], [], {}, [(b, m) for b, m in meta["checks"]], [])
+    compiled = rebuild(plan, meta["compiled"])
     compiled.origins = {int(k): ([Origin(*o) for o in os_], Origin(*p) if p else None) for k, (os_, p) in meta["origins"].items()}
     outputs = [(n, w[f"const:{n}"] if kind == "const" else None) for n, kind in meta["outputs"]]
     declared = {n: (tuple(s), np.dtype(dt)) for n, (s, dt) in meta.get("declared", {}).items()}
