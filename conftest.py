@@ -17,6 +17,15 @@ def pytest_configure(config: pytest.Config) -> None:
   os.environ.setdefault("KILN_PLAN_CACHE", "0")
 
 
+@pytest.fixture
+def plan_cache_dir(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+  """The plan cache on (the run turns it off: pytest_configure), in a fresh cache directory; its plans/ area."""
+  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("KILN_CACHE", "1")
+  monkeypatch.setenv("KILN_PLAN_CACHE", "1")
+  return tmp_path / "cache" / "plans"
+
+
 @pytest.fixture(scope="session")
 def kiln_counts(request: pytest.FixtureRequest) -> dict[str, int]:
   """Counters a test adds to (the fuzzer's cases); printed by pytest_terminal_summary."""

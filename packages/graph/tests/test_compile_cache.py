@@ -18,11 +18,7 @@ CTX, SEQ = 12, 2
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.setenv("KILN_CACHE", "1")
-  monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
-  return tmp_path / "cache" / "plans"
+def cache(plan_cache_dir: Path) -> Path: return plan_cache_dir  # the repository's conftest.py
 
 
 def _appending(w: np.ndarray, key: str | None, width: int = 3):  # type: ignore[no-untyped-def]

@@ -49,11 +49,7 @@ X = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.setenv("KILN_CACHE", "1")
-  monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
-  return tmp_path / "cache" / "plans"
+def cache(plan_cache_dir: Path) -> Path: return plan_cache_dir  # the repository's conftest.py
 
 
 def _load(model: object, **kw: object) -> tuple[konnx.Model, bool]:

@@ -15,11 +15,7 @@ from kiln.llm import load
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-  monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-  monkeypatch.setenv("KILN_CACHE", "1")
-  monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
-  return tmp_path / "cache" / "plans"
+def cache(plan_cache_dir: Path) -> Path: return plan_cache_dir  # the repository's conftest.py
 
 
 IDS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
