@@ -49,7 +49,7 @@ FORMAT = "kiln-onnx-plan 2"  # 2: symbolic dims kept (compile_cache.describe)
 
 def plan_key(model: Any, device: str, dims: Mapping[str, Any] | None) -> tuple[str, list[int] | None] | None:
   """The plan cache key of loading `model` with these arguments (and the model file's stat, checked again before storing),
-  or None when it is not cached (the cache is off, symbolic dims, a model of another kind)."""
+  or None when it is not cached (the cache is off, a model of another kind)."""
   if not plan_cache.enabled() or diskcache.cache_key() is None: return None
   if (version := _onnx_version()) is None: return None  # no onnx: load says what to install
   sid, fmt = None, "protobuf"
