@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
   llm = load(args.model, context=args.context)
   tok = llm._tok()
   t1 = time.perf_counter()
-  llm.runner.plan("prefill"); llm.runner.plan("decode")  # compiled (or found in the kernel cache) before the clock starts
+  from kiln.graph.progress import reporting
+  with reporting(True):  # a line on stderr while the plans compile, once that has taken a second (the first run of a model)
+    llm.runner.plan("prefill"); llm.runner.plan("decode")  # compiled (or found in the plan cache) before the clock starts
   t2 = time.perf_counter()
   sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed, repetition_penalty=args.repeat_penalty)
   if args.chat:
