@@ -47,7 +47,8 @@ def _steps(m) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(("arch", "fmt", "long", "over"), [("llama", "Q4_K", 4, {"hidden_size": 256, "intermediate_size": 256}),
                                                            ("llama", "Q8_0", 8, {}), ("gpt2", "F16", 4, {})])
 def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, fmt: str, long: int, over: dict[str, int]) -> None:
-  """long=8: the prompt takes the long plan (8 rows) and the prefill plan (4 rows, padded); long=4: prefill plans only."""
+  """long=8: the prompt takes the long plan (8 rows) and the prefill plan (4 rows, padded); long=4: prefill plans only.
+  Q8_0: the plans are kept in the plan cache, and the model loaded again rebuilds them from there."""
   monkeypatch.setenv("KILN_COMPILE_THREADS", "4")
   path = _gguf(tmp_path, arch, fmt, **over)
   want = _steps(load(path, context=24, chunk=4, long=long))
@@ -58,6 +59,10 @@ def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     return real(self, calls)
   monkeypatch.setattr(CUDARuntime, "graph_calls", graph_calls)
   with emulated_gpu(monkeypatch, tmp_path) as (g, _):
+    if fmt == "Q8_0":  # kept in the plan cache, and loaded again from it below
+      monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+      monkeypatch.setenv("KILN_CACHE", "1")  # the stand-in turns the disk cache off
+      monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
     m = load(path, context=24, chunk=4, long=long, device="CUDA")
     got = _steps(m)
     for i, (a, b) in enumerate(zip(got, want)):
@@ -77,23 +82,19 @@ def test_prefill_and_decode_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert moved["htod"] == 3 and moved["htod_bytes"] == 8 + 4 * len(in_memory), moved
     assert moved["dtoh_bytes"] <= 4 * m.config.vocab_size + 4 * len(dec.checks), moved
     assert moved["launches"] == dec.kernel_count
+    if fmt == "Q8_0": _loads_again_from_the_plan_cache(path, got, long)
   assert dec.kernel_count in stretches  # the decode plan's kernels were offered as one graph (the stand-in declines it)
 
 
-def test_plans_on_cuda_load_again_from_the_plan_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-  """A CUDA model loaded again rebuilds its plans from the plan cache (kiln.graph.compile_cache): its packed weights
+
+def _loads_again_from_the_plan_cache(path: Path, want: list[np.ndarray], long: int) -> None:
+  """The CUDA model loaded again rebuilds its plans from the plan cache (kiln.graph.compile_cache): its packed weights
   uploaded from the graph's constants, its KV cache bound in device memory; the same logits, nothing compiled."""
   from kiln.executor import cache_stats
-  path = _gguf(tmp_path, "llama", "Q8_0")
-  with emulated_gpu(monkeypatch, tmp_path):
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("KILN_CACHE", "1")  # the stand-in turns the disk cache off
-    monkeypatch.setenv("KILN_PLAN_CACHE", "1")  # the run turns it off (conftest.py)
-    want = _steps(load(path, context=24, chunk=4, long=8, device="CUDA"))
-    hits, compiles = cache_stats()["plan_hits"], cache_stats()["compiles"]
-    m = load(path, context=24, chunk=4, long=8, device="CUDA")
-    got = _steps(m)
-    assert cache_stats()["plan_hits"] - hits == 3 and cache_stats()["compiles"] == compiles  # long, prefill, decode
-    for a, b in zip(got, want): np.testing.assert_array_equal(a, b)
-    assert all(b.device == "CUDA:0" for b in (*m.runner.cache.k, *m.runner.cache.v))
-    assert m.runner.cache.layer(0)[0].shape[0] == len(PROMPT) + STEPS
+  hits, compiles = cache_stats()["plan_hits"], cache_stats()["compiles"]
+  m = load(path, context=24, chunk=4, long=long, device="CUDA")
+  got = _steps(m)
+  assert cache_stats()["plan_hits"] - hits == 3 and cache_stats()["compiles"] == compiles  # long, prefill, decode
+  for a, b in zip(got, want): np.testing.assert_array_equal(a, b)
+  assert all(b.device == "CUDA:0" for b in (*m.runner.cache.k, *m.runner.cache.v))
+  assert m.runner.cache.layer(0)[0].shape[0] == len(PROMPT) + STEPS
