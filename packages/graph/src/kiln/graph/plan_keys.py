@@ -7,7 +7,6 @@ A file's content hash is remembered beside its stat (device, inode, size, mtime 
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import stat
 from pathlib import Path
@@ -53,6 +52,20 @@ def digest(data: Any) -> str:
 def stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _read_digest(f: Any) -> str:
+  """digest() of an open file's bytes, read a chunk at a time into one buffer: a checkpoint of gigabytes is neither held
+  in memory nor mapped (its mapped pages would count in the process's resident memory until unmapped)."""
+  buf = bytearray(plan_cache.CHUNK)
+  view = memoryview(buf)
+  parts = []
+  while True:
+    n, got = 0, 1
+    while n < len(buf) and (got := f.readinto(view[n:])): n += got
+    if n: parts.append(hashlib.sha256(view[:n]).hexdigest())
+    if n < len(buf): break
+  return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
 def file_digest(path: str, limit: int) -> tuple[str, list[int]] | None:
   """The file's content hash and the stat it was taken under, remembered beside the stat; None when the file cannot be
   read, is not a regular file or is larger than `limit` bytes (the loader then reports why)."""
@@ -71,13 +84,11 @@ def file_digest(path: str, limit: int) -> tuple[str, list[int]] | None:
   except diskcache.BadEntry: pass
   try:
     fd = open_regular(real, "the model file", OSError)  # non-blocking, and refused unless a regular file
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb", buffering=0) as f:
       before = stat_id(os.fstat(f.fileno()))
-      if before[2] == 0: h = digest(b"")
-      else:
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m: h = digest(m)  # mapped: a large checkpoint is not copied
+      h = _read_digest(f)
       after = stat_id(os.fstat(f.fileno()))
-  except (OSError, ValueError): return None
+  except OSError: return None
   if before == after == sid:  # unchanged while read: the hash is the content's under this stat
     memo.store_json(name, {"path": real, "stat": sid, "sha256": h})
     return h, sid
