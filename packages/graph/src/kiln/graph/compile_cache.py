@@ -32,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from kiln.codegen.spec import DeviceSpec
 from kiln.executor import debug, plan_cache
+from kiln.graph.dims import from_json, to_json
 from kiln.graph.lazy import Node, toposort
 from kiln.graph.plan_keys import shaping_settings, stamp
+from kiln.graph.schedule import Compiled, _Input, compile_nodes
 from kiln.ir.dtype import DType, dtypes
 from kiln.ir.uop import UOp
 
@@ -82,6 +85,17 @@ def structure(roots: Sequence[Node]) -> tuple[str, list[np.ndarray]]:
   return h.hexdigest(), consts
 
 
+def compile_kept(caller: str, outputs: Sequence[Node], device: str, fuse: bool, bind: Mapping[str, Any], writes: Sequence[Node]) -> Compiled:
+  """schedule.compile_nodes(outputs, device, fuse, bind, writes), taken from the plan cache where the same graph was kept
+  under the caller's key, else compiled and kept there."""
+  dev = str(DeviceSpec.parse(device))
+  kept = key_of(caller, [*outputs, *writes], dev, fuse, bind)
+  if kept is not None and (hit := cached(kept[0], kept[1], bind)) is not None: return hit
+  compiled = compile_nodes(outputs, dev, fuse, bind, writes)
+  if kept is not None: keep(kept[0], compiled, kept[1])
+  return compiled
+
+
 def key_of(caller: str, roots: Sequence[Node], device: str, fuse: bool, bind: Mapping[str, Any]) -> tuple[str, list[np.ndarray]] | None:
   """The plan cache key of compiling these roots (outputs and writes) with the caller's key, and the graph's constants; None
   when it is not kept (the cache is off, an argument without a stable text)."""
@@ -106,27 +120,24 @@ def _digests(consts: list[np.ndarray], sizes: set[int]) -> dict[str, int]:
   return out
 
 
-def describe(c: Any) -> dict[str, Any] | None:
+def describe(c: Compiled) -> dict[str, Any] | None:
   """What a Compiled holds beside its plan, as JSON (shapes with their symbolic dims: dims.to_json), or None where it cannot
   be written (a variable not int32). compile_cache and onnx_plan_cache keep it with the plan; rebuild() undoes it."""
-  from kiln.graph.dims import to_json
   if any(v.dtype != dtypes.int32 for v in c.variables.values()): return None  # dims.variable's: rebuilt as one
   return {"inputs": [[i.name, i.buf, [to_json(d) for d in i.shape], np.dtype(i.dtype).str, bool(i.bfloat16)] for i in c.inputs],
           "outputs": [[b, [to_json(d) for d in s]] for b, s in c.outputs], "checks": [[b, msg] for b, msg in c.checks],
           "variables": [to_json(v) for v in c.variables.values()], "sizes": [to_json(d) for d in c.sizes], "bound": c.bound}
 
 
-def rebuild(plan: Any, meta: Mapping[str, Any]) -> Any:
+def rebuild(plan: Any, meta: Mapping[str, Any]) -> Compiled:
   """The Compiled that describe() wrote, over the rebuilt plan (no scheduled kernels: `kernels` is empty)."""
-  from kiln.graph.dims import from_json
-  from kiln.graph.schedule import Compiled, _Input
   inputs = [_Input(n, b, tuple(from_json(d) for d in s), np.dtype(dt), bf) for n, b, s, dt, bf in meta["inputs"]]
   variables = {v.arg[0]: v for v in (from_json(x) for x in meta["variables"]) if isinstance(v, UOp)}
   return Compiled(plan, inputs, [(b, tuple(from_json(d) for d in s)) for b, s in meta["outputs"]], [], variables,
                   [(b, m) for b, m in meta["checks"]], [from_json(d) for d in meta["sizes"]], meta["bound"])
 
 
-def keep(key: str, compiled: Any, consts: list[np.ndarray]) -> bool:
+def keep(key: str, compiled: Compiled, consts: list[np.ndarray]) -> bool:
   """Store the compiled graph under key; False when it is not kept (see the module docstring)."""
   from kiln.executor.planspec import export
   c = compiled
@@ -143,7 +154,7 @@ def keep(key: str, compiled: Any, consts: list[np.ndarray]) -> bool:
   return plan_cache.store(key, spec, {k: a for k, a in arrays.items() if k not in from_graph}, meta)
 
 
-def cached(key: str, consts: list[np.ndarray], bind: Mapping[str, Any]) -> Any | None:
+def cached(key: str, consts: list[np.ndarray], bind: Mapping[str, Any]) -> Compiled | None:
   """The compiled graph kept under key, rebuilt over this graph's constants and the caller's bound buffers, or None."""
   from kiln.executor.planspec import builder_from_spec
   hit = plan_cache.load(key)

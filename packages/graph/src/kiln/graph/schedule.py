@@ -544,23 +544,11 @@ def _binder(bind: Mapping[str, Any]) -> tuple[Callable[[Node], Any], list[Node]]
 
 
 def compile_nodes(outputs: Sequence[Node], device: str = "CPU", fuse: bool = True, bind: Mapping[str, Any] | None = None,
-                  writes: Sequence[Node] = (), cache: str | None = None) -> Compiled:
+                  writes: Sequence[Node] = ()) -> Compiled:
   """`bind` maps input names to Buffers the caller owns (a KV cache): the plan reads them in place, run() copies nothing
-  into them, and the caller may write them between runs; `writes` (WRITE nodes, Tensor.write_rows) store into them.
-  `cache`: the caller's key for the graph's constants' contents; the compiled graph is kept in the plan cache under it
-  with the graph's structure (compile_cache.py) and rebuilt from there the next time."""
-  from kiln.graph import compile_cache
-  dev = str(DeviceSpec.parse(device))
-  kept = None if cache is None else compile_cache.key_of(cache, [*outputs, *writes], dev, fuse, bind or {})
-  if kept is not None and (hit := compile_cache.cached(kept[0], kept[1], bind or {})) is not None: return hit
-  compiled = _compile_nodes(outputs, dev, fuse, bind, writes)
-  if kept is not None: compile_cache.keep(kept[0], compiled, kept[1])
-  return compiled
-
-
-def _compile_nodes(outputs: Sequence[Node], device: str, fuse: bool, bind: Mapping[str, Any] | None, writes: Sequence[Node]) -> Compiled:
+  into them, and the caller may write them between runs; `writes` (WRITE nodes, Tensor.write_rows) store into them."""
   buffer_for, bound = _binder(bind or {})
-  g = GraphPlan(outputs, device, fuse, buffer_for=buffer_for, writes=writes)
+  g = GraphPlan(outputs, str(DeviceSpec.parse(device)), fuse, buffer_for=buffer_for, writes=writes)
   for n in g.nodes:  # an input no kernel reads still tells run() its dims (a slice keeping only a pad's values of a batch)
     if n.op == "BUFFER" and n.arg.name is not None and variables(n.shape): g.buf_of(n)
   if unknown := sorted(set(bind or {}) - {n.arg.name for n in bound}):

@@ -552,4 +552,7 @@ def compile(outputs: Sequence[Tensor], device: str = "CPU", fuse: bool = True, b
   for t in writes:
     if not isinstance(t, Tensor) or t.node.op != "WRITE": raise GraphError(f"compile: writes are Tensor.write_rows results, got {t!r}")
   if cache is not None and not isinstance(cache, str): raise GraphError(f"compile: cache takes a str key, got {type(cache).__name__}")
-  return compile_nodes([t.node for t in outputs], device, fuse, bind, [t.node for t in writes], cache)
+  nodes, effects = [t.node for t in outputs], [t.node for t in writes]
+  if cache is None: return compile_nodes(nodes, device, fuse, bind, effects)
+  from kiln.graph.compile_cache import compile_kept
+  return compile_kept(cache, nodes, device, fuse, bind or {}, effects)
