@@ -59,7 +59,9 @@ class CachedPlan:
   meta: dict[str, Any]
 
 
-def _stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+def stat_id(st: os.stat_result) -> list[int]:
+  """What identifies a file's contents while unchanged (a write moves its ctime): device, inode, size, mtime, ctime."""
+  return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def enabled() -> bool: return diskcache.enabled() and settings.PLAN_CACHE.get()
@@ -167,7 +169,7 @@ def _seal_verified(area: diskcache.DiskCache, name: str, env: dict[str, Any], si
   a crash must not leave torn bytes on disk under a stat the entry vouches for."""
   fd = os.open(area.path / (name + ".bin"), os.O_RDONLY | os.O_NOFOLLOW)
   try:
-    if _stat_id(os.fstat(fd)) != sid: return  # replaced since it was mapped
+    if stat_id(os.fstat(fd)) != sid: return  # replaced since it was mapped
     os.fsync(fd)
   finally: os.close(fd)
   area.store_json(name + ".json", {**env, "verified": sid})
@@ -186,7 +188,7 @@ def load(key: str) -> CachedPlan | None:
     if mapped is None: raise diskcache.BadEntry("its weights file is missing")
     buf, st = mapped
     if st.st_size != env["size"]: raise diskcache.BadEntry(f"its weights file holds {st.st_size} bytes, the entry says {env['size']}")
-    if env.get("verified") != (sid := _stat_id(st)):  # else: verified before, and not written to since (see the module docstring)
+    if env.get("verified") != (sid := stat_id(st)):  # else: verified before, and not written to since (see the module docstring)
       if chunk_digests(buf) != env["chunks"]: raise diskcache.BadEntry("its weights file does not match the entry's sha256 (altered or torn)")
       with contextlib.suppress(OSError): _seal_verified(area, name, env, sid)
     raw = np.frombuffer(buf, np.uint8)

@@ -39,10 +39,11 @@ import numpy as np
 from kiln.codegen import diskcache
 from kiln.executor import plan_cache
 from kiln.executor.cache import target_key
+from kiln.executor.plan_cache import stat_id
 from kiln.executor.planspec import export
 from kiln.graph.compile_cache import describe, rebuild
 from kiln.graph.onnx_limits import MAX_MODEL_BYTES
-from kiln.graph.plan_keys import digest, file_digest, shaping_settings, stamp, stat_id
+from kiln.graph.plan_keys import digest, file_digest, shaping_settings, stamp
 
 FORMAT = "kiln-onnx-plan 2"  # 2: symbolic dims kept (compile_cache.describe)
 

@@ -15,6 +15,7 @@ from typing import Any
 from kiln.codegen import diskcache
 from kiln.executor import plan_cache
 from kiln.executor.cache import _source_stamp, cache_dir
+from kiln.executor.plan_cache import stat_id
 from kiln.ir import settings as ir_settings
 from kiln.ir.files import open_regular
 
@@ -47,9 +48,6 @@ def stamp(module: str) -> str:
 def digest(data: Any) -> str:
   """One sha256 over the chunk hashes (plan_cache.chunk_digests: side by side on threads)."""
   return hashlib.sha256("".join(plan_cache.chunk_digests(data)).encode()).hexdigest()
-
-
-def stat_id(st: os.stat_result) -> list[int]: return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _read_digest(f: Any) -> str:
