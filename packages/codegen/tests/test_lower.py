@@ -257,6 +257,21 @@ def test_contiguous_lanes_load_as_vectors_and_strided_ones_gather():
   assert any(u.op is Ops.VECTORIZE and all(s.op is Ops.LOAD for s in u.src) for u in lk.uops)
 
 
+def test_a_gather_of_contiguous_runs_loads_each_run(monkeypatch):
+  """Lanes that read a few runs of consecutive elements (Winograd's 4x4 tiles read back into rows: out[r, 4t + s] =
+  y[s, r, t]) load each run as one vector and pick the lanes from them; with RUN_LANES = 0 each lane is a scalar load."""
+  from kiln.codegen.lowering import expand
+  out, y = UOp.define_global(0, F32.ptr(8 * 16)), UOp.define_global(1, F32.ptr(4 * 8 * 4))
+  r, lane = UOp.range(8, 0), UOp.range(16, 1)
+  ast = UOp.sink(out.index(r * 16 + lane).store(y.index((lane % 4) * 32 + r * 4 + lane // 4).load()), name="tiles")
+  def y_loads() -> list[UOp]:
+    lk = lower(ast, CPU, [Opt(OptOps.UPCAST, 1, 16)])
+    return [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 1]
+  assert sorted(u.dtype.count for u in y_loads()) == [4, 4, 4, 4]
+  monkeypatch.setattr(expand, "RUN_LANES", 0)
+  assert [u.dtype.count for u in y_loads()] == [1] * 16
+
+
 def test_pool_columns_share_one_span():
   """A 2x2 pool vectorised along x reads its left (2x) and right (2x + 1) columns as one span each row: the same masked
   load address, the even lanes on for one and the odd lanes for the other, so the max runs on full vectors."""

@@ -6,6 +6,7 @@ from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.choose.heuristic import matmul_rows, operand_load
 from kiln.codegen.lowering.pack import runs, unroll_rows
 from kiln.codegen.pipeline import lower
+from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes
 
 F32 = dtypes.float32
@@ -72,3 +73,21 @@ def test_a_panel_one_row_tile_reads_is_not_packed() -> None:
   from kiln.ir import kernels
   def packs(m: int) -> bool: return any(o.op is OptOps.PACK for o in heuristic_opts(kernels.matmul(m, 512, 128), CPU))
   assert not packs(8) and packs(16) and packs(1024)
+
+
+def test_a_panel_stored_as_its_copy_is_read_in_place() -> None:
+  """A weight stored in blocks of the register tile's 32 columns, (N/32, K, 32) (conv._product_blocked), is each column
+  tile's panel laid out as the copy would lay it: PACK is chosen but copies nothing (no scratch), and the tile reads the
+  weight with whole-vector loads. Stored (K, N) it is copied, one K x 32 panel per thread."""
+  m, n, k = 96, 128, 64
+  def blocked(stride: bool) -> UOp:
+    c, a, b = UOp.define_global(0, F32.ptr(m * n)), UOp.define_global(1, F32.ptr(m * k)), UOp.define_global(2, F32.ptr(k * n))
+    jb, i, lane, r = UOp.range(n // 32, 0), UOp.range(m, 1), UOp.range(32, 2), UOp.range(k, 3, AxisType.REDUCE)
+    w = b.index(r * n + jb * 32 + lane) if stride else b.index(jb * (k * 32) + r * 32 + lane)
+    return UOp.sink(c.index(jb * (m * 32) + i * 32 + lane).store((a.index(i * k + r).load() * w.load()).reduce(Ops.ADD, r)), name="blocked")
+  assert any(o.op is OptOps.PACK for o in heuristic_opts(blocked(False), CPU))
+  assert LLVMRenderer(CPU).render(blocked(False)).scratch_bytes == 0
+  assert LLVMRenderer(CPU).render(blocked(True)).scratch_bytes > 0
+  lk = lower(blocked(False), CPU)
+  w_loads = [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 2]
+  assert w_loads and all(u.dtype.count > 1 for u in w_loads)

@@ -341,6 +341,23 @@ def test_few_positions_product_reads_realized_patches(weight: str) -> None:
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("hw,o,channels_last", [(7, 64, True), (14, 64, True), (7, 24, False), (8, 64, False), (16, 64, False)])
+def test_small_maps_product_channels_last_where_it_fills_the_tile(monkeypatch, hw: int, o: int, channels_last: bool) -> None:
+  """A 3x3 conv over maps of fewer than CHANNELS_LAST_POSITIONS positions, no whole number of vectors, with its weight in
+  blocks of output channels (ResNet's last stage over 7x7 maps) runs its product channels-last, over patches copied from
+  the input realized channels-last: (N, H+2, W+2, C). Of 24 output channels (its product would read the window view),
+  over 8x8 maps (whole vectors) or over 16x16 maps it stays NCHW (Winograd off: it takes 14x14 and 16x16). Against numpy."""
+  from kiln.graph import winograd
+  monkeypatch.setattr(winograd, "enabled", lambda: False)
+  x, w, b = rand(2, 16, hw, hw), rand(o, 16, 3, 3), rand(o)
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), padding=1).relu()])
+  names = [k.ast.arg for k in c.kernels]
+  sums = [k for k in names if k.startswith("reduce")]
+  assert len(sums) == 1 and sums[0].endswith("x32") == channels_last, names  # channels-last: blocks of 32 output channels
+  assert (f"elementwise_2x{hw + 2}x{hw + 2}x16" in names) == channels_last, names  # the input padded, channels-last
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
+
+
 def test_few_positions_patches_of_a_computed_input_compute_it_once() -> None:
   """The patches of a computed input (EdgeNeXt's downsampling 2x2 conv after a layer norm) are copied from it realized: the
   copy had computed it inline, its mean over the channels once per element, against numpy."""

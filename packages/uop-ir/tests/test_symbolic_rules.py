@@ -29,6 +29,10 @@ FAMILIES = {
     ("(4i+2j+k)%4 two-valued", lambda: (V("i", 0, 9) * 4 + V("j", 0, 1) * 2 + 1) % 4, lambda: V("j", 0, 1) * 2 + 1),
     # a factor of the divisor first: (2g + l)//2 == g
     ("(2g+l)//10", lambda: (V("g", 0, 1000) * 2 + V("l", 0, 1)) // 10, lambda: V("g", 0, 1000) // 5),
+    # a constant below the terms' common factor with the divisor: it never carries (a vector lane over a row of channels)
+    ("(16i+5)%48", lambda: (V("i", 0, 26) * 16 + 5) % 48, lambda: (V("i", 0, 26) % 3) * 16 + 5),
+    ("(16i+5)//48", lambda: (V("i", 0, 26) * 16 + 5) // 48, lambda: V("i", 0, 26) // 3),
+    ("(6i+4j+1)%10", lambda: (V("i", 0, 9) * 6 + V("j", 0, 9) * 4 + 1) % 10, lambda: ((V("i", 0, 9) * 3 + V("j", 0, 9) * 2) % 5) * 2 + 1),
     # the constant cut to its smallest residue (kept in range)
     ("(x+262145)//16", lambda: (V("x", 0, 2**31 - 262146) + 262145) // 16, lambda: (V("x", 0, 2**31 - 262146) + 1) // 16 + 16384),
     ("(x+262145)%16", lambda: (V("x", 0, 2**20) + 262145) % 16, lambda: (V("x", 0, 2**20) + 1) % 16),
@@ -115,6 +119,7 @@ NOT_FIRING = [
   ("(x+3)//4: 3 is already the smallest residue", lambda: (V("x", 0, 99) + 3) // 4),
   ("(x+2)//4 crosses zero", lambda: (V("x", -9, 99) + 2) // 4),
   ("(x+5)%4 crosses zero", lambda: (V("x", -9, 99) + 5) % 4),
+  ("(16i-4j+5)%48: the terms' sum may be negative", lambda: (V("i", 0, 9) * 16 + V("j", 0, 9) * -4 + 5) % 48),
   ("(w+262145)//16 may wrap", lambda: (V("w", 0, 2**31 - 1) + 262145) // 16),
 ]
 

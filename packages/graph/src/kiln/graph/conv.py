@@ -26,11 +26,15 @@ PAD_INLINE = True
 # False: always NCHW, for comparison
 DEPTHWISE_BLOCKED = True
 BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
-# a conv with fewer output positions than BLOCK computes its product channels-last (_product_channels_last); False: never
+# a conv with fewer output positions per image than CHANNELS_LAST_POSITIONS computes its product channels-last
+# (_product_channels_last, _positions_few); False: never. BLOCK: only where its positions fill less than one vector
 PRODUCT_CHANNELS_LAST = True
+CHANNELS_LAST_POSITIONS = BLOCK * BLOCK
 FOLD_BATCH = True  # ... with a static batch's images as more rows of one product; False: the batch an outer loop
 # ... over its realized patches, (g, N*P, K) with K = (*k, C/g), where it reads a window view (_patches); False: read per tap
 PATCHES_FIRST = True
+# ... copied from the input realized padded and channels-last (runs of channels); False: from the input as it is (NCHW)
+CHANNELS_LAST_PATCHES = True
 # a strided NCHW depthwise conv reads a realized padded copy of its input: through the pad's bounds test its loads, lanes
 # `stride` apart, were a gather of gated scalars; ungated they are one masked span shuffled (expand.STRIDE_LOADS). False: in place
 STRIDED_PADDED_COPY = True
@@ -108,14 +112,19 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
     out = win.shape[2:2 + d]
     # the patches pay where the product reads each of them more than once: more output channels than one register tile's
-    if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and FOLD_BATCH and isinstance(n, int) and prod(out) < BLOCK and og > WEIGHT_BLOCK:
-      if _computes(xp.node): win = xp.contiguous().windows(ks, st, dl)  # computed once, not in the copy (a layer norm's sums per element)
+    if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and FOLD_BATCH and isinstance(n, int) and _positions_few(prod(out), og) and og > WEIGHT_BLOCK:
+      # the input realized padded and channels-last first, each element once: the patches' rows then copy runs of channels
+      # (their K is (*k, C/g)), where from NCHW each lane was a gather H*W apart with a bounds test of its own; and a
+      # computed input is computed once, not in the copy (a layer norm's sums per element)
+      if CHANNELS_LAST_PATCHES or _computes(xp.node):
+        xp = xp.permute(0, *range(2, 2 + d), 1).contiguous().permute(0, 1 + d, *range(1, 1 + d)) if CHANNELS_LAST_PATCHES else xp.contiguous()
+        win = xp.windows(ks, st, dl)
       cols, w = _patches(win, w, groups)
       return _product_channels_last(cols, w, bias, groups, out)
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
-  if PRODUCT_CHANNELS_LAST and p < BLOCK: return _product_channels_last(cols, w, bias, groups, out)
+  if PRODUCT_CHANNELS_LAST and _positions_few(p, og): return _product_channels_last(cols, w, bias, groups, out)
   wm = _flat(w, (1, groups, og, kk, 1))
   y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
   return y if bias is None else y + bias.reshape(1, o, *([1] * d))
@@ -184,6 +193,21 @@ def _product_blocked(cols: Tensor, data: np.ndarray, bias: Tensor | None, groups
   y = (wb.reshape(1, groups, ob, 1, kk, block) * rows).sum(4)  # (N, g, OB, P, B)
   if bias is not None: y = y + bias.reshape(1, groups, ob, 1, block)
   return y.contiguous().permute(0, 1, 2, 4, 3).reshape(n, groups * og, *out)
+
+
+def _positions_few(p: Dim, og: Dim) -> bool:
+  """Whether a product over p output positions per image, og output channels per group, runs channels-last
+  (_product_channels_last): fewer positions than BLOCK; or fewer than CHANNELS_LAST_POSITIONS that are no whole number
+  of vectors, where the weight is stored in blocks of output channels (_weight_block). Its tile is then 6-8 rows of
+  positions by 32 channels, against 8 channels by one vector of positions, whose last vector runs part empty (49
+  positions in 4 vectors of 16). Measured per conv, 1 thread, AVX-512, NCHW -> channels-last: 3x3 over 7x7 maps 0.85x,
+  5x5 0.93x, 10x10 0.90x; 1x1 over 10x10 0.83x, 14x14 0.89x (batch 4, 2 threads: 0.84x); 20x20 1.10x. Whole vectors
+  gain less than the patches' copies cost: ResNet-18's 3x3 convs over 4x4 maps 1.11x, over 8x8 0.96x before the copies.
+  Of 32 output channels or fewer (a DenseNet layer's 3x3 conv) the product reads the window view, not realized patches,
+  and ran slower channels-last; of 728 (Xception's 1x1 convs over 4x4 maps) the weight is no whole number of blocks,
+  and ran 1.5x slower."""
+  if not isinstance(p, int): return False
+  return p < BLOCK or (p % BLOCK > 0 and p < CHANNELS_LAST_POSITIONS and isinstance(og, int) and _weight_block(og) > 0)
 
 
 def _weight_block(og: int) -> int:

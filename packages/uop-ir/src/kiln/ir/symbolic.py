@@ -198,10 +198,22 @@ def _const_split(dt: DType, terms: list[tuple[UOp, int]], const: int, m: int, mo
   return s % m if mod else s // m + (e - r) // m
 
 
+def _below_factor(dt: DType, terms: list[tuple[UOp, int]], const: int, m: int, mod: bool) -> UOp | None:
+  """(S + d) % m -> S % m + d and (S + d) // m -> S // m, where S >= 0 is a sum of multiples of g = gcd(m, its
+  coefficients) > 1 and 0 < d < g: S % m is a multiple of g of at most m - g, so adding d never carries into the next
+  multiple of m. A vector's lanes over a row of channels, (16i + lane) % 48: each lane is then the base plus its lane,
+  one contiguous load, where each was a remainder and a scalar load of its own."""
+  g = math.gcd(m, *(k for _, k in terms))
+  if g <= 1 or not 0 < const < g or _sum_range(terms, 0)[0] < 0: return None
+  s = _build(dt, terms, 0)
+  return s % m + const if mod else s // m
+
+
 def divmod_fold(x: UOp, c: UOp, mod: bool) -> UOp | None:
   """x // c and x % c for a constant c > 1 and a numerator that cannot wrap, first rule that applies:
   a common factor cancelled; no division left (two-valued base, or congruence: the remainder's quotient is one value);
-  multiples of c split off; the constant brought to its smallest residue; x // c as (x // f) // (c / f) when x // f folds."""
+  a constant below the terms' common factor with c split off; multiples of c split off; the constant brought to its
+  smallest residue; x // c as (x // f) // (c / f) when x // f folds."""
   if not _sint(x) or (cv := c.arg) <= 1 or (t := _terms(x)) is None: return None
   terms, const = t
   dt: DType = x.dtype
@@ -212,6 +224,7 @@ def divmod_fold(x: UOp, c: UOp, mod: bool) -> UOp | None:
     y = _build(dt, [(b, k // g) for b, k in terms], const // g)
     return (y % (cv // g)) * g if mod else y // (cv // g)
   if (lin := _linear_fold(terms, const, cv, mod, xlo, xhi)) is not None: return _build(dt, *lin)
+  if (low := _below_factor(dt, terms, const, cv, mod)) is not None: return low
   quot = [(b, k // cv) for b, k in terms if k % cv == 0]
   rem = [(b, k) for b, k in terms if k % cv != 0]
   qconst, rconst = (const // cv, 0) if const % cv == 0 else (0, const)

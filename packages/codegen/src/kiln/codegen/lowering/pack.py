@@ -50,7 +50,8 @@ class Packer:
       for ld in (u for u in red.src[0].toposort() if _packable(u)):
         rs = free_ranges(ld)
         vec_r = next(p.rng for p in plans.values() if p.ev is self.ctx.vec[0])  # the output's vector axis (a reduce may have its own)
-        if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops): out[ld] = rs - {kr[0]}
+        if inner not in rs and kr[0] in rs and vec_r in rs and rs - {kr[0]} <= set(loops) and not _panel_already(ld, kr[0], vec_r, self.ctx.vec[1]):
+          out[ld] = rs - {kr[0]}
     return out
 
   def emit(self, scope: Scope, ld: UOp, subst: dict[UOp, UOp]) -> None:
@@ -85,6 +86,16 @@ class Packer:
       if k not in rsubst: continue  # another REDUCE's panel (a kernel of two stores, one packed): not in this loop nest
       m[substitute(ld, rsubst)] = UOp(Ops.LOAD, ld.dtype, (scratch_ptr(ld.dtype).index(simp(base + rsubst[k] * w + self.ctx.vec[0])),))
     return substitute(body, m) if m else body
+
+
+def _panel_already(u: UOp, k: UOp, lane: UOp, w: int) -> bool:
+  """Whether a load reads its panel as the copy would lay it out, one contiguous run of w lanes per step of k (a conv's
+  weight stored in blocks of the register tile's columns, conv._product_blocked): copying it moves every element once
+  for nothing. A gated load is still copied (its copy takes the bounds test out of the inner loop)."""
+  ld = operand_load(u)
+  if ld is None or u.op is Ops.WHERE or len(ld.src[0].src) != 2: return False
+  idx = ld.src[0].src[1]
+  return affine_coeff(idx, lane) == 1 and affine_coeff(idx, k) == w
 
 
 def _packable(u: UOp) -> bool:
