@@ -143,14 +143,13 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     g = bcast(vec_of[gate[0]], w)  # the lanes' gates: a masked load reads only the lanes whose gate is on, zero elsewhere
     return UOp(Ops.LOAD, dt.vec(w), (UOp(Ops.INDEX, buf.dtype, (buf, first, g)),))
   idxs = _lanes(idx, lane, w)
-  if vec_of is not None and not gate and (runs := _runs(idxs)) is not None:
+  if vec_of is not None and not gate and (found := _runs(idxs)) is not None:
     # a gather whose lanes read a few contiguous runs (Winograd's 4x4 tiles read back into rows: 4 runs of 4) loads each
     # run as one vector and picks its lanes from them (LLVM's shuffles), not one scalar load and insert per lane
+    runs, offs = found
     spans = [UOp(Ops.LOAD, dt.vec(n), (buf.index(start),)) if n > 1 else buf.index(start).load() for start, n, _ in runs]
     at = {d: (s, d - d0) for s, (_, _, d0) in zip(spans, runs) for d in range(d0, d0 + s.dtype.count)}
-    offs = [_offset(i, idxs[0]) for i in idxs]
-    return UOp(Ops.VECTORIZE, dt.vec(w), tuple(sp if sp.dtype.count == 1 else UOp(Ops.GEP, dt, (sp,), k)
-                                               for sp, k in (at[o] for o in offs if o is not None)))
+    return UOp(Ops.VECTORIZE, dt.vec(w), tuple(sp if sp.dtype.count == 1 else UOp(Ops.GEP, dt, (sp,), k) for sp, k in (at[o] for o in offs)))
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
 
@@ -164,19 +163,20 @@ def _offset(i: UOp, first: UOp) -> int | None:
   return int(d.arg) if d.op is Ops.CONST else None
 
 
-def _runs(idxs: tuple[UOp, ...]) -> list[tuple[UOp, int, int]] | None:
-  """The lanes' indices as runs of consecutive elements, (first index, length, offset from lane 0's) each, where every
-  lane's index is lane 0's plus a constant and the runs average at least RUN_LANES lanes; else None."""
+def _runs(idxs: tuple[UOp, ...]) -> tuple[list[tuple[UOp, int, int]], list[int]] | None:
+  """The lanes' indices as runs of consecutive elements, (first index, length, offset from lane 0's) each, and each
+  lane's offset from lane 0's, where every lane's index is lane 0's plus a constant and the runs average at least
+  RUN_LANES lanes; else None."""
   if not RUN_LANES: return None
-  offs = [_offset(i, idxs[0]) for i in idxs]
-  if any(o is None for o in offs): return None
-  ds = sorted(set(o for o in offs if o is not None))
+  found = [_offset(i, idxs[0]) for i in idxs]
+  offs = [o for o in found if o is not None]
+  if len(offs) < len(found): return None
   runs: list[list[int]] = []
-  for d in ds:
+  for d in sorted(set(offs)):
     if runs and d == runs[-1][0] + runs[-1][1]: runs[-1][1] += 1
     else: runs.append([d, 1])
   if len(runs) * RUN_LANES > len(idxs): return None
-  return [(simp(idxs[0] + d) if d else idxs[0], n, d) for d, n in runs]
+  return [(simp(idxs[0] + d) if d else idxs[0], n, d) for d, n in runs], offs
 
 
 def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
