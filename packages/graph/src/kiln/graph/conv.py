@@ -64,7 +64,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   read in place: the input is realized and the pad renders as gated loads under its bounds test, which the packing
   copies as masked loads of contiguous lanes (no padded copy: the bench CNN's three pad kernels took 0.38 ms of 4.2).
   The product is realized as (N, groups, O/groups, P), the loops the matmul tiles (as (groups, N*P, O/groups) where P
-  is smaller than BLOCK: _product_channels_last); what follows reads it through an NCHW view (the bias, batch norm and
+  is few or leaves vector lanes idle: _positions_few, _product_channels_last); what follows reads it through an NCHW view (the bias, batch norm and
   relu become the product kernel's epilogue when their readers read each element at least once: epilogue.py). A
   depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window,
   of its input realized first where that input is computed (every tap reads each element), padded by a copy where it
@@ -159,7 +159,7 @@ def _patches(win: Tensor, w: Tensor, groups: int) -> tuple[Tensor, Tensor]:
   reordered to match, (O, *k, C/g). Read through the window view, each step of the product's K (a channel and a tap)
   was a scalar load whose index took a division and a remainder by each kernel size and a bounds test per row of the
   register tile: a 3x3 conv over 3x3 maps ran its product at a third of the speed of a 1x1 conv of the same shape. The
-  copy reads each input element once per tap, as few as the output positions are (fewer than BLOCK), and pays where
+  copy reads each input element once per tap, as few as the output positions are (_positions_few), and pays where
   the product reads each patch more than once (more than WEIGHT_BLOCK output channels a group: a tile per 32)."""
   n, c, *rest = win.shape
   d = len(rest) // 2
