@@ -199,7 +199,7 @@ class _Builder:
     naive = self._plan_memory(exec_ops, accesses, lv)
     for buf in self.buffers: buf.ensure_allocated()
     self._tune(prepared, accesses)
-    self._bind(prepared)
+    self._bind(prepared, op_levels)
     all_ops: list[PreparedOp] = sorted([*prepared.values(), *views], key=lambda p: p.id)
     plan = ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
     plan.recipe = self.recipe
@@ -392,7 +392,7 @@ class _Builder:
         if buf.storage_id in assign: buf._rebind(slots[assign[buf.storage_id]], buf.offset)
     return naive
 
-  def _bind(self, prepared: Mapping[int, Any]) -> None:
+  def _bind(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> None:
     sharing: dict[Any, list[Any]] = {}  # bound calls whose runtime lets a plan's calls share their scratch
     for p in prepared.values():
       if isinstance(p, PreparedKernel):
@@ -406,7 +406,9 @@ class _Builder:
       if isinstance(p, PreparedCopy): run = self._copy_fn(self.buffers[p.dst], self.buffers[p.src])
       else: run = functools.partial(p.fn, *[self.buffers[i] for i in p.buffer_indices])
       p.run = _after(_syncs(p.waits), run)  # a copy's or host function's waits run inside it (execute_profiled too)
-    for kind, calls in sharing.items(): kind.share_scratch(calls)  # a plan runs its steps one after another
+    # a plan runs its steps one after another, but the kernels of an overlapped group run at once: each needs its own
+    together = [[p.bound for p in g] for g in self._overlapped(prepared, op_levels)]
+    for kind, calls in sharing.items(): kind.share_scratch(calls, together)
 
   @staticmethod
   def _copy_fn(dst: Buffer, src: Buffer) -> Callable[[], Any]:
@@ -428,15 +430,21 @@ class _Builder:
     tmp = np.empty(src.nbytes, np.uint8)  # between two devices through the host: staging allocated once, here, not on the fast path
     return lambda: (src.copyout(tmp), dst.copyin(tmp))
 
+  def _overlapped(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> list[list[PreparedKernel]]:
+    """Per level, the kernels that run at once on threads (overlap.parallel), where two or more may."""
+    auto = self.b.parallel is None and thread_count() > 1  # one thread asked for (KILN_THREADS=1): no kernel beside another
+    groups = []
+    for group in op_levels:
+      safe = [p for i in group if isinstance(p := prepared[i], PreparedKernel) and p.kernel.host_parallel_safe and
+              (self.b.parallel or (auto and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
+      groups.append(safe if self.b.parallel is not False and len(safe) >= 2 else [])
+    return groups
+
   def _steps(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> list[Callable[[], Any]]:
     """The fast path: one callable per op (or per group of kernels overlapped on threads), in level order."""
     steps: list[Callable[[], Any]] = []
-    for group in op_levels:
+    for group, safe in zip(op_levels, self._overlapped(prepared, op_levels)):
       ps = [prepared[i] for i in group]
-      auto = self.b.parallel is None and thread_count() > 1  # one thread asked for (KILN_THREADS=1): no kernel beside another
-      safe = [p for p in ps if isinstance(p, PreparedKernel) and p.kernel.host_parallel_safe and
-              (self.b.parallel or (auto and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
-      if self.b.parallel is False or len(safe) < 2: safe = []
       if safe:
         steps.extend(_syncs(sorted({q for p in safe for q in p.waits})))  # a kernel's waits run before it (the group's before the group)
         steps.append(parallel([p.bound for p in safe if p.bound is not None]))

@@ -201,15 +201,22 @@ class CPUBoundCall:
     self._build(self.vals)
 
   @staticmethod
-  def share_scratch(calls: Sequence[CPUBoundCall]) -> None:
+  def share_scratch(calls: Sequence[CPUBoundCall], together: Sequence[Sequence[object]] = ()) -> None:
     """One scratch for calls that never run at once (an ExecutionPlan's, which runs its steps one after another: kiln's
     executor asks), as large as the largest needs, instead of one each: a model's plan held a dequantised panel or a
-    split sum's partials per kernel. Not under KILN_GUARD, where each keeps its own, ending at its guard page."""
+    split sum's partials per kernel. The calls of each group in `together` run at once (a plan's kernels overlapped on
+    threads): the j-th of a group takes the j-th arena, so no two of them pack panels into the same bytes. Not under
+    KILN_GUARD, where each keeps its own, ending at its guard page."""
     own = [c for c in calls if c.scratch is not None]
     if len(own) < 2 or guard_enabled(): return
-    arena = np.zeros(max(c.scratch.nbytes for c in own), np.uint8)  # type: ignore[union-attr]  # each was 64 bytes over its need
+    lane = dict.fromkeys(map(id, own), 0)
+    for group in together:
+      for j, c in enumerate(c for c in group if id(c) in lane): lane[id(c)] = j
+    need: dict[int, int] = {}
+    for c in own: need[lane[id(c)]] = max(need.get(lane[id(c)], 0), c.scratch.nbytes)  # type: ignore[union-attr]  # each 64 bytes over its need
+    arenas = {j: np.zeros(n, np.uint8) for j, n in need.items()}
     for c in own:
-      c.scratch = arena
+      c.scratch = arenas[lane[id(c)]]
       c._build(c.vals)
 
   def __call__(self) -> None:
