@@ -27,7 +27,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("-j", "--jobs", type=int, default=1, help="models at once (each in its own processes)")
   p.add_argument("--force", action="store_true", help="export and check again even where the cache is current")
   p.add_argument("--markdown", help="write the report to this file")
-  p.add_argument("--threads", type=int, default=1, help="threads for kiln (KILN_THREADS) and onnxruntime alike (default 1)")
+  p.add_argument("--threads", type=int, help="threads for kiln (KILN_THREADS) and onnxruntime alike (default: the cores this process "
+                 "may use over --jobs, so a model is checked on threads as a user runs it: kernels overlapped on threads and split into "
+                 "chunks run only there)")
   p.add_argument("--timeout", type=float, default=300, help="seconds one export's check may take (load, runs, timing)")
   p.add_argument("--export-timeout", type=float, default=900, help="seconds all exports of one model may take")
   p.add_argument("--cache", help="cache directory (default .zoo-cache at the repo root)")
@@ -37,7 +39,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--report-only", action="store_true", help="report from the cache, running nothing")
   p.add_argument("--avx2", action="store_true", help="hold kiln and the peers to AVX2 on an AVX-512 host: KILN_CPU=x86-64-v3 (unless "
                  "set), OpenVINO ONEDNN_MAX_CPU_ISA=AVX2 (onnxruntime has no such switch: its MLAS picks kernels by CPUID)")
-  return p.parse_args(argv)
+  opts = p.parse_args(argv)
+  if opts.threads is None: opts.threads = max(1, len(os.sched_getaffinity(0)) // max(1, opts.jobs))
+  return opts
 
 
 # what --avx2 sets: kiln's target, and oneDNN's ceiling in OpenVINO's CPU plugin (its convolutions and matmuls; a few of its
