@@ -154,9 +154,10 @@ def test_narrow_matmul_output_is_one_vector_of_its_width():
 
 
 def test_packed_matmul_reads_its_panel_from_scratch():
-  spec = LLVMRenderer(CPU).render(matmul(256, 64, 256))
-  assert spec.threads == 2 and spec.scratch_bytes == 2 * 256 * 32 * 4 and not spec.finish  # one K x 32 panel per thread
-  lk = lower(matmul(256, 64, 256), CPU)
+  spec = LLVMRenderer(CPU).render(matmul(256, 512, 256))
+  # 16 column chunks, one K x 32 panel per thread (2 slots)
+  assert spec.threads == 16 and spec.slots == 2 and spec.scratch_bytes == 2 * 256 * 32 * 4 and not spec.finish
+  lk = lower(matmul(256, 512, 256), CPU)
   b_loads = [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 2]
   assert b_loads and all(u.dtype == F32.vec(32) for u in b_loads)  # b is only read to pack it
   assert any(u.op is Ops.FMA for u in lk.uops)

@@ -112,6 +112,24 @@ def test_each_claiming_thread_packs_into_its_own_scratch(monkeypatch: pytest.Mon
     assert len(call.args) == min(pool, 2)
 
 
+def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A product whose columns are a few register tiles (a 1x1 conv's 64 output channels over a 14x14 map: 2 tiles of 32)
+  shares its row tiles over the threads instead (heuristic._thread_axis): 2 or 3 column chunks left one of two cores
+  idle or doing twice the other's share. Same result on any pool."""
+  m, k, c = 2048, 96, 64
+  ast = kernels.matmul(m, c, k)
+  target = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2, min_work_per_thread=1 << 10)
+  thread = [o for o in heuristic_opts(prepare(ast)[0], target) if o.op is OptOps.THREAD]
+  assert len(thread) == 1 and thread[0].axis == 0 and thread[0].amount >= 8, thread
+  prog = load(ast, target=target)
+  a = np.random.default_rng(5).standard_normal((m, k)).astype(np.float32)
+  b = np.random.default_rng(6).standard_normal((k, c)).astype(np.float32)
+  for pool in (1, 2, 3):
+    out = np.zeros((m, c), np.float32)
+    run_on(prog, [out, a, b], pool, monkeypatch)
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
 def test_a_claimer_that_starts_late_finds_the_work_done(monkeypatch: pytest.MonkeyPatch) -> None:
   """Slot 1 starts 0.2 s late (its core busy elsewhere): the caller claims every chunk meanwhile, so slot 1 finds none
   and the result is whole; with a static half each, the caller would have left half the output to slot 1."""

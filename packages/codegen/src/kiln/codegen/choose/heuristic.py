@@ -47,6 +47,9 @@ def _pick_width(size: int | None, lanes: int) -> int:
   return w
 
 
+# an output axis of fewer units than this shares them unevenly over a few cores (3 over 2: one does two), so the threads
+# split another with at least twice as many (_thread_axis); a thread count this does not know may be any
+FEW_UNITS = 8
 MIN_ACCUMULATORS = 12  # a register tile's accumulators that keep enough multiply-adds in flight (_tile_rows)
 
 
@@ -167,9 +170,8 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
   # (an axis unrolled whole to fold its selects has one unit: the next one is split)
   if threaded := [a for a in out_axes if all(o.axis != a.arg[0] for o in selects)]:
     work = _work(out_axes, reduces)
-    first = threaded[0]
-    per = {o.axis: o.amount for o in opts if o.axis == first.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)}
-    units = (axis_size(first) or 0) // max(per.values(), default=1) if axis_size(first) else None
+    first = _thread_axis(threaded, opts)
+    units = _units(first, opts)
     # a register-tiled product does a multiply-add in a fraction of a nanosecond: it needs far more of them per thread
     # to pay for waking the workers (~30 us here; 256x512 @ 512x10 took 30 us on one thread, 64 us on two)
     tiled = vec_axis is not None and mm
@@ -177,6 +179,23 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if work >= per_thread * 2 and (units is None or units >= 2):
       opts.append(Opt(OptOps.THREAD, first.arg[0], chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)))
   return opts
+
+
+def _units(a: UOp, opts: list[Opt]) -> int | None:
+  """The units a thread split of output axis a hands out: its size over its last UPCAST's or UNROLL's amount (None: symbolic)."""
+  if (n := axis_size(a)) is None: return None
+  steps = [o.amount for o in opts if o.axis == a.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)]
+  return n // (steps[-1] if steps else 1)
+
+
+def _thread_axis(threaded: list[UOp], opts: list[Opt]) -> UOp:
+  """The output axis the threads split: the first, unless its units are fewer than FEW_UNITS and another's are at least
+  twice as many; then the one with the most. A conv's blocked product over a 14x14 map had 3 blocks of 32 output
+  channels to share (2 of 3 on one of two cores) where its 196 positions are 24 row tiles."""
+  first = threaded[0]
+  if (u := _units(first, opts)) is None or u >= FEW_UNITS: return first
+  most = max(threaded, key=lambda a: _units(a, opts) or 0)
+  return most if (_units(most, opts) or 0) >= 2 * max(u, 1) else first
 
 
 def _read_along(reduces: list[UOp], out_axes: list[UOp], inner: UOp, lanes: int) -> UOp | None:
