@@ -105,3 +105,18 @@ def test_a_blocked_depthwise_convs_activation_is_its_epilogue() -> None:
   dd = _silu(dd) * a + x
   want = (dd / (1 + np.exp(-dd.mean((2, 3), keepdims=True)))).mean((2, 3))
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_blocked_depthwise_conv_reads_a_channels_last_product_in_place() -> None:
+  """A mobile block over a 14x14 map: the expansion's product runs channels-last (196 positions are no whole number of
+  vectors) with its ReLU6 as epilogue, and the blocked depthwise conv's (N, C/16, H, W, 16) copy of it, whose 16
+  channels a position are 16 neighbours in that buffer too, is dropped (epilogue.DROP_PERMUTED_COPIES): the window sum
+  reads the product's buffer through the permute, a vector a tap, under the pad's bounds test."""
+  x, w1, w2 = rand(1, 24, 14, 14), rand(64, 24, 1, 1), rand(64, 1, 3, 3)
+  h = Tensor.input("x", x.shape).conv2d(Tensor(w1)).minimum(6).maximum(0)
+  c = compile([h.conv2d(Tensor(w2), padding=1, groups=64)])
+  names = [k.ast.arg for k in c.kernels]
+  assert len(names) == 3 and not any(n.startswith("elementwise") and n.endswith("x16") for n in names[:2]), c.plan.describe()
+  ref = np.clip(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0, 6)
+  want = conv_ref(ref, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 64)
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)

@@ -22,21 +22,34 @@ depthwise conv, each read back as NCHW) the chain is still computed in R's layou
 norm's scale, a residual input) is read through the chain's views undone, and T's readers read T' through them. A
 product whose bias is added in its own layout before it is realized (R = the sum plus the bias) counts as one. A reader
 that realized T's reshape (Tensor.contiguous: a depthwise conv realizes a computed input, read per tap) would now copy T'
-in its own order: it reads T' through the reshape instead.
+in its own order: it reads T' through the reshape instead; one that realized a permute of it reads it in place too where
+the permute keeps its last axis a run of T''s buffer (a blocked depthwise conv's 16 channels a position, from a
+channels-last product). R may also be a realized copy: a realized view of a realized node or of a concatenation
+(Winograd's output tiles cropped back to NCHW), whose kernel then computes the chain as it copies.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kiln.graph.dims import is_static
+import numpy as np
+
+from kiln.graph.dims import is_static, static_shape
 from kiln.graph.lazy import Node, consumers, toposort
 from kiln.ir.ops import Ops
 
 # a realized reshape whose source became a reshape of a realized product is read in place, not copied (_copy_of_realized)
 DROP_COPIES = True
+# ... and so is a realized permute of one whose last axis stays contiguous in the realized buffer, at least MIN_RUN
+# elements a run (a blocked depthwise conv's (N, C/16, H, W, 16) copy of a channels-last product: the lanes read 16
+# channels in a row either way, and the copy was a kernel, a pass over the map and a buffer)
+DROP_PERMUTED_COPIES = True
+MIN_RUN = 8
+MAX_LAYOUT_CHECK = 1 << 22  # elements whose index map is worked out to prove it (a load-time numpy pass)
 # the chain after a product goes through permutes too (a channels-last product or a blocked depthwise conv read as NCHW),
 # its operands read in the product's layout through the permutes undone; False: reshapes only
 THROUGH_PERMUTES = True
+# the chain after a realized copy of a realized node or a concatenation moves into the copy too (_is_product)
+AFTER_COPIES = True
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
 # read nothing, so each source element is read once
 _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
@@ -46,7 +59,11 @@ def _is_product(n: Node) -> bool:
   """A realized reduction: a REDUCE marked realized, or a realized view of one (Tensor.contiguous of a conv's product; a
   Winograd conv's tiles put back in NCHW order and cropped: reshapes, a permute, a slice, whose copy takes the chain)."""
   if not n.realize or not is_static(n.shape): return False  # (a conv's product is static; symbolic reshapes are left alone)
+  start = n
   while n.op == "VIEW" and n.arg[0] in ("reshape", "permute", "shrink"): n = n.src[0]
+  # a realized copy (Winograd's output tiles, a concatenation the scheduler realizes, cropped back to NCHW by a kernel of
+  # their own) takes the chain as a product does: its readers then read the bias and activation's result, not the crop
+  if AFTER_COPIES and n is not start and (n.realize or n.op == "CAT"): return True
   # a product with its bias added in its own layout (a channels-last product, a blocked depthwise conv) is one as well
   if THROUGH_PERMUTES and n.op == "ALU" and n.arg is Ops.ADD:
     return any(m.op == "REDUCE" and not m.realize for m in map(_unreshaped, n.src))
@@ -183,9 +200,23 @@ def fuse_epilogues(outputs: Sequence[Node]) -> dict[Node, Node]:
 
 
 def _copy_of_realized(n: Node, src: Node) -> bool:
-  """Whether n realizes a reshape (Tensor.contiguous) whose source, rewritten, is now reshapes of a realized node: a conv
+  """Whether n realizes a view (Tensor.contiguous) whose source, rewritten, is now reshapes of a realized node: a conv
   realizes its computed input before reading it per tap, and once that input's chain moved into its product the copy
-  would copy the product's buffer in the same order. Read through the reshape instead, it is one kernel fewer."""
-  if not (DROP_COPIES and n.realize and n.op == "VIEW" and n.arg[0] == "reshape"): return False
-  while src.op == "VIEW" and not src.realize and src.arg[0] == "reshape": src = src.src[0]
-  return src.realize
+  would copy the product's buffer in the same order. Read through the reshape instead, it is one kernel fewer. A view
+  through permutes is read in place where its last axis is a run of the buffer (_runs_contiguous)."""
+  if not (DROP_COPIES and n.realize and n.op == "VIEW" and n.arg[0] in ("reshape", "permute")): return False
+  views = [n]
+  while src.op == "VIEW" and not src.realize and src.arg[0] in ("reshape", "permute"): views, src = [src, *views], src.src[0]
+  if not src.realize: return False
+  if all(v.arg[0] == "reshape" for v in views): return True
+  return DROP_PERMUTED_COPIES and _runs_contiguous(src, views)
+
+
+def _runs_contiguous(buf: Node, views: list[Node]) -> bool:
+  """Whether the last axis of views' last shape, read through `views` (reshapes and permutes, outermost last) from buf's
+  buffer, is at least MIN_RUN elements that lie next to each other there: each vector of the reader is one load."""
+  if not (is_static(buf.shape) and all(is_static(v.shape) for v in views)) or not views[-1].shape: return False
+  if static_shape("view", views[-1].shape)[-1] < MIN_RUN or buf.numel > MAX_LAYOUT_CHECK: return False
+  idx = np.arange(buf.numel, dtype=np.int64).reshape(static_shape("view", buf.shape))
+  for v in views: idx = idx.reshape(static_shape("view", v.shape)) if v.arg[0] == "reshape" else idx.transpose(v.arg[1])
+  return bool((np.diff(idx, axis=-1) == 1).all())
