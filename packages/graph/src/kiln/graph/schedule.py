@@ -37,6 +37,7 @@ from kiln.executor.checks import CheckReader
 from kiln.executor.planspec import export
 from kiln.executor.portable import in_plan_dtype
 from kiln.graph import progress
+from kiln.graph.cat_place import place_cats
 from kiln.graph.dims import (
   bind_dims,
   capped_names,
@@ -475,6 +476,7 @@ class GraphPlan:
     except RecursionError:  # the renderer recurses along a fused chain (a few hundred elementwise ops deep): a typed error, not a crash
       raise GraphError(f"the graph is too deep to render ({len(toposort(uniq))} nodes; a chain of a few hundred elementwise ops "
                        "fused into one kernel reaches Python's recursion limit): realize an intermediate with .contiguous()") from None
+    self.kernels, self.placed = place_cats(self.kernels, set(uniq), self.stored)
     self.outs, self.nodes = outs, toposort(uniq)
     self.builder = pb = ExecutionPlanBuilder(device)
     self.bufs: dict[Node, int] = {} if out_bufs is None else {o: pb.add_buffer(b) for o, b in zip(outs, out_bufs)}
@@ -498,6 +500,12 @@ class GraphPlan:
   def buf_of(self, n: Node) -> int:
     from kiln.executor import Buffer
     if n in self.bufs: return self.bufs[n]
+    if n in self.placed:  # a concatenation's piece, written by its kernel into the concatenation's buffer (cat_place.py)
+      cat, at = self.placed[n]
+      dt = self.stored(n)
+      self.bufs[n] = v = self.builder.add_buffer(Buffer(self.device, n.numel, dt))
+      self.builder.add_view(v, self.buf_of(cat), at * dt.itemsize, n.numel * dt.itemsize)
+      return v
     if n.op == "WRITE":  # its kernel stores into the target's buffer, which the caller owns
       self.bufs[n] = self.buf_of(n.src[0])
       if n.src[0].arg.name in self.inputs: raise GraphError(f"write_rows into {n.src[0].arg.name!r}: the target must be bound (compile(bind=))")

@@ -1,0 +1,78 @@
+"""Concatenations in place (cat_place.py): a realized concatenation whose pieces are kernels' own outputs, each one run
+of its buffer, is filled by those kernels storing into views of it: no copy kernel. Against numpy every time, with and
+without the placement."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_conv import conv_ref
+
+from kiln.graph import Tensor, cat_place, compile
+
+RNG = np.random.default_rng(41)
+
+
+def rand(*shape: int) -> np.ndarray: return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+def _relu(v: np.ndarray) -> np.ndarray: return np.maximum(v, 0)
+
+
+def _fire(n: int, c: int = 8, e: int = 16, hw: int = 12) -> tuple:  # noqa: ANN202
+  """SqueezeNet's fire module and the squeeze conv after it: expand 1x1 and 3x3 (both ReLU), concatenated, then a 1x1."""
+  x, w1, w3, ws = rand(n, c, hw, hw), rand(e, c, 1, 1), rand(e, c, 3, 3), rand(8, 2 * e, 1, 1)
+  xi = Tensor.input("x", x.shape)
+  cat = Tensor.cat([xi.conv2d(Tensor(w1)).relu(), xi.conv2d(Tensor(w3), padding=1).relu()], axis=1)
+  c = compile([cat.conv2d(Tensor(ws))])
+  e1, e3 = conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), conv_ref(x, w3, None, [1, 1], [(1, 1)] * 2, [1, 1], 1)
+  e = np.concatenate([_relu(e1), _relu(e3)], 1)
+  return c, x, conv_ref(e, ws, None, [1, 1], [(0, 0)] * 2, [1, 1], 1)
+
+
+def _copies(c) -> int: return sum(k.node.op == "CAT" and k.node.arg == 1 for k in c.kernels)  # type: ignore[no-untyped-def]  # (Winograd's tiles: axis 0)
+
+
+@pytest.mark.parametrize("place", [True, False])
+def test_a_fire_modules_concatenation_is_written_in_place(monkeypatch: pytest.MonkeyPatch, place: bool) -> None:
+  """One image: each expand conv's kernel (its ReLU as epilogue) stores into its channels of the concatenation's buffer,
+  and the squeeze conv reads that buffer; off, a kernel copies both pieces."""
+  monkeypatch.setattr(cat_place, "PLACE_CATS", place)
+  c, x, want = _fire(1)
+  assert _copies(c) == (0 if place else 1), c.plan.describe()
+  for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("after_copies", [True, False])
+def test_a_winograd_pieces_activation_moves_into_its_crop(monkeypatch: pytest.MonkeyPatch, after_copies: bool) -> None:
+  """A 3x3 expand conv of 32 channels over a 16x16 map runs as Winograd, whose output tiles a kernel crops back to NCHW:
+  its bias and ReLU move into that copy (epilogue.AFTER_COPIES), so the piece is a kernel's own output and is placed;
+  left in the concatenation's kernel, they kept the copy."""
+  from kiln.graph import epilogue
+  monkeypatch.setattr(epilogue, "AFTER_COPIES", after_copies)
+  c, x, want = _fire(1, 32, 32, 16)
+  assert any(k.ast.arg.startswith("reduce_36x") for k in c.kernels), c.plan.describe()  # Winograd's 36 products
+  assert _copies(c) == (0 if after_copies else 1), c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_two_images_keep_the_copy() -> None:
+  """With two images a piece's channels are two runs of the buffer, no one view: the concatenation stays a kernel."""
+  c, x, want = _fire(2)
+  assert _copies(c) == 1, c.plan.describe()
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_piece_in_two_concatenations_is_placed_in_the_first() -> None:
+  """A dense block: the first layer's features are in both later concatenations. The first concatenation takes them in
+  place; the second, whose piece already lives in another buffer, copies (its other piece stays where it is)."""
+  x, wa, wb, wc = rand(1, 16, 8, 8), rand(16, 16, 1, 1), rand(16, 32, 1, 1), rand(8, 48, 1, 1)
+  xi = Tensor.input("x", x.shape)
+  a = xi.conv2d(Tensor(wa)).relu()
+  b = Tensor.cat([a, xi.conv2d(Tensor(wa)) * 2], axis=1).conv2d(Tensor(wb)).relu()
+  out = Tensor.cat([a, b, xi], axis=1).conv2d(Tensor(wc))
+  c = compile([out])
+  assert _copies(c) == 1, c.plan.describe()
+  ra = _relu(conv_ref(x, wa, None, [1, 1], [(0, 0)] * 2, [1, 1], 1))
+  rb = _relu(conv_ref(np.concatenate([ra, 2 * conv_ref(x, wa, None, [1, 1], [(0, 0)] * 2, [1, 1], 1)], 1), wb, None, [1, 1], [(0, 0)] * 2, [1, 1], 1))
+  want = conv_ref(np.concatenate([ra, rb, x], 1), wc, None, [1, 1], [(0, 0)] * 2, [1, 1], 1)
+  for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
