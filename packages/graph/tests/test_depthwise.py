@@ -120,3 +120,21 @@ def test_a_blocked_depthwise_conv_reads_a_channels_last_product_in_place() -> No
   ref = np.clip(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0, 6)
   want = conv_ref(ref, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 64)
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_mobile_block_over_wide_rows_stays_channels_last(stride: int) -> None:
+  """An inverted residual block over a 32x32 map (rows of BLOCK and more): the depthwise conv runs blocked because its
+  input, the expansion's ReLU6, can come from a channels-last product (conv._relaid computes the 1x1 conv's product that
+  way for it), which it then reads in place; the projection's input is the blocked layout, so its product is
+  channels-last too (conv.POINTWISE_CHANNELS_LAST). No layout copy between the three, and numpy's result."""
+  x, w1, w2, w3 = rand(1, 32, 32, 32), rand(64, 32, 1, 1), rand(64, 1, 3, 3), rand(32, 64, 1, 1)
+  h = Tensor.input("x", x.shape).conv2d(Tensor(w1)).minimum(6).maximum(0)
+  y = h.conv2d(Tensor(w2), stride=stride, padding=1, groups=64).minimum(6).maximum(0).conv2d(Tensor(w3))
+  c = compile([y])
+  names = [k.ast.arg for k in c.kernels]
+  window = [n for n in names if n.endswith("x16") and n.startswith("reduce")]
+  assert len(window) == 1 and not any(n.startswith("elementwise") for n in names[:-1]), c.plan.describe()
+  e = np.clip(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0, 6)
+  d = np.clip(conv_ref(e, w2, None, [stride] * 2, [(1, 1)] * 2, [1, 1], 64), 0, 6)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(d, w3, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)

@@ -5,6 +5,7 @@ Tensor.conv2d calls `conv`; this module makes new tensors through its operands' 
 type checking (tensor.py imports this module)."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ PAD_INLINE = True
 # a depthwise conv whose output rows are narrower than BLOCK runs in the blocked channel layout (_window_conv_blocked);
 # False: always NCHW, for comparison
 DEPTHWISE_BLOCKED = True
+WIDE_BLOCKED = True  # a depthwise conv over rows of BLOCK or more runs blocked too where its input is channels-last
+POINTWISE_CHANNELS_LAST = True  # a 1x1 conv whose input is channels-last computes its product channels-last
 BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line of float32, a whole vector or two
 # a conv with fewer output positions per image than CHANNELS_LAST_POSITIONS computes its product channels-last
 # (_product_channels_last, _positions_few); False: never. BLOCK: only where its positions fill less than one vector
@@ -69,7 +72,10 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   depthwise conv (one input and one output channel per group) has no matrix to tile: it stays a sum over each window,
   of its input realized first where that input is computed (every tap reads each element), padded by a copy where it
   is strided along its rows; where its output rows are narrower than BLOCK, in the blocked channel layout
-  (_window_conv_blocked), whose vector runs across channels instead of along a row. A conv of one input channel per
+  (_window_conv_blocked), whose vector runs across channels instead of along a row, and so over wider rows where its
+  input's channels are innermost already (_channels_last_source) or can be: a pointwise conv's NCHW product is then
+  computed channels-last for it (_relaid), and a 1x1 conv over such an input computes channels-last as well, so a mobile
+  net's expansion, depthwise conv and projection run without a layout copy between them. A conv of one input channel per
   group and several outputs is such a depthwise conv over its input's channels repeated (_repeat_channels). Before any
   of this, kernel taps that read only padding are dropped (_live_taps)."""
   d = weight.ndim - 2
@@ -92,7 +98,12 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     x, groups, og = _repeat_channels(x, og), groups * og, 1
   xp = x.pad(((0, 0), (0, 0), *pads))
   if cg == 1 and og == 1:  # each input element is read by every tap of its windows: compute it once, not per tap
-    if DEPTHWISE_BLOCKED and prod(ks) > 1 and _row(x, ks, pads, st, dl) < BLOCK: return _window_conv_blocked(x, w, pads, st, dl, bias)
+    if DEPTHWISE_BLOCKED and prod(ks) > 1:
+      # rows of BLOCK or more run blocked where the input's channels are innermost already (whole blocks of them): read in
+      # place, where NCHW rows gated every tap's lanes; a pointwise conv's NCHW product is computed channels-last for it
+      wide = WIDE_BLOCKED and isinstance(x.shape[1], int) and x.shape[1] % BLOCK == 0
+      if wide and _row(x, ks, pads, st, dl) >= BLOCK and not _channels_last_source(x): x = _relaid(x) or x
+      if _row(x, ks, pads, st, dl) < BLOCK or wide and _channels_last_source(x): return _window_conv_blocked(x, w, pads, st, dl, bias)
     if prod(ks) > 1 and STRIDED_PADDED_COPY and st[-1] > 1 and xp is not x:
       # a computed input realized first: padded as computed, its loads' indices are clamped, not gated (a gather)
       xp = (x.contiguous() if _computes(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
@@ -124,10 +135,15 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
-  if PRODUCT_CHANNELS_LAST and _positions_few(p, og): return _product_channels_last(cols, w, bias, groups, out)
+  pointwise_cl = POINTWISE_CHANNELS_LAST and all(k == 1 for k in ks) and all(s == 1 for s in st) and isinstance(og, int) and \
+    (og <= WEIGHT_BLOCK and og % BLOCK == 0 or _weight_block(og) > 0)
+  if PRODUCT_CHANNELS_LAST and (_positions_few(p, og) or pointwise_cl and _channels_last_source(x)):
+    return _product_channels_last(cols, w, bias, groups, out)
   wm = _flat(w, (1, groups, og, kk, 1))
   y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
-  return y if bias is None else y + bias.reshape(1, o, *([1] * d))
+  y = y if bias is None else y + bias.reshape(1, o, *([1] * d))
+  if pointwise_cl: _RELAYOUT[y.node] = (cols, w, bias, groups, out)
+  return y
 
 
 def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, out: tuple[Dim, ...]) -> Tensor:
@@ -208,6 +224,59 @@ def _positions_few(p: Dim, og: Dim) -> bool:
   and ran 1.5x slower."""
   if not isinstance(p, int): return False
   return p < BLOCK or (p % BLOCK > 0 and p < CHANNELS_LAST_POSITIONS and isinstance(og, int) and _weight_block(og) > 0)
+
+
+# a pointwise conv's NCHW product -> what computes it channels-last instead (cols, weight, bias, groups, output dims), for a
+# depthwise conv that reads it to ask for (_relaid); weak keys: a graph dropped takes its entries along
+_RELAYOUT: weakref.WeakKeyDictionary[Node, tuple] = weakref.WeakKeyDictionary()
+
+
+def _relaid(x: Tensor, limit: int = 16) -> Tensor | None:
+  """x computed from a pointwise conv's channels-last product instead of its NCHW one, where x is that conv's output
+  through elementwise ops with constant operands (an activation, a batch norm) and reshapes: the same ops applied to the
+  channels-last product read back as NCHW. None where x is not such a chain."""
+  path: list[tuple[Node, int]] = []
+  n = x.node
+  while n not in _RELAYOUT:
+    if len(path) >= limit or n.realize or n.op not in ("ALU", "VIEW") or n.op == "VIEW" and n.arg[0] != "reshape": return None
+    live = [i for i, m in enumerate(n.src) if not _constant(m)]
+    if len(live) != 1: return None
+    path.append((n, live[0]))
+    n = n.src[live[0]]
+  cols, w, bias, groups, out = _RELAYOUT[n]
+  node = _product_channels_last(cols, w, bias, groups, out).node
+  for m, i in reversed(path):
+    node = Node(m.op, tuple(node if j == i else s for j, s in enumerate(m.src)), m.arg, m.shape, m.dtype, origin=m.origin)
+  return type(x)(node)
+
+
+def _constant(n: Node, depth: int = 8) -> bool:
+  """Whether n is computed from constants alone (a weight, a scalar, Clip's bound negated): views and elementwise ops of them."""
+  if n.op == "BUFFER": return n.data is not None
+  if n.op == "CONST": return True
+  return depth > 0 and n.op in ("VIEW", "ALU") and all(_constant(m, depth - 1) for m in n.src)
+
+
+def _channels_last_source(x: Tensor, limit: int = 64) -> bool:
+  """Whether x reads realized buffers whose channels are the innermost axis (a channels-last product's, a blocked
+  depthwise conv's: each read back as NCHW through a permute), through elementwise ops (an activation, a batch norm, a
+  residual add) and views: every path from x to a realized node passes a permute, and some path reaches one. Constant
+  operands do not count; an input, an NCHW product or a walk of more than `limit` nodes is no such source."""
+  todo, seen, found = [(x.node, False)], set(), False
+  while todo:
+    n, permuted = todo.pop()
+    if (n, permuted) in seen: continue
+    seen.add((n, permuted))
+    if len(seen) > limit: return False
+    if _constant(n): continue
+    if n.op == "BUFFER": return False  # a model input: NCHW
+    if n.realize or n.op == "REDUCE":
+      if not permuted: return False
+      found = True
+      continue
+    if n.op not in ("ALU", "VIEW"): return False
+    todo += [(m, permuted or n.op == "VIEW" and n.arg[0] == "permute") for m in n.src]
+  return found
 
 
 def _weight_block(og: int) -> int:
