@@ -9,6 +9,7 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -102,14 +103,21 @@ def test_each_claiming_thread_packs_into_its_own_scratch(monkeypatch: pytest.Mon
   ast = kernels.matmul(m, c, k)
   prog = load(ast, target=Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2, min_work_per_thread=1 << 10))
   assert prog.slots == 2 and prog.threads > 2 and any(o.startswith("PACK") for o in prog.spec.applied_opts), prog.spec
-  a = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
-  b = np.random.default_rng(4).standard_normal((k, c)).astype(np.float32)
-  for pool in (1, 2, 8):
+  def claimers(pool: int, arrays: list[np.ndarray]) -> None:
+    assert len(prog.bind([x.ctypes.data for x in arrays]).args) == min(pool, 2)
+  _products_on_pools(prog, m, k, c, (1, 2, 8), monkeypatch, claimers)
+
+
+def _products_on_pools(prog: CPUProgram, m: int, k: int, c: int, pools: tuple[int, ...], monkeypatch: pytest.MonkeyPatch,
+                       after: Callable[[int, list[np.ndarray]], None] | None = None) -> None:
+  """prog, an m x k by k x c matmul, run on each pool size and checked against numpy; then after(pool, [out, a, b])."""
+  a = np.random.default_rng(m + c).standard_normal((m, k)).astype(np.float32)
+  b = np.random.default_rng(k).standard_normal((k, c)).astype(np.float32)
+  for pool in pools:
     out = np.zeros((m, c), np.float32)
     run_on(prog, [out, a, b], pool, monkeypatch)
     np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
-    call = prog.bind([out.ctypes.data, a.ctypes.data, b.ctypes.data])
-    assert len(call.args) == min(pool, 2)
+    if after is not None: after(pool, [out, a, b])
 
 
 def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,13 +129,7 @@ def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.Monke
   target = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2, min_work_per_thread=1 << 10)
   thread = [o for o in heuristic_opts(prepare(ast)[0], target) if o.op is OptOps.THREAD]
   assert len(thread) == 1 and thread[0].axis == 0 and thread[0].amount >= 8, thread
-  prog = load(ast, target=target)
-  a = np.random.default_rng(5).standard_normal((m, k)).astype(np.float32)
-  b = np.random.default_rng(6).standard_normal((k, c)).astype(np.float32)
-  for pool in (1, 2, 3):
-    out = np.zeros((m, c), np.float32)
-    run_on(prog, [out, a, b], pool, monkeypatch)
-    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+  _products_on_pools(load(ast, target=target), m, k, c, (1, 2, 3), monkeypatch)
 
 
 def test_a_claimer_that_starts_late_finds_the_work_done(monkeypatch: pytest.MonkeyPatch) -> None:
