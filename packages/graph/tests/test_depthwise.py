@@ -138,3 +138,16 @@ def test_a_mobile_block_over_wide_rows_stays_channels_last(stride: int) -> None:
   e = np.clip(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0, 6)
   d = np.clip(conv_ref(e, w2, None, [stride] * 2, [(1, 1)] * 2, [1, 1], 64), 0, 6)
   np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(d, w3, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_relaid_expansion_read_twice_is_computed_once() -> None:
+  """The expansion's output read by the depthwise conv and by a residual add (GhostNet's primary features are read by its
+  cheap depthwise op and by the concatenation): the conv's node is rewritten to read the channels-last product, so both
+  readers share it; one product kernel, not an NCHW one beside the channels-last one."""
+  x, w1, w2 = rand(1, 32, 32, 32), rand(64, 32, 1, 1), rand(64, 1, 3, 3)
+  h = Tensor.input("x", x.shape).conv2d(Tensor(w1)).maximum(0)
+  c = compile([h.conv2d(Tensor(w2), padding=1, groups=64) + h])
+  products = [k.ast.arg for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert len(products) == 2, c.plan.describe()  # the 1x1 product and the window sum
+  e = np.maximum(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(e, w2, None, [1, 1], [(1, 1)] * 2, [1, 1], 64) + e, rtol=1e-4, atol=1e-4)

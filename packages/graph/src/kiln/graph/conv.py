@@ -234,7 +234,8 @@ _RELAYOUT: weakref.WeakKeyDictionary[Node, tuple] = weakref.WeakKeyDictionary()
 def _relaid(x: Tensor, limit: int = 16) -> Tensor | None:
   """x computed from a pointwise conv's channels-last product instead of its NCHW one, where x is that conv's output
   through elementwise ops with constant operands (an activation, a batch norm) and reshapes: the same ops applied to the
-  channels-last product read back as NCHW. None where x is not such a chain."""
+  channels-last product read back as NCHW, x's node rewritten in place to read them. None where x is not such a chain
+  (a reader of the chain's inner nodes, none in a mobile block, would still read the NCHW product)."""
   path: list[tuple[Node, int]] = []
   n = x.node
   while n not in _RELAYOUT:
@@ -247,7 +248,10 @@ def _relaid(x: Tensor, limit: int = 16) -> Tensor | None:
   node = _product_channels_last(cols, w, bias, groups, out).node
   for m, i in reversed(path):
     node = Node(m.op, tuple(node if j == i else s for j, s in enumerate(m.src)), m.arg, m.shape, m.dtype, origin=m.origin)
-  return type(x)(node)
+  # x's own node becomes a view of the new chain, so every other reader of x (a residual, a concatenation: GhostNet's
+  # primary features) reads the channels-last product too, and the NCHW one is never computed beside it
+  x.node.op, x.node.src, x.node.arg = "VIEW", (node,), ("reshape", x.node.shape)
+  return x
 
 
 def _constant(n: Node, depth: int = 8) -> bool:
