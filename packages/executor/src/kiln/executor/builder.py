@@ -199,9 +199,10 @@ class _Builder:
     naive = self._plan_memory(exec_ops, accesses, lv)
     for buf in self.buffers: buf.ensure_allocated()
     self._tune(prepared, accesses)
-    self._bind(prepared, op_levels)
+    overlapped = self._overlapped(prepared, op_levels)
+    self._bind(prepared, overlapped)
     all_ops: list[PreparedOp] = sorted([*prepared.values(), *views], key=lambda p: p.id)
-    plan = ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels), naive)
+    plan = ExecutionPlan(self.buffers, all_ops, op_levels, list(b.outputs), self._steps(prepared, op_levels, overlapped), naive)
     plan.recipe = self.recipe
     return plan
 
@@ -392,7 +393,7 @@ class _Builder:
         if buf.storage_id in assign: buf._rebind(slots[assign[buf.storage_id]], buf.offset)
     return naive
 
-  def _bind(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> None:
+  def _bind(self, prepared: Mapping[int, Any], overlapped: list[list[PreparedKernel]]) -> None:
     sharing: dict[Any, list[Any]] = {}  # bound calls whose runtime lets a plan's calls share their scratch
     for p in prepared.values():
       if isinstance(p, PreparedKernel):
@@ -407,7 +408,7 @@ class _Builder:
       else: run = functools.partial(p.fn, *[self.buffers[i] for i in p.buffer_indices])
       p.run = _after(_syncs(p.waits), run)  # a copy's or host function's waits run inside it (execute_profiled too)
     # a plan runs its steps one after another, but the kernels of an overlapped group run at once: each needs its own
-    together = [[p.bound for p in g] for g in self._overlapped(prepared, op_levels)]
+    together = [[p.bound for p in g] for g in overlapped]
     for kind, calls in sharing.items(): kind.share_scratch(calls, together)
 
   @staticmethod
@@ -440,10 +441,10 @@ class _Builder:
       groups.append(safe if self.b.parallel is not False and len(safe) >= 2 else [])
     return groups
 
-  def _steps(self, prepared: Mapping[int, Any], op_levels: list[list[int]]) -> list[Callable[[], Any]]:
-    """The fast path: one callable per op (or per group of kernels overlapped on threads), in level order."""
+  def _steps(self, prepared: Mapping[int, Any], op_levels: list[list[int]], overlapped: list[list[PreparedKernel]]) -> list[Callable[[], Any]]:
+    """The fast path: one callable per op (or per group of kernels overlapped on threads, `overlapped`), in level order."""
     steps: list[Callable[[], Any]] = []
-    for group, safe in zip(op_levels, self._overlapped(prepared, op_levels)):
+    for group, safe in zip(op_levels, overlapped):
       ps = [prepared[i] for i in group]
       if safe:
         steps.extend(_syncs(sorted({q for p in safe for q in p.waits})))  # a kernel's waits run before it (the group's before the group)
