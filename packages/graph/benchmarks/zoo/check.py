@@ -27,7 +27,10 @@ MESSAGE = 6000      # characters of a refusal kept: kiln lists every node it can
 NOISE = 5           # times how far onnxruntime moves from itself with its graph optimizations off (the model's float32 noise floor)
 TIE_ROWS = 0.02     # at most this share of a detector's rows may be a tie broken the other way (status TIES)
 ROUNDS = (3, 15)    # timing rounds: at least, at most
-ROUND_BUDGET = 1.0  # seconds of kiln + onnxruntime time after which no more rounds start (past the minimum)
+ROUND_BUDGET = 1.0  # seconds of every engine's runs after which no more rounds start (past the minimum)
+# runs of one engine back to back in a round, the first not counted: on threads the engine before it may still be
+# spinning its pool (onnxruntime's, OpenVINO's, kiln's workers), which took a core from the next engine's first run
+BLOCK = 4
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -114,11 +117,13 @@ def check(variant: str, job: dict[str, Any], threads: int, partial: Callable[[di
   ot: list[float] = []
   vt: list[float] = []
   spent = 0.0
+  engines: list[tuple[Any, list[float]]] = [(lambda: km.run(f0), kt), (lambda: sess.run(None, f0), ot)]
+  if ov is not None: engines.append((lambda: ov(f0), vt))
   while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
-    kt.append(timed(lambda: km.run(f0)))
-    ot.append(timed(lambda: sess.run(None, f0)))
-    if ov is not None: vt.append(timed(lambda: ov(f0)))  # noqa: B023
-    spent += (kt[-1] + ot[-1] + (vt[-1] if vt else 0.0)) / 1e3
+    for run, into in engines:
+      ts = [timed(run) for _ in range(BLOCK)]
+      into.append(statistics.median(ts[1:]))
+      spent += sum(ts) / 1e3
   if vt: r["ov_ms"] = statistics.median(vt)
   r |= {"kiln_ms": statistics.median(kt), "ort_ms": statistics.median(ot), "rounds": len(kt)}
   # a run after the timed ones is checked too: a race between kernels on threads may spare the first run or only it
