@@ -102,8 +102,10 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
       # rows of BLOCK or more run blocked where the input's channels are innermost already (whole blocks of them): read in
       # place, where NCHW rows gated every tap's lanes; a pointwise conv's NCHW product is computed channels-last for it
       wide = WIDE_BLOCKED and isinstance(x.shape[1], int) and x.shape[1] % BLOCK == 0
-      if wide and _row(x, ks, pads, st, dl) >= BLOCK and not _channels_last_source(x): x = _relaid(x) or x
-      if _row(x, ks, pads, st, dl) < BLOCK or wide and _channels_last_source(x): return _window_conv_blocked(x, w, pads, st, dl, bias)
+      cl = wide and _channels_last_source(x)
+      if wide and not cl and _row(x, ks, pads, st, dl) >= BLOCK and (relaid := _relaid(x)) is not None:
+        x, cl = relaid, _channels_last_source(relaid)
+      if _row(x, ks, pads, st, dl) < BLOCK or cl: return _window_conv_blocked(x, w, pads, st, dl, bias)
     if prod(ks) > 1 and STRIDED_PADDED_COPY and st[-1] > 1 and xp is not x:
       # a computed input realized first: padded as computed, its loads' indices are clamped, not gated (a gather)
       xp = (x.contiguous() if _computes(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()

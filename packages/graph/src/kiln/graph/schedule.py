@@ -502,10 +502,8 @@ class GraphPlan:
     if n in self.bufs: return self.bufs[n]
     if n in self.placed:  # a concatenation's piece, written by its kernel into the concatenation's buffer (cat_place.py)
       cat, at = self.placed[n]
-      dt = self.stored(n)
-      self.bufs[n] = v = self.builder.add_buffer(Buffer(self.device, n.numel, dt))
-      self.builder.add_view(v, self.buf_of(cat), at * dt.itemsize, n.numel * dt.itemsize)
-      return v
+      self.bufs[n] = self.view_of(self.buf_of(cat), (at, n.numel), self.stored(n))
+      return self.bufs[n]
     if n.op == "WRITE":  # its kernel stores into the target's buffer, which the caller owns
       self.bufs[n] = self.buf_of(n.src[0])
       if n.src[0].arg.name in self.inputs: raise GraphError(f"write_rows into {n.src[0].arg.name!r}: the target must be bound (compile(bind=))")
