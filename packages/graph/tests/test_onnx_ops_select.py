@@ -138,18 +138,22 @@ def _nms_model(center: int = 0, fed: bool = False) -> Any:
 
 def test_nms_host_step_both_box_forms_and_fed_thresholds() -> None:
   """Corners in either order and centre boxes; thresholds constant or fed; the selection is read by the rest of the model,
-  compiled once at load for any number kept (a runtime variable each run binds)."""
+  compiled once at load for any number kept (a runtime variable each run binds). Its own generator: the numbers kept,
+  which it asserts differ, must not hang on the order tests draw from the shared one."""
+  rng = np.random.default_rng(139)
+  def boxes() -> np.ndarray: return (np.abs(rng.uniform(-2, 2, (2, 40, 4))) * 3).astype(np.float32)  # corners in either order
+  def scores() -> np.ndarray: return rng.uniform(0, 1, (2, 3, 40)).astype(np.float32)
   for center in (0, 1):
     for fed in (False, True):
       m = _nms_model(center, fed)
-      feeds = {"b": np.abs(f32(2, 40, 4)) * 3, "s": f32(2, 3, 40, lo=0, hi=1)}  # corners in either order
+      feeds = {"b": boxes(), "s": scores()}
       if fed: feeds |= {"mx": i64(4), "iou": np.array([0.3], np.float32), "st": np.array([0.1], np.float32)}
       check(m, feeds)
   km = konnx.load(_nms_model(0, True))
   before = cache_stats()["compiles"]
   kept = set()
   for mx, st in ((4, 0.1), (1, 0.1), (4, 0.99), (9, 0.0)):  # a different number of boxes kept each run: no compile
-    feeds = {"b": np.abs(f32(2, 40, 4)) * 3, "s": f32(2, 3, 40, lo=0, hi=1), "mx": i64(mx), "iou": np.array([0.3], np.float32),
+    feeds = {"b": boxes(), "s": scores(), "mx": i64(mx), "iou": np.array([0.3], np.float32),
              "st": np.array([st], np.float32)}
     kept.add(km.run(feeds)["sel"].shape[0])
     check(_nms_model(0, True), feeds)
