@@ -25,7 +25,7 @@ def test_heuristic_first_and_deterministic():
 
 
 def test_matmul_space():
-  sp = space(kernels.matmul(64, 64, 64), AVX512)
+  sp = space(kernels.matmul(32, 64, 64), AVX512)
   knobs = {(k.op, k.axis): k.choices for k in sp.knobs}
   assert knobs[(OptOps.UNROLL, 0)] == (8, 1, 2, 4)  # tile rows, heuristic's first
   assert knobs[(OptOps.UNROLL, 2)][1:] == (1, 4) and knobs[(OptOps.PACK, 2)] == (1, 0)

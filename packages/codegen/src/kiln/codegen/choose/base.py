@@ -50,7 +50,7 @@ class Target:
   device: str = "CPU"
   vector_bytes: int = 32  # 32 for AVX2, 64 for AVX-512; 0 on GPUs (no explicit vectors)
   threads: int = 1  # CPU: the most threads claiming a split kernel's chunks at once (each has its own PACK/KEEP scratch): the cores
-  min_work_per_thread: int = 1 << 16  # below twice this many element-ops a kernel stays whole (waking a thread costs more)
+  min_work_per_thread: int = 1 << 12  # CPU: cycles a thread's share of a split kernel must exceed (a chunk to a spinning worker: ~1 us)
   stream_store_bytes: int = 0  # CPU: vector stores to an output at least this large bypass the caches (0: never)
   max_local: int = 1024  # GPU: threads per block
   local_size: int = 256  # GPU: default block size
