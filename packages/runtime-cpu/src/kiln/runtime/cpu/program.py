@@ -220,10 +220,12 @@ class CPUBoundCall:
       c._build(c.vals)
 
   def __call__(self) -> None:
-    if self.claim is not None:
+    if self.claim is None: self.prog.fn(*self.args)
+    else:
       self.claim[0] = 0
-      get_pool().run_kernel(self.prog.fn, self.args, self.prog.task, self.block_at)  # type: ignore[arg-type]
-    else: self.prog.fn(*self.args)
+      # a pool of one thread: this call claims every chunk itself, without the pool's round trip
+      if len(self.args) == 1: self.prog.fn(*self.args[0])
+      else: get_pool().run_kernel(self.prog.fn, self.args, self.prog.task, self.block_at)  # type: ignore[arg-type]
     if self.finish is not None: self.prog.fn(*self.finish)
 
 
