@@ -1,5 +1,5 @@
 """Concatenations in place (cat_place.py): a realized concatenation whose pieces are kernels' own outputs, each one run
-of its buffer, is filled by those kernels storing into views of it: no copy kernel. Against numpy every time, with and
+of its buffer per image, is filled by those kernels storing into views of it: no copy kernel. Against numpy every time, with and
 without the placement."""
 from __future__ import annotations
 
@@ -55,11 +55,26 @@ def test_a_winograd_pieces_activation_moves_into_its_crop(monkeypatch: pytest.Mo
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
 
 
-def test_two_images_keep_the_copy() -> None:
-  """With two images a piece's channels are two runs of the buffer, no one view: the concatenation stays a kernel."""
-  c, x, want = _fire(2)
+@pytest.mark.parametrize("n", [2, 3])
+def test_more_images_spread_each_piece_over_its_runs(n: int) -> None:
+  """With more images a piece's channels are one run per image, a stride of the whole concatenation apart: each expand
+  conv's kernel stores there (its index folded to image * stride + its own), and nothing copies."""
+  c, x, want = _fire(n)
+  assert _copies(c) == 0, c.plan.describe()
+  for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_piece_read_elsewhere_keeps_the_copy_with_more_images() -> None:
+  """Two images, and one piece is also a model output's input: laid out in runs of the concatenation, that reader would
+  misread it, so the concatenation copies."""
+  x, w1, w3 = rand(2, 8, 12, 12), rand(16, 8, 1, 1), rand(16, 8, 3, 3)
+  xi = Tensor.input("x", x.shape)
+  e1 = xi.conv2d(Tensor(w1)).relu()
+  cat = Tensor.cat([e1, xi.conv2d(Tensor(w3), padding=1).relu()], axis=1)
+  c = compile([cat.conv2d(Tensor(rand(8, 32, 1, 1))), e1.sum(axis=1)])
   assert _copies(c) == 1, c.plan.describe()
-  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+  r1 = _relu(conv_ref(x, w1, None, [1, 1], [(0, 0)] * 2, [1, 1], 1))
+  np.testing.assert_allclose(c.run({"x": x})[1], r1.sum(1), rtol=1e-4, atol=1e-4)
 
 
 def test_a_piece_in_two_concatenations_is_placed_in_the_first() -> None:

@@ -17,21 +17,47 @@ is the piece's), has the concatenation's buffer dtype, is no output, is not read
 placed in no other one (a dense block's features sit in every later block's concatenation: the first takes them, the
 others copy). The concatenation is no output either (an output's buffer may be the caller's), and is no piece of one
 placed itself (a view is never a view's base here). Every piece's offset is a whole number of CAT_ALIGN bytes, so a
-kernel's aligned vector stores stay aligned."""
+kernel's aligned vector stores stay aligned.
+
+With more than one image (a concatenation along an axis after the first whose leading dims hold `rows` > 1 elements) a
+piece is `rows` runs of the result, one every `stride` elements: its kernel's stores are spread over a view that spans
+them all, element i of the piece to (i // run) * stride + i % run, which the simplifier folds back into the loops (the
+index of an image's run times the stride). A piece qualifies then only where the concatenation is its one reader (any
+other would read the runs as if they were one), the fold leaves no division in the index and the stride is a whole
+number of CAT_ALIGN bytes too. Its view overlaps its siblings' byte ranges, so the plan orders their kernels (the hazards
+are on byte ranges): they no longer overlap on threads, which a split kernel did not need."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from math import prod
+from typing import NamedTuple
 
 from kiln.graph.dims import is_static, static_shape
 from kiln.graph.kernelize import Kernel
 from kiln.graph.lazy import Node
-from kiln.ir.dtype import DType
+from kiln.ir.dtype import DType, PtrDType
+from kiln.ir.symbolic import simplify
+from kiln.ir.uop import Ops, UOp
 
 PLACE_CATS = True
 CAT_ALIGN = 64  # bytes: a cache line, every CPU vector and CUDA's 16-byte loads
 
-Placement = dict[Node, tuple[Node, int]]  # a piece -> (its concatenation, its first element there)
+
+class Place(NamedTuple):
+  """Where a piece lives in its concatenation's buffer: `rows` runs of `run` elements, the first at element `at`, one
+  every `stride` elements (one image: a single run)."""
+  cat: Node
+  at: int
+  rows: int
+  run: int
+  stride: int
+
+  @property
+  def span(self) -> int: return (self.rows - 1) * self.stride + self.run  # the elements its view covers
+
+
+Placement = dict[Node, Place]
 
 
 def _piece(n: Node, made: set[Node]) -> Node | None:
@@ -41,23 +67,58 @@ def _piece(n: Node, made: set[Node]) -> Node | None:
 
 
 def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[Node], DType]) -> tuple[list[Kernel], Placement]:
-  """The kernels left once every concatenation that qualifies is written in place, and where each placed piece goes."""
+  """The kernels left once every concatenation that qualifies is written in place (a piece's kernel spread over its runs
+  where it has more than one), and where each placed piece goes."""
   if not PLACE_CATS: return list(kernels), {}
-  made = {k.node for k in kernels}
+  by_node = {k.node: k for k in kernels}
+  made = set(by_node)
+  readers: dict[Node, set[Node]] = {}
+  for k in kernels:
+    for s in k.slots[1:]: readers.setdefault(s, set()).add(k.node)
   placed: Placement = {}
   hosts: set[Node] = set()
+  spread: dict[Node, UOp] = {}
   for k in kernels:
     c = k.node
-    if c.op != "CAT" or c in outputs or c in placed or not is_static(c.shape) or prod(static_shape("cat", c.shape)[:c.arg]) != 1: continue
-    pieces = [_piece(s, made) for s in c.src]
-    if any(p is None or p in outputs or p in placed or p in hosts for p in pieces): continue
-    if len(set(pieces)) != len(pieces) or any(p is None or stored(p) != stored(c) for p in pieces): continue
-    item, offsets, at = stored(c).itemsize, [], 0
+    if c.op != "CAT" or c in outputs or c in placed or not is_static(c.shape): continue
+    shape = static_shape("cat", c.shape)
+    rows, stride = prod(shape[:c.arg]), prod(shape[c.arg:])
+    pieces = [p for s in c.src if (p := _piece(s, made)) is not None]
+    if len(pieces) != len(c.src) or len(set(pieces)) != len(pieces): continue
+    if any(p in outputs or p in placed or p in hosts or stored(p) != stored(c) for p in pieces): continue
+    item, at, places = stored(c).itemsize, 0, []
     for s in c.src:
-      offsets.append(at)
-      at += prod(static_shape("cat", s.shape))
-    if any(o * item % CAT_ALIGN for o in offsets): continue
-    for p, o in zip(pieces, offsets):
-      if p is not None: placed[p] = (c, o)
+      run = prod(static_shape("cat", s.shape)) // rows
+      places.append(Place(c, at, rows, run, stride))
+      at += run
+    if any(pl.at * item % CAT_ALIGN for pl in places): continue
+    if rows > 1:
+      if stride * item % CAT_ALIGN or any(readers.get(p, set()) != {c} for p in pieces): continue
+      asts = [_spread(by_node[p].ast, pl) for p, pl in zip(pieces, places)]
+      if any(a is None for a in asts): continue
+      spread.update((p, a) for p, a in zip(pieces, asts) if a is not None)
+    placed.update(zip(pieces, places))
     hosts.add(c)
-  return [k for k in kernels if k.node not in hosts], placed
+  return [dataclasses.replace(k, ast=spread[k.node]) if k.node in spread else k for k in kernels if k.node not in hosts], placed
+
+
+def _spread(ast: UOp, pl: Place) -> UOp | None:
+  """A piece's kernel with its output slot (0) a view of pl.span elements and element i stored at
+  (i // run) * stride + i % run; None where the simplifier leaves a division or remainder the index did not have."""
+  nodes = ast.toposort()
+  g = next((u for u in nodes if u.op is Ops.DEFINE_GLOBAL and u.arg == 0), None)
+  if g is None or not isinstance(g.dtype, PtrDType): return None
+  wide = UOp.define_global(0, g.dtype.base.ptr(pl.span))
+  new: dict[UOp, UOp] = {}
+  for u in nodes:
+    src = tuple(new.get(x, x) for x in u.src)
+    if u.op is Ops.INDEX and u.src[0] is g:
+      i = src[1]
+      j = simplify(i // pl.run * pl.stride + i % pl.run)
+      if _divisions(j) > _divisions(i): return None
+      new[u] = wide.index(j, *src[2:])
+    elif any(a is not b for a, b in zip(src, u.src)): new[u] = u.replace(src=src)
+  return new.get(ast, ast)
+
+
+def _divisions(u: UOp) -> int: return sum(x.op in (Ops.IDIV, Ops.MOD) for x in u.toposort())

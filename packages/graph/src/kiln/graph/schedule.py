@@ -501,8 +501,8 @@ class GraphPlan:
     from kiln.executor import Buffer
     if n in self.bufs: return self.bufs[n]
     if n in self.placed:  # a concatenation's piece, written by its kernel into the concatenation's buffer (cat_place.py)
-      cat, at = self.placed[n]
-      self.bufs[n] = self.view_of(self.buf_of(cat), (at, n.numel), self.stored(n))
+      pl = self.placed[n]
+      self.bufs[n] = self.view_of(self.buf_of(pl.cat), (pl.at, pl.span), self.stored(n))
       return self.bufs[n]
     if n.op == "WRITE":  # its kernel stores into the target's buffer, which the caller owns
       self.bufs[n] = self.buf_of(n.src[0])
