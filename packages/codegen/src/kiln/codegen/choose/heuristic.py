@@ -161,14 +161,14 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
       opts.append(Opt(OptOps.UPCAST, r.arg[0], w))
     size = axis_size(r)
     # chunks, not threads: the split is the same for any thread count, so the partials fold to the same bits
-    if max(target.threads, target.cores) > 1 and size is not None and size >= 2 * _split_work(target, lanes, False, w > 1) and size // w >= 2:
+    if _may_split(target) and size is not None and size >= 2 * _split_work(target, lanes, False, w > 1) and size // w >= 2:
       opts.append(Opt(OptOps.THREAD, r.arg[0], chunk_count(size, size // w, target.vector_bytes, target.cores)))
   if vec_axis is not None and axis_size(vec_axis) is None:  # only one axis gets a tail (prepare.peel): others' splits divide
     sizes = {r.arg[0]: axis_size(r) for r in out_axes}
     opts = [o for o in opts if not (o.op in (OptOps.UPCAST, OptOps.UNROLL) and (n := sizes.get(o.axis)) is not None and n % o.amount)]
   # threads: split the outermost output axis into chunks the threads claim when the whole kernel is big enough
   # (an axis unrolled whole to fold its selects has one unit: the next one is split)
-  if max(target.threads, target.cores) > 1 and (threaded := [a for a in out_axes if all(o.axis != a.arg[0] for o in selects)]):
+  if _may_split(target) and (threaded := [a for a in out_axes if all(o.axis != a.arg[0] for o in selects)]):
     work = _work(out_axes, reduces)
     first = _thread_axis(threaded, opts)
     units = _units(first, opts)
@@ -182,8 +182,11 @@ def _split_work(target: Target, lanes: int, tiled: bool, vectorised: bool) -> in
   """Element-ops a thread's share of a split kernel must exceed: target.min_work_per_thread core cycles, times what a
   core does in one: a register-tiled product two vectors of multiply-adds, other vectorised code about a quarter of a
   vector (the loads, stores and index arithmetic around each lane op), scalar code one. A kernel under twice that runs
-  whole: handing half of it to a worker would cost about what it saves. A target of one thread (one core) splits none."""
+  whole: handing half of it to a worker would cost about what it saves."""
   return target.min_work_per_thread * (2 * lanes if tiled else max(lanes // 4, 1) if vectorised else 1)
+
+
+def _may_split(target: Target) -> bool: return max(target.threads, target.cores) > 1  # one core: chunks would only cost claims
 
 
 def _units(a: UOp, opts: list[Opt]) -> int | None:
