@@ -37,7 +37,6 @@ from kiln.graph.dims import is_static, static_shape
 from kiln.graph.kernelize import Kernel
 from kiln.graph.lazy import Node
 from kiln.ir.dtype import DType, PtrDType
-from kiln.ir.symbolic import simplify
 from kiln.ir.uop import Ops, UOp
 
 PLACE_CATS = True
@@ -109,16 +108,14 @@ def _spread(ast: UOp, pl: Place) -> UOp | None:
   g = next((u for u in nodes if u.op is Ops.DEFINE_GLOBAL and u.arg == 0), None)
   if g is None or not isinstance(g.dtype, PtrDType): return None
   wide = UOp.define_global(0, g.dtype.base.ptr(pl.span))
-  new: dict[UOp, UOp] = {}
+  moved: dict[UOp, UOp] = {}
   for u in nodes:
-    src = tuple(new.get(x, x) for x in u.src)
-    if u.op is Ops.INDEX and u.src[0] is g:
-      i = src[1]
-      j = simplify(i // pl.run * pl.stride + i % pl.run)
+    if u.op is Ops.INDEX and u.src[0] is g:  # its index and gate are the loops' and other slots' values, never slot 0's
+      i = u.src[1]
+      j = (i // pl.run * pl.stride + i % pl.run).simplify()
       if _divisions(j) > _divisions(i): return None
-      new[u] = wide.index(j, *src[2:])
-    elif any(a is not b for a, b in zip(src, u.src)): new[u] = u.replace(src=src)
-  return new.get(ast, ast)
+      moved[u] = wide.index(j, *u.src[2:])
+  return ast.substitute(moved)
 
 
 def _divisions(u: UOp) -> int: return sum(x.op in (Ops.IDIV, Ops.MOD) for x in u.toposort())
