@@ -28,9 +28,13 @@ NOISE = 5           # times how far onnxruntime moves from itself with its graph
 TIE_ROWS = 0.02     # at most this share of a detector's rows may be a tie broken the other way (status TIES)
 ROUNDS = (3, 15)    # timing rounds: at least, at most
 ROUND_BUDGET = 1.0  # seconds of every engine's runs after which no more rounds start (past the minimum)
-# runs of one engine back to back in a round, the first not counted: on threads the engine before it may still be
-# spinning its pool (onnxruntime's, OpenVINO's, kiln's workers), which took a core from the next engine's first run
+# runs of one engine back to back in a round, the first not counted (caches and the pool's workers are cold after settle)
 BLOCK = 4
+# before each block: wait, polling every SETTLE[0] s and at most SETTLE[1] s, until this process's threads use under
+# QUIET of a core. onnxruntime's pool spins for 30-40 ms after a run; kiln's next block then shared a core with it and
+# timed up to 2x slow (a 4 ms VAE encoder at 6 ms), and discarding one run of the block did not cover the spin.
+SETTLE = (0.005, 0.25)
+QUIET = 0.2
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -50,6 +54,16 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
 def first_line(e: BaseException) -> str:
   lines = [x for x in str(e).strip().splitlines() if x.strip()]
   return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
+
+
+def settle() -> None:
+  """Return once no thread of this process (a peer's spinning pool) has used more than QUIET of a core for SETTLE[0] s,
+  or after SETTLE[1] s."""
+  end = time.perf_counter() + SETTLE[1]
+  while time.perf_counter() < end:
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(SETTLE[0])
+    if time.process_time() - cpu < QUIET * (time.perf_counter() - wall): return
 
 
 def timed(f: Any) -> float:
@@ -121,6 +135,7 @@ def check(variant: str, job: dict[str, Any], threads: int, partial: Callable[[di
   if ov is not None: engines.append((lambda: ov(f0), vt))
   while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
     for run, into in engines:
+      settle()
       ts = [timed(run) for _ in range(BLOCK)]
       into.append(statistics.median(ts[1:]))
       spent += sum(ts) / 1e3
