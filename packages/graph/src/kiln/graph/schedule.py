@@ -64,6 +64,10 @@ from kiln.ir.kernels import Dim
 from kiln.ir.ops import AxisType, Ops
 from kiln.ir.uop import UOp
 
+# a concatenation that a kernel reduces over other axes than its own, this many elements or more an output, is realized
+# first (_cat_pooled); 0: never
+POOLED_CAT_MIN = 16
+
 
 def _trips(rs: set[UOp]) -> int:
   out = 1
@@ -137,7 +141,8 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
     stack, seen = [k.node], {k.node}
     while stack:  # top-down: the first offender on each path
       n = stack.pop()
-      if n is not k.node and (n in k.offenders or n in k.rendered and _offends(n, k.rendered[n], an, kernels_of or {})):
+      if n is not k.node and (n in k.offenders or n in k.rendered and (_offends(n, k.rendered[n], an, kernels_of or {})
+                                                                        or n.op == "CAT" and _cat_pooled(n, cons, k))):
         new.add(_lift(n, cons, realized))
         continue
       if n.op == "CAT" and n in k.rendered: new |= {_lift(p, cons, realized) for p in _costly_pieces(n, k, realized)}
@@ -145,6 +150,28 @@ def _offenders(kernels: Mapping[Node, Kernel], cons: Mapping[Node, list[Node]], 
         if s not in seen and s not in realized and s.op != "BUFFER" and (s in k.rendered or s in k.offenders):
           seen.add(s); stack.append(s)
   return new - realized
+
+
+def _cat_pooled(cat: Node, cons: Mapping[Node, list[Node]], k: Kernel) -> bool:
+  """Whether kernel k reduces the concatenation over axes other than its own, through elementwise ops of its shape (a
+  squeeze-and-excitation's global pool over a mixed conv's branches, MixNet's and GhostNet's). Each element is read once,
+  so nothing offends by count; but the kernel's vector runs along the kept concatenation axis, and every lane then
+  selected its piece with a clamped index of its own: a gather per lane (a piece from a blocked depthwise conv added a
+  division and a remainder by 16 to each), 2,000 scalar loads unrolled in one pool and 3 s to compile it. Realized, the
+  concatenation is copied once (in place where its pieces store into it, cat_place) and the pool reads a plain buffer.
+  Only where the pool sums POOLED_CAT_MIN elements or more an output: over fewer the copy gathers as much as the pool
+  did. A reduction over the concatenation's own axis (a conv's product over concatenated channels) keeps reading it in
+  place: its pieces are runs of its K."""
+  todo, seen = [cat], {cat}
+  while todo:
+    for c in cons.get(todo.pop(), []):
+      if c in seen or c not in k.rendered: continue
+      seen.add(c)
+      if c.op == "REDUCE" and cat.arg not in c.arg[1]:
+        summed = [cat.shape[a] for a in c.arg[1]]
+        if POOLED_CAT_MIN and all(isinstance(d, int) for d in summed) and math.prod(summed) >= POOLED_CAT_MIN: return True  # type: ignore[arg-type]
+      if c.op == "ALU" and c.shape == cat.shape: todo.append(c)
+  return False
 
 
 def _sibling_reductions(k: Kernel) -> list[Node]:
