@@ -143,3 +143,22 @@ def test_core_id_is_a_reserved_variable_name() -> None:
   v = UOp.variable("core_id", 1, 300)
   ast = kernels.elementwise(lambda a: a + 1.0, dtypes.float32, ((v,), dtypes.float32), name="uses_core_id")
   with pytest.raises(CodegenError, match="core_id is reserved"): RT.renderer.render(ast)
+
+
+def _loads_module(n: int, ty: str = "float") -> str:
+  """A function summing n scalar loads of `ty` from one pointer (a gathered vector's lanes, as a kernel renders them)."""
+  body = [f"  %p{i} = getelementptr inbounds float, ptr %a, i32 {i * 16}\n  %v{i} = load {ty}, ptr %p{i}, align 4" for i in range(n)]
+  adds = [f"  %s{i} = fadd {ty} %s{i - 1}, %v{i}" if i else f"  %s0 = fadd {ty} 0.0, %v0" for i in range(n)]
+  return f"define {ty} @f(ptr noalias %a) {{\n" + "\n".join(body + adds) + f"\n  ret {ty} %s{n - 1}\n}}\n"
+
+
+def test_slp_is_skipped_in_a_module_of_many_scalar_loads() -> None:
+  limit = compiler_mod.SLP_MAX_SCALAR_LOADS
+  assert limit is not None
+  assert compiler_mod.slp_pays(_loads_module(limit)) and not compiler_mod.slp_pays(_loads_module(limit + 1))
+  vec = "define void @g(ptr %a) {\n" + "\n".join(f"  %v{i} = load <16 x float>, ptr %a, align 64" for i in range(limit + 1)) + "\n  ret void\n}\n"
+  assert compiler_mod.slp_pays(vec)  # kiln's own vectors are not what SLP looks for
+  comp = LLVMCompiler()
+  assert f"|slp{limit}" in comp.cache_key  # code compiled under another limit is not reused
+  for n in (8, limit + 1):  # either pipeline builds the module
+    assert comp.compile_module(_loads_module(n))

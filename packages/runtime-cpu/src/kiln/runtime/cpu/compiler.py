@@ -53,6 +53,18 @@ def _error_lines(src: str, message: str) -> str:
   return "\n".join(dict.fromkeys(out))
 
 
+# LLVM's SLP vectoriser is skipped in a module of more than this many scalar loads (_SCALAR_LOAD); None: never skipped
+SLP_MAX_SCALAR_LOADS: int | None = 256
+_SCALAR_LOAD = re.compile(r"= load (?:float|double|half|bfloat|i\d+), ptr")
+
+
+def slp_pays(src: str) -> bool:
+  """Whether LLVM's SLP vectoriser runs on this module. kiln emits its vectors itself; what SLP finds left is scalar
+  loads, and a kernel of many (a pool's vector of lanes gathered one by one, unrolled over a 4x4 map: 500 loads) kept
+  it searching for seconds (2.5 s of a 2,300-line module's compile, 0.1 s without) to pack gathers that run no faster."""
+  return SLP_MAX_SCALAR_LOADS is None or len(_SCALAR_LOAD.findall(src)) <= SLP_MAX_SCALAR_LOADS
+
+
 class LLVMCompiler:
   """Compiles a ProgramSpec's LLVM IR to object code for this host, or for the CPU `cpu` (else KILN_CPU) names."""
 
@@ -69,15 +81,15 @@ class LLVMCompiler:
     ver = ".".join(map(str, llvm.llvm_version_info))
     feat = hashlib.sha256(features.encode()).hexdigest()[:16]
     named = f"{'KILN_CPU=' if self.choice.from_env else ''}{cpu}"
-    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{named}|{feat}|O{opt_level}"
+    self.cache_key = f"llvm-{ver}|llvmlite-{llvmlite.__version__}|{self.triple}|{named}|{feat}|O{opt_level}|slp{SLP_MAX_SCALAR_LOADS}"
     # the CPU as LLVM targets it (a KILN_CPU name has features "", so it never shares a key with the host's full set):
     # the disk cache needs no /proc/cpuinfo read
     self.fingerprint = f"{named}|{feat}"
 
-  def optimize(self, mod: llvm.ModuleRef) -> None:
+  def optimize(self, mod: llvm.ModuleRef, src: str = "") -> None:
     pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)
     pto.loop_vectorization = True
-    pto.slp_vectorization = True
+    pto.slp_vectorization = slp_pays(src)
     # the lowering unrolls where it pays (register tiles, reduce bodies); LLVM's own unroller on top of the vectoriser
     # turned small byte-typed loops into 7,000-line modules (an int8 row product: 3.4 s to compile, 21 ms without it)
     pto.loop_unrolling = False
@@ -98,14 +110,14 @@ class LLVMCompiler:
   def compile_module(self, src: str) -> bytes:
     with _lock:
       mod = self.to_module(src)
-      self.optimize(mod)
+      self.optimize(mod, src)
       return bytes(self.tm.emit_object(mod))
 
   def assembly(self, src: str) -> str:
     """The optimised machine code as text (KILN_DEBUG and benchmarks look at it)."""
     with _lock:
       mod = self.to_module(src)
-      self.optimize(mod)
+      self.optimize(mod, src)
       return str(self.tm.emit_assembly(mod))
 
   def compile(self, spec: ProgramSpec) -> CompiledSpec:
