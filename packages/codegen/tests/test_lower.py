@@ -557,6 +557,21 @@ def test_an_axis_that_selects_among_stacked_pieces_unrolls_whole():
   assert not any(o.op is OptOps.UNROLL for o in heuristic_opts(stacked(SELECT_UNROLL + 1, rest=64), CPU))
 
 
+def test_an_axis_that_selects_among_long_pieces_keeps_its_loop():
+  """Two pieces of 24 rows each (GhostNet's depthwise conv over a ghost module's concatenation of 48 channels): unrolled
+  whole, each of the 48 copies held the conv's whole tap body (an 11,000-line kernel, 2.2 s to render); in a loop each
+  row selects between two loads. Pieces of at most SELECT_RUN rows on average still unroll."""
+  from kiln.codegen.choose.heuristic import SELECT_RUN
+  out, x = UOp.define_global(0, F32.ptr(48 * 256)), UOp.define_global(1, F32.ptr(256))
+  e, i = UOp.range(48, 0), UOp.range(256, 1)
+  v = x.index(i).load()
+  two = UOp.sink(out.index(e * 256 + i).store((e < 24).where(v * 2.0, v * 3.0)), name="halves")
+  assert not any(o.op is OptOps.UNROLL and o.axis == 0 for o in heuristic_opts(two, CPU))
+  short = v * 7.0
+  for k in reversed(range(1, 48 // SELECT_RUN)): short = (e < k * SELECT_RUN).where(v * float(k), short)  # 6 pieces of 8 rows
+  assert Opt(OptOps.UNROLL, 0, 48) in heuristic_opts(UOp.sink(out.index(e * 256 + i).store(short), name="sixths"), CPU)
+
+
 def test_an_unrolled_copy_of_a_stack_holds_only_its_own_piece():
   """expand.unrolled folds a select whose integer test the copy's constants decide, so each copy of a stack's axis holds
   its own piece (the others are not in its graph for the lowering to walk); a float compare of constants keeps its select."""

@@ -357,6 +357,7 @@ def _sliding_axis(red_axes: list[UOp], reduces: list[UOp], vec_axis: UOp | None)
 
 
 SELECT_UNROLL = 64  # the most copies an output axis that selects among pieces is unrolled into (_selected_axes)
+SELECT_RUN = 8  # ... and only where its pieces are at most this long on average
 
 
 def _selected_axes(st: UOp, out_axes: list[UOp], taken: set[int]) -> list[Opt]:
@@ -364,16 +365,20 @@ def _selected_axes(st: UOp, out_axes: list[UOp], taken: set[int]) -> list[Opt]:
   index: WHERE(axis < offset, piece, rest)), up to SELECT_UNROLL copies in all: in each copy the index is a constant, the
   chain folds to its own piece, and copies share what their pieces share. A Winograd transform stacks 36 sums of a
   window's elements: with the axis in a loop every element ran all 36 (3.1 ms), unrolled each runs its own (0.15 ms,
-  against 0.30 ms for the transform as a dense 36 x 36 product; 32 maps of 16x16 at batch 32, 2-core Zen 4)."""
-  picked: set[UOp] = set()
+  against 0.30 ms for the transform as a dense 36 x 36 product; 32 maps of 16x16 at batch 32, 2-core Zen 4). Only where the
+  pieces are short (SELECT_RUN elements on average): each copy holds the kernel's whole body, and GhostNet's depthwise
+  conv over two concatenated 24-channel halves unrolled 48 copies of its taps (11,000 IR lines, 2.2 s to render), where
+  in a loop each element selects between two loads."""
+  cuts: dict[UOp, set[int]] = {}
   for n in st.toposort():
     if n.op is not Ops.WHERE or (c := n.src[0]).op is not Ops.CMPLT or c.src[1].op is not Ops.CONST: continue
     if any(a.op is Ops.CONST for a in n.src[1:]): continue  # a pad's zeros: a select per element is all it costs
-    if (a := c.src[0]) in out_axes and a.arg[0] not in taken: picked.add(a)
+    if (a := c.src[0]) in out_axes and a.arg[0] not in taken: cuts.setdefault(a, set()).add(c.src[1].arg)
   out: list[Opt] = []
   copies = 1
-  for a in sorted(picked, key=lambda r: r.arg[0]):
+  for a in sorted(cuts, key=lambda r: r.arg[0]):
     if (size := axis_size(a)) is None or copies * size > SELECT_UNROLL: continue
+    if size > SELECT_RUN * (len(cuts[a]) + 1): continue  # long pieces: a select per element costs less than the copies
     out.append(Opt(OptOps.UNROLL, a.arg[0], size))
     copies *= size
   return out
