@@ -169,7 +169,7 @@ def _cat_pooled(cat: Node, cons: Mapping[Node, list[Node]], k: Kernel) -> bool:
       seen.add(c)
       if c.op == "REDUCE" and cat.arg not in c.arg[1]:
         summed = [cat.shape[a] for a in c.arg[1]]
-        if POOLED_CAT_MIN and all(isinstance(d, int) for d in summed) and math.prod(summed) >= POOLED_CAT_MIN: return True  # type: ignore[arg-type]
+        if POOLED_CAT_MIN and all(isinstance(d, int) for d in summed) and math.prod(summed) >= POOLED_CAT_MIN: return True
       if c.op == "ALU" and c.shape == cat.shape: todo.append(c)
   return False
 

@@ -86,7 +86,7 @@ class LLVMCompiler:
     # the disk cache needs no /proc/cpuinfo read
     self.fingerprint = f"{named}|{feat}"
 
-  def optimize(self, mod: llvm.ModuleRef, src: str = "") -> None:
+  def optimize(self, mod: llvm.ModuleRef, src: str) -> None:
     pto = llvm.PipelineTuningOptions(speed_level=self.opt_level)
     pto.loop_vectorization = True
     pto.slp_vectorization = slp_pays(src)
