@@ -202,10 +202,10 @@ BINARY_BOOL = [Ops.ADD, Ops.SUB, Ops.MUL, Ops.MAX, Ops.CMPLT, Ops.CMPEQ, Ops.CMP
 UNARY_FLOAT = [Ops.NEG, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH]
 CASES = ([(op, d) for d in INTS for op in BINARY_INT + [Ops.NEG, Ops.WHERE]]
          + [(op, d) for d in FLOATS for op in BINARY_FLOAT + UNARY_FLOAT + [Ops.WHERE]]
-         + [(op, dtypes.bool) for op in BINARY_BOOL + [Ops.WHERE]])
+         + [(op, dtypes.bool) for op in BINARY_BOOL + [Ops.WHERE]] + [(Ops.DOT4, dtypes.int32)])
 
 
-def _arity(op: Ops) -> int: return 1 if op in GroupOp.Unary else 3 if op is Ops.WHERE else 2
+def _arity(op: Ops) -> int: return 1 if op in GroupOp.Unary else 3 if op in GroupOp.Ternary else 2
 
 
 @pytest.mark.parametrize("op,dt", CASES, ids=[f"{op.name}-{d}" for op, d in CASES])

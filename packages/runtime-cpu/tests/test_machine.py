@@ -16,6 +16,7 @@ from kiln.runtime.cpu.machine import (
   DEFAULT_CACHES,
   X86_CPUS,
   choose_cpu,
+  dot_bytes_of,
   has_fma,
   has_round,
   is_x86,
@@ -80,6 +81,22 @@ def test_one_instruction_round_follows_the_cpu(name: str, rounds: bool) -> None:
   assert choose_cpu(AVX512_HOST, "x86_64", name).round is rounds
   assert choose_cpu(AVX2_HOST, "x86_64", None).round and not choose_cpu(("core2", "+sse2,+ssse3,-sse4.1"), "x86_64", None).round
   assert has_round("+neon", "aarch64") and has_round("+sse4.1,+sse2", "x86_64") and not has_round("+sse2,-sse4.1", "x86_64")
+
+
+@pytest.mark.parametrize("name,dot", [("znver4", 64), ("icelake-server", 64), ("cascadelake", 64), ("skylake-avx512", 0),
+                                      ("x86-64-v4", 0), ("znver3", 0), ("haswell", 0), ("alderlake", 32)])
+def test_byte_dot_product_follows_the_cpu(name: str, dot: int) -> None:
+  """DOT4 takes vpdpbusd only on a CPU with VNNI, and only one this host runs: AVX512-VNNI is not AVX-VNNI (Zen 4 has the
+  first, Alder Lake the second), and the ISA levels promise neither."""
+  vnni512 = (AVX512_HOST[0], AVX512_HOST[1] + ",+avx512vnni")
+  vnni256 = ("alderlake", AVX2_HOST[1] + ",+avxvnni")
+  host = vnni256 if dot == 32 else vnni512
+  assert choose_cpu(host, "x86_64", name, runnable=False).dot_bytes == dot
+  assert choose_cpu(AVX512_HOST, "x86_64", "znver4").dot_bytes == 0  # the host lacks VNNI: its code could not run
+  assert choose_cpu(vnni512, "x86_64", "alderlake").dot_bytes == 0  # AVX-VNNI's VEX encoding is not AVX512-VNNI's
+  assert choose_cpu(vnni512, "x86_64", None).dot_bytes == 64 and choose_cpu(AVX2_HOST, "x86_64", None).dot_bytes == 0
+  assert dot_bytes_of("+avx2,+avxvnni", "x86_64") == 32 and dot_bytes_of("+avx512f,+avx512vl,+avx512vnni", "x86_64") == 64
+  assert dot_bytes_of("+neon,+dotprod", "aarch64") == 0
 
 
 def test_target_and_cache_key_carry_fma(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,3 +108,32 @@ def test_folding_uses_the_same_semantics():
   assert UOp.const(dtypes.float32, math.nan).cast(dtypes.int32).arg == 0
   assert (UOp.const(dtypes.bool, True) + UOp.const(dtypes.bool, True)).arg is True
   assert UOp.const(dtypes.float64, 1 + 2**-8 + 2**-30).cast(dtypes.bfloat16).arg == 1.0078125
+
+
+
+def _dot4_brute(x: int, y: int, c: int) -> int:
+  """DOT4 by its definition, a byte at a time in Python integers, wrapped to int32."""
+  xb, yb = (x & 0xFFFFFFFF).to_bytes(4, "little"), (y & 0xFFFFFFFF).to_bytes(4, "little")
+  s = c + sum(u * (v - 256 if v >= 128 else v) for u, v in zip(xb, yb))
+  return (s + 2**31) % 2**32 - 2**31
+
+
+def test_dot4_is_unsigned_bytes_times_signed_bytes_wrapping():
+  i32 = lambda v: np.array(v, np.int64).astype(np.int32)
+  edge = [0, 1, -1, 0x7F7F7F7F, -0x7F7F7F80, 0x01FF80FE, -(2**31), 2**31 - 1, 0x00FF00FF, -0x00FF0100]
+  rand = np.random.default_rng(1).integers(-(2**31), 2**31, 300).tolist()
+  xs = [e for e in edge for _ in edge] + rand
+  ys = edge * len(edge) + rand[::-1]
+  cs = [2**31 - 1 if i % 3 == 0 else rand[i % len(rand)] for i in range(len(xs))]  # sums past int32 wrap
+  got = exec_alu(Ops.DOT4, dtypes.int32, i32(xs), i32(ys), i32(cs))
+  assert got.dtype == np.int32
+  assert got.tolist() == [_dot4_brute(x, y, c) for x, y, c in zip(xs, ys, cs)]
+  # bytes 0xFF: 255 unsigned, -1 signed; 0x80: 128 unsigned, -128 signed
+  assert exec_alu(Ops.DOT4, dtypes.int32, a(-1), a(-1), a(0)).tolist() == [-1020]
+  assert exec_alu(Ops.DOT4, dtypes.int32, a(0x80), a(0x80), a(0)).tolist() == [-16384]
+
+
+def test_dot4_takes_int32_words_only():
+  for dt in (dtypes.int64, dtypes.uint32, dtypes.float32):
+    with pytest.raises(IRTypeError, match="DOT4"):
+      UOp.const(dt, 1).alu(Ops.DOT4, UOp.const(dt, 1), UOp.const(dt, 1))

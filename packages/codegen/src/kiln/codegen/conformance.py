@@ -94,7 +94,7 @@ _TRANSCENDENTAL = {Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.ERF, Ops.TANH}
 
 
 def _ops_for(dt: DType) -> list[Ops]:
-  ops = [*_BIN, *_UN, Ops.WHERE, Ops.MULACC]
+  ops = [*_BIN, *_UN, Ops.WHERE, Ops.MULACC, *([Ops.DOT4] if dt == dtypes.int32 else [])]
   if dt.is_bool: return [o for o in ops if o in _BOOL_OPS or o is Ops.WHERE]
   if dt.is_int: return [o for o in ops if o not in _FLOAT_ONLY]
   return [o for o in ops if o not in _INT_ONLY]
@@ -119,7 +119,7 @@ def elementwise_case(dt: DType) -> Case:
   for op in ops:
     if op in _UN: v = UOp(op, dt, (a,))
     elif op is Ops.WHERE: v = UOp(op, dt, (cond, a, b))
-    elif op is Ops.MULACC: v = UOp(op, dt, (a, b, c_[0]))
+    elif op in (Ops.MULACC, Ops.DOT4): v = UOp(op, dt, (a, b, c_[0]))
     else: v = UOp(op, dtypes.bool if op in (Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE) else dt, (a, b))
     if op in _TRANSCENDENTAL: tol[len(vals)] = TRANSCENDENTAL_RTOL[dt.name]
     labels[len(vals)] = f"{op.name}({dt})"
@@ -163,6 +163,10 @@ def _reduce_case(name: str, ast: UOp, rng: np.random.Generator, opts: list[Opt] 
   return Case(name, ast, bufs, var_vals or {}, opts, {0: tol} if tol else {})
 
 
+def _words(rng: np.random.Generator, n: int) -> np.ndarray:
+  return rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+
+
 def structured_cases() -> list[Case]:
   rng = np.random.default_rng(0)
   out: list[Case] = []
@@ -196,6 +200,10 @@ def structured_cases() -> list[Case]:
   out.append(_reduce_case("matmul_batched", kernels.matmul(5, 7, 9, batch=(3,)), rng))
   out.append(_reduce_case("matmul_f16_acc32", kernels.matmul(9, 10, 11, dtype=dtypes.float16, acc_dtype=f32), rng))
   out.append(_reduce_case("matmul_local", kernels.matmul(20, 24, 8), rng, opts=[Opt(OptOps.LOCAL, 1, 16)]))
+  # byte products (DOT4) on full-range words, summed in the accumulator: a CPU vector of 8, 16 or 32 lanes takes vpdpbusd where
+  # the target has it, the widened products elsewhere; the off-vector edge (n = 52) a scalar tail
+  dot4 = kernels.matmul_dot4(6, 52, 37)
+  out.append(Case("matmul_dot4", dot4, [_fill(dtypes.int32, 6 * 52), _words(rng, 6 * 37), _words(rng, 37 * 52)]))
   # sizes off every tile edge, a batch, 16-bit inputs: the shapes CUDA's tiled matmul (SIMT and tensor cores) must cover
   out.append(_reduce_case("matmul_tiled", kernels.matmul(70, 40, 50), rng))
   out.append(_reduce_case("matmul_tiled_f16_batch", kernels.matmul(40, 48, 64, dtype=dtypes.float16, batch=(2,), acc_dtype=f32), rng))

@@ -7,6 +7,7 @@ Defined where C leaves things undefined, so compiled code can match exactly:
   MAX is IEEE-754-2019 maximum (NaN propagates, +0 > -0).
   bool ALU is C's `(bool)(a op b)`: ADD and MAX are OR, MUL is AND, SUB is XOR (so a REDUCE ADD over bools is "any").
   MULACC is unfused: round(round(a*b) + c) in the result dtype.
+  DOT4 (int32 only) is c + sum over k < 4 of byte k of a, unsigned, times byte k of b, signed; the sum wraps as ADD does.
   Every conversion to bfloat16 rounds once, to nearest even, from the exact source value (no float32 double rounding).
 """
 from __future__ import annotations
@@ -151,12 +152,23 @@ _BOOL_OPS: dict[Ops, OpFn] = {
   **dict.fromkeys((Ops.XOR, Ops.SUB, Ops.CMPNE), _bin(operator.xor)),
 }
 
+
+def _dot4(s: list[np.ndarray], dt: DType) -> np.ndarray:
+  a, b, c = (x.astype(np.int64) for x in s)
+  total = c
+  for k in range(4):
+    ua = (a >> (8 * k)) & 0xFF
+    sb = ((b >> (8 * k)) & 0xFF) ^ 0x80
+    total = total + ua * (sb - 0x80)  # the byte as two's complement: 0x80..0xFF are -128..-1
+  return total
+
+
 _INT_OPS: dict[Ops, OpFn] = {
   Ops.ADD: _bin(operator.add), Ops.SUB: _bin(operator.sub), Ops.MUL: _bin(operator.mul), Ops.MULACC: lambda s, dt: s[0] * s[1] + s[2],
   Ops.IDIV: lambda s, dt: _idiv_mod(s[0], s[1], dt)[0], Ops.MOD: lambda s, dt: _idiv_mod(s[0], s[1], dt)[1],
   Ops.MAX: _bin(np.maximum), Ops.NEG: _un(lambda x: np.zeros_like(x) - x),
   Ops.AND: _bin(operator.and_), Ops.OR: _bin(operator.or_), Ops.XOR: _bin(operator.xor),
-  Ops.SHL: _shift(operator.lshift), Ops.SHR: _shift(operator.rshift), Ops.TRUNC: lambda s, dt: s[0],
+  Ops.SHL: _shift(operator.lshift), Ops.SHR: _shift(operator.rshift), Ops.TRUNC: lambda s, dt: s[0], Ops.DOT4: _dot4,
 }
 
 

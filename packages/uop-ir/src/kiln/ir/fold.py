@@ -93,3 +93,4 @@ def _check_operands(op: Ops, srcs: tuple[UOp, ...]) -> None:
   if op in GroupOp.IntOnly and not dt.is_int: raise IRTypeError(f"{op} needs an integer dtype, got {dt}")
   if op in GroupOp.Bitwise and dt.is_float: raise IRTypeError(f"{op} needs an integer or bool dtype, got {dt}")
   if op in (Ops.NEG,) and dt.is_bool: raise IRTypeError("NEG does not take a bool")
+  if op is Ops.DOT4 and dt.scalar() != dtypes.int32: raise IRTypeError(f"DOT4 takes int32 words of four bytes, got {dt}")

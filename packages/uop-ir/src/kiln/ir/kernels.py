@@ -203,6 +203,20 @@ def matmul(m: Dim, n: Dim, k: Dim, dtype: DType = dtypes.float32, batch: Sequenc
   return UOp.sink(c.index(flat_index([*bi, i, j], (*b, m, n))).store(_as_uop(v, dtype)), name=name)
 
 
+def matmul_dot4(m: Dim, n: Dim, k: Dim, name: str = "matmul_dot4") -> UOp:
+  """C = A @ B over words of four bytes, int32: C[i, j] = sum over k of DOT4(A[i, k], B[k, j], 0) (A's bytes unsigned, B's
+  signed; the sums wrap). Shapes: C (m, n), A (m, k), B (k, n). Slots: 0 C, 1 A, 2 B."""
+  m, n, k = _dims((m, n, k))
+  ax = _Axes()
+  i, j = _loop_ranges((m, n), ax)
+  kk = 0 if _is1(k) else ax(k, AxisType.REDUCE)
+  i32 = dtypes.int32
+  a = buffer(1, i32, (m, k)).index(flat_index([i, kk], (m, k))).load()
+  b = buffer(2, i32, (k, n)).index(flat_index([kk, j], (k, n))).load()
+  v = UOp(Ops.DOT4, i32, (a, b, UOp.const(i32, 0))).reduce(Ops.ADD, *([kk] if isinstance(kk, UOp) else []))
+  return UOp.sink(buffer(0, i32, (m, n)).index(flat_index([i, j], (m, n))).store(v), name=name)
+
+
 # ---- softmax, in parts (four kernels) or fused (one) ----
 
 def softmax_max(shape: Sequence[Dim], dtype: DType, axis: int = -1) -> UOp:

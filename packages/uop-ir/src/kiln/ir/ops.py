@@ -21,6 +21,7 @@ class Ops(IntEnum):
   CMPLT = auto(); CMPEQ = auto(); CMPNE = auto(); AND = auto(); OR = auto(); XOR = auto(); SHL = auto(); SHR = auto()
   # ternary ALU
   WHERE = auto(); MULACC = auto()
+  DOT4 = auto()  # int32 only: c + the dot product of a's four bytes, unsigned, with b's four bytes, signed (x86 vpdpbusd, PTX dp4a.u32.s32)
 
   def __repr__(self) -> str: return f"Ops.{self.name}"
   def __str__(self) -> str: return f"Ops.{self.name}"
@@ -36,13 +37,13 @@ class GroupOp:
   Unary = frozenset({Ops.NEG, Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.TRUNC, Ops.ERF, Ops.TANH})
   Binary = frozenset({Ops.ADD, Ops.SUB, Ops.MUL, Ops.FDIV, Ops.IDIV, Ops.MOD, Ops.MAX, Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE,
                       Ops.AND, Ops.OR, Ops.XOR, Ops.SHL, Ops.SHR})
-  Ternary = frozenset({Ops.WHERE, Ops.MULACC})
+  Ternary = frozenset({Ops.WHERE, Ops.MULACC, Ops.DOT4})
   ALU = Unary | Binary | Ternary
   Comparison = frozenset({Ops.CMPLT, Ops.CMPEQ, Ops.CMPNE})
   Commutative = frozenset({Ops.ADD, Ops.MUL, Ops.MAX, Ops.CMPEQ, Ops.CMPNE, Ops.AND, Ops.OR, Ops.XOR})
   Associative = frozenset({Ops.ADD, Ops.MUL, Ops.AND, Ops.OR, Ops.MAX})
   FloatOnly = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL, Ops.FDIV, Ops.TRUNC, Ops.ERF, Ops.TANH})
-  IntOnly = frozenset({Ops.IDIV, Ops.MOD, Ops.SHL, Ops.SHR})
+  IntOnly = frozenset({Ops.IDIV, Ops.MOD, Ops.SHL, Ops.SHR, Ops.DOT4})
   Bitwise = frozenset({Ops.AND, Ops.OR, Ops.XOR})  # ints and bools
   ReduceOps = frozenset({Ops.ADD, Ops.MUL, Ops.MAX})
   Elementwise = ALU | {Ops.CAST, Ops.BITCAST}

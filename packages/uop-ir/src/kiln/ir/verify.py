@@ -73,6 +73,7 @@ def _check_alu(c: _Ctx, u: UOp) -> None:
   if op in GroupOp.IntOnly and not odt.is_int: c.fail(u, f"{op.name} takes integers only, got {odt}")
   if op in GroupOp.Bitwise and not (odt.is_int or odt.is_bool): c.fail(u, f"{op.name} takes integers or bools only, got {odt}")
   if op is Ops.NEG and odt.is_bool: c.fail(u, "NEG does not take a bool (use XOR with True)")
+  if op is Ops.DOT4 and odt.scalar() != dtypes.int32: c.fail(u, f"DOT4 takes int32 words of four bytes, got {odt}")
 
 
 def _check_index(c: _Ctx, u: UOp) -> None:

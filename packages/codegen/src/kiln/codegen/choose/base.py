@@ -65,6 +65,8 @@ class Target:
   cores: int = 1  # CPU: cores this process may run on
   fma: bool = False  # CPU: a fused multiply-add exists; the vector maths (render/llvm_math.py) then fuses its polynomials
   round: bool = False  # CPU: rounding to nearest even is one instruction (SSE4.1 roundps, AArch64 frintn): the vector maths use it
+  dot_bytes: int = 0  # CPU: the widest vector of an exact unsigned x signed byte dot product (VNNI's vpdpbusd: 64 AVX512-VNNI,
+  #                     32 AVX-VNNI) the renderer prints Ops.DOT4 with; 0: widened multiplies and pairwise adds
 
   def __post_init__(self) -> None:
     if self.vector_registers == 0: object.__setattr__(self, "vector_registers", 32 if self.vector_bytes >= 64 else 16)

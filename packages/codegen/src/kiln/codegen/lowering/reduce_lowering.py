@@ -212,6 +212,9 @@ class Reductions:
         cur = self.ctx.lin.acc_read(acc, self.ctx.acc_id())
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
           new = UOp(Ops.FMA, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
+        elif op is Ops.ADD and v.op is Ops.DOT4 and _zero(v.src[2]):
+          # acc = dot4(a, b, acc): the same wrapping sum, and one vpdpbusd a step where the target has it
+          new = UOp(Ops.DOT4, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
         else: new = combine(op, cur, v)
         self.ctx.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, new)))
 
@@ -264,6 +267,11 @@ class Reductions:
     done = UOp(Ops.DEFINE_LOCAL, dtypes.uint32.ptr(gy * gz), (), f"grid{k}_done")
     total = UOp(Ops.REDUCE, dt, (block_result, smem, UOp.const(dtypes.index, n), slots, done, UOp.const(dtypes.index, nblocks)), op)
     return total, UOp(Ops.REDUCE, dtypes.bool, (total,), "last")
+
+
+def _zero(u: UOp) -> bool:
+  """A constant 0, or a vector of them."""
+  return (u.op is Ops.CONST and u.arg == 0) or (u.op is Ops.VECTORIZE and all(_zero(s) for s in u.src))
 
 
 def _inside(scope: Scope, outer: Scope) -> bool:

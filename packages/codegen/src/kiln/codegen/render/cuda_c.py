@@ -113,6 +113,12 @@ def _fmul(t: str, intr: str) -> str:
 
 
 _HELPERS = {
+  # Ops.DOT4: c + a's bytes (unsigned) . b's bytes (signed), wrapping; one dp4a from sm_61, the same sum in C elsewhere
+  "kiln_dot4": ("__device__ __forceinline__ int kiln_dot4(int a, int b, int c) {\n#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610\n"
+                "  int d;\n  asm(\"dp4a.u32.s32 %0, %1, %2, %3;\" : \"=r\"(d) : \"r\"(a), \"r\"(b), \"r\"(c));\n  return d;\n#else\n"
+                "  unsigned int s = (unsigned int)c;\n  for (int k = 0; k < 4; k++)\n"
+                "    s += (((unsigned int)a >> (8 * k)) & 0xffu) * (unsigned int)(int)(signed char)(unsigned char)((unsigned int)b >> (8 * k));\n"
+                "  return (int)s;\n#endif\n}"),
   # a loaded half: its NaN keeps sign and payload (the GPU's half->float conversion makes every NaN the canonical one)
   "kiln_h2f": ("__device__ __forceinline__ float kiln_h2f(half h) {\n  unsigned short b = __half_as_ushort(h);\n"
                "  return (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu)\n"
@@ -318,6 +324,7 @@ class CUDAPrinter(Printer):
     return e if op in EXACT_FLOAT_OPS and dt.scalar().name != "bfloat16" else self.round(e, dt)  # bfloat16: a NaN becomes 0x7FC0
 
   def int_alu(self, u: UOp, op: Ops, dt: DType, a: list[str]) -> str:
+    if op is Ops.DOT4: return f"{self.helper('kiln_dot4')}({a[0]}, {a[1]}, {a[2]})"
     if op in DIV_EDGES:
       if not div_guarded(u.src[1]): return f"({ctype(dt)})({a[0]} {'/' if op is Ops.IDIV else '%'} {a[1]})"
       return f"{self.helper(f'kiln_{op.name.lower()}_{_sfx(dt)}')}({a[0]}, {a[1]})"

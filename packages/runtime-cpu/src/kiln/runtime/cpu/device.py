@@ -28,7 +28,7 @@ def cpu_target(choice: CPUChoice | None = None) -> Target:
   the disk cache's entries with the default (issue 39)."""
   c, caches, cores = choice or target_cpu(), HOST_CACHES, available_cores()
   return Target(device="CPU", vector_bytes=c.vector_bytes, vector_registers=c.vector_registers, fma=c.fma, round=c.round,
-                threads=cores,
+                dot_bytes=c.dot_bytes, threads=cores,
                 stream_store_bytes=stream_store_bytes(caches) if is_x86(platform.machine()) else 0, l1d_bytes=caches[1], l2_bytes=caches[2],
                 l3_bytes=caches[3], cores=cores)
 
@@ -45,7 +45,7 @@ class CPURuntime:
     self.renderer = LLVMRenderer(self.target)
     t = self.target  # the render choices live in the code too
     self.compiler.cache_key += (f"|vec{t.vector_bytes}|regs{t.vector_registers}|cores{t.cores}|stream{t.stream_store_bytes}"
-                                f"|fma{int(t.fma)}|round{int(t.round)}")
+                                f"|dot{t.dot_bytes}|fma{int(t.fma)}|round{int(t.round)}")
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 

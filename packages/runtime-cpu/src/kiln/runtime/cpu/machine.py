@@ -23,6 +23,11 @@ _LEVELS: dict[str, tuple[int, int, tuple[str, ...]]] = {
 FMA_LEVELS = frozenset({"v3", "v4", "neon"})
 ROUND_LEVELS = frozenset({"v2", "avx", "v3", "v4", "neon"})  # SSE4.1 (roundps) and up; every AArch64 (frintn)
 _ROUND_FEATURES = frozenset({"+sse4.1", "+sse4.2", "+avx", "+avx2", "+avx512f"})  # an x86 feature string with any of these has roundps
+# named CPUs with a byte dot product (vpdpbusd), by the extension that has it: AVX512-VNNI on 64-byte vectors, AVX-VNNI
+# (VEX-encoded, a CPUID bit of its own) on 32; the ISA levels promise none
+DOT_CPUS: dict[str, str] = {**dict.fromkeys(("cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+                                              "sapphirerapids", "emeraldrapids", "graniterapids", "znver4", "znver5"), "avx512vnni"),
+                            **dict.fromkeys(("alderlake", "raptorlake", "meteorlake", "arrowlake"), "avxvnni")}
 # the LLVM cpu names KILN_CPU accepts, per host architecture (tests/test_machine.py checks LLVM knows every one)
 X86_CPUS: dict[str, str] = {
   "x86-64": "sse2", "core2": "sse2", "x86-64-v2": "v2", "nehalem": "v2", "westmere": "v2", "sandybridge": "avx", "ivybridge": "avx",
@@ -51,6 +56,15 @@ def has_round(features: str, arch: str) -> bool:
   return is_arm64(arch) or (is_x86(arch) and bool(_ROUND_FEATURES & set(features.split(","))))
 
 
+def dot_bytes_of(features: str, arch: str) -> int:
+  """The widest vector an LLVM feature string's CPU computes unsigned x signed byte dot products on, exactly (vpdpbusd:
+  Ops.DOT4 in one instruction): 64 with AVX512-VNNI, 32 with AVX-VNNI or AVX512-VNNI held to 32-byte vectors; 0 none."""
+  feats = set(features.split(","))
+  if not is_x86(arch): return 0
+  if "+avx512vnni" in feats and "+avx512f" in feats: return 64
+  return 32 if "+avxvnni" in feats or ("+avx512vnni" in feats and "+avx512vl" in feats) else 0
+
+
 def isa_of(features: str, arch: str) -> tuple[int, int]:
   """(vector bytes, vector registers) an LLVM feature string (+avx2,-avx512f,...) gives."""
   feats = set(features.split(","))
@@ -70,6 +84,7 @@ class CPUChoice:
   vector_registers: int
   fma: bool = False  # a fused multiply-add the vector maths may use (llvm_math): its results differ in the last bit from mul+add
   round: bool = False  # a one-instruction round to nearest even the vector maths may use (llvm_math): the same bits either way
+  dot_bytes: int = 0  # the widest vector of an exact byte dot product instruction (dot_bytes_of): the renderer's DOT4
 
 
 def cpu_names(arch: str) -> dict[str, str]:
@@ -81,7 +96,8 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool
   """The host CPU, or the one `env` (KILN_CPU) names. An unknown name is a DeviceError (LLVM itself aborts the process
   on one), as is a CPU whose vector ISA this host cannot run: kiln runs the code it compiles in this process. With
   runnable=False (code only read, as assembly, never loaded) any CPU of the table is accepted."""
-  if not env: return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch), has_round(host[1], arch))
+  if not env:
+    return CPUChoice(host[0], host[1], False, *isa_of(host[1], arch), has_fma(host[1], arch), has_round(host[1], arch), dot_bytes_of(host[1], arch))
   name = env.strip().lower()
   table = cpu_names(arch)
   if name not in table:
@@ -90,7 +106,9 @@ def choose_cpu(host: tuple[str, str], arch: str, env: str | None, runnable: bool
   host_feats = set(host[1].split(","))
   if runnable and (missing := [f for f in needs if f"+{f}" not in host_feats]):
     raise DeviceError(f"KILN_CPU={env!r} needs {', '.join(missing)}, which this CPU ({host[0]}) lacks: its code could not run here")
-  return CPUChoice(name, "", True, vb, regs, table[name] in FMA_LEVELS, table[name] in ROUND_LEVELS)
+  dot = DOT_CPUS.get(name)  # kept only where this host runs it too: its code would stop on an unknown instruction
+  dot_bytes = 0 if dot is None or (runnable and f"+{dot}" not in host_feats) else 64 if dot == "avx512vnni" else 32
+  return CPUChoice(name, "", True, vb, regs, table[name] in FMA_LEVELS, table[name] in ROUND_LEVELS, dot_bytes)
 
 
 def _size(text: str) -> int:
