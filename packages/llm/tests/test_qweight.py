@@ -1,8 +1,9 @@
 """Matrices kept in their stored format (qweight.py) against the numpy oracle: the planes dequantise to what
 Checkpoint.tensor gives bit for bit, and a model whose matrices stay packed gives the float32 path's logits to float32
-accumulation order."""
+accumulation order. These are the float products (KILN_LLM_INT8=0); test_int8_products.py has the int8 ones."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,14 @@ from kiln.llm.checkpoint_open import open_checkpoint
 from kiln.llm.qrepack import REPACK
 from kiln.llm.qweight import BYTES, PACKED, QuantWeight, pack
 from kiln.llm.runtime import Runner
+from kiln.llm.settings import INT8
 
 IDS = [1, 5, 7, 3, 9, 2]
+
+
+@pytest.fixture(autouse=True)
+def float_products() -> Iterator[None]:
+  with INT8.temporarily("0"): yield
 
 
 @pytest.mark.parametrize("fmt", PACKED)

@@ -47,3 +47,26 @@ def test_each_rendering_matches_the_reference(vector_bytes: int, dot_bytes: int)
 def test_scalar_program_matches_the_reference() -> None:
   src, same = _run(Target(vector_bytes=64, dot_bytes=HOST_DOT), opts=[])
   assert same and "vpdpbusd" not in src
+
+
+def test_a_chain_of_dot4s_accumulates_through_the_chain() -> None:
+  """sum_k DOT4(a, b, DOT4(c, d, 0)) (a 4-bit word's low and high nibbles against two words of the row): the accumulator
+  goes in at the chain's end, so every term is one vpdpbusd and none starts from zero."""
+  from kiln.ir import AxisType, Ops, UOp, dtypes
+  from kiln.ir.kernels import buffer, flat_index
+  i32, m, n, k = dtypes.int32, 3, 32, 9
+  i, j, kk = UOp.range(m, 0), UOp.range(n, 1), UOp.range(k, 2, AxisType.REDUCE)
+  ld = lambda slot, idx, shape: buffer(slot, i32, shape).index(flat_index(idx, shape)).load()
+  a, c = ld(1, [i, kk], (m, k)), ld(3, [i, kk], (m, k))
+  b, d = ld(2, [kk, j], (k, n)), ld(4, [kk, j], (k, n))
+  v = UOp(Ops.DOT4, i32, (a, b, UOp(Ops.DOT4, i32, (c, d, UOp.const(i32, 0))))).reduce(Ops.ADD, kk)
+  ast = UOp.sink(buffer(0, i32, (m, n)).index(flat_index([i, j], (m, n))).store(v), name="dot4_chain")
+  rng = np.random.default_rng(5)
+  words = lambda size: rng.integers(-(2**31), 2**31, size, dtype=np.int64).astype(np.int32)
+  bufs = [np.zeros(m * n, np.int32), words(m * k), words(k * n), words(m * k), words(k * n)]
+  want = [x.copy() for x in bufs]
+  reference.evaluate(ast, want, {})
+  spec = LLVMRenderer(Target(vector_bytes=RT.target.vector_bytes, dot_bytes=HOST_DOT)).render(ast)
+  RT.load(RT.compiler.compile(spec))([x.ctypes.data for x in bufs])
+  np.testing.assert_array_equal(bufs[0], want[0])
+  if HOST_DOT: assert "vpdpbusd" in spec.src and not re.search(r"vpdpbusd\.\d+\(<\d+ x i32> (<i32 0,|zeroinitializer)", spec.src)

@@ -10,7 +10,12 @@ of outputs (a 49152-output head: 32 steps of 49 KB apart per block, 18x slower).
 of float32 lanes on every x86 and Arm vector width kiln targets, and 32 int8 codes are one AVX2 register.
 
 A product of one row (a decode step) runs block by block (_one_row): each block's dot product on the codes, then times
-its scale, so every code is converted and multiplied once. A product of many rows (a prefill chunk) reads
+its scale, so every code is converted and multiplied once. Where the CPU has a byte dot product (VNNI; KILN_LLM_INT8) the
+block formats keep their codes as int32 *words* instead: (T, in / 4, L) for the byte formats, (T, in / 8, L) for the
+4-bit ones, each word four codes of consecutive inputs for one output (unsigned: a byte format's codes plus 128; a 4-bit
+word holds inputs j..j+3 of its block in its low nibbles, j+16..j+19 in its high ones). The row is then quantized to
+int8 per block as llama.cpp's q8_0 does (a scale of its largest magnitude / 127, rounded half away from zero, its codes'
+sum), and each block's dot product is Ops.DOT4 on the words: one vpdpbusd for 64 products. A product of many rows (a prefill chunk) reads
 matrix(realized=True): the dequantised tiles are computed once per run into a scratch buffer of the plan, and kiln's
 register-tiled kernel reads them as an (in, out) float32 matrix.
 
@@ -32,15 +37,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.graph import Node, Tensor
+from kiln.graph.build_target import cpu_layouts
 from kiln.graph.lazy import Source
 from kiln.ir.dtype import dtypes
+from kiln.ir.ops import Ops
 from kiln.llm.qrepack import REPACK, repack
 from kiln.llm.quants import QuantTensor
+from kiln.llm.settings import INT8
 
 LANES = 32
+WORD_LANES = 16  # outputs a tile of words holds: a row of 16 words is one cache line (one AVX-512 register, two AVX2 ones)
 BYTES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # int8 codes, a scale (and a min) per block
 NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # two 4-bit codes a byte, per block of 32 a scale (Q4_0: less 8) or a scale and a min
-PACKED = (*BYTES, *NIBBLES, "F16", "BF16")
+BLOCK_FORMATS = (*BYTES, *NIBBLES)
+PACKED = (*BLOCK_FORMATS, "F16", "BF16")
+
+
+def _narrowed(a: np.ndarray) -> np.ndarray:
+  """Tiles (T, k, LANES) as (T * LANES / WORD_LANES, k, WORD_LANES): a word row of a tile is then one 64-byte line."""
+  t, k, lanes = a.shape
+  if lanes != LANES: return a
+  return np.ascontiguousarray(a.reshape(t, k, LANES // WORD_LANES, WORD_LANES).transpose(0, 2, 1, 3)).reshape(-1, k, WORD_LANES)
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
@@ -59,6 +76,7 @@ class QuantWeight:
   codes: np.ndarray
   scales: tuple[np.ndarray, ...] = ()
   block: int = 32
+  words: bool = False  # codes as int32 words of four unsigned codes (the module's docstring), for int8 products
 
   @staticmethod
   def of(fmt: str, shape: tuple[int, int], codes: np.ndarray, scales: tuple[np.ndarray, ...] = (), block: int = 32) -> QuantWeight:
@@ -74,10 +92,24 @@ class QuantWeight:
     computes all their outputs (a decode step's q, k and v in one kernel, not three that each start their own stream).
     None where the parts differ in format, block, inputs or plane dtypes, or one's outputs are not whole tiles."""
     a = parts[0]
-    if any(p.format != a.format or p.block != a.block or p.shape[1] != a.shape[1] or p.codes.dtype != a.codes.dtype
+    if any(p.format != a.format or p.block != a.block or p.shape[1] != a.shape[1] or p.codes.dtype != a.codes.dtype or p.words != a.words
            or p.shape[0] % LANES or [s.dtype for s in p.scales] != [s.dtype for s in a.scales] for p in parts): return None
     return QuantWeight(a.format, (sum(p.shape[0] for p in parts), a.shape[1]), np.concatenate([p.codes for p in parts], 0),
-                       tuple(np.concatenate([p.scales[i] for p in parts], 0) for i in range(len(a.scales))), a.block)
+                       tuple(np.concatenate([p.scales[i] for p in parts], 0) for i in range(len(a.scales))), a.block, a.words)
+
+  def as_words(self) -> QuantWeight:
+    """The same weight with its codes as int32 words (the module's docstring)."""
+    t, _, lanes = self.codes.shape
+    nb = self.shape[1] // self.block
+    if self.format in NIBBLES: q = self.codes.reshape(t, nb, 4, 4, lanes)  # byte j = 4g + k of a block: inputs j and j + 16
+    else: q = (self.codes.view(np.uint8) ^ np.uint8(0x80)).reshape(t, nb, self.block // 4, 4, lanes)  # int8 c -> c + 128
+    w = np.ascontiguousarray(q.transpose(0, 1, 2, 4, 3)).view("<i4").reshape(t, -1, lanes)
+    return QuantWeight(self.format, self.shape, _narrowed(w), tuple(_narrowed(s) for s in self.scales), self.block, True)
+
+  @property
+  def offset(self) -> int:
+    """What the unsigned codes of a word exceed the format's codes by (Q4_0's 8, a byte format's 128)."""
+    return 8 if self.format == "Q4_0" else 0 if self.format in NIBBLES else 128
 
   def _codes(self) -> Tensor:
     if self.format == "BF16": return Tensor(Node("BUFFER", (), Source(data=self.codes), self.codes.shape, dtypes.bfloat16))
@@ -92,6 +124,7 @@ class QuantWeight:
     if f in ("F16", "BF16"): return self._codes().cast(dtypes.float32)
     nb = inn // self.block
     d = self._scale(0).reshape(t, nb, 1, lanes)
+    if self.words: return self._word_matrix(d)
     c = self._codes()
     if f in BYTES:
       q = c.reshape(t, nb, self.block, lanes).cast(dtypes.float32) * d
@@ -103,6 +136,23 @@ class QuantWeight:
       m = self._scale(1).reshape(t, nb, 1, lanes)
       q = Tensor.cat([lo * d + m, hi * d + m], 2)
     return q.reshape(t, inn, lanes)
+
+  def _word_matrix(self, d: Tensor) -> Tensor:
+    """_tiled_matrix of a weight kept as words: each word's codes taken apart with shifts and masks."""
+    t, _, lanes = self.codes.shape
+    nb, bl = self.shape[1] // self.block, self.block
+    w = Tensor(self.codes)
+    if self.format in NIBBLES:
+      w = w.reshape(t, nb, 1, 4, 1, lanes)
+      nib = Tensor(np.array([0, 4], np.int32)).reshape(1, 1, 2, 1, 1, 1)  # low nibbles: inputs 4g + k; high: 16 + 4g + k
+      byte = Tensor(np.arange(0, 32, 8, dtype=np.int32)).reshape(1, 1, 1, 1, 4, 1)
+      u = w._alu(Ops.SHR, nib + byte) & 0x0F  # (T, nb, 2, 4, 4, L)
+    else:
+      w = w.reshape(t, nb, bl // 4, 1, lanes)
+      u = w._alu(Ops.SHR, Tensor(np.arange(0, 32, 8, dtype=np.int32)).reshape(1, 1, 1, 4, 1)) & 0xFF  # (T, nb, bl / 4, 4, L)
+    q = (u - self.offset).cast(dtypes.float32).reshape(t, nb, bl, lanes) * d
+    if len(self.scales) > 1: q = q + self._scale(1).reshape(t, nb, 1, lanes)
+    return q.reshape(t, self.shape[1], lanes)
 
   def matrix(self, realized: bool = False) -> Tensor:
     """The dequantised weight as a graph expression, (in, out) float32: a kernel that reads it reads the planes.
@@ -128,6 +178,7 @@ class QuantWeight:
     sum)."""
     (out, inn), lead = self.shape, x.shape[:-1]
     t, _, lanes = self.codes.shape
+    if self.words: return self._int8_rows(x, 1).reshape(*lead, out)
     if not self.scales and inn % 32: return (x.reshape(1, inn, 1) * self._tiled_matrix()).sum(1).reshape(*lead, out)
     bl = self.block
     nb = inn // bl
@@ -146,10 +197,57 @@ class QuantWeight:
       else: y = (part * self._scale(0) + xs * self._scale(1)).sum(1)
     return y.reshape(*lead, out)
 
+  def _int8_rows(self, x: Tensor, rows: int) -> Tensor:
+    """x @ W.T for `rows` rows x (rows, in), (rows, T, L), on the words: per block, the DOT4 sums of its words with each row's
+    int8 codes, less the offset x the row's block sum of codes, times both scales (plus the min x the scaled sum, where
+    there is one). Taken for one row only: for a prefill chunk's rows the scheduler realizes the per-block sums, (rows, T,
+    nb, L) int32, and that ran 1.4x slower than the float product of the dequantised matrix (a fused kernel with a row
+    tile is the way: not built)."""
+    t, _, lanes = self.codes.shape
+    nb, bl = self.shape[1] // self.block, self.block
+    xw, dx, sx = quantized_row(x.reshape(rows * nb, bl))
+    xw = xw.reshape(rows, 1, nb, bl // 4, 1)
+    c = Tensor(self.codes).reshape(1, t, nb, -1, lanes)
+    zero = Tensor.full((), 0, dtypes.int32)
+    if self.format in NIBBLES:
+      lo, hi = c & 0x0F0F0F0F, c._alu(Ops.SHR, Tensor.full((), 4, dtypes.int32)) & 0x0F0F0F0F
+      isum = lo._alu(Ops.DOT4, xw[:, :, :, :4], hi._alu(Ops.DOT4, xw[:, :, :, 4:], zero)).sum(3)  # (rows, T, nb, L): two a word
+    else: isum = c._alu(Ops.DOT4, xw, zero).sum(3)
+    sxb, dxb = sx.reshape(rows, 1, nb, 1), dx.reshape(rows, 1, nb, 1)
+    q = isum - sxb * self.offset if self.offset else isum
+    part = q.cast(dtypes.float32) * (self._scale(0).reshape(1, t, nb, lanes) * dxb)
+    if len(self.scales) > 1: part = part + self._scale(1).reshape(1, t, nb, lanes) * (dxb * sxb.cast(dtypes.float32))
+    return part.sum(2)
+
   def embedding(self, ids: Tensor) -> Tensor:
     """Rows `ids` of the HF (out, in) weight (an embedding table's lookup), (len(ids), in) float32: only those columns of
     the planes are read."""
     return self.matrix().gather(ids, 1).T
+
+
+def quantized_row(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+  """A row in blocks (nb, bl) float32 as llama.cpp's q8_0 quantizes it: int8 codes round(x * 127 / max|x|) (half away from
+  zero; 0 for a block of zeros), as int32 words of four (nb, bl / 4); the blocks' scales max|x| / 127 (nb,) float32; and
+  the sums of their codes (nb,) int32."""
+  nb, bl = xb.shape
+  amax = xb.abs().max(1)
+  inv = (amax > 0.0).where(127.0 / amax.maximum(1e-30), 0.0)
+  v = xb * inv.reshape(nb, 1)
+  q = (v + (v < 0.0).where(-0.5, 0.5)).cast(dtypes.int32)
+  shifts = Tensor(np.arange(0, 32, 8, dtype=np.int32))
+  words = (q & 0xFF).reshape(nb, bl // 4, 4)._alu(Ops.SHL, shifts.reshape(1, 1, 4)).sum(2)  # disjoint bytes: the sum is their OR
+  return words, amax * (1.0 / 127.0), q.sum(1)
+
+
+def int8_products() -> bool:
+  """Whether block-quantized weights packed now take int8 products (KILN_LLM_INT8). auto: a CPU graph on a CPU with a byte
+  dot product (VNNI), or with 32-byte integer vectors and FMA (AVX2), where the widened products (pmaddwd) still beat
+  converting every code to float; not on SSE, AVX without AVX2 or NEON, where that is unmeasured. A CUDA graph keeps the
+  float products."""
+  if (mode := INT8.get()) == "0" or not cpu_layouts(): return False
+  if mode == "1": return True
+  from kiln.codegen.registry import target_of
+  return (t := target_of("CPU")) is not None and (t.dot_bytes > 0 or (t.vector_bytes >= 32 and t.fma))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -158,7 +256,13 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def pack(qt: QuantTensor) -> QuantWeight | None:
-  """The planes of a 2-d weight in a packed format (None for any other: the caller dequantises it)."""
+  """The planes of a 2-d weight in a packed format (None for any other: the caller dequantises it); a block format's codes
+  as words where int8 products are taken (int8_products)."""
+  w = _planes(qt)
+  return w.as_words() if w is not None and w.format in BLOCK_FORMATS and int8_products() else w
+
+
+def _planes(qt: QuantTensor) -> QuantWeight | None:
   if qt.format not in PACKED or len(qt.shape) != 2 or qt.offset: return None
   out, inn = qt.shape
   data = qt.data

@@ -212,9 +212,7 @@ class Reductions:
         cur = self.ctx.lin.acc_read(acc, self.ctx.acc_id())
         if fuse and v.op is Ops.MUL:  # acc = fma(a, b, acc): one rounding per step, twice the throughput
           new = UOp(Ops.FMA, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
-        elif op is Ops.ADD and v.op is Ops.DOT4 and _zero(v.src[2]):
-          # acc = dot4(a, b, acc): the same wrapping sum, and one vpdpbusd a step where the target has it
-          new = UOp(Ops.DOT4, acc.dtype, (bcast(v.src[0], acc.dtype.count), bcast(v.src[1], acc.dtype.count), cur))
+        elif op is Ops.ADD and (chained := _dot4_into(v, cur)) is not None: new = chained
         else: new = combine(op, cur, v)
         self.ctx.lin.emit(inner, UOp(Ops.ACC_STORE, dtypes.void, (acc, new)))
 
@@ -267,6 +265,16 @@ class Reductions:
     done = UOp(Ops.DEFINE_LOCAL, dtypes.uint32.ptr(gy * gz), (), f"grid{k}_done")
     total = UOp(Ops.REDUCE, dt, (block_result, smem, UOp.const(dtypes.index, n), slots, done, UOp.const(dtypes.index, nblocks)), op)
     return total, UOp(Ops.REDUCE, dtypes.bool, (total,), "last")
+
+
+def _dot4_into(v: UOp, acc: UOp) -> UOp | None:
+  """acc + v as one chain of DOT4s where v is DOT4(a, b, DOT4(c, d, ... 0)): the innermost 0 replaced by acc (the same
+  wrapping sum, and one vpdpbusd a term where the target has it); None for any other v."""
+  if v.op is not Ops.DOT4: return None
+  inner = acc if _zero(v.src[2]) else _dot4_into(v.src[2], acc)
+  if inner is None: return None
+  w = acc.dtype.count
+  return UOp(Ops.DOT4, acc.dtype, (bcast(v.src[0], w), bcast(v.src[1], w), inner))
 
 
 def _zero(u: UOp) -> bool:
