@@ -79,10 +79,11 @@ def test_words_dequantise_and_one_row_matches_the_oracle(tmp_path: Path, fmt: st
                                              (Target(vector_bytes=32), False), (Target(vector_bytes=16, fma=True), False)])  # AVX, NEON
 def test_the_setting_the_machine_and_the_device_choose(monkeypatch: pytest.MonkeyPatch, target: Target, auto: bool) -> None:
   monkeypatch.setattr(registry, "target_of", lambda device: target)
-  with INT8.temporarily("auto"): assert int8_products() is auto
-  with INT8.temporarily("0"): assert not int8_products()
-  with INT8.temporarily("1"): assert int8_products()
-  with INT8.temporarily("1"), building_for("CUDA"): assert not int8_products()  # a CUDA graph keeps the float products
+  with INT8.temporarily("auto"): assert int8_products("Q4_0") is auto and int8_products("Q4_K") is auto
+  with INT8.temporarily("auto"): assert not int8_products("Q8_0") and not int8_products("Q5_0")  # the float product streams faster
+  with INT8.temporarily("0"): assert not int8_products("Q4_0")
+  with INT8.temporarily("1"): assert int8_products("Q8_0") and int8_products("Q4_1") and not int8_products("F16")
+  with INT8.temporarily("1"), building_for("CUDA"): assert not int8_products("Q4_0")  # a CUDA graph keeps the float products
 
 
 @pytest.mark.parametrize(("arch", "fmt"), [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_1"), ("llama", "Q4_K")])

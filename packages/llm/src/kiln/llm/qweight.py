@@ -10,8 +10,8 @@ of outputs (a 49152-output head: 32 steps of 49 KB apart per block, 18x slower).
 of float32 lanes on every x86 and Arm vector width kiln targets, and 32 int8 codes are one AVX2 register.
 
 A product of one row (a decode step) runs block by block (_one_row): each block's dot product on the codes, then times
-its scale, so every code is converted and multiplied once. Where the CPU has a byte dot product (VNNI; KILN_LLM_INT8) the
-block formats keep their codes as int32 *words* instead: (T, in / 4, L) for the byte formats, (T, in / 8, L) for the
+its scale, so every code is converted and multiplied once. Where int8 products pay (int8_products: the 4-bit formats on
+a CPU with a byte dot product or AVX2; KILN_LLM_INT8) a block format keeps its codes as int32 *words* instead: (T, in / 4, L) for the byte formats, (T, in / 8, L) for the
 4-bit ones, each word four codes of consecutive inputs for one output (unsigned: a byte format's codes plus 128; a 4-bit
 word holds inputs j..j+3 of its block in its low nibbles, j+16..j+19 in its high ones). The row is then quantized to
 int8 per block as llama.cpp's q8_0 does (a scale of its largest magnitude / 127, rounded half away from zero, its codes'
@@ -239,15 +239,16 @@ def quantized_row(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
   return words, amax * (1.0 / 127.0), q.sum(1)
 
 
-def int8_products() -> bool:
-  """Whether block-quantized weights packed now take int8 products (KILN_LLM_INT8). auto: a CPU graph on a CPU with a byte
-  dot product (VNNI), or with 32-byte integer vectors and FMA (AVX2), where the widened products (pmaddwd) still beat
-  converting every code to float; not on SSE, AVX without AVX2 or NEON, where that is unmeasured. A CUDA graph keeps the
-  float products."""
-  if (mode := INT8.get()) == "0" or not cpu_layouts(): return False
+def int8_products(fmt: str) -> bool:
+  """Whether a weight of block format `fmt` packed now takes int8 products (KILN_LLM_INT8). auto: a 4-bit format, in a CPU
+  graph, on a CPU with a byte dot product (VNNI) or with 32-byte integer vectors and FMA (AVX2), where the widened
+  products (pmaddwd) still beat converting every code to float; not on SSE, AVX without AVX2 or NEON, where that is
+  unmeasured. A byte format's float product converts one code in one instruction and streams its tiles faster than the
+  int8 one did (Q8_0 decode 10-12% slower in int8): KILN_LLM_INT8=1 takes it anyway. A CUDA graph keeps the float products."""
+  if (mode := INT8.get()) == "0" or not cpu_layouts() or fmt not in BLOCK_FORMATS: return False
   if mode == "1": return True
   from kiln.codegen.registry import target_of
-  return (t := target_of("CPU")) is not None and (t.dot_bytes > 0 or (t.vector_bytes >= 32 and t.fma))
+  return fmt in NIBBLES and (t := target_of("CPU")) is not None and (t.dot_bytes > 0 or (t.vector_bytes >= 32 and t.fma))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -259,7 +260,7 @@ def pack(qt: QuantTensor) -> QuantWeight | None:
   """The planes of a 2-d weight in a packed format (None for any other: the caller dequantises it); a block format's codes
   as words where int8 products are taken (int8_products)."""
   w = _planes(qt)
-  return w.as_words() if w is not None and w.format in BLOCK_FORMATS and int8_products() else w
+  return w.as_words() if w is not None and int8_products(w.format) else w
 
 
 def _planes(qt: QuantTensor) -> QuantWeight | None:
