@@ -11,11 +11,12 @@ of float32 lanes on every x86 and Arm vector width kiln targets, and 32 int8 cod
 
 A product of one row (a decode step) runs block by block (_one_row): each block's dot product on the codes, then times
 its scale, so every code is converted and multiplied once. Where int8 products pay (int8_products: the 4-bit formats on
-a CPU with a byte dot product or AVX2; KILN_LLM_INT8) a block format keeps its codes as int32 *words* instead: (T, in / 4, L) for the byte formats, (T, in / 8, L) for the
-4-bit ones, each word four codes of consecutive inputs for one output (unsigned: a byte format's codes plus 128; a 4-bit
-word holds inputs j..j+3 of its block in its low nibbles, j+16..j+19 in its high ones). The row is then quantized to
-int8 per block as llama.cpp's q8_0 does (a scale of its largest magnitude / 127, rounded half away from zero, its codes'
-sum), and each block's dot product is Ops.DOT4 on the words: one vpdpbusd for 64 products. A product of many rows (a prefill chunk) reads
+a CPU with a byte dot product or AVX2; KILN_LLM_INT8) a block format keeps its codes as int32 *words* instead, in tiles of
+WORD_LANES outputs: (T, in / 4, 16) for the byte formats, (T, in / 8, 16) for the 4-bit ones, each word four codes of
+consecutive inputs for one output (unsigned: a byte format's codes plus 128; a 4-bit word holds inputs j..j+3 of its
+block in its low nibbles, j+16..j+19 in its high ones). The row is then quantized to int8 per block as llama.cpp's q8_0
+does (a scale of its largest magnitude / 127, rounded half away from zero, its codes' sum), and each block's dot product
+is Ops.DOT4 on the words: one vpdpbusd for 64 products. A product of many rows (a prefill chunk) reads
 matrix(realized=True): the dequantised tiles are computed once per run into a scratch buffer of the plan, and kiln's
 register-tiled kernel reads them as an (in, out) float32 matrix.
 
