@@ -179,7 +179,7 @@ class QuantWeight:
     sum)."""
     (out, inn), lead = self.shape, x.shape[:-1]
     t, _, lanes = self.codes.shape
-    if self.words: return self._int8_rows(x, 1).reshape(*lead, out)
+    if self.words: return self._one_row_int8(x).reshape(*lead, out)
     if not self.scales and inn % 32: return (x.reshape(1, inn, 1) * self._tiled_matrix()).sum(1).reshape(*lead, out)
     bl = self.block
     nb = inn // bl
@@ -198,27 +198,27 @@ class QuantWeight:
       else: y = (part * self._scale(0) + xs * self._scale(1)).sum(1)
     return y.reshape(*lead, out)
 
-  def _int8_rows(self, x: Tensor, rows: int) -> Tensor:
-    """x @ W.T for `rows` rows x (rows, in), (rows, T, L), on the words: per block, the DOT4 sums of its words with each row's
-    int8 codes, less the offset x the row's block sum of codes, times both scales (plus the min x the scaled sum, where
-    there is one). Taken for one row only: for a prefill chunk's rows the scheduler realizes the per-block sums, (rows, T,
-    nb, L) int32, and that ran 1.4x slower than the float product of the dequantised matrix (a fused kernel with a row
-    tile is the way: not built)."""
+  def _one_row_int8(self, x: Tensor) -> Tensor:
+    """x @ W.T for one row x, (T, L), on the words: per block, the DOT4 sums of its words with the row's int8 codes, less
+    the offset x the block's sum of codes, times both scales (plus the min x the scaled sum, where there is one); one
+    kernel. Not for a prefill chunk's rows: with a row axis the scheduler realizes the per-block sums, (rows, T, nb, L)
+    int32, and that ran 1.4x slower than the float product of the dequantised matrix (a kernel keeping a tile of rows'
+    block sums in registers is the way: not built); even a leading row axis of 1 split a decode product so."""
     t, _, lanes = self.codes.shape
     nb, bl = self.shape[1] // self.block, self.block
-    xw, dx, sx = quantized_row(x.reshape(rows * nb, bl))
-    xw = xw.reshape(rows, 1, nb, bl // 4, 1)
-    c = Tensor(self.codes).reshape(1, t, nb, -1, lanes)
+    xw, dx, sx = quantized_row(x.reshape(nb, bl))
+    c = Tensor(self.codes).reshape(t, nb, -1, lanes)
     zero = Tensor.full((), 0, dtypes.int32)
     if self.format in NIBBLES:
       lo, hi = c & 0x0F0F0F0F, c._alu(Ops.SHR, Tensor.full((), 4, dtypes.int32)) & 0x0F0F0F0F
-      isum = lo._alu(Ops.DOT4, xw[:, :, :, :4], hi._alu(Ops.DOT4, xw[:, :, :, 4:], zero)).sum(3)  # (rows, T, nb, L): two a word
-    else: isum = c._alu(Ops.DOT4, xw, zero).sum(3)
-    sxb, dxb = sx.reshape(rows, 1, nb, 1), dx.reshape(rows, 1, nb, 1)
+      xlo, xhi = xw[:, :4].reshape(1, nb, 4, 1), xw[:, 4:].reshape(1, nb, 4, 1)
+      isum = lo._alu(Ops.DOT4, xlo, hi._alu(Ops.DOT4, xhi, zero)).sum(2)  # (T, nb, L): two vpdpbusd a word
+    else: isum = c._alu(Ops.DOT4, xw.reshape(1, nb, bl // 4, 1), zero).sum(2)
+    sxb, dxb = sx.reshape(1, nb, 1), dx.reshape(1, nb, 1)
     q = isum - sxb * self.offset if self.offset else isum
-    part = q.cast(dtypes.float32) * (self._scale(0).reshape(1, t, nb, lanes) * dxb)
-    if len(self.scales) > 1: part = part + self._scale(1).reshape(1, t, nb, lanes) * (dxb * sxb.cast(dtypes.float32))
-    return part.sum(2)
+    part = q.cast(dtypes.float32) * (self._scale(0) * dxb)
+    if len(self.scales) > 1: part = part + self._scale(1) * (dxb * sxb.cast(dtypes.float32))
+    return part.sum(1)
 
   def embedding(self, ids: Tensor) -> Tensor:
     """Rows `ids` of the HF (out, in) weight (an embedding table's lookup), (len(ids), in) float32: only those columns of
