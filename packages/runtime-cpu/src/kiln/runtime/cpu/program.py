@@ -135,6 +135,10 @@ class CPUProgram:
     ptrs = [_as_int(p) for p in bufs]
     for slot, p, raw in zip(self.spec.globals, ptrs, bufs):
       if p is None or p <= 0: raise RuntimeLaunchError(f"kernel {self.name}: buffer for slot {slot} is not a valid address ({raw!r})")
+    return ptrs, self.check_vals(vals)
+
+  def check_vals(self, vals: Sequence[int]) -> list[int]:
+    """Validate variable values against the kernel's bounds; returns them as Python ints."""
     if len(vals) != len(self.user_vars):
       raise RuntimeLaunchError(f"kernel {self.name} takes {len(self.user_vars)} variable values {self.user_vars}, got {len(vals)}")
     ivals = [_as_int(v) for v in vals]
@@ -142,7 +146,7 @@ class CPUProgram:
       lo, hi = self.bounds.get(n, (-(2**31), 2**31 - 1))
       if v is None: raise VariableBoundsError(f"variable {n} must be an integer, got {raw!r}")
       if not lo <= v <= hi: raise VariableBoundsError(f"variable {n}={v} is outside bounds [{lo}, {hi}]")
-    return ptrs, ivals  # type: ignore[return-value]
+    return ivals  # type: ignore[return-value]
 
   def __call__(self, bufs: Sequence[int], vals: Sequence[int] = (), global_size: Sequence[int] = (1, 1, 1),
                local_size: Sequence[int] | None = None, wait: bool = False) -> float | None:
@@ -183,22 +187,34 @@ class CPUBoundCall:
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
-    base = (*self.bufs, *vals)
-    extra: tuple = ()
-    if self.scratch is not None: extra = ((self.scratch.ctypes.data + 63) // 64 * 64,)
+    """The argument lists (lists, so that set_vals rewrites a value in place)."""
+    base = [*self.bufs, *vals]
+    extra: list = []
+    if self.scratch is not None: extra = [(self.scratch.ctypes.data + 63) // 64 * 64]
     if self.claim is not None:
       claim = self.claim.ctypes.data
       workers = min(get_pool().size, self.prog.threads, self.prog.slots or self.prog.threads)
-      self.args: tuple | list[tuple] = [(*base, w, claim, *extra) for w in range(workers)]
+      self.args: list = [[*base, w, claim, *extra] for w in range(workers)]
       # the task entry's int64 block (the native pool's way in): the same arguments but the slot
       self.block = np.array([*base, claim, *extra], np.int64) if self.prog.task else None
       self.block_at = self.block.ctypes.data if self.block is not None else 0
-      self.finish = (*base, -1, claim, *extra) if self.prog.finish_call else None
-    else: self.args, self.finish = (*base, *extra), None
+      self.finish = [*base, -1, claim, *extra] if self.prog.finish_call else None
+    else: self.args, self.finish = [*base, *extra], None
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
-    self.vals = self.prog.check(self.bufs, vals)[1]
-    self._build(self.vals)
+    """New variable values, written into the argument lists in place (a decode step's position changes every token, in
+    some 240 kernels of a language model's plan: rebuilding every list took most of a millisecond). The buffers were
+    checked when the call was bound and do not change."""
+    new = self.prog.check_vals(vals)
+    at = len(self.bufs)
+    for i, (v, old) in enumerate(zip(new, self.vals)):
+      if v == old: continue
+      if self.claim is None: self.args[at + i] = v
+      else:
+        for a in self.args: a[at + i] = v
+        if self.block is not None: self.block[at + i] = v
+        if self.finish is not None: self.finish[at + i] = v
+    self.vals = new
 
   @staticmethod
   def share_scratch(calls: Sequence[CPUBoundCall], together: Sequence[Sequence[object]] = ()) -> None:
