@@ -135,7 +135,7 @@ class CPUProgram:
     ptrs = [_as_int(p) for p in bufs]
     for slot, p, raw in zip(self.spec.globals, ptrs, bufs):
       if p is None or p <= 0: raise RuntimeLaunchError(f"kernel {self.name}: buffer for slot {slot} is not a valid address ({raw!r})")
-    return ptrs, self.check_vals(vals)
+    return ptrs, self.check_vals(vals)  # type: ignore[return-value]  # the loop above refused a None
 
   def check_vals(self, vals: Sequence[int]) -> list[int]:
     """Validate variable values against the kernel's bounds; returns them as Python ints."""
