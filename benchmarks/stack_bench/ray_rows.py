@@ -70,7 +70,9 @@ def replicas(b: Bench, r: Row, pipe: Row) -> None:
   reqs = requests(n, batch, seq=seq, vocab=1000)
   want = [model.run(q) for q in reqs[:8]]
   started = not ray.is_initialized()
-  if started: ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+  # address="local": a Ray of its own, never the cluster /tmp/ray/ray_current_cluster names (another process's, which
+  # may be gone: two pytest workers, one running the distributed tests' cluster, hung the other here)
+  if started: ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                        runtime_env={"env_vars": {"KILN_THREADS": "1", "KILN_CACHE_DIR": os.environ.get("KILN_CACHE_DIR", "")}})
   try:
     # all fleets stay up so rounds can alternate: 5 workers on Ray's 2 logical CPUs, so each asks for 0.4 of one (Ray does
