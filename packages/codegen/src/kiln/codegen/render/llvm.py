@@ -46,7 +46,6 @@ from kiln.ir.uop import UOp
 
 
 def _divmod(p: LLVMPrinter, *args: Any) -> str: return p.divmod(*args)
-def _dot4(p: LLVMPrinter, op: Ops, s: DType, t: str, n: int, a: list[str], guard: bool) -> str: return llvm_dot.render(p, p.target.dot_bytes, n, *a)
 
 
 # op -> the instruction(s) of a result {r}: operands {a0} {a1} {a2} of type {t}; a second line computes into the temporary {m};
@@ -65,7 +64,7 @@ _INT_OPS: dict[Ops, Template | Callable[..., str]] = {
                                      Ops.XOR: "xor", Ops.CMPLT: "icmp {lt}", Ops.CMPEQ: "icmp eq", Ops.CMPNE: "icmp ne"}.items()},
   Ops.NEG: "{r} = sub {t} {zero}, {a0}", Ops.MAX: ("llvm.{sign}max", "{r} = call {t} {fn}({t} {a0}, {t} {a1})"),
   Ops.SHL: "{m} = and {t} {a1}, {mask}\n{r} = shl {t} {a0}, {m}", Ops.SHR: "{m} = and {t} {a1}, {mask}\n{r} = {shr} {t} {a0}, {m}",
-  Ops.IDIV: _divmod, Ops.MOD: _divmod, Ops.MULACC: "{m} = mul {t} {a0}, {a1}\n{r} = add {t} {m}, {a2}", Ops.DOT4: _dot4,
+  Ops.IDIV: _divmod, Ops.MOD: _divmod, Ops.MULACC: "{m} = mul {t} {a0}, {a1}\n{r} = add {t} {m}, {a2}", Ops.DOT4: llvm_dot.entry,
 }
 # bool ALU is C's (bool)(a op b) (alu.py); the ops missing here take the integer instructions on i1
 _BOOL_OPS: dict[Ops, Template | Callable[..., str]] = {

@@ -7,7 +7,7 @@ vector it has. Elsewhere (AVX2, SSE, NEON, a scalar) the bytes are widened to in
 multiplies."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from kiln.codegen.render.llvm_math import vtype
 
@@ -16,6 +16,11 @@ class Emitter(Protocol):
   def tmp(self) -> str: ...
   def emit(self, s: str) -> None: ...
   def intrinsic(self, name: str, ret: str, args: list[str]) -> str: ...
+
+
+def entry(p: Any, op: Any, s: Any, t: str, n: int, a: list[str], guard: bool) -> str:
+  """The LLVM printer's table entry for Ops.DOT4 (render/llvm.py's alu_text calls it so): for the printer's target."""
+  return render(p, p.target.dot_bytes, n, *a)
 
 
 def render(p: Emitter, dot_bytes: int, n: int, a: str, b: str, c: str) -> str:
