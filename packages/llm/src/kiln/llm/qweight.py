@@ -200,10 +200,10 @@ class QuantWeight:
 
   def _one_row_int8(self, x: Tensor) -> Tensor:
     """x @ W.T for one row x, (T, L), on the words: per block, the DOT4 sums of its words with the row's int8 codes, less
-    the offset x the block's sum of codes, times both scales (plus the min x the scaled sum, where there is one); one
-    kernel. Not for a prefill chunk's rows: with a row axis the scheduler realizes the per-block sums, (rows, T, nb, L)
-    int32, and that ran 1.4x slower than the float product of the dequantised matrix (a kernel keeping a tile of rows'
-    block sums in registers is the way: not built); even a leading row axis of 1 split a decode product so."""
+    the offset x the block's sum of codes, times both scales (plus the min x the scaled sum, where there is one): the
+    blocks' scaled sums (T, nb, L) in one kernel, their sum in a second. Not for a prefill chunk's rows: with a row axis
+    the scheduler realizes the per-block int32 sums, (rows, T, nb, L), and that ran 1.4x slower than the float product of
+    the dequantised matrix (a kernel keeping a tile of rows' block sums in registers is the way: not built)."""
     t, _, lanes = self.codes.shape
     nb, bl = self.shape[1] // self.block, self.block
     xw, dx, sx = quantized_row(x.reshape(nb, bl))
