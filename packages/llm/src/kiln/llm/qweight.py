@@ -47,6 +47,7 @@ from kiln.llm.quants import QuantTensor
 from kiln.llm.settings import INT8
 
 LANES = 32
+BYTE_SHIFTS = np.arange(0, 32, 8, dtype=np.int32)  # byte k of an int32 word sits at bit 8k (little-endian, as DOT4 reads it)
 WORD_LANES = 16  # outputs a tile of words holds: a row of 16 words is one cache line (one AVX-512 register, two AVX2 ones)
 BYTES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # int8 codes, a scale (and a min) per block
 NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # two 4-bit codes a byte, per block of 32 a scale (Q4_0: less 8) or a scale and a min
@@ -146,11 +147,11 @@ class QuantWeight:
     if self.format in NIBBLES:
       w = w.reshape(t, nb, 1, 4, 1, lanes)
       nib = Tensor(np.array([0, 4], np.int32)).reshape(1, 1, 2, 1, 1, 1)  # low nibbles: inputs 4g + k; high: 16 + 4g + k
-      byte = Tensor(np.arange(0, 32, 8, dtype=np.int32)).reshape(1, 1, 1, 1, 4, 1)
+      byte = Tensor(BYTE_SHIFTS).reshape(1, 1, 1, 1, 4, 1)
       u = w._alu(Ops.SHR, nib + byte) & 0x0F  # (T, nb, 2, 4, 4, L)
     else:
       w = w.reshape(t, nb, bl // 4, 1, lanes)
-      u = w._alu(Ops.SHR, Tensor(np.arange(0, 32, 8, dtype=np.int32)).reshape(1, 1, 1, 4, 1)) & 0xFF  # (T, nb, bl / 4, 4, L)
+      u = w._alu(Ops.SHR, Tensor(BYTE_SHIFTS).reshape(1, 1, 1, 4, 1)) & 0xFF  # (T, nb, bl / 4, 4, L)
     q = (u - self.offset).cast(dtypes.float32).reshape(t, nb, bl, lanes) * d
     if len(self.scales) > 1: q = q + self._scale(1).reshape(t, nb, 1, lanes)
     return q.reshape(t, self.shape[1], lanes)
@@ -235,8 +236,7 @@ def quantized_row(xb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
   inv = (amax > 0.0).where(127.0 / amax.maximum(1e-30), 0.0)
   v = xb * inv.reshape(nb, 1)
   q = (v + (v < 0.0).where(-0.5, 0.5)).cast(dtypes.int32)
-  shifts = Tensor(np.arange(0, 32, 8, dtype=np.int32))
-  words = (q & 0xFF).reshape(nb, bl // 4, 4)._alu(Ops.SHL, shifts.reshape(1, 1, 4)).sum(2)  # disjoint bytes: the sum is their OR
+  words = (q & 0xFF).reshape(nb, bl // 4, 4)._alu(Ops.SHL, Tensor(BYTE_SHIFTS).reshape(1, 1, 4)).sum(2)  # disjoint bytes: the sum is their OR
   return words, amax * (1.0 / 127.0), q.sum(1)
 
 
