@@ -254,3 +254,30 @@ def test_kernels_overlapped_on_threads_keep_scratch_of_their_own():
   for _ in range(5):
     plan.execute()
     np.testing.assert_allclose(plan.buffers[bz].numpy().reshape(64, 512), want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_stretch_of_cpu_kernels_runs_as_one_native_call(cpu):
+  """ExecutionPlan hands each stretch of CPU bound calls to the runtime's sequence_calls (SequenceCall): a host function
+  in the middle cuts it in two; the sequences follow a runtime variable set after the plan was built."""
+  from kiln.runtime.cpu.native_pool import native_pool_supported
+  from kiln.runtime.cpu.sequence import CPUSequence
+  if not native_pool_supported(): pytest.skip("sequences run on the native pool: Linux on x86-64 or AArch64")
+  b = ExecutionPlanBuilder("CPU")
+  xs = [b.add_buffer(Buffer("CPU", 64, dtypes.float32)) for _ in range(8)]
+  b.buffers[xs[0]].copyin(np.arange(64, dtype=np.float32))
+  seen = []
+  for i in range(3): b.add_kernel(add1(64), [xs[i + 1], xs[i]])
+  b.add_custom(lambda src, dst: (seen.append(src.numpy()[0]), dst.copyin(src.numpy())), [xs[3], xs[4]], outputs=[1])
+  b.add_kernel(scale_n(64), [xs[5], xs[4]])
+  b.add_kernel(add1(64), [xs[6], xs[5]])
+  b.set_outputs([xs[5], xs[6]])  # outputs: no other buffer shares their memory
+  plan = b.build()
+  (session, run), = plan._runs
+  assert session is None and [type(s) is CPUSequence for s in run] == [True, False, True], run
+  for n in (64, 5):
+    plan.output_buffer(0).copyin(np.zeros(64, np.float32))
+    plan.execute_with_vars({"n": n})
+    want = np.where(np.arange(64) < n, (np.arange(64, dtype=np.float32) + 3) * 2, 0)
+    np.testing.assert_array_equal(plan.output_buffer(0).numpy(), want)
+    np.testing.assert_array_equal(plan.output_buffer(1).numpy(), want + 1)
+  assert seen == [3.0, 3.0]

@@ -67,6 +67,15 @@ class GraphCall(Protocol):
 
 
 @runtime_checkable
+class SequenceCall(Protocol):
+  """Optional on a BoundCall that needs no session, for a runtime that can run a stretch of its calls in one call of its
+  own (the CPU: native code calls each kernel in turn, not Python). ExecutionPlan hands `sequence_calls` each maximal
+  stretch of such calls of one runtime with nothing else between them; it returns one callable that runs them in order,
+  called in their place, or None (they are called one by one). The callable must follow later set_vals of those calls."""
+  sequence_calls: Callable[[Sequence[Any]], Callable[[], None] | None]
+
+
+@runtime_checkable
 class Program(Protocol):
   """A loaded kernel. bufs are raw device addresses in `globals` order; vals follow `var_names` (core_id excluded:
   the runtime supplies it). Returns the kernel's time in seconds when wait=True."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kiln.codegen.protocols import PlanRunning, SessionCall
+from kiln.codegen.protocols import PlanRunning, SequenceCall, SessionCall
 from kiln.codegen.threads import CORE_ID
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
@@ -30,8 +30,9 @@ def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = froze
   run in no session: a session never reaches user code. Any other step (a copy, a CPU kernel) stays in the run around it: it
   needs no session, or makes its own device's context current and restores it (every runtime's guard does).
 
-  Inside a run, each stretch of bound calls with nothing else between them is offered to the runtime as a whole (GraphCall,
-  a CUDA graph): where it takes it, one callable replaces the stretch; a copy in the middle splits it in two."""
+  Inside a run, each stretch of one runtime's bound calls with nothing else between them is offered to the runtime as a
+  whole (a session's calls: GraphCall, a CUDA graph; calls without a session: SequenceCall, the CPU's native loop): where
+  it takes it, one callable replaces the stretch; a copy in the middle splits it in two."""
   runs: list[tuple[Any, list[Any]]] = []
   adoptable = False  # the last run is sessionless and holds no user function (the plan's first steps): a session may take it
   for s in steps:
@@ -47,24 +48,35 @@ def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = froze
     else:
       if not runs: runs, adoptable = [(None, [])], True
       runs[-1][1].append(s)
-  return [(sess, run if sess is None else _in_session(run)) for sess, run in runs]
+  return [(sess, _stretches(run, outside)) for sess, run in runs]
 
 
-def _in_session(run: list[Any]) -> list[Callable[[], Any]]:
-  """A session's run as callables: its bound calls' in_session, or one callable per stretch the runtime records as a whole."""
+def _stretch_kind(s: Any, outside: frozenset[int]) -> tuple[str, Any] | None:
+  """What a step's stretch is made of: a session's calls, one runtime's sequenceable calls, or nothing (None)."""
+  if id(s) in outside: return None
+  if isinstance(s, SessionCall): return ("session", s.session)
+  return ("sequence", s.sequence_calls) if isinstance(s, SequenceCall) else None
+
+
+def _stretches(run: list[Any], outside: frozenset[int]) -> list[Callable[[], Any]]:
+  """A run as callables: each stretch of calls of one kind as the one callable its runtime makes of it, else call by call
+  (a session's calls through in_session)."""
   out: list[Callable[[], Any]] = []
   stretch: list[Any] = []
+  kind: tuple[str, Any] | None = None
 
   def flush() -> None:
-    graph = getattr(stretch[0], "graph_calls", None) if stretch else None
-    whole = graph(list(stretch)) if graph is not None else None
-    out.extend([whole] if whole is not None else [c.in_session for c in stretch])
+    if stretch:
+      whole_of = getattr(stretch[0], "graph_calls", None) if kind and kind[0] == "session" else kind[1] if kind else None
+      whole = whole_of(list(stretch)) if whole_of is not None else None
+      out.extend([whole] if whole is not None else [c.in_session if isinstance(c, SessionCall) else c for c in stretch])
     stretch.clear()
   for s in run:
-    if isinstance(s, SessionCall): stretch.append(s)
-    else:
-      flush()
-      out.append(s)
+    k = _stretch_kind(s, outside)
+    if k is None or k != kind: flush()
+    kind = k
+    if k is None: out.append(s)
+    else: stretch.append(s)
   flush()
   return out
 

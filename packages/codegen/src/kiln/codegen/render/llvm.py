@@ -2,8 +2,8 @@
 
 ABI: `void NAME(ptr data<slot>..., i32 <var>...[, ptr scratch])`: buffers in slot order (noalias, aligned to their
 element), then variables in var_names order, then the per-call scratch when it has one. A kernel split into chunks takes
-`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (llvm_claim.claim_loop); its
-`NAME.task(ptr args, i32 slot)` takes the same arguments from an int64 block, for the runtime's native pool. Values of
+`i32 slot, ptr claim` before the scratch and claims chunks from the counter at claim (llvm_claim.claim_loop). Every
+kernel's `NAME.task(ptr args, i32 slot)` takes the same arguments from an int64 block, for the runtime's native code. Values of
 bool are i1 in registers and i8 in memory; bfloat16 is a float in registers rounded to bfloat16 after every op and i16
 in memory; float16 ops compute in float and round once (exact for + - * / sqrt). No fast-math flags: results match the reference evaluator bit for bit
 except transcendental functions (libm, or llvm_math's own float32 code) and reductions that UPCAST their reduce axis (summed in another order).
@@ -35,7 +35,7 @@ from kiln.codegen.render.base import (
   shift_mask,
   skip,
 )
-from kiln.codegen.render.llvm_claim import claim_loop
+from kiln.codegen.render.llvm_claim import claim_loop, task_entry
 from kiln.codegen.render.llvm_math import double_hex, vtype
 from kiln.codegen.spec import ProgramSpec
 from kiln.codegen.threads import CORE_ID
@@ -139,7 +139,7 @@ class LLVMRenderer:
     if any(v.arg[0] == CORE_ID for v in lk.vars):  # the runtime passes core_id itself: a user value would be lost
       raise CodegenError("variable name core_id is reserved for the CPU thread index; rename the DEFINE_VAR")
     src = LLVMPrinter(lk, self.target).print()
-    # the entry (and a split kernel's task entry; NAME.chunk is internal) carries a hash of the code, so kernels of one name
+    # the entry (and its task entry; a split kernel's NAME.chunk is internal) carries a hash of the code, so kernels of one name
     # but different code can share a JIT engine
     entry = f"{lk.name}_{hashlib.sha256(src.encode()).hexdigest()[:16]}"
     src = src.replace(f"@{lk.name}(", f"@{entry}(").replace(f"@{lk.name}.task(", f"@{entry}.task(")
@@ -202,11 +202,11 @@ class LLVMPrinter(Printer):
     return f"i32 %var.{v.arg[0]}"
 
   def assemble(self, params: list[str]) -> str:
-    lk, body = self.lk, self.lines
-    split = lk.threads > 1
+    lk, body, split = self.lk, self.lines, self.lk.threads > 1
     # a split kernel's chunks are an internal function; the entry claims chunks for its thread (claim_loop)
-    entry = claim_loop(lk.name, params, lk.threads, lk.finish, lk.slot_bytes, lk.scratch is not None) if split else []
-    params = params + (["i32 %core_id"] if split else []) + (["ptr noalias %scratch"] if lk.scratch is not None else [])
+    own = params + (["ptr noalias %scratch"] if lk.scratch is not None else [])
+    entry = claim_loop(lk.name, params, lk.threads, lk.finish, lk.slot_bytes, lk.scratch is not None) if split else task_entry(lk.name, own)
+    params = [*params, "i32 %core_id", *own[len(params):]] if split else own
     vb = self.target.vector_bytes * 8
     define = f"define internal void @{lk.name}.chunk" if split else f"define void @{lk.name}"
     head = [f"{define}({', '.join(params)}) #{1 if split else 0} {{", "entry:"] + ["  " + a for a in self.entry]

@@ -1,5 +1,6 @@
-"""The entry points of a CPU kernel split into chunks (docs/architecture.md, "The thread split"): the claim loop each
-thread runs, and the task entry the runtime's native pool calls. LLVM IR text, like the rest of the renderer."""
+"""The entry points of a CPU kernel beside its own: a split kernel's claim loop, which each thread runs (docs/architecture.md,
+"The thread split"), and every kernel's task entry, which the runtime's native code calls (the pool's workers, a plan's
+sequence runner). LLVM IR text, like the rest of the renderer."""
 from __future__ import annotations
 
 
@@ -26,9 +27,11 @@ def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, 
   return lines + task_entry(name, [*args, "i32 %slot", "ptr %claim", *(["ptr %scratch"] if scratch else [])])
 
 
-def task_entry(name: str, args: list[str]) -> list[str]:
-  """`void NAME.task(ptr args, i32 slot)`: the entry's arguments from an int64 block (every one but the slot, in order),
-  for the runtime's native pool, which calls any kernel's threads through this one signature."""
+def task_entry(name: str, params: list[str]) -> list[str]:
+  """`void NAME.task(ptr args, i32 slot)`: the entry's parameters `params` from an int64 block (every one but the slot,
+  in order), for the runtime's native code, which calls any kernel through this one signature. An unsplit kernel takes
+  no slot: its task ignores it."""
+  args = [f"{p.split()[0]} {p.split()[-1]}" for p in params]  # "ptr noalias align 4 %data0" is passed as "ptr %data0"
   lines = [f"define void @{name}.task(ptr %args, i32 %slot) #0 {{", "entry:"]
   for i, a in enumerate(x for x in args if x != "i32 %slot"):
     ty, reg = a.split()

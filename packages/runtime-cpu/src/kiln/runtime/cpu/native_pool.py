@@ -283,7 +283,57 @@ unlock_wake:
 out:
   ret void
 }}
+
+; a plan's stretch of kernels, one after another, in one call from Python: %n steps of STEP_WORDS int64 words each (the
+; kernel's task entry, its argument block, its chunk counter or 0 for an unsplit kernel, its calls | finish << 32). A
+; split kernel's counter is zeroed, its calls run over the pool (the caller alone when there is one), then its
+; finishing call (slot -1) when it has one. %pool is only read for a kernel of more than one call.
+define void @kiln_pool_run_seq(ptr %pool, ptr %steps, i32 %n, i64 %ticks) {{
+entry:
+  br label %loop
+loop:
+  %i = phi i32 [ 0, %entry ], [ %i1, %next ]
+  %more = icmp slt i32 %i, %n
+  br i1 %more, label %body, label %out
+body:
+  %i64 = zext i32 %i to i64
+  %at = mul i64 %i64, 4
+  %taskp = getelementptr i64, ptr %steps, i64 %at
+  %task = load ptr, ptr %taskp, align 8
+  %blockp = getelementptr i64, ptr %taskp, i64 1
+  %block = load ptr, ptr %blockp, align 8
+  %claimp = getelementptr i64, ptr %taskp, i64 2
+  %claim = load ptr, ptr %claimp, align 8
+  %wordp = getelementptr i64, ptr %taskp, i64 3
+  %word = load i64, ptr %wordp, align 8
+  %calls = trunc i64 %word to i32
+  %fin64 = lshr i64 %word, 32
+  %split = icmp ne ptr %claim, null
+  br i1 %split, label %reset, label %alone
+reset:
+  store atomic i32 0, ptr %claim seq_cst, align 4
+  %many = icmp sgt i32 %calls, 1
+  br i1 %many, label %pooled, label %alone
+pooled:
+  call void @kiln_pool_run(ptr %pool, ptr %task, ptr %block, i32 %calls, i64 %ticks)
+  br label %finish
+alone:
+  call void %task(ptr %block, i32 0)
+  br label %finish
+finish:
+  %fin = icmp ne i64 %fin64, 0
+  br i1 %fin, label %last, label %next
+last:
+  call void %task(ptr %block, i32 -1)
+  br label %next
+next:
+  %i1 = add i32 %i, 1
+  br label %loop
+out:
+  ret void
+}}
 """
+STEP_WORDS = 4  # a sequence step's int64 words (kiln_pool_run_seq)
 
 
 def native_pool_supported() -> bool:
@@ -303,8 +353,9 @@ def _engine(ir: str) -> llvm.ExecutionEngine:
 
 
 @cache
-def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
-  """The compiled worker loop and run call, once per process: (engine, kiln_pool_worker, kiln_pool_run)."""
+def _loop_code() -> tuple[llvm.ExecutionEngine, int, int, int]:
+  """The compiled worker loop and run calls, once per process: (engine, kiln_pool_worker, kiln_pool_run,
+  kiln_pool_run_seq)."""
   init_llvm()
   libc = ctypes.CDLL(None)
   for name in _LIBC_SYMBOLS: llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
@@ -313,11 +364,19 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int]:
   # {geps:a,b}: the pointers to those words, as the function that holds it names them
   geps = lambda m: "\n".join(f"  %{_FIELDS[f][0]} = getelementptr i8, ptr %pool, i64 {_FIELDS[f][1]}" for f in m.group(1).split(","))  # noqa: E731
   engine = _engine(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch]))
-  return engine, engine.get_function_address("kiln_pool_worker"), engine.get_function_address("kiln_pool_run")
+  return engine, *(engine.get_function_address(f"kiln_pool_{f}") for f in ("worker", "run", "run_seq"))  # type: ignore[return-value]
 
 
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32)
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
+_RUN_SEQ = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
+
+
+@cache
+def run_sequence() -> Callable[[int, int, int, int], None]:
+  """kiln_pool_run_seq(pool, steps, n, ticks): a plan's stretch of kernels in one native call (sequence.py builds the
+  steps)."""
+  return _RUN_SEQ(_loop_code()[3])
 
 
 class NativePool:
@@ -332,10 +391,10 @@ class NativePool:
     raw = np.zeros(POOL_BYTES + 64, np.uint8)
     self._raw = raw  # the shared words; kept alive as long as the pool (its workers read them for ever)
     self.address = raw.ctypes.data + (-raw.ctypes.data % 64)
-    _, worker, run = _loop_code()
+    _, worker, run, _ = _loop_code()
     self._run = _RUN(run)
     rate = cycles_per_us()
-    self._spin_ticks, self._wait_ticks = int(spin * rate), max(int(wait_us * rate), 1)
+    self._spin_ticks, self.wait_ticks = int(spin * rate), max(int(wait_us * rate), 1)
     plans = plans_address if plans_address is not None else plans_running_address()
     loop = _WORKER(worker)
     self.workers = [threading.Thread(target=loop, args=(self.address, plans, self._spin_ticks, 0), name=f"kiln-cpu-{i}",
@@ -346,7 +405,7 @@ class NativePool:
     """Run `task(args, slot)` for slots 0..calls-1 over the pool; returns when every call has returned. `task` is a split
     kernel's task entry, `args` its int64 argument block. While another Python thread's kernel has the pool, this one
     waits its turn (GIL released): two kernels at once would put more threads than cores on the kernels' chunks."""
-    self._run(self.address, task, args, calls, self._wait_ticks)
+    self._run(self.address, task, args, calls, self.wait_ticks)
 
   def run_kernel(self, fn: Callable[..., object], args: Sequence[tuple], task: int, block: int) -> None:
     """A split kernel's calls: through its task entry over the pool; without one (object code from before there was

@@ -19,6 +19,7 @@ from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu import running
 from kiln.runtime.cpu.compiler import init_llvm
 from kiln.runtime.cpu.guard import guard_enabled, guarded_array
+from kiln.runtime.cpu.sequence import sequence_calls
 from kiln.runtime.cpu.threads import get_pool
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
@@ -116,9 +117,10 @@ class CPUProgram:
         self._engine.add_object_file(llvm.ObjectFileRef.from_data(compiled.bytes))
         self._engine.finalize_object()
         addr = self._engine.get_function_address(self.entry)
-      # a split kernel's task entry, for the native pool (0 in object code from before it existed: the caller alone runs it)
+      # the task entry, for native callers: the pool's workers, a plan's sequence (0 in object code from before every
+      # kernel had one: Python calls the entry)
       lookup = self._engine.get_function_address if self._engine is not None else shared_engine().address
-      self.task = lookup(self.entry + ".task") if addr and self.threads > 1 else 0
+      self.task = lookup(self.entry + ".task") if addr else 0
     if not addr: raise CompileError(f"kernel {self.name}: symbol {self.entry} not found in its object code")
     self.scratch_bytes = compiled.scratch_bytes  # per-call scratch: a threaded reduction's partials, packed panels
     self.finish_call = compiled.finish  # a threaded reduction's finishing call (core_id == threads)
@@ -173,6 +175,7 @@ class CPUBoundCall:
   other work takes fewer). A bound call owns its counter and, unless share_scratch gave it a plan's, its scratch, so two
   bound calls of one program may run at once; one bound call may not."""
   __slots__ = ("prog", "bufs", "vals", "args", "scratch", "finish", "claim", "block", "block_at")
+  sequence_calls = staticmethod(sequence_calls)  # kiln.codegen.protocols.SequenceCall: a plan's stretch as one native call
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
     self.prog, self.bufs, self.vals = prog, bufs, vals
@@ -187,19 +190,21 @@ class CPUBoundCall:
     self._build(vals)
 
   def _build(self, vals: list[int]) -> None:
-    """The argument lists (lists, so that set_vals rewrites a value in place)."""
+    """The argument lists (lists, so that set_vals rewrites a value in place) and the task entry's block."""
     base = [*self.bufs, *vals]
     extra: list = []
     if self.scratch is not None: extra = [(self.scratch.ctypes.data + 63) // 64 * 64]
+    claim = [self.claim.ctypes.data] if self.claim is not None else []
     if self.claim is not None:
-      claim = self.claim.ctypes.data
       workers = min(get_pool().size, self.prog.threads, self.prog.slots or self.prog.threads)
-      self.args: list = [[*base, w, claim, *extra] for w in range(workers)]
-      # the task entry's int64 block (the native pool's way in): the same arguments but the slot
-      self.block = np.array([*base, claim, *extra], np.int64) if self.prog.task else None
-      self.block_at = self.block.ctypes.data if self.block is not None else 0
-      self.finish = [*base, -1, claim, *extra] if self.prog.finish_call else None
+      self.args: list = [[*base, w, *claim, *extra] for w in range(workers)]
+      self.finish = [*base, -1, *claim, *extra] if self.prog.finish_call else None
     else: self.args, self.finish = [*base, *extra], None
+    if self.prog.task:  # the task entry's int64 block (native code's way in): the same arguments but the slot
+      words = [*base, *claim, *extra]
+      if self.block is None: self.block = np.array(words, np.int64)
+      else: self.block[:] = words  # in place: a plan's sequence holds its address
+      self.block_at = self.block.ctypes.data
 
   def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
     """New variable values, written into the argument lists in place (a decode step's position changes every token, in
@@ -212,8 +217,8 @@ class CPUBoundCall:
       if self.claim is None: self.args[at + i] = v
       else:
         for a in self.args: a[at + i] = v
-        if self.block is not None: self.block[at + i] = v
         if self.finish is not None: self.finish[at + i] = v
+      if self.block is not None: self.block[at + i] = v
     self.vals = new
 
   @staticmethod

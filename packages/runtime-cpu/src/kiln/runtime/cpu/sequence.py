@@ -1,0 +1,54 @@
+"""A plan's stretch of CPU kernels run by one native call (kiln.codegen.protocols.SequenceCall).
+
+Why: calling a kernel from Python through ctypes costs about a microsecond before the kernel starts, and a split
+kernel's hand-off to the pool a few more. A language model's decode step runs some 1,100 kernels, most of them small:
+the calls alone took more than a millisecond of a step of seven. Here the executor hands each stretch of bound calls
+with nothing else between them to `sequence_calls`, and the stretch runs as one call of the native pool's
+`kiln_pool_run_seq`, which calls each kernel's task entry (every kernel has one: render.llvm_claim.task_entry) with the
+argument block its bound call keeps, and posts split kernels to the pool as the Python path does.
+
+The steps hold the blocks' addresses: a bound call writes new variable values (set_vals) and a shared scratch
+(share_scratch) into its block in place, so the sequence follows them without being rebuilt."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kiln.runtime.cpu.native_pool import STEP_WORDS, NativePool, native_pool_supported, run_sequence
+from kiln.runtime.cpu.threads import get_pool, pool_kind
+
+if TYPE_CHECKING:
+  from kiln.runtime.cpu.program import CPUBoundCall
+
+
+class CPUSequence:
+  """Bound calls run in order by one native call. Like a bound call, one run at a time (the plan's lock sees to it)."""
+  __slots__ = ("calls", "steps", "pooled", "_run", "_at", "_n")
+
+  def __init__(self, calls: Sequence[CPUBoundCall]):
+    self.calls = list(calls)  # keeps the blocks and chunk counters the steps point at alive
+    self.steps = np.zeros((len(self.calls), STEP_WORDS), np.int64)
+    for row, c in zip(self.steps, self.calls):
+      claim, threads = (c.claim.ctypes.data, len(c.args)) if c.claim is not None else (0, 1)
+      row[:] = (c.prog.task, c.block_at, claim, threads | (int(c.finish is not None) << 32))
+    self.pooled = any(c.claim is not None and len(c.args) > 1 for c in self.calls)  # a kernel runs over the pool's workers
+    self._run, self._at, self._n = run_sequence(), self.steps.ctypes.data, len(self.calls)
+
+  def __call__(self) -> None:
+    if not self.pooled:
+      self._run(0, self._at, self._n, 0)
+      return
+    pool = get_pool()  # at run time: a child made by fork() has a pool of its own
+    if isinstance(pool, NativePool): self._run(pool.address, self._at, self._n, pool.wait_ticks)
+    else:  # the process's pool was made as a Python one before KILN_POOL said native
+      for c in self.calls: c()
+
+
+def sequence_calls(calls: Sequence[Any]) -> CPUSequence | None:
+  """One callable for a plan's stretch of CPU bound calls, or None where it would not pay or cannot be: fewer than two
+  calls, no native pool on this platform or KILN_POOL=python, or a kernel without a task entry."""
+  if len(calls) < 2 or not native_pool_supported() or pool_kind() != "native": return None
+  if any(not c.prog.task or c.block is None for c in calls): return None
+  return CPUSequence(calls)
