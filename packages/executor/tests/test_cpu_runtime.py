@@ -281,3 +281,24 @@ def test_a_stretch_of_cpu_kernels_runs_as_one_native_call(cpu):
     np.testing.assert_array_equal(plan.output_buffer(0).numpy(), want)
     np.testing.assert_array_equal(plan.output_buffer(1).numpy(), want + 1)
   assert seen == [3.0, 3.0]
+
+
+def test_a_variable_reaches_its_kernels_through_the_runtimes_writer(cpu):
+  """set_vars writes a variable taken by many CPU kernels with the runtime's writer (ValsWriter), not call by call; a
+  value outside the bounds is refused before anything is written."""
+  b = ExecutionPlanBuilder("CPU")
+  xs = [b.add_buffer(Buffer("CPU", 64, dtypes.float32)) for _ in range(5)]
+  b.buffers[xs[0]].copyin(np.arange(64, dtype=np.float32))
+  for i in range(4): b.add_kernel(scale_n(64), [xs[i + 1], xs[i]])
+  b.set_outputs([xs[4]])
+  plan = b.build()
+  for n in (64, 9, 9, 40):
+    plan.output_buffer(0).copyin(np.zeros(64, np.float32))
+    plan.execute_with_vars({"n": n})
+    write, rest = plan._writers["n"]
+    assert write is not None and rest == []
+    np.testing.assert_array_equal(plan.output_buffer(0).numpy()[:n], np.arange(n, dtype=np.float32) * 16)
+    assert not plan.output_buffer(0).numpy()[n:].any()
+    assert all(pk.bound.vals == [n] for pk in plan.kernels)
+  with pytest.raises(VariableBoundsError): plan.set_vars({"n": 65})
+  assert all(pk.bound.vals == [40] and pk.vals == [40] for pk in plan.kernels)

@@ -196,13 +196,14 @@ def test_the_task_entry_runs_the_kernel_as_its_entry_does() -> None:
 
 def test_a_kernel_without_a_task_entry_runs_on_the_caller(pools: dict[int, NativePool], monkeypatch: pytest.MonkeyPatch) -> None:
   """Object code from before the task entry existed (task 0): the native pool runs its calls on the caller, whole."""
-  import kiln.runtime.cpu.program as program_mod
+  import kiln.runtime.cpu.bound as bound_mod
   n = 1 << 20
   ast = kernels.elementwise(lambda a: a * 3.0 + 1.0, dtypes.float32, ((n,), dtypes.float32))
   prog = RT.load(RT.compiler.compile(RT.renderer.render(ast)))
   assert prog.threads > 1 and prog.task
   monkeypatch.setattr(prog, "task", 0)
-  monkeypatch.setattr(program_mod, "get_pool", lambda: pools[2])
+  monkeypatch.setattr(prog, "task_fn", None)
+  monkeypatch.setattr(bound_mod, "get_pool", lambda: pools[2])
   x, out = np.random.default_rng(3).standard_normal(n).astype(np.float32), np.zeros(n, np.float32)
   prog([out.ctypes.data, x.ctypes.data])
   assert out.tobytes() == reference.run(ast, np.zeros(n, np.float32), x)[0].tobytes()

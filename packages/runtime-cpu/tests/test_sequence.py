@@ -9,14 +9,15 @@ import ctypes
 import numpy as np
 import pytest
 
-import kiln.runtime.cpu.program as program_mod
+import kiln.runtime.cpu.bound as bound_mod
 import kiln.runtime.cpu.sequence as sequence_mod
 from kiln.codegen.choose import Target
 from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import UOp, dtypes, kernels, reference
+from kiln.runtime.cpu.bound import CPUBoundCall
 from kiln.runtime.cpu.native_pool import NativePool, native_pool_supported
-from kiln.runtime.cpu.program import CPUBoundCall, CPUProgram
+from kiln.runtime.cpu.program import CPUProgram
 from kiln.runtime.cpu.sequence import CPUSequence, sequence_calls
 
 pytestmark = pytest.mark.skipif(not native_pool_supported(), reason="sequences run on the native pool: Linux on x86-64 or AArch64")
@@ -73,7 +74,7 @@ class Chain:
 
 
 def _on_pool(monkeypatch: pytest.MonkeyPatch, pool: NativePool) -> None:
-  monkeypatch.setattr(program_mod, "get_pool", lambda: pool)
+  monkeypatch.setattr(bound_mod, "get_pool", lambda: pool)
   monkeypatch.setattr(sequence_mod, "get_pool", lambda: pool)
 
 
@@ -127,5 +128,26 @@ def test_no_sequence_where_there_cannot_be_one(progs, monkeypatch: pytest.Monkey
   monkeypatch.setenv("KILN_POOL", "python")
   assert sequence_calls(chain.calls) is None
   monkeypatch.delenv("KILN_POOL")
-  monkeypatch.setattr(chain.calls[1].prog, "task", 0)  # object code from before every kernel had a task entry
-  assert sequence_calls(chain.calls) is None
+  monkeypatch.setattr(chain.calls[1].prog, "task_fn", None)  # object code from before every kernel had a task entry
+  assert sequence_calls(Chain(progs, 10).calls) is None
+
+
+def test_a_writer_sets_a_variable_in_blocks_of_many_pages(progs, monkeypatch: pytest.MonkeyPatch) -> None:
+  """vals_writer: one value into every call's block at once, however the blocks fall on pages (a page of 8 words here:
+  each axpy block is 4, so three calls span two pages); the calls then run with it, and read it back as their vals."""
+  import kiln.runtime.cpu.blocks as blocks_mod
+  monkeypatch.setattr(blocks_mod, "PAGE_WORDS", 8)
+  monkeypatch.setattr(blocks_mod, "_page", None)
+  ast, prog = progs["axpy"]
+  rng = np.random.default_rng(4)
+  arrays = [[np.zeros(4096, np.float32), rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32)]
+            for _ in range(3)]
+  calls = [prog.bind([a.ctypes.data for a in arr], [4096]) for arr in arrays]
+  assert len({c.block.base.ctypes.data for c in calls}) == 2  # type: ignore[union-attr]
+  write = CPUBoundCall.vals_writer([(c, 0) for c in calls])
+  assert write is not None
+  write(77)
+  for c, arr in zip(calls, arrays):
+    assert c.vals == [77]
+    c()
+    assert arr[0].tobytes() == reference.run(ast, np.zeros(4096, np.float32), *arr[1:], var_vals={"n": 77})[0].tobytes()

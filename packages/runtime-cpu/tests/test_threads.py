@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-import kiln.runtime.cpu.program as program_mod
+import kiln.runtime.cpu.bound as bound_mod
 from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
@@ -38,7 +38,7 @@ def run(ast: UOp, bufs: list[np.ndarray], opts: list[Opt] | None, vals: tuple[in
   if pool is None: prog([b.ctypes.data for b in out], list(vals))
   else:
     mp = pytest.MonkeyPatch()
-    mp.setattr(program_mod, "get_pool", lambda: POOLS[pool])
+    mp.setattr(bound_mod, "get_pool", lambda: POOLS[pool])
     try: prog([b.ctypes.data for b in out], list(vals))
     finally: mp.undo()
   return out

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-import kiln.runtime.cpu.program as program_mod
+import kiln.runtime.cpu.bound as bound_mod
 import kiln.runtime.cpu.threads as threads_mod
 from kiln.codegen import threads as split
 from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
@@ -39,7 +39,7 @@ def load(ast: UOp, opts: list[Opt] | None = None, target: Target | None = None) 
 
 
 def run_on(prog: CPUProgram, arrays: list[np.ndarray], pool: int, monkeypatch: pytest.MonkeyPatch, kind: str = KINDS[0]) -> None:
-  monkeypatch.setattr(program_mod, "get_pool", lambda: POOLS[kind][pool])
+  monkeypatch.setattr(bound_mod, "get_pool", lambda: POOLS[kind][pool])
   prog([a.ctypes.data for a in arrays])
 
 
@@ -141,16 +141,16 @@ def test_a_claimer_that_starts_late_finds_the_work_done(monkeypatch: pytest.Monk
   assert prog.threads >= 2
   x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
   out = np.zeros(n, np.float32)
-  real, caller_done, seen = prog.fn, threading.Event(), {}
+  real, caller_done, seen = prog.task_fn, threading.Event(), {}
   def late(*args: object) -> None:
-    slot = args[-3] if prog.scratch_bytes else args[-2]  # (buffers, slot, claim[, scratch])
+    slot = args[1]  # the task entry's (block, slot)
     if slot == 1:
       caller_done.wait(5)
       seen["before"] = out.copy()  # what the output held when the late claimer started
     real(*args)
     if slot == 0: caller_done.set()
-  monkeypatch.setattr(prog, "fn", late)
-  run_on(prog, [out, x], 2, monkeypatch, "python")  # the Python pool calls prog.fn, which this test replaces
+  monkeypatch.setattr(prog, "task_fn", late)
+  run_on(prog, [out, x], 2, monkeypatch, "python")  # the Python pool calls prog.task_fn, which this test replaces
   assert "before" in seen and np.array_equal(seen["before"], x * 2), "the caller left chunks for the late thread"
   assert np.array_equal(out, x * 2)
 

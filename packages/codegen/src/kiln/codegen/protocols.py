@@ -76,6 +76,16 @@ class SequenceCall(Protocol):
 
 
 @runtime_checkable
+class ValsWriter(Protocol):
+  """Optional on a BoundCall, for a runtime that can write one variable's value into many of its calls at once (the
+  CPU: one numpy assignment into the calls' argument blocks). `vals_writer(sites)`, for (call, position in the kernel's
+  var_names) pairs of that runtime's calls, returns a callable that writes a value at every site, or None. ExecutionPlan
+  checks the value against the bounds of every kernel it reaches first, and uses it only for calls whose launch size
+  does not depend on variables."""
+  vals_writer: Callable[[Sequence[tuple[Any, int]]], Callable[[int], None] | None]
+
+
+@runtime_checkable
 class Program(Protocol):
   """A loaded kernel. bufs are raw device addresses in `globals` order; vals follow `var_names` (core_id excluded:
   the runtime supplies it). Returns the kernel's time in seconds when wait=True."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kiln.codegen.protocols import PlanRunning, SequenceCall, SessionCall
+from kiln.codegen.protocols import PlanRunning, SequenceCall, SessionCall, ValsWriter
 from kiln.codegen.threads import CORE_ID
 from kiln.executor import debug
 from kiln.executor.buffer import Buffer
@@ -110,6 +110,7 @@ class ExecutionPlan:
         plo, phi = self._var_bounds.get(n, (lo, hi))
         self._var_bounds[n] = (max(lo, plo), min(hi, phi))
     self._unbound = set(self._var_sites)
+    self._writers: dict[str, tuple[Callable[[int], None] | None, list[PreparedKernel]]] = {}  # _writer's, by variable
     self._current: dict[str, int] = {}
     storages = {b.storage_id: b.storage for b in buffers}
     self.memory_bytes = sum(s.nbytes for s in storages.values())  # the plan's peak buffer memory (all of it lives as long as the plan)
@@ -185,9 +186,10 @@ class ExecutionPlan:
     try:
       touched: dict[int, PreparedKernel] = {}
       for n, v in new.items():
-        for pk, pos in self._var_sites[n]:
-          pk.vals[pos] = v
-          touched[pk.id] = pk
+        write, rest = self._writers[n] if n in self._writers else self._writer(n)
+        for pk, pos in self._var_sites[n]: pk.vals[pos] = v
+        if write is not None: write(v)
+        for pk in rest: touched[pk.id] = pk
       for pk in touched.values():
         if pk.symbolic_sizes: pk.resize()
         assert pk.bound is not None
@@ -197,6 +199,19 @@ class ExecutionPlan:
     except BaseException as e:
       self._poisoned = e
       raise
+
+  def _writer(self, name: str) -> tuple[Callable[[int], None] | None, list[PreparedKernel]]:
+    """How a value of variable `name` reaches its kernels: the runtime's writer for every site it takes at once
+    (ValsWriter), and the kernels left to set_vals one by one. Made at the first set_vars that changes it."""
+    sites = self._var_sites[name]
+    batch: list[tuple[ValsWriter, PreparedKernel, int]] = []
+    for pk, pos in sites:
+      if not pk.symbolic_sizes and isinstance(b := pk.bound, ValsWriter): batch.append((b, pk, pos))
+    kinds = {type(b): b.vals_writer for b, _, _ in batch}  # one runtime's calls only
+    write = kinds.popitem()[1]([(b, pos) for b, _, pos in batch]) if len(kinds) == 1 else None
+    taken = {pk.id for _, pk, _ in batch} if write is not None else set()
+    self._writers[name] = (write, list({pk.id: pk for pk, _ in sites if pk.id not in taken}.values()))
+    return self._writers[name]
 
   def execute_with_vars(self, var_vals: Mapping[str, int]) -> None:
     with self._lock:  # another thread's variables cannot slip in between

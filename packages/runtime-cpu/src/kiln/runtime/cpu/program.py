@@ -11,16 +11,13 @@ from collections.abc import Sequence
 from functools import cache
 
 import llvmlite.binding as llvm
-import numpy as np
 
 from kiln.codegen.spec import CompiledSpec
 from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu import running
+from kiln.runtime.cpu.bound import CPUBoundCall
 from kiln.runtime.cpu.compiler import init_llvm
-from kiln.runtime.cpu.guard import guard_enabled, guarded_array
-from kiln.runtime.cpu.sequence import sequence_calls
-from kiln.runtime.cpu.threads import get_pool
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
 _LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt", "truncf", "trunc", "fmaxf", "fmax",
@@ -48,6 +45,7 @@ def _register_symbols() -> None:
 
 
 _engine_lock = threading.Lock()
+_TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)  # NAME.task(ptr args, i32 slot)
 
 
 def _new_engine() -> llvm.ExecutionEngine:
@@ -125,6 +123,7 @@ class CPUProgram:
     self.scratch_bytes = compiled.scratch_bytes  # per-call scratch: a threaded reduction's partials, packed panels
     self.finish_call = compiled.finish  # a threaded reduction's finishing call (core_id == threads)
     self.slots = compiled.slots  # a split kernel's threads with scratch of their own (0: any number of threads)
+    self.task_fn = _TASK(self.task) if self.task else None  # Python's way in through the task entry (bound.py)
     argtypes = [ctypes.c_void_p] * compiled.buf_count + [ctypes.c_int32] * len(self.user_vars)
     if self.threads > 1: argtypes += [ctypes.c_int32, ctypes.c_void_p]  # the thread's slot, the chunk counter
     if self.scratch_bytes: argtypes.append(ctypes.c_void_p)
@@ -167,91 +166,3 @@ def _as_int(x: object) -> int | None:
   if isinstance(x, bool): return None
   try: return operator.index(x)  # type: ignore[arg-type]
   except TypeError: return None
-
-
-class CPUBoundCall:
-  """The fast path: argument tuples built once; calling runs the kernel (over the pool when split into chunks: each
-  thread of the pool claims chunks from this call's counter until none is left, so a thread whose core is busy with
-  other work takes fewer). A bound call owns its counter and, unless share_scratch gave it a plan's, its scratch, so two
-  bound calls of one program may run at once; one bound call may not."""
-  __slots__ = ("prog", "bufs", "vals", "args", "scratch", "finish", "claim", "block", "block_at")
-  sequence_calls = staticmethod(sequence_calls)  # kiln.codegen.protocols.SequenceCall: a plan's stretch as one native call
-
-  def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
-    self.prog, self.bufs, self.vals = prog, bufs, vals
-    self.scratch: np.ndarray | None = None
-    if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
-      n = -(-prog.scratch_bytes // 64) * 64
-      self.scratch = guarded_array(n, np.uint8) if guard_enabled() else np.zeros(prog.scratch_bytes + 64, np.uint8)
-    # a split kernel's chunk counter, alone on its cache line (every claim writes it; a neighbour there would bounce)
-    self.claim = _line() if prog.threads > 1 else None
-    self.block: np.ndarray | None = None
-    self.block_at = 0  # its address: the native pool's way in (0: none)
-    self._build(vals)
-
-  def _build(self, vals: list[int]) -> None:
-    """The argument lists (lists, so that set_vals rewrites a value in place) and the task entry's block."""
-    base = [*self.bufs, *vals]
-    extra: list = []
-    if self.scratch is not None: extra = [(self.scratch.ctypes.data + 63) // 64 * 64]
-    claim = [self.claim.ctypes.data] if self.claim is not None else []
-    if self.claim is not None:
-      workers = min(get_pool().size, self.prog.threads, self.prog.slots or self.prog.threads)
-      self.args: list = [[*base, w, *claim, *extra] for w in range(workers)]
-      self.finish = [*base, -1, *claim, *extra] if self.prog.finish_call else None
-    else: self.args, self.finish = [*base, *extra], None
-    if self.prog.task:  # the task entry's int64 block (native code's way in): the same arguments but the slot
-      words = [*base, *claim, *extra]
-      if self.block is None: self.block = np.array(words, np.int64)
-      else: self.block[:] = words  # in place: a plan's sequence holds its address
-      self.block_at = self.block.ctypes.data
-
-  def set_vals(self, vals: Sequence[int], global_size: Sequence[int] | None = None, local_size: Sequence[int] | None = None) -> None:
-    """New variable values, written into the argument lists in place (a decode step's position changes every token, in
-    some 240 kernels of a language model's plan: rebuilding every list took most of a millisecond). The buffers were
-    checked when the call was bound and do not change."""
-    new = self.prog.check_vals(vals)
-    at = len(self.bufs)
-    for i, (v, old) in enumerate(zip(new, self.vals)):
-      if v == old: continue
-      if self.claim is None: self.args[at + i] = v
-      else:
-        for a in self.args: a[at + i] = v
-        if self.finish is not None: self.finish[at + i] = v
-      if self.block is not None: self.block[at + i] = v
-    self.vals = new
-
-  @staticmethod
-  def share_scratch(calls: Sequence[CPUBoundCall], together: Sequence[Sequence[object]] = ()) -> None:
-    """One scratch for calls that never run at once (an ExecutionPlan's, which runs its steps one after another: kiln's
-    executor asks), as large as the largest needs, instead of one each: a model's plan held a dequantised panel or a
-    split sum's partials per kernel. The calls of each group in `together` run at once (a plan's kernels overlapped on
-    threads): the j-th of a group takes the j-th arena, so no two of them pack panels into the same bytes. Not under
-    KILN_GUARD, where each keeps its own, ending at its guard page."""
-    own = [c for c in calls if c.scratch is not None]
-    if len(own) < 2 or guard_enabled(): return
-    lane = dict.fromkeys(map(id, own), 0)
-    for group in together:
-      for j, c in enumerate(c for c in group if id(c) in lane): lane[id(c)] = j
-    need: dict[int, int] = {}
-    for c in own: need[lane[id(c)]] = max(need.get(lane[id(c)], 0), c.scratch.nbytes)  # type: ignore[union-attr]  # each 64 bytes over its need
-    arenas = {j: np.zeros(n, np.uint8) for j, n in need.items()}
-    for c in own:
-      c.scratch = arenas[lane[id(c)]]
-      c._build(c.vals)
-
-  def __call__(self) -> None:
-    if self.claim is None: self.prog.fn(*self.args)
-    else:
-      self.claim[0] = 0
-      # a pool of one thread: this call claims every chunk itself, without the pool's round trip
-      if len(self.args) == 1: self.prog.fn(*self.args[0])
-      else: get_pool().run_kernel(self.prog.fn, self.args, self.prog.task, self.block_at)  # type: ignore[arg-type]
-    if self.finish is not None: self.prog.fn(*self.finish)
-
-
-def _line() -> np.ndarray:
-  """An int32 counter alone on a 64-byte cache line."""
-  raw = np.zeros(32, np.int32)
-  skip = (-raw.ctypes.data % 64) // 4
-  return raw[skip:skip + 16]

@@ -7,8 +7,8 @@ with nothing else between them to `sequence_calls`, and the stretch runs as one 
 `kiln_pool_run_seq`, which calls each kernel's task entry (every kernel has one: render.llvm_claim.task_entry) with the
 argument block its bound call keeps, and posts split kernels to the pool as the Python path does.
 
-The steps hold the blocks' addresses: a bound call writes new variable values (set_vals) and a shared scratch
-(share_scratch) into its block in place, so the sequence follows them without being rebuilt."""
+The steps hold the blocks' addresses: blocks never move, and new variable values and a shared scratch are written into
+them in place (bound.py), so the sequence follows them without being rebuilt."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,7 +20,7 @@ from kiln.runtime.cpu.native_pool import STEP_WORDS, NativePool, native_pool_sup
 from kiln.runtime.cpu.threads import get_pool, pool_kind
 
 if TYPE_CHECKING:
-  from kiln.runtime.cpu.program import CPUBoundCall
+  from kiln.runtime.cpu.bound import CPUBoundCall
 
 
 class CPUSequence:
@@ -31,9 +31,9 @@ class CPUSequence:
     self.calls = list(calls)  # keeps the blocks and chunk counters the steps point at alive
     self.steps = np.zeros((len(self.calls), STEP_WORDS), np.int64)
     for row, c in zip(self.steps, self.calls):
-      claim, threads = (c.claim.ctypes.data, len(c.args)) if c.claim is not None else (0, 1)
+      claim, threads = (c.claim.ctypes.data, c.workers) if c.claim is not None else (0, 1)
       row[:] = (c.prog.task, c.block_at, claim, threads | (int(c.finish is not None) << 32))
-    self.pooled = any(c.claim is not None and len(c.args) > 1 for c in self.calls)  # a kernel runs over the pool's workers
+    self.pooled = any(c.workers > 1 for c in self.calls)  # a kernel runs over the pool's workers
     self._run, self._at, self._n = run_sequence(), self.steps.ctypes.data, len(self.calls)
 
   def __call__(self) -> None:
