@@ -151,3 +151,16 @@ def test_a_writer_sets_a_variable_in_blocks_of_many_pages(progs, monkeypatch: py
     assert c.vals == [77]
     c()
     assert arr[0].tobytes() == reference.run(ast, np.zeros(4096, np.float32), *arr[1:], var_vals={"n": 77})[0].tobytes()
+
+
+def test_a_timed_run_gives_each_steps_cycles(progs, pools, monkeypatch: pytest.MonkeyPatch) -> None:
+  """timed(): the cycle counter between steps, one count per kernel, and still the results of a plain run."""
+  _on_pool(monkeypatch, pools[2])
+  plain, timed = Chain(progs, 1000), Chain(progs, 1000)
+  sequence_calls(plain.calls)()  # type: ignore[misc]
+  seq = sequence_calls(timed.calls)
+  assert seq is not None
+  cycles = seq.timed()
+  assert cycles.shape == (4,) and (cycles > 0).all()
+  assert cycles[2] > cycles[0]  # a sum over 4M floats takes longer than 1000 multiply-adds
+  assert timed.result() == plain.result()

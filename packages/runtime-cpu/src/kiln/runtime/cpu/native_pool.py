@@ -58,6 +58,7 @@ declare i32 @sched_getcpu()
 declare i32 @sched_getaffinity(i32, i64, ptr)
 declare i32 @sched_setaffinity(i32, i64, ptr)
 declare i64 @llvm.vector.reduce.or.v16i64(<16 x i64>)
+declare i64 @llvm.readcyclecounter()
 
 define private void @futex_wait(ptr %a, i32 %v) {{
   %v64 = zext i32 %v to i64
@@ -287,9 +288,12 @@ out:
 ; a plan's stretch of kernels, one after another, in one call from Python: %n steps of STEP_WORDS int64 words each (the
 ; kernel's task entry, its argument block, its chunk counter or 0 for an unsplit kernel, its calls | finish << 32). A
 ; split kernel's counter is zeroed, its calls run over the pool (the caller alone when there is one), then its
-; finishing call (slot -1) when it has one. %pool is only read for a kernel of more than one call.
-define void @kiln_pool_run_seq(ptr %pool, ptr %steps, i32 %n, i64 %ticks) {{
+; finishing call (slot -1) when it has one. %pool is only read for a kernel of more than one call. %times, unless null,
+; gets the cycle counter before the first step and after each (n + 1 words): a profile without Python's overhead.
+define void @kiln_pool_run_seq(ptr %pool, ptr %steps, i32 %n, i64 %ticks, ptr %times) {{
 entry:
+  %timed = icmp ne ptr %times, null
+  call void @stamp(i1 %timed, ptr %times, i32 0)
   br label %loop
 loop:
   %i = phi i32 [ 0, %entry ], [ %i1, %next ]
@@ -328,7 +332,21 @@ last:
   br label %next
 next:
   %i1 = add i32 %i, 1
+  call void @stamp(i1 %timed, ptr %times, i32 %i1)
   br label %loop
+out:
+  ret void
+}}
+
+define private void @stamp(i1 %timed, ptr %times, i32 %at) {{
+entry:
+  br i1 %timed, label %write, label %out
+write:
+  %c = call i64 @llvm.readcyclecounter()
+  %at64 = zext i32 %at to i64
+  %p = getelementptr i64, ptr %times, i64 %at64
+  store i64 %c, ptr %p, align 8
+  br label %out
 out:
   ret void
 }}
@@ -369,13 +387,13 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int, int]:
 
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32)
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
-_RUN_SEQ = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)
+_RUN_SEQ = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p)
 
 
 @cache
-def run_sequence() -> Callable[[int, int, int, int], None]:
-  """kiln_pool_run_seq(pool, steps, n, ticks): a plan's stretch of kernels in one native call (sequence.py builds the
-  steps)."""
+def run_sequence() -> Callable[[int, int, int, int, int | None], None]:
+  """kiln_pool_run_seq(pool, steps, n, ticks, times): a plan's stretch of kernels in one native call (sequence.py builds
+  the steps)."""
   return _RUN_SEQ(_loop_code()[3])
 
 

@@ -36,12 +36,21 @@ class CPUSequence:
     self.pooled = any(c.workers > 1 for c in self.calls)  # a kernel runs over the pool's workers
     self._run, self._at, self._n = run_sequence(), self.steps.ctypes.data, len(self.calls)
 
-  def __call__(self) -> None:
+  def __call__(self) -> None: self._go(None)
+
+  def timed(self) -> np.ndarray:
+    """Run once, reading the cycle counter between steps: each step's cycles (len(calls),), without Python's overhead
+    per kernel (spin.cycles_per_us converts). For profiling."""
+    times = np.zeros(self._n + 1, np.int64)
+    self._go(times.ctypes.data)
+    return np.diff(times)
+
+  def _go(self, times: int | None) -> None:
     if not self.pooled:
-      self._run(0, self._at, self._n, 0)
+      self._run(0, self._at, self._n, 0, times)
       return
     pool = get_pool()  # at run time: a child made by fork() has a pool of its own
-    if isinstance(pool, NativePool): self._run(pool.address, self._at, self._n, pool.wait_ticks)
+    if isinstance(pool, NativePool): self._run(pool.address, self._at, self._n, pool.wait_ticks, times)
     else:  # the process's pool was made as a Python one before KILN_POOL said native
       for c in self.calls: c()
 
