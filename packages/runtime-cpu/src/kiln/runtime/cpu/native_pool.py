@@ -17,9 +17,10 @@ before the word was closed first). The caller takes calls too and returns only w
 is busy sleeps until it is free (two Python threads each running a matmul plan: 88-91 ms when the second ran its
 calls in place beside the pool, 3 threads on 2 cores, against 86 ms for the same calls one after another).
 
-A call is made through the kernel's task entry, which the LLVM renderer emits beside the entry of every split kernel
+A call is made through the kernel's task entry, which the LLVM renderer emits beside the entry of every kernel
 (`render.llvm_claim`): `NAME.task(ptr args, i32 slot)` unpacks an int64 argument block (buffers, variables, the
-chunk counter, the scratch) into the entry's own argument types and calls it with `slot`."""
+chunk counter, the scratch) into the entry's own argument types and calls it with `slot`. `kiln_pool_run_seq` runs a
+plan's stretch of kernels through their task entries in one call (sequence.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -301,7 +302,7 @@ loop:
   br i1 %more, label %body, label %out
 body:
   %i64 = zext i32 %i to i64
-  %at = mul i64 %i64, 4
+  %at = mul i64 %i64, {step_words}
   %taskp = getelementptr i64, ptr %steps, i64 %at
   %task = load ptr, ptr %taskp, align 8
   %blockp = getelementptr i64, ptr %taskp, i64 1
@@ -381,7 +382,7 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int, int]:
   arch = platform.machine().lower()
   # {geps:a,b}: the pointers to those words, as the function that holds it names them
   geps = lambda m: "\n".join(f"  %{_FIELDS[f][0]} = getelementptr i8, ptr %pool, i64 {_FIELDS[f][1]}" for f in m.group(1).split(","))  # noqa: E731
-  engine = _engine(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch]))
+  engine = _engine(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch], step_words=STEP_WORDS))
   return engine, *(engine.get_function_address(f"kiln_pool_{f}") for f in ("worker", "run", "run_seq"))  # type: ignore[return-value]
 
 
