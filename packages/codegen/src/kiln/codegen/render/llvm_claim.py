@@ -10,7 +10,7 @@ def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, 
   slot; it takes chunk after chunk from the shared counter at `claim` (an atomic add: whoever is free takes the next)
   until none is left, handing each to NAME.chunk (with its slot's `slot_bytes` of the scratch when those are per
   thread). slot -1 is the finishing call (`finish`): chunk == chunks folds a split reduction's partials."""
-  args = [f"{p.split()[0]} {p.split()[-1]}" for p in params]  # "ptr noalias align 4 %data0" is passed as "ptr %data0"
+  args = _passed(params)
   def call(chunk: str, scr: str) -> str:
     return f"  call void @{name}.chunk({', '.join([*args, f'i32 {chunk}', *([f'ptr {scr}'] if scratch else [])])})"
   entry_params = [*params, "i32 %slot", "ptr %claim", *(["ptr noalias %scratch"] if scratch else [])]
@@ -24,17 +24,22 @@ def claim_loop(name: str, params: list[str], chunks: int, finish: bool = False, 
   lines += ["  br label %next", "next:", "  %c = atomicrmw add ptr %claim, i32 1 monotonic",
             f"  %more = icmp slt i32 %c, {chunks}", "  br i1 %more, label %run, label %done", "run:", call("%c", mine),
             "  br label %next", "done:", "  ret void", "}"]
-  return lines + task_entry(name, [*args, "i32 %slot", "ptr %claim", *(["ptr %scratch"] if scratch else [])])
+  return lines + task_entry(name, entry_params)
 
 
 def task_entry(name: str, params: list[str]) -> list[str]:
   """`void NAME.task(ptr args, i32 slot)`: the entry's parameters `params` from an int64 block (every one but the slot,
   in order), for the runtime's native code, which calls any kernel through this one signature. An unsplit kernel takes
   no slot: its task ignores it."""
-  args = [f"{p.split()[0]} {p.split()[-1]}" for p in params]  # "ptr noalias align 4 %data0" is passed as "ptr %data0"
+  args = _passed(params)
   lines = [f"define void @{name}.task(ptr %args, i32 %slot) #0 {{", "entry:"]
   for i, a in enumerate(x for x in args if x != "i32 %slot"):
     ty, reg = a.split()
     lines += [f"  %a{i}.p = getelementptr i64, ptr %args, i64 {i}", f"  %a{i} = load i64, ptr %a{i}.p, align 8",
               f"  {reg} = {'inttoptr' if ty == 'ptr' else 'trunc'} i64 %a{i} to {ty}"]
   return [*lines, f"  call void @{name}({', '.join(args)})", "  ret void", "}"]
+
+
+def _passed(params: list[str]) -> list[str]:
+  """Parameters as a call passes them: "ptr noalias align 4 %data0" is "ptr %data0"."""
+  return [f"{p.split()[0]} {p.split()[-1]}" for p in params]
