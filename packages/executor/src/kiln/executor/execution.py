@@ -7,7 +7,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -51,11 +51,12 @@ def session_runs(steps: list[Callable[[], Any]], outside: frozenset[int] = froze
   return [(sess, _stretches(run, outside)) for sess, run in runs]
 
 
-def _stretch_kind(s: Any, outside: frozenset[int]) -> tuple[str, Any] | None:
-  """What a step's stretch is made of: a session's calls, one runtime's sequenceable calls, or nothing (None)."""
+def _stretch_kind(s: Any, outside: frozenset[int]) -> tuple[Any, Callable[[Sequence[Any]], Any] | None] | None:
+  """What a step's stretch is made of, and what makes one callable of it: a session's calls (GraphCall, where the runtime
+  has it), one runtime's sequenceable calls (SequenceCall), or nothing (None: the step stands alone)."""
   if id(s) in outside: return None
-  if isinstance(s, SessionCall): return ("session", s.session)
-  return ("sequence", s.sequence_calls) if isinstance(s, SequenceCall) else None
+  if isinstance(s, SessionCall): return s.session, getattr(s, "graph_calls", None)
+  return (s.sequence_calls, s.sequence_calls) if isinstance(s, SequenceCall) else None
 
 
 def _stretches(run: list[Any], outside: frozenset[int]) -> list[Callable[[], Any]]:
@@ -63,17 +64,15 @@ def _stretches(run: list[Any], outside: frozenset[int]) -> list[Callable[[], Any
   (a session's calls through in_session)."""
   out: list[Callable[[], Any]] = []
   stretch: list[Any] = []
-  kind: tuple[str, Any] | None = None
+  kind: tuple[Any, Callable[[Sequence[Any]], Any] | None] | None = None
 
   def flush() -> None:
-    if stretch:
-      whole_of = getattr(stretch[0], "graph_calls", None) if kind and kind[0] == "session" else kind[1] if kind else None
-      whole = whole_of(list(stretch)) if whole_of is not None else None
-      out.extend([whole] if whole is not None else [c.in_session if isinstance(c, SessionCall) else c for c in stretch])
+    whole = kind[1](list(stretch)) if stretch and kind is not None and kind[1] is not None else None
+    out.extend([whole] if whole is not None else [c.in_session if isinstance(c, SessionCall) else c for c in stretch])
     stretch.clear()
   for s in run:
     k = _stretch_kind(s, outside)
-    if k is None or k != kind: flush()
+    if k is None or kind is None or k[0] != kind[0]: flush()
     kind = k
     if k is None: out.append(s)
     else: stretch.append(s)

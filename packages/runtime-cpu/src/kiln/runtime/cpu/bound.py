@@ -29,7 +29,8 @@ class CPUBoundCall:
   sequence_calls = staticmethod(sequence_calls)  # kiln.codegen.protocols.SequenceCall: a plan's stretch as one native call
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
-    self.prog, self.bufs, self._vals = prog, bufs, list(vals)
+    self.prog, self.bufs = prog, bufs
+    self._vals = list(vals)  # where there is no block (object code without a task entry); else the block holds them
     self.scratch: np.ndarray | None = None
     if prog.scratch_bytes:  # 64 bytes of slack to align it; under KILN_GUARD it ends at a guard page, 64-aligned as it is
       n = -(-prog.scratch_bytes // 64) * 64
@@ -45,7 +46,7 @@ class CPUBoundCall:
   def vals(self) -> list[int]:
     """The variable values bound now (a plan's vals_writer writes them into the block alone)."""
     if self.block is None: return list(self._vals)
-    return [int(v) for v in self.block[len(self.bufs):len(self.bufs) + len(self._vals)]]
+    return [int(v) for v in self.block[len(self.bufs):len(self.bufs) + len(self.prog.user_vars)]]
 
   def _build(self) -> None:
     """The block (or the argument lists) from the buffers, the values, the counter and the scratch."""
@@ -71,13 +72,14 @@ class CPUBoundCall:
     call was bound and do not change."""
     new = self.prog.check_vals(vals)
     at = len(self.bufs)
-    if self.block is not None: self.block[at:at + len(new)] = new
-    else:
-      for i, v in enumerate(new):
-        if self.claim is None: self.args[at + i] = v
-        else:
-          for a in self.args: a[at + i] = v
-          if self.finish is not None: self.finish[at + i] = v
+    if self.block is not None:
+      self.block[at:at + len(new)] = new
+      return
+    for i, v in enumerate(new):
+      if self.claim is None: self.args[at + i] = v
+      else:
+        for a in self.args: a[at + i] = v
+        if self.finish is not None: self.finish[at + i] = v
     self._vals = new
 
   @staticmethod
