@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import kiln.runtime.cpu.bound as bound_mod
 from kiln.codegen.choose import Opt, OptOps
 from kiln.codegen.pipeline import lower
 from kiln.codegen.registry import get_runtime
+from kiln.codegen.threads import available_cores, physical_cores
 from kiln.ir import AxisType, Ops, RuntimeLaunchError, UOp, dtypes, kernels, reference
 from kiln.ir.dtype import DType
 from kiln.runtime.cpu.program import CPUProgram
@@ -108,6 +110,28 @@ def test_thread_count_reads_kiln_threads(monkeypatch: pytest.MonkeyPatch) -> Non
   for bad in ("0", "-2", "many"):
     monkeypatch.setenv("KILN_THREADS", bad)
     with pytest.raises(ValueError, match="KILN_THREADS"): thread_count()
+
+
+def _topology(root: Path, siblings: dict[int, str], name: str = "core_cpus_list") -> str:
+  for cpu, lst in siblings.items():
+    (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+    (root / f"cpu{cpu}" / "topology" / name).write_text(lst + "\n")
+  return str(root)
+
+
+def test_the_default_thread_count_counts_a_cores_hyperthreads_once(tmp_path: Path) -> None:
+  # 4 cores with 2 hardware threads each, numbered as Linux does on x86 (cpu n and n + 4 share a core)
+  smt = _topology(tmp_path / "smt", {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
+  assert physical_cores(frozenset(range(8)), smt) == 4
+  assert physical_cores(frozenset({0, 4}), smt) == 1  # a mask holding both threads of one core: one thread
+  assert physical_cores(frozenset({0, 1, 5}), smt) == 2
+  # the older kernels' file name, and ranges
+  old = _topology(tmp_path / "old", {0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"}, "thread_siblings_list")
+  assert physical_cores(frozenset(range(4)), old) == 2
+  # no topology for a CPU (no sysfs, a container): every CPU counts
+  assert physical_cores(frozenset(range(3)), str(tmp_path / "none")) == 3
+  assert physical_cores(frozenset(range(3)), _topology(tmp_path / "part", {0: "0", 1: "1"})) == 3
+  assert 1 <= available_cores() <= (os.cpu_count() or 1)
 
 
 def test_kiln_threads_sets_the_split_and_the_pool() -> None:

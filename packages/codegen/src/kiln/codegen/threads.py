@@ -1,5 +1,5 @@
 """The CPU thread split's shared names and sizes: the `core_id` argument of a split kernel, how many threads kiln uses
-(KILN_THREADS, else the cores this process may run on) and how many chunks a split kernel's work is cut into.
+(KILN_THREADS, else the physical cores this process may run on) and how many chunks a split kernel's work is cut into.
 docs/architecture.md ("The thread split") follows a THREAD option from the heuristic through lowering, rendering and
 the runtime's pool to the executor.
 
@@ -12,6 +12,9 @@ runtime's (kiln.runtime.cpu.threads, native_pool, running)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
 
 from kiln.codegen import settings
 
@@ -48,12 +51,40 @@ def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fus
 
 
 def thread_count() -> int:
-  """KILN_THREADS, else the number of cores this process may use. The one reader of KILN_THREADS."""
+  """KILN_THREADS, else the number of physical cores this process may use. The one reader of KILN_THREADS."""
   n = settings.THREADS.get()
   return n if n is not None else available_cores()
 
 
+SYSFS_CPU = "/sys/devices/system/cpu"
+# a CPU's hardware threads, itself included: the newer name first (Linux 5.x), the older one where it is the only one
+_SIBLINGS = ("core_cpus_list", "thread_siblings_list")
+
+
 def available_cores() -> int:
-  """The cores this process may run on (its affinity mask), else all the OS reports."""
-  try: return len(os.sched_getaffinity(0))
+  """The physical cores this process may run on: the CPUs of its affinity mask, the hardware threads of one core
+  counted once. Two threads on one core share its vector units, so a split kernel's second thread there mostly spins
+  and contends for them (onnxruntime, OpenVINO, torch and llama.cpp default to physical cores too); KILN_THREADS can
+  still ask for more. Where the mask or the topology cannot be read: every CPU the OS reports."""
+  try: allowed = os.sched_getaffinity(0)
   except AttributeError: return os.cpu_count() or 1
+  return physical_cores(frozenset(allowed))
+
+
+@lru_cache(maxsize=8)
+def physical_cores(cpus: frozenset[int], root: str = SYSFS_CPU) -> int:
+  """How many distinct cores the CPUs `cpus` belong to, from sysfs's sibling lists; len(cpus) where any CPU's list is
+  missing (not Linux, a container without sysfs)."""
+  cores: set[str] = set()
+  for cpu in cpus:
+    siblings = _read_first(Path(root, f"cpu{cpu}", "topology", name) for name in _SIBLINGS)
+    if siblings is None: return max(len(cpus), 1)
+    cores.add(siblings)
+  return max(len(cores), 1)
+
+
+def _read_first(paths: Iterable[Path]) -> str | None:
+  for p in paths:
+    try: return p.read_text().strip()
+    except OSError: continue
+  return None

@@ -65,7 +65,7 @@ def info() -> int:
   flags = cache.cpu_fingerprint().partition("|")[2].split()
   simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "neon", "asimd", "f16c", "amx"))]
   print(f"  features:   {' '.join(simd) if simd else '-'}  ({len(flags)} flags)")
-  print(f"  threads:    {thread_count()} ({'KILN_THREADS' if settings.THREADS.is_set() else 'default: cores this process may use'})")
+  print(f"  threads:    {thread_count()} ({'KILN_THREADS' if settings.THREADS.is_set() else 'default: physical cores this process may use'})")
   cdir, n, size = cache.disk_cache_info()
   print(f"  cache:      {cdir}  ({n} kernels, {_fmt_bytes(size)}){'' if cache.disk_cache_enabled() else '  [disabled: KILN_CACHE=0]'}")
   return 0

@@ -137,7 +137,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--dims", "-d", action="append", default=[], metavar="NAME=N",
                   help="the size of a symbolic input dim, an unnamed one as INPUT:AXIS (repeat; default: taken from the input arrays, "
                        f"else {random_feeds.DEFAULT_DIM} for made-up inputs)")
-  ap.add_argument("--threads", "-t", type=int, metavar="N", help="CPU threads kiln uses (sets KILN_THREADS; default: the cores this process may use)")
+  ap.add_argument("--threads", "-t", type=int, metavar="N", help="CPU threads kiln uses (sets KILN_THREADS; default: this process's physical cores)")
   ap.add_argument("--device", default="CPU", help="the device to run on (default CPU)")
 
 

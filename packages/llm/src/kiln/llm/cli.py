@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--seed", type=int, default=None)
   ap.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt as one user message")
   ap.add_argument("--system", default=None, help="with --chat: a system message before it")
-  ap.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (sets KILN_THREADS; default: the cores this process may use)")
+  ap.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (sets KILN_THREADS; default: this process's physical cores)")
   ap.add_argument("--context", type=int, default=None, metavar="N", help="positions the KV cache holds (default: the model's, at most 2048)")
   return ap
 

@@ -62,7 +62,7 @@ class Target:
   l1d_bytes: int = 32 << 10  # CPU: per-core L1 data cache
   l2_bytes: int = 1 << 20  # CPU: per-core L2
   l3_bytes: int = 32 << 20  # CPU: the last-level cache cpu0 shares
-  cores: int = 1  # CPU: cores this process may run on
+  cores: int = 1  # CPU: physical cores this process may run on
   fma: bool = False  # CPU: a fused multiply-add exists; the vector maths (render/llvm_math.py) then fuses its polynomials
   round: bool = False  # CPU: rounding to nearest even is one instruction (SSE4.1 roundps, AArch64 frintn): the vector maths use it
   dot_bytes: int = 0  # CPU: the widest vector of an exact unsigned x signed byte dot product (VNNI's vpdpbusd: 64 AVX512-VNNI,

@@ -23,7 +23,7 @@ STREAM_STORE_BYTES = stream_store_bytes(HOST_CACHES)
 
 def cpu_target(choice: CPUChoice | None = None) -> Target:
   """The machine model: vector width and registers of the CPU compiled for (the host, or KILN_CPU), the caches sysfs
-  reports, the cores this process may use. Its `threads` are those cores, never KILN_THREADS: a split kernel's chunks
+  reports, the physical cores this process may use. Its `threads` are those cores, never KILN_THREADS: a split kernel's chunks
   are claimed by however many threads run it, so the code is the same for any thread count and KILN_THREADS=1 shares
   the disk cache's entries with the default (issue 39)."""
   c, caches, cores = choice or target_cpu(), HOST_CACHES, available_cores()
