@@ -1,5 +1,6 @@
 """Child process: load each of one model's ONNX exports with kiln.graph.onnx and run it against onnxruntime on the same
-file. `python -m zoo.check JOB.json PROGRESS` reads the job ({"threads": n, "variants": {variant: {"onnx", "feeds", "axes"}}})
+file. `python -m zoo.check JOB.json PROGRESS` reads the job ({"threads": n, "core_trips": round trips between cores seen
+so far, "variants": {variant: {"onnx", "feeds", "axes"}}})
 and appends one JSON line to PROGRESS before each variant ({"begin": variant}) and one after ({"result": {...}}), so the
 parent knows which variant was running when this process crashed or hung, and reruns the rest in a fresh one.
 
@@ -9,7 +10,7 @@ result then says "reordered"), TIES (a detector whose only differences are a few
 onnxruntime's, which kept the other box: not a match, not a wrong answer, listed apart), REFUSED (kiln's typed
 ONNXError, at load or at run), WRONG (an output or its shape differs), CRASH (any other exception), NO-REF
 (onnxruntime itself cannot run the file). Timing: kiln and onnxruntime on the same thread count, in interleaved rounds,
-median milliseconds."""
+median milliseconds, rounds on cores placed far apart left out while they can be (Cores)."""
 from __future__ import annotations
 
 import json
@@ -28,13 +29,25 @@ NOISE = 5           # times how far onnxruntime moves from itself with its graph
 TIE_ROWS = 0.02     # at most this share of a detector's rows may be a tie broken the other way (status TIES)
 ROUNDS = (3, 15)    # timing rounds: at least, at most
 ROUND_BUDGET = 1.0  # seconds of every engine's runs after which no more rounds start (past the minimum)
-# runs of one engine back to back in a round, the first not counted (caches and the pool's workers are cold after settle)
-BLOCK = 4
+# a round times each engine in a block: its first run after settle (kept apart: what a call after an idle spell costs),
+# then untimed runs until WARM s have passed since the block began, then BLOCK timed runs. After an idle spell a 2-vCPU VM
+# ran kiln's and onnxruntime's next runs slow for several milliseconds, by up to 1.8x (clocks, caches and the pool's
+# workers coming back), and that, not the engine, set a block of four runs' median.
+BLOCK = 3
+WARM = 0.01
 # before each block: wait, polling every SETTLE[0] s and at most SETTLE[1] s, until this process's threads use under
 # QUIET of a core. onnxruntime's pool spins for 30-40 ms after a run; kiln's next block then shared a core with it and
 # timed up to 2x slow (a 4 ms VAE encoder at 6 ms), and discarding one run of the block did not cover the spin.
 SETTLE = (0.005, 0.25)
 QUIET = 0.2
+# before each round, with more than one thread: a cache line's round trip between two cores (kiln.runtime.cpu.core_trip).
+# A VM's host may move its vCPUs for seconds at a time: onto distant cores (a 2-vCPU VM: 330-530 ns against its usual
+# 67-75), where split work slows, kiln's more than onnxruntime's (a 0.75 ms CNN ran at 1.4 ms, onnxruntime's 0.72 at 1.1),
+# or onto the two hardware threads of one core (36-38 ns), where every engine slows. A round whose trip is more than
+# FAR times off the usual one (the lower quartile of those the zoo has seen) is not counted: it waits FAR_WAIT s for the usual
+# placement, at most FAR_BUDGET s an export; after that such rounds count, and the result says how many (far_rounds).
+FAR = 1.6
+FAR_WAIT, FAR_BUDGET = 0.5, 30.0
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -64,6 +77,36 @@ def settle() -> None:
     cpu, wall = time.process_time(), time.perf_counter()
     time.sleep(SETTLE[0])
     if time.process_time() - cpu < QUIET * (time.perf_counter() - wall): return
+
+
+class Cores:
+  """Whether this round's cores are placed as usual (see FAR), and what the rounds that were timed saw."""
+
+  def __init__(self, threads: int, seen: list[float]):
+    from kiln.runtime.cpu.core_trip import round_trip_ns
+    self.probe = round_trip_ns if threads > 1 else None
+    self.seen, self.waited, self.far_rounds, self.trips = list(seen), 0.0, 0, list[float]()
+
+  def ready(self) -> bool:
+    """True: time this round (the usual placement, one thread, or the wait spent: then it counts as far). False: waited,
+    ask again."""
+    trip = self.probe() if self.probe is not None else None
+    if trip is None: return True
+    self.seen.append(trip)
+    usual = float(np.percentile(self.seen, 25))  # low: a spell placed apart can outnumber the usual trips
+    if not usual / FAR <= trip <= usual * FAR:
+      if self.waited < FAR_BUDGET:
+        time.sleep(FAR_WAIT)
+        self.waited += FAR_WAIT
+        return False
+      self.far_rounds += 1
+    self.trips.append(trip)
+    return True
+
+  def result(self) -> dict[str, Any]:
+    if not self.trips: return {}
+    return {"core_trip_ns": statistics.median(self.trips), "core_trips_seen": self.seen[-50:], "far_rounds": self.far_rounds,
+            "far_wait_s": self.waited}
 
 
 def timed(f: Any) -> float:
@@ -127,20 +170,26 @@ def check(variant: str, job: dict[str, Any], threads: int, partial: Callable[[di
   f0 = feeds[0]
   partial(r | {"status": "OK", "message": ""})
   ov = openvino(job["onnx"], f0, threads, want[0], r)
-  kt: list[float] = []
-  ot: list[float] = []
-  vt: list[float] = []
+  engines = {"kiln": lambda: km.run(f0), "ort": lambda: sess.run(None, f0)}
+  if ov is not None: engines["ov"] = lambda: ov(f0)
+  times: dict[str, list[float]] = {e: [] for e in engines}
+  firsts: dict[str, list[float]] = {e: [] for e in engines}
   spent = 0.0
-  engines: list[tuple[Any, list[float]]] = [(lambda: km.run(f0), kt), (lambda: sess.run(None, f0), ot)]
-  if ov is not None: engines.append((lambda: ov(f0), vt))
-  while len(kt) < ROUNDS[1] and (len(kt) < ROUNDS[0] or spent < ROUND_BUDGET):
-    for run, into in engines:
+  cores = Cores(threads, job.get("core_trips", []))
+  while len(times["kiln"]) < ROUNDS[1] and (len(times["kiln"]) < ROUNDS[0] or spent < ROUND_BUDGET):
+    if not cores.ready(): continue
+    for name, run in engines.items():
       settle()
+      began = time.perf_counter()
+      firsts[name].append(timed(run))
+      while time.perf_counter() - began < WARM: run()
       ts = [timed(run) for _ in range(BLOCK)]
-      into.append(statistics.median(ts[1:]))
-      spent += sum(ts) / 1e3
-  if vt: r["ov_ms"] = statistics.median(vt)
-  r |= {"kiln_ms": statistics.median(kt), "ort_ms": statistics.median(ot), "rounds": len(kt)}
+      times[name].append(statistics.median(ts))
+      spent += time.perf_counter() - began
+  for name in engines:
+    r[f"{name}_ms"], r[f"{name}_first_ms"] = statistics.median(times[name]), statistics.median(firsts[name])
+  kt = times["kiln"]
+  r |= {"rounds": len(kt)} | cores.result()
   # a run after the timed ones is checked too: a race between kernels on threads may spare the first run or only it
   later = max((rel_error(g, w) for g, w in zip(km.run(f0).values(), want[0]) if g.shape == np.shape(w)), default=0.0)
   if later > tol and not r.get("reordered"):

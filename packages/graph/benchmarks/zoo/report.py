@@ -9,6 +9,8 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
+from zoo.check import FAR
+
 VARIANTS = ("dynamo/fixed", "dynamo/dynamic", "script/fixed", "script/dynamic", "file")
 STATUSES = ("OK", "REFUSED", "TIES", "WRONG", "CRASH", "TIMEOUT", "NO-REF", "EXPORT-FAIL")
 SHORT = {"OK": "ok", "REFUSED": "refused", "TIES": "ties", "WRONG": "**WRONG**", "CRASH": "**CRASH**", "TIMEOUT": "**TIMEOUT**", "NO-REF": "no-ref",
@@ -60,7 +62,8 @@ def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
   err = max((r.get("rel_err", 0.0) for r in oks), default=None)
   ratio = t["kiln_ms"] / t["ort_ms"] if t and t.get("ort_ms") else None
   ov = t["kiln_ms"] / t["ov_ms"] if t and t.get("ov_ms") else None
-  cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f"), fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f"),
+  far = f" ({t['far_rounds']} far)" if t.get("far_rounds") else ""  # rounds timed on cores placed far apart (check.Cores)
+  cells += [fmt(err, ".1e"), fmt(t.get("load_s"), ".1f"), fmt(t.get("kiln_ms"), ".2f") + far, fmt(t.get("ort_ms"), ".2f"), fmt(ratio, ".2f"),
             fmt(t.get("ov_ms"), ".2f"), fmt(ov, ".2f")]
   first = next((r for v in (*VARIANTS, "build") if (r := rec["results"].get(v)) and r["status"] != "OK"), None)
   cells.append("" if first is None else f"{first['variant']}: {short(first['message'])[:140]}".replace("|", "/"))
@@ -86,7 +89,20 @@ def speed(recs: list[dict[str, Any]]) -> list[str]:
       xs = [t["kiln_ms"] / t[key] for t in rows if t.get(key)]
       if xs: out.append(f"| {fam} | {peer} | {len(xs)} | {_geomean(xs):.2f} | {statistics.median(xs):.2f} | {sum(x < 1 for x in xs)} |")
   slow = sorted(((t["kiln_ms"] / t["ort_ms"], r["name"]) for r in recs if (t := timing(r)).get("ort_ms")), reverse=True)[:12]
-  return out + ["", "Furthest behind onnxruntime: " + ", ".join(f"{n} {x:.2f}" for x, n in slow)]
+  out += ["", "Furthest behind onnxruntime: " + ", ".join(f"{n} {x:.2f}" for x, n in slow)]
+  firsts = [(t["kiln_first_ms"] / t["ort_first_ms"], r["name"]) for r in recs if (t := timing(r)).get("ort_first_ms")]
+  if firsts:
+    worst = ", ".join(f"{n} {x:.2f}" for x, n in sorted(firsts, reverse=True)[:8])
+    out += ["", f"A call after an idle spell (each block's first run, after the process went quiet): kiln/onnxruntime geomean "
+            f"{_geomean([x for x, _ in firsts]):.2f} over {len(firsts)} models; furthest behind: {worst}"]
+  trips = [t for r in recs if (t := timing(r)).get("core_trip_ns")]
+  if trips:
+    far = [t for t in trips if t.get("far_rounds")]
+    out += ["", f"Cores: a cache line's round trip between two of them took {statistics.median(t['core_trip_ns'] for t in trips):.0f} ns "
+            f"(median over the models' timed rounds). Rounds whose trip was over {FAR:g}x off the usual one (the vCPUs placed apart, "
+            f"or on one core's two hardware threads) were waited out; {len(far)} model(s) still had some (marked 'far'), "
+            f"{sum(t.get('far_wait_s', 0.0) for t in trips):.0f} s were spent waiting."]
+  return out
 
 
 def totals(recs: list[dict[str, Any]], cols: tuple[str, ...]) -> list[str]:

@@ -89,12 +89,17 @@ def export(spec: Spec, key: str, d: Path, timeout: float, force: bool, threads: 
   return meta  # type: ignore[no-any-return]
 
 
+# the latest round trips between two cores the checks saw (check.Cores): a child that starts while its cores are placed
+# unusually still knows what usual is
+TRIPS: list[float] = []
+
+
 def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: Path) -> dict[str, dict[str, Any]]:
   """Runs the checks of `jobs` (variant -> job) in child processes, restarting after a crash or a timeout."""
   results: dict[str, dict[str, Any]] = {}
   while left := [v for v in jobs if v not in results]:
     job, progress, log = work / "job.json", work / "progress.jsonl", work / "check.log"
-    job.write_text(json.dumps({"threads": threads, "variants": {v: jobs[v] for v in left}}))
+    job.write_text(json.dumps({"threads": threads, "core_trips": TRIPS[-200:], "variants": {v: jobs[v] for v in left}}))
     progress.write_text("")
     current: str | None = None
     partial: dict[str, Any] | None = None  # the current variant's result before its peers ran (kiln loaded and matched)
@@ -111,7 +116,9 @@ def check(jobs: dict[str, dict[str, Any]], threads: int, timeout: float, work: P
           seen += 1
           if "begin" in ev: current, began, partial = ev["begin"], time.time(), None
           elif "partial" in ev: partial = ev["partial"]
-          else: results[ev["result"]["variant"]], current = ev["result"], None
+          else:
+            results[ev["result"]["variant"]], current = ev["result"], None
+            TRIPS.extend(ev["result"].get("core_trips_seen", []))
         if rc is not None:
           LIVE.discard(p)
           break

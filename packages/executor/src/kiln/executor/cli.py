@@ -60,6 +60,9 @@ def info() -> int:
       print(f"  target:     cpu {choice.cpu} ({'KILN_CPU' if choice.from_env else 'host'}), "
             f"{t.vector_bytes}-byte vectors x {t.vector_registers} registers, "
             f"L1d {_fmt_bytes(t.l1d_bytes)}, L2 {_fmt_bytes(t.l2_bytes)}, L3 {_fmt_bytes(t.l3_bytes)}, {t.cores} cores")
+      trip = cpu.core_trip_ns()
+      print(f"  core trip:  {'-' if trip is None else f'{trip:.0f} ns'}  (a cache line between two threads' cores and back, now: "
+            "what a split kernel's hand-offs cost)")
     except Exception as e:  # the devices line above already says why the CPU runtime cannot start
       print(f"  target:     unavailable ({str(e).splitlines()[0][:120]})")
   flags = cache.cpu_fingerprint().partition("|")[2].split()

@@ -115,6 +115,16 @@ def _measure(engines: list[Engine], feeds: Mapping[str, np.ndarray], args: argpa
       e.rounds.append(statistics.median(got))
 
 
+def _core_trip(threads: int) -> str:
+  """', core trip N ns' (the CPU runtime's measure of what handing work between cores costs now) when kiln runs on
+  several threads: a run on cores placed far apart is slower for it, and this says so beside the times."""
+  if threads < 2: return ""
+  from kiln.codegen.registry import get_runtime
+  try: trip = getattr(get_runtime("CPU"), "core_trip_ns", lambda: None)()
+  except Exception: return ""  # no CPU runtime: the header goes without it
+  return "" if trip is None else f", core trip {trip:.0f} ns"
+
+
 def _ms(s: float | None) -> str: return "-" if s is None else f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}"
 
 
@@ -154,7 +164,8 @@ def bench(args: argparse.Namespace) -> int:
   feeds, dims, notes = cli_args.feeds(konnx._onnx(), proto, args, True)
   threads = thread_count()
   load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-  print(f"kiln bench {args.model}: {args.device}, {threads} threads ({os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
+  print(f"kiln bench {args.model}: {args.device}, {threads} threads ({os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        f"{_core_trip(threads)})")
   for line in notes: print(f"  made up: {line}")
   kiln, model = _kiln(args, proto, directory, dims)
   engines = [kiln]

@@ -49,6 +49,12 @@ class CPURuntime:
     self.allocator = CPUAllocator()
     shared_engine()  # the JIT engine every program loads into: made once, here, not on a first cache hit
 
+  def core_trip_ns(self) -> float | None:
+    """A cache line's round trip between two of this process's cores, measured now (kiln.runtime.cpu.core_trip): what a
+    split kernel's hand-offs cost. Benchmarks print it beside their times. None where it cannot be measured (one CPU)."""
+    from kiln.runtime.cpu.core_trip import round_trip_ns
+    return round_trip_ns()
+
   @property
   def compile_threads(self) -> int:
     """How many kernels a plan's builder compiles at once (kiln.graph.schedule.precompile): one per core. LLVM's part runs

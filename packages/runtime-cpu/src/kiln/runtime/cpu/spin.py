@@ -65,10 +65,15 @@ def spin_us() -> int:
   return settings.SPIN_US.get()
 
 
+def relax_ir() -> tuple[str, str]:
+  """(declaration, call) of this machine's spin-wait hint, ("", "") where it has none."""
+  arch = platform.machine().lower()
+  return _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
+
+
 def spin_ir() -> str:
   """The IR of kiln_spin and kiln_cycles for this machine."""
-  arch = platform.machine().lower()
-  decl, relax = _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
+  decl, relax = relax_ir()
   return _IR.format(decl=decl, relax=relax)
 
 
