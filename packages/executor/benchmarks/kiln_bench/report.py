@@ -52,10 +52,13 @@ def main(argv: list[str] | None, groups: Sequence[Callable[[Bench], None]]) -> i
   ap.add_argument("--sizes-scale", type=float, default=1.0, help=argparse.SUPPRESS)  # tests: tiny sizes
   args = ap.parse_args(argv)
   if args.sizes_scale <= 0: ap.error("--sizes-scale must be positive")
+  from kiln.codegen.threads import core_trip_ns
   from kiln.executor.cache import cpu_name
   b = Bench(args)
   t0, load0 = time.perf_counter(), os.getloadavg()[0]
+  trips = [core_trip_ns()]
   b.run(groups)
+  trips.append(core_trip_ns())
   lanes, isa = vector_lanes()
   print(f"kiln bench-suite{' --quick' if args.quick else ''}{f' (sizes x{args.sizes_scale:g})' if args.sizes_scale != 1 else ''}: "
         f"{cpu_name()}, {os.cpu_count()} cores, {isa}; kiln on {b.threads} threads (KILN_THREADS)")
@@ -70,6 +73,8 @@ def main(argv: list[str] | None, groups: Sequence[Callable[[Bench], None]]) -> i
   print(f"  limit, memory read: {b.bw / GB:.1f} GB/s ({b.info['memory_bandwidth']['how']})")
   print(f"  limit, memory add: {b.bw_add / GB:.1f} GB/s ({b.info['add_bandwidth']['how']})")
   print(f"  limit, compute: {f'{b.peak / GB:.0f} GFLOP/s' if b.peak else '?'} float32 ({b.info['fma_peak']['how']})")
+  print(f"  limit, hand-off between cores: {' and '.join('-' if t is None else f'{t:.0f} ns' for t in trips)} a cache line's round trip "
+        "(before and after the rows; a VM placed on distant cores takes several times its usual, and split kernels slow with it)")
   rounds = f"{b.t.min_rounds}-{b.t.rounds}" if b.t.min_rounds < b.t.rounds else f"{b.t.rounds}"
   print(f"  times: medians of warm calls, every contender of a row timed in the same interleaved rounds ({rounds}; one "
         "warmed block each a round, the order rotating); kiln/numpy and the targets' ratios: the median over rounds of each round's ratio "

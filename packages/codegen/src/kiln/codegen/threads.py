@@ -56,6 +56,17 @@ def thread_count() -> int:
   return n if n is not None else available_cores()
 
 
+def core_trip_ns() -> float | None:
+  """A cache line's round trip between two of this process's cores, measured now by the CPU runtime (its
+  `core_trip_ns`): what a split kernel's hand-offs cost. Benchmarks print it beside their times, so a run on cores
+  placed far apart can be told from a slow one. None: one CPU, or no CPU runtime installed."""
+  from kiln.codegen.registry import get_runtime
+  try: runtime = get_runtime("CPU")
+  except Exception: return None  # not installed, or it cannot start: the caller prints its line without it
+  measure = getattr(runtime, "core_trip_ns", None)
+  return measure() if measure is not None else None
+
+
 SYSFS_CPU = "/sys/devices/system/cpu"
 # a CPU's hardware threads, itself included: the newer name first (Linux 5.x), the older one where it is the only one
 _SIBLINGS = ("core_cpus_list", "thread_siblings_list")

@@ -32,7 +32,7 @@ def _fmt_bytes(n: int) -> str:
 def info() -> int:
   from kiln.codegen import settings
   from kiln.codegen.registry import available_devices, get_runtime
-  from kiln.codegen.threads import thread_count
+  from kiln.codegen.threads import core_trip_ns, thread_count
   from kiln.executor import cache
   from kiln.executor.version import __version__
   print(f"kiln {__version__}  (python {sys.version.split()[0]})")
@@ -60,7 +60,7 @@ def info() -> int:
       print(f"  target:     cpu {choice.cpu} ({'KILN_CPU' if choice.from_env else 'host'}), "
             f"{t.vector_bytes}-byte vectors x {t.vector_registers} registers, "
             f"L1d {_fmt_bytes(t.l1d_bytes)}, L2 {_fmt_bytes(t.l2_bytes)}, L3 {_fmt_bytes(t.l3_bytes)}, {t.cores} cores")
-      trip = cpu.core_trip_ns()
+      trip = core_trip_ns()
       print(f"  core trip:  {'-' if trip is None else f'{trip:.0f} ns'}  (a cache line between two threads' cores and back, now: "
             "what a split kernel's hand-offs cost)")
     except Exception as e:  # the devices line above already says why the CPU runtime cannot start

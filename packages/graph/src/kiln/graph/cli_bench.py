@@ -118,10 +118,8 @@ def _measure(engines: list[Engine], feeds: Mapping[str, np.ndarray], args: argpa
 def _core_trip(threads: int) -> str:
   """', core trip N ns' (the CPU runtime's measure of what handing work between cores costs now) when kiln runs on
   several threads: a run on cores placed far apart is slower for it, and this says so beside the times."""
-  if threads < 2: return ""
-  from kiln.codegen.registry import get_runtime
-  try: trip = getattr(get_runtime("CPU"), "core_trip_ns", lambda: None)()
-  except Exception: return ""  # no CPU runtime: the header goes without it
+  from kiln.codegen.threads import core_trip_ns
+  trip = core_trip_ns() if threads > 1 else None
   return "" if trip is None else f", core trip {trip:.0f} ns"
 
 
