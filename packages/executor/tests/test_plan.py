@@ -257,6 +257,26 @@ def test_overlap_only_when_more_than_one_thread_is_asked_for(rt, monkeypatch, th
   assert _two_independent_kernels_in_turn(rt, ExecutionPlanBuilder("CPU"), 0.1) == (threads == 1)
 
 
+@pytest.mark.parametrize("parallel", [None, True])
+def test_kernels_sized_by_a_run_time_variable_overlap_only_when_asked(rt, monkeypatch, parallel):
+  """A kernel's cost estimate is at its variables' upper bounds, which a run may be far below: parallel=None never hands
+  such kernels to the overlap pool (however large the bound makes them look); parallel=True still overlaps them."""
+  from kiln.executor import builder
+  monkeypatch.setattr(builder, "thread_count", lambda: 2)
+  n = UOp.variable("n", 1, N)
+  b = ExecutionPlanBuilder("CPU", parallel=parallel)
+  x0, x1, x2 = bufs(b, 3, fill=1.0)
+  for name in ("P", "Q"): rt.BEHAVIOR[name] = {"sleep": 0.1}
+  b.add_kernel(rt.elementwise("P", 0, [1], n), [x0, x1])
+  b.add_kernel(rt.elementwise("Q", 0, [1], n), [x2, x1])
+  b.set_outputs([x0, x2])
+  monkeypatch.setattr(builder, "PARALLEL_MIN_COST", 0)  # a threshold every kernel passes
+  plan = b.build()
+  plan.execute_with_vars({"n": 4})
+  (_, s1, e1, *_), (_, s2, e2, *_) = rt.EVENTS[-2:]
+  assert (e1 <= s2 or e2 <= s1) == (parallel is None)
+
+
 def _two_independent_kernels_in_turn(rt, b: ExecutionPlanBuilder, sleep: float) -> bool:
   """Builds and runs two kernels that only share an input (each sleeping `sleep` s); whether one ran after the other."""
   x0, x1, x2 = bufs(b, 3, fill=1.0)

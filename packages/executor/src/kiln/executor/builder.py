@@ -436,8 +436,12 @@ class _Builder:
     auto = self.b.parallel is None and thread_count() > 1  # one thread asked for (KILN_THREADS=1): no kernel beside another
     groups = []
     for group in op_levels:
+      # on its own (parallel=None) never a kernel sized by a run-time variable: its estimate is at the variables' upper
+      # bounds, which a run may be far below (a text model exported with a dynamic batch and sequence ran 2 of 8 and 16
+      # of 64, and the groups' hand-offs to Python threads took half its time); at sizes near the bounds such a kernel is
+      # large enough to be split over the threads itself
       safe = [p for i in group if isinstance(p := prepared[i], PreparedKernel) and p.kernel.host_parallel_safe and
-              (self.b.parallel or (auto and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
+              (self.b.parallel or (auto and not p.runtime_vars and p.kernel.mem_bytes + p.kernel.flops >= PARALLEL_MIN_COST))]
       groups.append(safe if self.b.parallel is not False and len(safe) >= 2 else [])
     return groups
 
