@@ -15,6 +15,7 @@ its innermost one. Its *recompute factor* is the trip count of its placement ove
 | a REDUCE rendered at two different indices in one kernel, or inlined into two kernels  | computed twice                                  |
 | an elementwise, gather or concat node with recompute factor > 1 (a GELU feeding a matmul) | recomputed per step of the reduction reading it |
 | a concatenation's piece that holds a reduction or a gather                             | computed for every element of the concatenation |
+| a SIN, EXP2, LOG2, ERF or TANH under loops it does not vary over, HOIST_MIN repeats or more (RoPE sin) | computed per trip of them |
 
 Only the topmost offending node on each path is realized per round (its inputs then fuse into its own kernel), and a
 realized REDUCE pulls up with it the chain of same-shape elementwise ops that are its sole consumers (a matmul's bias,
@@ -67,6 +68,11 @@ from kiln.ir.uop import UOp
 # a concatenation that a kernel reduces over other axes than its own, this many elements or more an output, is realized
 # first (_cat_pooled); 0: never
 POOLED_CAT_MIN = 16
+# a transcendental computed again under loops it does not vary over (RoPE's sin of position x frequency, varying over
+# the sequence and the head dim, inside a kernel's batch and head loops) is realized where that saves this many
+# evaluations or more (at the variables' upper bounds); 0: never
+HOISTED = frozenset({Ops.SIN, Ops.EXP2, Ops.LOG2, Ops.ERF, Ops.TANH})
+HOIST_MIN = 1 << 12
 
 
 def _trips(rs: set[UOp]) -> int:
@@ -101,6 +107,15 @@ class _Analysis:
 
   def factor(self, u: UOp) -> float: return _trips(set(self.placement(u))) / _trips(set(self.free.get(u, frozenset())))
 
+  def repeats(self, u: UOp) -> int:
+    """How many times u is computed again: the trip count of the kernel's loops that enclose u's innermost loop but
+    that u does not vary over (the renderer places u inside its innermost loop, so those loops repeat it)."""
+    mine = self.placement(u)
+    loops = [r.arg[0] for r in mine if r.arg[1] is AxisType.LOOP]
+    if not loops: return 1
+    inner = max(loops)
+    return _trips({r for r in self.free_all_loops() if r.arg[0] < inner and r not in mine})
+
   def in_reduce_body(self, u: UOp) -> bool: return any(r.arg[1] is AxisType.REDUCE for r in self.free.get(u, frozenset()))
 
 
@@ -117,8 +132,14 @@ def _offends(n: Node, uops: set[UOp], an: _Analysis, kernels_of: Mapping[Node, i
     if not reds: return False  # a reduction over size-1 axes only is its source
     return len(reds) > 1 or kernels_of.get(n, 0) > 1 or any(an.in_reduce_body(u) or an.factor(u) > 1 for u in reds)
   if n.op in ("ALU", "GATHER", "CAT") and n.arg is not Ops.CAST:
-    return any(an.factor(u) > 1 for u in uops if u.op is not Ops.CONST)
+    return any(an.factor(u) > 1 for u in uops if u.op is not Ops.CONST) or n.arg in HOISTED and _repeated(uops, an)
   return False
+
+
+def _repeated(uops: set[UOp], an: _Analysis) -> bool:
+  """Whether a transcendental's evaluations repeated under loops it does not vary over come to HOIST_MIN or more."""
+  return HOIST_MIN > 0 and any((k := an.repeats(u)) > 1 and (k - 1) * _trips(set(an.placement(u))) >= HOIST_MIN
+                               for u in uops if u.op in HOISTED)
 
 
 def _lift(n: Node, cons: Mapping[Node, list[Node]], realized: set[Node]) -> Node:
