@@ -11,7 +11,7 @@ from kiln.graph import Tensor, compile
 from kiln.ir.ops import Ops
 
 RNG = np.random.default_rng(38)
-SCHEDULE = importlib.import_module("kiln.graph.schedule")  # the module: kiln.graph's `schedule` is its function
+RULES = importlib.import_module("kiln.graph.realize_rules")
 
 
 def _reduces(k) -> int: return sum(u.op is Ops.REDUCE for u in k.ast.toposort())  # type: ignore[no-untyped-def]
@@ -50,7 +50,7 @@ def _depthwise(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def _mixed_pool(monkeypatch, hw: int, cat_min: int) -> tuple[int, np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
   """A squeeze-and-excitation's pool over a mixed depthwise conv (MixNet's: 3x3 and 5x5 branches over 20 channels each,
   concatenated, swish): (kernels, kiln's output, numpy's)."""
-  monkeypatch.setattr(SCHEDULE, "POOLED_CAT_MIN", cat_min)
+  monkeypatch.setattr(RULES, "POOLED_CAT_MIN", cat_min)
   x = RNG.standard_normal((2, 40, hw, hw), dtype=np.float32)
   w3, w5 = (RNG.standard_normal((20, 1, k, k), dtype=np.float32) for k in (3, 5))
   xt = Tensor.input("x", x.shape)
@@ -80,7 +80,7 @@ def test_a_sum_over_the_concatenation_axis_reads_it_in_place(monkeypatch) -> Non
   x, y = RNG.standard_normal((2, 24, 64), dtype=np.float32), RNG.standard_normal((2, 40, 64), dtype=np.float32)
   counts = []
   for cat_min in (0, 16):
-    monkeypatch.setattr(SCHEDULE, "POOLED_CAT_MIN", cat_min)
+    monkeypatch.setattr(RULES, "POOLED_CAT_MIN", cat_min)
     xt, yt = Tensor.input("x", x.shape), Tensor.input("y", y.shape)
     c = compile([(Tensor.cat([xt.relu(), yt * 2], 1)).sum(1)])  # over the pieces' own axis: runs of the reduction
     np.testing.assert_allclose(c.run({"x": x, "y": y})[0], np.concatenate([np.maximum(x, 0), y * 2], 1).sum(1), rtol=1e-4, atol=1e-4)

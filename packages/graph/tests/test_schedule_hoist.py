@@ -1,16 +1,14 @@
-"""schedule's transcendental rule: a SIN, EXP2, LOG2, ERF or TANH that a kernel computes again under loops it does not
+"""realize_rules' transcendental rule: a SIN, EXP2, LOG2, ERF or TANH that a kernel computes again under loops it does not
 vary over (RoPE's sin of position x frequency, inside the batch and head loops) is realized once; one whose loops are
 the outer ones (a squeeze-and-excitation gate over the channels, read along each row) stays inline."""
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 import pytest
 
 from kiln.graph import Tensor, compile
+from kiln.graph import realize_rules as RULES
 
-SCHEDULE = sys.modules["kiln.graph.schedule"]  # the module (kiln.graph.schedule is also the function it exports)
 RNG = np.random.default_rng(0)
 
 
@@ -26,9 +24,9 @@ def _rope_like() -> tuple[list[Tensor], dict[str, np.ndarray], np.ndarray]:
   return [out], {"x": x, "pos": pos}, want
 
 
-@pytest.mark.parametrize("hoist_min", [SCHEDULE.HOIST_MIN, 0])
+@pytest.mark.parametrize("hoist_min", [RULES.HOIST_MIN, 0])
 def test_a_sin_repeated_over_outer_loops_is_realized_once(monkeypatch: pytest.MonkeyPatch, hoist_min: int) -> None:
-  monkeypatch.setattr(SCHEDULE, "HOIST_MIN", hoist_min)
+  monkeypatch.setattr(RULES, "HOIST_MIN", hoist_min)
   outs, feeds, want = _rope_like()
   c = compile(outs)
   # the sin's (32, 16) evaluations would repeat 4 x 4 times: realized, it is a kernel of its own

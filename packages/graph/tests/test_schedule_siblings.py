@@ -1,4 +1,4 @@
-"""Two reductions side by side in one kernel (schedule._sibling_reductions): an MLP's gate and up products read by
+"""Two reductions side by side in one kernel (realize_rules.sibling_reductions): an MLP's gate and up products read by
 silu(gate) * up each get their own kernel, the elementwise work in the second's epilogue; chained ones (softmax's sum over
 its max) stay in one."""
 from __future__ import annotations
