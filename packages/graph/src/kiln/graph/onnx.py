@@ -28,6 +28,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_flow,
   onnx_ops_index,
   onnx_ops_misc,
+  onnx_ops_ml,
   onnx_ops_quant,
   onnx_ops_resize,
   onnx_ops_rnn,
@@ -56,6 +57,7 @@ from kiln.graph.onnx_external import Tensors, model_tensors
 from kiln.graph.onnx_fold import BatchNormFolds
 from kiln.graph.onnx_ops import OPS, WITH_ONNX, OnnxNode, Value, check_shape_value
 from kiln.graph.onnx_ops_flow import FLOW
+from kiln.graph.onnx_ops_ml import ML_DOMAIN, ML_OPS, ZipMapped
 from kiln.graph.onnx_plan_cache import cached_model, keep_model, plan_key
 from kiln.graph.onnx_scope import Ctx, check_subgraphs, outer_names, stored_values, subgraphs
 from kiln.graph.program import Body, Program, build_program, host_array
@@ -87,8 +89,9 @@ class Model:
 
   def __init__(self, inputs: list[tuple[str, tuple[int | str, ...], np.dtype]], outputs: list[tuple[str, Value | None]], compiled: Compiled | None,
                nodes: int, opset: int, defaults: Mapping[str, np.ndarray] | None = None, program: Program | None = None,
-               declared: Mapping[str, TensorInfo] | None = None):
+               declared: Mapping[str, TensorInfo] | None = None, maps: Mapping[str, ZipMapped] | None = None):
     self._inputs = [TensorInfo(*i) for i in inputs]
+    self._maps = dict(maps or {})  # ZipMap outputs: computed as their scores, returned as a list of {key: score} a row
     self.output_names, self.compiled, self.nodes, self.opset = [n for n, _ in outputs], compiled, nodes, opset
     self.program = program
     self.defaults = dict(defaults or {})  # graph inputs an initializer of the same name gives a value: folded in at load
@@ -145,13 +148,25 @@ class Model:
     order (default: every output; the plan computes them all). out: {output name: array} to write outputs into instead of
     new arrays (a loop's buffers), each of the output's dtype and this run's shape; those entries of the result are the
     caller's arrays. Every refusal is a FeedError (an ONNXError) raised before the model runs (an out= array whose shape a
-    symbolic dim decides: after, with nothing written)."""
-    return self._run(feeds, False, outputs, out, cast)[0]
+    symbolic dim decides: after, with nothing written). A ZipMap output (ai.onnx.ml) is a list of {key: score} dicts, one
+    a row, as onnxruntime gives it; out= cannot take one."""
+    return self._mapped(self._run(feeds, False, outputs, self._no_maps(out), cast)[0])
 
   def run_profiled(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None, out: Mapping[str, np.ndarray] | None = None,
                    cast: bool = False) -> tuple[dict[str, np.ndarray], Any]:
     """run, kernel by kernel with each kernel timed: (outputs, the plan's Profile; None when no kernel runs)."""
-    return self._run(feeds, True, outputs, out, cast)
+    got, prof = self._run(feeds, True, outputs, self._no_maps(out), cast)
+    return self._mapped(got), prof
+
+  def _no_maps(self, out: Mapping[str, np.ndarray] | None) -> Mapping[str, np.ndarray] | None:
+    if out and (named := sorted(set(out) & set(self._maps))):
+      raise FeedError(f"out= names {named}: a ZipMap output is a list of maps, made for each run, not an array to write into")
+    return out
+
+  def _mapped(self, got: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """got with each ZipMap output's scores made into its maps (the list run() documents)."""
+    if not self._maps: return got
+    return {n: self._maps[n].rows(a) if n in self._maps else a for n, a in got.items()}  # type: ignore[misc]
 
   def _run(self, feeds: Mapping[str, np.ndarray], profile: bool, outputs: Sequence[str] | None = None,
            out: Mapping[str, np.ndarray] | None = None, cast: bool = False) -> tuple[dict[str, np.ndarray], Any]:
@@ -254,12 +269,13 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
   for k, proto in enumerate(nodes):
     if top: report(k, len(nodes), "converting nodes")
     label = f"node {ctx.path}{proto.name or '<' + proto.op_type + '>'} ({proto.op_type})"
-    if proto.domain not in ("", "ai.onnx"): raise ONNXError(f"{label}: domain {proto.domain!r} is not supported")
-    if proto.op_type not in OPS: raise ONNXError(f"{label}: operator {proto.op_type} is not supported")
+    if why := _unknown(proto): raise ONNXError(f"{label}: {why}")
     fn, allowed = OPS[proto.op_type]
     flow = FLOW.get(proto.op_type)  # If, Loop, Scan: they convert subgraphs in ctx
     if missing := next((i for i in proto.input if i and i not in env), None):
       raise ONNXError(f"{label}: input {missing!r} is not produced by any earlier node, input or initializer")
+    if mapped := next((i for i in proto.input if i and isinstance(env[i], ZipMapped)), None):
+      raise ONNXError(f"{label}: input {mapped!r} is a ZipMap's sequence of maps, which kiln gives only as a graph output")
     n = OnnxNode(proto, env, ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
     n.name = ctx.path + n.name
     for a in n.attrs:
@@ -402,10 +418,16 @@ def _unsupported(g: Any, opset: int) -> list[str]:
   found = []
   for p in g.node:
     label = f"node {p.name or '<' + p.op_type + '>'} ({p.op_type})"
-    if p.domain not in ("", "ai.onnx"): found.append(f"{label}: domain {p.domain!r} is not supported")
-    elif p.op_type not in OPS: found.append(f"{label}: operator {p.op_type} is not supported")
+    if why := _unknown(p): found.append(f"{label}: {why}")
     else: found += [f"{label[:-1]}, opset {opset}): attribute {a.name} is not supported" for a in p.attribute if a.name not in OPS[p.op_type][1]]
   return found
+
+
+def _unknown(p: Any) -> str | None:
+  """Why node p's operator is not one kiln converts (its domain, or its name in that domain); None when it is."""
+  if p.domain == ML_DOMAIN: return None if p.op_type in ML_OPS else f"operator {p.op_type} of domain {ML_DOMAIN!r} is not supported"
+  if p.domain not in ("", "ai.onnx"): return f"domain {p.domain!r} is not supported"
+  return None if p.op_type in OPS and p.op_type not in ML_OPS else f"operator {p.op_type} is not supported"
 
 
 def load(model: Any, device: str = "CPU", dims: Mapping[str, int | tuple[int, int]] | None = None,
@@ -477,7 +499,12 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
   _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
   report(len(g.node), len(g.node), "converting nodes")
   # cut for a value known only at run time: every output comes from the program (specialise.py)
+  if main.cut is not None and any(p.op_type == "ZipMap" for p in g.node):
+    raise ONNXError("a ZipMap in a model compiled at run time (a shape computed from data) is not supported")
   outputs: list[tuple[str, Value | None]] = [(vo.name, None) for vo in g.output] if main.cut is not None else list(_outputs(g, env))
+  found: list[tuple[str, Any]] = list(outputs)  # a ZipMap's output is no Value: its scores compute, run() makes the maps
+  maps = {name: v for name, v in found if isinstance(v, ZipMapped)}
+  outputs = [(name, v.scores if isinstance(v, ZipMapped) else v) for name, v in found]
   tensors = [v for _, v in outputs if isinstance(v, Tensor)]
   compiled, program = None, None
   try:
@@ -488,8 +515,8 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
   except GraphError as e: raise ONNXError(f"compiling the model failed: {e}") from e
   except RecursionError:  # kiln.graph's renderer recurses along a fused chain of elementwise ops (~300 deep at the default limit)
     raise ONNXError("compiling the model failed: a chain of fused operations is too deep for kiln.graph's renderer") from None
-  loaded = Model(inputs, outputs, compiled, len(g.node), opset, defaults, program, _declared(onnx, g))
-  if cache_key is not None: keep_model(cache_key, model, loaded, m)
+  loaded = Model(inputs, outputs, compiled, len(g.node), opset, defaults, program, _declared(onnx, g), maps)
+  if cache_key is not None and not maps: keep_model(cache_key, model, loaded, m)  # the plan cache keeps arrays only
   return loaded
 
 
