@@ -146,3 +146,27 @@ def test_refusals_name_what_is_wrong() -> None:
   svm = helper.make_node("SVMClassifier", ["x"], ["label", "scores"], domain=ML)
   with pytest.raises(ONNXError, match="SVMClassifier of domain 'ai.onnx.ml' is not supported"):
     konnx.load(_model(svm, x, [_tensor("label", np.int64), _tensor("scores", np.float32)]))
+
+
+def test_array_feature_extractor_looks_labels_up() -> None:
+  """A classifier's label as scikit-learn's SGD export computes it: its classes (a constant) at the argmax (computed)."""
+  x = f32(6, 4)
+  classes = helper.make_tensor("classes", onnx.TensorProto.INT64, [4], [10, 20, 30, 40])
+  nodes = [helper.make_node("ArgMax", ["x"], ["am"], axis=1),
+           helper.make_node("ArrayFeatureExtractor", ["classes", "am"], ["label"], domain=ML)]
+  g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)], [_tensor("label", np.int64, 2)],
+                        [classes])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ML, 1)])
+  m.ir_version = 8
+  _same(m.SerializeToString(), x)
+  # the other way round: computed X, constant indices (a column subset)
+  cols = helper.make_tensor("cols", onnx.TensorProto.INT64, [3], [3, 0, 2])
+  g = helper.make_graph([helper.make_node("ArrayFeatureExtractor", ["x", "cols"], ["y"], domain=ML)], "g",
+                        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)], [_tensor("y", np.float32)], [cols])
+  m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ML, 1)])
+  m.ir_version = 8
+  _same(m.SerializeToString(), x)
+  bad = helper.make_tensor("cols", onnx.TensorProto.INT64, [2], [1, 4])
+  m.graph.initializer[0].CopyFrom(bad)
+  with pytest.raises(ONNXError, match=r"index 4 is out of range \[0, 4\)"):
+    konnx.load(m.SerializeToString())

@@ -1,5 +1,6 @@
 """The ai.onnx.ml operators that scikit-learn exports (skl2onnx) put around a linear model: LinearClassifier,
-LinearRegressor, Normalizer, Scaler, Binarizer, and ZipMap, built from kiln.graph Tensor ops and registered in
+LinearRegressor, Normalizer, Scaler, Binarizer, ArrayFeatureExtractor (a classifier's label looked up in its classes) and
+ZipMap, built from kiln.graph Tensor ops and registered in
 onnx_ops.OPS (onnx.py imports this module for that; ML_OPS lists the operators it accepts from that domain).
 
 Semantics follow onnxruntime's kernels, the reference users compare with, where the spec leaves room: a LinearClassifier
@@ -22,7 +23,7 @@ from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
 ML_DOMAIN = "ai.onnx.ml"
-ML_OPS = frozenset({"LinearClassifier", "LinearRegressor", "Normalizer", "Scaler", "Binarizer", "ZipMap"})
+ML_OPS = frozenset({"LinearClassifier", "LinearRegressor", "Normalizer", "Scaler", "Binarizer", "ZipMap", "ArrayFeatureExtractor"})
 SQRT2 = 1.41421356  # onnxruntime's PROBIT constant
 
 
@@ -152,6 +153,26 @@ def _zipmap(n: OnnxNode) -> Any:  # a ZipMapped where a Value goes: onnx.py keep
   return ZipMapped(v if isinstance(v, np.ndarray) else _f32(n.t(0)), keys)
 
 
+def _array_feature_extractor(n: OnnxNode) -> Value:
+  """X[..., Y]: the last axis' entries at the indices Y (flattened), as (1, len(Y)) for a 1-D X (onnxruntime's shapes).
+  Indices known at load must be in [0, size) (onnxruntime refuses others); indices computed at run time go through
+  Tensor.gather's check (one out of range is an IndexOutOfRangeError naming the node; a negative one counts from the end)."""
+  x, y = n.ins[0], n.ins[1] if len(n.ins) > 1 else None
+  if x is None or y is None: raise n.error("needs X and Y")
+  if (y.dtype.kind not in "iu") if isinstance(y, np.ndarray) else not y.dtype.is_int: raise n.error(f"indices Y must be integers, got {y.dtype}")
+  size = x.shape[-1] if x.ndim else None
+  if size is None: raise n.error("X must have at least one dim")
+  if isinstance(y, np.ndarray) and isinstance(size, int) and y.size and (int(y.min()) < 0 or int(y.max()) >= size):
+    raise n.error(f"index {int(y.min()) if int(y.min()) < 0 else int(y.max())} is out of range [0, {size}) of X's last axis")
+  if isinstance(x, np.ndarray) and isinstance(y, np.ndarray): out: Value = np.take(x, y.reshape(-1), axis=-1)
+  else:
+    t = n.t(0)
+    idx = Tensor(np.ascontiguousarray(y.reshape(-1))) if isinstance(y, np.ndarray) else n.t(1).reshape(-1)
+    out = t.gather(idx, t.ndim - 1, name=f"node {n.name} ({n.op})")
+  return out.reshape(1, -1) if x.ndim == 1 else out
+
+
+_op("ArrayFeatureExtractor", _array_feature_extractor)
 _op("LinearClassifier", _linear_classifier, "classlabels_ints classlabels_strings coefficients intercepts multi_class post_transform")
 _op("LinearRegressor", _linear_regressor, "coefficients intercepts post_transform targets")
 _op("Normalizer", _normalizer, "norm")
