@@ -23,7 +23,14 @@ ROWS = 20
 def models() -> dict[str, tuple[Any, np.ndarray]]:
   from sklearn.datasets import load_iris, make_regression
   from sklearn.decomposition import PCA
-  from sklearn.ensemble import RandomForestClassifier
+  from sklearn.ensemble import (
+    ExtraTreesRegressor,
+    GradientBoostingClassifier,
+    GradientBoostingRegressor,
+    HistGradientBoostingClassifier,
+    RandomForestClassifier,
+    RandomForestRegressor,
+  )
   from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge, SGDClassifier
   from sklearn.naive_bayes import GaussianNB
   from sklearn.neighbors import KNeighborsClassifier
@@ -31,7 +38,7 @@ def models() -> dict[str, tuple[Any, np.ndarray]]:
   from sklearn.pipeline import make_pipeline
   from sklearn.preprocessing import Binarizer, MinMaxScaler, Normalizer, StandardScaler
   from sklearn.svm import SVC, LinearSVC
-  from sklearn.tree import DecisionTreeClassifier
+  from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
   x, y = load_iris(return_X_y=True)
   x = x.astype(np.float32)
   xr, yr = make_regression(100, 6, random_state=0)
@@ -54,6 +61,14 @@ def models() -> dict[str, tuple[Any, np.ndarray]]:
     "standard_scaler+ridge": fit(make_pipeline(StandardScaler(), Ridge()), xr, yr),
     "decision_tree": fit(DecisionTreeClassifier(random_state=0), x, y),
     "random_forest": fit(RandomForestClassifier(5, random_state=0), x, y),
+    "random_forest_100": fit(RandomForestClassifier(100, random_state=0), x, y),
+    "gradient_boosting": fit(GradientBoostingClassifier(n_estimators=20, random_state=0), x, y),
+    "gradient_boosting_binary": fit(GradientBoostingClassifier(n_estimators=20, random_state=0), x, (y > 0).astype(int)),
+    "hist_gradient_boosting": fit(HistGradientBoostingClassifier(max_iter=20, random_state=0), x, y),
+    "decision_tree_regressor": fit(DecisionTreeRegressor(random_state=0), xr, yr),
+    "random_forest_regressor": fit(RandomForestRegressor(20, random_state=0), xr, yr),
+    "extra_trees_regressor": fit(ExtraTreesRegressor(20, random_state=0), xr, yr),
+    "gradient_boosting_regressor": fit(GradientBoostingRegressor(n_estimators=30, random_state=0), xr, yr),
     "svc": fit(SVC(probability=True, random_state=0), x, y),
   }
 

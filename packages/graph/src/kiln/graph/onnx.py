@@ -35,6 +35,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_sample,
   onnx_ops_select,
   onnx_ops_shape,
+  onnx_ops_trees,
 )
 from kiln.graph import shape_values as sv
 from kiln.graph.build_target import building_for

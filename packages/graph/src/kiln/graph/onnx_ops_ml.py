@@ -1,4 +1,4 @@
-"""The ai.onnx.ml operators that scikit-learn exports (skl2onnx) put around a linear model: LinearClassifier,
+"""The ai.onnx.ml operators that scikit-learn exports (skl2onnx) put around a linear model (trees: onnx_ops_trees.py): LinearClassifier,
 LinearRegressor, Normalizer, Scaler, Binarizer, ArrayFeatureExtractor (a classifier's label looked up in its classes) and
 ZipMap, built from kiln.graph Tensor ops and registered in
 onnx_ops.OPS (onnx.py imports this module for that; ML_OPS lists the operators it accepts from that domain).
@@ -23,7 +23,8 @@ from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
 ML_DOMAIN = "ai.onnx.ml"
-ML_OPS = frozenset({"LinearClassifier", "LinearRegressor", "Normalizer", "Scaler", "Binarizer", "ZipMap", "ArrayFeatureExtractor"})
+ML_OPS = frozenset({"LinearClassifier", "LinearRegressor", "Normalizer", "Scaler", "Binarizer", "ZipMap", "ArrayFeatureExtractor",
+                    "TreeEnsembleClassifier", "TreeEnsembleRegressor"})  # the last two: onnx_ops_trees.py
 SQRT2 = 1.41421356  # onnxruntime's PROBIT constant
 
 
@@ -38,7 +39,7 @@ class ZipMapped:
     return [dict(zip(self.keys, row)) for row in np.asarray(scores, np.float32).reshape(-1, len(self.keys)).tolist()]
 
 
-def _f32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.float32 else x.cast(dtypes.float32)
+def as_float32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.float32 else x.cast(dtypes.float32)
 
 
 def _rows(n: OnnxNode) -> Tensor:
@@ -46,7 +47,7 @@ def _rows(n: OnnxNode) -> Tensor:
   x = n.t(0)
   if x.ndim not in (1, 2): raise n.error(f"input of rank {x.ndim}: needs (N, F) or (F,)")
   x = x.reshape(1, -1) if x.ndim == 1 else x
-  return _f32(x)
+  return as_float32(x)
 
 
 def _linear(n: OnnxNode, x: Tensor, count_attr: str | None) -> tuple[Tensor, int]:
@@ -72,7 +73,7 @@ def _probit(s: Tensor) -> Tensor:
   return sgn * ((v * v - ln * (1.0 / 0.147)).sqrt() - v).sqrt() * SQRT2
 
 
-def _transform(n: OnnxNode, s: Tensor) -> Tensor:
+def post_transformed(n: OnnxNode, s: Tensor) -> Tensor:
   how = n.attr("post_transform", "NONE")
   if how == "NONE": return s
   if how == "LOGISTIC": return s.sigmoid()
@@ -105,7 +106,7 @@ def _linear_classifier(n: OnnxNode) -> list[Value]:
   iota = Tensor(np.arange(c, dtype=np.int64).reshape(1, c))
   first = scores.eq(scores.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1)  # the first largest
   table = Tensor(np.asarray(labels, np.int64))
-  return [table.gather(first, 0), _transform(n, scores)]
+  return [table.gather(first, 0), post_transformed(n, scores)]
 
 
 def _linear_regressor(n: OnnxNode) -> Value:
@@ -115,7 +116,7 @@ def _linear_regressor(n: OnnxNode) -> Value:
 
 def _normalizer(n: OnnxNode) -> Value:
   x = n.t(0)
-  x = _f32(x)
+  x = as_float32(x)
   how = n.attr("norm", "MAX")
   if how == "MAX": d = x.max(-1, keepdims=True)
   elif how == "L1": d = x.abs().sum(-1, keepdims=True)
@@ -132,7 +133,7 @@ def _per_feature(n: OnnxNode, name: str, x: Tensor) -> Tensor:
 
 def _scaler(n: OnnxNode) -> Value:
   x = n.t(0)
-  x = _f32(x)
+  x = as_float32(x)
   return (x - _per_feature(n, "offset", x)) * _per_feature(n, "scale", x)
 
 
@@ -150,7 +151,7 @@ def _zipmap(n: OnnxNode) -> Any:  # a ZipMapped where a Value goes: onnx.py keep
   if v is None: raise n.error("input 0 is missing")
   shape = v.shape
   if len(shape) != 2 or shape[1] != len(keys): raise n.error(f"input {tuple(shape)} needs (N, {len(keys)}): one score a key")
-  return ZipMapped(v if isinstance(v, np.ndarray) else _f32(n.t(0)), keys)
+  return ZipMapped(v if isinstance(v, np.ndarray) else as_float32(n.t(0)), keys)
 
 
 def _array_feature_extractor(n: OnnxNode) -> Value:
