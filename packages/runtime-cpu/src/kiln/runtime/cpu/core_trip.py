@@ -19,7 +19,7 @@ from functools import cache
 import llvmlite.binding as llvm
 
 from kiln.runtime.cpu.compiler import init_llvm
-from kiln.runtime.cpu.spin import cycles_per_us, relax_ir
+from kiln.runtime.cpu.spin import cycles_per_us, spin_round_ir
 
 # two threads take turns on one int32: `parity` 0 moves it from even to odd, 1 from odd to even, `trips` times each;
 # a wait longer than `ticks` cycles (or rounds, where the counter does not run) gives up. Returns the turns taken.
@@ -31,32 +31,26 @@ entry:
   %t0 = call i64 @llvm.readcyclecounter()
   br label %turn
 turn:
-  %i = phi i32 [0, %entry], [%i1, %mine]
-  %twice = shl i32 %i, 1
+  %k = phi i32 [0, %entry], [%k1, %mine]
+  %twice = shl i32 %k, 1
   %want = add i32 %twice, %parity
   br label %wait
 wait:
-  %r = phi i64 [0, %turn], [%r1, %late_check]
+  %i = phi i64 [0, %turn], [%i1, %late_check]
   %v = load atomic i32, ptr %cell acquire, align 4
   %ours = icmp eq i32 %v, %want
   br i1 %ours, label %mine, label %late_check
 late_check:
-  {relax}
-  %t = call i64 @llvm.readcyclecounter()
-  %spent = sub i64 %t, %t0
-  %r1 = add i64 %r, 1
-  %late = icmp uge i64 %spent, %ticks
-  %many = icmp uge i64 %r1, %ticks
-  %stop = or i1 %late, %many
+{give_up}
   br i1 %stop, label %out, label %wait
 mine:
   %next = add i32 %v, 1
   store atomic i32 %next, ptr %cell release, align 4
-  %i1 = add i32 %i, 1
-  %more = icmp ult i32 %i1, %trips
+  %k1 = add i32 %k, 1
+  %more = icmp ult i32 %k1, %trips
   br i1 %more, label %turn, label %out
 out:
-  %done = phi i32 [%i, %late_check], [%i1, %mine]
+  %done = phi i32 [%k, %late_check], [%k1, %mine]
   ret i32 %done
 }}
 """
@@ -67,8 +61,8 @@ TIMEOUT_US = 50_000  # a trade the other thread does not answer in this long (it
 @cache
 def _trade() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], int]]:
   init_llvm()
-  decl, relax = relax_ir()
-  mod = llvm.parse_assembly(_IR.format(decl=decl, relax=relax))
+  decl, give_up = spin_round_ir()
+  mod = llvm.parse_assembly(_IR.format(decl=decl, give_up=give_up))
   mod.verify()
   engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine(opt=2))
   engine.finalize_object()

@@ -40,13 +40,7 @@ plan:
   %idle = icmp eq i32 %a, 0
   br i1 %idle, label %sleep, label %wait
 wait:
-  {relax}
-  %t = call i64 @llvm.readcyclecounter()
-  %spent = sub i64 %t, %t0
-  %i1 = add i64 %i, 1
-  %late = icmp uge i64 %spent, %ticks
-  %many = icmp uge i64 %i1, %ticks
-  %stop = or i1 %late, %many
+{give_up}
   br i1 %stop, label %sleep, label %loop
 work:
   ret i32 1
@@ -65,16 +59,29 @@ def spin_us() -> int:
   return settings.SPIN_US.get()
 
 
-def relax_ir() -> tuple[str, str]:
-  """(declaration, call) of this machine's spin-wait hint, ("", "") where it has none."""
+# one round of a bounded spin: the hint, then %stop once `ticks` cycles since %t0 (or `ticks` rounds, %i counting them,
+# should the counter not run) have passed; %i1 is the next round's count
+_GIVE_UP = """  {relax}
+  %t = call i64 @llvm.readcyclecounter()
+  %spent = sub i64 %t, %t0
+  %i1 = add i64 %i, 1
+  %late = icmp uge i64 %spent, %ticks
+  %many = icmp uge i64 %i1, %ticks
+  %stop = or i1 %late, %many"""
+
+
+def spin_round_ir() -> tuple[str, str]:
+  """(declaration of this machine's spin-wait hint, one bounded spin round's IR: _GIVE_UP); ("", plain rounds) where the
+  machine has no hint."""
   arch = platform.machine().lower()
-  return _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
+  decl, relax = _RELAX.get("aarch64" if arch == "arm64" else arch, ("", ""))
+  return decl, _GIVE_UP.format(relax=relax)
 
 
 def spin_ir() -> str:
   """The IR of kiln_spin and kiln_cycles for this machine."""
-  decl, relax = relax_ir()
-  return _IR.format(decl=decl, relax=relax)
+  decl, give_up = spin_round_ir()
+  return _IR.format(decl=decl, give_up=give_up)
 
 
 @cache
