@@ -125,6 +125,9 @@ def test_refusals_name_what_is_wrong() -> None:
   forest = _forest([2])
   forest["nodes_truenodeids"][2] = 1  # two parents for node 1: leaf 5 is a second root
   with pytest.raises(ONNXError, match="tree 0 has 2 roots"): konnx.load(_regressor(forest, 1), dims=DIMS)
+  forest = _forest([2])
+  forest["nodes_featureids"][0] = F
+  with pytest.raises(ONNXError, match=f"a node reads feature {F} of {F}"): konnx.load(_regressor(forest, 1), dims=DIMS)
   with pytest.raises(ONNXError, match="aggregate_function 'MAX'"): konnx.load(_regressor(_forest([2]), 1, aggregate_function="MAX"), dims=DIMS)
   with pytest.raises(ONNXError, match="PROBIT on a binary classifier"):
     konnx.load(_classifier(_forest([2]), 1, classlabels_int64s=[0, 1], post_transform="PROBIT"), dims=DIMS)

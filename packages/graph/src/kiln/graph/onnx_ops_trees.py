@@ -108,6 +108,9 @@ class _Forest:
     """The leaf (global node number) each row reaches in each tree: (rows, trees) int64."""
     rows, f = x.shape
     label = f"node {n.name} ({n.op})"
+    if not isinstance(f, int): raise n.error("the feature dim must be known at load")
+    if (bad := self.feature[~self.leaf]).size and not 0 <= int(bad.min()) <= int(bad.max()) < f:
+      raise n.error(f"a node reads feature {int(bad.max()) if int(bad.max()) >= f else int(bad.min())} of {f}")
     xs = x.reshape(-1)
     base = coords((rows, len(self.trees)), 0, dtypes.int64) * f  # each walker's row start in X
     cur = Tensor(self.roots.reshape(1, -1)).expand((rows, len(self.trees)))
