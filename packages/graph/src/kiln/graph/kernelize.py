@@ -307,7 +307,7 @@ class Kernelizer:
     if n.op == "VIEW": return self._view(n, idx)
     if n.op == "GATHER":
       table, ind = n.src
-      (ax, _), k = n.arg, len(ind.shape)
+      ax, k = n.arg[0], len(ind.shape)
       iv = self.render(ind, idx[ax:ax + k]).cast(dtypes.index)
       size = table.shape[ax]
       # negative indices count from the end; the clamp keeps an index out of range inside the table's memory, and the

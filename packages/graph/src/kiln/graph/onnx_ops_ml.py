@@ -103,10 +103,18 @@ def _linear_classifier(n: OnnxNode) -> list[Value]:
     p = s.sigmoid() if n.attr("post_transform", "NONE") == "LOGISTIC" else s  # the others leave a lone score as it is
     return [label, Tensor.stack([1.0 - p, p], 1)]
   if len(labels) != c: raise n.error(f"{len(labels)} class labels for {c} classes")
+  return [label_of(scores, np.asarray(labels, np.int64)), post_transformed(n, scores)]
+
+
+def label_of(scores: Tensor, labels: np.ndarray) -> Tensor:
+  """Each row's label: labels[the first largest score's column], labels[0] for a row of NaN (onnxruntime's loop keeps its
+  first column when no score compares larger). The column is in range by construction: no run-time index check."""
+  c = len(labels)
   iota = Tensor(np.arange(c, dtype=np.int64).reshape(1, c))
-  first = scores.eq(scores.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1)  # the first largest
-  table = Tensor(np.asarray(labels, np.int64))
-  return [table.gather(first, 0), post_transformed(n, scores)]
+  # realized: a reduction inlined as a gather's index fails to lower (int64x8 x int64 in the index arithmetic); the
+  # checked gathers never met it, as their check kernel reads the index too
+  first = scores.eq(scores.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1).contiguous()
+  return Tensor(labels).gather(first.eq(c).where(0, first), 0, in_range=True)
 
 
 def _linear_regressor(n: OnnxNode) -> Value:

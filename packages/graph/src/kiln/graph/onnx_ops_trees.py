@@ -1,27 +1,29 @@
-"""ai.onnx.ml's TreeEnsembleClassifier and TreeEnsembleRegressor (decision trees, random forests, boosted trees as
-scikit-learn, XGBoost and LightGBM export them), built from kiln.graph Tensor ops and registered in onnx_ops.OPS.
+"""ai.onnx.ml's TreeEnsembleClassifier and TreeEnsembleRegressor (decision trees, random forests, boosted trees as scikit-
+learn, XGBoost and LightGBM export them), built from kiln.graph Tensor ops and registered in onnx_ops.OPS.
 
 At load every tree's nodes go into constant tables indexed by one global node number: the feature a node reads, its
-threshold, its comparison, whether a missing value (NaN) goes the true way, and its two successors (a leaf's are itself).
-At run time all trees of all rows walk together, one level per step for the deepest tree's depth: gather each walker's
-feature value from X, compare it with its node's threshold, gather the next node. Each step's positions are realized (a
-buffer of (rows, trees) node numbers), so a step reads the last one's and no index expression grows with the depth. The
-run-time gathers carry kiln's index check (never a read outside a table). A leaf's weights form a (nodes, outputs) table;
-the walkers' leaves are gathered from it and summed over the trees (AVERAGE: divided by their count), base_values added.
+threshold, its comparison, whether a missing value (NaN) goes the true way, and its two successors (a leaf's are
+itself). At run time all trees of all rows walk together, one level per step for the deepest tree's depth: gather each
+walker's feature value from X, compare it with its node's threshold, gather the next node. Each step's positions are
+realized (a buffer of (rows, trees) node numbers), so a step reads the last one's and no index expression grows with the
+depth. Every index is in range by construction (the roots and successors are checked node numbers, the features checked
+against X's at load), so the gathers skip kiln's run-time index check (Tensor.gather's in_range; the kernels clamp all
+the same). A leaf's weights form a (nodes, outputs) table; the walkers' leaves are gathered from it and summed over the
+trees (AVERAGE: divided by their count), base_values added.
 
 Semantics follow onnxruntime: X is compared in float32 (any input type is cast to it, and thresholds are float32, as
 onnxruntime compares for float input); a classifier's label is the class of the first largest score, before the post
 transform (onnx_ops_ml.post_transformed), which then applies to the scores; a boosted binary classifier's one score
 column follows onnxruntime's rules for it (_binary). Refused by name: string class labels, MIN and MAX aggregation, a
-regressor's post transform. A NaN feature value takes a node's true way where its
-missing_value_tracks_true says so, else the way its comparison gives (false but for BRANCH_NEQ), as onnxruntime."""
+regressor's post transform. A NaN feature value takes a node's true way where its missing_value_tracks_true says so,
+else the way its comparison gives (false but for BRANCH_NEQ), as onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.graph.indexing import coords
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
-from kiln.graph.onnx_ops_ml import as_float32, post_transformed
+from kiln.graph.onnx_ops_ml import as_float32, label_of, post_transformed
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
@@ -118,12 +120,13 @@ class _Forest:
     mode = Tensor(self.mode) if len(set(self.mode.tolist()) - {MODES.index("LEAF")}) > 1 else None
     only = MODES[int(self.mode[~self.leaf][0])] if (~self.leaf).any() else "BRANCH_LEQ"
     missing = Tensor(self.missing_true) if self.missing_true.any() else None
+    def at(table: Tensor, i: Tensor) -> Tensor: return table.gather(i, 0, name=label, in_range=True)  # built in range: no check
     for _ in range(self.depth):
-      v = xs.gather(base + feature.gather(cur, 0, name=label), 0, name=label)
-      t = value.gather(cur, 0, name=label)
-      go = _compare(v, t, mode.gather(cur, 0, name=label) if mode is not None else None, only)
-      if missing is not None: go = go | (missing.gather(cur, 0, name=label) & v.eq(v).logical_not())  # NaN: the missing way
-      cur = nxt.gather(cur * 2 + go.where(0, 1).cast(dtypes.int64), 0, name=label).contiguous()
+      v = at(xs, base + at(feature, cur))  # features checked < F at load; rows from coords
+      t = at(value, cur)
+      go = _compare(v, t, at(mode, cur) if mode is not None else None, only)
+      if missing is not None: go = go | (at(missing, cur) & v.eq(v).logical_not())  # NaN: the missing way
+      cur = at(nxt, cur * 2 + go.where(0, 1).cast(dtypes.int64)).contiguous()
     return cur
 
 
@@ -145,7 +148,7 @@ def _rows(n: OnnxNode) -> Tensor:
 
 def _scores(n: OnnxNode, forest: _Forest, x: Tensor, weights: np.ndarray, average: bool) -> Tensor:
   leaves = forest.walk(n, x)
-  s = Tensor(weights).gather(leaves, 0, name=f"node {n.name} ({n.op})").sum(1)  # (rows, trees, outputs) summed over the trees
+  s = Tensor(weights).gather(leaves, 0, name=f"node {n.name} ({n.op})", in_range=True).sum(1)  # (rows, trees, outputs) summed over the trees
   if average: s = s * (1.0 / len(forest.trees))
   base = _floats(n, "base_values")
   if len(base) not in (0, weights.shape[1]): raise n.error(f"base_values has {len(base)} values for {weights.shape[1]} outputs")
@@ -161,10 +164,7 @@ def _classifier(n: OnnxNode) -> list[Value]:
   if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, labels, int(ids[0]))
   weights = forest.leaves(n, "class", len(labels))
   s = _scores(n, forest, _rows(n), weights, False)
-  c = len(labels)
-  iota = Tensor(np.arange(c, dtype=np.int64).reshape(1, c))
-  first = s.eq(s.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1)
-  return [Tensor(labels).gather(first, 0), post_transformed(n, s)]
+  return [label_of(s, labels), post_transformed(n, s)]
 
 
 def _binary(n: OnnxNode, forest: _Forest, labels: np.ndarray, column: int) -> list[Value]:
