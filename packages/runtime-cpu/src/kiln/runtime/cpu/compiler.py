@@ -16,7 +16,10 @@ from kiln.ir.errors import CompileError
 from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.machine import CPUChoice, choose_cpu, isa_of
 
-_lock = threading.Lock()  # LLVM's global context is not thread-safe
+# LLVM's global context and the JIT engines are not thread-safe: every parse, optimisation, emission and engine change of
+# the process (compiles, kernel loads, the pool's and the spin's own code) holds this one lock. Reentrant: a load may make
+# the shared engine on first use.
+LLVM_LOCK = threading.RLock()
 
 
 @cache
@@ -25,6 +28,18 @@ def init_llvm() -> None:
   llvm.initialize_native_target()
   llvm.initialize_native_asmprinter()
   llvm.initialize_native_asmparser()
+
+
+def jit_ir(ir: str, opt: int) -> llvm.ExecutionEngine:
+  """A small hand-written IR module (the pool's loop, the spin, the core-trip probe) compiled into an engine of its own
+  at codegen level `opt`, under LLVM_LOCK; the engine owns the code, kept for the life of the process by its caller."""
+  with LLVM_LOCK:
+    init_llvm()
+    mod = llvm.parse_assembly(ir)
+    mod.verify()
+    engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine(opt=opt))
+    engine.finalize_object()
+    return engine
 
 
 @cache
@@ -108,14 +123,14 @@ class LLVMCompiler:
     return mod
 
   def compile_module(self, src: str) -> bytes:
-    with _lock:
+    with LLVM_LOCK:
       mod = self.to_module(src)
       self.optimize(mod, src)
       return bytes(self.tm.emit_object(mod))
 
   def assembly(self, src: str) -> str:
     """The optimised machine code as text (KILN_DEBUG and benchmarks look at it)."""
-    with _lock:
+    with LLVM_LOCK:
       mod = self.to_module(src)
       self.optimize(mod, src)
       return str(self.tm.emit_assembly(mod))

@@ -18,7 +18,7 @@ from functools import cache
 
 import llvmlite.binding as llvm
 
-from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.compiler import jit_ir
 from kiln.runtime.cpu.spin import cycles_per_us, spin_round_ir
 
 # two threads take turns on one int32: `parity` 0 moves it from even to odd, 1 from odd to even, `trips` times each;
@@ -60,12 +60,8 @@ TIMEOUT_US = 50_000  # a trade the other thread does not answer in this long (it
 
 @cache
 def _trade() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], int]]:
-  init_llvm()
   decl, give_up = spin_round_ir()
-  mod = llvm.parse_assembly(_IR.format(decl=decl, give_up=give_up))
-  mod.verify()
-  engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine(opt=2))
-  engine.finalize_object()
+  engine = jit_ir(_IR.format(decl=decl, give_up=give_up), 2)
   fn = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int64)(
     engine.get_function_address("kiln_trade"))
   return engine, fn

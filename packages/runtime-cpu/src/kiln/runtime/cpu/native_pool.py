@@ -34,7 +34,7 @@ from functools import cache
 import llvmlite.binding as llvm
 import numpy as np
 
-from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.compiler import init_llvm, jit_ir
 from kiln.runtime.cpu.spin import spin_address
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
@@ -361,14 +361,9 @@ def native_pool_supported() -> bool:
 
 
 def _engine(ir: str) -> llvm.ExecutionEngine:
-  mod = llvm.parse_assembly(ir)
-  mod.verify()
   # codegen level 0: the loop is atomics, calls and a futex; O2 spent 25-35 ms generating it, O0 8-10 ms, paid by the
   # first split kernel of every process
-  tm = llvm.Target.from_default_triple().create_target_machine(opt=0)
-  engine = llvm.create_mcjit_compiler(mod, tm)  # owns the code: kept for the life of the process
-  engine.finalize_object()
-  return engine
+  return jit_ir(ir, 0)
 
 
 @cache

@@ -5,7 +5,6 @@ import ctypes
 import ctypes.util
 import hashlib
 import operator
-import threading
 import time
 from collections.abc import Sequence
 from functools import cache
@@ -17,7 +16,7 @@ from kiln.codegen.threads import CORE_ID
 from kiln.ir.errors import CompileError, RuntimeLaunchError, VariableBoundsError
 from kiln.runtime.cpu import running
 from kiln.runtime.cpu.bound import CPUBoundCall
-from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.compiler import LLVM_LOCK, init_llvm
 
 # math the generated code may call (LLVM lowers exp2/log2/sin intrinsics on vectors and scalars to libm)
 _LIBM_SYMBOLS = ("exp2f", "exp2", "log2f", "log2", "sinf", "sin", "sqrtf", "sqrt", "truncf", "trunc", "fmaxf", "fmax",
@@ -44,7 +43,6 @@ def _register_symbols() -> None:
       except AttributeError: pass  # this libm/libgcc lacks it; LLVM only asks for what the code uses
 
 
-_engine_lock = threading.Lock()
 _TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)  # NAME.task(ptr args, i32 slot)
 
 
@@ -108,7 +106,7 @@ class CPUProgram:
     _register_symbols()
     self.entry = compiled.entry_point or compiled.name
     self._engine: llvm.ExecutionEngine | None = None
-    with _engine_lock:
+    with LLVM_LOCK:  # an engine change beside a compile in another thread aborted inside LLVM
       addr = shared_engine().load(self.entry, compiled.bytes)
       if addr is None:  # its symbol is taken by other code: an engine of its own
         self._engine = _new_engine()

@@ -15,7 +15,7 @@ from functools import cache
 import llvmlite.binding as llvm
 
 from kiln.runtime.cpu import settings
-from kiln.runtime.cpu.compiler import init_llvm
+from kiln.runtime.cpu.compiler import jit_ir
 
 # a pause on x86 (eases the core's pipeline and its sibling hyperthread), a yield hint on arm64, nothing elsewhere
 _RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
@@ -86,13 +86,9 @@ def spin_ir() -> str:
 
 @cache
 def _cycle_code() -> tuple[llvm.ExecutionEngine, Callable[[int, int, int, int], int], Callable[[], int]]:
-  init_llvm()
-  mod = llvm.parse_assembly(spin_ir())
-  mod.verify()
   # codegen level 0: these few lines are loads, pauses and a counter read, and O2's 15-25 ms of code generation came
   # straight out of the first split kernel's call in every process
-  engine = llvm.create_mcjit_compiler(mod, llvm.Target.from_default_triple().create_target_machine(opt=0))  # owns the code
-  engine.finalize_object()
+  engine = jit_ir(spin_ir(), 0)
   spin = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)(
     engine.get_function_address("kiln_spin"))
   cycles = ctypes.CFUNCTYPE(ctypes.c_int64)(engine.get_function_address("kiln_cycles"))
