@@ -55,6 +55,7 @@ ALIASES = {"batchnorm": "BatchNormalization", "training_dropout": "Dropout", "mv
 def _op_of(name: str, listed: set[str]) -> str:
   """The operator a case tests: the longest listed operator whose lower-case name starts the case's name."""
   base = name.removeprefix("test_").removesuffix("_expanded")
+  if base.startswith("ai_onnx_ml_"): base = "ai.onnx.ml." + base.removeprefix("ai_onnx_ml_")
   for prefix, op in ALIASES.items():
     if base.startswith(prefix): return op
   flat = base.replace("_", "")
@@ -204,7 +205,8 @@ def main() -> int:
   a = ap.parse_args()
   import kiln.graph.onnx  # noqa: F401  (its operator modules register themselves in OPS)
   from kiln.graph.onnx_ops import OPS
-  listed = set(OPS)
+  from kiln.graph.onnx_ops_ml import ML_DOMAIN, ML_OPS
+  listed = {f"{ML_DOMAIN}.{op}" if op in ML_OPS else op for op in OPS}  # _ops_of names a domain's operators with it
   scope = [c for c in cases(a.only) if _ops_of(c.model.graph) <= listed]
   results = run_all([c.name for c in scope], a.timeout)
   by_op: dict[str, Counter[str]] = defaultdict(Counter)
