@@ -70,17 +70,12 @@ def model_row(rec: dict[str, Any], cols: tuple[str, ...]) -> str:
   return "| " + " | ".join(cells) + " |"
 
 
-def timing(rec: dict[str, Any]) -> dict[str, Any]:
-  """The timings of a model's first matching export (TIMING_ORDER), {} where none matched."""
-  return next((r for v in TIMING_ORDER if (r := rec["results"].get(v, {})).get("status") == "OK"), {})
-
-
 DYNAMIC_ORDER = ("dynamo/dynamic", "script/dynamic")
 
 
-def dynamic_timing(rec: dict[str, Any]) -> dict[str, Any]:
-  """The timings of a model's first matching dynamic export, {} where none matched."""
-  return next((r for v in DYNAMIC_ORDER if (r := rec["results"].get(v, {})).get("status") == "OK" and r.get("kiln_ms")), {})
+def timing(rec: dict[str, Any], order: tuple[str, ...] = TIMING_ORDER, timed: bool = False) -> dict[str, Any]:
+  """The result of a model's first matching export in `order` (with timed: the first that was timed too), {} where none."""
+  return next((r for v in order if (r := rec["results"].get(v, {})).get("status") == "OK" and (not timed or r.get("kiln_ms"))), {})
 
 
 def _geomean(xs: list[float]) -> float: return math.exp(sum(math.log(x) for x in xs) / len(xs))
@@ -98,7 +93,7 @@ def speed(recs: list[dict[str, Any]]) -> list[str]:
       if xs: out.append(f"| {fam} | {peer} | {len(xs)} | {_geomean(xs):.2f} | {statistics.median(xs):.2f} | {sum(x < 1 for x in xs)} |")
   slow = sorted(((t["kiln_ms"] / t["ort_ms"], r["name"]) for r in recs if (t := timing(r)).get("ort_ms")), reverse=True)[:12]
   out += ["", "Furthest behind onnxruntime: " + ", ".join(f"{n} {x:.2f}" for x, n in slow)]
-  dyn = [(d["kiln_ms"] / d["ort_ms"], r["name"]) for r in recs if (d := dynamic_timing(r)).get("ort_ms")]
+  dyn = [(d["kiln_ms"] / d["ort_ms"], r["name"]) for r in recs if (d := timing(r, DYNAMIC_ORDER, timed=True)).get("ort_ms")]
   if dyn:
     worst = ", ".join(f"{n} {x:.2f}" for x, n in sorted(dyn, reverse=True)[:8])
     out += ["", f"Dynamic exports (a symbolic batch, and sequence for text; the first that matched of {', '.join(DYNAMIC_ORDER)}): "

@@ -42,7 +42,7 @@ class ZipMapped:
 def as_float32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.float32 else x.cast(dtypes.float32)
 
 
-def _rows(n: OnnxNode) -> Tensor:
+def rows_of(n: OnnxNode) -> Tensor:
   """Input 0 as float32 rows (N, F): a 1-D input is one row, as onnxruntime reads it."""
   x = n.t(0)
   if x.ndim not in (1, 2): raise n.error(f"input of rank {x.ndim}: needs (N, F) or (F,)")
@@ -89,13 +89,13 @@ def post_transformed(n: OnnxNode, s: Tensor) -> Tensor:
 
 def _linear_classifier(n: OnnxNode) -> list[Value]:
   if n.attr("classlabels_strings"): raise n.error("string class labels (classlabels_strings) are not supported: kiln has no string tensors")
-  x = _rows(n)
+  x = rows_of(n)
   scores, c = _linear(n, x, None)
   labels = [int(v) for v in n.attr("classlabels_ints", [])]
   if c == 1:
-    pos, neg = (labels[1], labels[0]) if len(labels) == 2 else (1, 0)
+    neg, pos = (labels[0], labels[1]) if len(labels) == 2 else (0, 1)
     s = scores.reshape(-1)
-    label = (s > 0).where(Tensor.full((), pos, np.int64), Tensor.full((), neg, np.int64))
+    label = above(s, 0.0, neg, pos)
     if n.attr("post_transform", "NONE") == "PROBIT":
       if len(labels) == 2: raise n.error("post_transform PROBIT with one row of coefficients and two class labels is not supported")
       return [label, _probit(scores)]
@@ -104,6 +104,11 @@ def _linear_classifier(n: OnnxNode) -> list[Value]:
     return [label, Tensor.stack([1.0 - p, p], 1)]
   if len(labels) != c: raise n.error(f"{len(labels)} class labels for {c} classes")
   return [label_of(scores, np.asarray(labels, np.int64)), post_transformed(n, scores)]
+
+
+def above(s: Tensor, threshold: float, neg: int, pos: int) -> Tensor:
+  """A one-column classifier's labels: pos where the score is over the threshold, else neg (int64)."""
+  return (s > threshold).where(Tensor.full((), pos, np.int64), Tensor.full((), neg, np.int64))
 
 
 def label_of(scores: Tensor, labels: np.ndarray) -> Tensor:
@@ -119,7 +124,7 @@ def label_of(scores: Tensor, labels: np.ndarray) -> Tensor:
 
 def _linear_regressor(n: OnnxNode) -> Value:
   if (how := n.attr("post_transform", "NONE")) != "NONE": raise n.error(f"post_transform {how!r} is not supported (NONE)")
-  return _linear(n, _rows(n), "targets")[0]
+  return _linear(n, rows_of(n), "targets")[0]
 
 
 def _normalizer(n: OnnxNode) -> Value:

@@ -23,7 +23,7 @@ import numpy as np
 
 from kiln.graph.indexing import coords
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
-from kiln.graph.onnx_ops_ml import as_float32, label_of, post_transformed
+from kiln.graph.onnx_ops_ml import above, label_of, post_transformed, rows_of
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
@@ -140,12 +140,6 @@ def _compare(v: Tensor, t: Tensor, mode: Tensor | None, only: str) -> Tensor:
   return go
 
 
-def _rows(n: OnnxNode) -> Tensor:
-  x = n.t(0)
-  if x.ndim not in (1, 2): raise n.error(f"input of rank {x.ndim}: needs (N, F) or (F,)")
-  return as_float32(x.reshape(1, -1) if x.ndim == 1 else x)
-
-
 def _scores(n: OnnxNode, forest: _Forest, x: Tensor, weights: np.ndarray, average: bool) -> Tensor:
   leaves = forest.walk(n, x)
   s = Tensor(weights).gather(leaves, 0, name=f"node {n.name} ({n.op})", in_range=True).sum(1)  # (rows, trees, outputs) summed over the trees
@@ -163,7 +157,7 @@ def _classifier(n: OnnxNode) -> list[Value]:
   ids = _ints(n, "class_ids")
   if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, labels, int(ids[0]))
   weights = forest.leaves(n, "class", len(labels))
-  s = _scores(n, forest, _rows(n), weights, False)
+  s = _scores(n, forest, rows_of(n), weights, False)
   return [label_of(s, labels), post_transformed(n, s)]
 
 
@@ -175,9 +169,8 @@ def _binary(n: OnnxNode, forest: _Forest, labels: np.ndarray, column: int) -> li
   if how == "PROBIT": raise n.error("post_transform PROBIT on a binary classifier with one score column is not supported")
   weights = forest.leaves(n, "class", column + 1)[:, column:]
   positive = bool((_floats(n, "class_weights") >= 0).all())
-  s = _scores(n, forest, _rows(n), weights, False).reshape(-1)
-  pos, neg = Tensor.full((), int(labels[1]), np.int64), Tensor.full((), int(labels[0]), np.int64)
-  label = (s > (0.5 if positive else 0.0)).where(pos, neg)
+  s = _scores(n, forest, rows_of(n), weights, False).reshape(-1)
+  label = above(s, 0.5 if positive else 0.0, int(labels[0]), int(labels[1]))
   if how == "LOGISTIC" or positive:
     p = s.sigmoid() if how == "LOGISTIC" else s
     return [label, Tensor.stack([1.0 - p, p], 1)]
@@ -189,7 +182,7 @@ def _regressor(n: OnnxNode) -> Value:
   if how not in ("SUM", "AVERAGE"): raise n.error(f"aggregate_function {how!r} is not supported (SUM, AVERAGE)")
   if (pt := n.attr("post_transform", "NONE")) != "NONE": raise n.error(f"post_transform {pt!r} is not supported (NONE)")
   forest = _Forest(n)
-  return _scores(n, forest, _rows(n), forest.leaves(n, "target", int(n.attr("n_targets", 1))), how == "AVERAGE")
+  return _scores(n, forest, rows_of(n), forest.leaves(n, "target", int(n.attr("n_targets", 1))), how == "AVERAGE")
 
 
 _NODES = ("nodes_treeids nodes_nodeids nodes_featureids nodes_values nodes_values_as_tensor nodes_modes nodes_truenodeids "

@@ -360,12 +360,6 @@ def native_pool_supported() -> bool:
   return os.name == "posix" and platform.system() == "Linux" and platform.machine().lower() in _SYS_FUTEX
 
 
-def _engine(ir: str) -> llvm.ExecutionEngine:
-  # codegen level 0: the loop is atomics, calls and a futex; O2 spent 25-35 ms generating it, O0 8-10 ms, paid by the
-  # first split kernel of every process
-  return jit_ir(ir, 0)
-
-
 @cache
 def _loop_code() -> tuple[llvm.ExecutionEngine, int, int, int]:
   """The compiled worker loop and run calls, once per process: (engine, kiln_pool_worker, kiln_pool_run,
@@ -377,7 +371,9 @@ def _loop_code() -> tuple[llvm.ExecutionEngine, int, int, int]:
   arch = platform.machine().lower()
   # {geps:a,b}: the pointers to those words, as the function that holds it names them
   geps = lambda m: "\n".join(f"  %{_FIELDS[f][0]} = getelementptr i8, ptr %pool, i64 {_FIELDS[f][1]}" for f in m.group(1).split(","))  # noqa: E731
-  engine = _engine(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch], step_words=STEP_WORDS))
+  # codegen level 0: the loop is atomics, calls and a futex; O2 spent 25-35 ms generating it, O0 8-10 ms, paid by the
+  # first split kernel of every process
+  engine = jit_ir(re.sub(r"\{geps:([\w,]+)\}", geps, _IR).format(futex=_SYS_FUTEX[arch], step_words=STEP_WORDS), 0)
   return engine, *(engine.get_function_address(f"kiln_pool_{f}") for f in ("worker", "run", "run_seq"))  # type: ignore[return-value]
 
 
