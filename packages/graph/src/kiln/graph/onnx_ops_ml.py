@@ -116,9 +116,7 @@ def label_of(scores: Tensor, labels: np.ndarray) -> Tensor:
   first column when no score compares larger). The column is in range by construction: no run-time index check."""
   c = len(labels)
   iota = Tensor(np.arange(c, dtype=np.int64).reshape(1, c))
-  # realized: a reduction inlined as a gather's index fails to lower (int64x8 x int64 in the index arithmetic); the
-  # checked gathers never met it, as their check kernel reads the index too
-  first = scores.eq(scores.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1).contiguous()
+  first = scores.eq(scores.max(1, keepdims=True)).where(iota, Tensor.full((), c, np.int64)).min(1)
   return Tensor(labels).gather(first.eq(c).where(0, first), 0, in_range=True)
 
 

@@ -487,10 +487,7 @@ class Tensor:
     """numpy.take(self, indices, axis): negative indices count from the end; an index outside [-n, n) is an
     IndexOutOfRangeError naming the gather (`name`) and the index: at once for constant indices, else after the run.
     in_range: the caller made every index in [0, n) by construction (kiln's own tables, never a user's data): no run-time
-    check; the kernel clamps all the same, so it never reads outside the table. Known gap: an unchecked gather whose
-    index is a reduction fused into its kernel fails to lower (an IRTypeError: the vectorised reduction's lanes meet the
-    gather's scalar index arithmetic); realize such an index first (`.contiguous()`). A checked gather never meets it: its
-    check kernel reads the index too, so the reduction is realized."""
+    check; the kernel clamps all the same, so it never reads outside the table."""
     if not indices.dtype.is_int: raise GraphError(f"gather: indices must be integers, got {indices.dtype.name} {indices.shape}")
     a = _norm_axis(axis, self.ndim, "gather", self.shape)  # a symbolic axis: clamped and checked against its run-time size
     return Tensor(gather_node(self.node, indices.node, a, self.shape[:a] + indices.shape + self.shape[a + 1:], name, in_range))

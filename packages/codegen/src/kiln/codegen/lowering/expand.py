@@ -108,8 +108,18 @@ def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
 @functools.lru_cache(maxsize=1 << 14)
 def _lanes(idx: UOp, lane: UOp, w: int) -> tuple[UOp, ...]:
   # memoised: unrolled copies share most of their loads (a Winograd transform's 36 outputs read one window), and each
-  # gathered load costs w substitutions and simplifications
-  return tuple(simp(substitute(idx, {lane: UOp.const(lane.dtype, i)})) for i in range(w))
+  # gathered load costs w substitutions and simplifications. A value of these lanes already a vector (a reduction's
+  # accumulator read as a gather's index) gives each lane its own element.
+  vecs = _lane_vectors(idx, w)
+  return tuple(simp(substitute(idx, {lane: UOp.const(lane.dtype, i), **{v: UOp(Ops.GEP, v.dtype.scalar(), (v,), i) for v in vecs}}))
+               for i in range(w))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _lane_vectors(idx: UOp, w: int) -> tuple[UOp, ...]:
+  """The values in a scalar index that are vectors of the lanes already (vectorize keeps accumulators and their reads as
+  they are): an index over one varies by lane whatever its lane variable's coefficient says."""
+  return tuple(n for n in idx.toposort() if n.dtype.count == w and n.dtype.kind != "p")
 
 
 STRIDE_LOADS = (2, 3, 4)  # lane strides loaded as one masked span (at most 64 elements) and shuffled
@@ -128,7 +138,7 @@ def _phase(first: UOp, c: int) -> int:
 def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) -> UOp:
   buf, idx, *gate = ld.src[0].src
   dt = ld.dtype
-  c = affine_coeff(idx, lane)
+  c = affine_coeff(idx, lane) if not _lane_vectors(idx, w) else None
   if vec_of is not None and not gate and c in STRIDE_LOADS and c * w <= 64:
     # the span's elements at every c-th lane only are read (the mask), so it never reads past the last lane's element
     first = simp(substitute(idx, {lane: UOp.const(lane.dtype, 0)}))
@@ -182,7 +192,7 @@ def _runs(idxs: tuple[UOp, ...]) -> tuple[list[tuple[UOp, int, int]], list[int]]
 def _vstore(st: UOp, val: UOp, lane: UOp, w: int) -> UOp:
   buf, idx, *gate = st.src[0].src
   val = bcast(val, w)
-  if not gate and affine_coeff(idx, lane) == 1:
+  if not gate and not _lane_vectors(idx, w) and affine_coeff(idx, lane) == 1:
     return UOp(Ops.STORE, dtypes.void, (buf.index(simp(substitute(idx, {lane: UOp.const(lane.dtype, 0)}))), val))
   idxs = _lanes(idx, lane, w)
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
