@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 from kiln.codegen.choose.axis_plan import plan_axes
 from kiln.codegen.choose.base import Opt, OptOps, Target
 from kiln.codegen.choose.choice import choose_opts
+from kiln.codegen.choose.heuristic import split_rule
 from kiln.codegen.choose.tiling import tile_for
 from kiln.codegen.dump import PASSES, show
 from kiln.codegen.lowering import index_width
@@ -114,6 +115,7 @@ def lower_at(given: UOp, target: Target, opts: Sequence[Opt] | None, wide: bool)
   prepared, loops = prepare(ast)
   show("prepare", prepared)
   chosen = show("opts", choose_opts(prepared, target, opts))
+  chosen_for = prepared  # the AST the options were chosen for (before a tail is peeled)
   tails: set[UOp] = set()
   if target.vector_bytes and (peeled := peel(ast, chosen)) is not None:
     ast, n_main = peeled
@@ -126,4 +128,6 @@ def lower_at(given: UOp, target: Target, opts: Sequence[Opt] | None, wide: bool)
   lowerer = Lowerer(prepared, LowerCtx(target, plans, vec, dtypes.index64 if wide else dtypes.index), chosen, ranges, loops, tails)
   lowerer.lower()
   uops = show("linearize", lowerer.ctx.lin.program())
-  return lowerer.kernel(uops, emptied_globals(ast))
+  lk = lowerer.kernel(uops, emptied_globals(ast))
+  if lk.threads > 1 and (rule := split_rule(chosen_for, target, chosen)) is not None: lk.work, lk.split_min = rule  # split
+  return lk

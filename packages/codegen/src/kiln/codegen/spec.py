@@ -335,6 +335,8 @@ class ProgramSpec(_Model):
   slots: int = Field(default=0, ge=0)  # CPU split: most threads with a scratch of their own (PACK, KEEP); 0: any number
   scratch_bytes: int = Field(default=0, ge=0)  # CPU: per-call scratch (threaded reduction partials, packed panels)
   finish: bool = False  # CPU: after the chunks, one more call with core_id == threads folds their partials
+  work: SymInt | None = None  # CPU, split over a symbolic axis: element-ops as an expression of the variables (choose.heuristic.split_rule)
+  split_min: int = Field(default=0, ge=0)  # ... under which the runtime runs it on the calling thread alone (0: always split)
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)  # estimated, for profiles
   mem_bytes: int = Field(default=0, ge=0)
@@ -396,6 +398,8 @@ class CompiledSpec(_Model):
   slots: int = Field(default=0, ge=0)
   scratch_bytes: int = Field(default=0, ge=0)
   finish: bool = False  # CPU: after the chunks, one more call with core_id == threads folds their partials
+  work: SymInt | None = None  # CPU: as ProgramSpec
+  split_min: int = Field(default=0, ge=0)
   entry_point: str = ""  # the symbol to call when it differs from name (CPU: name plus a hash of the code)
   flops: int = Field(default=0, ge=0)
   mem_bytes: int = Field(default=0, ge=0)
@@ -430,6 +434,7 @@ class CompiledSpec(_Model):
     return cls(name=spec.name, src=src, bytes=data, ast=spec.ast, var_names=spec.var_names, global_size=spec.global_size,
                local_size=spec.local_size, buf_count=spec.buf_count, device=spec.device, vars=spec.vars, globals=spec.globals,
                outs=spec.outs, ins=spec.ins, args=spec.args, applied_opts=spec.applied_opts, threads=spec.threads,
-               slots=spec.slots, scratch_bytes=spec.scratch_bytes, finish=spec.finish, entry_point=spec.entry_point,
+               slots=spec.slots, scratch_bytes=spec.scratch_bytes, finish=spec.finish, work=spec.work, split_min=spec.split_min,
+               entry_point=spec.entry_point,
                flops=spec.flops, mem_bytes=spec.mem_bytes, shared_bytes=spec.shared_bytes,
                vars_in_memory=spec.vars_in_memory, compiler=compiler)

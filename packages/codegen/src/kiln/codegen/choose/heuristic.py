@@ -3,11 +3,15 @@ vector widths, register tiles, thread splits, GPU blocks. kiln.codegen.choose.ch
 given; an explicit list overrides it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kiln.codegen.choose.axis_plan import _loads, kept_twins
 from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_bound, axis_size
 from kiln.codegen.threads import chunk_count
 from kiln.ir.analysis import free_ranges, reads_stored
+from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
+from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 
 
@@ -264,12 +268,50 @@ def reassociated_opts(ast: UOp, target: Target) -> list[Opt] | None:
 
 def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
   """Element-ops of a kernel: one per output element, and each REDUCE's trip count over the output axes it varies along
-  (a row reduce runs once a row, a matmul's once an element). A symbolic axis counts as 1024."""
+  (a row reduce runs once a row, a matmul's once an element). A symbolic axis counts as SYMBOLIC_GUESS."""
   def size(rs: set[UOp] | list[UOp]) -> int:
     n = 1
-    for r in rs: n *= axis_size(r) or 1024
+    for r in rs: n *= axis_size(r) or SYMBOLIC_GUESS
     return n
   return size(out_axes) + sum(size(free_ranges(red) | set(red.src[1:])) for red in reduces)
+
+
+SYMBOLIC_GUESS = 1024  # what the split choice takes a symbolic axis's size for; split_rule tells the runtime the truth
+
+
+def _work_expr(out_axes: list[UOp], reduces: list[UOp]) -> UOp:
+  """_work as an int64 expression of the kernel's variables: each symbolic axis its own size."""
+  def size(rs: set[UOp] | list[UOp]) -> UOp:
+    n = UOp.const(dtypes.int64, 1)
+    for r in sorted(rs, key=lambda r: r.arg[0]):
+      n = n * (UOp.const(dtypes.int64, s) if (s := axis_size(r)) is not None else r.src[0].cast(dtypes.int64))
+    return n
+  total = size(out_axes)
+  for red in reduces: total = total + size(free_ranges(red) | set(red.src[1:]))
+  return simplify(total)
+
+
+def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int] | None:
+  """For a CPU kernel split into chunks (a THREAD among its opts) whose work depends on its variables: (its element-ops
+  as an expression of them, the element-ops under which the runtime runs it on the calling thread alone). The split was
+  chosen with each symbolic axis taken as SYMBOLIC_GUESS; at run time a dynamic export's batch of 1 or a decode step's
+  few cached positions make many such kernels too small to hand part to another core, so the runtime runs those alone
+  (the chunks are the same, one thread claims them all). The threshold is one thread's least share (_split_work), not
+  the twice that a compile-time split needs: there, splitting also costs the code its chunk loop and partials; here the
+  code is the same either way and only the hand-off is saved (with twice the share, dynamic transformer exports at a
+  few tokens ran slower than never going alone). None: not split, or its work is fixed."""
+  stores = [s for s in ast.src if s.op is Ops.STORE]
+  if target.vector_bytes == 0 or len(stores) != 1 or not any(o.op is OptOps.THREAD for o in opts): return None
+  st = stores[0]
+  out_axes = sorted(free_ranges(st), key=lambda r: r.arg[0])
+  reduces = [u for u in st.toposort() if u.op is Ops.REDUCE]
+  if all(axis_size(r) is not None for r in [*out_axes, *(a for red in reduces for a in red.src[1:])]): return None
+  dt = st.src[1].dtype
+  lanes = max(1, target.vector_bytes // dt.itemsize) if dt.kind != "p" else 1
+  outs = {a.arg[0] for a in out_axes}
+  tiled = any(o.op is OptOps.OUTER for o in opts)
+  vectorised = any(o.op is OptOps.UPCAST and o.axis in outs for o in opts)
+  return _work_expr(out_axes, reduces), _split_work(target, lanes, tiled, vectorised)
 
 
 def _nested_upcasts(reduces: list[UOp], vec_axis: UOp | None, target: Target) -> list[Opt]:

@@ -52,6 +52,8 @@ class LoweredKernel:
   flops: int = 0
   mem_bytes: int = 0
   index: DType = dtypes.index  # the dtype of its loops and index arithmetic: dtypes.index64 where the bounds need it (index_width)
+  work: UOp | None = None  # CPU, split over a symbolic axis: its element-ops as an expression of its variables (split_rule)
+  split_min: int = 0  # ... and the element-ops under which it runs on the calling thread alone (0: always split)
 
 
 def kernel_ranges(ast: UOp, store_loops: dict[UOp, set[UOp]]) -> list[UOp]:

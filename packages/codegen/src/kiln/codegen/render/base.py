@@ -27,7 +27,7 @@ def program_spec(lk: LoweredKernel, src: str, device: str, ast: UOp, vars_in_mem
                      vars=[Variable(name=v.arg[0], min=v.arg[1], max=v.arg[2]) for v in lk.vars], var_names=var_names,
                      globals=[g.arg for g in lk.globals], outs=lk.outs, ins=[i for i in lk.ins], buf_count=len(lk.globals), args=args,
                      applied_opts=[str(o) for o in lk.opts], threads=lk.threads, slots=lk.slots,
-                     scratch_bytes=lk.scratch_bytes, finish=lk.finish,
+                     scratch_bytes=lk.scratch_bytes, finish=lk.finish, work=lk.work, split_min=lk.split_min,
                      flops=lk.flops, mem_bytes=lk.mem_bytes, vars_in_memory=vars_in_memory)
 
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from kiln.runtime.cpu import blocks
 from kiln.runtime.cpu.guard import guard_enabled, guarded_array
-from kiln.runtime.cpu.sequence import sequence_calls
+from kiln.runtime.cpu.sequence import sequence_calls, step_word
+from kiln.runtime.cpu.serial_rule import SerialRule
 from kiln.runtime.cpu.threads import get_pool
 
 if TYPE_CHECKING:
@@ -24,8 +25,13 @@ class CPUBoundCall:
   The arguments live in one int64 block (blocks.py), which the kernel's task entry reads: Python calls the task entry
   with (block, slot), native code (the pool's workers, a plan's sequence) calls it the same way, and set_vals,
   share_scratch and a plan's vals_writer write the block in place. Object code without a task entry (from before every
-  kernel had one) is called with its arguments as lists instead."""
-  __slots__ = ("prog", "bufs", "scratch", "claim", "workers", "block", "block_at", "fn", "args", "finish", "_vals")
+  kernel had one) is called with its arguments as lists instead.
+
+  A kernel split over a symbolic axis carries a SerialRule (serial_rule.py): whenever its values change, `serial` says
+  whether the work at them is too small to hand to another core, and then the caller claims every chunk itself, here
+  and in each sequence step that runs it (`rows`)."""
+  __slots__ = ("prog", "bufs", "scratch", "claim", "workers", "block", "block_at", "fn", "args", "finish", "_vals", "rule",
+               "serial", "rows")
   sequence_calls = staticmethod(sequence_calls)  # kiln.codegen.protocols.SequenceCall: a plan's stretch as one native call
 
   def __init__(self, prog: CPUProgram, bufs: list[int], vals: list[int]):
@@ -40,7 +46,11 @@ class CPUBoundCall:
     self.workers = min(get_pool().size, prog.threads, prog.slots or prog.threads) if self.claim is not None else 1  # claiming threads
     self.block: np.ndarray | None = None
     self.block_at = 0  # its address (0: none)
+    self.rule = SerialRule.of(prog.spec.work, prog.spec.split_min, prog.user_vars) if self.workers > 1 else None
+    self.serial = False
+    self.rows: list[np.ndarray] = []  # the sequence steps that run it (sequence.py): their word of calls follows `serial`
     self._build()
+    self.retune()
 
   @property
   def vals(self) -> list[int]:
@@ -72,22 +82,35 @@ class CPUBoundCall:
     call was bound and do not change."""
     new = self.prog.check_vals(vals)
     at = len(self.bufs)
-    if self.block is not None:
-      self.block[at:at + len(new)] = new
-      return
-    for i, v in enumerate(new):
-      if self.claim is None: self.args[at + i] = v
-      else:
-        for a in self.args: a[at + i] = v
-        if self.finish is not None: self.finish[at + i] = v
-    self._vals = new
+    if self.block is not None: self.block[at:at + len(new)] = new
+    else:
+      for i, v in enumerate(new):
+        if self.claim is None: self.args[at + i] = v
+        else:
+          for a in self.args: a[at + i] = v
+          if self.finish is not None: self.finish[at + i] = v
+      self._vals = new
+    self.retune()
+
+  def retune(self) -> None:
+    """`serial` from the values bound now, and each sequence step's word of calls (1: the caller alone) to match."""
+    if self.rule is None or (serial := self.rule.serial(self.vals)) == self.serial: return
+    self.serial = serial
+    for row in self.rows: row[3] = step_word(self)
 
   @staticmethod
   def vals_writer(sites: Sequence[tuple[CPUBoundCall, int]]) -> Callable[[int], None] | None:
     """kiln.codegen.protocols.ValsWriter: one callable that writes a value, already checked against every one of these
     kernels' bounds, as variable `pos` of each (call, pos) of `sites` (None: a call without a block)."""
     if any(c.block is None for c, _ in sites): return None
-    return blocks.writer([(c.block, len(c.bufs) + pos) for c, pos in sites])  # type: ignore[misc]  # checked above
+    write = blocks.writer([(c.block, len(c.bufs) + pos) for c, pos in sites])  # type: ignore[misc]  # checked above
+    ruled = list({id(c): c for c, _ in sites if c.rule is not None}.values())
+    if not ruled: return write
+
+    def write_and_retune(value: int) -> None:
+      write(value)
+      for c in ruled: c.retune()
+    return write_and_retune
 
   @staticmethod
   def share_scratch(calls: Sequence[CPUBoundCall], together: Sequence[Sequence[object]] = ()) -> None:
@@ -112,8 +135,8 @@ class CPUBoundCall:
     if self.claim is None: self.fn(*self.args)
     else:
       self.claim[0] = 0
-      # a pool of one thread: this call claims every chunk itself, without the pool's round trip
-      if len(self.args) == 1: self.fn(*self.args[0])
+      # a pool of one thread, or work too small to share: this call claims every chunk itself, without the pool's round trip
+      if len(self.args) == 1 or self.serial: self.fn(*self.args[0])
       else: get_pool().run_kernel(self.fn, self.args, self.prog.task, self.block_at)
     if self.finish is not None: self.fn(*self.finish)
 

@@ -31,8 +31,8 @@ class CPUSequence:
     self.calls = list(calls)  # keeps the blocks and chunk counters the steps point at alive
     self.steps = np.zeros((len(self.calls), STEP_WORDS), np.int64)
     for row, c in zip(self.steps, self.calls):
-      claim, threads = (c.claim.ctypes.data, c.workers) if c.claim is not None else (0, 1)
-      row[:] = (c.prog.task, c.block_at, claim, threads | (int(c.finish is not None) << 32))
+      row[:] = (c.prog.task, c.block_at, c.claim.ctypes.data if c.claim is not None else 0, step_word(c))
+      if c.rule is not None: c.rows.append(row)  # its word of calls follows its values (bound.CPUBoundCall.retune)
     self.pooled = any(c.workers > 1 for c in self.calls)  # a kernel runs over the pool's workers
     self._run, self._at, self._n = run_sequence(), self.steps.ctypes.data, len(self.calls)
 
@@ -53,6 +53,12 @@ class CPUSequence:
     if isinstance(pool, NativePool): self._run(pool.address, self._at, self._n, pool.wait_ticks, times)
     else:  # the process's pool was made as a Python one before KILN_POOL said native
       for c in self.calls: c()
+
+
+def step_word(c: CPUBoundCall) -> int:
+  """A step's word for c: the calls that claim its chunks (1 where it runs serially), the finishing call's flag above."""
+  calls = 1 if c.claim is None or c.serial else c.workers
+  return calls | (int(c.finish is not None) << 32)
 
 
 def sequence_calls(calls: Sequence[Any]) -> CPUSequence | None:
