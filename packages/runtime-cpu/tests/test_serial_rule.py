@@ -22,16 +22,18 @@ from kiln.runtime.cpu.serial_rule import SerialRule
 
 RT = get_runtime("CPU")
 F32 = dtypes.float32
-K = C = 256
+C = 1024
+TARGET = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2)
+
+
+def _scaled(rows: UOp | int) -> UOp:
+  return kernels.elementwise(lambda a, b: a * b + 1.0, F32, ((rows, C), F32), ((rows, C), F32), name="scaled")
 
 
 @pytest.fixture(scope="module")
 def product():
-  """x (n, K) @ w (K, C) with n symbolic, split for a 2-thread target (its rows taken at SYMBOLIC_GUESS)."""
-  n = UOp.variable("n", 1, 4096)
-  target = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2)
-  spec = LLVMRenderer(target).render(kernels.matmul(n, C, K))
-  return RT.load(RT.compiler.compile(spec))
+  """a * b + 1 over (n, C) with n symbolic, split for a 2-thread target (its rows taken at SYMBOLIC_GUESS)."""
+  return RT.load(RT.compiler.compile(LLVMRenderer(TARGET).render(_scaled(UOp.variable("n", 1, 4096)))))
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,10 @@ def pool():
 
 
 def _least_serial_rows(prog) -> int:
+  """The fewest rows that split, by evaluating the work row count by row count."""
   rule = SerialRule.of(prog.spec.work, prog.spec.split_min, prog.user_vars)
   assert rule is not None
-  return next(m for m in range(1, SYMBOLIC_GUESS) if not rule.serial([m]))
+  return next(m for m in range(1, SYMBOLIC_GUESS) if rule._eval((m,)) >= rule.split_min)
 
 
 def test_the_spec_carries_the_rule_and_it_survives_json(product) -> None:
@@ -54,14 +57,15 @@ def test_the_spec_carries_the_rule_and_it_survives_json(product) -> None:
   assert isinstance(again.work, UOp) and again.split_min == spec.split_min
   rule = SerialRule.of(again.work, again.split_min, product.user_vars)
   assert rule is not None and rule.serial([1]) and not rule.serial([4096])
-  # work grows with the rows: one row's work times the rows, plus the outputs
-  assert rule._eval((2,)) == 2 * rule._eval((1,))
+  assert rule._eval((2,)) == 2 * rule._eval((1,)) == 2 * C  # one element-op an output
+  assert rule.below == _least_serial_rows(product)  # the bisection's edge is where the work reaches the threshold
 
 
-def test_fixed_work_has_no_rule() -> None:
-  target = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2)
-  spec = LLVMRenderer(target).render(kernels.matmul(512, C, K))
+def test_fixed_work_and_tiled_products_have_no_rule() -> None:
+  spec = LLVMRenderer(TARGET).render(_scaled(4096))
   assert spec.threads > 1 and spec.work is None and spec.split_min == 0
+  spec = LLVMRenderer(TARGET).render(kernels.matmul(UOp.variable("n", 1, 4096), 256, 256))
+  assert spec.threads > 1 and "OUTER" in " ".join(spec.applied_opts) and spec.work is None  # heuristic.split_rule says why
 
 
 def test_an_expression_outside_sizes_arithmetic_gives_no_rule() -> None:
@@ -70,9 +74,11 @@ def test_an_expression_outside_sizes_arithmetic_gives_no_rule() -> None:
   assert SerialRule.of((n < 5).where(n, n * 2).cast(dtypes.int64), 10, ["n"]) is None  # WHERE: not a size's arithmetic
   assert SerialRule.of(UOp.variable("m", 1, 9).cast(dtypes.int64), 10, ["n"]) is None  # a variable the kernel does not take
   assert SerialRule.of(None, 10, ["n"]) is None and SerialRule.of(n.cast(dtypes.int64), 0, ["n"]) is None
-  # a size divided by a variable at 0 keeps the split rather than raising
-  rule = SerialRule.of(UOp.const(dtypes.int64, 100) // n.cast(dtypes.int64), 10, ["n"])
-  assert rule is not None and rule.serial([0]) is False
+  # work of two variables is evaluated at each new pair of values; a size divided by a variable at 0 keeps the split
+  m = UOp.variable("m", 0, 100)
+  rule = SerialRule.of(UOp.const(dtypes.int64, 100) // m.cast(dtypes.int64) + n.cast(dtypes.int64), 10, ["n", "m"])
+  assert rule is not None and rule.at == -1
+  assert rule.serial([1, 0]) is False and rule.serial([1, 50]) is True and rule.serial([9, 50]) is False
 
 
 @pytest.mark.skipif(not native_pool_supported(), reason="sequences run on the native pool: Linux on x86-64 or AArch64")
@@ -80,7 +86,7 @@ def test_serial_follows_the_values_in_calls_and_sequence_steps(product, pool, mo
   monkeypatch.setattr(bound_mod, "get_pool", lambda: pool)
   monkeypatch.setattr(sequence_mod, "get_pool", lambda: pool)
   rng = np.random.default_rng(0)
-  x, w = rng.standard_normal((4096, K)).astype(np.float32), rng.standard_normal((K, C)).astype(np.float32)
+  x, w = rng.standard_normal((4096, C)).astype(np.float32), rng.standard_normal((4096, C)).astype(np.float32)
   out, out2 = np.zeros((4096, C), np.float32), np.zeros((4096, C), np.float32)
   edge = _least_serial_rows(product)
   a = product.bind([out.ctypes.data, x.ctypes.data, w.ctypes.data], [1])
@@ -97,8 +103,7 @@ def test_serial_follows_the_values_in_calls_and_sequence_steps(product, pool, mo
     assert [int(r[3]) for r in seq.steps] == [step_word(a), step_word(b)] and (int(seq.steps[0][3]) & 0xFFFFFFFF) == (1 if rows < edge else 2)
     out[:], out2[:] = 0, 0
     seq()
-    want = x[:rows].astype(np.float64) @ w
-    np.testing.assert_allclose(out[:rows], want, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(out[:rows], x[:rows] * w[:rows] + 1.0, rtol=1e-6)
     assert out2[:rows].tobytes() == out[:rows].tobytes() and not out[rows:].any()
     a()  # the Python path: the same bits alone or split
     assert out2[:rows].tobytes() == out[:rows].tobytes()

@@ -299,7 +299,9 @@ def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int]
   (the chunks are the same, one thread claims them all). The threshold is one thread's least share (_split_work), not
   the twice that a compile-time split needs: there, splitting also costs the code its chunk loop and partials; here the
   code is the same either way and only the hand-off is saved (with twice the share, dynamic transformer exports at a
-  few tokens ran slower than never going alone). None: not split, or its work is fixed."""
+  few tokens ran slower than never going alone). Register-tiled products keep their split for now: a decode step whose
+  small attention products ran alone measured slower, but that A/B was later found to favour whichever model was
+  loaded second by as much, so it is undecided. None: not split, its work is fixed, or a register-tiled product."""
   stores = [s for s in ast.src if s.op is Ops.STORE]
   if target.vector_bytes == 0 or len(stores) != 1 or not any(o.op is OptOps.THREAD for o in opts): return None
   st = stores[0]
@@ -309,9 +311,9 @@ def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int]
   dt = st.src[1].dtype
   lanes = max(1, target.vector_bytes // dt.itemsize) if dt.kind != "p" else 1
   outs = {a.arg[0] for a in out_axes}
-  tiled = any(o.op is OptOps.OUTER for o in opts)
+  if any(o.op is OptOps.OUTER for o in opts): return None  # a register-tiled product: see the docstring
   vectorised = any(o.op is OptOps.UPCAST and o.axis in outs for o in opts)
-  return _work_expr(out_axes, reduces), _split_work(target, lanes, tiled, vectorised)
+  return _work_expr(out_axes, reduces), _split_work(target, lanes, False, vectorised)
 
 
 def _nested_upcasts(reduces: list[UOp], vec_axis: UOp | None, target: Target) -> list[Opt]:

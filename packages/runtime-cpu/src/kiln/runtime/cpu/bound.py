@@ -94,7 +94,10 @@ class CPUBoundCall:
 
   def retune(self) -> None:
     """`serial` from the values bound now, and each sequence step's word of calls (1: the caller alone) to match."""
-    if self.rule is None or (serial := self.rule.serial(self.vals)) == self.serial: return
+    if self.rule is None: return
+    at = len(self.bufs)
+    vals = self.block[at:at + len(self.prog.user_vars)].tolist() if self.block is not None else self._vals
+    if (serial := self.rule.serial(vals)) == self.serial: return
     self.serial = serial
     for row in self.rows: row[3] = step_word(self)
 

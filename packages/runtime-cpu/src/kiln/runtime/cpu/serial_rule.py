@@ -24,14 +24,37 @@ MAX_NODES = 256  # a size expression larger than this is not worth evaluating pe
 
 class SerialRule:
   """serial(vals) is True where the kernel's work at these values (its var_names order, core_id excluded) is under
-  split_min. Memoised by the values: a plan replays a few sizes."""
-  __slots__ = ("_eval", "split_min", "_memo")
+  split_min. Work of one variable (a decode step's positions: a new value every token) is one comparison with the least
+  value whose work reaches split_min, found once by bisection over the variable's bounds (sizes grow with their
+  variables); work of several is evaluated and memoised by the values (a dynamic export replays a few sizes)."""
+  __slots__ = ("_eval", "split_min", "_memo", "at", "below")
 
   def __init__(self, work: UOp, split_min: int, var_names: Sequence[str]):
     fn = _evaluator(work, list(var_names))
     if fn is None: raise ValueError("work is not a size expression")
     self._eval, self.split_min = fn, split_min
     self._memo: dict[tuple[int, ...], bool] = {}
+    self.at, self.below = -1, 0  # the one variable's position and its least value that splits (at -1: several variables)
+    if len(used := {x.arg for x in work.toposort() if x.op is Ops.DEFINE_VAR}) == 1:
+      name, lo, hi = next(iter(used))
+      self.at = list(var_names).index(name)
+      self.below = self._least(lo, hi)
+
+  def _least(self, lo: int, hi: int) -> int:
+    """The least v in [lo, hi] whose work reaches split_min (hi + 1 where none does)."""
+    def splits(v: int) -> bool:
+      try: return self._eval(self.at_vals(v)) >= self.split_min
+      except ZeroDivisionError: return True
+    if not splits(hi): return hi + 1
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if splits(mid): hi = mid
+      else: lo = mid + 1
+    return lo
+
+  def at_vals(self, v: int) -> tuple[int, ...]:
+    """Values with v at the rule's variable (the others never matter to a one-variable rule)."""
+    return tuple(v if i == self.at else 0 for i in range(self.at + 1))
 
   @staticmethod
   def of(work: int | UOp | None, split_min: int, var_names: Sequence[str]) -> SerialRule | None:
@@ -41,6 +64,7 @@ class SerialRule:
     except ValueError: return None
 
   def serial(self, vals: Sequence[int]) -> bool:
+    if self.at >= 0: return vals[self.at] < self.below
     key = tuple(vals)
     if (hit := self._memo.get(key)) is None:
       try: hit = self._eval(key) < self.split_min
