@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kiln.codegen.choose.heuristic as H
 import kiln.runtime.cpu.bound as bound_mod
 import kiln.runtime.cpu.sequence as sequence_mod
 from kiln.codegen.choose import Target
@@ -61,11 +62,20 @@ def test_the_spec_carries_the_rule_and_it_survives_json(product) -> None:
   assert rule.below == _least_serial_rows(product)  # the bisection's edge is where the work reaches the threshold
 
 
-def test_fixed_work_and_tiled_products_have_no_rule() -> None:
+def test_fixed_work_has_no_rule() -> None:
   spec = LLVMRenderer(TARGET).render(_scaled(4096))
   assert spec.threads > 1 and spec.work is None and spec.split_min == 0
-  spec = LLVMRenderer(TARGET).render(kernels.matmul(UOp.variable("n", 1, 4096), 256, 256))
-  assert spec.threads > 1 and "OUTER" in " ".join(spec.applied_opts) and spec.work is None  # heuristic.split_rule says why
+
+
+def test_a_tiled_product_is_judged_at_the_tile_rate_only_where_its_panels_are_reused() -> None:
+  lanes = max(1, TARGET.vector_bytes // 4)
+  tile_rate, streaming = H._split_work(TARGET, lanes, True, True), H._split_work(TARGET, lanes, False, True)
+  rows = LLVMRenderer(TARGET).render(kernels.matmul(UOp.variable("n", 1, 4096), 256, 256))  # a prompt's tokens
+  assert "OUTER" in " ".join(rows.applied_opts) and isinstance(rows.work, UOp) and rows.split_min == tile_rate
+  # a decode step's attention context: 3 query rows, all in one tile, over the cached positions
+  few = LLVMRenderer(TARGET).render(kernels.matmul(3, 256, UOp.variable("p", 1, 4096)))
+  assert "OUTER" in " ".join(few.applied_opts) and few.threads > 1, few.applied_opts
+  assert isinstance(few.work, UOp) and few.split_min == streaming < tile_rate
 
 
 def test_an_expression_outside_sizes_arithmetic_gives_no_rule() -> None:

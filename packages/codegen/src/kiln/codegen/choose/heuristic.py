@@ -299,9 +299,8 @@ def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int]
   (the chunks are the same, one thread claims them all). The threshold is one thread's least share (_split_work), not
   the twice that a compile-time split needs: there, splitting also costs the code its chunk loop and partials; here the
   code is the same either way and only the hand-off is saved (with twice the share, dynamic transformer exports at a
-  few tokens ran slower than never going alone). Register-tiled products keep their split for now: a decode step whose
-  small attention products ran alone measured slower, but that A/B was later found to favour whichever model was
-  loaded second by as much, so it is undecided. None: not split, its work is fixed, or a register-tiled product."""
+  few tokens ran slower than never going alone). A register-tiled product is judged at the tile's rate only where its
+  panels are reused (_reused_tile). None: not split, or its work is fixed."""
   stores = [s for s in ast.src if s.op is Ops.STORE]
   if target.vector_bytes == 0 or len(stores) != 1 or not any(o.op is OptOps.THREAD for o in opts): return None
   st = stores[0]
@@ -311,9 +310,18 @@ def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int]
   dt = st.src[1].dtype
   lanes = max(1, target.vector_bytes // dt.itemsize) if dt.kind != "p" else 1
   outs = {a.arg[0] for a in out_axes}
-  if any(o.op is OptOps.OUTER for o in opts): return None  # a register-tiled product: see the docstring
   vectorised = any(o.op is OptOps.UPCAST and o.axis in outs for o in opts)
-  return _work_expr(out_axes, reduces), _split_work(target, lanes, False, vectorised)
+  return _work_expr(out_axes, reduces), _split_work(target, lanes, _reused_tile(st, opts), vectorised)
+
+
+def _reused_tile(st: UOp, opts: Sequence[Opt]) -> bool:
+  """Whether a register-tiled product's element-ops run at the tile's rate: its panels are reused by more rows than one
+  tile holds. A product of a few fixed rows, all in one tile (a decode step's attention context: 3 queries a key head
+  over the cached positions), loads each panel element for those rows alone and streams like any vectorised kernel."""
+  if not any(o.op is OptOps.OUTER for o in opts): return False
+  if (rows := matmul_rows(st)) is None or (n := axis_size(rows)) is None: return True
+  tile = next((o.amount for o in opts if o.op is OptOps.UNROLL and o.axis == rows.arg[0]), 1)
+  return n > tile
 
 
 def _nested_upcasts(reduces: list[UOp], vec_axis: UOp | None, target: Target) -> list[Opt]:
