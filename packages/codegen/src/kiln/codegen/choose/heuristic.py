@@ -310,8 +310,9 @@ def split_rule(ast: UOp, target: Target, opts: Sequence[Opt]) -> tuple[UOp, int]
   dt = st.src[1].dtype
   lanes = max(1, target.vector_bytes // dt.itemsize) if dt.kind != "p" else 1
   outs = {a.arg[0] for a in out_axes}
+  if (work := _work_expr(out_axes, reduces)).op is Ops.CONST: return None  # a symbolic axis beside an empty one: no work
   vectorised = any(o.op is OptOps.UPCAST and o.axis in outs for o in opts)
-  return _work_expr(out_axes, reduces), _split_work(target, lanes, _reused_tile(st, opts), vectorised)
+  return work, _split_work(target, lanes, _reused_tile(st, opts), vectorised)
 
 
 def _reused_tile(st: UOp, opts: Sequence[Opt]) -> bool:
