@@ -15,6 +15,10 @@ from kiln.graph import onnx as konnx
 
 helper = onnx.helper
 ML = "ai.onnx.ml"
+# PROBIT is onnxruntime's float32 Winitzki erfinv: for a score near 0.5 its two square roots cancel (sqrt(v*v - w) - v,
+# v about 4.3, the difference about 1e-5), so an ulp anywhere before (a score's sum order, a log) moves a result near 0
+# by up to ~1% of itself, ~1e-4: in onnxruntime as in kiln, unless every operation is bit-identical
+PROBIT_TOL = 2e-4
 
 
 def _model(node: Any, x: np.ndarray, outs: list[Any]) -> bytes:
@@ -48,32 +52,31 @@ def _same(data: bytes, x: np.ndarray, tol: float = 2e-6) -> None:
 
 def _classifier(x: np.ndarray, classes: int, **attrs: Any) -> bytes:
   f = x.shape[-1]
+  rng = np.random.default_rng([classes, f])  # the same model whichever tests ran before in this worker
   node = helper.make_node("LinearClassifier", ["x"], ["label", "scores"], domain=ML,
-                          coefficients=RNG.normal(size=classes * f).astype(np.float32).tolist(),
-                          intercepts=RNG.normal(size=classes).astype(np.float32).tolist(), **attrs)
+                          coefficients=rng.normal(size=classes * f).astype(np.float32).tolist(),
+                          intercepts=rng.normal(size=classes).astype(np.float32).tolist(), **attrs)
   return _model(node, x, [_tensor("label", np.int64), _tensor("scores", np.float32)])
 
 
 @pytest.mark.parametrize("transform", ["NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO", "PROBIT"])
 def test_a_multiclass_classifier_matches_onnxruntime(transform: str) -> None:
-  # data of its own seed, not the module's stream (which other tests in the worker advance): PROBIT's square roots
-  # cancel for a score near 0.5, where one ulp of a score or a log is a thousandth of the result, in onnxruntime too
-  x = np.random.default_rng(0).uniform(-2, 2, (16, 5)).astype(np.float32)
+  x = np.random.default_rng(0).uniform(-2, 2, (16, 5)).astype(np.float32)  # its own seed: not the module's shared stream
   x[3] = 0  # a row of zero scores but the intercepts
   x[5, 2] = np.nan  # a row of NaN scores: onnxruntime labels it with the first class
   data = _classifier(x, 4, classlabels_ints=[7, 3, 11, 5], post_transform=transform)
-  _same(data, x if transform != "PROBIT" else x * 0.05, tol=1e-5 if transform == "PROBIT" else 2e-6)
+  _same(data, x if transform != "PROBIT" else x * 0.05, tol=PROBIT_TOL if transform == "PROBIT" else 2e-6)
 
 
 @pytest.mark.parametrize("transform", ["NONE", "LOGISTIC", "SOFTMAX", "PROBIT"])
 @pytest.mark.parametrize("labels", [[4, 9], []])
 def test_a_one_row_classifier_labels_by_the_sign(labels: list[int], transform: str) -> None:
-  x = f32(12, 3)
+  x = np.random.default_rng(1).uniform(-2, 2, (12, 3)).astype(np.float32)  # its own seed (PROBIT: see PROBIT_TOL)
   if transform == "PROBIT" and labels:
     with pytest.raises(ONNXError, match="PROBIT with one row"): konnx.load(_classifier(x, 1, classlabels_ints=labels, post_transform=transform))
     return
   data = _classifier(x, 1, classlabels_ints=labels, post_transform=transform) if labels else _classifier(x, 1, post_transform=transform)
-  _same(data, x * 0.05 if transform == "PROBIT" else x, tol=1e-5)
+  _same(data, x * 0.05 if transform == "PROBIT" else x, tol=PROBIT_TOL if transform == "PROBIT" else 1e-5)
 
 
 def test_the_classifier_takes_one_row_and_other_input_types() -> None:
