@@ -3,6 +3,7 @@ vector widths, register tiles, thread splits, GPU blocks. kiln.codegen.choose.ch
 given; an explicit list overrides it."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kiln.codegen.choose.axis_plan import _loads, kept_twins
@@ -266,28 +267,28 @@ def reassociated_opts(ast: UOp, target: Target) -> list[Opt] | None:
   return opts if opts != heuristic_opts(ast, target) else None
 
 
+def _work_terms(out_axes: list[UOp], reduces: list[UOp]) -> list[list[UOp]]:
+  """What a kernel's element-ops count, as the axes whose sizes multiply in each term: one op per output element, and
+  each REDUCE's trip count over the output axes it varies along (a row reduce runs once a row, a matmul's once an
+  element)."""
+  return [list(out_axes)] + [sorted(free_ranges(red) | set(red.src[1:]), key=lambda r: r.arg[0]) for red in reduces]
+
+
 def _work(out_axes: list[UOp], reduces: list[UOp]) -> int:
-  """Element-ops of a kernel: one per output element, and each REDUCE's trip count over the output axes it varies along
-  (a row reduce runs once a row, a matmul's once an element). A symbolic axis counts as SYMBOLIC_GUESS."""
-  def size(rs: set[UOp] | list[UOp]) -> int:
-    n = 1
-    for r in rs: n *= axis_size(r) or SYMBOLIC_GUESS
-    return n
-  return size(out_axes) + sum(size(free_ranges(red) | set(red.src[1:])) for red in reduces)
+  """Element-ops of a kernel (_work_terms), a symbolic axis counted as SYMBOLIC_GUESS."""
+  return sum(math.prod(axis_size(r) or SYMBOLIC_GUESS for r in term) for term in _work_terms(out_axes, reduces))
 
 
 SYMBOLIC_GUESS = 1024  # what the split choice takes a symbolic axis's size for; split_rule tells the runtime the truth
 
 
 def _work_expr(out_axes: list[UOp], reduces: list[UOp]) -> UOp:
-  """_work as an int64 expression of the kernel's variables: each symbolic axis its own size."""
-  def size(rs: set[UOp] | list[UOp]) -> UOp:
+  """Element-ops of a kernel (_work_terms) as an int64 expression of its variables: each symbolic axis its own size."""
+  total = UOp.const(dtypes.int64, 0)
+  for term in _work_terms(out_axes, reduces):
     n = UOp.const(dtypes.int64, 1)
-    for r in sorted(rs, key=lambda r: r.arg[0]):
-      n = n * (UOp.const(dtypes.int64, s) if (s := axis_size(r)) is not None else r.src[0].cast(dtypes.int64))
-    return n
-  total = size(out_axes)
-  for red in reduces: total = total + size(free_ranges(red) | set(red.src[1:]))
+    for r in term: n = n * (UOp.const(dtypes.int64, s) if (s := axis_size(r)) is not None else r.src[0].cast(dtypes.int64))
+    total = total + n
   return simplify(total)
 
 
