@@ -31,18 +31,22 @@ def models() -> dict[str, tuple[Any, np.ndarray]]:
     RandomForestClassifier,
     RandomForestRegressor,
   )
+  from sklearn.impute import SimpleImputer
   from sklearn.linear_model import LinearRegression, LogisticRegression, Ridge, SGDClassifier
   from sklearn.naive_bayes import GaussianNB
   from sklearn.neighbors import KNeighborsClassifier
   from sklearn.neural_network import MLPClassifier
   from sklearn.pipeline import make_pipeline
-  from sklearn.preprocessing import Binarizer, MinMaxScaler, Normalizer, StandardScaler
-  from sklearn.svm import SVC, LinearSVC
+  from sklearn.preprocessing import Binarizer, MinMaxScaler, Normalizer, OneHotEncoder, StandardScaler
+  from sklearn.svm import SVC, SVR, LinearSVC, NuSVC, NuSVR, OneClassSVM
   from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor
   x, y = load_iris(return_X_y=True)
   x = x.astype(np.float32)
   xr, yr = make_regression(100, 6, random_state=0)
   xr = xr.astype(np.float32)
+  holes = x.copy()
+  holes[::7, 1] = np.nan  # SimpleImputer's NaNs
+  cats = (x * 2).astype(np.int64)  # small integer categories for OneHotEncoder
   def fit(m: Any, a: np.ndarray, b: np.ndarray) -> tuple[Any, np.ndarray]: return m.fit(a, b), a
   return {
     "logistic_regression": fit(LogisticRegression(max_iter=500), x, y),
@@ -70,6 +74,19 @@ def models() -> dict[str, tuple[Any, np.ndarray]]:
     "extra_trees_regressor": fit(ExtraTreesRegressor(20, random_state=0), xr, yr),
     "gradient_boosting_regressor": fit(GradientBoostingRegressor(n_estimators=30, random_state=0), xr, yr),
     "svc": fit(SVC(probability=True, random_state=0), x, y),
+    "svc_no_probability": fit(SVC(random_state=0), x, y),
+    "svc_binary": fit(SVC(probability=True, random_state=0), x, (y > 0).astype(int)),
+    "svc_binary_no_probability": fit(SVC(random_state=0), x, (y > 0).astype(int)),
+    "svc_linear_kernel": fit(SVC(kernel="linear", probability=True, random_state=0), x, y),
+    "svc_poly_kernel": fit(SVC(kernel="poly", degree=3, probability=True, random_state=0), x, y),
+    "svc_sigmoid_kernel": fit(SVC(kernel="sigmoid", random_state=0), x, y),
+    "nu_svc": fit(NuSVC(probability=True, random_state=0), x, y),
+    "standard_scaler+svc": fit(make_pipeline(StandardScaler(), SVC(probability=True, random_state=0)), x, y),
+    "svr": fit(SVR(), xr, yr),
+    "nu_svr": fit(NuSVR(kernel="poly"), xr, yr),
+    "one_class_svm": fit(OneClassSVM(gamma="scale"), x, y),
+    "simple_imputer+logistic": fit(make_pipeline(SimpleImputer(), LogisticRegression(max_iter=500)), holes, y),
+    "one_hot+logistic": fit(make_pipeline(OneHotEncoder(handle_unknown="ignore"), LogisticRegression(max_iter=500)), cats, y),
   }
 
 
@@ -98,7 +115,7 @@ def check(name: str, model: Any, x: np.ndarray, zipmap: bool | None) -> tuple[st
   ops = ", ".join(sorted({n.op_type for n in proto.graph.node}))
   dims = {(d.dim_param or f"{inp}:{i}"): (1, 256) for i, d in enumerate(proto.graph.input[0].type.tensor_type.shape.dim)
           if not d.HasField("dim_value")}
-  feeds = {inp: x[:ROWS]}
+  feeds = {inp: x[np.linspace(0, len(x) - 1, ROWS).astype(int)]}  # rows across the data set (iris is sorted by class)
   try: got = list(konnx.load(data, dims=dims or None).run(feeds).values())
   except KilnError as e: return "REFUSED", f"{str(e).splitlines()[0][:160]}  [{ops}]"
   want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -149,9 +149,9 @@ def test_refusals_name_what_is_wrong() -> None:
   m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ML, 1)])
   with pytest.raises(ONNXError, match="sequence of maps"):
     konnx.load(m.SerializeToString())
-  svm = helper.make_node("SVMClassifier", ["x"], ["label", "scores"], domain=ML)
-  with pytest.raises(ONNXError, match="SVMClassifier of domain 'ai.onnx.ml' is not supported"):
-    konnx.load(_model(svm, x, [_tensor("label", np.int64), _tensor("scores", np.float32)]))
+  mapper = helper.make_node("CategoryMapper", ["x"], ["y"], domain=ML)
+  with pytest.raises(ONNXError, match="CategoryMapper of domain 'ai.onnx.ml' is not supported"):
+    konnx.load(_model(mapper, x, [_tensor("y", np.int64)]))
 
 
 def test_array_feature_extractor_looks_labels_up() -> None:

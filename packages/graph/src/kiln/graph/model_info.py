@@ -70,7 +70,7 @@ def refused(m: Any) -> list[str]:
   """Every node of the model's graph kiln would refuse at load (an operator, a domain or an attribute kiln lacks), each
   named: what kiln.graph.onnx.load raises, all of them. A subgraph's nodes are judged when they convert (at load)."""
   from kiln.graph.onnx import _unsupported  # the one home of the check load makes
-  return _unsupported(m.graph, opsets(m).get("ai.onnx", 0))
+  return _unsupported(m.graph, opsets(m).get("ai.onnx", 0), opsets(m).get("ai.onnx.ml", 1))
 
 
 def gather_tables(m: Any) -> dict[str, int]:

@@ -25,6 +25,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_act,
   onnx_ops_convt,
   onnx_ops_detect,
+  onnx_ops_encode,
   onnx_ops_flow,
   onnx_ops_index,
   onnx_ops_misc,
@@ -35,6 +36,7 @@ from kiln.graph import (  # noqa: F401  (they register their operators in OPS)
   onnx_ops_sample,
   onnx_ops_select,
   onnx_ops_shape,
+  onnx_ops_svm,
   onnx_ops_trees,
 )
 from kiln.graph import shape_values as sv
@@ -277,7 +279,7 @@ def _convert_nodes(nodes: list[Any], g: Any, env: dict[str, Value], ctx: Ctx, fo
       raise ONNXError(f"{label}: input {missing!r} is not produced by any earlier node, input or initializer")
     if mapped := next((i for i in proto.input if i and isinstance(env[i], ZipMapped)), None):
       raise ONNXError(f"{label}: input {mapped!r} is a ZipMap's sequence of maps, which kiln gives only as a graph output")
-    n = OnnxNode(proto, env, ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
+    n = OnnxNode(proto, env, ctx.ml_opset if proto.domain == ML_DOMAIN else ctx.opset, ctx.onnx, ctx.stored, ctx.budget)
     n.name = ctx.path + n.name
     for a in n.attrs:
       if a not in allowed: raise n.error(f"attribute {a} is not supported")
@@ -413,14 +415,16 @@ def read(model: Any, directory: str | os.PathLike[str] | None = None) -> tuple[A
   return m, base
 
 
-def _unsupported(g: Any, opset: int) -> list[str]:
+def _unsupported(g: Any, opset: int, ml_opset: int = 1) -> list[str]:
   """Every node of the model's graph kiln cannot convert (domain, operator, attribute), each named. A subgraph's nodes are
   refused when converted: an If's branch not taken may hold what kiln lacks."""
   found = []
   for p in g.node:
     label = f"node {p.name or '<' + p.op_type + '>'} ({p.op_type})"
     if why := _unknown(p): found.append(f"{label}: {why}")
-    else: found += [f"{label[:-1]}, opset {opset}): attribute {a.name} is not supported" for a in p.attribute if a.name not in OPS[p.op_type][1]]
+    else:
+      v = ml_opset if p.domain == ML_DOMAIN else opset
+      found += [f"{label[:-1]}, opset {v}): attribute {a.name} is not supported" for a in p.attribute if a.name not in OPS[p.op_type][1]]
   return found
 
 
@@ -451,7 +455,8 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
   onnx = _onnx()
   m, base = read(model, directory)
   opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
-  if bad := _unsupported(m.graph, opset):  # all of them at once: a user learns the whole gap from one try
+  ml_opset = next((o.version for o in m.opset_import if o.domain == ML_DOMAIN), 1)
+  if bad := _unsupported(m.graph, opset, ml_opset):  # all of them at once: a user learns the whole gap from one try
     more = f"\n  ... and {len(bad) - 40} more" if len(bad) > 40 else ""
     raise ONNXError(bad[0] if len(bad) == 1 else f"{len(bad)} nodes use what kiln does not support:\n  " + "\n  ".join(bad[:40]) + more)
   g = m.graph
@@ -497,7 +502,7 @@ def _load(model: Any, device: str, dims: Mapping[str, int | tuple[int, int]] | N
     except GraphError as e: raise ONNXError(f"input {vi.name!r}: {e}") from e
   check_dims(dims, used)
   main = Body()
-  _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main))
+  _convert(g, env, Ctx(onnx, opset, stored, budget, _convert, main, ml_opset=ml_opset))
   report(len(g.node), len(g.node), "converting nodes")
   # cut for a value known only at run time: every output comes from the program (specialise.py)
   if main.cut is not None and any(p.op_type == "ZipMap" for p in g.node):

@@ -24,7 +24,9 @@ from kiln.ir.dtype import dtypes
 
 ML_DOMAIN = "ai.onnx.ml"
 ML_OPS = frozenset({"LinearClassifier", "LinearRegressor", "Normalizer", "Scaler", "Binarizer", "ZipMap", "ArrayFeatureExtractor",
-                    "TreeEnsembleClassifier", "TreeEnsembleRegressor"})  # the last two: onnx_ops_trees.py
+                    "TreeEnsembleClassifier", "TreeEnsembleRegressor", "TreeEnsemble",  # onnx_ops_trees.py
+                    "SVMClassifier", "SVMRegressor",  # onnx_ops_svm.py
+                    "LabelEncoder", "OneHotEncoder", "Imputer", "FeatureVectorizer"})  # onnx_ops_encode.py
 SQRT2 = 1.41421356  # onnxruntime's PROBIT constant
 
 
@@ -73,8 +75,9 @@ def _probit(s: Tensor) -> Tensor:
   return sgn * ((v * v - ln * (1.0 / 0.147)).sqrt() - v).sqrt() * SQRT2
 
 
-def post_transformed(n: OnnxNode, s: Tensor) -> Tensor:
-  how = n.attr("post_transform", "NONE")
+def post_transformed(n: OnnxNode, s: Tensor, how: str | None = None) -> Tensor:
+  """s under the node's post_transform (or `how`, where the node gives it another way: TreeEnsemble's codes)."""
+  how = how if how is not None else n.attr("post_transform", "NONE")
   if how == "NONE": return s
   if how == "LOGISTIC": return s.sigmoid()
   if how == "SOFTMAX": return s.softmax(-1)

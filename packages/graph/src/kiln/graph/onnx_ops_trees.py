@@ -1,5 +1,6 @@
 """ai.onnx.ml's TreeEnsembleClassifier and TreeEnsembleRegressor (decision trees, random forests, boosted trees as scikit-
-learn, XGBoost and LightGBM export them), built from kiln.graph Tensor ops and registered in onnx_ops.OPS.
+learn, XGBoost and LightGBM export them) and opset 5's TreeEnsemble (_tree_ensemble), built from kiln.graph Tensor ops
+and registered in onnx_ops.OPS.
 
 At load every tree's nodes go into constant tables indexed by one global node number: the feature a node reads, its
 threshold, its comparison, whether a missing value (NaN) goes the true way, and its two successors (a leaf's are
@@ -19,6 +20,8 @@ regressor's post transform. A NaN feature value takes a node's true way where it
 else the way its comparison gives (false but for BRANCH_NEQ), as onnxruntime."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kiln.graph.indexing import coords
@@ -27,7 +30,7 @@ from kiln.graph.onnx_ops_ml import above, label_of, post_transformed, rows_of
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
-MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "LEAF")
+MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "LEAF", "BRANCH_MEMBER")  # MEMBER: opset 5
 MAX_DEPTH = 4096  # levels walked: a deeper tree is refused (a malformed one may loop; a real one is far shallower)
 
 
@@ -41,9 +44,21 @@ def _ints(n: OnnxNode, name: str) -> np.ndarray: return np.asarray(n.attr(name, 
 
 
 class _Forest:
-  """The trees of node n as global tables: feature, threshold, mode code, missing-true, next (true, false), roots, depth."""
+  """A forest as global tables over its node numbers: leaf, next (true, false; a leaf's are itself), feature, threshold,
+  mode code (MODES), missing-true, each tree's root, the depth, and for BRANCH_MEMBER nodes their sets (a (nodes, S) table
+  padded with NaN, which no value equals)."""
 
-  def __init__(self, n: OnnxNode):
+  def __init__(self, n: OnnxNode, leaf: np.ndarray, nxt: np.ndarray, feature: np.ndarray, value: np.ndarray, mode: np.ndarray,
+               missing_true: np.ndarray, roots: list[int], members: np.ndarray | None = None):
+    self.leaf, self.next, self.mode, self.missing_true = leaf, nxt, mode, missing_true
+    self.feature = np.where(leaf, 0, feature).astype(np.int64)
+    self.value = np.where(leaf, 0, value).astype(value.dtype if value.dtype == np.float64 else np.float32)  # X's float type
+    self.roots, self.trees, self.members = np.asarray(roots, np.int64), list(range(len(roots))), members
+    self.depth = self._depth(n)
+
+  @classmethod
+  def from_nodes(cls, n: OnnxNode) -> tuple[_Forest, dict[tuple[int, int], int]]:
+    """TreeEnsembleClassifier/Regressor's nodes_* lists (ids per tree), and the global number of each (tree, node)."""
     tree, node = _ints(n, "nodes_treeids"), _ints(n, "nodes_nodeids")
     feature, value = _ints(n, "nodes_featureids"), _floats(n, "nodes_values")
     modes = [m.decode() if isinstance(m, bytes) else str(m) for m in n.attr("nodes_modes", [])]
@@ -55,34 +70,28 @@ class _Forest:
                       ("nodes_truenodeids", true_id), ("nodes_falsenodeids", false_id)):
       if len(arr) != m: raise n.error(f"{name} has {len(arr)} entries for {m} nodes")
     if len(missing) not in (0, m): raise n.error(f"nodes_missing_value_tracks_true has {len(missing)} entries for {m} nodes")
-    if bad := sorted(set(modes) - set(MODES)): raise n.error(f"node mode {bad[0]!r} is not one of {', '.join(MODES)}")
-    self.index = {(int(t), int(i)): k for k, (t, i) in enumerate(zip(tree, node))}
-    if len(self.index) != m: raise n.error("two nodes share a (tree, node) id")
-    self.leaf = np.array([md == "LEAF" for md in modes])
+    if bad := sorted(set(modes) - set(MODES[:7])): raise n.error(f"node mode {bad[0]!r} is not one of {', '.join(MODES[:7])}")
+    index = {(int(t), int(i)): k for k, (t, i) in enumerate(zip(tree, node))}
+    if len(index) != m: raise n.error("two nodes share a (tree, node) id")
+    leaf = np.array([md == "LEAF" for md in modes])
     nxt = np.empty((m, 2), np.int64)
     for k in range(m):
-      if self.leaf[k]: nxt[k] = k
+      if leaf[k]: nxt[k] = k
       else:
         for j, target in enumerate((true_id[k], false_id[k])):
-          if (g := self.index.get((int(tree[k]), int(target)))) is None:
+          if (g := index.get((int(tree[k]), int(target)))) is None:
             raise n.error(f"node {int(node[k])} of tree {int(tree[k])} leads to node {int(target)}, which the tree does not have")
           nxt[k, j] = g
-    self.next = nxt
-    self.feature = np.where(self.leaf, 0, feature).astype(np.int64)
-    self.value = np.where(self.leaf, 0, value).astype(np.float32)
-    self.mode = np.array([MODES.index(md) for md in modes], np.int64)
-    self.missing_true = (missing if len(missing) else np.zeros(m, np.int64)).astype(bool)
-    children = {int(g) for k in range(m) if not self.leaf[k] for g in nxt[k]}
-    trees = sorted({int(t) for t in tree})
+    children = {int(g) for k in range(m) if not leaf[k] for g in nxt[k]}
     roots = []
-    for t in trees:  # one root a tree (the node no other leads to), every node of the tree reached from it
-      mine = [k for k in range(m) if int(tree[k]) == t]
-      top = [k for k in mine if k not in children]
+    for t in sorted({int(t) for t in tree}):  # one root a tree (the node no other leads to), every node of the tree reached from it
+      top = [k for k in range(m) if int(tree[k]) == t and k not in children]
       if len(top) != 1: raise n.error(f"tree {t} has {len(top)} roots (nodes no other node leads to); a tree has one")
       roots.append(top[0])
-    self.trees, self.roots = trees, np.asarray(roots, np.int64)
-    self.depth = self._depth(n)
-    if len(self.seen) != m: raise n.error(f"{m - len(self.seen)} nodes are not reached from their tree's root")
+    forest = cls(n, leaf, nxt, feature, value, np.array([MODES.index(md) for md in modes], np.int64),
+                 (missing if len(missing) else np.zeros(m, np.int64)).astype(bool), roots)
+    if len(forest.seen) != m: raise n.error(f"{m - len(forest.seen)} nodes are not reached from their tree's root")
+    return forest, index
 
   def _depth(self, n: OnnxNode) -> int:
     """Levels from the roots to the deepest leaf; a cycle or a depth over MAX_DEPTH is refused."""
@@ -95,13 +104,13 @@ class _Forest:
       if depth > MAX_DEPTH: raise n.error(f"a tree is deeper than {MAX_DEPTH} levels (or loops)")
     return depth
 
-  def leaves(self, n: OnnxNode, prefix: str, outputs: int) -> np.ndarray:
+  def leaves(self, n: OnnxNode, index: dict[tuple[int, int], int], prefix: str, outputs: int) -> np.ndarray:
     """The (nodes, outputs) weights of the leaves from the `{prefix}_treeids/_nodeids/_ids/_weights` attributes."""
     t, i, ids, w = _ints(n, f"{prefix}_treeids"), _ints(n, f"{prefix}_nodeids"), _ints(n, f"{prefix}_ids"), _floats(n, f"{prefix}_weights")
     if not len(t) == len(i) == len(ids) == len(w): raise n.error(f"{prefix}_treeids/_nodeids/_ids/_weights differ in length")
     table = np.zeros((len(self.leaf), outputs), np.float32)
     for tt, nn, c, ww in zip(t.tolist(), i.tolist(), ids.tolist(), w.tolist()):
-      if (k := self.index.get((tt, nn))) is None: raise n.error(f"a weight names node {nn} of tree {tt}, which does not exist")
+      if (k := index.get((tt, nn))) is None: raise n.error(f"a weight names node {nn} of tree {tt}, which does not exist")
       if not 0 <= c < outputs: raise n.error(f"a weight names output {c} of {outputs}")
       table[k, c] += ww
     return table
@@ -117,26 +126,31 @@ class _Forest:
     base = coords((rows, len(self.trees)), 0, dtypes.int64) * f  # each walker's row start in X
     cur = Tensor(self.roots.reshape(1, -1)).expand((rows, len(self.trees)))
     feature, value, nxt = Tensor(self.feature), Tensor(self.value), Tensor(self.next.reshape(-1))
-    mode = Tensor(self.mode) if len(set(self.mode.tolist()) - {MODES.index("LEAF")}) > 1 else None
-    only = MODES[int(self.mode[~self.leaf][0])] if (~self.leaf).any() else "BRANCH_LEQ"
+    branch_modes = set(self.mode[~self.leaf].tolist())
+    mode = Tensor(self.mode) if len(branch_modes) > 1 else None
+    only = MODES[branch_modes.pop()] if len(branch_modes) == 1 else "BRANCH_LEQ"
     missing = Tensor(self.missing_true) if self.missing_true.any() else None
+    members = Tensor(self.members) if self.members is not None else None
     def at(table: Tensor, i: Tensor) -> Tensor: return table.gather(i, 0, name=label, in_range=True)  # built in range: no check
     for _ in range(self.depth):
       v = at(xs, base + at(feature, cur))  # features checked < F at load; rows from coords
       t = at(value, cur)
-      go = _compare(v, t, at(mode, cur) if mode is not None else None, only)
+      go = _compare(v, t, at(mode, cur) if mode is not None else None, only, at(members, cur) if members is not None else None)
       if missing is not None: go = go | (at(missing, cur) & v.eq(v).logical_not())  # NaN: the missing way
       cur = at(nxt, cur * 2 + go.where(0, 1).cast(dtypes.int64)).contiguous()
     return cur
 
 
-def _compare(v: Tensor, t: Tensor, mode: Tensor | None, only: str) -> Tensor:
-  """The true way at each walker: its node's comparison of v with t (`only` where every branch node uses one)."""
+def _compare(v: Tensor, t: Tensor, mode: Tensor | None, only: str, members: Tensor | None) -> Tensor:
+  """The true way at each walker: its node's comparison of v with t (`only` where every branch node uses one); members:
+  each walker's node's set (padded with NaN, which equals nothing) for BRANCH_MEMBER."""
   tests = {"BRANCH_LEQ": lambda: v <= t, "BRANCH_LT": lambda: v < t, "BRANCH_GTE": lambda: v >= t, "BRANCH_GT": lambda: v > t,
            "BRANCH_EQ": lambda: v.eq(t), "BRANCH_NEQ": lambda: v.eq(t).logical_not()}
+  if members is not None: tests["BRANCH_MEMBER"] = lambda: v.unsqueeze(-1).eq(members).max(-1)
   if mode is None: return tests[only]()
   go = tests["BRANCH_LEQ"]()
-  for code, name in enumerate(MODES[1:-1], 1): go = mode.eq(code).where(tests[name](), go)
+  for name in (*MODES[1:6], "BRANCH_MEMBER"):
+    if name in tests: go = mode.eq(MODES.index(name)).where(tests[name](), go)
   return go
 
 
@@ -153,21 +167,21 @@ def _classifier(n: OnnxNode) -> list[Value]:
   if n.attr("classlabels_strings"): raise n.error("string class labels (classlabels_strings) are not supported: kiln has no string tensors")
   labels = _ints(n, "classlabels_int64s")
   if len(labels) == 0: raise n.error("needs classlabels_int64s")
-  forest = _Forest(n)
+  forest, index = _Forest.from_nodes(n)
   ids = _ints(n, "class_ids")
-  if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, labels, int(ids[0]))
-  weights = forest.leaves(n, "class", len(labels))
+  if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, forest.leaves(n, index, "class", int(ids[0]) + 1), labels)
+  weights = forest.leaves(n, index, "class", len(labels))
   s = _scores(n, forest, rows_of(n), weights, False)
   return [label_of(s, labels), post_transformed(n, s)]
 
 
-def _binary(n: OnnxNode, forest: _Forest, labels: np.ndarray, column: int) -> list[Value]:
+def _binary(n: OnnxNode, forest: _Forest, weights: np.ndarray, labels: np.ndarray) -> list[Value]:
   """Two labels, one score column (a boosted binary classifier): onnxruntime's rules. With every weight >= 0 the score s is
   a probability: label 1 where s > 0.5, scores [1 - p, p]; with mixed signs a margin: label 1 where s > 0, scores [-s, s]
   (NONE, SOFTMAX, SOFTMAX_ZERO alike); under LOGISTIC p = logistic(s) and the scores are [1 - p, p] either way."""
   how = n.attr("post_transform", "NONE")
   if how == "PROBIT": raise n.error("post_transform PROBIT on a binary classifier with one score column is not supported")
-  weights = forest.leaves(n, "class", column + 1)[:, column:]
+  weights = weights[:, -1:]  # the one column the weights name
   positive = bool((_floats(n, "class_weights") >= 0).all())
   s = _scores(n, forest, rows_of(n), weights, False).reshape(-1)
   label = above(s, 0.5 if positive else 0.0, int(labels[0]), int(labels[1]))
@@ -181,8 +195,77 @@ def _regressor(n: OnnxNode) -> Value:
   how = n.attr("aggregate_function", "SUM")
   if how not in ("SUM", "AVERAGE"): raise n.error(f"aggregate_function {how!r} is not supported (SUM, AVERAGE)")
   if (pt := n.attr("post_transform", "NONE")) != "NONE": raise n.error(f"post_transform {pt!r} is not supported (NONE)")
-  forest = _Forest(n)
-  return _scores(n, forest, rows_of(n), forest.leaves(n, "target", int(n.attr("n_targets", 1))), how == "AVERAGE")
+  forest, index = _Forest.from_nodes(n)
+  return _scores(n, forest, rows_of(n), forest.leaves(n, index, "target", int(n.attr("n_targets", 1))), how == "AVERAGE")
+
+
+TRANSFORMS_V5 = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")  # TreeEnsemble's post_transform codes
+
+
+def _tree_ensemble(n: OnnxNode) -> Value:
+  """ai.onnx.ml opset 5's TreeEnsemble: interior nodes (nodes_*) and leaves (leaf_*, one target and weight each) in
+  separate lists, a branch leading to either by its *_leafs flag, trees by their roots. Numbered here as the interior
+  nodes then the leaves, and walked as the older ops are; X's float type is kept (a double X compares in double).
+  post_transform follows the spec's codes (NONE 0, SOFTMAX 1, LOGISTIC 2, SOFTMAX_ZERO 3, PROBIT 4), not onnxruntime 1.32,
+  which reads 1 as LOGISTIC and 2 as SOFTMAX (its own enum's order) and skips LOGISTIC for a single target (its issues
+  26596 and 24862): a model that relies on either gives kiln the spec's answer."""
+  if (agg := int(n.attr("aggregate_function", 1))) not in (0, 1):
+    raise n.error(f"aggregate_function {agg} (MIN or MAX) is not supported (AVERAGE, SUM)")
+  if not 0 <= (pt := int(n.attr("post_transform", 0))) < len(TRANSFORMS_V5): raise n.error(f"post_transform {pt} is not one of 0-4")
+  feature, true_id, false_id = _ints(n, "nodes_featureids"), _ints(n, "nodes_truenodeids"), _ints(n, "nodes_falsenodeids")
+  m = len(feature)
+  if m == 0: raise n.error("has no nodes")
+  true_leaf, false_leaf = _ints(n, "nodes_trueleafs"), _ints(n, "nodes_falseleafs")
+  missing = _ints(n, "nodes_missing_value_tracks_true")
+  modes = np.asarray(n.tensor("nodes_modes")).reshape(-1).astype(np.int64) if "nodes_modes" in n.attrs else np.zeros(0, np.int64)
+  splits = np.asarray(n.tensor("nodes_splits")).reshape(-1) if "nodes_splits" in n.attrs else np.zeros(0)
+  for name, arr in (("nodes_truenodeids", true_id), ("nodes_falsenodeids", false_id), ("nodes_trueleafs", true_leaf),
+                    ("nodes_falseleafs", false_leaf), ("nodes_modes", modes), ("nodes_splits", splits)):
+    if len(arr) != m: raise n.error(f"{name} has {len(arr)} entries for {m} nodes")
+  if len(missing) not in (0, m): raise n.error(f"nodes_missing_value_tracks_true has {len(missing)} entries for {m} nodes")
+  if len(modes) and not 0 <= int(modes.min()) <= int(modes.max()) <= 6: raise n.error(f"a node mode is not one of 0-6: {sorted(set(modes.tolist()))}")
+  targets, weights = _ints(n, "leaf_targetids"), np.asarray(n.tensor("leaf_weights")).reshape(-1) if "leaf_weights" in n.attrs else np.zeros(0)
+  leaves = len(targets)
+  if leaves == 0 or len(weights) != leaves: raise n.error(f"{len(weights)} leaf_weights for {leaves} leaf_targetids (needs as many, at least one)")
+  outputs = int(n.attr("n_targets", 0))
+  if outputs < 1 or not 0 <= int(targets.min()) <= int(targets.max()) < outputs: raise n.error(f"a leaf names a target outside [0, {outputs})")
+  nxt = np.empty((m + leaves, 2), np.int64)
+  nxt[m:] = np.arange(m, m + leaves)[:, None]
+  for j, (ids, is_leaf) in enumerate(((true_id, true_leaf), (false_id, false_leaf))):
+    bound = np.where(is_leaf != 0, leaves, m)
+    if ((ids < 0) | (ids >= bound)).any(): raise n.error(f"a node's {('true', 'false')[j]} branch leads outside the nodes or leaves")
+    nxt[:m, j] = np.where(is_leaf != 0, ids + m, ids)
+  roots = _ints(n, "tree_roots")
+  if len(roots) == 0 or not 0 <= int(roots.min()) <= int(roots.max()) < m: raise n.error(f"tree_roots must be node positions in [0, {m})")
+  x = n.t(0)
+  if x.ndim != 2: raise n.error(f"input of rank {x.ndim}: needs (N, F)")
+  if x.dtype != dtypes.float64: x = x.cast(dtypes.float32) if x.dtype != dtypes.float32 else x
+  dt = np.float64 if x.dtype == dtypes.float64 else np.float32
+  code = np.concatenate([np.where(modes == 6, MODES.index("BRANCH_MEMBER"), modes), np.full(leaves, MODES.index("LEAF"))])
+  forest = _Forest(n, np.arange(m + leaves) >= m, nxt, np.concatenate([feature, np.zeros(leaves, np.int64)]),
+                   np.concatenate([splits, np.zeros(leaves)]).astype(dt), code,
+                   np.concatenate([missing if len(missing) else np.zeros(m, np.int64), np.zeros(leaves, np.int64)]).astype(bool),
+                   [int(r) for r in roots], _members(n, modes, m + leaves, dt))
+  table = np.zeros((m + leaves, outputs), dt)
+  np.add.at(table, (np.arange(m, m + leaves), targets), weights.astype(dt))
+  return post_transformed(n, _scores(n, forest, x, table, agg == 0), TRANSFORMS_V5[pt])
+
+
+def _members(n: OnnxNode, modes: np.ndarray, nodes: int, dt: Any) -> np.ndarray | None:
+  """The sets of the BRANCH_MEMBER nodes (membership_values, one set a member node in order, NaN between sets) as a
+  (nodes, largest set) table padded with NaN; None without member nodes."""
+  where = np.nonzero(modes == 6)[0]
+  if not len(where): return None
+  if "membership_values" not in n.attrs: raise n.error("BRANCH_MEMBER nodes need membership_values")
+  vals: np.ndarray = np.asarray(n.tensor("membership_values")).reshape(-1).astype(dt)
+  cuts = np.nonzero(np.isnan(vals))[0]
+  sets = np.split(vals, cuts)
+  sets = [s[~np.isnan(s)] for s in sets]
+  if len(sets) > len(where) and all(len(s) == 0 for s in sets[len(where):]): sets = sets[:len(where)]  # a trailing NaN
+  if len(sets) != len(where): raise n.error(f"membership_values has {len(sets)} sets for {len(where)} BRANCH_MEMBER nodes")
+  table: np.ndarray = np.full((nodes, max(1, max(len(s) for s in sets))), np.nan, dt)
+  for k, s in zip(where, sets): table[k, :len(s)] = s
+  return table
 
 
 _NODES = ("nodes_treeids nodes_nodeids nodes_featureids nodes_values nodes_values_as_tensor nodes_modes nodes_truenodeids "
@@ -190,5 +273,8 @@ _NODES = ("nodes_treeids nodes_nodeids nodes_featureids nodes_values nodes_value
           "post_transform")
 _op("TreeEnsembleClassifier", _classifier, _NODES + " class_treeids class_nodeids class_ids class_weights class_weights_as_tensor "
     "classlabels_int64s classlabels_strings")
+_op("TreeEnsemble", _tree_ensemble, "aggregate_function leaf_targetids leaf_weights membership_values n_targets nodes_falseleafs "
+    "nodes_falsenodeids nodes_featureids nodes_hitrates nodes_missing_value_tracks_true nodes_modes nodes_splits nodes_trueleafs "
+    "nodes_truenodeids post_transform tree_roots")
 _op("TreeEnsembleRegressor", _regressor, _NODES + " target_treeids target_nodeids target_ids target_weights target_weights_as_tensor "
     "n_targets aggregate_function")

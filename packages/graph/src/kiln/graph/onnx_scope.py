@@ -43,7 +43,7 @@ class Scope(dict[str, Value]):
 
 @dataclass
 class Ctx:
-  """What converting one model shares across its (sub)graphs: the onnx module, opset, stored tensors, load budget; the
+  """What converting one model shares across its (sub)graphs: the onnx module, opsets, stored tensors, load budget; the
   converter of a node list (onnx.py's); the path prefix of node names; and the body that records run-time branches (the
   program scope: the main graph or the branch being converted; an unrolled loop body records into the scope around it)."""
   onnx: Any
@@ -57,6 +57,7 @@ class Ctx:
   cuts: bool = True  # whether the main graph can be cut here: in it, or in a branch of an If known at load (specialise.py)
   loops: dict[int, Any] = field(default_factory=dict)  # run-time loops with scan outputs made, by id of their NodeProto: a
   # continuation converting the Loop again reads the slots the prefix's loop filled (onnx_ops_flow._scan_loop)
+  ml_opset: int = 1  # the ai.onnx.ml domain's opset: its nodes' (OnnxNode.opset), as `opset` is the default domain's
 
   def sub(self, where: str, body: Body | None = None, folded: bool = False) -> Ctx:
     """The context of a subgraph one level deeper: `where` is its node's path-qualified name and attribute ('If_3 > then_branch');
