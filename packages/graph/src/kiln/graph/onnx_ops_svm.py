@@ -28,6 +28,7 @@ import numpy as np
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
 from kiln.graph.onnx_ops_ml import label_of, post_transformed, rows_of
 from kiln.graph.tensor import Tensor
+from kiln.ir.dtype import dtypes
 
 KERNELS = ("LINEAR", "POLY", "RBF", "SIGMOID")
 COUPLING_ROUNDS = 100  # libsvm's and onnxruntime's bound on the coupling's rounds
@@ -72,8 +73,10 @@ def _pairs(c: int) -> list[tuple[int, int]]: return [(i, j) for i in range(c - 1
 
 
 def _decisions(n: OnnxNode, k: Tensor, per_class: list[int], coef: np.ndarray, rho: np.ndarray) -> Tensor:
-  """The (N, pairs) one-against-one decisions from the kernels k (N, V): a product with a (V, pairs) table of each pair's
-  two blocks of coefficients (zero elsewhere), plus rho."""
+  """The (N, pairs) one-against-one decisions from the kernels k (N, V), in float64: each kernel times its coefficient
+  in a (V, pairs) table of each pair's two blocks (zero elsewhere), rounded to float32 as onnxruntime's float product
+  is, then summed in double with rho, as onnxruntime sums (a float32 sum of large kernels, a linear kernel's, moves the
+  decisions by ~1e-5 of themselves)."""
   c, v = len(per_class), int(sum(per_class))
   if coef.size < (c - 1) * v: raise n.error(f"{coef.size} coefficients for {c} classes of {v} support vectors (needs {(c - 1) * v})")
   coef = coef[:(c - 1) * v].reshape(c - 1, v)
@@ -84,11 +87,12 @@ def _decisions(n: OnnxNode, k: Tensor, per_class: list[int], coef: np.ndarray, r
   for p, (i, j) in enumerate(pairs):
     table[start[i]:start[i + 1], p] = coef[j - 1, start[i]:start[i + 1]]
     table[start[j]:start[j + 1], p] = coef[i, start[j]:start[j + 1]]
-  return k @ Tensor(table) + Tensor(rho[:len(pairs)])
+  terms = (k.unsqueeze(2) * Tensor(table).unsqueeze(0)).cast(dtypes.float64)  # (N, V, pairs): float products, then double
+  return terms.sum(1) + Tensor(rho[:len(pairs)].astype(np.float64))
 
 
 def _votes(d: Tensor, c: int) -> Tensor:
-  """(N, C) votes: pair (i, j)'s to i where its decision is over 0, else to j."""
+  """(N, C) votes: pair (i, j)'s to i where its (double) decision is over 0, else to j."""
   pairs = _pairs(c)
   to_i, to_j = np.zeros((len(pairs), c), np.float32), np.zeros((len(pairs), c), np.float32)
   for p, (i, j) in enumerate(pairs): to_i[p, i], to_j[p, j] = 1.0, 1.0
@@ -162,8 +166,9 @@ def _classifier(n: OnnxNode) -> list[Value]:
   if len(per_class) != c or min(per_class) < 0: raise n.error(f"vectors_per_class has {len(per_class)} counts for {c} classes")
   sv = _support(n, sum(per_class))
   _features(n, x, sv.shape[1], "support vectors")
-  d = _decisions(n, _kernel(n, x, sv), per_class, coef, rho)
-  label = label_of(_votes(d, c), labels)
+  d64 = _decisions(n, _kernel(n, x, sv), per_class, coef, rho)
+  label = label_of(_votes(d64, c), labels)
+  d = d64.cast(dtypes.float32)
   if len(prob_a):
     if len(prob_a) < c * (c - 1) // 2: raise n.error(f"prob_a has {len(prob_a)} values for {c * (c - 1) // 2} pairs of classes")
     if c > MAX_COUPLED_CLASSES: raise n.error(f"probabilities (prob_a) for {c} classes: at most {MAX_COUPLED_CLASSES} are supported")
