@@ -42,16 +42,30 @@ def test_a_linear_layer_at_batch_one_takes_its_bias_and_activation_in_the_produc
 
 
 @pytest.mark.parametrize("case", ["more rows than a register tile, columns in no whole blocks", "one block of columns", "a computed weight",
-                                  "symbolic rows"])
+                                  "symbolic rows over a weight that stays in cache"])
 def test_few_rows_product_does_not_apply(case: str) -> None:
   rows, n = (9, 48) if case.startswith("more rows") else (2, 32 if case == "one block of columns" else 64)
   x, w = rand(rows, 16), rand(16, n)
-  if case == "symbolic rows": xt = Tensor.input("x", ("n", 16), dims={"n": (1, 4)})
+  if case.startswith("symbolic rows"): xt = Tensor.input("x", ("n", 16), dims={"n": (1, 4)})
   else: xt = Tensor.input("x", x.shape)
   wt = Tensor.input("w", w.shape) if case == "a computed weight" else Tensor(w)
   c = compile([xt @ wt])
   assert len(products(c)) == 1 and products(c)[0].endswith(f"x{n}"), c.plan.describe()  # (rows, N), not (rows, N/B, B)
   np.testing.assert_allclose(c.run({"x": x, "w": w} if case == "a computed weight" else {"x": x})[0], x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k,blocked", [(1024, True), (16, False)])
+def test_symbolic_rows_in_whole_tiles(k: int, blocked: bool) -> None:
+  """Symbolic rows ((n, 3) tokens of k features) by a weight of k x 256: a weight past SYMBOLIC_MIN_BYTES in blocks of
+  columns, its n * 3 rows one symbolic axis the codegen takes in whole register tiles of 8, the last shifted back or
+  repeating the last row (prepare.peel); a small one as stored, n an outer loop around a tile of the 3 static rows.
+  Every row count in the bounds matches numpy: under one tile (3, 6), whole tiles (24, 48), tiles and a shifted one."""
+  w = rand(k, 256)
+  c = compile([Tensor.input("x", ("n", 3, k), dims={"n": (1, 22)}) @ Tensor(w)])
+  assert products(c)[0].endswith("x8x32" if blocked else "x256"), c.plan.describe()
+  for n in range(1, 23):
+    x = rand(n, 3, k)
+    np.testing.assert_allclose(c.run({"x": x})[0], x @ w, rtol=1e-4, atol=1e-4, err_msg=f"rows {3 * n}")
 
 
 @pytest.mark.parametrize("device", ["CUDA", "CUDA:1"])

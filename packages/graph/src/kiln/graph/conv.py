@@ -34,6 +34,7 @@ BLOCK = 16  # channels per block of the blocked layout: one 64-byte cache line o
 PRODUCT_CHANNELS_LAST = True
 CHANNELS_LAST_POSITIONS = BLOCK * BLOCK
 FOLD_BATCH = True  # ... with a static batch's images as more rows of one product; False: the batch an outer loop
+FOLD_SYMBOLIC_BATCH = True  # ... and a symbolic batch's (_folds)
 # ... over its realized patches, (g, N*P, K) with K = (*k, C/g), where it reads a window view (_patches); False: read per tap
 PATCHES_FIRST = True
 # ... copied from the input realized padded and channels-last (runs of channels); False: from the input as it is (NCHW)
@@ -125,7 +126,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
     out = win.shape[2:2 + d]
     # the patches pay where the product reads each of them more than once: more output channels than one register tile's
-    if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and FOLD_BATCH and isinstance(n, int) and _positions_few(prod(out), og) and og > WEIGHT_BLOCK:
+    if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and _folds(n) and _positions_few(prod(out), og) and og > WEIGHT_BLOCK:
       # the input realized padded and channels-last first, each element once: the patches' rows then copy runs of channels
       # (their K is (*k, C/g)), where from NCHW each lane was a gather H*W apart with a bounds test of its own; and a
       # computed input is computed once, not in the copy (a layer norm's sums per element)
@@ -153,7 +154,7 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   output channels are the contiguous axis, so the matmul's vector runs across them, and its rows are every image's
   positions, so the weight streams through once per run, not once per image. In (N, g, O/g, P) the vector was the P
   positions, a quarter of a vector for a 2x2 map. The weight is read as (g, K, O/g), contiguous along O/g (an array
-  reordered in numpy). A symbolic batch stays an outer loop, (N, g, P, O/g): the codegen tiles no symbolic axis."""
+  reordered in numpy). A symbolic batch folds in too (_folds); without FOLD_BATCH the batch is an outer loop, (N, g, P, O/g)."""
   n = cols.shape[0]
   kk, p = sym.static_shape("conv", cols.shape[2:])
   og = sym.static_shape("conv (weight)", w.shape)[0] // groups
@@ -161,7 +162,7 @@ def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups:
   if BLOCKED_WEIGHT and data is not None and (b := _weight_block(og)): return _product_blocked(cols, data, bias, groups, b, out)
   if data is not None: wt = type(w)(np.ascontiguousarray(np.swapaxes(data.reshape(groups, og, kk), 1, 2)))
   else: wt = w.reshape(groups, og, kk).permute(0, 2, 1).contiguous()
-  if isinstance(n, int) and FOLD_BATCH:
+  if _folds(n):
     rows = cols.permute(1, 0, 3, 2).reshape(groups, n * p, kk, 1)  # (g, N*P, K, 1)
     y = (wt.reshape(groups, 1, kk, og) * rows).sum(2)  # (g, N*P, O/g)
     if bias is not None: y = y + bias.reshape(groups, 1, og)
@@ -195,14 +196,14 @@ def _product_blocked(cols: Tensor, data: np.ndarray, bias: Tensor | None, groups
   """The channels-last product with its weight array stored in blocks of `block` output channels, (g, O/g/block, K,
   block): a register tile's columns stream one contiguous run of the weight along K. Stored (g, K, O/g), a tile read
   `block` channels of each K row, a short run every O/g * 4 bytes: over a 2x2 map the weight is read once per run and
-  that stride made it a scattered read from memory, not a stream. The product is computed as (g, O/g/block, N*P, block),
-  or under a symbolic batch (an outer loop) as (N, g, O/g/block, P, block)."""
+  that stride made it a scattered read from memory, not a stream. The product is computed as (g, O/g/block, N*P, block)
+  (_folds), or without FOLD_BATCH as (N, g, O/g/block, P, block), the batch an outer loop."""
   n = cols.shape[0]
   kk, p = sym.static_shape("conv", cols.shape[2:])
   og = data.shape[0] // groups
   ob = og // block
   wb = type(cols)(np.ascontiguousarray(data.reshape(groups, ob, block, kk).transpose(0, 1, 3, 2)))  # (g, OB, K, B)
-  if isinstance(n, int) and FOLD_BATCH:
+  if _folds(n):
     rows = cols.permute(1, 0, 3, 2).reshape(groups, 1, n * p, kk, 1)  # (g, 1, N*P, K, 1)
     y = (wb.reshape(groups, ob, 1, kk, block) * rows).sum(3)  # (g, OB, N*P, B)
     if bias is not None: y = y + bias.reshape(groups, ob, 1, block)
@@ -211,6 +212,13 @@ def _product_blocked(cols: Tensor, data: np.ndarray, bias: Tensor | None, groups
   y = (wb.reshape(1, groups, ob, 1, kk, block) * rows).sum(4)  # (N, g, OB, P, B)
   if bias is not None: y = y + bias.reshape(1, groups, ob, 1, block)
   return y.contiguous().permute(0, 1, 2, 4, 3).reshape(n, groups * og, *out)
+
+
+def _folds(n: Dim) -> bool:
+  """Whether the batch folds into the product's rows (FOLD_BATCH), a symbolic one too (FOLD_SYMBOLIC_BATCH): its rows N*P
+  are then symbolic, whole register tiles the last of which is shifted back or repeats its last row (prepare.peel), so
+  the weight streams once a tile, not once an image."""
+  return FOLD_BATCH and (isinstance(n, int) or FOLD_SYMBOLIC_BATCH)
 
 
 def _positions_few(p: Dim, og: Dim) -> bool:

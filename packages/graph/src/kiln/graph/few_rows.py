@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kiln.graph import dims as sym
 from kiln.graph.build_target import cpu_layouts
 from kiln.graph.dims import is_static, static_shape
 from kiln.graph.lazy import Node, prod
@@ -28,6 +29,12 @@ ENABLED = True  # False: every product as Tensor.matmul writes it, for compariso
 # the widest register tile's columns (two AVX-512 vectors of float32): one K step of a block is one contiguous 128-byte run
 BLOCK = 32
 MAX_ROWS = 8  # the most rows the codegen's register tile takes (choose.heuristic._tile_rows): past it, whole blocks only
+# symbolic rows (a dynamic export's batch or tokens: (N, H, W, C) @ (C, D) with N symbolic) take the blocks too, as one
+# symbolic row axis: the codegen tiles it in whole tiles (prepare.peel), and the weight streams once a tile, where the
+# plain product looped over N outside a tile of W rows and streamed the weight N*H times; a weight under
+# SYMBOLIC_MIN_BYTES stays in cache across those passes, and the plain product (its panel packed) keeps it
+SYMBOLIC_ROWS = True
+SYMBOLIC_MIN_BYTES = 512 << 10
 
 
 def weight_array(n: Node) -> np.ndarray | None:
@@ -54,10 +61,14 @@ def product(a: Tensor, b: Tensor) -> Tensor | None:
   """a (..., M, K) @ b (K, N) as a product over the blocked weight, where b is a weight array in memory of more than BLOCK
   columns, a multiple of BLOCK where a has more than MAX_ROWS rows, and a's rows are static, in a graph built for the CPU
   (build_target.py); None where it does not apply (the caller writes the plain product)."""
-  if not ENABLED or not cpu_layouts() or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape) or not is_static(b.shape): return None
-  rows = prod(static_shape("matmul", a.shape[:-1]))
+  if not ENABLED or not cpu_layouts() or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape[-1:]) or not is_static(b.shape): return None
+  if not is_static(a.shape) and not SYMBOLIC_ROWS: return None
+  rows = prod(a.shape[:-1]) if is_static(a.shape) else sym.mul(*a.shape[:-1])
   k, n = static_shape("matmul", b.shape)
-  if rows == 0 or n <= BLOCK or rows > MAX_ROWS and n % BLOCK or (data := weight_array(b.node)) is None or not in_memory(data): return None
+  many = not isinstance(rows, int) or rows > MAX_ROWS  # symbolic rows may be many: whole blocks only
+  if isinstance(rows, int) and rows == 0 or n <= BLOCK or many and n % BLOCK: return None
+  if (data := weight_array(b.node)) is None or not in_memory(data): return None
+  if not isinstance(rows, int) and data.nbytes < SYMBOLIC_MIN_BYTES: return None
   width = next((w for w in (BLOCK, BLOCK // 2, BLOCK // 4) if n % w == 0), BLOCK)
   nb = -(-n // width)
   padded = np.zeros((k, nb * width), data.dtype) if nb * width != n else data

@@ -53,41 +53,61 @@ def prepare(ast: UOp) -> tuple[UOp, dict[UOp, set[UOp]]]:
   return UOp.sink(*done, *(s for s in ast.src if s.op is not Ops.STORE), name=ast.arg), loops
 
 
+SHIFTED_SYMBOLIC_ROWS = True  # a register tile's symbolic rows as whole, shifted tiles (_shifted_rows); False: whole tiles and a scalar tail
+
+
 def peel(ast: UOp, opts: list[Opt]) -> tuple[UOp, int] | None:
   """CPU: output axes whose UPCAST (vector lanes) or UNROLL (register-tile rows) does not divide them, and an output axis of
   symbolic size split either way (into whole units and a tail, as below, for every size). When the kernel reads
-  none of the buffers it stores, each such axis becomes whole tiles, the last one shifted back to overlap the one before it.
-  Otherwise the first is split into a main range the amount divides and a scalar tail range (a new axis), each store copied
-  for the tail. Returns the new kernel and how many stores are main."""
+  none of the buffers it stores, each such static axis becomes whole tiles, the last one shifted back to overlap the one
+  before it, and so do a register tile's symbolic rows (_shifted_rows). Otherwise the first is split into a main range
+  the amount divides and a scalar tail range (a new axis), each store copied for the tail. Returns the new kernel and
+  how many stores are main."""
   ranges = {r.arg[0]: r for r in ast.toposort() if r.op is Ops.RANGE}
   reduced = {r for n in ast.toposort() if n.op is Ops.REDUCE for r in n.src[1:]}
   outs = [(ranges[o.axis], o.amount) for o in opts if o.op in (OptOps.UPCAST, OptOps.UNROLL) and o.axis in ranges and ranges[o.axis] not in reduced]
   split = [(r, w) for r, w in outs if (n := axis_size(r)) is not None and n > w and n % w]
   symbolic = [(r, w) for r, w in outs if w > 1 and axis_size(r) is None]
+  lanes = {o.axis for o in opts if o.op is OptOps.UPCAST}
+  rows = [(r, w) for r, w in symbolic if r.arg[0] not in lanes]  # a register tile's rows, no vector lanes along them
+  if not reads_stored(ast) and (not symbolic or SHIFTED_SYMBOLIC_ROWS and rows == symbolic and len(rows) == 1):
+    if not split and not symbolic: return None
+    # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
+    # recomputes, bit for bit the same, a few elements the tile before it stored (1000x1000 matmul: 230 -> 300 GFLOP/s
+    # against a scalar tail; AVX2's 6-row tile against 4 rows on one Zen 3 core: 1024 rows 78 -> 85 GFLOP/s, 2048 rows
+    # 71 -> 86). Where a split puts those two tiles on two threads, both write the same bytes.
+    shifted = {r: _shifted_static(r, w) for r, w in split} | {r: _shifted_rows(r, w) for r, w in rows}
+    stores = [s for s in ast.src if s.op is Ops.STORE]
+    return UOp.sink(*[substitute(s, shifted) for s in stores], *[s for s in ast.src if s.op is not Ops.STORE], name=ast.arg), len(stores)
   if len(symbolic) + len(split) > 1 and symbolic:
     raise CodegenError(f"a split of symbolic axis {symbolic[0][0].arg[0]} beside another split that needs a tail: one axis gets a tail")
   if not split and not symbolic: return None
   if symbolic:  # whole units over (n // w) * w elements, then a tail of n % w (n may be under w: no whole unit)
     r, w = symbolic[0]
     return _main_and_tail(ast, ranges, r, r.src[0] // w * w, r.src[0] % w)
-  if not reads_stored(ast):
-    # no stored buffer is read, so the last, partial tile can be a whole tile shifted back to end at the axis's end: it
-    # recomputes, bit for bit the same, a few elements the tile before it stored (1000x1000 matmul: 230 -> 300 GFLOP/s
-    # against a scalar tail; AVX2's 6-row tile against 4 rows on one Zen 3 core: 1024 rows 78 -> 85 GFLOP/s, 2048 rows
-    # 71 -> 86). Where a split puts those two tiles on two threads, both write the same bytes.
-    shifted = {}
-    for r, w in split:
-      size = axis_size(r)
-      assert size is not None
-      n = -(-size // w) * w  # past int32 for an axis just under 2**31: that range is int64, its shifted index is r's dtype
-      big = UOp.range(n, r.arg[0], r.arg[1], r.dtype if n <= r.dtype.max else dtypes.index64)
-      shifted[r] = ((big - big % w).minimum(size - w) + big % w).cast(r.dtype)
-    stores = [s for s in ast.src if s.op is Ops.STORE]
-    return UOp.sink(*[substitute(s, shifted) for s in stores], *[s for s in ast.src if s.op is not Ops.STORE], name=ast.arg), len(stores)
   r, w = split[0]
   size = axis_size(r)
   assert size is not None
   return _main_and_tail(ast, ranges, r, size - size % w, size % w)
+
+
+def _shifted_static(r: UOp, w: int) -> UOp:
+  """Range r (static, size % w > 0) as whole tiles of w, the last shifted back to end at the axis's end."""
+  size = axis_size(r)
+  assert size is not None
+  n = -(-size // w) * w  # past int32 for an axis just under 2**31: that range is int64, its shifted index is r's dtype
+  big = UOp.range(n, r.arg[0], r.arg[1], r.dtype if n <= r.dtype.max else dtypes.index64)
+  return ((big - big % w).minimum(size - w) + big % w).cast(r.dtype)
+
+
+def _shifted_rows(r: UOp, w: int) -> UOp:
+  """A register tile's symbolic rows r (size n) as ceil(n / w) whole tiles of w, the last shifted back to end at row
+  n - 1, or where n < w one tile whose rows past n - 1 repeat row n - 1: every row in [0, n), each repeat recomputing,
+  bit for bit, a row the tile stores anyway. A scalar tail of rows instead ran each row alone over the whole K panel (a
+  dynamic export's product over a batch of 1-3 images: the weight streamed once a row, not once a tile)."""
+  n = r.src[0]
+  big = UOp.range((n + (w - 1)) // w * w, r.arg[0], r.arg[1], r.dtype)
+  return ((big - big % w).minimum(n - w).maximum(0) + big % w).minimum(n - 1)
 
 
 def _main_and_tail(ast: UOp, ranges: dict[int, UOp], r: UOp, main_n: int | UOp, tail_n: int | UOp) -> tuple[UOp, int]:
