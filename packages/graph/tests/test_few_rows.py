@@ -41,6 +41,17 @@ def test_a_linear_layer_at_batch_one_takes_its_bias_and_activation_in_the_produc
   np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(x @ w.T + b, 0).sum(), rtol=1e-5, atol=1e-5)
 
 
+def test_symbolic_rows_take_their_bias_and_activation_in_the_product() -> None:
+  """Under symbolic rows (a dynamic export's tokens) the product's epilogue moves into it as under static ones
+  (epilogue.SYMBOLIC_PRODUCTS): a second product reads the bias and relu's result, with no kernel of their own between."""
+  w, b, w2 = rand(256, 1024), rand(256), rand(64, 256)
+  c = compile([Tensor.input("x", ("n", 3, 1024), dims={"n": (1, 8)}).linear(Tensor(w), Tensor(b)).relu().linear(Tensor(w2))])
+  assert len(products(c)) == 2 and len(c.kernels) == 2, c.plan.describe()
+  for n in (1, 5):
+    x = rand(n, 3, 1024)
+    np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(x @ w.T + b, 0) @ w2.T, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("case", ["more rows than a register tile, columns in no whole blocks", "one block of columns", "a computed weight",
                                   "symbolic rows over a weight that stays in cache"])
 def test_few_rows_product_does_not_apply(case: str) -> None:

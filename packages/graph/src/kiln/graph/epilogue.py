@@ -50,6 +50,8 @@ MAX_LAYOUT_CHECK = 1 << 22  # elements whose index map is worked out to prove it
 THROUGH_PERMUTES = True
 # the chain after a realized copy of a realized node or a concatenation moves into the copy too (_is_product)
 AFTER_COPIES = True
+# ... and one of symbolic shape (a dynamic export's product, its batch folded into the rows: conv._folds, few_rows)
+SYMBOLIC_PRODUCTS = True
 # reads of each source element per element of a view, where it is not the ratio of their sizes: a pad's added elements
 # read nothing, so each source element is read once
 _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
@@ -58,7 +60,7 @@ _ONE_READ_VIEWS = frozenset({"pad", "reshape", "permute"})
 def _is_product(n: Node) -> bool:
   """A realized reduction: a REDUCE marked realized, or a realized view of one (Tensor.contiguous of a conv's product; a
   Winograd conv's tiles put back in NCHW order and cropped: reshapes, a permute, a slice, whose copy takes the chain)."""
-  if not n.realize or not is_static(n.shape): return False  # (a conv's product is static; symbolic reshapes are left alone)
+  if not n.realize or not (is_static(n.shape) or SYMBOLIC_PRODUCTS): return False
   start = n
   while n.op == "VIEW" and n.arg[0] in ("reshape", "permute", "shrink"): n = n.src[0]
   # a realized copy (Winograd's output tiles, a concatenation the scheduler realizes, cropped back to NCHW by a kernel of
