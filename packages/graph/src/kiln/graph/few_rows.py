@@ -59,8 +59,9 @@ def in_memory(data: np.ndarray) -> bool:
 
 def product(a: Tensor, b: Tensor) -> Tensor | None:
   """a (..., M, K) @ b (K, N) as a product over the blocked weight, where b is a weight array in memory of more than BLOCK
-  columns, a multiple of BLOCK where a has more than MAX_ROWS rows, and a's rows are static, in a graph built for the CPU
-  (build_target.py); None where it does not apply (the caller writes the plain product)."""
+  columns, a multiple of BLOCK where a has more than MAX_ROWS rows or symbolic ones (those over a weight of at least
+  SYMBOLIC_MIN_BYTES), in a graph built for the CPU (build_target.py); None where it does not apply (the caller writes
+  the plain product)."""
   if not ENABLED or not cpu_layouts() or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape[-1:]) or not is_static(b.shape): return None
   if not is_static(a.shape) and not SYMBOLIC_ROWS: return None
   rows = prod(a.shape[:-1]) if is_static(a.shape) else sym.mul(*a.shape[:-1])
