@@ -25,7 +25,7 @@ from kiln.ir.dtype import dtypes
 
 
 def _list(n: OnnxNode, name: str, dtype: Any) -> np.ndarray | None:
-  """A list attribute as an array, or its `_tensor` form (LabelEncoder opset 4: keys_tensor, values_tensor); None if absent."""
+  """A list attribute as an array of dtype; None where it is not given (an empty list is given)."""
   if name in n.attrs: return np.asarray(n.attr(name), dtype)
   return None
 

@@ -44,6 +44,17 @@ class ZipMapped:
 def as_float32(x: Tensor) -> Tensor: return x if x.dtype == dtypes.float32 else x.cast(dtypes.float32)
 
 
+def float_list(n: OnnxNode, name: str) -> np.ndarray:
+  """A float list attribute, or its `_as_tensor` form (opset 3), as float32; empty where neither is given."""
+  if name + "_as_tensor" in n.attrs: return np.asarray(n.tensor(name + "_as_tensor"), np.float32).reshape(-1)
+  return np.asarray(n.attr(name, []), np.float32)
+
+
+def int_list(n: OnnxNode, name: str) -> np.ndarray:
+  """An int list attribute as int64; empty where it is not given."""
+  return np.asarray(n.attr(name, []), np.int64)
+
+
 def rows_of(n: OnnxNode) -> Tensor:
   """Input 0 as float32 rows (N, F): a 1-D input is one row, as onnxruntime reads it."""
   x = n.t(0)
@@ -57,8 +68,7 @@ def _linear(n: OnnxNode, x: Tensor, count_attr: str | None) -> tuple[Tensor, int
   `count_attr`'s value, else coefficients over the features."""
   f = x.shape[1]
   if not isinstance(f, int): raise n.error("the feature dim must be known at load")
-  coef = np.asarray(n.attr("coefficients", []), np.float32)
-  inter = np.asarray(n.attr("intercepts", []), np.float32)
+  coef, inter = float_list(n, "coefficients"), float_list(n, "intercepts")
   c = len(inter) if len(inter) else int(n.attr(count_attr, 1)) if count_attr else len(coef) // max(f, 1)
   if c < 1 or coef.size != c * f:
     raise n.error(f"{coef.size} coefficients for {c} outputs of {f} features (needs {c * f})")
@@ -140,7 +150,7 @@ def _normalizer(n: OnnxNode) -> Value:
 
 
 def _per_feature(n: OnnxNode, name: str, x: Tensor) -> Tensor:
-  v = np.asarray(n.attr(name, []), np.float32)
+  v = float_list(n, name)
   if v.size not in (1, x.shape[-1]): raise n.error(f"{name} has {v.size} values for {x.shape[-1]} features (needs 1 or {x.shape[-1]})")
   return Tensor(v)
 

@@ -19,14 +19,14 @@ Semantics follow onnxruntime's kernels, the reference users compare with:
 - A regressor: K(x, v) . coefficients + rho[0], or x . coefficients + rho[0] without support vectors; one_class maps a
   score over 0 to 1 and the rest to -1.
 
-Float sums run in kiln's order, not onnxruntime's (it sums a pair's decision in double): a decision within an ulp of 0
-may vote the other way, and a coupling whose error sits at the stopping bound may take one round more or less."""
+A pair's decision is summed in double from float products, as onnxruntime sums it (_decisions); other sums run in kiln's
+order, so a coupling whose error sits at the stopping bound may take one round more or less than onnxruntime's."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
-from kiln.graph.onnx_ops_ml import label_of, post_transformed, rows_of
+from kiln.graph.onnx_ops_ml import float_list, int_list, label_of, post_transformed, rows_of
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
@@ -36,15 +36,11 @@ MAX_COUPLED_CLASSES = 32  # the coupling unrolls classes^2 terms a round into ea
 PROB_CLIP = 1e-7
 
 
-def _floats(n: OnnxNode, name: str) -> np.ndarray: return np.asarray(n.attr(name, []), np.float32)
-
-
 def _kernel(n: OnnxNode, x: Tensor, vectors: np.ndarray) -> Tensor:
   """K(x, v) for every row of x (N, F) and every vector (V, F): (N, V)."""
   kind = n.attr("kernel_type", "LINEAR")
-  kind = kind.decode() if isinstance(kind, bytes) else str(kind)
   if kind not in KERNELS: raise n.error(f"kernel_type {kind!r} is not one of {', '.join(KERNELS)}")
-  params = _floats(n, "kernel_params")
+  params = float_list(n, "kernel_params")
   if len(params) not in (0, 3): raise n.error(f"kernel_params has {len(params)} values (needs gamma, coef0, degree)")
   gamma, coef0, degree = (float(v) for v in params) if len(params) else (0.0, 0.0, 0.0)
   if kind == "RBF":
@@ -64,7 +60,7 @@ def _features(n: OnnxNode, x: Tensor, count: int, what: str) -> None:
 
 def _support(n: OnnxNode, vectors: int) -> np.ndarray:
   """The support vectors as (V, F), F from their count (onnxruntime's)."""
-  sv = _floats(n, "support_vectors")
+  sv = float_list(n, "support_vectors")
   if vectors < 1 or sv.size == 0 or sv.size % vectors: raise n.error(f"{sv.size} support_vectors values do not split into {vectors} vectors")
   return sv.reshape(vectors, -1)
 
@@ -151,15 +147,14 @@ def _sum(terms: list[Tensor]) -> Tensor:
 
 def _classifier(n: OnnxNode) -> list[Value]:
   if n.attr("classlabels_strings"): raise n.error("string class labels (classlabels_strings) are not supported: kiln has no string tensors")
-  labels = np.asarray(n.attr("classlabels_ints", []), np.int64)
+  labels = int_list(n, "classlabels_ints")
   c = len(labels)
   if c < 2: raise n.error(f"needs at least two classlabels_ints, got {c}")
-  coef, rho = _floats(n, "coefficients"), _floats(n, "rho")
-  prob_a, prob_b = _floats(n, "prob_a"), _floats(n, "prob_b")
+  coef, rho = float_list(n, "coefficients"), float_list(n, "rho")
+  prob_a, prob_b = float_list(n, "prob_a"), float_list(n, "prob_b")
   if len(prob_a) != len(prob_b): raise n.error(f"prob_a has {len(prob_a)} values and prob_b {len(prob_b)}: they pair up")
   if coef.size == 0 or rho.size == 0: raise n.error("needs coefficients and rho")
   how = n.attr("post_transform", "NONE")
-  how = how.decode() if isinstance(how, bytes) else str(how)
   x = rows_of(n)
   per_class = [int(v) for v in n.attr("vectors_per_class", [])]
   if sum(per_class) == 0: return _linear_mode(n, x, labels, coef, rho, bool(len(prob_a)))
@@ -170,9 +165,9 @@ def _classifier(n: OnnxNode) -> list[Value]:
   label = label_of(_votes(d64, c), labels)
   d = d64.cast(dtypes.float32)
   if len(prob_a):
-    if len(prob_a) < c * (c - 1) // 2: raise n.error(f"prob_a has {len(prob_a)} values for {c * (c - 1) // 2} pairs of classes")
+    npairs = len(_pairs(c))
+    if len(prob_a) < npairs: raise n.error(f"prob_a has {len(prob_a)} values for {npairs} pairs of classes")
     if c > MAX_COUPLED_CLASSES: raise n.error(f"probabilities (prob_a) for {c} classes: at most {MAX_COUPLED_CLASSES} are supported")
-    npairs = c * (c - 1) // 2
     return [label, post_transformed(n, _coupled(_pair_probability(d, prob_a[:npairs], prob_b[:npairs]), c))]
   if c > 2: return [label, post_transformed(n, d)]
   if how == "PROBIT": raise n.error("post_transform PROBIT on a two-class classifier without probabilities is not supported")
@@ -200,8 +195,8 @@ def _linear_mode(n: OnnxNode, x: Tensor, labels: np.ndarray, coef: np.ndarray, r
 
 
 def _regressor(n: OnnxNode) -> Value:
-  if (how := n.attr("post_transform", "NONE")) not in ("NONE", b"NONE"): raise n.error(f"post_transform {how!r} is not supported (NONE)")
-  coef, rho = _floats(n, "coefficients"), _floats(n, "rho")
+  if (how := n.attr("post_transform", "NONE")) != "NONE": raise n.error(f"post_transform {how!r} is not supported (NONE)")
+  coef, rho = float_list(n, "coefficients"), float_list(n, "rho")
   if coef.size == 0 or rho.size == 0: raise n.error("needs coefficients and rho")
   x = rows_of(n)
   if (v := int(n.attr("n_supports", 0))) > 0:

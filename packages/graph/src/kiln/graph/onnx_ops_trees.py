@@ -26,21 +26,12 @@ import numpy as np
 
 from kiln.graph.indexing import coords
 from kiln.graph.onnx_ops import OnnxNode, Value, _op
-from kiln.graph.onnx_ops_ml import above, label_of, post_transformed, rows_of
+from kiln.graph.onnx_ops_ml import above, float_list, int_list, label_of, post_transformed, rows_of
 from kiln.graph.tensor import Tensor
 from kiln.ir.dtype import dtypes
 
 MODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ", "LEAF", "BRANCH_MEMBER")  # MEMBER: opset 5
 MAX_DEPTH = 4096  # levels walked: a deeper tree is refused (a malformed one may loop; a real one is far shallower)
-
-
-def _floats(n: OnnxNode, name: str) -> np.ndarray:
-  """A float list attribute, or its `_as_tensor` form (opset 3), as float32; empty where neither is given."""
-  if name + "_as_tensor" in n.attrs: return np.asarray(n.tensor(name + "_as_tensor"), np.float32).reshape(-1)
-  return np.asarray(n.attr(name, []), np.float32)
-
-
-def _ints(n: OnnxNode, name: str) -> np.ndarray: return np.asarray(n.attr(name, []), np.int64)
 
 
 class _Forest:
@@ -59,11 +50,11 @@ class _Forest:
   @classmethod
   def from_nodes(cls, n: OnnxNode) -> tuple[_Forest, dict[tuple[int, int], int]]:
     """TreeEnsembleClassifier/Regressor's nodes_* lists (ids per tree), and the global number of each (tree, node)."""
-    tree, node = _ints(n, "nodes_treeids"), _ints(n, "nodes_nodeids")
-    feature, value = _ints(n, "nodes_featureids"), _floats(n, "nodes_values")
+    tree, node = int_list(n, "nodes_treeids"), int_list(n, "nodes_nodeids")
+    feature, value = int_list(n, "nodes_featureids"), float_list(n, "nodes_values")
     modes = [m.decode() if isinstance(m, bytes) else str(m) for m in n.attr("nodes_modes", [])]
-    true_id, false_id = _ints(n, "nodes_truenodeids"), _ints(n, "nodes_falsenodeids")
-    missing = _ints(n, "nodes_missing_value_tracks_true")
+    true_id, false_id = int_list(n, "nodes_truenodeids"), int_list(n, "nodes_falsenodeids")
+    missing = int_list(n, "nodes_missing_value_tracks_true")
     m = len(tree)
     if m == 0: raise n.error("has no nodes")
     for name, arr in (("nodes_nodeids", node), ("nodes_featureids", feature), ("nodes_values", value), ("nodes_modes", modes),
@@ -106,7 +97,8 @@ class _Forest:
 
   def leaves(self, n: OnnxNode, index: dict[tuple[int, int], int], prefix: str, outputs: int) -> np.ndarray:
     """The (nodes, outputs) weights of the leaves from the `{prefix}_treeids/_nodeids/_ids/_weights` attributes."""
-    t, i, ids, w = _ints(n, f"{prefix}_treeids"), _ints(n, f"{prefix}_nodeids"), _ints(n, f"{prefix}_ids"), _floats(n, f"{prefix}_weights")
+    t, i, ids = (int_list(n, f"{prefix}_{a}") for a in ("treeids", "nodeids", "ids"))
+    w = float_list(n, f"{prefix}_weights")
     if not len(t) == len(i) == len(ids) == len(w): raise n.error(f"{prefix}_treeids/_nodeids/_ids/_weights differ in length")
     table = np.zeros((len(self.leaf), outputs), np.float32)
     for tt, nn, c, ww in zip(t.tolist(), i.tolist(), ids.tolist(), w.tolist()):
@@ -158,17 +150,17 @@ def _scores(n: OnnxNode, forest: _Forest, x: Tensor, weights: np.ndarray, averag
   leaves = forest.walk(n, x)
   s = Tensor(weights).gather(leaves, 0, name=f"node {n.name} ({n.op})", in_range=True).sum(1)  # (rows, trees, outputs) summed over the trees
   if average: s = s * (1.0 / len(forest.trees))
-  base = _floats(n, "base_values")
+  base = float_list(n, "base_values")
   if len(base) not in (0, weights.shape[1]): raise n.error(f"base_values has {len(base)} values for {weights.shape[1]} outputs")
   return s + Tensor(base) if len(base) else s
 
 
 def _classifier(n: OnnxNode) -> list[Value]:
   if n.attr("classlabels_strings"): raise n.error("string class labels (classlabels_strings) are not supported: kiln has no string tensors")
-  labels = _ints(n, "classlabels_int64s")
+  labels = int_list(n, "classlabels_int64s")
   if len(labels) == 0: raise n.error("needs classlabels_int64s")
   forest, index = _Forest.from_nodes(n)
-  ids = _ints(n, "class_ids")
+  ids = int_list(n, "class_ids")
   if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, forest.leaves(n, index, "class", int(ids[0]) + 1), labels)
   weights = forest.leaves(n, index, "class", len(labels))
   s = _scores(n, forest, rows_of(n), weights, False)
@@ -182,7 +174,7 @@ def _binary(n: OnnxNode, forest: _Forest, weights: np.ndarray, labels: np.ndarra
   how = n.attr("post_transform", "NONE")
   if how == "PROBIT": raise n.error("post_transform PROBIT on a binary classifier with one score column is not supported")
   weights = weights[:, -1:]  # the one column the weights name
-  positive = bool((_floats(n, "class_weights") >= 0).all())
+  positive = bool((float_list(n, "class_weights") >= 0).all())
   s = _scores(n, forest, rows_of(n), weights, False).reshape(-1)
   label = above(s, 0.5 if positive else 0.0, int(labels[0]), int(labels[1]))
   if how == "LOGISTIC" or positive:
@@ -212,11 +204,11 @@ def _tree_ensemble(n: OnnxNode) -> Value:
   if (agg := int(n.attr("aggregate_function", 1))) not in (0, 1):
     raise n.error(f"aggregate_function {agg} (MIN or MAX) is not supported (AVERAGE, SUM)")
   if not 0 <= (pt := int(n.attr("post_transform", 0))) < len(TRANSFORMS_V5): raise n.error(f"post_transform {pt} is not one of 0-4")
-  feature, true_id, false_id = _ints(n, "nodes_featureids"), _ints(n, "nodes_truenodeids"), _ints(n, "nodes_falsenodeids")
+  feature, true_id, false_id = int_list(n, "nodes_featureids"), int_list(n, "nodes_truenodeids"), int_list(n, "nodes_falsenodeids")
   m = len(feature)
   if m == 0: raise n.error("has no nodes")
-  true_leaf, false_leaf = _ints(n, "nodes_trueleafs"), _ints(n, "nodes_falseleafs")
-  missing = _ints(n, "nodes_missing_value_tracks_true")
+  true_leaf, false_leaf = int_list(n, "nodes_trueleafs"), int_list(n, "nodes_falseleafs")
+  missing = int_list(n, "nodes_missing_value_tracks_true")
   modes = np.asarray(n.tensor("nodes_modes")).reshape(-1).astype(np.int64) if "nodes_modes" in n.attrs else np.zeros(0, np.int64)
   splits = np.asarray(n.tensor("nodes_splits")).reshape(-1) if "nodes_splits" in n.attrs else np.zeros(0)
   for name, arr in (("nodes_truenodeids", true_id), ("nodes_falsenodeids", false_id), ("nodes_trueleafs", true_leaf),
@@ -224,7 +216,7 @@ def _tree_ensemble(n: OnnxNode) -> Value:
     if len(arr) != m: raise n.error(f"{name} has {len(arr)} entries for {m} nodes")
   if len(missing) not in (0, m): raise n.error(f"nodes_missing_value_tracks_true has {len(missing)} entries for {m} nodes")
   if len(modes) and not 0 <= int(modes.min()) <= int(modes.max()) <= 6: raise n.error(f"a node mode is not one of 0-6: {sorted(set(modes.tolist()))}")
-  targets, weights = _ints(n, "leaf_targetids"), np.asarray(n.tensor("leaf_weights")).reshape(-1) if "leaf_weights" in n.attrs else np.zeros(0)
+  targets, weights = int_list(n, "leaf_targetids"), np.asarray(n.tensor("leaf_weights")).reshape(-1) if "leaf_weights" in n.attrs else np.zeros(0)
   leaves = len(targets)
   if leaves == 0 or len(weights) != leaves: raise n.error(f"{len(weights)} leaf_weights for {leaves} leaf_targetids (needs as many, at least one)")
   outputs = int(n.attr("n_targets", 0))
@@ -235,7 +227,7 @@ def _tree_ensemble(n: OnnxNode) -> Value:
     bound = np.where(is_leaf != 0, leaves, m)
     if ((ids < 0) | (ids >= bound)).any(): raise n.error(f"a node's {('true', 'false')[j]} branch leads outside the nodes or leaves")
     nxt[:m, j] = np.where(is_leaf != 0, ids + m, ids)
-  roots = _ints(n, "tree_roots")
+  roots = int_list(n, "tree_roots")
   if len(roots) == 0 or not 0 <= int(roots.min()) <= int(roots.max()) < m: raise n.error(f"tree_roots must be node positions in [0, {m})")
   x = n.t(0)
   if x.ndim != 2: raise n.error(f"input of rank {x.ndim}: needs (N, F)")
