@@ -20,7 +20,7 @@ import numpy as np
 from kiln.graph import dims as sym
 from kiln.graph.build_target import cpu_layouts
 from kiln.graph.dims import is_static, static_shape
-from kiln.graph.lazy import Node, prod
+from kiln.graph.lazy import Node
 
 if TYPE_CHECKING:  # Tensor.matmul calls this module: new tensors are made through the operands' own type (no import loop)
   from kiln.graph.tensor import Tensor
@@ -64,7 +64,7 @@ def product(a: Tensor, b: Tensor) -> Tensor | None:
   the plain product)."""
   if not ENABLED or not cpu_layouts() or b.ndim != 2 or a.ndim < 2 or not is_static(a.shape[-1:]) or not is_static(b.shape): return None
   if not is_static(a.shape) and not SYMBOLIC_ROWS: return None
-  rows = prod(a.shape[:-1]) if is_static(a.shape) else sym.mul(*a.shape[:-1])
+  rows = sym.mul(*a.shape[:-1])  # an int where the rows are static
   k, n = static_shape("matmul", b.shape)
   many = not isinstance(rows, int) or rows > MAX_ROWS  # symbolic rows may be many: whole blocks only
   if isinstance(rows, int) and rows == 0 or n <= BLOCK or many and n % BLOCK: return None
