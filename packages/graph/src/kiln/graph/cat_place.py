@@ -25,7 +25,18 @@ them all, element i of the piece to (i // run) * stride + i % run, which the sim
 index of an image's run times the stride). A piece qualifies then only where the concatenation is its one reader (any
 other would read the runs as if they were one), the fold leaves no division in the index and the stride is a whole
 number of CAT_ALIGN bytes too. Its view overlaps its siblings' byte ranges, so the plan orders their kernels (the hazards
-are on byte ranges): they no longer overlap on threads, which a split kernel did not need."""
+are on byte ranges): they no longer overlap on threads, which a split kernel did not need.
+
+A piece that does not qualify (no kernel's own output: a blocked conv's product read through its NCHW view, a model
+input; or a dense block's features, placed in the first concatenation) is copied into its place by a kernel of its own,
+where that pays (_copies_pay): a concatenation's kernel computes every piece for every element and selects, a copy moves
+each element once. The same holds one step further out: a kernel that computes elementwise ops over a concatenation at
+its own index (DenseNet's batch norm and ReLU over each dense block's concatenation) runs as a kernel per piece, each
+over its slab of the result, its chain rebuilt over the piece and its other operands sliced (_slabs).
+
+| before                                                     | after                                                      |
+|------------------------------------------------------------|------------------------------------------------------------|
+| Y = relu(cat(P_0, ..., P_n) * s + b): a kernel, n selects an element | Y's slab i = relu(P_i * s[i] + b[i]): a kernel each, no select |"""
 from __future__ import annotations
 
 import dataclasses
@@ -33,14 +44,18 @@ from collections.abc import Callable, Sequence
 from math import prod
 from typing import NamedTuple
 
+from kiln.codegen.choose.heuristic import SELECT_RUN, SELECT_UNROLL
 from kiln.graph.dims import is_static, static_shape
-from kiln.graph.kernelize import Kernel
+from kiln.graph.kernelize import Kernel, Kernelizer
 from kiln.graph.lazy import Node
 from kiln.ir.dtype import DType, PtrDType
+from kiln.ir.kernels import Dim
 from kiln.ir.uop import Ops, UOp
 
 PLACE_CATS = True
 CAT_ALIGN = 64  # bytes: a cache line, every CPU vector and CUDA's 16-byte loads
+COPY_PIECES = True  # a piece that is no kernel's output gets a copy kernel into its place where that pays; False: never
+COPY_START = 1024  # elements a copy moves in the time a kernel takes to start (dispatch, the split)
 
 
 class Place(NamedTuple):
@@ -67,7 +82,9 @@ def _piece(n: Node, made: set[Node]) -> Node | None:
 
 def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[Node], DType]) -> tuple[list[Kernel], Placement]:
   """The kernels left once every concatenation that qualifies is written in place (a piece's kernel spread over its runs
-  where it has more than one), and where each placed piece goes."""
+  where it has more than one), a piece that is no kernel's own output copied there by a kernel of its own where that
+  pays (_copies_pay), a kernel that selects among a concatenation's pieces at its own index computed piece by piece
+  (_slabs), and where each placed piece goes."""
   if not PLACE_CATS: return list(kernels), {}
   by_node = {k.node: k for k in kernels}
   made = set(by_node)
@@ -75,30 +92,119 @@ def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[
   for k in kernels:
     for s in k.slots[1:]: readers.setdefault(s, set()).add(k.node)
   placed: Placement = {}
-  hosts: set[Node] = set()
+  hosts: dict[Node, list[Kernel]] = {}  # a node filled in place -> the kernels that take its kernel's place
   spread: dict[Node, UOp] = {}
   for k in kernels:
-    c = k.node
-    if c.op != "CAT" or c in outputs or c in placed or not is_static(c.shape): continue
-    shape = static_shape("cat", c.shape)
-    rows, stride = prod(shape[:c.arg]), prod(shape[c.arg:])
-    pieces = [p for s in c.src if (p := _piece(s, made)) is not None]
-    if len(pieces) != len(c.src) or len(set(pieces)) != len(pieces): continue
-    if any(p in outputs or p in placed or p in hosts or stored(p) != stored(c) for p in pieces): continue
-    item, at, places = stored(c).itemsize, 0, []
-    for s in c.src:
-      run = prod(static_shape("cat", s.shape)) // rows
-      places.append(Place(c, at, rows, run, stride))
-      at += run
-    if any(pl.at * item % CAT_ALIGN for pl in places): continue
-    if rows > 1:
-      if stride * item % CAT_ALIGN or any(readers.get(p, set()) != {c} for p in pieces): continue
-      asts = [_spread(by_node[p].ast, pl) for p, pl in zip(pieces, places)]
+    n = k.node
+    if n in outputs or n in placed or not is_static(n.shape): continue
+    c = n if n.op == "CAT" else _selected_cat(n, k) if COPY_PIECES and _elementwise(n) else None
+    if c is None: continue
+    shape = static_shape("cat", n.shape)
+    places = _places(n, c, shape)
+    item = stored(n).itemsize
+    if any(pl.at * item % CAT_ALIGN for pl in places) or places[0].rows > 1 and places[0].stride * item % CAT_ALIGN: continue
+    fills = _pieces(c, places, made, by_node, outputs, placed, hosts, readers, stored) if c is n else \
+      _slabs(n, c, k, places, made, stored) if _copies_pay(c, shape) else None
+    if fills is None: continue
+    if places[0].rows > 1:
+      asts = [_spread(f.ast, pl) for f, pl in fills]
       if any(a is None for a in asts): continue
-      spread.update((p, a) for p, a in zip(pieces, asts) if a is not None)
-    placed.update(zip(pieces, places))
-    hosts.add(c)
-  return [dataclasses.replace(k, ast=spread[k.node]) if k.node in spread else k for k in kernels if k.node not in hosts], placed
+      spread.update((f.node, a) for (f, _), a in zip(fills, asts) if a is not None)
+    placed.update((f.node, pl) for f, pl in fills)
+    hosts[n] = [f for f, _ in fills if f.node not in made]
+  out: list[Kernel] = []
+  for k in kernels:
+    for f in hosts.get(k.node, [k]):
+      out.append(dataclasses.replace(f, ast=spread[f.node]) if f.node in spread else f)
+  return out, placed
+
+
+def _places(n: Node, c: Node, shape: tuple[int, ...]) -> list[Place]:
+  """Where each of concatenation c's pieces lies in the buffer of n (c itself, or a node of c's shape computed from it)."""
+  rows, stride = prod(shape[:c.arg]), prod(shape[c.arg:])
+  at, out = 0, []
+  for s in c.src:
+    run = prod(static_shape("cat", s.shape)) // rows
+    out.append(Place(n, at, rows, run, stride))
+    at += run
+  return out
+
+
+def _pieces(c: Node, places: list[Place], made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node], placed: Placement,
+            hosts: dict[Node, list[Kernel]], readers: dict[Node, set[Node]], stored: Callable[[Node], DType]) -> list[tuple[Kernel, Place]] | None:
+  """Each non-empty piece's kernel and its place: the kernel whose own output the piece is, where it may store there, else
+  a copy where copies pay; None where neither."""
+  copying = COPY_PIECES and _copies_pay(c, static_shape("cat", c.shape))
+  fills: list[tuple[Kernel, Place]] = []
+  for s, pl in zip(c.src, places):
+    p = _piece(s, made)
+    if p is not None and p not in outputs and p not in placed and p not in hosts and stored(p) == stored(c) \
+       and all(p is not q.node for q, _ in fills) and (pl.rows == 1 or readers.get(p, set()) == {c}):
+      fills.append((by_node[p], pl))
+    elif copying: fills.append((_copy(s, c, made, stored), pl))
+    else: return None
+  return [(f, pl) for f, pl in fills if pl.run > 0]  # an empty piece has nothing to write
+
+
+def _selected_cat(n: Node, k: Kernel) -> Node | None:
+  """A concatenation kernel k renders at n's own index, reached from n through elementwise ops of n's shape (DenseNet's
+  batch norm and ReLU over a dense block's concatenation), else None: computed over one piece's slab at a time, each
+  select of the concatenation folds to its piece."""
+  seen, todo = {n}, [n]
+  while todo:
+    for s in todo.pop().src:
+      if s in seen or s not in k.rendered or s.shape != n.shape: continue
+      if s.op == "CAT": return s
+      if _elementwise(s): seen.add(s); todo.append(s)
+  return None
+
+
+def _elementwise(x: Node) -> bool:
+  """An ALU, or a reshape to the same shape (the copy a conv realizes its input as): what commutes with slicing."""
+  return x.op == "ALU" or x.op == "VIEW" and x.arg == ("reshape", x.shape) and x.src[0].shape == x.shape
+
+
+def _copies_pay(c: Node, shape: tuple[int, ...]) -> bool:
+  """Whether computing a concatenation piece by piece, a kernel each, costs less than one kernel over all of it: that
+  kernel's vector computes every piece for every element and selects (a select is not a branch), so a dense block's
+  concatenation of 30 pieces loaded each element 30 times (DenseNet-121: a fifth of its time); a kernel a piece moves
+  each element once but costs a kernel's start. Not along an axis the codegen unrolls whole (a Winograd transform's 16
+  or 36 stacked sums), where each copy of its body folds to its own piece."""
+  n, size = len(c.src), shape[c.arg]
+  if size <= SELECT_UNROLL and size <= SELECT_RUN * n: return False
+  return prod(shape) * (n - 1) >= n * COPY_START
+
+
+def _copy(s: Node, c: Node, made: set[Node], stored: Callable[[Node], DType]) -> Kernel:
+  """A kernel that computes piece s (reading what is realized, as the concatenation's kernel did) into a buffer of its own."""
+  node = Node("VIEW", (s,), ("reshape", s.shape), s.shape, c.dtype, origin=c.origin)  # the Concat's work, in a profile
+  return Kernelizer(node, made, stored).kernel()
+
+
+def _slabs(n: Node, c: Node, k: Kernel, places: list[Place], made: set[Node], stored: Callable[[Node], DType]) -> list[tuple[Kernel, Place]] | None:
+  """Kernels that compute n one piece of c at a time, each over its slab of c's axis, and their places: n's elementwise
+  chain rebuilt over the piece, its other operands sliced to the slab (nothing left to select, so every slab of one
+  shape is the same kernel to the cache); None where the chain holds something else of n's shape."""
+  out, at = [], 0
+  for s, pl in zip(c.src, places):
+    if (piece := _rebuilt(n, {c: s}, k, at, c.arg, s.shape)) is None: return None
+    if pl.run > 0: out.append((Kernelizer(piece, made, stored).kernel(), pl))
+    at += static_shape("cat", s.shape)[c.arg]
+  return out
+
+
+def _rebuilt(x: Node, memo: dict[Node, Node], k: Kernel, at: int, ax: int, shape: tuple[Dim, ...]) -> Node | None:
+  """x over the slab of `shape` at `at` along axis ax: the elementwise nodes k renders rebuilt over what memo maps their
+  sources to (the concatenation: its piece), anything else of x's shape sliced; None where a source has another shape."""
+  if (hit := memo.get(x)) is not None: return hit
+  if _elementwise(x) and (x in k.rendered or x is k.node):
+    srcs = [_rebuilt(y, memo, k, at, ax, shape) if y.shape == x.shape else None for y in x.src]
+    if any(y is None for y in srcs): return None
+    new = Node(x.op, tuple(y for y in srcs if y is not None), ("reshape", shape) if x.op == "VIEW" else x.arg, shape, x.dtype, origin=x.origin)
+  else:
+    new = Node("VIEW", (x,), ("shrink", tuple((at, 1) if a == ax else (0, 1) for a in range(len(x.shape)))), shape, x.dtype, origin=x.origin)
+  memo[x] = new
+  return new
 
 
 def _spread(ast: UOp, pl: Place) -> UOp | None:
