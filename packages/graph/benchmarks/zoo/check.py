@@ -32,9 +32,11 @@ ROUND_BUDGET = 1.0  # seconds of every engine's runs after which no more rounds 
 # a round times each engine in a block: its first run after settle (kept apart: what a call after an idle spell costs),
 # then untimed runs until WARM s have passed since the block began, then BLOCK timed runs. After an idle spell a 2-vCPU VM
 # ran kiln's and onnxruntime's next runs slow for several milliseconds, by up to 1.8x (clocks, caches and the pool's
-# workers coming back), and that, not the engine, set a block of four runs' median.
+# workers coming back), and that, not the engine, set a block of four runs' median; on an Intel KVM host both engines
+# took about ten calls, 30-40 ms, to come back after 0.3 s idle (ResNet-18: 20-49 ms first, 3.5 ms steady), and a 10 ms
+# warm-up left the timed runs inside that climb
 BLOCK = 3
-WARM = 0.01
+WARM = 0.05
 # before each block: wait, polling every SETTLE[0] s and at most SETTLE[1] s, until this process's threads use under
 # QUIET of a core. onnxruntime's pool spins for 30-40 ms after a run; kiln's next block then shared a core with it and
 # timed up to 2x slow (a 4 ms VAE encoder at 6 ms), and discarding one run of the block did not cover the spin.
