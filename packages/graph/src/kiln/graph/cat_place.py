@@ -103,8 +103,9 @@ def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[
     places = _places(n, c, shape)
     item = stored(n).itemsize
     if any(pl.at * item % CAT_ALIGN for pl in places) or places[0].rows > 1 and places[0].stride * item % CAT_ALIGN: continue
-    fills = _pieces(c, places, made, by_node, outputs, placed, hosts, readers, stored) if c is n else \
-      _slabs(n, c, k, places, made, stored) if _copies_pay(c, shape) else None
+    pays = COPY_PIECES and _copies_pay(c, shape)
+    fills = _pieces(c, places, pays, made, by_node, outputs, placed, hosts, readers, stored) if c is n else \
+      _slabs(n, c, k, places, made, stored) if pays else None
     if fills is None: continue
     if places[0].rows > 1:
       asts = [_spread(f.ast, pl) for f, pl in fills]
@@ -130,11 +131,11 @@ def _places(n: Node, c: Node, shape: tuple[int, ...]) -> list[Place]:
   return out
 
 
-def _pieces(c: Node, places: list[Place], made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node], placed: Placement,
-            hosts: dict[Node, list[Kernel]], readers: dict[Node, set[Node]], stored: Callable[[Node], DType]) -> list[tuple[Kernel, Place]] | None:
+def _pieces(c: Node, places: list[Place], copying: bool, made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node],
+            placed: Placement, hosts: dict[Node, list[Kernel]], readers: dict[Node, set[Node]],
+            stored: Callable[[Node], DType]) -> list[tuple[Kernel, Place]] | None:
   """Each non-empty piece's kernel and its place: the kernel whose own output the piece is, where it may store there, else
-  a copy where copies pay; None where neither."""
-  copying = COPY_PIECES and _copies_pay(c, static_shape("cat", c.shape))
+  a copy where `copying` (copies pay); None where neither."""
   fills: list[tuple[Kernel, Place]] = []
   for s, pl in zip(c.src, places):
     p = _piece(s, made)

@@ -189,7 +189,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if work >= 2 * _split_work(target, lanes, tiled, vec_axis is not None) and (units is None or units >= 2):
       n = chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)
       if PACKED_ROWS and tiled and first is matmul_rows(st) and any(o.op is OptOps.PACK for o in opts):
-        n = max(2, min(n, max(target.threads, target.cores, (axis_size(first) or 0) // PACKED_ROWS)))
+        n = max(2, min(n, max(target.cores, (axis_size(first) or 0) // PACKED_ROWS)))
       opts.append(Opt(OptOps.THREAD, first.arg[0], n))
   return opts
 
