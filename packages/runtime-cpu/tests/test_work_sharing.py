@@ -132,12 +132,12 @@ def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.Monke
   _products_on_pools(load(ast, target=target), m, k, c, (1, 2, 3), monkeypatch)
 
 
-@pytest.mark.parametrize("rows", [256, 2048])
+@pytest.mark.parametrize("rows", [256, 1000, 2048])
 def test_a_packed_product_split_along_its_rows_packs_each_panel_once_a_core(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
   """W (256x1024) @ X (1024x196), a 1x1 conv's product over a 14x14 map: its 7 column tiles are too few, so the threads
   split its rows, and every chunk packs every column panel again. It takes one chunk a core (32 chunks ran at half the
-  speed of 2), or more only where each holds heuristic.PACKED_ROWS rows; PACKED_ROWS 0: as many as any split. Same
-  result on any pool."""
+  speed of 2), or more only where each holds heuristic.PACKED_ROWS rows, a whole number a core (1000 rows: 4 chunks, not
+  3, of which one core would compute two); PACKED_ROWS 0: as many as any split. Same result on any pool."""
   from kiln.codegen.choose import heuristic
   k, c = 1024, 196
   ast = kernels.matmul(rows, c, k)
@@ -148,7 +148,7 @@ def test_a_packed_product_split_along_its_rows_packs_each_panel_once_a_core(monk
     (thread,) = [o for o in opts if o.op is OptOps.THREAD]
     assert thread.axis == 0, opts
     return thread
-  assert split().amount == max(2, rows // heuristic.PACKED_ROWS)
+  assert split().amount == {256: 2, 1000: 4, 2048: 8}[rows]
   monkeypatch.setattr(heuristic, "PACKED_ROWS", 0)
   assert split().amount >= 8
   monkeypatch.undo()

@@ -57,8 +57,9 @@ def _pick_width(size: int | None, lanes: int) -> int:
 FEW_UNITS = 8
 # a packed product whose threads split its rows: each chunk packs every panel of its columns again (a panel is packed per
 # column tile, for the rows of one chunk), so the split takes one chunk a core, each packing each panel once, or more
-# chunks only where each still holds PACKED_ROWS rows. W (256x1024) @ X (1024x196) on 2 cores: 32 chunks 0.94 ms, 4
-# chunks 0.54 ms, 2 chunks 0.47 ms. 0: as many chunks as any split gets
+# chunks only where each still holds PACKED_ROWS rows, a whole number of chunks a core (3 chunks on 2 cores: one core
+# computes two while the other waits; SqueezeNet's 1000-row classifier ran a third slower). W (256x1024) @ X (1024x196)
+# on 2 cores: 32 chunks 0.94 ms, 4 chunks 0.54 ms, 2 chunks 0.47 ms. 0: as many chunks as any split gets
 PACKED_ROWS = 256
 MIN_ACCUMULATORS = 12  # a register tile's accumulators that keep enough multiply-adds in flight (_tile_rows)
 
@@ -189,9 +190,14 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if work >= 2 * _split_work(target, lanes, tiled, vec_axis is not None) and (units is None or units >= 2):
       n = chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)
       if PACKED_ROWS and tiled and first is matmul_rows(st) and any(o.op is OptOps.PACK for o in opts):
-        n = max(2, min(n, max(target.cores, (axis_size(first) or 0) // PACKED_ROWS)))
+        n = max(2, min(n, _per_core(max(target.cores, (axis_size(first) or 0) // PACKED_ROWS), target.cores)))
       opts.append(Opt(OptOps.THREAD, first.arg[0], n))
   return opts
+
+
+def _per_core(n: int, cores: int) -> int:
+  """n chunks rounded up to a whole number of chunks a core, so no core is left waiting for another's last one."""
+  return -(-n // max(cores, 1)) * max(cores, 1)
 
 
 def _split_work(target: Target, lanes: int, tiled: bool, vectorised: bool) -> int:
