@@ -1,8 +1,8 @@
 """Dynamic work sharing (issue 21): a split kernel is cut into chunks that the pool's threads claim from a counter.
 The chunk count is the kernel's, never the thread count's, so a split reduction gives the same bits on 1 to 8 threads;
 chunk edges hold at any chunk count (more chunks than units leaves some empty); per-thread scratch (PACK panels, KEEP
-rows) is one per claiming thread; a claimer that starts late finds the work done by the others; workers spin only while
-a plan runs."""
+rows) is one per claiming thread; a claimer that starts late finds the work done by the others; workers spin while
+a plan runs and just after."""
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +24,7 @@ from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram
 from kiln.runtime.cpu.settings import POOL_KINDS
-from kiln.runtime.cpu.spin import Spinner, spin_us
+from kiln.runtime.cpu.spin import Spinner, cycles, spin_us
 from kiln.runtime.cpu.threads import WorkerPool, new_pool, pool_kind
 
 RT = get_runtime("CPU")
@@ -178,13 +178,20 @@ def test_a_claimer_that_starts_late_finds_the_work_done(monkeypatch: pytest.Monk
   assert np.array_equal(out, x * 2)
 
 
-def test_spin_waits_only_while_a_plan_runs() -> None:
+def test_spin_waits_while_a_plan_runs_and_just_after() -> None:
+  """A worker spins for the next kernel while a plan runs, and after the last plan ended only until the spin time has
+  passed since that end (a next run soon after finds it awake); with no plan lately it sleeps at once."""
   us = 200_000  # long beside a busy machine's scheduling delays (pytest-xdist runs another worker): "at once" is under half of it
   s = Spinner(us)
   if s.ticks == 0: pytest.skip("this machine's cycle counter does not run: workers never spin")
   gen, active = (ctypes.c_int32 * 16)(), (ctypes.c_int32 * 16)()
+  ended = ctypes.c_int64.from_buffer(active, 8)
   t = time.perf_counter()
-  assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # no plan: back at once
+  assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # no plan ever: back at once
+  assert time.perf_counter() - t < us * 1e-6 * 0.5
+  ended.value = cycles() - 2 * s.ticks
+  t = time.perf_counter()
+  assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # the last plan ended long ago: back at once
   assert time.perf_counter() - t < us * 1e-6 * 0.5
   active[0] = 1
   t = time.perf_counter()
@@ -194,10 +201,19 @@ def test_spin_waits_only_while_a_plan_runs() -> None:
   assert s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # work posted: back at once, to take it
   def end_plan() -> None:
     time.sleep(0.002)
+    ended.value = cycles()
     active[0] = 0
   threading.Thread(target=end_plan).start()
   t = time.perf_counter()
-  assert not s.wait(ctypes.addressof(gen), 7, ctypes.addressof(active))  # the plan ends while it spins: it stops
+  assert not s.wait(ctypes.addressof(gen), 7, ctypes.addressof(active))  # the plan ends while it spins: it spins on
+  assert time.perf_counter() - t >= us * 1e-6 * 0.5
+  def post() -> None:
+    time.sleep(0.002)
+    gen[0] = 8
+  ended.value = cycles()
+  threading.Thread(target=post).start()
+  t = time.perf_counter()
+  assert s.wait(ctypes.addressof(gen), 7, ctypes.addressof(active))  # just after a plan: the next run's kernel is taken
   assert time.perf_counter() - t < us * 1e-6 * 0.5
 
 

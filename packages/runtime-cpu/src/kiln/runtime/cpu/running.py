@@ -1,5 +1,6 @@
-"""The plans running now in this process, where the CPU pool's spinning workers read it without the GIL: a worker spins
-for the next split kernel only while this is non-zero (more kernels are certain to follow), never after execute() returns.
+"""The plans running now in this process, and when the last one ended, where the CPU pool's spinning workers read them
+without the GIL: a worker spins for the next split kernel while a plan runs (more kernels are certain to follow) and
+until KILN_SPIN_US after the last one ended (a next run soon after finds it awake), never longer (spin.py).
 CPUProgram.plan_running is how an ExecutionPlan says it runs (kiln.codegen.protocols.PlanRunning)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
+_ENDED = ctypes.c_int64.from_buffer(_PLANS, 8)  # the cycle counter when the count last fell to 0 (kiln_spin reads it there)
 _lock = threading.Lock()
 
 
@@ -18,7 +20,11 @@ def plan_running() -> Iterator[None]:
   with _lock: _PLANS[0] += 1
   try: yield
   finally:
-    with _lock: _PLANS[0] -= 1
+    with _lock:
+      if _PLANS[0] == 1:  # the time first: a worker that sees no plan running reads it next
+        from kiln.runtime.cpu.spin import cycles
+        _ENDED.value = cycles()
+      _PLANS[0] -= 1
 
 
 def plans_running_address() -> int:
@@ -28,6 +34,7 @@ def plans_running_address() -> int:
 
 def _reset_in_child() -> None:  # a plan that another thread was running at fork() does not run in the child
   _PLANS[0] = 0
+  _ENDED.value = 0
 
 
 os.register_at_fork(after_in_child=_reset_in_child)

@@ -17,5 +17,5 @@ CPU = text("KILN_CPU", None, "the CPU LLVM compiles for, a narrower one than the
 GUARD = flag("KILN_GUARD", False, "every CPU buffer ends at an inaccessible page, so an out-of-bounds access faults (debugging)")
 POOL_KINDS = ("native", "python")
 POOL = choice("KILN_POOL", None, POOL_KINDS, "the CPU worker pool (unset: native where supported, else python)")
-SPIN_US = integer("KILN_SPIN_US", 100, "microseconds a worker spins for the next kernel inside a plan (0: never)", 0,
-                  "a whole number of microseconds >= 0")
+SPIN_US = integer("KILN_SPIN_US", 100, "microseconds a worker spins for the next kernel inside a plan and after the last plan ends "
+                  "(0: never)", 0, "a whole number of microseconds >= 0")

@@ -1,9 +1,11 @@
 """The worker pool's brief spin: a few lines of native code that wait, with the GIL released, until new work is posted,
-the plan that is running ends, or the spin time is up. Inside a plan the next kernel is certain to come within
-microseconds, and a spinning worker picks it up at once instead of being woken through the kernel's scheduler; outside
-a plan no worker spins at all, so kiln burns no CPU after `execute()` returns (docs/architecture.md, "The thread split").
+the spin time is up, or no plan has run for that long. Inside a plan the next kernel is certain to come within
+microseconds, and a spinning worker picks it up at once instead of being woken through the kernel's scheduler; after
+the last plan ends a worker spins on only until the spin time has passed since that end, so a next `execute()` soon
+after (a serving loop, a benchmark's next run) finds it awake, and kiln burns at most that much CPU a worker after a run
+(docs/architecture.md, "The thread split"). Outside plans (a bare bound call) a worker sleeps at once.
 
-KILN_SPIN_US (default 100) is how long a worker spins after a kernel inside a plan; 0 turns spinning off."""
+KILN_SPIN_US (default 100) is how long a worker spins after a kernel, and after the last plan ends; 0 turns spinning off."""
 from __future__ import annotations
 
 import ctypes
@@ -24,11 +26,13 @@ _RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86
 _IR = """
 {decl}
 declare i64 @llvm.readcyclecounter()
-; spin until *gen != seen (1), *active == 0 (0) or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
+; spin until *gen != seen (1), no plan runs and the last one ended `ticks` ago (0: *active == 0 and the cycle counter
+; passed the int64 at active + 8 by `ticks`), or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
 ; too, so a counter that does not run cannot make it spin for ever
 define i32 @kiln_spin(ptr %gen, i32 %seen, ptr %active, i64 %ticks) {{
 entry:
   %t0 = call i64 @llvm.readcyclecounter()
+  %endp = getelementptr i8, ptr %active, i64 8
   br label %loop
 loop:
   %i = phi i64 [0, %entry], [%i1, %wait]
@@ -38,7 +42,13 @@ loop:
 plan:
   %a = load atomic i32, ptr %active monotonic, align 4
   %idle = icmp eq i32 %a, 0
-  br i1 %idle, label %sleep, label %wait
+  br i1 %idle, label %ended, label %wait
+ended:
+  %e = load atomic i64, ptr %endp monotonic, align 8
+  %tn = call i64 @llvm.readcyclecounter()
+  %since = sub i64 %tn, %e
+  %long = icmp uge i64 %since, %ticks
+  br i1 %long, label %sleep, label %wait
 wait:
 {give_up}
   br i1 %stop, label %sleep, label %loop
@@ -100,6 +110,11 @@ def spin_address() -> int:
   return _cycle_code()[0].get_function_address("kiln_spin")  # type: ignore[no-any-return]
 
 
+def cycles() -> int:
+  """The cycle counter now (what kiln_spin compares with)."""
+  return _cycle_code()[2]()  # type: ignore[no-any-return]
+
+
 @cache
 def cycles_per_us() -> float:
   """The cycle counter's rate, measured once against the monotonic clock over 2 ms (0 where the counter does not run)."""
@@ -119,5 +134,6 @@ class Spinner:
     self.ticks = int(us * cycles_per_us())  # 0 where the counter does not run: no spin
 
   def wait(self, gen: int, seen: int, active: int) -> bool:
-    """Spin (GIL released) until the int32 at `gen` is no longer `seen` (True), the one at `active` is 0 or time is up."""
+    """Spin (GIL released) until the int32 at `gen` is no longer `seen` (True), or time is up, or the int32 at `active`
+    is 0 and the cycle counter is `ticks` past the int64 at active + 8 (when the last plan ended)."""
     return self.ticks > 0 and bool(self.fn(gen, seen, active, self.ticks))
