@@ -184,9 +184,14 @@ def _patches(win: Tensor, w: Tensor, groups: int) -> tuple[Tensor, Tensor]:
   d = len(rest) // 2
   out, ks = rest[:d], sym.static_shape("conv (weight)", w.shape)[2:]
   cg, p, kk = c // groups, prod(out), (c // groups) * prod(ks)
-  # realized in the product's own shape, (g, N*P, K): a realized (g, N, *out, *k, C/g) read as K left the index's
-  # divisions by the channels and kernel sizes in the product's inner loop for the simplifier to fold (it does not)
-  rows = win.reshape(n, groups, cg, *out, *ks).permute(1, 0, *range(3, 3 + 2 * d), 2).reshape(groups, n * p, kk).contiguous()
+  # realized as (g, N*P, *k[:-1], k[-1] * C/g), read back as the product's own (g, N*P, K), one contiguous reshape: the
+  # copy's inner axis is a run of the last tap's channels, contiguous in a channels-last input (realized as (g, N*P, K)
+  # each lane's source took a division and a remainder by the channels and kernel sizes: a gather, 7x slower for
+  # ConvMixer's 7x7 patches); a realized (g, N, *out, *k, C/g) read as K left those divisions in the product's inner
+  # loop for the simplifier to fold (it does not)
+  runs = (*ks[:-1], ks[-1] * cg)
+  rows = win.reshape(n, groups, cg, *out, *ks).permute(1, 0, *range(3, 3 + 2 * d), 2).reshape(groups, n * p, *runs).contiguous()
+  rows = rows.reshape(groups, n * p, kk)
   cols = rows.reshape(groups, n, p, kk).permute(1, 0, 3, 2)  # (N, g, K, P), K = (*k, C/g)
   if (data := w.node.data) is not None: return cols, type(w)(np.ascontiguousarray(np.moveaxis(data, 1, -1)))
   return cols, w.permute(0, *range(2, 2 + d), 1)
