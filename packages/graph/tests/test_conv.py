@@ -326,7 +326,8 @@ def test_few_positions_channels_last_matches_numpy(xs, ws, stride, padding, grou
 def test_few_positions_product_reads_realized_patches(weight: str) -> None:
   """A padded 3x3 conv over 3x3 maps (SqueezeNet's last expand convs) realizes its patches, (g, N*P, K), K = (*k, C/g), and
   its product reads them with plain loads: no bounds test, no division of K into channel and tap, against numpy. The
-  copy writes them as (g, N*P, kh, kw * C/g): its inner axis a run of the channels-last input. Of at most 32 output channels (each patch read once) it reads its input in place."""
+  copy writes them as (g, N*P, kh, kw * C/g): its inner axis a run of the channels-last input. Of at most 32 output
+  channels (each patch read once) it reads its input in place."""
   x, w, b = rand(2, 24, 3, 3), rand(40, 24, 3, 3), rand(40)
   wt = Tensor(w) if weight == "array" else Tensor.input("w", w.shape)
   c = compile([Tensor.input("x", x.shape).conv2d(wt, Tensor(b), padding=1).relu()])
@@ -338,7 +339,8 @@ def test_few_positions_product_reads_realized_patches(weight: str) -> None:
   body = sums[0].ast.toposort()
   # what the lowering's simplifier leaves of each load's index (the copy's (g, N*P, kh, kw * C/g) read as (g, N*P, K))
   indices = [simplify(u.src[1]).toposort() for u in body if u.op is Ops.INDEX]
-  k_divided = [u for ix in indices for u in ix if u.op in (Ops.IDIV, Ops.MOD) and any(r.op is Ops.RANGE and r.arg[1].name == "REDUCE" for r in u.toposort())]
+  k_divided = [u for ix in indices for u in ix
+               if u.op in (Ops.IDIV, Ops.MOD) and any(r.op is Ops.RANGE and r.arg[1].name == "REDUCE" for r in u.toposort())]
   assert not any(u.op is Ops.INDEX and len(u.src) > 2 for u in body) and not k_divided
   got = c.run({"x": x} if weight == "array" else {"x": x, "w": w})[0]
   np.testing.assert_allclose(got, np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
