@@ -40,14 +40,21 @@ def min_chunk_work(vector_bytes: int, fused: bool) -> int:
 def chunk_count(work: int, units: int | None, vector_bytes: int, cores: int, fused: bool = False) -> int:
   """How many chunks a kernel the heuristic splits gets, for `work` element-ops over `units` splittable units: as many
   as the claim cost allows, at most CHUNKS_PER_CORE per core (at least MIN_CHUNK_CAP, at most MAX_CHUNKS) and one per
-  unit, but two at least (a kernel worth splitting at all is worth two threads)."""
+  unit, but two at least (a kernel worth splitting at all is worth two threads), and a whole number a core (`per_core`)."""
   cap = min(max(MIN_CHUNK_CAP, CHUNKS_PER_CORE * max(cores, 1)), MAX_CHUNKS)
   least = min_chunk_work(vector_bytes, fused)
   n = max(min(work // least, cap), 2)
-  if units is None: return n
+  if units is None: return per_core(n, cores)
   # a few more units than chunks: one a chunk where each is still worth its claim, since n chunks of ceil(units / n)
   # leave fewer, uneven ones (18 units in 16 chunks were 9 chunks of 2: one core of two took 5 of them)
-  return units if n < units <= 2 * n and work // units >= least else min(n, units)
+  return per_core(units if n < units <= 2 * n and work // units >= least else min(n, units), cores)
+
+
+def per_core(n: int, cores: int) -> int:
+  """n chunks cut to a whole number a core where there are more chunks than cores: of 3 chunks on 2 cores one core
+  computes two while the other waits (a third of the kernel's time), of 2 each computes one; fewer chunks, not more,
+  so each is still worth its claim."""
+  return n - n % cores if cores >= 1 and n > cores else n
 
 
 def thread_count() -> int:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kiln.codegen.choose.axis_plan import _loads, kept_twins
 from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_bound, axis_size
-from kiln.codegen.threads import chunk_count
+from kiln.codegen.threads import chunk_count, per_core
 from kiln.ir.analysis import free_ranges, reads_stored
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
@@ -190,14 +190,9 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if work >= 2 * _split_work(target, lanes, tiled, vec_axis is not None) and (units is None or units >= 2):
       n = chunk_count(work, units, target.vector_bytes, target.cores, fused=tiled)
       if PACKED_ROWS and tiled and first is matmul_rows(st) and any(o.op is OptOps.PACK for o in opts):
-        n = max(2, min(n, _per_core(max(target.cores, (axis_size(first) or 0) // PACKED_ROWS), target.cores)))
+        n = max(2, min(n, per_core(max(target.cores, (axis_size(first) or 0) // PACKED_ROWS), target.cores)))
       opts.append(Opt(OptOps.THREAD, first.arg[0], n))
   return opts
-
-
-def _per_core(n: int, cores: int) -> int:
-  """n chunks rounded up to a whole number of chunks a core, so no core is left waiting for another's last one."""
-  return -(-n // max(cores, 1)) * max(cores, 1)
 
 
 def _split_work(target: Target, lanes: int, tiled: bool, vectorised: bool) -> int:
