@@ -1,6 +1,7 @@
 """torchvision: classification (num_classes=10), segmentation, detection and optical flow, random weights. CNNs keep their
 real widths (their size is in the weights, not the work at 64 px); transformers (vit, swin, maxvit) get small configs;
-alexnet and vgg run at 224 px (their adaptive pool is then the identity) with a narrow classifier."""
+alexnet and vgg run at 224 px (their adaptive pool is then the identity) with a narrow classifier; six common CNNs run at
+224 px as well (tv/NAME@224), the size users feed them."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,10 +19,11 @@ def _tv() -> tuple[Any, Any]:
 
 
 def classifier(name: str, side: int = 64, **kw: Any) -> Spec:
+  """A classifier at `side` px, named tv/NAME, or tv/NAME@SIDE away from the zoo's usual 64 px."""
   def build() -> Built:
     torch, tv = _tv()
     return image(torch, getattr(tv.models, name)(weights=None, num_classes=N, **kw), side)
-  return Spec(f"tv/{name}", "torchvision", build)
+  return Spec(f"tv/{name}" + (f"@{side}" if side not in (64, 96) else ""), "torchvision", build)
 
 
 def narrow_head(name: str) -> Spec:
@@ -112,4 +114,6 @@ SPECS = [
   detection("retinanet_resnet50_fpn", 128, min_size=128, max_size=128),
   detection("ssdlite320_mobilenet_v3_large", 320),
   raft(), video("r3d_18"),
+  # at the 224 px users feed them: maps of 112, 56, 28, 14 and 7, a stem over 224x224, where 64 px gives 32 down to 2
+  *(classifier(n, side=224) for n in ("resnet18", "resnet50", "mobilenet_v2", "efficientnet_b0", "squeezenet1_1", "densenet121")),
 ]
