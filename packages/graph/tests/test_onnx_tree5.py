@@ -78,7 +78,7 @@ def _same(data: bytes, x: np.ndarray, tol: float = 1e-5) -> None:
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("aggregate", [0, 1])
+@pytest.mark.parametrize("aggregate", [0, 1, 2, 3])  # AVERAGE, SUM, MIN, MAX: each leaf weighs one of 3 targets
 def test_a_forest_of_every_mode_matches_onnxruntime(aggregate: int) -> None:
   attrs = _forest([3, 2, 4, 0], [0, 1, 2, 3, 4, 5, 6], 3, seed=aggregate)
   _same(_model(attrs, aggregate_function=aggregate), _x())
@@ -125,7 +125,7 @@ def test_a_double_input_compares_in_double() -> None:
 def test_refusals_name_what_is_wrong() -> None:
   attrs = _forest([2], [0], 1, seed=0)
   def load(data: bytes) -> None: konnx.load(data, dims={"N": (1, 8)})
-  with pytest.raises(ONNXError, match="MIN or MAX"): load(_model(attrs, aggregate_function=2))
+  with pytest.raises(ONNXError, match="aggregate_function 4 is not one of 0-3"): load(_model(attrs, aggregate_function=4))
   with pytest.raises(ONNXError, match="tree_roots"): load(_model(dict(attrs, tree_roots=[7])))
   with pytest.raises(ONNXError, match="true branch leads outside"): load(_model(dict(attrs, nodes_truenodeids=[5] + attrs["nodes_truenodeids"][1:])))
   with pytest.raises(ONNXError, match="target outside"): load(_model(dict(attrs, leaf_targetids=[1] * len(attrs["leaf_targetids"]))))

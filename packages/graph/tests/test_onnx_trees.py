@@ -1,6 +1,6 @@
 """TreeEnsembleClassifier and TreeEnsembleRegressor (onnx_ops_trees.py) against onnxruntime, on forests built here: random
 trees of several depths (one unbalanced), every branch mode, NaN features with and without missing_value_tracks_true,
-the opset-3 `_as_tensor` attributes, SUM and AVERAGE, base values, post transforms; and the typed refusals."""
+the opset-3 `_as_tensor` attributes, SUM, AVERAGE, MIN and MAX, base values, post transforms; and the typed refusals."""
 from __future__ import annotations
 
 import re
@@ -109,9 +109,23 @@ def test_every_branch_mode_and_missing_values() -> None:
   _same(_regressor(forest, 2), _x(nan=True))
 
 
-@pytest.mark.parametrize("aggregate", ["SUM", "AVERAGE"])
+@pytest.mark.parametrize("aggregate", ["SUM", "AVERAGE", "MIN", "MAX"])
 def test_a_forest_regressor_matches_onnxruntime(aggregate: str) -> None:
   _same(_regressor(_forest([5, 3, 1, 4]), 2, aggregate_function=aggregate, base_values=[1.5, -0.5]), _x(7))
+
+
+@pytest.mark.parametrize("aggregate", ["MIN", "MAX"])
+def test_min_and_max_over_leaves_that_weigh_some_targets(aggregate: str) -> None:
+  """Each leaf weighs a random few of 3 targets, one pair twice: a target takes the least or greatest weight over the trees
+  whose reached leaf weighs it (both of a pair's weights among them), 0 where none does; base_values added after."""
+  forest = _forest([3, 2, 4])
+  leaves = forest["_leaves"]
+  picks = [(t, n, c) for t, n in leaves for c in range(3) if RNG.uniform() < 0.4] + [(*leaves[0], 1)]
+  attrs = {k: v for k, v in forest.items() if not k.startswith("_")}
+  attrs.update(target_treeids=[t for t, _, _ in picks], target_nodeids=[n for _, n, _ in picks], target_ids=[c for _, _, c in picks],
+               target_weights=RNG.normal(size=len(picks)).tolist(), n_targets=3, aggregate_function=aggregate, base_values=[0.5, -1.0, 2.0])
+  y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])
+  _same(_model("TreeEnsembleRegressor", attrs, np.zeros((1, F), np.float32), [y]), _x())
 
 
 def test_the_opset_3_tensor_attributes() -> None:
@@ -134,7 +148,8 @@ def test_refusals_name_what_is_wrong() -> None:
   forest = _forest([2])
   forest["nodes_featureids"][0] = F
   with pytest.raises(ONNXError, match=f"a node reads feature {F} of {F}"): konnx.load(_regressor(forest, 1), dims=DIMS)
-  with pytest.raises(ONNXError, match="aggregate_function 'MAX'"): konnx.load(_regressor(_forest([2]), 1, aggregate_function="MAX"), dims=DIMS)
+  with pytest.raises(ONNXError, match="aggregate_function 'MEDIAN' is not one of"):
+    konnx.load(_regressor(_forest([2]), 1, aggregate_function="MEDIAN"), dims=DIMS)
   with pytest.raises(ONNXError, match="PROBIT on a binary classifier"):
     konnx.load(_classifier(_forest([2]), 1, classlabels_int64s=[0, 1], post_transform="PROBIT"), dims=DIMS)
 

@@ -15,7 +15,8 @@ trees (AVERAGE: divided by their count), base_values added.
 Semantics follow onnxruntime: X is compared in float32 (any input type is cast to it, and thresholds are float32, as
 onnxruntime compares for float input); a classifier's label is the class of the first largest score, before the post
 transform (onnx_ops_ml.post_transformed), which then applies to the scores; a boosted binary classifier's one score
-column follows onnxruntime's rules for it (_binary). Refused by name: string class labels, MIN and MAX aggregation, a
+column follows onnxruntime's rules for it (_binary). MIN and MAX aggregation take each output's least or greatest weight
+over the trees whose reached leaf weighs it, 0 where none does (Leaves, as onnxruntime). Refused by name: string class labels, a
 regressor's post transform. A NaN feature value takes a node's true way where its missing_value_tracks_true says so,
 else the way its comparison gives (false but for BRANCH_NEQ), as onnxruntime."""
 from __future__ import annotations
@@ -95,17 +96,17 @@ class _Forest:
       if depth > MAX_DEPTH: raise n.error(f"a tree is deeper than {MAX_DEPTH} levels (or loops)")
     return depth
 
-  def leaves(self, n: OnnxNode, index: dict[tuple[int, int], int], prefix: str, outputs: int) -> np.ndarray:
-    """The (nodes, outputs) weights of the leaves from the `{prefix}_treeids/_nodeids/_ids/_weights` attributes."""
+  def leaves(self, n: OnnxNode, index: dict[tuple[int, int], int], prefix: str, outputs: int, how: str = "SUM") -> Leaves:
+    """The leaves' weights from the `{prefix}_treeids/_nodeids/_ids/_weights` attributes, aggregated `how` (Leaves.of)."""
     t, i, ids = (int_list(n, f"{prefix}_{a}") for a in ("treeids", "nodeids", "ids"))
     w = float_list(n, f"{prefix}_weights")
     if not len(t) == len(i) == len(ids) == len(w): raise n.error(f"{prefix}_treeids/_nodeids/_ids/_weights differ in length")
-    table = np.zeros((len(self.leaf), outputs), np.float32)
-    for tt, nn, c, ww in zip(t.tolist(), i.tolist(), ids.tolist(), w.tolist()):
+    nodes = []
+    for tt, nn, c in zip(t.tolist(), i.tolist(), ids.tolist()):
       if (k := index.get((tt, nn))) is None: raise n.error(f"a weight names node {nn} of tree {tt}, which does not exist")
       if not 0 <= c < outputs: raise n.error(f"a weight names output {c} of {outputs}")
-      table[k, c] += ww
-    return table
+      nodes.append(k)
+    return Leaves.of(np.asarray(nodes, np.int64), ids.astype(np.int64), w, len(self.leaf), outputs, how, np.float32)
 
   def walk(self, n: OnnxNode, x: Tensor) -> Tensor:
     """The leaf (global node number) each row reaches in each tree: (rows, trees) int64."""
@@ -146,13 +147,49 @@ def _compare(v: Tensor, t: Tensor, mode: Tensor | None, only: str, members: Tens
   return go
 
 
-def _scores(n: OnnxNode, forest: _Forest, x: Tensor, weights: np.ndarray, average: bool) -> Tensor:
-  leaves = forest.walk(n, x)
-  s = Tensor(weights).gather(leaves, 0, name=f"node {n.name} ({n.op})", in_range=True).sum(1)  # (rows, trees, outputs) summed over the trees
-  if average: s = s * (1.0 / len(forest.trees))
+AGGREGATES = ("AVERAGE", "SUM", "MIN", "MAX")  # aggregate_function: the older ops' names, opset 5's codes 0-3 in this order
+
+
+class Leaves:
+  """The leaves' weights as a (nodes, outputs) table and how the trees' are aggregated (AGGREGATES). SUM and AVERAGE add a
+  leaf's weights for an output; MIN and MAX take their least or greatest, and `has` says which (leaf, output) pairs have
+  any: under MIN or MAX an output no reached leaf weighs is 0, base_values not added, as onnxruntime 1.2x gives it (its
+  older aggregator added them; the spec says nothing of an empty aggregate)."""
+
+  def __init__(self, table: np.ndarray, how: str, has: np.ndarray | None):
+    self.table, self.how, self.has = table, how, has
+
+  @classmethod
+  def of(cls, nodes: np.ndarray, outputs_of: np.ndarray, weights: np.ndarray, count: int, outputs: int, how: str, dt: Any) -> Leaves:
+    """The table from one weight per (node, output) entry, several entries of a pair aggregated as the trees' are."""
+    if how in ("SUM", "AVERAGE"):
+      table = np.zeros((count, outputs), dt)
+      np.add.at(table, (nodes, outputs_of), weights.astype(dt))
+      return cls(table, how, None)
+    table = np.full((count, outputs), np.inf if how == "MIN" else -np.inf, dt)
+    (np.minimum if how == "MIN" else np.maximum).at(table, (nodes, outputs_of), weights.astype(dt))
+    has = np.zeros((count, outputs), bool)
+    has[nodes, outputs_of] = True
+    return cls(np.where(has, table, 0).astype(dt), how, has)
+
+  @property
+  def outputs(self) -> int: return int(self.table.shape[1])
+
+
+def _scores(n: OnnxNode, forest: _Forest, x: Tensor, leaves: Leaves) -> Tensor:
+  at = forest.walk(n, x)
+  def gathered(table: np.ndarray) -> Tensor: return Tensor(table).gather(at, 0, name=f"node {n.name} ({n.op})", in_range=True)
   base = float_list(n, "base_values")
-  if len(base) not in (0, weights.shape[1]): raise n.error(f"base_values has {len(base)} values for {weights.shape[1]} outputs")
-  return s + Tensor(base) if len(base) else s
+  if len(base) not in (0, leaves.outputs): raise n.error(f"base_values has {len(base)} values for {leaves.outputs} outputs")
+  def based(s: Tensor) -> Tensor: return s + Tensor(base) if len(base) else s
+  w = gathered(leaves.table)  # (rows, trees, outputs)
+  if leaves.has is None:
+    s = w.sum(1)
+    return based(s * (1.0 / len(forest.trees)) if leaves.how == "AVERAGE" else s)
+  has = gathered(leaves.has)
+  far = float("inf") if leaves.how == "MIN" else float("-inf")
+  s = has.where(w, far).min(1) if leaves.how == "MIN" else has.where(w, far).max(1)
+  return has.max(1).where(based(s), 0.0)  # no reached leaf weighs the output: 0, no base (Leaves)
 
 
 def _classifier(n: OnnxNode) -> list[Value]:
@@ -162,20 +199,19 @@ def _classifier(n: OnnxNode) -> list[Value]:
   forest, index = _Forest.from_nodes(n)
   ids = int_list(n, "class_ids")
   if len(labels) == 2 and len(set(ids.tolist())) == 1: return _binary(n, forest, forest.leaves(n, index, "class", int(ids[0]) + 1), labels)
-  weights = forest.leaves(n, index, "class", len(labels))
-  s = _scores(n, forest, rows_of(n), weights, False)
+  s = _scores(n, forest, rows_of(n), forest.leaves(n, index, "class", len(labels)))
   return [label_of(s, labels), post_transformed(n, s)]
 
 
-def _binary(n: OnnxNode, forest: _Forest, weights: np.ndarray, labels: np.ndarray) -> list[Value]:
+def _binary(n: OnnxNode, forest: _Forest, leaves: Leaves, labels: np.ndarray) -> list[Value]:
   """Two labels, one score column (a boosted binary classifier): onnxruntime's rules. With every weight >= 0 the score s is
   a probability: label 1 where s > 0.5, scores [1 - p, p]; with mixed signs a margin: label 1 where s > 0, scores [-s, s]
   (NONE, SOFTMAX, SOFTMAX_ZERO alike); under LOGISTIC p = logistic(s) and the scores are [1 - p, p] either way."""
   how = n.attr("post_transform", "NONE")
   if how == "PROBIT": raise n.error("post_transform PROBIT on a binary classifier with one score column is not supported")
-  weights = weights[:, -1:]  # the one column the weights name
+  one = Leaves(leaves.table[:, -1:], leaves.how, None)  # the one column the weights name
   positive = bool((float_list(n, "class_weights") >= 0).all())
-  s = _scores(n, forest, rows_of(n), weights, False).reshape(-1)
+  s = _scores(n, forest, rows_of(n), one).reshape(-1)
   label = above(s, 0.5 if positive else 0.0, int(labels[0]), int(labels[1]))
   if how == "LOGISTIC" or positive:
     p = s.sigmoid() if how == "LOGISTIC" else s
@@ -185,10 +221,10 @@ def _binary(n: OnnxNode, forest: _Forest, weights: np.ndarray, labels: np.ndarra
 
 def _regressor(n: OnnxNode) -> Value:
   how = n.attr("aggregate_function", "SUM")
-  if how not in ("SUM", "AVERAGE"): raise n.error(f"aggregate_function {how!r} is not supported (SUM, AVERAGE)")
+  if how not in AGGREGATES: raise n.error(f"aggregate_function {how!r} is not one of {', '.join(AGGREGATES)}")
   if (pt := n.attr("post_transform", "NONE")) != "NONE": raise n.error(f"post_transform {pt!r} is not supported (NONE)")
   forest, index = _Forest.from_nodes(n)
-  return _scores(n, forest, rows_of(n), forest.leaves(n, index, "target", int(n.attr("n_targets", 1))), how == "AVERAGE")
+  return _scores(n, forest, rows_of(n), forest.leaves(n, index, "target", int(n.attr("n_targets", 1)), how))
 
 
 TRANSFORMS_V5 = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")  # TreeEnsemble's post_transform codes
@@ -201,8 +237,8 @@ def _tree_ensemble(n: OnnxNode) -> Value:
   post_transform follows the spec's codes (NONE 0, SOFTMAX 1, LOGISTIC 2, SOFTMAX_ZERO 3, PROBIT 4), not onnxruntime 1.32,
   which reads 1 as LOGISTIC and 2 as SOFTMAX (its own enum's order) and skips LOGISTIC for a single target (its issues
   26596 and 24862): a model that relies on either gives kiln the spec's answer."""
-  if (agg := int(n.attr("aggregate_function", 1))) not in (0, 1):
-    raise n.error(f"aggregate_function {agg} (MIN or MAX) is not supported (AVERAGE, SUM)")
+  if not 0 <= (agg := int(n.attr("aggregate_function", 1))) < len(AGGREGATES):
+    raise n.error(f"aggregate_function {agg} is not one of 0-3 ({', '.join(AGGREGATES)})")
   if not 0 <= (pt := int(n.attr("post_transform", 0))) < len(TRANSFORMS_V5): raise n.error(f"post_transform {pt} is not one of 0-4")
   feature, true_id, false_id = int_list(n, "nodes_featureids"), int_list(n, "nodes_truenodeids"), int_list(n, "nodes_falsenodeids")
   m = len(feature)
@@ -238,9 +274,8 @@ def _tree_ensemble(n: OnnxNode) -> Value:
                    np.concatenate([splits, np.zeros(leaves)]).astype(dt), code,
                    np.concatenate([missing if len(missing) else np.zeros(m, np.int64), np.zeros(leaves, np.int64)]).astype(bool),
                    [int(r) for r in roots], _members(n, modes, m + leaves, dt))
-  table = np.zeros((m + leaves, outputs), dt)
-  np.add.at(table, (np.arange(m, m + leaves), targets), weights.astype(dt))
-  return post_transformed(n, _scores(n, forest, x, table, agg == 0), TRANSFORMS_V5[pt])
+  table = Leaves.of(np.arange(m, m + leaves), targets.astype(np.int64), weights, m + leaves, outputs, AGGREGATES[agg], dt)
+  return post_transformed(n, _scores(n, forest, x, table), TRANSFORMS_V5[pt])
 
 
 def _members(n: OnnxNode, modes: np.ndarray, nodes: int, dt: Any) -> np.ndarray | None:
