@@ -49,6 +49,10 @@ class OnnxNode:
     v = self.attrs.get(name, default)
     return v.decode() if isinstance(v, bytes) else v
 
+  def strs(self, name: str) -> list[str]:
+    """A list-of-strings attribute (onnx gives its items as bytes) as str; empty where it is not given."""
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in self.attr(name, None) or []]
+
   def const(self, i: int, what: str) -> np.ndarray:
     v = self.ins[i] if i < len(self.ins) else None
     if v is None: raise self.error(f"input {i} ({what}) is missing")

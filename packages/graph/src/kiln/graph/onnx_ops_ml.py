@@ -168,9 +168,9 @@ def _binarizer(n: OnnxNode) -> Value:
 
 
 def _zipmap(n: OnnxNode) -> Any:  # a ZipMapped where a Value goes: onnx.py keeps it out of every other node's inputs
-  ints, strs = n.attr("classlabels_int64s"), n.attr("classlabels_strings")
+  ints, strs = n.attr("classlabels_int64s"), n.strs("classlabels_strings")
   if bool(ints) == bool(strs): raise n.error("needs exactly one of classlabels_int64s and classlabels_strings")
-  keys = tuple(int(k) for k in ints) if ints else tuple(k.decode() if isinstance(k, bytes) else str(k) for k in strs)
+  keys = tuple(int(k) for k in ints) if ints else tuple(strs)
   v = n.ins[0]
   if v is None: raise n.error("input 0 is missing")
   shape = v.shape

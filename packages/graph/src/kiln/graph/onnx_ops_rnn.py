@@ -46,8 +46,7 @@ Act = tuple[str, float, float]  # (key of _ACTS, alpha, beta): comparable, so eq
 def _activations(n: OnnxNode, defaults: list[str], dirs: int) -> list[list[Act]]:
   """The node's activation functions per direction (all of them named, as the spec and onnxruntime want), each with its
   alpha and beta: activation_alpha/beta are consumed in order by the functions that take them (the spec's rule)."""
-  raw = n.attr("activations")
-  names = [s.decode() if isinstance(s, bytes) else str(s) for s in raw] if raw else defaults * dirs
+  names = n.strs("activations") or defaults * dirs
   if len(names) != len(defaults) * dirs:
     raise n.error(f"attribute activations has {len(names)} names, {n.op} takes {len(defaults)} per direction ({len(defaults) * dirs} here)")
   alphas, betas = [float(a) for a in n.attr("activation_alpha") or []], [float(b) for b in n.attr("activation_beta") or []]

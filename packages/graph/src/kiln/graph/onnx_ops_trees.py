@@ -53,7 +53,7 @@ class _Forest:
     """TreeEnsembleClassifier/Regressor's nodes_* lists (ids per tree), and the global number of each (tree, node)."""
     tree, node = int_list(n, "nodes_treeids"), int_list(n, "nodes_nodeids")
     feature, value = int_list(n, "nodes_featureids"), float_list(n, "nodes_values")
-    modes = [m.decode() if isinstance(m, bytes) else str(m) for m in n.attr("nodes_modes", [])]
+    modes = n.strs("nodes_modes")
     true_id, false_id = int_list(n, "nodes_truenodeids"), int_list(n, "nodes_falsenodeids")
     missing = int_list(n, "nodes_missing_value_tracks_true")
     m = len(tree)
