@@ -50,9 +50,9 @@ class SessionCall(Protocol):
 @runtime_checkable
 class PlanRunning(Protocol):
   """Optional on a Program, for a runtime whose workers behave differently while a plan runs (the CPU pool's workers spin
-  for the next split kernel only then, and briefly after). ExecutionPlan enters `plan_running()` once around each run of a plan holding such a
-  program (once per distinct context factory), so the runtime keeps its own state; the context must undo what it did on
-  exit, normally or by an exception."""
+  for the next split kernel only then, and briefly after). ExecutionPlan enters `plan_running()` once around each run of
+  a plan holding such a program (once per distinct context factory), so the runtime keeps its own state; the context
+  must undo what it did on exit, normally or by an exception."""
   plan_running: Callable[[], AbstractContextManager[Any]]
 
 

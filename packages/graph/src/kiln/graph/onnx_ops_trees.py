@@ -16,8 +16,8 @@ Semantics follow onnxruntime: X is compared in float32 (any input type is cast t
 onnxruntime compares for float input); a classifier's label is the class of the first largest score, before the post
 transform (onnx_ops_ml.post_transformed), which then applies to the scores; a boosted binary classifier's one score
 column follows onnxruntime's rules for it (_binary). MIN and MAX aggregation take each output's least or greatest weight
-over the trees whose reached leaf weighs it, 0 where none does (Leaves, as onnxruntime). Refused by name: string class labels, a
-regressor's post transform. A NaN feature value takes a node's true way where its missing_value_tracks_true says so,
+over the trees whose reached leaf weighs it, 0 where none does (Leaves, as onnxruntime). Refused by name: string class
+labels, a regressor's post transform. A NaN feature value takes a node's true way where its missing_value_tracks_true says so,
 else the way its comparison gives (false but for BRANCH_NEQ), as onnxruntime."""
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ AGGREGATES = ("AVERAGE", "SUM", "MIN", "MAX")  # aggregate_function: the older o
 class Leaves:
   """The leaves' weights as a (nodes, outputs) table and how the trees' are aggregated (AGGREGATES). SUM and AVERAGE add a
   leaf's weights for an output; MIN and MAX take their least or greatest, and `has` says which (leaf, output) pairs have
-  any: under MIN or MAX an output no reached leaf weighs is 0, base_values not added, as onnxruntime 1.2x gives it (its
+  any: under MIN or MAX an output no reached leaf weighs is 0, base_values not added, as onnxruntime 1.32 gives it (its
   older aggregator added them; the spec says nothing of an empty aggregate)."""
 
   def __init__(self, table: np.ndarray, how: str, has: np.ndarray | None):
