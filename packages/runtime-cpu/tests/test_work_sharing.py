@@ -136,12 +136,13 @@ def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("rows", [256, 1000, 2048])
 def test_a_packed_product_split_along_its_rows_packs_each_panel_once_a_core(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
-  """W (256x1024) @ X (1024x196), a 1x1 conv's product over a 14x14 map: its 7 column tiles are too few, so the threads
-  split its rows, and every chunk packs every column panel again. It takes one chunk a core (32 chunks ran at half the
+  """W (rows x 1024) @ X (1024x112), a 1x1 conv's product over few positions (ResNet-50's 14x14 maps, 196 columns, on
+  AVX-512): its column tiles are too few to share on either ISA, so the threads split its rows, and every chunk packs
+  every column panel again. It takes one chunk a core (32 chunks ran at half the
   speed of 2), or more only where each holds heuristic.PACKED_ROWS rows, a whole number a core (1000 rows: 2 chunks, not
   3, of which one core would compute two); PACKED_ROWS 0: as many as any split. Same result on any pool."""
   from kiln.codegen.choose import heuristic
-  k, c = 1024, 196
+  k, c = 1024, 112  # 7 column tiles of AVX2's 16 lanes, 4 of AVX-512's 32 (196 columns: 12 AVX2 tiles, which share)
   ast = kernels.matmul(rows, c, k)
   target = Target(vector_bytes=RT.target.vector_bytes, threads=2, cores=2, min_work_per_thread=1 << 10)
   def split() -> Opt:
