@@ -23,6 +23,7 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram
+from kiln.runtime.cpu.running import ENDED_OFFSET
 from kiln.runtime.cpu.settings import POOL_KINDS
 from kiln.runtime.cpu.spin import Spinner, cycles, spin_us
 from kiln.runtime.cpu.threads import WorkerPool, new_pool, pool_kind
@@ -138,9 +139,9 @@ def test_a_product_of_few_column_tiles_splits_its_rows(monkeypatch: pytest.Monke
 def test_a_packed_product_split_along_its_rows_packs_each_panel_once_a_core(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
   """W (rows x 1024) @ X (1024x112), a 1x1 conv's product over few positions (ResNet-50's 14x14 maps, 196 columns, on
   AVX-512): its column tiles are too few to share on either ISA, so the threads split its rows, and every chunk packs
-  every column panel again. It takes one chunk a core (32 chunks ran at half the
-  speed of 2), or more only where each holds heuristic.PACKED_ROWS rows, a whole number a core (1000 rows: 2 chunks, not
-  3, of which one core would compute two); PACKED_ROWS 0: as many as any split. Same result on any pool."""
+  every column panel again. It takes one chunk a core (32 chunks ran at half the speed of 2), or more only where each
+  holds heuristic.PACKED_ROWS rows, a whole number a core (1000 rows: 2 chunks, not 3, of which one core would compute
+  two); PACKED_ROWS 0: as many as any split. Same result on any pool."""
   from kiln.codegen.choose import heuristic
   k, c = 1024, 112  # 7 column tiles of AVX2's 16 lanes, 4 of AVX-512's 32 (196 columns: 12 AVX2 tiles, which share)
   ast = kernels.matmul(rows, c, k)
@@ -188,7 +189,7 @@ def test_spin_waits_while_a_plan_runs_and_just_after() -> None:
   s = Spinner(us)
   if s.ticks == 0: pytest.skip("this machine's cycle counter does not run: workers never spin")
   gen, active = (ctypes.c_int32 * 16)(), (ctypes.c_int32 * 16)()
-  ended = ctypes.c_int64.from_buffer(active, 8)
+  ended = ctypes.c_int64.from_buffer(active, ENDED_OFFSET)
   t = time.perf_counter()
   assert not s.wait(ctypes.addressof(gen), 0, ctypes.addressof(active))  # no plan ever: back at once
   assert time.perf_counter() - t < us * 1e-6 * 0.5

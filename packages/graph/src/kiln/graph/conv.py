@@ -191,7 +191,6 @@ def _patches(win: Tensor, w: Tensor, groups: int) -> tuple[Tensor, Tensor]:
   # loop for the simplifier to fold (it does not)
   runs = (*ks[:-1], ks[-1] * cg)
   rows = win.reshape(n, groups, cg, *out, *ks).permute(1, 0, *range(3, 3 + 2 * d), 2).reshape(groups, n * p, *runs).contiguous()
-  rows = rows.reshape(groups, n * p, kk)
   cols = rows.reshape(groups, n, p, kk).permute(1, 0, 3, 2)  # (N, g, K, P), K = (*k, C/g)
   if (data := w.node.data) is not None: return cols, type(w)(np.ascontiguousarray(np.moveaxis(data, 1, -1)))
   return cols, w.permute(0, *range(2, 2 + d), 1)

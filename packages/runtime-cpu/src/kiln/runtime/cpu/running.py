@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
-_ENDED = ctypes.c_int64.from_buffer(_PLANS, 8)  # the cycle counter when the count last fell to 0 (kiln_spin reads it there)
+ENDED_OFFSET = 8  # bytes past the count: the cycle counter when the count last fell to 0 (kiln_spin reads it there)
+_ENDED = ctypes.c_int64.from_buffer(_PLANS, ENDED_OFFSET)
 _lock = threading.Lock()
 
 

@@ -18,6 +18,7 @@ import llvmlite.binding as llvm
 
 from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.compiler import jit_ir
+from kiln.runtime.cpu.running import ENDED_OFFSET
 
 # a pause on x86 (eases the core's pipeline and its sibling hyperthread), a yield hint on arm64, nothing elsewhere
 _RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
@@ -27,12 +28,12 @@ _IR = """
 {decl}
 declare i64 @llvm.readcyclecounter()
 ; spin until *gen != seen (1), no plan runs and the last one ended `ticks` ago (0: *active == 0 and the cycle counter
-; passed the int64 at active + 8 by `ticks`), or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
+; passed the int64 at active + running.ENDED_OFFSET by `ticks`), or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
 ; too, so a counter that does not run cannot make it spin for ever
 define i32 @kiln_spin(ptr %gen, i32 %seen, ptr %active, i64 %ticks) {{
 entry:
   %t0 = call i64 @llvm.readcyclecounter()
-  %endp = getelementptr i8, ptr %active, i64 8
+  %endp = getelementptr i8, ptr %active, i64 {ended}
   br label %loop
 loop:
   %i = phi i64 [0, %entry], [%i1, %wait]
@@ -91,7 +92,7 @@ def spin_round_ir() -> tuple[str, str]:
 def spin_ir() -> str:
   """The IR of kiln_spin and kiln_cycles for this machine."""
   decl, give_up = spin_round_ir()
-  return _IR.format(decl=decl, give_up=give_up)
+  return _IR.format(decl=decl, give_up=give_up, ended=ENDED_OFFSET)
 
 
 @cache
@@ -135,5 +136,5 @@ class Spinner:
 
   def wait(self, gen: int, seen: int, active: int) -> bool:
     """Spin (GIL released) until the int32 at `gen` is no longer `seen` (True), or time is up, or the int32 at `active`
-    is 0 and the cycle counter is `ticks` past the int64 at active + 8 (when the last plan ended)."""
+    is 0 and the cycle counter is `ticks` past the int64 at active + ENDED_OFFSET (when the last plan ended)."""
     return self.ticks > 0 and bool(self.fn(gen, seen, active, self.ticks))
