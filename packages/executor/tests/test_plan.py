@@ -412,7 +412,8 @@ def test_a_plan_counts_as_running_only_inside_execute():
   ends, failed or not, noting when it ended."""
   import ctypes
 
-  from kiln.runtime.cpu.running import ENDED_OFFSET, plans_running_address
+  from kiln.runtime.cpu.running import plans_running_address
+  from kiln.runtime.cpu.spin import ENDED_OFFSET
   running = ctypes.c_int32.from_address(plans_running_address())
   ended = ctypes.c_int64.from_address(plans_running_address() + ENDED_OFFSET)
   n = 1 << 22  # split into chunks (a plan of whole kernels never tells the pool)

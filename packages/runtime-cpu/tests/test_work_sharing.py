@@ -23,9 +23,8 @@ from kiln.codegen.registry import get_runtime
 from kiln.codegen.render.llvm import LLVMRenderer
 from kiln.ir import AxisType, Ops, UOp, dtypes, kernels, reference
 from kiln.runtime.cpu.program import CPUProgram
-from kiln.runtime.cpu.running import ENDED_OFFSET
 from kiln.runtime.cpu.settings import POOL_KINDS
-from kiln.runtime.cpu.spin import Spinner, cycles, spin_us
+from kiln.runtime.cpu.spin import ENDED_OFFSET, Spinner, cycles, spin_us
 from kiln.runtime.cpu.threads import WorkerPool, new_pool, pool_kind
 
 RT = get_runtime("CPU")

@@ -10,9 +10,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kiln.runtime.cpu.spin import ENDED_OFFSET, cycles
+
 _PLANS = (ctypes.c_int32 * 16)()  # the count in element 0, on a 64-byte line of its own
-ENDED_OFFSET = 8  # bytes past the count: the cycle counter when the count last fell to 0 (kiln_spin reads it there)
-_ENDED = ctypes.c_int64.from_buffer(_PLANS, ENDED_OFFSET)
+_ENDED = ctypes.c_int64.from_buffer(_PLANS, ENDED_OFFSET)  # the cycle counter when the count last fell to 0
 _lock = threading.Lock()
 
 
@@ -23,7 +24,6 @@ def plan_running() -> Iterator[None]:
   finally:
     with _lock:
       if _PLANS[0] == 1:  # the time first: a worker that sees no plan running reads it next
-        from kiln.runtime.cpu.spin import cycles
         _ENDED.value = cycles()
       _PLANS[0] -= 1
 

@@ -18,7 +18,8 @@ import llvmlite.binding as llvm
 
 from kiln.runtime.cpu import settings
 from kiln.runtime.cpu.compiler import jit_ir
-from kiln.runtime.cpu.running import ENDED_OFFSET
+
+ENDED_OFFSET = 8  # bytes past the running-plans count (running.py): the cycle counter when the last plan ended
 
 # a pause on x86 (eases the core's pipeline and its sibling hyperthread), a yield hint on arm64, nothing elsewhere
 _RELAX = {"x86_64": ("declare void @llvm.x86.sse2.pause()", "call void @llvm.x86.sse2.pause()"),
@@ -28,7 +29,7 @@ _IR = """
 {decl}
 declare i64 @llvm.readcyclecounter()
 ; spin until *gen != seen (1), no plan runs and the last one ended `ticks` ago (0: *active == 0 and the cycle counter
-; passed the int64 at active + running.ENDED_OFFSET by `ticks`), or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
+; passed the int64 at active + ENDED_OFFSET by `ticks`), or `ticks` of the cycle counter have passed (0); at most `ticks` rounds
 ; too, so a counter that does not run cannot make it spin for ever
 define i32 @kiln_spin(ptr %gen, i32 %seen, ptr %active, i64 %ticks) {{
 entry:
