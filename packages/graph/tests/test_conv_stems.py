@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
+from test_conv import conv_ref
 
 from kiln.codegen.choose import OptOps, Target, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
@@ -90,3 +92,28 @@ def test_depthwise_conv_written_channels_last_takes_its_lanes_along_the_map() ->
   xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
   ref = sum(xp[:, :, i:i + 16, j:j + 16] * w[None, :, 0, i, j, None, None] for i in range(3) for j in range(3)).reshape(2, 32, 256).transpose(0, 2, 1)
   np.testing.assert_allclose(c.run({"x": x})[0], _gelu(ref), rtol=1e-4, atol=1e-5)
+
+
+def _max_pool_ref(x: np.ndarray, k: int, s: int, p: int) -> np.ndarray:
+  xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-np.inf)
+  o = (xp.shape[2] - k) // s + 1, (xp.shape[3] - k) // s + 1
+  return np.max([xp[:, :, i:i + s * (o[0] - 1) + 1:s, j:j + s * (o[1] - 1) + 1:s] for i in range(k) for j in range(k)], 0)
+
+
+@pytest.mark.parametrize("o,k,stride,pad,pool", [(64, 7, 2, 3, True), (32, 3, 2, 1, False), (48, 3, 2, 0, True)])
+def test_an_image_stem_computes_channels_last_and_its_pool_too(o: int, k: int, stride: int, pad: int, pool: bool) -> None:
+  """An image's stem (3 input channels: ResNet's 7x7/2, MobileNetV2's and SqueezeNet's 3x3/2): its product has few rows
+  in NCHW (the output channels) and K of 27-147, so it runs channels-last (conv.STEM_CHANNELS_LAST), its rows the
+  output positions; the max pool after it reads that buffer with its vector across the channels and writes channels-
+  last too (conv.pooled), where in NCHW each lane of a row gathered C apart. Against numpy."""
+  x, w, b = rand(2, 3, 40, 40), rand(o, 3, k, k), rand(o)
+  y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), stride=stride, padding=pad).relu()
+  if pool: y = y.max_pool([3, 3], [2, 2], [(1, 1), (1, 1)])
+  c = compile([y])
+  want = np.maximum(conv_ref(x, w, b, [stride] * 2, [(pad, pad)] * 2, [1, 1], 1), 0)
+  if pool: want = _max_pool_ref(want, 3, 2, 1)
+  sums = _with(c, Ops.REDUCE)
+  positions = 2 * ((40 + 2 * pad - k) // stride + 1) ** 2
+  assert f"x{positions}x" in sums[0], c.plan.describe()  # rows: every image's output positions
+  if pool: assert sums[1] == f"reduce_2x{want.shape[2]}x{want.shape[3]}x{o}", c.plan.describe()  # (N, OH, OW, C)
+  np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import winograd
+from kiln.graph.build_target import cpu_layouts
 from kiln.graph.errors import GraphError
 from kiln.graph.lazy import Node, prod
 from kiln.ir.kernels import Dim
@@ -56,6 +57,13 @@ DEPTHWISE_MULTIPLIER = True
 # the blocked layout's copy takes the padding along where the window sum reads at least PADDED_COPY_TAPS taps per element
 # of the padded copy (_padded_copy_pays): its loads are then ungated, where each was a bounds test and a masked load; 0: never
 PADDED_COPY_TAPS = 8
+# a conv over an input of at most STEM_CHANNELS channels per group (an image's stem) computes its product channels-last,
+# reading the window view in place: in NCHW its rows were the few output channels, its K 27-147, and its packed panel a
+# strided gather of the positions (_image_stem); False: NCHW
+STEM_CHANNELS_LAST = True
+STEM_CHANNELS = 4
+# a pool over a channels-last buffer computes channels-last too (pooled); False: NCHW
+POOL_CHANNELS_LAST = True
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -77,8 +85,9 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   input's channels are innermost already (_channels_last_source) or can be: a pointwise conv's NCHW product is then
   computed channels-last for it (_relaid), and a 1x1 conv over such an input computes channels-last as well, so a mobile
   net's expansion, depthwise conv and projection run without a layout copy between them. A conv of one input channel per
-  group and several outputs is such a depthwise conv over its input's channels repeated (_repeat_channels). Before any
-  of this, kernel taps that read only padding are dropped (_live_taps)."""
+  group and several outputs is such a depthwise conv over its input's channels repeated (_repeat_channels). An image's
+  stem (a few input channels) computes its product channels-last as well (_image_stem), and a pool over a channels-last
+  buffer pools channels-last (pooled). Before any of this, kernel taps that read only padding are dropped (_live_taps)."""
   d = weight.ndim - 2
   if x.ndim != d + 2 or d < 1: raise GraphError(f"conv: input {x.shape} and weight {weight.shape} need the same rank >= 3")
   sym.require_static("conv", x.shape, range(1, x.ndim))
@@ -138,6 +147,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
+  if _image_stem(cg, og): return _product_channels_last(cols, w, bias, groups, out)
   pointwise_cl = POINTWISE_CHANNELS_LAST and all(k == 1 for k in ks) and all(s == 1 for s in st) and isinstance(og, int) and \
     (og <= WEIGHT_BLOCK and og % BLOCK == 0 or _weight_block(og) > 0)
   if PRODUCT_CHANNELS_LAST and (_positions_few(p, og) or pointwise_cl and _channels_last_source(x)):
@@ -147,6 +157,26 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   y = y if bias is None else y + bias.reshape(1, o, *([1] * d))
   if pointwise_cl: _RELAYOUT[y.node] = (cols, w, bias, groups, out)
   return y
+
+
+def _image_stem(cg: int, og: Dim) -> bool:
+  """Whether a conv of cg input and og output channels per group is an image's stem that runs channels-last: few input
+  channels (RGB), output channels in whole blocks. Its (g, N*P, O/g) product's rows are the output positions, tens of
+  thousands, each a row of K scalars read from the input in place (the packed operand is the weight, in L1 for the whole
+  run); as (N, g, O/g, P) the same product had 32-64 rows, and each panel of positions, gathered `stride` apart, served
+  those few rows only. Its output is then channels-last, which a depthwise conv (a mobile net's next layer) and a pool
+  (pooled) read in place."""
+  return STEM_CHANNELS_LAST and cg <= STEM_CHANNELS and isinstance(og, int) and og % BLOCK == 0 and cpu_layouts()
+
+
+def pooled(x: Tensor, y: Tensor) -> Tensor:
+  """A pool's output y (N, C, *out) computed from x's windows, realized channels-last where x reads a channels-last
+  buffer (_channels_last_source) of whole blocks of channels: its vector then runs across the channels, each tap one
+  contiguous load, where in NCHW each lane of a row was a gather C apart."""
+  d = y.ndim - 2
+  if not POOL_CHANNELS_LAST or not cpu_layouts() or d < 1 or not isinstance(x.shape[1], int) or x.shape[1] % BLOCK: return y
+  if not _channels_last_source(x): return y
+  return y.permute(0, *range(2, 2 + d), 1).contiguous().permute(0, 1 + d, *range(1, 1 + d))
 
 
 def _product_channels_last(cols: Tensor, w: Tensor, bias: Tensor | None, groups: int, out: tuple[Dim, ...]) -> Tensor:

@@ -438,7 +438,7 @@ class Tensor:
     d = len(kernel)
     pads = list(padding or [(0, 0)] * d)
     x = self.pad(((0, 0),) * (self.ndim - d) + tuple(pads), -math.inf if self.dtype.is_float else self.dtype.min)
-    return x.windows(kernel, stride or kernel, dilation).max(tuple(range(self.ndim, self.ndim + d)))
+    return conv.pooled(self, x.windows(kernel, stride or kernel, dilation).max(tuple(range(self.ndim, self.ndim + d))))
 
   def avg_pool(self, kernel: Sequence[int], stride: Sequence[int] | None = None, padding: Sequence[tuple[int, int]] | None = None,
                count_include_pad: bool = True, dilation: Sequence[int] | None = None) -> Tensor:
@@ -447,7 +447,7 @@ class Tensor:
     st, dl = list(stride or kernel), list(dilation or [1] * d)
     x = self.float().pad(((0, 0),) * (self.ndim - d) + tuple(pads)).windows(kernel, st, dl)
     s = x.sum(tuple(range(self.ndim, self.ndim + d)))
-    if count_include_pad or not any(b or a for b, a in pads): return s * (1 / prod(kernel))
+    if count_include_pad or not any(b or a for b, a in pads): return conv.pooled(self, s * (1 / prod(kernel)))
     counts = np.ones((), np.float32)  # valid elements per window, an outer product over the spatial dims
     for n, k, (b, _), o, step, q in zip(self.shape[self.ndim - d:], kernel, pads, s.shape[self.ndim - d:], st, dl):
       pos = np.arange(o)[:, None] * step + np.arange(k)[None, :] * q - b

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping
 
 from kiln.codegen.choose.base import affine_coeff
-from kiln.ir.dtype import dtypes
+from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
 from kiln.ir.rewrite import substitute
@@ -160,8 +160,47 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     spans = [UOp(Ops.LOAD, dt.vec(n), (buf.index(start),)) if n > 1 else buf.index(start).load() for start, n, _ in runs]
     at = {d: (s, d - d0) for s, (_, _, d0) in zip(spans, runs) for d in range(d0, d0 + s.dtype.count)}
     return UOp(Ops.VECTORIZE, dt.vec(w), tuple(sp if sp.dtype.count == 1 else UOp(Ops.GEP, dt, (sp,), k) for sp, k in (at[o] for o in offs)))
+  if vec_of is not None and not gate and (rows := _block_rows(buf, idxs, w)) is not None:
+    return _transpose([UOp(Ops.LOAD, dt.vec(w), (buf.index(r),)) for r in rows[0]])[rows[1]]
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
+
+
+def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int] | None:
+  """A gather whose lanes are a multiple of w elements apart, lane i at lane 0's index + i*s, where lane 0's index
+  is a known phase p past a multiple of w (a channels-last buffer's channel c read along an NCHW row, c % w = p): the
+  aligned w-element blocks that hold its lanes, and p. Its value is lane p of each block, so the w copies of an axis
+  unrolled by w (p = 0..w-1) read the same blocks, one vector load each, and take their rows of the blocks' transpose
+  (_transpose): w loads and w*log2(w) shuffles where the copies' gathers were w*w scalar loads. The buffer holds a
+  whole number of blocks, so each block is inside it where its lane is."""
+  size = buf.dtype.size if isinstance(buf.dtype, PtrDType) else -1
+  if w < 4 or w & (w - 1) or size <= 0 or size % w or (s := _offset(idxs[1], idxs[0])) is None or s % w or s <= 0: return None
+  if any(_offset(i, idxs[0]) != k * s for k, i in enumerate(idxs)): return None
+  if (ph := simp(idxs[0] % w)).op is not Ops.CONST: return None
+  p = int(ph.arg)
+  start = simp(idxs[0] - p) if p else idxs[0]
+  return [simp(start + k * s) if k else start for k in range(w)], p
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _transpose_rows(rows: tuple[UOp, ...]) -> tuple[UOp, ...]:
+  """The transpose of w vectors of w lanes (w a power of two): row j of the result holds lane j of each. log2(w)
+  stages; at stage b each pair of rows b apart swaps its b x b off-diagonal blocks, each new row a pick of two rows'
+  lanes (one shuffle: llvm.py's _picks)."""
+  w = len(rows)
+  out, b = list(rows), 1
+  while b < w:
+    new = list(out)
+    for i in (i for i in range(w) if not i & b):
+      lo, hi = out[i], out[i + b]
+      gep = lambda v, j: UOp(Ops.GEP, v.dtype.scalar(), (v,), j)
+      new[i] = UOp(Ops.VECTORIZE, lo.dtype, tuple(gep(lo, j) if not j & b else gep(hi, j - b) for j in range(w)))
+      new[i + b] = UOp(Ops.VECTORIZE, lo.dtype, tuple(gep(lo, j + b) if not j & b else gep(hi, j) for j in range(w)))
+    out, b = new, b * 2
+  return tuple(out)
+
+
+def _transpose(rows: list[UOp]) -> tuple[UOp, ...]: return _transpose_rows(tuple(rows))
 
 
 RUN_LANES = 2  # a gather is loaded as contiguous runs where they average at least this many lanes each (_runs); 0: never

@@ -1,0 +1,80 @@
+"""Elementwise kernels that read a channels-last buffer back along NCHW rows (a residual add, a copy to NCHW): the vector's
+lanes are a whole number of vectors apart, so the heuristic unrolls the channels by the lanes and each copy's gather
+becomes its row of a transpose of aligned blocks, loaded once for all the copies (expand._block_rows). Exact against
+numpy, never a read past a buffer's end (the inputs end at a guard page), on this host and as AVX2 code; a buffer that
+is no whole number of blocks still gathers."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.codegen.choose import OptOps, heuristic_opts
+from kiln.codegen.lowering.prepare import prepare
+from kiln.codegen.registry import get_runtime
+from kiln.ir import UOp, dtypes
+from kiln.runtime.cpu.compiler import host_cpu
+from kiln.runtime.cpu.guard import guarded_array, guarded_copy
+from kiln.runtime.cpu.machine import is_x86
+
+needs_avx2 = pytest.mark.skipif(not (is_x86(platform.machine()) and "+avx2" in host_cpu()[1].split(",")), reason="needs an x86 host with AVX2")
+
+
+def nhwc_add(n: int, c: int, h: int, w: int, extra: int = 0, block: int = 0) -> UOp:
+  """out[b, ch, y, x] = X[b, y, x, ch] + Y[b, ch, y, x]; X channels-last, or with block > 0 stored (C/block, N*H*W, block)
+  (a blocked channels-last product); X holds `extra` elements past its last."""
+  size = n * c * h * w
+  out, y = UOp.define_global(0, dtypes.float32.ptr(size)), UOp.define_global(2, dtypes.float32.ptr(size))
+  x = UOp.define_global(1, dtypes.float32.ptr(size + extra))
+  b, ch, yy, xx = UOp.range(n, 0), UOp.range(c, 1), UOp.range(h, 2), UOp.range(w, 3)
+  pos = (b * h + yy) * w + xx
+  xi = (ch // block) * (n * h * w * block) + pos * block + ch % block if block else pos * c + ch
+  nchw = ((b * c + ch) * h + yy) * w + xx
+  return UOp.sink(out.index(nchw).store(x.index(xi).load() + y.index(nchw).load()), name="nhwc_add")
+
+
+def run(ast: UOp, out: np.ndarray, *ins: np.ndarray) -> str:
+  rt = get_runtime("CPU")
+  spec = rt.renderer.render(ast)
+  rt.load(rt.compiler.compile(spec))([out.ctypes.data] + [a.ctypes.data for a in ins], [], wait=True)
+  return spec.src
+
+
+def check_all() -> None:
+  rng = np.random.default_rng(5)
+  target = get_runtime("CPU").target
+  lanes = target.vector_bytes // 4
+  # (N, C, H, W, elements past X's end, block): whole blocks; a blocked buffer of 32 channels a block; X one element
+  # longer (no whole number of blocks: gathers, still exact)
+  for n, c, h, w, extra, block, transposed in ((2, 64, 3, 48, 0, 0, True), (1, 96, 2, 32, 0, 32, True), (1, 64, 2, 32, 1, 0, False)):
+    ast = nhwc_add(n, c, h, w, extra, block)
+    opts = heuristic_opts(prepare(ast)[0], target)
+    assert any(o.op is OptOps.UNROLL and o.axis == 1 and o.amount == lanes for o in opts), opts
+    xs = rng.standard_normal(n * c * h * w + extra).astype(np.float32)
+    ys = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    out = guarded_array(n * c * h * w, np.float32)
+    src = run(ast, out, guarded_copy(xs), ys)
+    body = xs[:n * c * h * w]
+    if block: x = body.reshape(c // block, n, h, w, block).transpose(1, 0, 4, 2, 3).reshape(n, c, h, w)
+    else: x = body.reshape(n, h, w, c).transpose(0, 3, 1, 2)
+    np.testing.assert_array_equal(out.reshape(n, c, h, w), x + ys)
+    shuffles = src.count("shufflevector")
+    assert (shuffles >= lanes * (lanes.bit_length() - 1)) == transposed, (n, c, h, w, extra, block, shuffles)
+
+
+def test_channels_last_reads_transpose_blocks_in_registers() -> None:
+  check_all()
+
+
+@needs_avx2
+def test_channels_last_reads_transpose_blocks_on_avx2() -> None:
+  env = {**os.environ, "KILN_CPU": "x86-64-v3", "KILN_CACHE": "0"}
+  code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+          "from kiln.codegen.registry import get_runtime\nassert get_runtime('CPU').target.vector_bytes == 32\n"
+          "from test_transposed_loads import check_all\ncheck_all()\nprint('ok')")
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
