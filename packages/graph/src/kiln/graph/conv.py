@@ -159,14 +159,14 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   return y
 
 
-def _image_stem(cg: int, og: Dim) -> bool:
+def _image_stem(cg: Dim, og: Dim) -> bool:
   """Whether a conv of cg input and og output channels per group is an image's stem that runs channels-last: few input
   channels (RGB), output channels in whole blocks. Its (g, N*P, O/g) product's rows are the output positions, tens of
   thousands, each a row of K scalars read from the input in place (the packed operand is the weight, in L1 for the whole
   run); as (N, g, O/g, P) the same product had 32-64 rows, and each panel of positions, gathered `stride` apart, served
   those few rows only. Its output is then channels-last, which a depthwise conv (a mobile net's next layer) and a pool
   (pooled) read in place."""
-  return STEM_CHANNELS_LAST and cg <= STEM_CHANNELS and isinstance(og, int) and og % BLOCK == 0 and cpu_layouts()
+  return STEM_CHANNELS_LAST and isinstance(cg, int) and cg <= STEM_CHANNELS and isinstance(og, int) and og % BLOCK == 0 and cpu_layouts()
 
 
 def pooled(x: Tensor, y: Tensor) -> Tensor:
