@@ -117,3 +117,19 @@ def test_an_image_stem_computes_channels_last_and_its_pool_too(o: int, k: int, s
   assert f"x{positions}x" in sums[0], c.plan.describe()  # rows: every image's output positions
   if pool: assert sums[1] == f"reduce_2x{want.shape[2]}x{want.shape[3]}x{o}", c.plan.describe()  # (N, OH, OW, C)
   np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_image_stem_over_a_symbolic_batch_splits_its_rows() -> None:
+  """A dynamic export's stem: its channels-last product's rows are every image's positions, a symbolic count, and its 32
+  output channels one register tile. The threads split the rows (heuristic._thread_axis takes a symbolic axis for
+  SYMBOLIC_GUESS units): with the one column tile the only static choice, it ran on one thread. Against numpy at 1 and 3."""
+  w, b = rand(32, 3, 3, 3), rand(32)
+  x = Tensor.input("x", ("batch", 3, 24, 24), dims={"batch": (1, 4)})
+  c = compile([x.conv2d(Tensor(w), Tensor(b), stride=2, padding=1).relu()])
+  product = next(k for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort()))
+  opts = heuristic_opts(prepare(product.ast)[0], Target(vector_bytes=64, threads=2, cores=2))
+  assert any(o.op is OptOps.THREAD for o in opts), opts
+  for n in (1, 3):
+    a = rand(n, 3, 24, 24)
+    want = np.maximum(conv_ref(a, w, b, [2, 2], [(1, 1)] * 2, [1, 1], 1), 0)
+    np.testing.assert_allclose(c.run({"x": a})[0], want, rtol=1e-4, atol=1e-4)

@@ -221,8 +221,11 @@ def _thread_axis(threaded: list[UOp], opts: list[Opt]) -> UOp:
   channels to share (2 of 3 on one of two cores) where its 196 positions are 24 row tiles."""
   first = threaded[0]
   if (u := _units(first, opts)) is None or u >= FEW_UNITS: return first
-  most = max(threaded, key=lambda a: _units(a, opts) or 0)
-  return most if (_units(most, opts) or 0) >= 2 * max(u, 1) else first
+  # a symbolic axis counts as SYMBOLIC_GUESS units (a dynamic export's rows: the channels-last product of an image stem
+  # over a symbolic batch ran on one thread, its 32 output channels one unit)
+  units = lambda a: g if (g := _units(a, opts)) is not None else SYMBOLIC_GUESS
+  most = max(threaded, key=units)
+  return most if units(most) >= 2 * max(u, 1) else first
 
 
 def _read_along(reduces: list[UOp], out_axes: list[UOp], inner: UOp, lanes: int) -> UOp | None:
