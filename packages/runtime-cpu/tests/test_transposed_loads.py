@@ -16,7 +16,7 @@ import pytest
 from kiln.codegen.choose import OptOps, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
 from kiln.codegen.registry import get_runtime
-from kiln.ir import UOp, dtypes
+from kiln.ir import AxisType, Ops, UOp, dtypes
 from kiln.runtime.cpu.compiler import host_cpu
 from kiln.runtime.cpu.guard import guarded_array, guarded_copy
 from kiln.runtime.cpu.machine import is_x86
@@ -35,6 +35,16 @@ def nhwc_add(n: int, c: int, h: int, w: int, extra: int = 0, block: int = 0) -> 
   xi = (ch // block) * (n * h * w * block) + pos * block + ch % block if block else pos * c + ch
   nchw = ((b * c + ch) * h + yy) * w + xx
   return UOp.sink(out.index(nchw).store(x.index(xi).load() + y.index(nchw).load()), name="nhwc_add")
+
+
+def blocked_product(m: int, k: int, n: int) -> UOp:
+  """out[i, j] = sum_c W[i, c] * X[c // 16, j, c % 16]: a 1x1 conv's NCHW product over a blocked channels-last input (a
+  mobile net's projection after a blocked depthwise conv). Its packed panel's lanes (positions j) are 16 apart."""
+  out, w = UOp.define_global(0, dtypes.float32.ptr(m * n)), UOp.define_global(1, dtypes.float32.ptr(m * k))
+  x = UOp.define_global(2, dtypes.float32.ptr(k * n))
+  i, j, c = UOp.range(m, 0), UOp.range(n, 1), UOp.range(k, 2, AxisType.REDUCE)
+  v = (w.index(i * k + c).load() * x.index((c // 16) * (n * 16) + j * 16 + c % 16).load()).reduce(Ops.ADD, c)
+  return UOp.sink(out.index(i * n + j).store(v), name="blocked_product")
 
 
 def run(ast: UOp, out: np.ndarray, *ins: np.ndarray) -> str:
@@ -64,6 +74,15 @@ def check_all() -> None:
     np.testing.assert_array_equal(out.reshape(n, c, h, w), x + ys)
     shuffles = src.count("shufflevector")
     assert (shuffles >= lanes * (lanes.bit_length() - 1)) == transposed, (n, c, h, w, extra, block, shuffles)
+  # the packed panel of a product over such an input: each step of its copy takes 16 channels (pack.unroll_rows), whose
+  # rows are the transpose of 16-channel blocks, a panel of 32 lanes (AVX-512's two vectors) as two 16 x 16 transposes
+  m, k, n = 24, 96, 160
+  wt, xs = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k // 16, n, 16)).astype(np.float32)
+  out = guarded_array(m * n, np.float32)
+  src = run(blocked_product(m, k, n), out, wt, guarded_copy(xs.reshape(-1)))
+  x = xs.transpose(0, 2, 1).reshape(k, n)
+  np.testing.assert_allclose(out.reshape(m, n), wt.astype(np.float64) @ x, rtol=1e-4, atol=1e-4)
+  assert src.count("shufflevector") >= 16 * 4, src.count("shufflevector")
 
 
 def test_channels_last_reads_transpose_blocks_in_registers() -> None:

@@ -160,26 +160,30 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     spans = [UOp(Ops.LOAD, dt.vec(n), (buf.index(start),)) if n > 1 else buf.index(start).load() for start, n, _ in runs]
     at = {d: (s, d - d0) for s, (_, _, d0) in zip(spans, runs) for d in range(d0, d0 + s.dtype.count)}
     return UOp(Ops.VECTORIZE, dt.vec(w), tuple(sp if sp.dtype.count == 1 else UOp(Ops.GEP, dt, (sp,), k) for sp, k in (at[o] for o in offs)))
-  if vec_of is not None and not gate and (rows := _block_rows(buf, idxs, w)) is not None:
-    return _transpose([UOp(Ops.LOAD, dt.vec(w), (buf.index(r),)) for r in rows[0]])[rows[1]]
+  if vec_of is not None and not gate and (blocks := _block_rows(buf, idxs, w)) is not None:
+    starts, b, p = blocks
+    rows = [_transpose([UOp(Ops.LOAD, dt.vec(b), (buf.index(r),)) for r in starts[g:g + b]])[p] for g in range(0, w, b)]
+    return rows[0] if b == w else UOp(Ops.VECTORIZE, dt.vec(w), tuple(UOp(Ops.GEP, dt, (r,), i) for r in rows for i in range(b)))
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
 
 
-def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int] | None:
-  """A gather whose lanes are a multiple of w elements apart, lane i at lane 0's index + i*s, where lane 0's index
-  is a known phase p past a multiple of w (a channels-last buffer's channel c read along an NCHW row, c % w = p): the
-  aligned w-element blocks that hold its lanes, and p. Its value is lane p of each block, so the w copies of an axis
-  unrolled by w (p = 0..w-1) read the same blocks, one vector load each, and take their rows of the blocks' transpose
-  (_transpose): w loads and w*log2(w) shuffles where the copies' gathers were w*w scalar loads. The buffer holds a
-  whole number of blocks, so each block is inside it where its lane is."""
+def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int, int] | None:
+  """A gather whose lanes are a whole number of b-element blocks apart (b = w, or the stride where it is a smaller power
+  of two: a 32-lane panel over 16-channel blocks), lane i at lane 0's index + i*s, where lane 0's index is a known phase
+  p past a multiple of b (a channels-last buffer's channel c read along an NCHW row, c % b = p): the aligned blocks that
+  hold its lanes, b and p. Its value is lane p of each block, so the b copies of an axis unrolled by b (p = 0..b-1) read
+  the same blocks, one vector load each, and take their rows of the blocks' transpose (_transpose, per b lanes): b loads
+  and b*log2(b) shuffles for b*b elements, where the copies' gathers were a scalar load each. The buffer holds a whole
+  number of blocks, so each block is inside it where its lane is."""
   size = buf.dtype.size if isinstance(buf.dtype, PtrDType) else -1
-  if w < 4 or w & (w - 1) or size <= 0 or size % w or (s := _offset(idxs[1], idxs[0])) is None or s % w or s <= 0: return None
-  if any(_offset(i, idxs[0]) != k * s for k, i in enumerate(idxs)): return None
-  if (ph := simp(idxs[0] % w)).op is not Ops.CONST: return None
+  if w < 4 or w & (w - 1) or size <= 0 or (s := _offset(idxs[1], idxs[0])) is None or s <= 0: return None
+  b = w if s % w == 0 else s if w % s == 0 and s >= 4 else 0
+  if not b or size % b or any(_offset(i, idxs[0]) != k * s for k, i in enumerate(idxs)): return None
+  if (ph := simp(idxs[0] % b)).op is not Ops.CONST: return None
   p = int(ph.arg)
   start = simp(idxs[0] - p) if p else idxs[0]
-  return [simp(start + k * s) if k else start for k in range(w)], p
+  return [simp(start + k * s) if k else start for k in range(w)], b, p
 
 
 @functools.lru_cache(maxsize=1 << 10)

@@ -90,13 +90,13 @@ def no_signed_wrap(u: UOp) -> bool:
 
 
 def _picks(u: UOp) -> tuple[list[UOp], list[int]] | None:
-  """A VECTORIZE whose lanes are each a lane (GEP) of one or two vectors of its own type: those vectors and the shuffle
+  """A VECTORIZE whose lanes are each a lane (GEP) of one or two vectors of one type (its element type): those vectors and the shuffle
   mask picking its lanes from them; else None. As a chain of inserts LLVM merged a transpose's stages into shuffles of
   many sources, which the x86 backend lowered lane by lane."""
-  if not all(s.op is Ops.GEP and s.src[0].dtype == u.dtype and isinstance(s.arg, int) for s in u.src): return None
+  if not all(s.op is Ops.GEP and isinstance(s.arg, int) for s in u.src): return None
   srcs = list(dict.fromkeys(s.src[0] for s in u.src))
-  if len(srcs) > 2: return None
-  return srcs, [srcs.index(s.src[0]) * u.dtype.count + s.arg for s in u.src]
+  if len(srcs) > 2 or any(v.dtype != srcs[0].dtype or v.dtype.scalar() != u.dtype.scalar() for v in srcs): return None
+  return srcs, [srcs.index(s.src[0]) * srcs[0].dtype.count + s.arg for s in u.src]
 
 
 class _Cast(NamedTuple):
@@ -383,11 +383,12 @@ class LLVMPrinter(Printer):
       self.emit(f"{a} = insertelement {t} poison, {self.tv(u.src[0])}, i32 0")
       self.emit(f"{b} = shufflevector {t} {a}, {t} poison, <{dt.count} x i32> zeroinitializer")
       return b
-    if (picks := _picks(u)) is not None:  # lanes of at most two vectors of its type: one shuffle (a transpose's stage)
+    if (picks := _picks(u)) is not None:  # lanes of at most two vectors: one shuffle (a transpose's stage)
       srcs, mask = picks
       r = self.tmp()
       second = self.val(srcs[1]) if len(srcs) > 1 else "poison"
-      self.emit(f"{r} = shufflevector {self.tv(srcs[0])}, {t} {second}, <{dt.count} x i32> <{', '.join(f'i32 {m}' for m in mask)}>")
+      lanes = ", ".join(f"i32 {m}" for m in mask)
+      self.emit(f"{r} = shufflevector {self.tv(srcs[0])}, {ltype(srcs[0].dtype)} {second}, <{dt.count} x i32> <{lanes}>")
       return r
     cur = "poison"
     for i, s in enumerate(u.src):
