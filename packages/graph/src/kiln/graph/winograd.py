@@ -45,6 +45,7 @@ MIN_TILES = 16
 # under a symbolic batch the columns are one image's tiles: at least one vector of the widest target (16x16 maps: 16 tiles,
 # 256 channels 2.77x the direct product; 8x8 maps' 4 tiles gained 1.08-1.11x at 128-256 channels, too little to take)
 MIN_IMAGE_TILES = 16
+MIN_CHANNELS = 32  # the fewest input and output channels the Winograd path takes (saves)
 _BT = np.array([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
                 [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], np.float64)
 _G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
@@ -89,8 +90,10 @@ def saves(c: int, o: int) -> bool:
   mean of C and O is at least 24. Measured (conv + bias + relu + mean, batch 32, 2-core Zen 4, direct / Winograd):
   16 -> 16 over 32x32 maps 1.01x, 16 -> 32 0.91x, 8 -> 16 0.81x, 3 -> 32 0.44x, refused here; 32 -> 32 over 16x16 1.33x,
   32 -> 64 1.53x, 64 -> 64 over 8x8 1.93x, 512 -> 512 over 7x7 at batch 4 2.56x, taken. Held to AVX2 the same split:
-  0.60-0.75x refused, 1.16-2.03x taken."""
-  return 108 * c * o >= 1296 * (c + o)
+  0.60-0.75x refused, 1.16-2.03x taken. And its batched product needs MIN_CHANNELS rows and steps of K (the output and
+  input channels): with 16, each packed panel served too few multiply-adds (SqueezeNet's 16 -> 64 convs over 55x55 maps,
+  which the cost rule alone took: the whole model 8% faster direct at 224 px, 2-core AVX-512)."""
+  return min(c, o) >= MIN_CHANNELS and 108 * c * o >= 1296 * (c + o)
 
 
 def weight_transform(w: Tensor) -> Tensor:
