@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_conv import conv_ref
 
-from kiln.codegen.choose import OptOps, Target, heuristic_opts
+from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
 from kiln.graph import Tensor, compile
 from kiln.graph.schedule import Compiled
@@ -133,3 +133,19 @@ def test_an_image_stem_over_a_symbolic_batch_splits_its_rows() -> None:
     a = rand(n, 3, 24, 24)
     want = np.maximum(conv_ref(a, w, b, [2, 2], [(1, 1)] * 2, [1, 1], 1), 0)
     np.testing.assert_allclose(c.run({"x": a})[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_an_image_stems_product_takes_a_channels_taps_a_step(k: int) -> None:
+  """The stem's channels-last product reads the window view in place, K = (channel, ky, kx): its loop takes k*k steps at
+  a time (heuristic._window_steps), after which each step's tap offsets are constants; a step at a time, each of the
+  register tile's rows took a division and a remainder per step (SqueezeNet's stem, K = 27: 113 GFLOP/s)."""
+  w = rand(32, 3, k, k)
+  c = compile([Tensor.input("x", (2, 3, 40, 40)).conv2d(Tensor(w), stride=2, padding=k // 2)])
+  product = next(kk for kk in c.kernels if any(u.op is Ops.REDUCE for u in kk.ast.toposort()))
+  p = prepare(product.ast)[0]
+  red = next(u for u in p.toposort() if u.op is Ops.REDUCE).src[1]
+  opts = heuristic_opts(p, Target(vector_bytes=64, threads=2, cores=2))
+  assert Opt(OptOps.UNROLL, red.arg[0], k * k) in opts, opts
+  x = rand(2, 3, 40, 40)
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [2, 2], [(k // 2, k // 2)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)

@@ -7,6 +7,8 @@ from enum import Enum
 
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import Ops
+from kiln.ir.rewrite import substitute
+from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 
 
@@ -101,3 +103,16 @@ def affine_coeff(idx: UOp, var: UOp) -> int | None:
 
 
 GPU_WARP = 32  # the smallest row block: one warp (shuffles only, no shared memory), for rows under 2 * 32 * GPU_PER_THREAD
+
+
+def divmod_free_steps(u: UOp, k: UOp, size: int, most: int) -> int:
+  """The fewest steps m of axis k (dividing its size, at most `most`) after which u's index arithmetic, with k = q*m + c
+  for a constant c, has no // or % of q left: a conv's k = (channel, ky, kx) over a 3x3 window takes m = 9, each step
+  then one channel with its nine window offsets constants. 1 where u has no // or % of k (a matmul) or no such m exists."""
+  def divides(e: UOp, v: UOp) -> bool: return any(n.op in (Ops.IDIV, Ops.MOD) and v in n.src[0].toposort() for n in e.toposort())
+  if not divides(u, k): return 1
+  for m in range(2, min(size, most) + 1):
+    if size % m: continue
+    qm = UOp(Ops.DEFINE_VAR, k.dtype, (), ("steps.q", 0, size // m - 1))
+    if not any(divides(simplify(substitute(u, {k: qm * m + c})), qm) for c in range(m)): return m
+  return 1

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from kiln.codegen.choose.axis_plan import _loads, kept_twins
 from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_bound, axis_size
+from kiln.codegen.choose.layout_unrolls import transposed_reads, window_steps
 from kiln.codegen.threads import chunk_count, per_core
 from kiln.ir.analysis import free_ranges, reads_stored
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
-from kiln.ir.rewrite import substitute
 from kiln.ir.symbolic import simplify
 from kiln.ir.uop import UOp
 
@@ -141,7 +141,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
       _tile_rows(target.vector_registers, w // lanes, 1 << 20, False) if (axis_size(vec_axis) or 1) % w == 0 else 1
     if rows is None and int(outer.src[0].vmax) < 4 * u: u = 1
     if u > 1: opts.append(Opt(OptOps.UNROLL, outer.arg[0], u))
-    if (ku := _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
+    if (ku := window_steps(st, outer, vec_axis, k) or _pick_width(axis_size(k), 2)) > 1: opts.append(Opt(OptOps.UNROLL, k.arg[0], ku))
     opts.append(Opt(OptOps.OUTER, vec_axis.arg[0], 1))
     ksize, rows = axis_size(k), axis_size(outer)
     # a panel read by one row tile only (an RNN step's 8 rows of H @ R^T) is copied for nothing: each element once either way
@@ -157,7 +157,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if batch is not None and (axis_size(batch) or 0) > (axis_size(vec_axis) or 0) // w:
       out_axes = [batch] + [a for a in out_axes if a is not batch]
   if vec_axis is not None and not mm: opts += _nested_upcasts(reduces, vec_axis, target)
-  if vec_axis is not None and not mm and not reduces: opts += _transposed_reads(st, out_axes, vec_axis, w, lanes)
+  if vec_axis is not None and not mm and not reduces: opts += transposed_reads(st, out_axes, vec_axis, w, lanes)
   # no lanes on a symbolic inner axis whose rows' reductions do not vary along it (a softmax over a dynamic export's
   # keys): those reductions still take lanes of their own
   elif row is None and vec_axis is None and not mm and inner is not None and axis_size(inner) is None:
@@ -363,38 +363,6 @@ def _nested_upcasts(reduces: list[UOp], vec_axis: UOp | None, target: Target) ->
     w = lanes if size is None else next((m * lanes for m in most if size >= m * lanes and size % (m * lanes) < lanes), 1)
     if w > 1: out.append(Opt(OptOps.UPCAST, r.arg[0], min(w, 64)))
   return out
-
-
-# an elementwise kernel that reads its vector's lanes a whole number of vectors apart unrolls the axis that load reads
-# contiguously by the lanes, so the copies transpose blocks in registers (_transposed_reads); False: each lane a gather
-TRANSPOSED_READS = True
-
-
-def _transposed_reads(st: UOp, out_axes: list[UOp], vec_axis: UOp, w: int, lanes: int) -> list[Opt]:
-  """UNROLL by one vector's lanes the output axis that a load reads contiguously where it reads the vector's lanes a
-  whole number of vectors apart (a channels-last buffer read back along NCHW rows: a residual add, a copy to NCHW).
-  Each copy's gather is then lane p of w aligned blocks, the same blocks for every copy, which lowering loads once and
-  transposes in registers (expand._block_rows). The vector must be exactly one register (w == lanes): a square block."""
-  if not TRANSPOSED_READS or w != lanes or lanes < 4: return []
-  for ld in _loads(st):
-    # gated along the vector: a masked gather, no blocks (a gate of the other axes alone, a concatenation's piece, is
-    # constant in each copy where the pieces are whole blocks)
-    if len(ld.src[0].src) > 2 and vec_axis in free_ranges(ld.src[0].src[2]): continue
-    idx = ld.src[0].src[1]
-    if (s := affine_coeff(idx, vec_axis)) is None or s <= 0 or s % lanes: continue
-    for a in out_axes:
-      if a is not vec_axis and (n := axis_size(a)) is not None and n % lanes == 0 and _runs_along(idx, a, n, lanes):
-        return [Opt(OptOps.UNROLL, a.arg[0], lanes)]
-  return []
-
-
-def _runs_along(idx: UOp, a: UOp, n: int, lanes: int) -> bool:
-  """Whether idx reads each run of `lanes` consecutive values of axis a contiguously, lane j of a run one element past
-  lane 0's (a = lanes*q + j): a blocked buffer's channels, c % B for a B a multiple of the lanes, count too."""
-  if affine_coeff(idx, a) == 1: return True
-  q = UOp.variable("runs_q", 0, n // lanes - 1, a.dtype)
-  at = [simplify(substitute(idx, {a: q * lanes + j})) for j in range(lanes)]
-  return all((d := simplify(i - at[0])).op is Ops.CONST and d.arg == j for j, i in enumerate(at))
 
 
 SMALL_WINDOW = 4  # reduce axes of at most this many trips (a 2x2 pool, a 3x3 window sum) are unrolled whole

@@ -3,7 +3,7 @@ that then read the packed copy. The per-thread scratch is handed out here, to KE
 one thread's scratch (region k at used_k); a split kernel's threads each have one (slot s's at s * slot bytes)."""
 from __future__ import annotations
 
-from kiln.codegen.choose.base import affine_coeff, axis_size
+from kiln.codegen.choose.base import affine_coeff, axis_size, divmod_free_steps
 from kiln.codegen.choose.heuristic import operand_load
 from kiln.codegen.lowering.expand import simp, simplify_indices, vectorize
 from kiln.codegen.lowering.linearize import Scope
@@ -126,14 +126,6 @@ UNROLL_ROWS = 32  # the most panel rows one step of a panel copy may take
 
 
 def unroll_rows(ld: UOp, k: UOp, size: int) -> int:
-  """How many panel rows one step of the copy takes: the fewest m (dividing the axis, at most UNROLL_ROWS) for which the
-  index arithmetic of k = q*m + c, c a constant, has no // or % of q left (a conv's k = (channel, ky, kx) over a 3x3
-  window: m = 9, each step one channel, its nine window offsets constants, their bounds tests loop-invariant); 1 when the
-  index has no // or % of k (a matmul) or no such m exists."""
-  def divides(u: UOp, v: UOp) -> bool: return any(n.op in (Ops.IDIV, Ops.MOD) and v in n.src[0].toposort() for n in u.toposort())
-  if not divides(ld, k): return 1
-  for m in range(2, min(size, UNROLL_ROWS) + 1):
-    if size % m: continue
-    qm = UOp(Ops.DEFINE_VAR, k.dtype, (), ("pack.q", 0, size // m - 1))
-    if not any(divides(simp(substitute(ld, {k: qm * m + c})), qm) for c in range(m)): return m
-  return 1
+  """How many panel rows one step of the copy takes: the fewest that leave its index no // or % of the step
+  (choose.base.divmod_free_steps), at most UNROLL_ROWS; 1 for a matmul's panel."""
+  return divmod_free_steps(ld, k, size, UNROLL_ROWS)

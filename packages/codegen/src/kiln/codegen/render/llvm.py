@@ -21,7 +21,7 @@ from kiln.codegen.choose.tiling import Tiling
 from kiln.codegen.lowering.index_width import exact_ends
 from kiln.codegen.lowering.lower import LoweredKernel
 from kiln.codegen.pipeline import compile_ast
-from kiln.codegen.render import llvm_dot, llvm_math, llvm_stream
+from kiln.codegen.render import llvm_dot, llvm_math, llvm_shuffle, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
   Printer,
@@ -87,16 +87,6 @@ def no_signed_wrap(u: UOp) -> bool:
   dt = u.dtype
   if dt.is_unsigned or len(u.src) != 2 or (ends := exact_ends(u)) is None: return False
   return dt.min <= ends[0] and ends[1] <= dt.max
-
-
-def _picks(u: UOp) -> tuple[list[UOp], list[int]] | None:
-  """A VECTORIZE whose lanes are each a lane (GEP) of one or two vectors of one type (its element type): those vectors and the shuffle
-  mask picking its lanes from them; else None. As a chain of inserts LLVM merged a transpose's stages into shuffles of
-  many sources, which the x86 backend lowered lane by lane."""
-  if not all(s.op is Ops.GEP and isinstance(s.arg, int) for s in u.src): return None
-  srcs = list(dict.fromkeys(s.src[0] for s in u.src))
-  if len(srcs) > 2 or any(v.dtype != srcs[0].dtype or v.dtype.scalar() != u.dtype.scalar() for v in srcs): return None
-  return srcs, [srcs.index(s.src[0]) * srcs[0].dtype.count + s.arg for s in u.src]
 
 
 class _Cast(NamedTuple):
@@ -376,20 +366,13 @@ class LLVMPrinter(Printer):
       self.label(cont)
 
   def vectorize(self, u: UOp) -> str:
-    dt = u.dtype
-    t = ltype(dt)
+    dt, t = u.dtype, ltype(u.dtype)
     if all(s is u.src[0] for s in u.src):  # splat
       a, b = self.tmp(), self.tmp()
       self.emit(f"{a} = insertelement {t} poison, {self.tv(u.src[0])}, i32 0")
       self.emit(f"{b} = shufflevector {t} {a}, {t} poison, <{dt.count} x i32> zeroinitializer")
       return b
-    if (picks := _picks(u)) is not None:  # lanes of at most two vectors: one shuffle (a transpose's stage)
-      srcs, mask = picks
-      r = self.tmp()
-      second = self.val(srcs[1]) if len(srcs) > 1 else "poison"
-      lanes = ", ".join(f"i32 {m}" for m in mask)
-      self.emit(f"{r} = shufflevector {self.tv(srcs[0])}, {ltype(srcs[0].dtype)} {second}, <{dt.count} x i32> <{lanes}>")
-      return r
+    if u.src[0].op is Ops.GEP and (r := llvm_shuffle.shuffle(self, u, ltype(u.src[0].src[0].dtype))) is not None: return r
     cur = "poison"
     for i, s in enumerate(u.src):
       r = self.tmp()
