@@ -92,7 +92,7 @@ def saves(c: int, o: int) -> bool:
   32 -> 64 1.53x, 64 -> 64 over 8x8 1.93x, 512 -> 512 over 7x7 at batch 4 2.56x, taken. Held to AVX2 the same split:
   0.60-0.75x refused, 1.16-2.03x taken. And its batched product needs MIN_CHANNELS rows and steps of K (the output and
   input channels): with 16, each packed panel served too few multiply-adds (SqueezeNet's 16 -> 64 convs over 55x55 maps,
-  which the cost rule alone took: the whole model 8% faster direct at 224 px, 2-core AVX-512)."""
+  which the cost rule alone took, ran slower than the direct product)."""
   return min(c, o) >= MIN_CHANNELS and 108 * c * o >= 1296 * (c + o)
 
 

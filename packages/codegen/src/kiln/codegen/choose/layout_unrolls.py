@@ -50,7 +50,7 @@ def window_steps(st: UOp, rows: UOp, vec_axis: UOp, k: UOp) -> int:
   """Steps of K to unroll in a register-tiled product whose row operand (the one broadcast per row: a conv's window
   view read in place, an image stem's) indexes K = (channel, *kernel) with // and %: the fewest after which none is left
   (a 3x3 window's 9, a 7x7's 49), so each step's tap offsets are constants. Each of a tile's rows took its own division
-  and remainder per step: an image stem's product at 113 GFLOP/s with K = 27, 0 where no load needs it."""
+  and remainder per step. 0 where no load needs it."""
   size = axis_size(k)
   if size is None: return 0
   lds = [ld for ld in _loads(st) if rows in free_ranges(ld) and vec_axis not in free_ranges(ld) and k in free_ranges(ld)]

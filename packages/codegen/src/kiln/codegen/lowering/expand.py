@@ -190,7 +190,7 @@ def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int
 def _transpose_rows(rows: tuple[UOp, ...]) -> tuple[UOp, ...]:
   """The transpose of w vectors of w lanes (w a power of two): row j of the result holds lane j of each. log2(w)
   stages; at stage b each pair of rows b apart swaps its b x b off-diagonal blocks, each new row a pick of two rows'
-  lanes (one shuffle: llvm.py's _picks)."""
+  lanes (one shuffle: render/llvm_shuffle.py)."""
   w = len(rows)
   out, b = list(rows), 1
   while b < w:
