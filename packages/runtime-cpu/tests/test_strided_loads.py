@@ -3,21 +3,11 @@ on, then the lanes picked out; never a read past the last lane's element (the in
 and as AVX2 code. A stride of 5 still gathers."""
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-
 import numpy as np
-import pytest
+from cpu_check import check_as_avx2, needs_avx2, run_kernel
 
-from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, UOp, dtypes
-from kiln.runtime.cpu.compiler import host_cpu
 from kiln.runtime.cpu.guard import guarded_array, guarded_copy
-from kiln.runtime.cpu.machine import is_x86
-
-needs_avx2 = pytest.mark.skipif(not (is_x86(platform.machine()) and "+avx2" in host_cpu()[1].split(",")), reason="needs an x86 host with AVX2")
 
 
 def strided_copy(n: int, c: int, off: int, dt=dtypes.float32) -> UOp:
@@ -36,27 +26,20 @@ def max_pool(n: int, h: int, w: int) -> UOp:
   return UOp.sink(out.index(b * (h * w) + y * w + xx).store(v), name="pool2")
 
 
-def run(ast: UOp, out: np.ndarray, *ins: np.ndarray) -> str:
-  rt = get_runtime("CPU")
-  spec = rt.renderer.render(ast)
-  rt.load(rt.compiler.compile(spec))([out.ctypes.data] + [a.ctypes.data for a in ins], [], wait=True)
-  return spec.src
-
-
 def check_all() -> None:
   rng = np.random.default_rng(3)
   for c in (2, 3, 4, 5):
     for n, off, dt, npdt in ((64, 0, dtypes.float32, np.float32), (48, 1, dtypes.float32, np.float32), (16, 2, dtypes.int8, np.int8)):
       x = guarded_copy(rng.integers(-100, 100, c * (n - 1) + off + 1).astype(npdt))  # its last element is the guard page's neighbour
       out = guarded_array(n, npdt)
-      src = run(strided_copy(n, c, off, dt), out, x)
+      src = run_kernel(strided_copy(n, c, off, dt), out, x)
       np.testing.assert_array_equal(out, x[off::c][:n])
       assert ("@llvm.masked.load" in src) == (c != 5), (c, n, off, dt)
   x = rng.standard_normal((4, 32, 32)).astype(np.float32)
   x[1, 3, 5] = np.nan  # max propagates a NaN, as numpy's
   xg = guarded_copy(x.reshape(-1))
   out = guarded_array(4 * 16 * 16, np.float32)
-  src = run(max_pool(4, 16, 16), out, xg)
+  src = run_kernel(max_pool(4, 16, 16), out, xg)
   assert "@llvm.masked.load" in src
   np.testing.assert_array_equal(out.reshape(4, 16, 16), x.reshape(4, 16, 2, 16, 2).max((2, 4)))
 
@@ -67,9 +50,4 @@ def test_strided_lanes_load_as_one_masked_span() -> None:
 
 @needs_avx2
 def test_strided_lanes_on_avx2() -> None:
-  env = {**os.environ, "KILN_CPU": "x86-64-v3", "KILN_CACHE": "0"}
-  code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-          "from kiln.codegen.registry import get_runtime\nassert get_runtime('CPU').target.vector_bytes == 32\n"
-          "from test_strided_loads import check_all\ncheck_all()\nprint('ok')")
-  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+  check_as_avx2("test_strided_loads", "check_all")

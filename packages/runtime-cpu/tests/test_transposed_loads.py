@@ -5,23 +5,14 @@ numpy, never a read past a buffer's end (the inputs end at a guard page), on thi
 is no whole number of blocks still gathers."""
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-import sys
-
 import numpy as np
-import pytest
+from cpu_check import check_as_avx2, needs_avx2, run_kernel
 
 from kiln.codegen.choose import OptOps, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
 from kiln.codegen.registry import get_runtime
 from kiln.ir import AxisType, Ops, UOp, dtypes
-from kiln.runtime.cpu.compiler import host_cpu
 from kiln.runtime.cpu.guard import guarded_array, guarded_copy
-from kiln.runtime.cpu.machine import is_x86
-
-needs_avx2 = pytest.mark.skipif(not (is_x86(platform.machine()) and "+avx2" in host_cpu()[1].split(",")), reason="needs an x86 host with AVX2")
 
 
 def nhwc_add(n: int, c: int, h: int, w: int, extra: int = 0, block: int = 0) -> UOp:
@@ -47,13 +38,6 @@ def blocked_product(m: int, k: int, n: int) -> UOp:
   return UOp.sink(out.index(i * n + j).store(v), name="blocked_product")
 
 
-def run(ast: UOp, out: np.ndarray, *ins: np.ndarray) -> str:
-  rt = get_runtime("CPU")
-  spec = rt.renderer.render(ast)
-  rt.load(rt.compiler.compile(spec))([out.ctypes.data] + [a.ctypes.data for a in ins], [], wait=True)
-  return spec.src
-
-
 def check_all() -> None:
   rng = np.random.default_rng(5)
   target = get_runtime("CPU").target
@@ -67,7 +51,7 @@ def check_all() -> None:
     xs = rng.standard_normal(n * c * h * w + extra).astype(np.float32)
     ys = rng.standard_normal((n, c, h, w)).astype(np.float32)
     out = guarded_array(n * c * h * w, np.float32)
-    src = run(ast, out, guarded_copy(xs), ys)
+    src = run_kernel(ast, out, guarded_copy(xs), ys)
     body = xs[:n * c * h * w]
     if block: x = body.reshape(c // block, n, h, w, block).transpose(1, 0, 4, 2, 3).reshape(n, c, h, w)
     else: x = body.reshape(n, h, w, c).transpose(0, 3, 1, 2)
@@ -79,7 +63,7 @@ def check_all() -> None:
   m, k, n = 24, 96, 160
   wt, xs = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k // 16, n, 16)).astype(np.float32)
   out = guarded_array(m * n, np.float32)
-  src = run(blocked_product(m, k, n), out, wt, guarded_copy(xs.reshape(-1)))
+  src = run_kernel(blocked_product(m, k, n), out, wt, guarded_copy(xs.reshape(-1)))
   x = xs.transpose(0, 2, 1).reshape(k, n)
   np.testing.assert_allclose(out.reshape(m, n), wt.astype(np.float64) @ x, rtol=1e-4, atol=1e-4)
   assert src.count("shufflevector") >= 16 * 4, src.count("shufflevector")
@@ -91,9 +75,4 @@ def test_channels_last_reads_transpose_blocks_in_registers() -> None:
 
 @needs_avx2
 def test_channels_last_reads_transpose_blocks_on_avx2() -> None:
-  env = {**os.environ, "KILN_CPU": "x86-64-v3", "KILN_CACHE": "0"}
-  code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-          "from kiln.codegen.registry import get_runtime\nassert get_runtime('CPU').target.vector_bytes == 32\n"
-          "from test_transposed_loads import check_all\ncheck_all()\nprint('ok')")
-  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+  check_as_avx2("test_transposed_loads", "check_all")
