@@ -416,7 +416,7 @@ def test_few_positions_channels_last_under_a_symbolic_batch() -> None:
     np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, b, [1, 1], [(0, 0)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)
 
 
-def _max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
+def max_pool_ref(r: np.ndarray, k: int, st: int) -> np.ndarray:
   o = [(n - k) // st + 1 for n in r.shape[2:]]
   return np.stack([np.stack([r[:, :, i * st:i * st + k, j * st:j * st + k].max((2, 3)) for j in range(o[1])], -1) for i in range(o[0])], -2)
 
@@ -429,7 +429,7 @@ def test_conv_epilogue_placement(readers: str, moves: bool) -> None:
   y = Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b), padding=1).relu()
   ref = np.maximum(conv_ref(x, w, b, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0)
   st = {"stride 3": 3, "stride 10": 10}.get(readers, 2)
-  outs, refs = [y.max_pool([2, 2], [st, st])], [_max_pool_ref(ref, 2, st)]
+  outs, refs = [y.max_pool([2, 2], [st, st])], [max_pool_ref(ref, 2, st)]
   if readers == "pool+mean": outs, refs = [*outs, y.mean((2, 3))], [*refs, ref.mean((2, 3))]
   c = compile(outs)
   mm = matmul_kernels(c)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from test_conv import conv_ref
+from test_conv import conv_ref, max_pool_ref
 
 from kiln.codegen.choose import Opt, OptOps, Target, heuristic_opts
 from kiln.codegen.lowering.prepare import prepare
@@ -94,12 +94,6 @@ def test_depthwise_conv_written_channels_last_takes_its_lanes_along_the_map() ->
   np.testing.assert_allclose(c.run({"x": x})[0], _gelu(ref), rtol=1e-4, atol=1e-5)
 
 
-def _max_pool_ref(x: np.ndarray, k: int, s: int, p: int) -> np.ndarray:
-  xp = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=-np.inf)
-  o = (xp.shape[2] - k) // s + 1, (xp.shape[3] - k) // s + 1
-  return np.max([xp[:, :, i:i + s * (o[0] - 1) + 1:s, j:j + s * (o[1] - 1) + 1:s] for i in range(k) for j in range(k)], 0)
-
-
 @pytest.mark.parametrize("o,k,stride,pad,pool", [(64, 7, 2, 3, True), (32, 3, 2, 1, False), (48, 3, 2, 0, True)])
 def test_an_image_stem_computes_channels_last_and_its_pool_too(o: int, k: int, stride: int, pad: int, pool: bool) -> None:
   """An image's stem (3 input channels: ResNet's 7x7/2, MobileNetV2's and SqueezeNet's 3x3/2): its product has few rows
@@ -111,7 +105,7 @@ def test_an_image_stem_computes_channels_last_and_its_pool_too(o: int, k: int, s
   if pool: y = y.max_pool([3, 3], [2, 2], [(1, 1), (1, 1)])
   c = compile([y])
   want = np.maximum(conv_ref(x, w, b, [stride] * 2, [(pad, pad)] * 2, [1, 1], 1), 0)
-  if pool: want = _max_pool_ref(want, 3, 2, 1)
+  if pool: want = max_pool_ref(np.pad(want, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf), 3, 2)
   sums = _with(c, Ops.REDUCE)
   positions = 2 * ((40 + 2 * pad - k) // stride + 1) ** 2
   assert f"x{positions}x" in sums[0], c.plan.describe()  # rows: every image's output positions

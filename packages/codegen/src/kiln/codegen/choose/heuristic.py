@@ -157,11 +157,11 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     if batch is not None and (axis_size(batch) or 0) > (axis_size(vec_axis) or 0) // w:
       out_axes = [batch] + [a for a in out_axes if a is not batch]
   if vec_axis is not None and not mm: opts += _nested_upcasts(reduces, vec_axis, target)
-  if vec_axis is not None and not mm and not reduces: opts += transposed_reads(st, out_axes, vec_axis, w, lanes)
   # no lanes on a symbolic inner axis whose rows' reductions do not vary along it (a softmax over a dynamic export's
   # keys): those reductions still take lanes of their own
   elif row is None and vec_axis is None and not mm and inner is not None and axis_size(inner) is None:
     opts += _nested_upcasts(reduces, None, target)
+  if vec_axis is not None and not mm and not reduces: opts += transposed_reads(st, out_axes, vec_axis, w, lanes)
   if not mm:
     keeps = _keeps(st, reduces, vec_axis)
     opts += keeps + _interleaved_rows(reduces, keeps, out_axes, vec_axis, lanes)

@@ -162,7 +162,7 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     return UOp(Ops.VECTORIZE, dt.vec(w), tuple(sp if sp.dtype.count == 1 else UOp(Ops.GEP, dt, (sp,), k) for sp, k in (at[o] for o in offs)))
   if vec_of is not None and not gate and (blocks := _block_rows(buf, idxs, w)) is not None:
     starts, b, p = blocks
-    rows = [_transpose([UOp(Ops.LOAD, dt.vec(b), (buf.index(r),)) for r in starts[g:g + b]])[p] for g in range(0, w, b)]
+    rows = [_transpose(tuple(UOp(Ops.LOAD, dt.vec(b), (buf.index(r),)) for r in starts[g:g + b]))[p] for g in range(0, w, b)]
     return rows[0] if b == w else UOp(Ops.VECTORIZE, dt.vec(w), tuple(UOp(Ops.GEP, dt, (r,), i) for r in rows for i in range(b)))
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
@@ -187,7 +187,7 @@ def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int
 
 
 @functools.lru_cache(maxsize=1 << 10)
-def _transpose_rows(rows: tuple[UOp, ...]) -> tuple[UOp, ...]:
+def _transpose(rows: tuple[UOp, ...]) -> tuple[UOp, ...]:
   """The transpose of w vectors of w lanes (w a power of two): row j of the result holds lane j of each. log2(w)
   stages; at stage b each pair of rows b apart swaps its b x b off-diagonal blocks, each new row a pick of two rows'
   lanes (one shuffle: render/llvm_shuffle.py)."""
@@ -203,8 +203,6 @@ def _transpose_rows(rows: tuple[UOp, ...]) -> tuple[UOp, ...]:
     out, b = new, b * 2
   return tuple(out)
 
-
-def _transpose(rows: list[UOp]) -> tuple[UOp, ...]: return _transpose_rows(tuple(rows))
 
 
 RUN_LANES = 2  # a gather is loaded as contiguous runs where they average at least this many lanes each (_runs); 0: never
