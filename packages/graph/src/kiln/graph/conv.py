@@ -102,6 +102,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
   if len(pads) != d: raise GraphError(f"conv: {len(pads)} (before, after) pads for {d} spatial dims of {x.shape}")
   x, w = x._coerce(weight)
   if DROP_PAD_TAPS: w, pads = _live_taps(x, w, pads, st, dl)
+  cpu = cpu_layouts()  # the channels-last products and relayouts serve the CPU's vectors; elsewhere the NCHW product
   if winograd.fits(x, w, pads, st, dl, groups): return winograd.conv3x3(x, w, pads, bias)
   ks, og = sym.static_shape("conv (weight)", w.shape)[2:], o // groups
   if cg == 1 and isinstance(og, int) and og > 1 and DEPTHWISE_MULTIPLIER:  # each input channel feeds og outputs: depthwise over the channels repeated
@@ -111,7 +112,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     if DEPTHWISE_BLOCKED and prod(ks) > 1:
       # rows of BLOCK or more run blocked where the input's channels are innermost already (whole blocks of them): read in
       # place, where NCHW rows gated every tap's lanes; a pointwise conv's NCHW product is computed channels-last for it
-      wide = WIDE_BLOCKED and isinstance(x.shape[1], int) and x.shape[1] % BLOCK == 0
+      wide = WIDE_BLOCKED and cpu and isinstance(x.shape[1], int) and x.shape[1] % BLOCK == 0
       cl = wide and _channels_last_source(x)
       if wide and not cl and _row(x, ks, pads, st, dl) >= BLOCK and (relaid := _relaid(x)) is not None:
         x, cl = relaid, _channels_last_source(relaid)
@@ -135,7 +136,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
     out = win.shape[2:2 + d]
     # the patches pay where the product reads each of them more than once: more output channels than one register tile's
-    if PRODUCT_CHANNELS_LAST and PATCHES_FIRST and _folds(n) and _positions_few(prod(out), og) and og > WEIGHT_BLOCK:
+    if cpu and PRODUCT_CHANNELS_LAST and PATCHES_FIRST and _folds(n) and _positions_few(prod(out), og) and og > WEIGHT_BLOCK:
       # the input realized padded and channels-last first, each element once: the patches' rows then copy runs of channels
       # (their K is (*k, C/g)), where from NCHW each lane was a gather H*W apart with a bounds test of its own; and a
       # computed input is computed once, not in the copy (a layer norm's sums per element)
@@ -148,9 +149,9 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     cols = win.reshape(n, groups, cg * prod(ks), prod(out))
   kk, p = cols.shape[2:]
   if _image_stem(cg, og): return _product_channels_last(cols, w, bias, groups, out)
-  pointwise_cl = POINTWISE_CHANNELS_LAST and all(k == 1 for k in ks) and all(s == 1 for s in st) and isinstance(og, int) and \
+  pointwise_cl = cpu and POINTWISE_CHANNELS_LAST and all(k == 1 for k in ks) and all(s == 1 for s in st) and isinstance(og, int) and \
     (og <= WEIGHT_BLOCK and og % BLOCK == 0 or _weight_block(og) > 0)
-  if PRODUCT_CHANNELS_LAST and (_positions_few(p, og) or pointwise_cl and _channels_last_source(x)):
+  if cpu and PRODUCT_CHANNELS_LAST and (_positions_few(p, og) or pointwise_cl and _channels_last_source(x)):
     return _product_channels_last(cols, w, bias, groups, out)
   wm = _flat(w, (1, groups, og, kk, 1))
   y = (wm * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)

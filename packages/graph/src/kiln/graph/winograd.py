@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.graph import settings
+from kiln.graph.build_target import cpu_layouts
 from kiln.graph.dims import is_static, static_shape
 from kiln.ir.dtype import dtypes
 
@@ -61,10 +62,12 @@ def enabled() -> bool:
 
 
 def fits(x: Tensor, w: Tensor, pads: Sequence[tuple[int, int]], stride: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
-  """Whether conv2d takes the Winograd path: float32, static channels and maps (the batch may be symbolic), a 3x3 kernel at
-  stride and dilation 1, one group, an output of at least one tile each way and MIN_TILES in all (MIN_IMAGE_TILES per
-  image under a symbolic batch), and channels enough that it saves (the cost rule)."""
-  if not enabled() or x.dtype != dtypes.float32 or w.dtype != dtypes.float32 or x.ndim != 4 or w.ndim != 4: return False
+  """Whether conv2d takes the Winograd path: a graph built for the CPU (the cost rule is the CPU's; on CUDA the direct
+  product is the tiled implicit GEMM, and the transforms' trips through memory cost more than it saves), float32, static
+  channels and maps (the batch may be symbolic), a 3x3 kernel at stride and dilation 1, one group, an output of at least
+  one tile each way and MIN_TILES in all (MIN_IMAGE_TILES per image under a symbolic batch), and channels enough that it
+  saves (the cost rule)."""
+  if not enabled() or not cpu_layouts() or x.dtype != dtypes.float32 or w.dtype != dtypes.float32 or x.ndim != 4 or w.ndim != 4: return False
   if not (is_static(x.shape[1:]) and is_static(w.shape)) or groups != 1 or tuple(w.shape[2:]) != (3, 3): return False
   if any(s != 1 for s in stride) or any(d != 1 for d in dilation) or any(b < 0 or a < 0 for b, a in pads): return False
   o, c = static_shape("conv (weight)", w.shape)[:2]
