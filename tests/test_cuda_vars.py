@@ -79,3 +79,39 @@ def test_only_a_grid_that_never_shrinks_as_its_variables_grow_is_fixed_at_their_
   assert cuda_vars.grid_c(UOp(Ops.IDIV, dtypes.int32, (UOp.const(dtypes.int32, 100), n)), names) is None
   assert cuda_vars.grid_c(n * m, names) is None
   assert cuda_vars.grid_c(n * -2, names) is None
+
+
+def test_a_new_value_reaches_the_kernels_reading_memory_through_one_writer(gpu, monkeypatch) -> None:
+  """A plan's variable reaches every kernel that reads it from memory by one write into the arena's host copies
+  (CUDABoundCall.vals_writer): no call's set_vals and no resize of its symbolic sizes per run (a decode step's host time:
+  60 such calls cost about 3 ms on an H200's host). A kernel taking the same variable as an argument (its grid follows
+  n) is still set by set_vals. Both plans give numpy's answer at every n."""
+  from kiln.executor.prepared import PreparedKernel
+  from kiln.runtime.cuda.driver import CUDABoundCall
+  set_vals, resized = [], []
+  real_set, real_resize = CUDABoundCall.set_vals, PreparedKernel.resize
+  monkeypatch.setattr(CUDABoundCall, "set_vals", lambda self, *a, **k: (set_vals.append(self), real_set(self, *a, **k))[1])
+  monkeypatch.setattr(PreparedKernel, "resize", lambda self: (resized.append(self), real_resize(self))[1])
+  rows = Tensor.input("x", ("n", 8), dims={"n": (1, 300)})
+  s = (rows * 2).sum(-1)
+  small = compile([s, (s - s.max()).exp() / (s - s.max()).exp().sum()], "CUDA")  # every grid follows n, fixed at 300
+  assert any(p.symbolic_sizes for p in _calls(small)) and all(p.kernel.program.spec.vars_in_memory for p in _calls(small) if p.kernel.var_names)
+  x = Tensor.input("x", ("n",), dims={"n": (1, 1 << 24)})
+  mixed = compile([x * 3 + 1, x.sum()], "CUDA")  # the elementwise grid follows n as an argument; the sum reads n from memory
+  calls = [p for p in _calls(mixed) if p.kernel.var_names]
+  as_args = [p for p in calls if not p.kernel.program.spec.vars_in_memory]
+  assert as_args and len(as_args) < len(calls), [(p.name, p.kernel.program.spec.vars_in_memory) for p in calls]
+  for n in (5, 299, 70000, 3):
+    del set_vals[:], resized[:]
+    if n <= 300:
+      xv = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+      got, want = small.run({"x": xv}), (xv * 2).sum(-1)
+      np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got[1], np.exp(want - want.max()) / np.exp(want - want.max()).sum(), rtol=1e-5, atol=1e-6)
+      assert not set_vals and not resized, (n, len(set_vals), len(resized))
+      del set_vals[:], resized[:]
+    xv = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    got = mixed.run({"x": xv})
+    np.testing.assert_allclose(got[0], xv * 3 + 1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], xv.astype(np.float64).sum(), rtol=1e-4, atol=1e-4)
+    assert {id(b) for b in set_vals} == {id(p.bound) for p in as_args}, n

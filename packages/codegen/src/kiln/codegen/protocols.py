@@ -81,7 +81,9 @@ class ValsWriter(Protocol):
   CPU: one numpy assignment into the calls' argument blocks). `vals_writer(sites)`, for (call, position in the kernel's
   var_names) pairs of that runtime's calls, returns a callable that writes a value at every site, or None. ExecutionPlan
   checks the value against the bounds of every kernel it reaches first, and uses it only for calls whose launch size
-  does not depend on variables."""
+  does not depend on variables. A runtime whose calls say so themselves has them carry `fixed_launch`: True for a call
+  launched the same way whatever the values (CUDA: a kernel that reads its variables from device memory, its grid
+  fixed at their upper bounds; the plan then neither resizes it nor hands it sizes), False for one set by set_vals."""
   vals_writer: Callable[[Sequence[tuple[Any, int]]], Callable[[int], None] | None]
 
 

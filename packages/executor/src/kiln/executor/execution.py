@@ -205,7 +205,8 @@ class ExecutionPlan:
     sites = self._var_sites[name]
     batch: list[tuple[ValsWriter, PreparedKernel, int]] = []
     for pk, pos in sites:
-      if not pk.symbolic_sizes and isinstance(b := pk.bound, ValsWriter): batch.append((b, pk, pos))
+      b = pk.bound
+      if isinstance(b, ValsWriter) and getattr(b, "fixed_launch", not pk.symbolic_sizes): batch.append((b, pk, pos))
     kinds = {type(b): b.vals_writer for b, _, _ in batch}  # one runtime's calls only
     write = kinds.popitem()[1]([(b, pos) for b, _, pos in batch]) if len(kinds) == 1 else None
     taken = {pk.id for _, pk, _ in batch} if write is not None else set()
@@ -241,6 +242,7 @@ class ExecutionPlan:
         if not isinstance(p, PreparedKernel):
           p.run()
           continue
+        if p.symbolic_sizes: p.resize()  # a call set through a writer (ValsWriter.fixed_launch) was not resized
         t0 = time.perf_counter()
         t = p.kernel.program(p.buffer_ptrs, p.vals, p.global_size, p.local_size, wait=True)
         t1 = time.perf_counter()

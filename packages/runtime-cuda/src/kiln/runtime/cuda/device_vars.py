@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,25 @@ class VarArena:
       lo, hi = self._dirty.get(slot.page, (slot.start, slot.start + slot.n))
       self._dirty[slot.page] = (min(lo, slot.start), max(hi, slot.start + slot.n))
       self.dirty = True
+
+  def writer(self, sites: Sequence[tuple[VarSlot, int]]) -> Callable[[int], None]:
+    """One callable that writes a value as variable `pos` of each (slot, pos) of `sites` (one assignment per page into
+    the host copies, int32-checked), copied at the next flush: a plan's variable reaching every kernel at once."""
+    by_page: dict[int, list[int]] = {}
+    for slot, pos in sites:
+      if not 0 <= pos < slot.n: raise RuntimeLaunchError(f"variable {pos} of a slot of {slot.n}")
+      by_page.setdefault(slot.page, []).append(slot.start + pos)
+    spans = [(p, self._pages[p][1], np.array(sorted(set(at)), np.intp), min(at), max(at) + 1) for p, at in sorted(by_page.items())]
+
+    def write(value: int) -> None:
+      if not -(2**31) <= int(value) < 2**31: raise RuntimeLaunchError(f"a variable's value {value} does not fit int32")
+      for _, host, at, _, _ in spans: host[at] = value
+      with self._lock:
+        for p, _, _, lo, hi in spans:
+          was = self._dirty.get(p, (lo, hi))
+          self._dirty[p] = (min(was[0], lo), max(was[1], hi))
+        self.dirty = True
+    return write
 
   def __del__(self) -> None:
     # the pages go back through the allocator (its cache is freed with the context current, not by pycuda's destructors

@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -339,6 +339,27 @@ class CUDABoundCall:
     self.arg_buf = self.prog.pack(self.bufs, vals)
     self.empty = 0 in self.grid  # an empty grid runs nothing (CUDA rejects a launch of 0 blocks)
     for g in self.graph_runs: g.note_change(self)  # its node is updated before the graph's next launch
+
+  @property
+  def fixed_launch(self) -> bool:
+    """kiln.codegen.protocols.ValsWriter: a kernel that reads its variables from memory launches the same way whatever
+    their values."""
+    return self.slot is not None
+
+  @staticmethod
+  def vals_writer(sites: Sequence[tuple[CUDABoundCall, int]]) -> Callable[[int], None] | None:
+    """kiln.codegen.protocols.ValsWriter: one callable that writes a value as variable `pos` of each (call, pos) of
+    `sites`, into their slots in device memory's host copies (each runtime's arena, copied before its next launch); None
+    where a call takes its variables as arguments."""
+    if not sites or any(c.slot is None for c, _ in sites): return None
+    arenas: dict[int, tuple[VarArena, list[tuple[VarSlot, int]]]] = {}
+    for c, pos in sites: arenas.setdefault(id(c.vars), (c.vars, []))[1].append((c.slot, pos))  # type: ignore[arg-type]  # checked above
+    writers = [arena.writer(slots) for arena, slots in arenas.values()]
+    if len(writers) == 1: return writers[0]
+
+    def write_all(value: int) -> None:
+      for w in writers: w(value)
+    return write_all
 
   def __call__(self) -> None:
     if self.vars.dirty: self.vars.flush()
