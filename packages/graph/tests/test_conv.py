@@ -484,3 +484,30 @@ def test_onnx_conv(attrs: dict, xs: tuple, ws: tuple) -> None:
   got = konnx.load(m).run({"x": x})["y"]
   assert got.shape == want.shape
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_whose_panel_would_leave_the_l2_sums_k_in_chunks_of_channels(monkeypatch) -> None:
+  """conv._k_chunks: a packed column panel (K rows of two vectors) past half of a core's L2 is read from memory by every
+  row tile, so K is summed in chunks of whole input channels, the chunks the product's outermost axis, then the
+  partials; an L2 of 32 KB here (room 16 KB, 128-byte rows on AVX-512: K of 128 at most) stands in for FCN's head (K =
+  18432 on a 2 MB L2). The result is the conv's."""
+  from dataclasses import replace
+
+  from kiln.codegen import registry
+  from kiln.graph import conv
+  host = registry.target_of("CPU")
+  assert host is not None
+  small = replace(host, l2_bytes=32 << 10, vector_bytes=64)
+  monkeypatch.setattr(registry, "target_of", lambda device: small)
+  assert conv._k_chunks(16, 9, 64) == 2 and conv._k_chunks(8, 9, 64) == 1 and conv._k_chunks(16, 9, 8) == 1
+  assert conv._k_chunks(7, 40, 64) == 7 and conv._k_chunks(3, 200, 64) == 1  # a prime: each channel a chunk; none fits: one K
+  x, w, b = rand(2, 256, 8, 8), rand(32, 256, 1, 1), rand(32)  # a 1x1 conv over 64 positions: its NCHW product, K 256
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), Tensor(b)).relu()])
+  names = [k.ast.arg for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert "reduce_2x2x1x32x64" in names, names  # two chunks of 128 channels: (chunks, N, g, O, P)
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, b, [1, 1], [(0, 0)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)
+  x, w = rand(2, 32, 16, 16), rand(32, 32, 3, 3)  # a padded 3x3 conv at stride 2 (no Winograd): K 288 in 4 chunks of 8 channels' taps
+  c = compile([Tensor.input("x", x.shape).conv2d(Tensor(w), stride=2, padding=1)])
+  names = [k.ast.arg for k in c.kernels if any(u.op is Ops.REDUCE for u in k.ast.toposort())]
+  assert "reduce_4x2x1x32x64" in names, names
+  np.testing.assert_allclose(c.run({"x": x})[0], conv_ref(x, w, None, [2, 2], [(1, 1)] * 2, [1, 1], 1), rtol=1e-4, atol=1e-4)

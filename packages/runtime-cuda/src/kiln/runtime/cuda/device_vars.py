@@ -108,3 +108,18 @@ class VarArena:
       self._dirty.clear()
       self.dirty = False
     for (buf, host), lo, hi in spans: self.allocator.copyin(self.allocator.view(buf, 4 * lo, 4 * (hi - lo)), memoryview(host[lo:hi].data))
+
+
+def calls_writer(sites: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
+  """CUDABoundCall.vals_writer (kiln.codegen.protocols.ValsWriter): one callable that writes a value as variable `pos` of
+  each (call, pos) of `sites` into the calls' slots (each runtime's arena, copied before its next launch); None where a
+  call takes its variables as arguments (no slot)."""
+  if not sites or any(c.slot is None for c, _ in sites): return None
+  arenas: dict[int, tuple[VarArena, list[tuple[VarSlot, int]]]] = {}
+  for c, pos in sites: arenas.setdefault(id(c.vars), (c.vars, []))[1].append((c.slot, pos))
+  writers = [arena.writer(slots) for arena, slots in arenas.values()]
+  if len(writers) == 1: return writers[0]
+
+  def write_all(value: int) -> None:
+    for w in writers: w(value)
+  return write_all

@@ -30,7 +30,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ from kiln.ir.errors import DeviceError, KilnError, RuntimeLaunchError
 from kiln.runtime.cuda import graph as cuda_graph
 from kiln.runtime.cuda import settings
 from kiln.runtime.cuda.compiler import CUDACompiler
-from kiln.runtime.cuda.device_vars import VarArena, VarSlot
+from kiln.runtime.cuda.device_vars import VarArena, VarSlot, calls_writer
 from kiln.runtime.cuda.sticky import is_sticky
 
 INSTALL_HINT = 'pip install "kiln-runtime-cuda[driver]"'
@@ -346,20 +346,7 @@ class CUDABoundCall:
     their values."""
     return self.slot is not None
 
-  @staticmethod
-  def vals_writer(sites: Sequence[tuple[CUDABoundCall, int]]) -> Callable[[int], None] | None:
-    """kiln.codegen.protocols.ValsWriter: one callable that writes a value as variable `pos` of each (call, pos) of
-    `sites`, into their slots in device memory's host copies (each runtime's arena, copied before its next launch); None
-    where a call takes its variables as arguments."""
-    if not sites or any(c.slot is None for c, _ in sites): return None
-    arenas: dict[int, tuple[VarArena, list[tuple[VarSlot, int]]]] = {}
-    for c, pos in sites: arenas.setdefault(id(c.vars), (c.vars, []))[1].append((c.slot, pos))  # type: ignore[arg-type]  # checked above
-    writers = [arena.writer(slots) for arena, slots in arenas.values()]
-    if len(writers) == 1: return writers[0]
-
-    def write_all(value: int) -> None:
-      for w in writers: w(value)
-    return write_all
+  vals_writer = staticmethod(calls_writer)  # kiln.codegen.protocols.ValsWriter: a variable into every call's slot at once
 
   def __call__(self) -> None:
     if self.vars.dirty: self.vars.flush()
