@@ -198,3 +198,23 @@ def test_half_convolutions_on_tensor_cores(gpu, dt: str) -> None:
   assert got.dtype == npdt
   tol = 2e-3 if dt == "float16" else 1e-5
   np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_a_conv_with_few_tiles_sums_k_in_chunks_on_the_gpu(gpu) -> None:
+  """conv._gpu_k_chunks: a product whose 64x64 tiles give fewer blocks than half the multiprocessors (ResNet-50 at batch
+  1 over 7x7 maps: 8 blocks of K = 4608 on an H200's 132 SMs) sums K in chunks of input channels, each chunk a batch of
+  the tiled kernel's grid, then the partials: both kernels tiled or summed on the device, the result the conv's."""
+  import importlib
+
+  from kiln.codegen.registry import get_runtime
+  from kiln.graph.build_target import building_for
+  conv_ref = importlib.import_module("test_conv").conv_ref
+  get_runtime("CUDA").sms = 132  # type: ignore[attr-defined]  # an H200's; the stand-in driver cannot say
+  rng = np.random.default_rng(3)
+  x, w = rng.uniform(-1, 1, (1, 256, 7, 7)).astype(np.float32), rng.uniform(-.1, .1, (64, 256, 3, 3)).astype(np.float32)
+  with building_for("CUDA"): y = Tensor.input("x", x.shape).conv2d(Tensor(w), padding=1).relu()
+  c = compile([y], "CUDA")
+  names = [k.ast.arg for k in c.kernels]
+  assert "reduce_4x1x1x64x49" in names, names  # K = 2304 in 4 chunks of 64 channels' taps (each at least 512)
+  assert _tiled(c.plan) >= 1
+  np.testing.assert_allclose(c.run({"x": x})[0], np.maximum(conv_ref(x, w, None, [1, 1], [(1, 1)] * 2, [1, 1], 1), 0), rtol=1e-4, atol=1e-4)

@@ -22,6 +22,11 @@ def building_for(device: str) -> Iterator[None]:
   finally: _DEVICE.reset(token)
 
 
+def build_device() -> str:
+  """The device the graph being built is for ("CPU" outside building_for)."""
+  return _DEVICE.get()
+
+
 def cpu_layouts() -> bool:
   """Whether the graph being built is for the CPU (its blocked weight layouts pay there only)."""
   return _DEVICE.get().split(":")[0].upper() in ("CPU", "DISK")

@@ -13,9 +13,10 @@ import numpy as np
 
 from kiln.graph import dims as sym
 from kiln.graph import winograd
-from kiln.graph.build_target import cpu_layouts
+from kiln.graph.build_target import build_device, cpu_layouts
 from kiln.graph.errors import GraphError
 from kiln.graph.lazy import Node, prod
+from kiln.ir.errors import DeviceError
 from kiln.ir.kernels import Dim
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ POOL_CHANNELS_LAST = True
 # an NCHW product whose packed column panel would not stay in a core's L2 sums K in chunks of input channels (_k_chunks)
 SPLIT_K = True
 K_CHUNK_ROWS = 8  # a register tile's rows: a product of fewer than two tiles reads its panel once
+GPU_TILE = 64  # the CUDA product's smallest tile's rows and columns (kiln.codegen.choose.tiling)
+GPU_CHUNK_K = 512  # a GPU chunk's least K: its block's work stays well above the partials' trip through memory
 
 
 def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] | int, padding: Sequence[tuple[int, int]] | int,
@@ -137,6 +140,7 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     xp = (x.contiguous() if _reduces(x.node) else x).pad(((0, 0), (0, 0), *pads)).contiguous()
   if all(k == 1 for k in ks) and all(s == 1 for s in st) and xp is x:
     out, cols = x.shape[2:], x.reshape(n, groups, cg, prod(x.shape[2:]))  # 1x1: the input is the matrix already
+    chan = cols  # (N, g, C/g, ...): what K's chunks split along the channels
   else:
     win = xp.windows(ks, st, dl)  # (N, C, *out, *k)
     out = win.shape[2:2 + d]
@@ -151,20 +155,23 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
       cols, w = _patches(win, w, groups)
       return _product_channels_last(cols, w, bias, groups, out)
     win = win.reshape(n, groups, cg, *out, *ks).permute(0, 1, 2, *range(3 + d, 3 + 2 * d), *range(3, 3 + d))  # (N, g, C/g, *k, *out)
-    cols = win.reshape(n, groups, cg * prod(ks), prod(out))
+    cols, chan = win.reshape(n, groups, cg * prod(ks), prod(out)), win
   kk, p = cols.shape[2:]
   if _image_stem(cg, og): return _product_channels_last(cols, w, bias, groups, out)
   pointwise_cl = cpu and POINTWISE_CHANNELS_LAST and all(k == 1 for k in ks) and all(s == 1 for s in st) and isinstance(og, int) and \
     (og <= WEIGHT_BLOCK and og % BLOCK == 0 or _weight_block(og) > 0)
   if cpu and PRODUCT_CHANNELS_LAST and (_positions_few(p, og) or pointwise_cl and _channels_last_source(x)):
     return _product_channels_last(cols, w, bias, groups, out)
-  if cpu and isinstance(cg, int) and isinstance(og, int) and isinstance(kk, int) and (s := _k_chunks(cg, kk // cg, og)) > 1:
+  if isinstance(cg, int) and isinstance(og, int) and isinstance(kk, int) and isinstance(n, int) and isinstance(p, int) and \
+     (s := _k_chunks(cg, kk // cg, og) if cpu else _gpu_k_chunks(cg, kk // cg, og, p, n * groups)) > 1:
     # K in chunks of whole input channels, each a product of its own (the chunks the outermost axis: one product after
     # another, each over its panels), then their partials summed
     kc = kk // s
     if (data := w.node.data) is not None: wc = type(w)(np.ascontiguousarray(np.moveaxis(data.reshape(groups, og, s, kc), 2, 0)))
     else: wc = w.reshape(groups, og, s, kc).permute(2, 0, 1, 3).contiguous()
-    part = (wc.reshape(s, 1, groups, og, kc, 1) * cols.reshape(n, groups, 1, s, kc, p).permute(3, 0, 1, 2, 4, 5)).sum(4)  # (s, n, g, og, p)
+    # the chunks split the channel axis before K is merged, so a chunk's channel is s * cg / s + k // taps (no division of s)
+    chunks = chan.reshape(n, groups, s, cg // s, *chan.shape[3:]).permute(2, 0, 1, *range(3, chan.ndim + 1)).reshape(s, n, groups, 1, kc, p)
+    part = (wc.reshape(s, 1, groups, og, kc, 1) * chunks).sum(4)  # (s, n, g, og, p)
     y = part.contiguous().sum(0).reshape(n, o, *out)
   else: y = (_flat(w, (1, groups, og, kk, 1)) * cols.reshape(n, groups, 1, kk, p)).sum(3, keepdims=True).contiguous().reshape(n, o, *out)
   y = y if bias is None else y + bias.reshape(1, o, *([1] * d))
@@ -184,6 +191,22 @@ def _k_chunks(cg: int, taps: int, og: Dim) -> int:
   row, room = 2 * t.vector_bytes, t.l2_bytes // 2
   if cg * taps * row <= room: return 1
   return next((s for s in range(2, cg + 1) if cg % s == 0 and cg // s * taps * row <= room), 1)
+
+
+def _gpu_k_chunks(cg: int, taps: int, og: int, cols: int, batches: int) -> int:
+  """How many chunks of its cg input channels a GPU's product sums K in: where its smallest tiles (GPU_TILE square) give
+  fewer blocks than half the multiprocessors (ResNet-50 at batch 1: a 3x3 conv over 512 channels of a 7x7 map is 8
+  blocks on an H200's 132 SMs, K = 4608 long each), as many as fill them, a divisor of cg, each chunk's K at least
+  GPU_CHUNK_K; the partials then summed. Unmeasured on a GPU (the emulation proves the sums)."""
+  from kiln.codegen.registry import target_of
+  if not SPLIT_K: return 1
+  try: t = target_of(build_device())
+  except DeviceError: return 1  # no runtime for the device here: a graph built for it all the same keeps one K
+  if t is None or t.gpu_sms < 1: return 1
+  blocks = -(-og // GPU_TILE) * -(-cols // GPU_TILE) * batches
+  if 2 * blocks >= t.gpu_sms: return 1
+  want = -(-t.gpu_sms // blocks)
+  return max((s for s in range(1, min(want, cg) + 1) if cg % s == 0 and cg // s * taps >= GPU_CHUNK_K), default=1)
 
 
 def _image_stem(cg: Dim, og: Dim) -> bool:
