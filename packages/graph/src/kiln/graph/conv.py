@@ -169,7 +169,8 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int] |
     kc = kk // s
     if (data := w.node.data) is not None: wc = type(w)(np.ascontiguousarray(np.moveaxis(data.reshape(groups, og, s, kc), 2, 0)))
     else: wc = w.reshape(groups, og, s, kc).permute(2, 0, 1, 3).contiguous()
-    # the chunks split the channel axis before K is merged, so a chunk's channel is s * cg / s + k // taps (no division of s)
+    # the chunks split the channel axis before K is merged: chunk i's channel is i * cg / s + k // taps, affine in i (a
+    # merged K reshaped into chunks divided i by the taps, which the CUDA matcher refuses as a batch stride)
     chunks = chan.reshape(n, groups, s, cg // s, *chan.shape[3:]).permute(2, 0, 1, *range(3, chan.ndim + 1)).reshape(s, n, groups, 1, kc, p)
     part = (wc.reshape(s, 1, groups, og, kc, 1) * chunks).sum(4)  # (s, n, g, og, p)
     y = part.contiguous().sum(0).reshape(n, o, *out)
