@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kiln.codegen.render.llvm_dot import Emitter
 from kiln.ir.ops import Ops
 from kiln.ir.uop import UOp
 
 
-class Printer(Protocol):
-  def tmp(self) -> str: ...
-  def emit(self, s: str) -> None: ...
+class ValueEmitter(Emitter, Protocol):
+  """An Emitter that also prints a value (val) and a typed value (tv): LLVMPrinter."""
   def val(self, u: UOp) -> str: ...
   def tv(self, u: UOp) -> str: ...
 
@@ -25,7 +25,7 @@ def picks(u: UOp) -> tuple[list[UOp], list[int]] | None:
   return srcs, [srcs.index(s.src[0]) * srcs[0].dtype.count + s.arg for s in u.src]
 
 
-def shuffle(p: Printer, u: UOp, src_type: str) -> str | None:
+def shuffle(p: ValueEmitter, u: UOp, src_type: str) -> str | None:
   """u as one shufflevector where its lanes are picks of at most two vectors (src_type: their LLVM type); else None."""
   if (found := picks(u)) is None: return None
   srcs, mask = found

@@ -65,13 +65,15 @@ class VarArena:
 
   def write(self, slot: VarSlot, vals: Sequence[int], name: str) -> None:
     """The slot's values (int32 each, else a RuntimeLaunchError naming kernel `name`), copied at the next flush."""
-    for v in vals:
-      if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"kernel {name}: a variable's value {v} does not fit int32")
+    for v in vals: _int32(v, f"kernel {name}: ")
     slot.host[:] = vals
-    with self._lock:
-      lo, hi = self._dirty.get(slot.page, (slot.start, slot.start + slot.n))
-      self._dirty[slot.page] = (min(lo, slot.start), max(hi, slot.start + slot.n))
-      self.dirty = True
+    with self._lock: self._mark(slot.page, slot.start, slot.start + slot.n)
+
+  def _mark(self, page: int, lo: int, hi: int) -> None:
+    """Widen the page's span written since the last flush by [lo, hi) (the lock held)."""
+    was = self._dirty.get(page, (lo, hi))
+    self._dirty[page] = (min(was[0], lo), max(was[1], hi))
+    self.dirty = True
 
   def writer(self, sites: Sequence[tuple[VarSlot, int]]) -> Callable[[int], None]:
     """One callable that writes a value as variable `pos` of each (slot, pos) of `sites` (one assignment per page into
@@ -83,13 +85,10 @@ class VarArena:
     spans = [(p, self._pages[p][1], np.array(sorted(set(at)), np.intp), min(at), max(at) + 1) for p, at in sorted(by_page.items())]
 
     def write(value: int) -> None:
-      if not -(2**31) <= int(value) < 2**31: raise RuntimeLaunchError(f"a variable's value {value} does not fit int32")
+      _int32(value)
       for _, host, at, _, _ in spans: host[at] = value
       with self._lock:
-        for p, _, _, lo, hi in spans:
-          was = self._dirty.get(p, (lo, hi))
-          self._dirty[p] = (min(was[0], lo), max(was[1], hi))
-        self.dirty = True
+        for p, _, _, lo, hi in spans: self._mark(p, lo, hi)
     return write
 
   def __del__(self) -> None:
@@ -108,6 +107,11 @@ class VarArena:
       self._dirty.clear()
       self.dirty = False
     for (buf, host), lo, hi in spans: self.allocator.copyin(self.allocator.view(buf, 4 * lo, 4 * (hi - lo)), memoryview(host[lo:hi].data))
+
+
+def _int32(v: int, who: str = "") -> None:
+  """A RuntimeLaunchError (its message led by `who`) where v does not fit the int32 a kernel reads."""
+  if not -(2**31) <= int(v) < 2**31: raise RuntimeLaunchError(f"{who}a variable's value {v} does not fit int32")
 
 
 def calls_writer(sites: Sequence[tuple[Any, int]]) -> Callable[[int], None] | None:
