@@ -147,6 +147,28 @@ def test_a_batch_norm_over_a_concatenation_runs_piece_by_piece(monkeypatch: pyte
   for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-3)
 
 
+def _cat_reads(c) -> list:  # type: ignore[no-untyped-def]
+  """The concatenations kernels of their own shape read as buffers (a slot), one entry per reading kernel."""
+  return [s for k in c.kernels for s in k.slots[1:] if s.op == "CAT" and s.shape == k.node.shape]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("share", [True, False])
+def test_a_dense_blocks_batch_norms_read_one_shared_buffer(monkeypatch: pytest.MonkeyPatch, n: int, share: bool) -> None:
+  """Each layer's batch norm and ReLU reads the concatenation of the block so far: every such concatenation is a prefix
+  of the last one, so all live in its buffer (each piece stored there once, by its own kernel) and each batch norm is one
+  kernel reading its view, the first channels of every image (with three images a strided view: its loads are mapped).
+  SHARE_CATS off: a kernel per piece per batch norm (slabs). Against numpy either way."""
+  monkeypatch.setattr(cat_place, "SHARE_CATS", share)
+  c, x, want = _dense_block(n, 5, norm=True)
+  reads = _cat_reads(c)
+  slabs = sum(k.node.shape[1:2] == (8,) and any(s.shape[2:] == (1, 1) for s in k.slots) for k in c.kernels)  # a batch norm over a piece
+  assert _selecting(c) == 0, c.plan.describe()
+  if share: assert len(reads) == 4 and len({len(r.src) for r in reads}) == 4 and slabs == 0, c.plan.describe()
+  else: assert not reads and slabs > 4, c.plan.describe()
+  for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-3)
+
+
 def test_a_small_concatenation_keeps_its_kernel() -> None:
   """Below COPY_START elements a copy per piece would cost more kernel starts than the selects it saves."""
   a, b = rand(1, 16, 2, 2), rand(1, 16, 2, 2)

@@ -56,6 +56,7 @@ PLACE_CATS = True
 CAT_ALIGN = 64  # bytes: a cache line, every CPU vector and CUDA's 16-byte loads
 COPY_PIECES = True  # a piece that is no kernel's output gets a copy kernel into its place where that pays; False: never
 COPY_START = 1024  # elements a copy moves in the time a kernel takes to start (dispatch, the split)
+SHARE_CATS = True  # concatenations that are prefixes of one another, each read by an elementwise kernel, share one buffer; False: slabs
 
 
 class Place(NamedTuple):
@@ -94,9 +95,10 @@ def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[
   placed: Placement = {}
   hosts: dict[Node, list[Kernel]] = {}  # a node filled in place -> the kernels that take its kernel's place
   spread: dict[Node, UOp] = {}
+  if COPY_PIECES and SHARE_CATS: _share(kernels, outputs, made, readers, placed, hosts, spread, stored)
   for k in kernels:
     n = k.node
-    if n in outputs or n in placed or not is_static(n.shape): continue
+    if n in outputs or n in placed or n in hosts or not is_static(n.shape): continue
     c = n if n.op == "CAT" else _selected_cat(n, k) if COPY_PIECES and _elementwise(n) else None
     if c is None: continue
     shape = static_shape("cat", n.shape)
@@ -129,6 +131,72 @@ def _places(n: Node, c: Node, shape: tuple[int, ...]) -> list[Place]:
     out.append(Place(n, at, rows, run, stride))
     at += run
   return out
+
+
+def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], readers: dict[Node, set[Node]], placed: Placement,
+           hosts: dict[Node, list[Kernel]], spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
+  """Concatenations whose pieces are a prefix of a larger one's, each read by an elementwise kernel at its own index (a
+  dense block: every layer's batch norm and ReLU over the block's input and the features so far), all live in the
+  largest one's buffer: its pieces are placed there once (a copy kernel for one that is no kernel's own output), each
+  smaller concatenation is a view of its first channels, and each reader is one kernel over its view, where slabs
+  (_slabs) took a kernel per piece per reader. Fills placed, hosts and spread; a group whose views do not fold keeps slabs."""
+  over: dict[Node, tuple[Kernel, Node]] = {}  # a reader's node -> its kernel and the concatenation it selects from
+  for k in kernels:
+    n = k.node
+    if n.op != "CAT" and n not in outputs and is_static(n.shape) and _elementwise(n) and (c := _selected_cat(n, k)) is not None \
+       and c not in outputs and is_static(c.shape):
+      over[n] = (k, c)
+  by_start: dict[tuple[int, Node], list[Node]] = {}
+  for c in dict.fromkeys(c for _, c in over.values()): by_start.setdefault((c.arg, c.src[0]), []).append(c)
+  groups: dict[Node, list[Node]] = {}  # the largest concatenation -> those that are prefixes of it (itself too)
+  for same in by_start.values():
+    for c in same:
+      root = max((d for d in same if len(d.src) >= len(c.src) and d.src[:len(c.src)] == c.src), key=lambda d: len(d.src))
+      groups.setdefault(root, []).append(c)
+  by_node = {k.node: k for k in kernels}
+  for root, members in groups.items():
+    if len(members) > 1 and root not in placed: _share_group(root, set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
+
+
+def _share_group(root: Node, members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node], made: set[Node],
+                 by_node: dict[Node, Kernel], readers: dict[Node, set[Node]], placed: Placement, hosts: dict[Node, list[Kernel]],
+                 spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
+  shape, item = static_shape("cat", root.shape), stored(root).itemsize
+  places = _places(root, root, shape)
+  rows, stride = places[0].rows, places[0].stride
+  if any(stored(c) != stored(root) for c in members) or any(pl.at * item % CAT_ALIGN for pl in places) or rows > 1 and stride * item % CAT_ALIGN:
+    return
+  if len(set(root.src)) < len(root.src): return  # a piece twice: two places, one kernel
+  users = [n for n, (_, c) in over.items() if c in members]  # in kernel order
+  fills: list[tuple[Kernel, Place]] = []  # each piece's kernel (its own, or a copy) and its place
+  copies: dict[Node, Kernel] = {}  # a piece that is no kernel's own output -> the kernel that copies it into its place
+  for s, pl in zip(root.src, places):
+    if pl.run == 0: continue
+    p = _piece(s, made)
+    if p is not None and p not in outputs and p not in placed and p not in hosts and stored(p) == stored(root) \
+       and all(p is not f.node for f, _ in fills) and (rows == 1 or readers.get(p, set()) <= set(users)):
+      fills.append((by_node[p], pl))
+    else:
+      copies[s] = _copy(s, root, made, stored)
+      fills.append((copies[s], pl))
+  asts: dict[Node, UOp] = {}
+  for f, pl in fills if rows > 1 else ():
+    if (a := _spread(f.ast, pl)) is None: return
+    asts[f.node] = a
+  views = {c: Place(root, 0, rows, prod(static_shape("cat", c.shape)[c.arg:]), stride) for c in members if c is not root}
+  readers_of: dict[Node, Kernel] = {}
+  for n in users:
+    c = over[n][1]
+    rk = Kernelizer(n, made | {c}, stored).kernel()
+    if c in views and rows > 1:
+      if (a := _spread(rk.ast, views[c], rk.slots.index(c))) is None: return
+      rk = dataclasses.replace(rk, ast=a)
+    readers_of[n] = rk
+  spread.update(asts)
+  placed.update((f.node, pl) for f, pl in fills)
+  placed.update(views)
+  for n in users:  # each copy runs just before the first reader whose concatenation holds its piece
+    hosts[n] = [copies.pop(s) for s in over[n][1].src if s in copies] + [readers_of[n]]
 
 
 def _pieces(c: Node, places: list[Place], copying: bool, made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node],
@@ -208,16 +276,17 @@ def _rebuilt(x: Node, memo: dict[Node, Node], k: Kernel, at: int, ax: int, shape
   return new
 
 
-def _spread(ast: UOp, pl: Place) -> UOp | None:
-  """A piece's kernel with its output slot (0) a view of pl.span elements and element i stored at
-  (i // run) * stride + i % run; None where the simplifier leaves a division or remainder the index did not have."""
+def _spread(ast: UOp, pl: Place, slot: int = 0) -> UOp | None:
+  """A kernel with its slot (0: its output, a piece; else a concatenation it reads in a shared buffer) a view of pl.span
+  elements and element i at (i // run) * stride + i % run; None where the simplifier leaves a division or remainder the
+  index did not have."""
   nodes = ast.toposort()
-  g = next((u for u in nodes if u.op is Ops.DEFINE_GLOBAL and u.arg == 0), None)
+  g = next((u for u in nodes if u.op is Ops.DEFINE_GLOBAL and u.arg == slot), None)
   if g is None or not isinstance(g.dtype, PtrDType): return None
-  wide = UOp.define_global(0, g.dtype.base.ptr(pl.span))
+  wide = UOp.define_global(slot, g.dtype.base.ptr(pl.span))
   moved: dict[UOp, UOp] = {}
   for u in nodes:
-    if u.op is Ops.INDEX and u.src[0] is g:  # its index and gate are the loops' and other slots' values, never slot 0's
+    if u.op is Ops.INDEX and u.src[0] is g:  # its index and gate are the loops' and other slots' values, never this slot's
       i = u.src[1]
       j = (i // pl.run * pl.stride + i % pl.run).simplify()
       if _divisions(j) > _divisions(i): return None
