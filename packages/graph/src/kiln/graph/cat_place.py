@@ -36,7 +36,18 @@ over its slab of the result, its chain rebuilt over the piece and its other oper
 
 | before                                                     | after                                                      |
 |------------------------------------------------------------|------------------------------------------------------------|
-| Y = relu(cat(P_0, ..., P_n) * s + b): a kernel, n selects an element | Y's slab i = relu(P_i * s[i] + b[i]): a kernel each, no select |"""
+| Y = relu(cat(P_0, ..., P_n) * s + b): a kernel, n selects an element | Y's slab i = relu(P_i * s[i] + b[i]): a kernel each, no select |
+
+A dense block reads many such concatenations, each a prefix of the next (layer l's batch norm over the block's input and
+features 1..l): slabs took a kernel per piece per layer, a quadratic number of small kernels. Where two or more
+concatenations read that way are prefixes of one largest one, they share its buffer (_share): each piece is stored there
+once, each smaller concatenation is a view of its first channels of every image, and each batch norm is one kernel over
+its view (with more than one image the view is strided: its loads are mapped as a spread piece's stores are).
+
+| before                                                     | after                                                      |
+|------------------------------------------------------------|------------------------------------------------------------|
+| layer l: l + 1 slab kernels, each piece's slab of Y_l      | layer l: one kernel, Y_l = relu(C[:, :c_l] * s + b)        |
+| pieces: stored in their own buffers, read by every slab    | pieces: stored once in C's buffer (a copy where no kernel's own output) |"""
 from __future__ import annotations
 
 import dataclasses
