@@ -101,20 +101,24 @@ def test_a_piece_in_two_concatenations_is_placed_in_the_first() -> None:
   for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
 
 
-def _dense_block(n: int, layers: int, norm: bool):  # type: ignore[no-untyped-def]
+def _dense_block(n: int, layers: int, norm: bool, chain: bool = False):  # type: ignore[no-untyped-def]
   """DenseNet's block: each layer's 3x3 conv reads the concatenation of the block's input and every earlier layer's
-  features, through a batch norm's per-channel scale and shift and a ReLU where `norm`."""
+  features, through a batch norm's per-channel scale and shift and a ReLU where `norm`. `chain`: each concatenation is
+  the previous one's and the newest features (as Caffe2's DenseNet export builds them), else all of them at once."""
   g, x = 8, rand(n, 16, 12, 12)
   ws = [rand(g, 16 + g * i, 3, 3) for i in range(layers)]
   ss = [(rand(1, 16 + g * i, 1, 1), rand(1, 16 + g * i, 1, 1)) for i in range(layers)]
   xi = Tensor.input("x", x.shape)
   feats, want = [xi], [x]
+  cat = xi
   for w, (a, b) in zip(ws, ss):
-    cat, ref = Tensor.cat(feats, axis=1), np.concatenate(want, 1)
-    if norm: cat, ref = (cat * Tensor(a) + Tensor(b)).relu(), _relu(ref * a + b)
-    feats.append(cat.conv2d(Tensor(w), padding=1).relu())
+    cat, ref = Tensor.cat([cat, feats[-1]], axis=1) if chain and len(feats) > 1 else Tensor.cat(feats, axis=1), np.concatenate(want, 1)
+    inp = (cat * Tensor(a) + Tensor(b)).relu() if norm else cat
+    if norm: ref = _relu(ref * a + b)
+    feats.append(inp.conv2d(Tensor(w), padding=1).relu())
     want.append(_relu(conv_ref(ref, w, None, [1, 1], [(1, 1)] * 2, [1, 1], 1)))
-  return compile([Tensor.cat(feats, axis=1).sum(axis=(2, 3))]), x, np.concatenate(want, 1).sum(axis=(2, 3))
+  last = Tensor.cat([cat, feats[-1]], axis=1) if chain else Tensor.cat(feats, axis=1)
+  return compile([last.sum(axis=(2, 3))]), x, np.concatenate(want, 1).sum(axis=(2, 3))
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -154,18 +158,22 @@ def _cat_reads(c) -> list:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("share", [True, False])
-def test_a_dense_blocks_batch_norms_read_one_shared_buffer(monkeypatch: pytest.MonkeyPatch, n: int, share: bool) -> None:
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_dense_blocks_batch_norms_read_one_shared_buffer(monkeypatch: pytest.MonkeyPatch, n: int, share: bool, chain: bool) -> None:
   """Each layer's batch norm and ReLU reads the concatenation of the block so far: every such concatenation is a prefix
   of the last one, so all live in its buffer (each piece stored there once, by its own kernel) and each batch norm is one
   kernel reading its view, the first channels of every image (with three images a strided view: its loads are mapped).
-  SHARE_CATS off: a kernel per piece per batch norm (slabs). Against numpy either way."""
+  A chain of two-piece concatenations counts as one of all their pieces: the same. SHARE_CATS off: a kernel per piece
+  per batch norm (slabs; in a chain the first piece is the previous concatenation, still selected from). Against numpy
+  every way."""
   monkeypatch.setattr(cat_place, "SHARE_CATS", share)
-  c, x, want = _dense_block(n, 5, norm=True)
+  c, x, want = _dense_block(n, 5, norm=True, chain=chain)
   reads = _cat_reads(c)
+  if share: assert not any(k.node.op == "CAT" for k in c.kernels), c.plan.describe()  # the last one too: the block's buffer
   slabs = sum(k.node.shape[1:2] == (8,) and any(s.shape[2:] == (1, 1) for s in k.slots) for k in c.kernels)  # a batch norm over a piece
-  assert _selecting(c) == 0, c.plan.describe()
-  if share: assert len(reads) == 4 and len({len(r.src) for r in reads}) == 4 and slabs == 0, c.plan.describe()
-  else: assert not reads and slabs > 4, c.plan.describe()
+  assert (_selecting(c) == 0) == (share or not chain), c.plan.describe()  # a chain's slabs: the first piece still selects
+  if share: assert len(reads) == 4 and len({r.shape for r in reads}) == 4 and slabs == 0, c.plan.describe()
+  else: assert not reads and slabs >= 4, c.plan.describe()
   for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-3)
 
 

@@ -147,44 +147,58 @@ def _places(n: Node, c: Node, shape: tuple[int, ...]) -> list[Place]:
 def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], readers: dict[Node, set[Node]], placed: Placement,
            hosts: dict[Node, list[Kernel]], spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
   """Concatenations whose pieces are a prefix of a larger one's, each read by an elementwise kernel at its own index (a
-  dense block: every layer's batch norm and ReLU over the block's input and the features so far), all live in the
-  largest one's buffer: its pieces are placed there once (a copy kernel for one that is no kernel's own output), each
-  smaller concatenation is a view of its first channels, and each reader is one kernel over its view, where slabs
-  (_slabs) took a kernel per piece per reader. Fills placed, hosts and spread; a group whose views do not fold keeps slabs."""
+  dense block: every layer's batch norm and ReLU over the block's input and the features so far) or a kernel of its own,
+  all live in the largest one's buffer: its pieces are placed there once (a copy kernel for one that is no kernel's own
+  output), each smaller concatenation is a view of its first channels, and each reader is one kernel over its view, where
+  slabs (_slabs) took a kernel per piece per reader and a concatenation's own kernel copied every earlier piece again.
+  A concatenation of a concatenation along the same axis counts as its pieces (a block exported as a chain of two-piece
+  concatenations). Fills placed, hosts and spread; a group whose views do not fold is left as it was."""
   over: dict[Node, tuple[Kernel, Node]] = {}  # a reader's node -> its kernel and the concatenation it selects from
   for k in kernels:
     n = k.node
     if n.op != "CAT" and n not in outputs and is_static(n.shape) and _elementwise(n) and (c := _selected_cat(n, k)) is not None \
        and c not in outputs and is_static(c.shape):
       over[n] = (k, c)
+  cats = [c for _, c in over.values()] + [k.node for k in kernels if k.node.op == "CAT" and k.node not in outputs and is_static(k.node.shape)]
+  flat = {c: _flat(c) for c in dict.fromkeys(cats)}
   by_start: dict[tuple[int, Node], list[Node]] = {}
-  for c in dict.fromkeys(c for _, c in over.values()): by_start.setdefault((c.arg, c.src[0]), []).append(c)
+  for c, f in flat.items(): by_start.setdefault((c.arg, f[0]), []).append(c)
   groups: dict[Node, list[Node]] = {}  # the largest concatenation -> those that are prefixes of it (itself too)
   for same in by_start.values():
     for c in same:
-      root = max((d for d in same if len(d.src) >= len(c.src) and d.src[:len(c.src)] == c.src), key=lambda d: len(d.src))
+      root = max((d for d in same if len(flat[d]) >= len(flat[c]) and flat[d][:len(flat[c])] == flat[c]), key=lambda d: len(flat[d]))
       groups.setdefault(root, []).append(c)
   by_node = {k.node: k for k in kernels}
   for root, members in groups.items():
-    if len(members) > 1 and root not in placed: _share_group(root, set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
+    if len(members) > 1 and root not in placed and not any(c in hosts for c in members):
+      _share_group(root, flat[root], set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
 
 
-def _share_group(root: Node, members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node], made: set[Node],
-                 by_node: dict[Node, Kernel], readers: dict[Node, set[Node]], placed: Placement, hosts: dict[Node, list[Kernel]],
-                 spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
-  shape, item = static_shape("cat", root.shape), stored(root).itemsize
-  places = _places(root, root, shape)
-  rows, stride = places[0].rows, places[0].stride
-  if any(stored(c) != stored(root) for c in members) or any(pl.at * item % CAT_ALIGN for pl in places) or rows > 1 and stride * item % CAT_ALIGN:
-    return
-  if len(set(root.src)) < len(root.src): return  # a piece twice: two places, one kernel
-  users = [n for n, (_, c) in over.items() if c in members]  # in kernel order
+def _flat(c: Node) -> tuple[Node, ...]:
+  """c's pieces, a concatenation along the same axis among them replaced by its own pieces."""
+  return tuple(p for s in c.src for p in (_flat(s) if s.op == "CAT" and s.arg == c.arg else (s,)))
+
+
+def _share_group(root: Node, pieces: tuple[Node, ...], members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node],
+                 made: set[Node], by_node: dict[Node, Kernel], readers: dict[Node, set[Node]], placed: Placement,
+                 hosts: dict[Node, list[Kernel]], spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
+  shape, item, ax = static_shape("cat", root.shape), stored(root).itemsize, root.arg
+  rows, stride = prod(shape[:ax]), prod(shape[ax:])
+  places, at = [], 0
+  for s in pieces:
+    places.append(Place(root, at, rows, run := prod(static_shape("cat", s.shape)) // rows, stride))
+    at += run
+  if len(set(pieces)) < len(pieces) or any(stored(c) != stored(root) for c in members): return  # a piece twice: two places, one kernel
+  if any(pl.at * item % CAT_ALIGN for pl in places) or rows > 1 and stride * item % CAT_ALIGN: return
+  # the kernels that read a member: each elementwise reader, and each member's own kernel (which goes)
+  users = [n for n, (_, c) in over.items() if c in members] + [c for c in members if c in by_node]
+  if rows > 1 and any(not readers.get(c, set()) <= set(users) for c in members if c in by_node and c is not root): return  # read as dense
   fills: list[tuple[Kernel, Place]] = []  # each piece's kernel (its own, or a copy) and its place
   copies: dict[Node, Kernel] = {}  # a piece that is no kernel's own output -> the kernel that copies it into its place
-  for s, pl in zip(root.src, places):
+  for s, pl in zip(pieces, places):
     if pl.run == 0: continue
     p = _piece(s, made)
-    if p is not None and p not in outputs and p not in placed and p not in hosts and stored(p) == stored(root) \
+    if p is not None and p not in outputs and p not in placed and p not in hosts and p not in members and stored(p) == stored(root) \
        and all(p is not f.node for f, _ in fills) and (rows == 1 or readers.get(p, set()) <= set(users)):
       fills.append((by_node[p], pl))
     else:
@@ -194,20 +208,22 @@ def _share_group(root: Node, members: set[Node], over: dict[Node, tuple[Kernel, 
   for f, pl in fills if rows > 1 else ():
     if (a := _spread(f.ast, pl)) is None: return
     asts[f.node] = a
-  views = {c: Place(root, 0, rows, prod(static_shape("cat", c.shape)[c.arg:]), stride) for c in members if c is not root}
-  readers_of: dict[Node, Kernel] = {}
+  views = {c: Place(root, 0, rows, prod(static_shape("cat", c.shape)[ax:]), stride) for c in members if c is not root}
+  readers_of: dict[Node, list[Kernel]] = {c: [] for c in members if c in by_node}  # a member's own kernel: none
   for n in users:
+    if n in readers_of: continue
     c = over[n][1]
     rk = Kernelizer(n, made | {c}, stored).kernel()
     if c in views and rows > 1:
       if (a := _spread(rk.ast, views[c], rk.slots.index(c))) is None: return
       rk = dataclasses.replace(rk, ast=a)
-    readers_of[n] = rk
+    readers_of[n] = [rk]
   spread.update(asts)
   placed.update((f.node, pl) for f, pl in fills)
   placed.update(views)
-  for n in users:  # each copy runs just before the first reader whose concatenation holds its piece
-    hosts[n] = [copies.pop(s) for s in over[n][1].src if s in copies] + [readers_of[n]]
+  order = {k.node: i for i, k in enumerate(by_node.values())}
+  for n in sorted(users, key=order.__getitem__):  # each copy runs just before the first reader whose concatenation holds its piece
+    hosts[n] = [copies.pop(s) for s in _flat(over[n][1] if n in over else n) if s in copies] + readers_of[n]
 
 
 def _pieces(c: Node, places: list[Place], copying: bool, made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node],
