@@ -10,7 +10,7 @@ from kiln.codegen.choose.axis_plan import _loads, kept_twins
 from kiln.codegen.choose.base import GPU_WARP, Opt, OptOps, Target, affine_coeff, axis_bound, axis_size
 from kiln.codegen.choose.layout_unrolls import transposed_reads, window_steps
 from kiln.codegen.threads import chunk_count, per_core
-from kiln.ir.analysis import free_ranges, reads_stored
+from kiln.ir.analysis import free_ranges, free_ranges_of, reads_stored
 from kiln.ir.dtype import dtypes
 from kiln.ir.ops import Ops
 from kiln.ir.symbolic import simplify
@@ -62,6 +62,7 @@ FEW_UNITS = 8
 # computes two while the other waits; SqueezeNet's 1000-row classifier ran a third slower). W (256x1024) @ X (1024x196)
 # on 2 cores: 32 chunks 0.94 ms, 4 chunks 0.54 ms, 2 chunks 0.47 ms. 0: as many chunks as any split gets
 PACKED_ROWS = 256
+SPLIT_REDUCED_ONLY = True  # threads split only output axes every reduction varies over, where any (_reduced_along); False: any
 MIN_ACCUMULATORS = 12  # a register tile's accumulators that keep enough multiply-adds in flight (_tile_rows)
 
 
@@ -184,7 +185,7 @@ def heuristic_opts(ast: UOp, target: Target, reassociate: bool = False) -> list[
     opts = [o for o in opts if not (o.op in (OptOps.UPCAST, OptOps.UNROLL) and (n := sizes.get(o.axis)) is not None and n % o.amount)]
   # threads: split the outermost output axis into chunks the threads claim when the whole kernel is big enough
   # (an axis unrolled whole to fold its selects has one unit: the next one is split)
-  if _may_split(target) and (threaded := [a for a in out_axes if all(o.axis != a.arg[0] for o in selects)]):
+  if _may_split(target) and (threaded := _reduced_along([a for a in out_axes if all(o.axis != a.arg[0] for o in selects)], st, reduces)):
     work = _work(out_axes, reduces)
     first = _thread_axis(threaded, opts)
     units = _units(first, opts)
@@ -213,6 +214,15 @@ def _units(a: UOp, opts: list[Opt]) -> int | None:
   if (n := axis_size(a)) is None: return None
   steps = [o.amount for o in opts if o.axis == a.arg[0] and o.op in (OptOps.UPCAST, OptOps.UNROLL)]
   return n // (steps[-1] if steps else 1)
+
+
+def _reduced_along(axes: list[UOp], st: UOp, reduces: list[UOp]) -> list[UOp]:
+  """The output axes every reduction varies over, where there are any: a chunk of an axis a reduction does not vary
+  over computes that reduction again (an instance norm's mean and variance over each map, read at every position: split
+  along the maps' rows, each of 16 chunks summed its whole map again, 6-7 ms for a 4x32x64x64 norm in RAFT)."""
+  if not reduces or not SPLIT_REDUCED_ONLY: return axes
+  free = free_ranges_of(st.toposort())
+  return [a for a in axes if all(a in free[r] for r in reduces)] or axes
 
 
 def _thread_axis(threaded: list[UOp], opts: list[Opt]) -> UOp:
