@@ -101,14 +101,15 @@ def test_a_piece_in_two_concatenations_is_placed_in_the_first() -> None:
   for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-4)
 
 
-def _dense_block(n: int, layers: int, norm: bool, chain: bool = False):  # type: ignore[no-untyped-def]
+def _dense_block(n: int, layers: int, norm: bool, chain: bool = False, batch: tuple[int, int] | None = None):  # type: ignore[no-untyped-def]
   """DenseNet's block: each layer's 3x3 conv reads the concatenation of the block's input and every earlier layer's
   features, through a batch norm's per-channel scale and shift and a ReLU where `norm`. `chain`: each concatenation is
-  the previous one's and the newest features (as Caffe2's DenseNet export builds them), else all of them at once."""
+  the previous one's and the newest features (as Caffe2's DenseNet export builds them), else all of them at once.
+  `batch`: the images a symbolic dim with these bounds (a dynamic export), else n."""
   g, x = 8, rand(n, 16, 12, 12)
   ws = [rand(g, 16 + g * i, 3, 3) for i in range(layers)]
   ss = [(rand(1, 16 + g * i, 1, 1), rand(1, 16 + g * i, 1, 1)) for i in range(layers)]
-  xi = Tensor.input("x", x.shape)
+  xi = Tensor.input("x", x.shape) if batch is None else Tensor.input("x", ("batch", *x.shape[1:]), dims={"batch": batch})
   feats, want = [xi], [x]
   cat = xi
   for w, (a, b) in zip(ws, ss):
@@ -175,6 +176,17 @@ def test_a_dense_blocks_batch_norms_read_one_shared_buffer(monkeypatch: pytest.M
   if share: assert len(reads) == 4 and len({r.shape for r in reads}) == 4 and slabs == 0, c.plan.describe()
   else: assert not reads and slabs >= 4, c.plan.describe()
   for _ in range(2): np.testing.assert_allclose(c.run({"x": x})[0], want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_dense_block_over_a_symbolic_batch_shares_its_buffer(chain: bool) -> None:
+  """A dynamic export's batch: the shared buffer is sized for the batch's upper bound and each image's run of it is at a
+  static offset and stride, so the pieces' stores and the views' loads are mapped as with a static batch. One plan, run
+  with three images and with one, against numpy."""
+  c, x, want = _dense_block(3, 5, norm=True, chain=chain, batch=(1, 4))
+  reads = _cat_reads(c)
+  assert _selecting(c) == 0 and len(reads) == 4 and not any(k.node.op == "CAT" for k in c.kernels), c.plan.describe()
+  for n in (3, 1): np.testing.assert_allclose(c.run({"x": x[:n]})[0], want[:n], rtol=1e-4, atol=1e-3)
 
 
 def test_a_small_concatenation_keeps_its_kernel() -> None:

@@ -56,7 +56,7 @@ from math import prod
 from typing import NamedTuple
 
 from kiln.codegen.choose.heuristic import SELECT_RUN, SELECT_UNROLL
-from kiln.graph.dims import is_static, static_shape
+from kiln.graph.dims import is_static, max_numel, static_shape
 from kiln.graph.kernelize import Kernel, Kernelizer
 from kiln.graph.lazy import Node
 from kiln.ir.dtype import DType, PtrDType
@@ -67,7 +67,7 @@ PLACE_CATS = True
 CAT_ALIGN = 64  # bytes: a cache line, every CPU vector and CUDA's 16-byte loads
 COPY_PIECES = True  # a piece that is no kernel's output gets a copy kernel into its place where that pays; False: never
 COPY_START = 1024  # elements a copy moves in the time a kernel takes to start (dispatch, the split)
-SHARE_CATS = True  # concatenations that are prefixes of one another, each read by an elementwise kernel, share one buffer; False: slabs
+SHARE_CATS = True  # concatenations that are prefixes of one another (read by elementwise kernels, or realized) share one buffer (_share)
 
 
 class Place(NamedTuple):
@@ -156,10 +156,9 @@ def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], reade
   over: dict[Node, tuple[Kernel, Node]] = {}  # a reader's node -> its kernel and the concatenation it selects from
   for k in kernels:
     n = k.node
-    if n.op != "CAT" and n not in outputs and is_static(n.shape) and _elementwise(n) and (c := _selected_cat(n, k)) is not None \
-       and c not in outputs and is_static(c.shape):
+    if n.op != "CAT" and n not in outputs and _elementwise(n) and (c := _selected_cat(n, k)) is not None and c not in outputs and _tail_static(c):
       over[n] = (k, c)
-  cats = [c for _, c in over.values()] + [k.node for k in kernels if k.node.op == "CAT" and k.node not in outputs and is_static(k.node.shape)]
+  cats = [c for _, c in over.values()] + [k.node for k in kernels if k.node.op == "CAT" and k.node not in outputs and _tail_static(k.node)]
   flat = {c: _flat(c) for c in dict.fromkeys(cats)}
   by_start: dict[tuple[int, Node], list[Node]] = {}
   for c, f in flat.items(): by_start.setdefault((c.arg, f[0]), []).append(c)
@@ -174,6 +173,12 @@ def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], reade
       _share_group(root, flat[root], set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
 
 
+def _tail_static(c: Node) -> bool:
+  """Whether c's shape is static from its axis on: the leading dims (a dynamic export's batch) may be symbolic, each
+  image's run of the concatenation then at a static offset and stride, the buffer sized for their upper bounds."""
+  return is_static(c.shape[c.arg:])
+
+
 def _flat(c: Node) -> tuple[Node, ...]:
   """c's pieces, a concatenation along the same axis among them replaced by its own pieces."""
   return tuple(p for s in c.src for p in (_flat(s) if s.op == "CAT" and s.arg == c.arg else (s,)))
@@ -182,11 +187,14 @@ def _flat(c: Node) -> tuple[Node, ...]:
 def _share_group(root: Node, pieces: tuple[Node, ...], members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node],
                  made: set[Node], by_node: dict[Node, Kernel], readers: dict[Node, set[Node]], placed: Placement,
                  hosts: dict[Node, list[Kernel]], spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
-  shape, item, ax = static_shape("cat", root.shape), stored(root).itemsize, root.arg
-  rows, stride = prod(shape[:ax]), prod(shape[ax:])
+  """root's buffer holding its pieces (stored in place, or copied there), its smaller members views of it and each
+  member's reader one kernel over its view; nothing changes where a piece's or a view's index would keep a division."""
+  ax, item = root.arg, stored(root).itemsize
+  if not all(is_static(s.shape[ax:]) for s in pieces): return
+  rows, stride = max_numel(root.shape[:ax]), prod(static_shape("cat", root.shape[ax:]))  # rows at a symbolic batch's upper bound
   places, at = [], 0
   for s in pieces:
-    places.append(Place(root, at, rows, run := prod(static_shape("cat", s.shape)) // rows, stride))
+    places.append(Place(root, at, rows, run := prod(static_shape("cat", s.shape[ax:])), stride))
     at += run
   if len(set(pieces)) < len(pieces) or any(stored(c) != stored(root) for c in members): return  # a piece twice: two places, one kernel
   if any(pl.at * item % CAT_ALIGN for pl in places) or rows > 1 and stride * item % CAT_ALIGN: return
@@ -208,7 +216,7 @@ def _share_group(root: Node, pieces: tuple[Node, ...], members: set[Node], over:
   for f, pl in fills if rows > 1 else ():
     if (a := _spread(f.ast, pl)) is None: return
     asts[f.node] = a
-  views = {c: Place(root, 0, rows, prod(static_shape("cat", c.shape)[ax:]), stride) for c in members if c is not root}
+  views = {c: Place(root, 0, rows, prod(static_shape("cat", c.shape[ax:])), stride) for c in members if c is not root}
   readers_of: dict[Node, list[Kernel]] = {c: [] for c in members if c in by_node}  # a member's own kernel: none
   for n in users:
     if n in readers_of: continue
