@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from math import prod
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from kiln.codegen.choose.heuristic import SELECT_RUN, SELECT_UNROLL
 from kiln.graph.dims import is_static, max_numel, static_shape
@@ -113,7 +113,7 @@ def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[
     c = n if n.op == "CAT" else _selected_cat(n, k) if COPY_PIECES and _elementwise(n) else None
     if c is None: continue
     shape = static_shape("cat", n.shape)
-    places = _places(n, c, shape)
+    places = _places(n, c.src, c.arg, prod(shape[:c.arg]), prod(shape[c.arg:]))
     item = stored(n).itemsize
     if any(pl.at * item % CAT_ALIGN for pl in places) or places[0].rows > 1 and places[0].stride * item % CAT_ALIGN: continue
     pays = COPY_PIECES and _copies_pay(c, shape)
@@ -133,15 +133,23 @@ def place_cats(kernels: Sequence[Kernel], outputs: set[Node], stored: Callable[[
   return out, placed
 
 
-def _places(n: Node, c: Node, shape: tuple[int, ...]) -> list[Place]:
-  """Where each of concatenation c's pieces lies in the buffer of n (c itself, or a node of c's shape computed from it)."""
-  rows, stride = prod(shape[:c.arg]), prod(shape[c.arg:])
+def _places(n: Node, pieces: Sequence[Node], ax: int, rows: int, stride: int) -> list[Place]:
+  """Where each of a concatenation's pieces along axis ax lies in the buffer of n (the concatenation, or a node of its
+  shape computed from it): `rows` runs of its elements from ax on, one every `stride` elements."""
   at, out = 0, []
-  for s in c.src:
-    run = prod(static_shape("cat", s.shape)) // rows
+  for s in pieces:
+    run = prod(static_shape("cat", s.shape[ax:]))
     out.append(Place(n, at, rows, run, stride))
     at += run
   return out
+
+
+def _stores_in_place(p: Node | None, into: Node, fills: list[tuple[Kernel, Place]], outputs: set[Node], placed: Placement,
+                     hosts: dict[Node, list[Kernel]], stored: Callable[[Node], DType]) -> TypeGuard[Node]:
+  """Whether piece p (a kernel's node, or None) may have its kernel store straight into `into`'s buffer: no output, not
+  placed elsewhere nor replaced, of the buffer's dtype, and not a piece of it already (one kernel, one place)."""
+  return p is not None and p not in outputs and p not in placed and p not in hosts and stored(p) == stored(into) \
+    and all(p is not f.node for f, _ in fills)
 
 
 def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], readers: dict[Node, set[Node]], placed: Placement,
@@ -170,7 +178,7 @@ def _share(kernels: Sequence[Kernel], outputs: set[Node], made: set[Node], reade
   by_node = {k.node: k for k in kernels}
   for root, members in groups.items():
     if len(members) > 1 and root not in placed and not any(c in hosts for c in members):
-      _share_group(root, flat[root], set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
+      _share_group(root, flat, set(members), over, outputs, made, by_node, readers, placed, hosts, spread, stored)
 
 
 def _tail_static(c: Node) -> bool:
@@ -184,30 +192,27 @@ def _flat(c: Node) -> tuple[Node, ...]:
   return tuple(p for s in c.src for p in (_flat(s) if s.op == "CAT" and s.arg == c.arg else (s,)))
 
 
-def _share_group(root: Node, pieces: tuple[Node, ...], members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node],
+def _share_group(root: Node, flat: dict[Node, tuple[Node, ...]], members: set[Node], over: dict[Node, tuple[Kernel, Node]], outputs: set[Node],
                  made: set[Node], by_node: dict[Node, Kernel], readers: dict[Node, set[Node]], placed: Placement,
                  hosts: dict[Node, list[Kernel]], spread: dict[Node, UOp], stored: Callable[[Node], DType]) -> None:
   """root's buffer holding its pieces (stored in place, or copied there), its smaller members views of it and each
   member's reader one kernel over its view; nothing changes where a piece's or a view's index would keep a division."""
-  ax, item = root.arg, stored(root).itemsize
+  ax, item, pieces = root.arg, stored(root).itemsize, flat[root]
   if not all(is_static(s.shape[ax:]) for s in pieces): return
   rows, stride = max_numel(root.shape[:ax]), prod(static_shape("cat", root.shape[ax:]))  # rows at a symbolic batch's upper bound
-  places, at = [], 0
-  for s in pieces:
-    places.append(Place(root, at, rows, run := prod(static_shape("cat", s.shape[ax:])), stride))
-    at += run
+  places = _places(root, pieces, ax, rows, stride)
   if len(set(pieces)) < len(pieces) or any(stored(c) != stored(root) for c in members): return  # a piece twice: two places, one kernel
   if any(pl.at * item % CAT_ALIGN for pl in places) or rows > 1 and stride * item % CAT_ALIGN: return
-  # the kernels that read a member: each elementwise reader, and each member's own kernel (which goes)
-  users = [n for n, (_, c) in over.items() if c in members] + [c for c in members if c in by_node]
-  if rows > 1 and any(not readers.get(c, set()) <= set(users) for c in members if c in by_node and c is not root): return  # read as dense
+  # the kernels that read a member, in kernel order: each elementwise reader, and each member's own kernel (which goes)
+  users = [n for n in by_node if n in members or n in over and over[n][1] in members]
+  using = set(users)
+  if rows > 1 and any(not readers.get(c, set()) <= using for c in members if c in by_node and c is not root): return  # read as dense
   fills: list[tuple[Kernel, Place]] = []  # each piece's kernel (its own, or a copy) and its place
   copies: dict[Node, Kernel] = {}  # a piece that is no kernel's own output -> the kernel that copies it into its place
   for s, pl in zip(pieces, places):
     if pl.run == 0: continue
     p = _piece(s, made)
-    if p is not None and p not in outputs and p not in placed and p not in hosts and p not in members and stored(p) == stored(root) \
-       and all(p is not f.node for f, _ in fills) and (rows == 1 or readers.get(p, set()) <= set(users)):
+    if _stores_in_place(p, root, fills, outputs, placed, hosts, stored) and p not in members and (rows == 1 or readers.get(p, set()) <= using):
       fills.append((by_node[p], pl))
     else:
       copies[s] = _copy(s, root, made, stored)
@@ -229,9 +234,8 @@ def _share_group(root: Node, pieces: tuple[Node, ...], members: set[Node], over:
   spread.update(asts)
   placed.update((f.node, pl) for f, pl in fills)
   placed.update(views)
-  order = {k.node: i for i, k in enumerate(by_node.values())}
-  for n in sorted(users, key=order.__getitem__):  # each copy runs just before the first reader whose concatenation holds its piece
-    hosts[n] = [copies.pop(s) for s in _flat(over[n][1] if n in over else n) if s in copies] + readers_of[n]
+  for n in users:  # each copy runs just before the first reader whose concatenation holds its piece
+    hosts[n] = [copies.pop(s) for s in flat[over[n][1] if n in over else n] if s in copies] + readers_of[n]
 
 
 def _pieces(c: Node, places: list[Place], copying: bool, made: set[Node], by_node: dict[Node, Kernel], outputs: set[Node],
@@ -242,8 +246,7 @@ def _pieces(c: Node, places: list[Place], copying: bool, made: set[Node], by_nod
   fills: list[tuple[Kernel, Place]] = []
   for s, pl in zip(c.src, places):
     p = _piece(s, made)
-    if p is not None and p not in outputs and p not in placed and p not in hosts and stored(p) == stored(c) \
-       and all(p is not q.node for q, _ in fills) and (pl.rows == 1 or readers.get(p, set()) == {c}):
+    if _stores_in_place(p, c, fills, outputs, placed, hosts, stored) and (pl.rows == 1 or readers.get(p, set()) == {c}):
       fills.append((by_node[p], pl))
     elif copying: fills.append((_copy(s, c, made, stored), pl))
     else: return None
