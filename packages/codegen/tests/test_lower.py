@@ -260,7 +260,8 @@ def test_contiguous_lanes_load_as_vectors_and_strided_ones_gather():
 
 def test_a_gather_of_contiguous_runs_loads_each_run(monkeypatch):
   """Lanes that read a few runs of consecutive elements (Winograd's 4x4 tiles read back into rows: out[r, 4t + s] =
-  y[s, r, t]) load each run as one vector and pick the lanes from them; with RUN_LANES = 0 each lane is a scalar load."""
+  y[s, r, t]) load each run as one vector and pick the lanes from them; with RUN_LANES = 0 the lanes are one gather (a
+  vector index), and without gathers (VECTOR_GATHERS) a scalar load each."""
   from kiln.codegen.lowering import expand
   out, y = UOp.define_global(0, F32.ptr(8 * 16)), UOp.define_global(1, F32.ptr(4 * 8 * 4))
   r, lane = UOp.range(8, 0), UOp.range(16, 1)
@@ -270,6 +271,8 @@ def test_a_gather_of_contiguous_runs_loads_each_run(monkeypatch):
     return [u for u in lk.uops if u.op is Ops.LOAD and u.src[0].op is Ops.INDEX and u.src[0].src[0].arg == 1]
   assert sorted(u.dtype.count for u in y_loads()) == [4, 4, 4, 4]
   monkeypatch.setattr(expand, "RUN_LANES", 0)
+  assert [(u.dtype.count, u.src[0].src[1].dtype.count) for u in y_loads()] == [(16, 16)]
+  monkeypatch.setattr(expand, "VECTOR_GATHERS", False)
   assert [u.dtype.count for u in y_loads()] == [1] * 16
 
 

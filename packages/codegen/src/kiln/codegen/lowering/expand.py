@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Mapping
 
 from kiln.codegen.choose.base import affine_coeff
+from kiln.codegen.lowering.index_width import may_wrap
 from kiln.ir.dtype import PtrDType, dtypes
 from kiln.ir.errors import CodegenError
 from kiln.ir.ops import GroupOp, Ops
@@ -123,6 +124,11 @@ def _lane_vectors(idx: UOp, w: int) -> tuple[UOp, ...]:
 
 
 STRIDE_LOADS = (2, 3, 4)  # lane strides loaded as one masked span (at most 64 elements) and shuffled
+# a load whose lanes follow none of _vload's patterns is one gather (llvm.masked.gather) of the vectorised index under the lanes'
+# gates, not a scalar load per lane: a Winograd input transform's windows (tiles that cross tile rows, read under the
+# padding's gate) were 16 index computations, selects and loads a vector, and most of the model's lowering and LLVM time
+VECTOR_GATHERS = True
+_GATHER_ITEMS = (4, 8)  # element sizes gathered (float32/int32, float64/int64); bool and bfloat16 have memory forms of their own
 
 
 def _phase(first: UOp, c: int) -> int:
@@ -152,6 +158,7 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     assert vec_of is not None
     g = bcast(vec_of[gate[0]], w)  # the lanes' gates: a masked load reads only the lanes whose gate is on, zero elsewhere
     return UOp(Ops.LOAD, dt.vec(w), (UOp(Ops.INDEX, buf.dtype, (buf, first, g)),))
+  if gate and (gv := _gather(ld, w, vec_of)) is not None: return gv
   idxs = _lanes(idx, lane, w)
   if vec_of is not None and not gate and (found := _runs(idxs)) is not None:
     # a gather whose lanes read a few contiguous runs (Winograd's 4x4 tiles read back into rows: 4 runs of 4) loads each
@@ -164,8 +171,20 @@ def _vload(ld: UOp, lane: UOp, w: int, vec_of: Mapping[UOp, UOp] | None = None) 
     starts, b, p = blocks
     rows = [_transpose(tuple(UOp(Ops.LOAD, dt.vec(b), (buf.index(r),)) for r in starts[g:g + b]))[p] for g in range(0, w, b)]
     return rows[0] if b == w else UOp(Ops.VECTORIZE, dt.vec(w), tuple(UOp(Ops.GEP, dt, (r,), i) for r in rows for i in range(b)))
+  if not gate and (gv := _gather(ld, w, vec_of)) is not None: return gv
   gates = _lanes(gate[0], lane, w) if gate else [None] * w
   return UOp(Ops.VECTORIZE, dt.vec(w), tuple(buf.index(i, g).load() for i, g in zip(idxs, gates)))
+
+
+def _gather(ld: UOp, w: int, vec_of: Mapping[UOp, UOp] | None) -> UOp | None:
+  """ld's lanes as one gather (INDEX of a vector index, under a vector of the lanes' gates), where the target loads that
+  way (vec_of: the CPU's vectorised values), the element has a plain memory form, the index varies by lane, and none of
+  its scalar arithmetic can wrap (the lowered program's wrap check sees scalar indices only: index_width.wrap_risk)."""
+  buf, idx, *gate = ld.src[0].src
+  if vec_of is None or not VECTOR_GATHERS or ld.dtype.itemsize not in _GATHER_ITEMS or ld.dtype.scalar() == dtypes.bfloat16: return None
+  if (vi := vec_of.get(idx)) is None or vi.dtype.count != w or any(may_wrap(n) for n in idx.toposort()): return None
+  src = (buf, vi, bcast(vec_of[gate[0]], w)) if gate else (buf, vi)
+  return UOp(Ops.LOAD, ld.dtype.vec(w), (UOp(Ops.INDEX, buf.dtype, src),))
 
 
 def _block_rows(buf: UOp, idxs: tuple[UOp, ...], w: int) -> tuple[list[UOp], int, int] | None:

@@ -21,7 +21,7 @@ from kiln.codegen.choose.tiling import Tiling
 from kiln.codegen.lowering.index_width import exact_ends
 from kiln.codegen.lowering.lower import LoweredKernel
 from kiln.codegen.pipeline import compile_ast
-from kiln.codegen.render import llvm_dot, llvm_math, llvm_shuffle, llvm_stream
+from kiln.codegen.render import llvm_dot, llvm_math, llvm_mem, llvm_shuffle, llvm_stream
 from kiln.codegen.render.base import (
   DIV_EDGES,
   Printer,
@@ -299,9 +299,14 @@ class LLVMPrinter(Printer):
     if idx.op is Ops.DEFINE_ACC:
       self.emit(f"{r} = load {ltype(dt)}, ptr {self.val(idx)}")
       return r
+    mt = mtype(dt)  # <16 x float> -> the intrinsics' v16f32 (bool and bfloat16 load as i8 and i16)
+    sfx = "v" + mt.strip("<>").replace(" x ", "").replace("float", "f32").replace("double", "f64").replace("half", "f16")
+    if (n := idx.src[1].dtype.count) > 1:  # a gather: a pointer a lane, under the lanes' gates (all on without), zero where off
+      mask = self.tv(idx.src[2]) if len(idx.src) == 3 else f"<{n} x i1> " + self.splat("i1", "true", n)
+      fn = self.intrinsic(f"llvm.masked.gather.{sfx}.v{n}p0", mt, [f"<{n} x ptr>", "i32", f"<{n} x i1>", mt])
+      self.emit(f"{r} = call {mt} {fn}(<{n} x ptr> {self.val(idx)}, i32 {max(dt.itemsize, 1)}, {mask}, {mt} zeroinitializer)")
+      return self.from_mem(r, dt)
     if len(idx.src) == 3 and idx.src[2].dtype.count > 1:  # contiguous lanes under a per-lane gate: a masked load, zero where off
-      mt = mtype(dt)  # <16 x float> -> the intrinsic's v16f32 (bool and bfloat16 load as i8 and i16)
-      sfx = "v" + mt.strip("<>").replace(" x ", "").replace("float", "f32").replace("double", "f64").replace("half", "f16")
       fn = self.intrinsic(f"llvm.masked.load.{sfx}.p0", mt, ["ptr", "i32", ltype(idx.src[2].dtype), mt])
       self.emit(f"{r} = call {mt} {fn}(ptr {self.val(idx)}, i32 {max(dt.itemsize, 1)}, {self.tv(idx.src[2])}, {mt} zeroinitializer)")
       return self.from_mem(r, dt)
@@ -314,35 +319,9 @@ class LLVMPrinter(Printer):
       v = g
     return v
 
-  def from_mem(self, r: str, dt: DType) -> str:
-    n = dt.count
-    if dt.scalar().is_bool:
-      b = self.tmp()
-      self.emit(f"{b} = icmp ne {vtype('i8', n)} {r}, {'zeroinitializer' if n > 1 else '0'}")
-      return b
-    if dt.scalar() == dtypes.bfloat16:
-      a, b, c = self.tmp(), self.tmp(), self.tmp()
-      self.emit(f"{a} = zext {vtype('i16', n)} {r} to {vtype('i32', n)}")
-      self.emit(f"{b} = shl {vtype('i32', n)} {a}, {self.splat('i32', '16', n)}")
-      self.emit(f"{c} = bitcast {vtype('i32', n)} {b} to {vtype('float', n)}")
-      return c
-    return r
+  def from_mem(self, r: str, dt: DType) -> str: return llvm_mem.from_mem(self, r, dt)
 
-  def to_mem(self, v: str, dt: DType) -> str:
-    n = dt.count
-    if dt.scalar().is_bool:
-      b = self.tmp()
-      self.emit(f"{b} = zext {vtype('i1', n)} {v} to {vtype('i8', n)}")
-      return b
-    if dt.scalar() == dtypes.bfloat16:  # the top half of the float; a NaN as the quiet NaN 0x7FC0, as alu.py's storage form is
-      a, b, c, nan, q = self.tmp(), self.tmp(), self.tmp(), self.tmp(), self.tmp()
-      self.emit(f"{a} = bitcast {vtype('float', n)} {v} to {vtype('i32', n)}")
-      self.emit(f"{b} = lshr {vtype('i32', n)} {a}, {self.splat('i32', '16', n)}")
-      self.emit(f"{c} = trunc {vtype('i32', n)} {b} to {vtype('i16', n)}")
-      self.emit(f"{nan} = fcmp uno {vtype('float', n)} {v}, {v}")
-      self.emit(f"{q} = select {vtype('i1', n)} {nan}, {vtype('i16', n)} {self.splat('i16', '32704', n)}, {vtype('i16', n)} {c}")
-      return q
-    return v
+  def to_mem(self, v: str, dt: DType) -> str: return llvm_mem.to_mem(self, v, dt)
 
   def splat(self, t: str, c: str, n: int) -> str: return c if n == 1 else "<" + ", ".join([f"{t} {c}"] * n) + ">"
 
