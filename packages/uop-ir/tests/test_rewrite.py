@@ -76,6 +76,8 @@ def test_a_rule_set_that_undoes_itself_raises():
 def test_a_rule_set_that_grows_forever_raises():
   pm = PatternMatcher([(UPat(Ops.CONST, name="c"), lambda c: UOp.const(dtypes.int32, c.arg + 1))])
   with pytest.raises(RewriteError, match="more than 50 rewrites"): graph_rewrite(x + 1, pm, max_rewrites=50)
+  # by default 100,000 rewrites plus 50 a node of the graph (x, 1 and their sum: 3 nodes), counted once 100,000 are passed
+  with pytest.raises(RewriteError, match="more than 100150 rewrites"): graph_rewrite(x + 1, pm)
 
 
 def test_substitute():

@@ -154,15 +154,18 @@ def graph_rewrite(root: UOp, pm: PatternMatcher, ctx: Any = None, bottom_up: boo
   if memo is not None and (done := memo.get(root)) is not None: return done  # (not even a walk of the graph for the limit)
   replace: dict[UOp, UOp] = memo if memo is not None else {}
   active: set[UOp] = set()  # nodes whose result is being computed: meeting one again means its result depends on itself
-  limit = max_rewrites if max_rewrites is not None else 100_000 + 50 * len(root.toposort())
+  # by default 100,000 rewrites plus 50 a node of root's graph, counted only once the 100,000 are passed (a walk of the
+  # whole graph on every call, memo-hit or not, was a third of lowering's time)
+  limit = max_rewrites
   rewrites = 0
 
   def step(u: UOp) -> UOp | None:
-    nonlocal rewrites
+    nonlocal rewrites, limit
     r = pm.rewrite(u, ctx)
     if r is not None:
       rewrites += 1
-      if rewrites > limit:
+      if limit is None and rewrites > 100_000: limit = 100_000 + 50 * len(root.toposort())
+      if limit is not None and rewrites > limit:
         raise RewriteError(f"graph_rewrite made more than {limit} rewrites without reaching a fixed point; the last rewrote "
                            f"{u.op} ({u.dtype}) into {r.op} ({r.dtype}): a rule set that keeps growing the graph?")
     return r

@@ -60,18 +60,34 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
   """One unrolled copy of u: its unroll variables become this copy's constants, and a select whose test they decide
   (a stack's chain of selects on an axis unrolled whole: opt._selected_axes) is its chosen arm, so the copy holds only
   its own piece instead of every piece for LLVM to fold (a stack of 64 twelve-op pieces: 3.7 -> 1.6 s to compile). Integer
-  tests only: a float compare of constants keeps its select (NaN's order is the renderer's business)."""
+  tests only: a float compare of constants keeps its select (NaN's order is the renderer's business). Every INDEX comes
+  out simplified (simplify_indices): those the variables reach per copy, the rest once for all of u's copies."""
   if not combo: return u
   m: dict[UOp, UOp] = {v: UOp.const(v.dtype, c) for v, c in combo.items()}
   out: dict[UOp, UOp] = {}
-  for n in u.toposort():
+  base, reached = _reached(u, tuple(sorted(combo, key=lambda v: v.arg[0])))
+  for n in reached:
     if n in m: out[n] = m[n]; continue
-    src = tuple(out[s] for s in n.src)
+    src = tuple(out.get(s, s) for s in n.src)
     if n.op is Ops.WHERE and (c := src[0]).op is Ops.CMPLT and all(x.op is Ops.CONST and not x.dtype.is_float for x in c.src):
       out[n] = src[1] if c.src[0].arg < c.src[1].arg else src[2]
       continue
-    out[n] = n if all(a is b for a, b in zip(src, n.src)) else n.replace(src=src)
-  return simplify_indices(out[u])
+    if n.op is Ops.INDEX: out[n] = UOp(Ops.INDEX, n.dtype, (src[0], *(simp(x) for x in src[1:])))
+    else: out[n] = n if all(a is b for a, b in zip(src, n.src)) else n.replace(src=src)
+  return out.get(base, base)
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _reached(u: UOp, vars_: tuple[UOp, ...]) -> tuple[UOp, tuple[UOp, ...]]:
+  """simplify_indices(u), and its nodes that vars_ reach (the variables among them), sources first: all an unrolled copy
+  rebuilds. Cached: each copy of u asks again, and the rest of u (its other indices simplified) is shared by them all."""
+  base, found = simplify_indices(u), set(vars_)
+  order: list[UOp] = []
+  for n in base.toposort():
+    if n in found or any(s in found for s in n.src):
+      found.add(n)
+      order.append(n)
+  return base, tuple(order)
 
 
 def vectorize(u: UOp, vec: tuple[UOp, int], masked: bool = False) -> UOp:
