@@ -118,6 +118,18 @@ def test_construction_folding():
   assert c.where(1, 2.5).dtype == dtypes.float32
 
 
+def test_constants_are_the_same_node_each_time_and_keep_their_exact_value():
+  """UOp.const keeps the integer-valued constants it builds (uop._INT_CONSTS): asked again, the same node, and the same
+  value as a first build: wrapped into the dtype, rounded into a float dtype, -0.0 apart from 0.0, True apart from 1."""
+  for _ in range(2):
+    assert UOp.const(dtypes.int8, 300).arg == 44 and UOp.const(dtypes.uint8, -1).arg == 255
+    assert UOp.const(dtypes.int32, 5) is UOp.const(dtypes.int32, 5) and UOp.const(dtypes.int32, 5) is not UOp.const(dtypes.int64, 5)
+    assert UOp.const(dtypes.float32, 0).arg == 0.0 and math.copysign(1, UOp.const(dtypes.float32, -0.0).arg) == -1
+    assert UOp.const(dtypes.float16, 2049).arg == 2048.0 and UOp.const(dtypes.bool, 1).arg is True
+    assert UOp.const(dtypes.int32.vec(4), 3).src == (UOp.const(dtypes.int32, 3),) * 4
+  with pytest.raises(IRTypeError): UOp.const(dtypes.float32.ptr(4), 0)
+
+
 def test_builders_and_errors():
   v = UOp.variable("n", 1, 10)
   assert (v.vmin, v.vmax) == (1, 10) and (v.bind(3).vmin, v.bind(3).vmax) == (1, 10)

@@ -73,6 +73,13 @@ def _make_evict(k: tuple) -> Callable[[weakref.ReferenceType], None]:
   return evict
 
 
+# integer-valued constants by (dtype, value), kept alive: building a kernel's index arithmetic asks for the same few (a
+# stride, 0, 1) hundreds of thousands of times, each a truncation and an interning lookup under a lock otherwise. Only
+# Python ints: a float key would make 0.0 and -0.0 one entry (they compare equal)
+_INT_CONSTS: dict[tuple[DType, int], UOp] = {}
+_INT_CONSTS_MAX = 1 << 14
+
+
 class UOp(metaclass=UOpMetaClass):
   __slots__ = ("op", "dtype", "src", "arg", "_key", "_bounds", "__weakref__")
   op: Ops
@@ -146,11 +153,13 @@ class UOp(metaclass=UOpMetaClass):
   # ---- constructors ----
   @staticmethod
   def const(dtype: DType, value: ConstLike) -> UOp:
+    if type(value) is int and (hit := _INT_CONSTS.get((dtype, value))) is not None: return hit
     if isinstance(dtype, PtrDType) or dtype.kind == "v": raise IRTypeError(f"a constant cannot have dtype {dtype}")
     if not isinstance(value, int | float | bool): raise IRTypeError(f"constant value must be a Python number, got {type(value).__name__}")
-    if dtype.count > 1:
-      return UOp(Ops.VECTORIZE, dtype, (UOp.const(dtype.scalar(), value),) * dtype.count)
-    return UOp(Ops.CONST, dtype, (), truncate_value(dtype, value))
+    if dtype.count > 1: out = UOp(Ops.VECTORIZE, dtype, (UOp.const(dtype.scalar(), value),) * dtype.count)
+    else: out = UOp(Ops.CONST, dtype, (), truncate_value(dtype, value))
+    if type(value) is int and len(_INT_CONSTS) < _INT_CONSTS_MAX: _INT_CONSTS[(dtype, value)] = out
+    return out
 
   def const_like(self, value: ConstLike) -> UOp:
     if isinstance(self.dtype, PtrDType): raise IRTypeError(f"no constant of pointer dtype {self.dtype}")
