@@ -142,9 +142,9 @@ def _lane_vectors(idx: UOp, w: int) -> tuple[UOp, ...]:
 STRIDE_LOADS = (2, 3, 4)  # lane strides loaded as one masked span (at most 64 elements) and shuffled
 # a load whose lanes follow none of _vload's patterns is one gather (llvm.masked.gather) of the vectorised index under the lanes'
 # gates, not a scalar load per lane: a Winograd input transform's windows (tiles that cross tile rows, read under the
-# padding's gate) were 16 index computations, selects and loads a vector, and most of the model's lowering and LLVM time
+# padding's gate) were 16 index computations, selects and loads a vector, each lane's index simplified in Python
 VECTOR_GATHERS = True
-_GATHER_ITEMS = (4, 8)  # element sizes gathered (float32/int32, float64/int64); bool and bfloat16 have memory forms of their own
+_GATHER_ITEMS = (4, 8)  # element sizes gathered (float32/int32, float64/int64): not bool's or bfloat16's, which have memory forms of their own
 
 
 def _phase(first: UOp, c: int) -> int:
@@ -197,7 +197,7 @@ def _gather(ld: UOp, w: int, vec_of: Mapping[UOp, UOp] | None) -> UOp | None:
   way (vec_of: the CPU's vectorised values), the element has a plain memory form, the index varies by lane, and none of
   its scalar arithmetic can wrap (the lowered program's wrap check sees scalar indices only: index_width.wrap_risk)."""
   buf, idx, *gate = ld.src[0].src
-  if vec_of is None or not VECTOR_GATHERS or ld.dtype.itemsize not in _GATHER_ITEMS or ld.dtype.scalar() == dtypes.bfloat16: return None
+  if vec_of is None or not VECTOR_GATHERS or ld.dtype.itemsize not in _GATHER_ITEMS: return None
   if (vi := vec_of.get(idx)) is None or vi.dtype.count != w or any(may_wrap(n) for n in idx.toposort()): return None
   src = (buf, vi, bcast(vec_of[gate[0]], w)) if gate else (buf, vi)
   return UOp(Ops.LOAD, ld.dtype.vec(w), (UOp(Ops.INDEX, buf.dtype, src),))
