@@ -77,10 +77,11 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
   return out.get(base, base)
 
 
-@functools.lru_cache(maxsize=1 << 10)
+@functools.lru_cache(maxsize=64)
 def _reached(u: UOp, vars_: tuple[UOp, ...]) -> tuple[UOp, tuple[UOp, ...]]:
   """simplify_indices(u), and its nodes that vars_ reach (the variables among them), sources first: all an unrolled copy
-  rebuilds. Cached: each copy of u asks again, and the rest of u (its other indices simplified) is shared by them all."""
+  rebuilds. Cached: each copy of u asks again, and the rest of u (its other indices simplified) is shared by them all.
+  A few entries: a kernel's copies ask one after another, and each entry keeps a whole kernel graph alive."""
   base, found = simplify_indices(u), set(vars_)
   order: list[UOp] = []
   for n in base.toposort():
