@@ -387,6 +387,10 @@ def test_regression_fuzz_find_replays_clean(path):
   fuzz-24cc5bd94b80-cpu-heuristic (seed 6002): the same through a chain of integer BITCASTs (float16 -> int16 -> uint16 ->
   int16) of inf * 0 + x: LLVM folds inf * 0 to the positive NaN at compile time, numpy makes x86's negative one; the
   comparison now looks through such chains to the float.
+  fuzz-boundary-ae7d79d3a579 (scripts/fuzz 800 --seed 66): a ReduceMin over a Tile of three int64 values 1,431,655,785
+  times (2**32 + 3 elements); the min is -max(-x), and the scheduler realized -x over the whole Tile (its value varies
+  over fewer loops than the reduction runs it under), a 34 GB buffer: an OutOfMemoryError instead of the answer. A node
+  with as many elements as the kernel computes it stays inline now (realize_rules: realizing it saves nothing).
   fuzz-graph-122362138105 (seed 6003, a tensor program): pad a (1,) tensor by one before, then slice [0:1], which is only
   the pad's zero: the rendered kernel no longer read its input, so it named one DEFINE_GLOBAL while the scheduler bound
   two buffers (a PlanError out of compile). The renderer now keeps, and renumbers, only the slots the AST reads.

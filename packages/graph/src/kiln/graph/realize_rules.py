@@ -16,6 +16,10 @@ its innermost one. Its *recompute factor* is the trip count of its placement ove
 | a concatenation's piece that holds a reduction or a gather                             | computed for every element of the concatenation |
 | a SIN, EXP2, LOG2, ERF or TANH under loops it does not vary over, HOIST_MIN repeats or more (RoPE sin) | computed per trip of them |
 
+The elementwise rule holds only where the kernel computes the node more times than it has elements: -x over a Tile that
+a ReduceMin reads varies over fewer loops than it runs under, but realized it would be a buffer of every repeat (a
+2**32-element Tile of three values: 34 GB), so it stays inline.
+
 Only the topmost offending node on each path is realized per round (its inputs then fuse into its own kernel), and a
 realized REDUCE pulls up with it the chain of same-shape elementwise ops that are its sole consumers (a matmul's bias,
 activation and residual become its epilogue, not the next kernel's prologue). Before all this, the chain after a conv's
@@ -76,6 +80,13 @@ class _Analysis:
 
   def factor(self, u: UOp) -> float: return _trips(set(self.placement(u))) / _trips(set(self.free.get(u, frozenset())))
 
+  def evaluations(self, u: UOp) -> int:
+    """How many times the kernel computes u: the trip count of its placement. A node realized instead computes each of its
+    own elements once, so realizing saves work only where this is more (an elementwise op on a tensor broadcast along a
+    reduction's axes, -x over a Tile for a ReduceMin, varies over fewer loops than its placement but has as many elements:
+    realized, it was a buffer of every repeat)."""
+    return _trips(set(self.placement(u)))
+
   def repeats(self, u: UOp) -> int:
     """How many times u is computed again: the trip count of the kernel's loops that enclose u's innermost loop but
     that u does not vary over (the renderer places u inside its innermost loop, so those loops repeat it)."""
@@ -101,7 +112,8 @@ def _offends(n: Node, uops: set[UOp], an: _Analysis, kernels_of: Mapping[Node, i
     if not reds: return False  # a reduction over size-1 axes only is its source
     return len(reds) > 1 or kernels_of.get(n, 0) > 1 or any(an.in_reduce_body(u) or an.factor(u) > 1 for u in reds)
   if n.op in ("ALU", "GATHER", "CAT") and n.arg is not Ops.CAST:
-    return any(an.factor(u) > 1 for u in uops if u.op is not Ops.CONST) or n.arg in HOISTED and _repeated(uops, an)
+    return any(an.factor(u) > 1 and an.evaluations(u) > n.max_numel for u in uops if u.op is not Ops.CONST) \
+      or n.arg in HOISTED and _repeated(uops, an)
   return False
 
 
