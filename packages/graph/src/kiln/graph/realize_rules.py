@@ -78,14 +78,12 @@ class _Analysis:
   def free_all_loops(self) -> set[UOp]:
     return {r for rs in self.free.values() for r in rs if r.arg[1] is AxisType.LOOP}
 
-  def factor(self, u: UOp) -> float: return _trips(set(self.placement(u))) / _trips(set(self.free.get(u, frozenset())))
-
   def evaluations(self, u: UOp) -> int:
-    """How many times the kernel computes u: the trip count of its placement. A node realized instead computes each of its
-    own elements once, so realizing saves work only where this is more (an elementwise op on a tensor broadcast along a
-    reduction's axes, -x over a Tile for a ReduceMin, varies over fewer loops than its placement but has as many elements:
-    realized, it was a buffer of every repeat)."""
+    """How many times the kernel computes u: the trip count of its placement (a realized node computes each of its own
+    elements once instead)."""
     return _trips(set(self.placement(u)))
+
+  def factor(self, u: UOp) -> float: return self.evaluations(u) / _trips(set(self.free.get(u, frozenset())))
 
   def repeats(self, u: UOp) -> int:
     """How many times u is computed again: the trip count of the kernel's loops that enclose u's innermost loop but
