@@ -23,8 +23,13 @@ simp = simplify
 def simplify_indices(u: UOp) -> UOp:
   """Simplify only the index and gate of every INDEX: what contiguity checks and bounds need. The values themselves are
   left to LLVM/nvcc, which fold constants too, so each unrolled copy does not pay for a whole-graph rewrite."""
-  m = {n: UOp(Ops.INDEX, n.dtype, (n.src[0], *(simp(s) for s in n.src[1:]))) for n in u.toposort() if n.op is Ops.INDEX}
+  m = {n: _simplified_index(n, n.src) for n in u.toposort() if n.op is Ops.INDEX}
   return substitute(u, {k: v for k, v in m.items() if v is not k})
+
+
+def _simplified_index(n: UOp, src: tuple[UOp, ...]) -> UOp:
+  """INDEX n over sources src (its own, or an unrolled copy's) with its index and gate simplified."""
+  return UOp(Ops.INDEX, n.dtype, (src[0], *(simp(s) for s in src[1:])))
 
 
 def bcast(u: UOp, w: int) -> UOp:
@@ -72,7 +77,7 @@ def unrolled(u: UOp, combo: dict[UOp, int]) -> UOp:
     if n.op is Ops.WHERE and (c := src[0]).op is Ops.CMPLT and all(x.op is Ops.CONST and not x.dtype.is_float for x in c.src):
       out[n] = src[1] if c.src[0].arg < c.src[1].arg else src[2]
       continue
-    if n.op is Ops.INDEX: out[n] = UOp(Ops.INDEX, n.dtype, (src[0], *(simp(x) for x in src[1:])))
+    if n.op is Ops.INDEX: out[n] = _simplified_index(n, src)
     else: out[n] = n if all(a is b for a, b in zip(src, n.src)) else n.replace(src=src)
   return out.get(base, base)
 

@@ -113,8 +113,10 @@ def mem_scalar(dt: DType) -> str:
 
 def ltype(dt: DType) -> str: return scalar_type(dt) if dt.count == 1 else f"<{dt.count} x {scalar_type(dt.scalar())}>"
 def mtype(dt: DType) -> str: return mem_scalar(dt) if dt.count == 1 else f"<{dt.count} x {mem_scalar(dt.scalar())}>"
-def _suffix(dt: DType) -> str:
-  s = {"half": "f16", "float": "f32", "double": "f64"}.get(scalar_type(dt.scalar()), scalar_type(dt.scalar()))
+def _suffix(dt: DType, form: Callable[[DType], str] = scalar_type) -> str:
+  """An intrinsic's type suffix for dt (f32, v16f32), of its register form, or of its memory form (form=mem_scalar: a
+  masked load or gather of bool or bfloat16 reads i8 or i16)."""
+  s = {"half": "f16", "float": "f32", "double": "f64"}.get(form(dt.scalar()), form(dt.scalar()))
   return s if dt.count == 1 else f"v{dt.count}{s}"
 
 
@@ -299,18 +301,17 @@ class LLVMPrinter(Printer):
     if idx.op is Ops.DEFINE_ACC:
       self.emit(f"{r} = load {ltype(dt)}, ptr {self.val(idx)}")
       return r
-    mt = mtype(dt)  # <16 x float> -> the intrinsics' v16f32 (bool and bfloat16 load as i8 and i16)
-    sfx = "v" + mt.strip("<>").replace(" x ", "").replace("float", "f32").replace("double", "f64").replace("half", "f16")
+    mt = mtype(dt)  # bool and bfloat16 load as i8 and i16
     if (n := idx.src[1].dtype.count) > 1:  # a gather: a pointer a lane, under the lanes' gates (all on without), zero where off
       mask = self.tv(idx.src[2]) if len(idx.src) == 3 else f"<{n} x i1> " + self.splat("i1", "true", n)
-      fn = self.intrinsic(f"llvm.masked.gather.{sfx}.v{n}p0", mt, [f"<{n} x ptr>", "i32", f"<{n} x i1>", mt])
+      fn = self.intrinsic(f"llvm.masked.gather.{_suffix(dt, mem_scalar)}.v{n}p0", mt, [f"<{n} x ptr>", "i32", f"<{n} x i1>", mt])
       self.emit(f"{r} = call {mt} {fn}(<{n} x ptr> {self.val(idx)}, i32 {max(dt.itemsize, 1)}, {mask}, {mt} zeroinitializer)")
       return self.from_mem(r, dt)
     if len(idx.src) == 3 and idx.src[2].dtype.count > 1:  # contiguous lanes under a per-lane gate: a masked load, zero where off
-      fn = self.intrinsic(f"llvm.masked.load.{sfx}.p0", mt, ["ptr", "i32", ltype(idx.src[2].dtype), mt])
+      fn = self.intrinsic(f"llvm.masked.load.{_suffix(dt, mem_scalar)}.p0", mt, ["ptr", "i32", ltype(idx.src[2].dtype), mt])
       self.emit(f"{r} = call {mt} {fn}(ptr {self.val(idx)}, i32 {max(dt.itemsize, 1)}, {self.tv(idx.src[2])}, {mt} zeroinitializer)")
       return self.from_mem(r, dt)
-    self.emit(f"{r} = load {mtype(dt)}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}")
+    self.emit(f"{r} = load {mt}, ptr {self.val(idx)}, align {max(dt.itemsize, 1)}")
     v = self.from_mem(r, dt)
     if len(idx.src) == 3:  # gated: zero where the gate is off
       g = self.tmp()
